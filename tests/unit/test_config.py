@@ -1,0 +1,64 @@
+"""Settings: file < env < flags, and every bad field named in one error."""
+
+import pytest
+
+from worker.config import ConfigError, Settings, load_settings
+
+
+def test_defaults_are_valid():
+    assert load_settings(env={}) == Settings(observability=load_settings(env={}).observability)
+
+
+def test_file_then_env_then_overrides(tmp_path):
+    cfg = tmp_path / "w.toml"
+    cfg.write_text('[batching]\nmax_batch_size = 16\n[batching.realtime]\nmax_wait_ms = 3\n'
+                   '[kafka]\nbootstrap_servers = "file:9092"\n')
+    s = load_settings(cfg, env={"WORKER_KAFKA_BOOTSTRAP_SERVERS": "env:9092", "WORKER_BATCHING_BULK_WEIGHT": "2"},
+                      overrides={"kafka": {"group_id": "flag-group", "bootstrap_servers": None}})
+    assert s.batching.max_batch_size == 16
+    assert s.batching.realtime.max_wait_ms == 3
+    assert s.batching.realtime.max_age_ms == 2000  # untouched fields of a nested table keep their default
+    assert s.batching.bulk.weight == 2
+    assert s.kafka.bootstrap_servers == "env:9092"
+    assert s.kafka.group_id == "flag-group"
+
+
+def test_env_lists_and_maps():
+    s = load_settings(env={"WORKER_RUNTIME_GRAPH_BATCH_SIZES": "1,4,16", "WORKER_MODEL_THRESHOLDS": "nudity=0.3",
+                           "WORKER_RUNTIME_CUDA_GRAPHS": "false"})
+    assert s.runtime.graph_batch_sizes == (1, 4, 16)
+    assert s.model.thresholds == {"nudity": 0.3}
+    assert s.runtime.cuda_graphs is False
+
+
+def test_every_bad_field_is_named():
+    with pytest.raises(ConfigError) as err:
+        load_settings(env={"WORKER_BATCHING_MAX_BATCH_SIZE": "many", "WORKER_DELIVERY_MODE": "maybe",
+                           "WORKER_BATCHING_REALTIME_MAX_WAIT_MS": "5000", "WORKER_MODEL_THRESHOLDS": "nope=0.5"})
+    text = str(err.value)
+    for field in ("batching.max_batch_size", "delivery.mode", "batching.realtime.max_wait_ms", "model.thresholds"):
+        assert field in text
+    assert all(p.split(":")[0].startswith(("batching", "delivery", "model")) for p in err.value.problems)
+
+
+def test_unknown_setting_and_section_in_file(tmp_path):
+    cfg = tmp_path / "w.toml"
+    cfg.write_text("[batching]\nmax_wait = 3\n[nonsense]\nx = 1\n")
+    with pytest.raises(ConfigError) as err:
+        load_settings(cfg, env={})
+    assert "batching.max_wait: unknown setting" in str(err.value)
+    assert "[nonsense]: unknown section" in str(err.value)
+
+
+def test_missing_and_malformed_file(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_settings(tmp_path / "absent.toml", env={})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[kafka\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_settings(bad, env={})
+
+
+def test_topics_must_differ():
+    with pytest.raises(ConfigError, match="topics"):
+        load_settings(env={"WORKER_TOPICS_RESULTS": "frames.bulk"})

@@ -1,0 +1,26 @@
+"""The configuration reference documents every setting that exists, and nothing that does not."""
+
+import dataclasses
+import re
+from pathlib import Path
+
+from worker.config import Settings
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def _fields(cls, prefix=""):
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            yield from _fields(type(default), f"{prefix}{f.name}.")
+        else:
+            yield f.name
+
+
+def test_every_setting_is_documented():
+    text = (DOCS / "configuration.md").read_text()
+    documented = set(re.findall(r"^\| `([a-z_]+)` \|", text, flags=re.M))
+    existing = {name for section in dataclasses.fields(Settings) for name in _fields(section.default_factory())}
+    assert existing - documented == set(), "settings missing from docs/configuration.md"
+    assert documented - existing == set(), "docs/configuration.md documents settings that do not exist"

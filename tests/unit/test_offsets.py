@@ -1,0 +1,81 @@
+"""The commit point of a partition never passes a frame that is not done."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from worker.offsets import OffsetTracker, OffsetTrackingError
+
+TP = ("frames.standard", 0)
+
+
+def test_nothing_tracked_gives_no_commit_point():
+    assert OffsetTracker().commit_points() == {}
+
+
+def test_commit_point_is_next_offset_after_contiguous_done_prefix():
+    t = OffsetTracker()
+    for o in range(5):
+        t.track(TP, o)
+    t.mark_done(TP, 0)
+    t.mark_done(TP, 1)
+    t.mark_done(TP, 3)
+    assert t.commit_points() == {TP: 2}
+
+
+def test_out_of_order_completion_waits_for_the_gap():
+    t = OffsetTracker()
+    for o in (10, 11, 12):
+        t.track(TP, o)
+    t.mark_done(TP, 12)
+    t.mark_done(TP, 11)
+    assert t.commit_points() == {TP: 10}
+    t.mark_done(TP, 10)
+    assert t.commit_points() == {TP: 13}
+
+
+def test_committed_point_is_not_offered_again():
+    t = OffsetTracker()
+    t.track(TP, 0)
+    t.mark_done(TP, 0)
+    points = t.commit_points()
+    t.mark_committed(points)
+    assert t.commit_points() == {}
+
+
+def test_marking_an_untracked_offset_is_a_bug():
+    t = OffsetTracker()
+    t.track(TP, 0)
+    with pytest.raises(OffsetTrackingError):
+        t.mark_done(TP, 1)
+    with pytest.raises(OffsetTrackingError):
+        t.track(TP, 0)
+
+
+def test_forget_drops_a_revoked_partition():
+    t = OffsetTracker()
+    t.track(TP, 0)
+    t.track(("x", 1), 5)
+    assert t.forget(TP) == 1
+    assert not t.tracks(TP)
+    assert t.in_flight() == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 60), min_size=1, max_size=60, unique=True), st.randoms(use_true_random=False))
+def test_commit_point_never_passes_an_unfinished_offset(offsets, rnd):
+    """Property: after any completion order, the commit point is the smallest unfinished offset
+    (or one past the highest read when all are done)."""
+    t = OffsetTracker()
+    offsets = sorted(offsets)
+    for o in offsets:
+        t.track(TP, o)
+    order = offsets[:]
+    rnd.shuffle(order)
+    done: set[int] = set()
+    for o in order:
+        t.mark_done(TP, o)
+        done.add(o)
+        pending = [x for x in offsets if x not in done]
+        expected = min(pending) if pending else max(offsets) + 1
+        assert t.commit_points().get(TP, None) == expected

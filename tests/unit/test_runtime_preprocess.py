@@ -1,0 +1,126 @@
+"""Decoding frames and laying them out as one normalised, padded NCHW batch."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from model_factories import jpeg_frame, pixels, raw_frame  # noqa: E402
+
+from worker.config import ModelSettings  # noqa: E402
+from worker.runtime import FrameDecodeError  # noqa: E402
+from worker.runtime.models import ModelContract  # noqa: E402
+from worker.runtime.preprocess import Preprocessor, decode_frame  # noqa: E402
+
+CONTRACT = ModelContract.from_settings(ModelSettings())
+MEAN = np.array(CONTRACT.mean, dtype=np.float32).reshape(3, 1, 1)
+STD = np.array(CONTRACT.std, dtype=np.float32).reshape(3, 1, 1)
+
+
+def _normalised(img: np.ndarray) -> np.ndarray:
+    return (img.transpose(2, 0, 1).astype(np.float32) / 255.0 - MEAN) / STD
+
+
+# --- decode ---
+
+def test_raw_frame_decodes_to_its_pixels():
+    np.testing.assert_array_equal(decode_frame(raw_frame(1, 6, 5)), pixels(1, 6, 5))
+
+
+def test_raw_frame_with_wrong_byte_count_is_a_decode_error():
+    with pytest.raises(FrameDecodeError, match="has 10 bytes, expected .* = 96"):
+        decode_frame(raw_frame(1, 4, 8, data=b"x" * 10))
+
+
+def test_frame_with_zero_dimension_is_a_decode_error():
+    with pytest.raises(FrameDecodeError, match="must be > 0"):
+        decode_frame(raw_frame(1, 0, 8, data=b""))
+
+
+def test_raw_frame_with_other_channel_count_than_the_model_is_a_decode_error():
+    with pytest.raises(FrameDecodeError, match="4 channels; the model takes 3"):
+        decode_frame(raw_frame(1, 2, 2, data=b"\0" * 16, channels=4))
+
+
+def test_jpeg_frame_decodes_to_rgb_of_its_declared_size():
+    img = decode_frame(jpeg_frame(2, 24, 40))
+    assert img.shape == (24, 40, 3) and img.dtype == np.uint8
+    # JPEG is lossy: close to the source pixels, not equal.
+    assert np.abs(img.astype(int) - pixels(2, 24, 40).astype(int)).mean() < 40
+
+
+def test_corrupt_jpeg_is_a_decode_error():
+    with pytest.raises(FrameDecodeError, match="JPEG does not decode"):
+        decode_frame(jpeg_frame(3, data=b"\xff\xd8\xff\xe0 not really a jpeg"))
+
+
+def test_truncated_jpeg_is_a_decode_error():
+    whole = jpeg_frame(3, 32, 32).data
+    with pytest.raises(FrameDecodeError, match="JPEG does not decode"):
+        decode_frame(jpeg_frame(3, 32, 32, data=whole[: len(whole) // 2]))
+
+
+def test_jpeg_whose_size_differs_from_the_declared_one_is_a_decode_error():
+    frame = jpeg_frame(4, 24, 40, declared=(40, 24))
+    with pytest.raises(FrameDecodeError, match="decodes to 40x24, but the frame declares 24x40"):
+        decode_frame(frame)
+
+
+# --- batch layout ---
+
+def test_batch_is_nchw_float32_normalised_with_mean_and_std():
+    batch = Preprocessor(CONTRACT).prepare([raw_frame(1, 8, 8), raw_frame(2, 8, 8)], (8, 8, 3))
+    assert batch.tensor.shape == (2, 3, 8, 8) and batch.tensor.dtype.is_floating_point
+    np.testing.assert_allclose(batch.tensor[1].numpy(), _normalised(pixels(2, 8, 8)), rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    batch_hw=st.tuples(st.integers(1, 24), st.integers(1, 24)),
+    frame_fracs=st.lists(st.tuples(st.floats(0.01, 1.0), st.floats(0.01, 1.0)), min_size=1, max_size=4),
+)
+def test_smaller_frames_are_padded_bottom_right_with_zeros_after_normalisation(batch_hw, frame_fracs):
+    bh, bw = batch_hw
+    sizes = [(max(1, int(bh * fh)), max(1, int(bw * fw))) for fh, fw in frame_fracs]
+    frames = [raw_frame(i, h, w) for i, (h, w) in enumerate(sizes)]
+    batch = Preprocessor(CONTRACT).prepare(frames, (bh, bw, 3))
+    assert batch.tensor.shape == (len(frames), 3, bh, bw)
+    for i, (h, w) in enumerate(sizes):
+        row = batch.tensor[i].numpy()
+        np.testing.assert_allclose(row[:, :h, :w], _normalised(pixels(i, h, w)), rtol=1e-5, atol=1e-5)
+        assert not row[:, h:, :].any() and not row[:, :, w:].any()
+
+
+def test_undecodable_frames_are_reported_and_the_rest_keep_their_order():
+    frames = [raw_frame(0, 8, 8), raw_frame(1, 8, 8, data=b"short"), jpeg_frame(2, 8, 8, data=b"bad"),
+              raw_frame(3, 8, 8)]
+    batch = Preprocessor(CONTRACT).prepare(frames, (8, 8, 3))
+    assert [f.frame_index for f in batch.frames] == [0, 3]
+    assert [f.frame_index for f, _ in batch.failures] == [1, 2]
+    assert batch.tensor.shape[0] == 2
+
+
+def test_frame_larger_than_the_batch_shape_is_reported_not_cropped():
+    batch = Preprocessor(CONTRACT).prepare([raw_frame(0, 8, 9)], (8, 8, 3))
+    assert not batch.frames
+    assert "larger than its batch shape" in str(batch.failures[0][1])
+
+
+def test_fixed_input_size_resizes_every_frame_instead_of_padding():
+    contract = ModelContract.from_settings(ModelSettings(input_size=(16, 12)))
+    batch = Preprocessor(contract).prepare([raw_frame(0, 32, 24), raw_frame(1, 8, 8)], (32, 24, 3))
+    assert batch.tensor.shape == (2, 3, 16, 12)
+    # The small frame is stretched over the whole input, not padded with zeros.
+    assert (batch.tensor[1] != 0).all()
+
+
+def test_all_frames_bad_gives_an_empty_batch():
+    batch = Preprocessor(CONTRACT).prepare([raw_frame(0, 4, 4, data=b"")], (4, 4, 3))
+    assert batch.tensor.shape[0] == 0 and len(batch.failures) == 1
