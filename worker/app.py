@@ -73,13 +73,15 @@ class StopFlag:
         return self._event.is_set()
 
 
-def run_worker(settings: Settings, exit_when_idle_s: float | None = None, stop: StopFlag | None = None
-               ) -> RunSummary:
-    """Load and warm the model, serve metrics, then run the pipeline until stopped or idle."""
+def run_worker(settings: Settings, exit_when_idle_s: float | None = None, stop: StopFlag | None = None,
+               health: Health | None = None) -> RunSummary:
+    """Load and warm the model, serve metrics, then run the pipeline until stopped or idle.
+
+    Pass `health` to watch readiness from another thread (the demo and tests do)."""
     from worker.runtime import InferenceExecutor  # torch import is slow: only where it is needed
 
     metrics = Metrics()
-    health = Health()
+    health = health if health is not None else Health()
     server = None
     started = time.monotonic()
     executor = InferenceExecutor.from_settings(settings.model, settings.runtime)

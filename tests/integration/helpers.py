@@ -58,7 +58,9 @@ def start_worker(bootstrap: str, topics: TestTopics, extra_env: dict[str, str] |
     env.update({"WORKER_KAFKA_BOOTSTRAP_SERVERS": bootstrap, "WORKER_OBSERVABILITY_WORKER_ID": worker_id,
                 "WORKER_OBSERVABILITY_METRICS_PORT": "0", "WORKER_RUNTIME_TORCH_THREADS": "1",
                 "WORKER_RUNTIME_WARMUP_BATCHES": "1", "WORKER_KAFKA_SESSION_TIMEOUT_MS": "6000",
-                "WORKER_KAFKA_MAX_POLL_INTERVAL_MS": "60000"})
+                "WORKER_KAFKA_MAX_POLL_INTERVAL_MS": "60000",
+                # Tests publish backlogs before the worker starts; expiry has tests of its own.
+                "WORKER_BATCHING_REALTIME_MAX_AGE_MS": "0", "WORKER_BATCHING_STANDARD_MAX_AGE_MS": "0"})
     env.update(extra_env or {})
     argv = [sys.executable, "-m", "worker", "run"]
     if exit_when_idle is not None:
@@ -88,6 +90,16 @@ def end_offsets(bootstrap: str, topics: list[str]) -> dict[tuple[str, int], int]
         return out
     finally:
         consumer.close()
+
+
+def uncommitted(bootstrap: str, group: str, topics: list[str]) -> dict[tuple[str, int], tuple[int, int]]:
+    """Partitions whose committed offset is not their end offset: {tp: (committed, end)}.
+
+    An empty partition has nothing to commit, so "no committed offset" counts as at its end (0)."""
+    committed = committed_offsets(bootstrap, group, topics)
+    ends = end_offsets(bootstrap, topics)
+    return {tp: (committed.get(tp, -1), end) for tp, end in ends.items()
+            if not (committed.get(tp, -1) == end or (end == 0 and committed.get(tp, -1) < 0))}
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.2) -> None:

@@ -1,0 +1,677 @@
+"""The micro-batcher's policy, one behaviour per test, on a fake clock."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import subprocess
+import sys
+
+import pytest
+
+from worker.batching import Batch, BatcherFullError, MicroBatcher
+from worker.config import BatchingSettings, ClassSettings, ConfigError
+from worker.frames import Encoding, Frame, Priority, SourceRef
+
+REALTIME, STANDARD, BULK = Priority.REALTIME, Priority.STANDARD, Priority.BULK
+MS = 0.001
+_frame_index = itertools.count()
+
+
+class FakeClock:
+    """Seconds, moved by hand; callable like time.time."""
+
+    def __init__(self, now: float = 1_000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def make_frame(clock: FakeClock, *, tenant: str = "t0", priority: Priority = STANDARD,
+               shape: tuple[int, int, int] = (64, 64, 3), captured_s_ago: float = 0.0) -> Frame:
+    """A frame received now, captured `captured_s_ago` seconds before."""
+    i = next(_frame_index)
+    height, width, channels = shape
+    return Frame(stream_id=f"{tenant}-stream", frame_index=i, tenant=tenant, priority=priority,
+                 capture_ts_ms=round((clock.now - captured_s_ago) * 1000), width=width, height=height,
+                 channels=channels, encoding=Encoding.RAW_RGB8, data=b"",
+                 source=SourceRef(f"frames.{priority.label}", 0, i), received_at=clock.now)
+
+
+def make_settings(**overrides) -> BatchingSettings:
+    """Small batches, the rare-shape lane off (min count 1), memory caps out of the way; override anything.
+    A class may be given as a (max_wait_ms, max_age_ms, weight) tuple."""
+    values = dict(max_batch_size=8, rare_shape_min_count=1, max_batch_bytes=1 << 30,
+                  max_pending_frames=100_000, max_pending_bytes=1 << 40)
+    values.update(overrides)
+    for name in ("realtime", "standard", "bulk"):
+        if isinstance(values.get(name), tuple):
+            values[name] = ClassSettings(*values[name])
+    return dataclasses.replace(BatchingSettings(), **values)
+
+
+def add_frames(batcher: MicroBatcher, clock: FakeClock, count: int, **frame_kw) -> list[Frame]:
+    frames = [make_frame(clock, **frame_kw) for _ in range(count)]
+    for f in frames:
+        batcher.add(f)
+    return frames
+
+
+def drain(batcher: MicroBatcher) -> list[Batch]:
+    batches = []
+    while (batch := batcher.pop_batch()) is not None:
+        batches.append(batch)
+    return batches
+
+
+def ids(frames) -> list[int]:
+    return [f.frame_index for f in frames]
+
+
+# ------------------------------------------------------------------------------------------- release rules
+
+def test_frames_of_one_shape_are_released_together_once_the_batch_is_full():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(max_batch_size=4), clock)
+    frames = add_frames(batcher, clock, 5)
+
+    batch = batcher.pop_batch()
+
+    assert batch is not None
+    assert (batch.size, batch.reason, batch.lane, batch.shape) == (4, "full", "exact", (64, 64, 3))
+    assert ids(batch.frames) == ids(frames[:4])
+    assert batch.padding_waste == 0.0 and batch.released_at == clock.now and batch.priority == STANDARD
+    assert batcher.pop_batch() is None
+    assert batcher.pending_frames == 1
+
+
+def test_a_partial_batch_waits_for_its_class_max_wait_then_goes():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(standard=(15, 0, 3)), clock)
+    add_frames(batcher, clock, 3)
+
+    clock.advance(14 * MS)
+    assert batcher.pop_batch() is None
+    clock.advance(1 * MS)
+    batch = batcher.pop_batch()
+
+    assert batch is not None and (batch.size, batch.reason) == (3, "deadline")
+
+
+def test_each_class_waits_its_own_max_wait():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(realtime=(5, 0, 8), bulk=(100, 0, 1)), clock)
+    add_frames(batcher, clock, 1, priority=REALTIME)
+    add_frames(batcher, clock, 1, priority=BULK)
+
+    clock.advance(5 * MS)
+    first = drain(batcher)
+    clock.advance(95 * MS)
+    second = drain(batcher)
+
+    assert [b.priority for b in first] == [REALTIME]
+    assert [b.priority for b in second] == [BULK]
+
+
+def test_the_largest_preferred_size_is_released_at_once():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(max_batch_size=32), clock, preferred_batch_sizes=(8, 16))
+    add_frames(batcher, clock, 15)
+    assert batcher.pop_batch() is None
+
+    add_frames(batcher, clock, 1)
+    batch = batcher.pop_batch()
+
+    assert batch is not None and (batch.size, batch.reason) == (16, "preferred")
+
+
+def test_preferred_sizes_from_settings_and_runner_are_merged():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(max_batch_size=32, preferred_batch_sizes=(12,)), clock,
+                           preferred_batch_sizes=(4, 64))  # 64 > max_batch_size: never reached
+    add_frames(batcher, clock, 12)
+
+    batch = batcher.pop_batch()
+
+    assert batch is not None and (batch.size, batch.reason) == (12, "preferred")
+
+
+def test_a_deadline_batch_is_cut_to_a_preferred_size_keeping_newer_frames_waiting():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(max_batch_size=32, standard=(15, 0, 3)), clock,
+                           preferred_batch_sizes=(8, 16))
+    oldest = add_frames(batcher, clock, 1)
+    clock.advance(10 * MS)
+    newer = add_frames(batcher, clock, 8)
+    clock.advance(5 * MS)
+
+    batches = drain(batcher)
+
+    assert [(b.size, b.reason) for b in batches] == [(8, "deadline")]
+    assert ids(oldest)[0] in ids(batches[0].frames)
+    assert batcher.next_due() == pytest.approx(clock.now + 10 * MS)
+    (kept,) = [f for b in batcher.flush() for f in b.frames]
+    assert kept.frame_index in ids(newer)
+
+
+def test_at_the_deadline_no_frame_is_left_past_its_wait():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(max_batch_size=32, standard=(15, 0, 3)), clock,
+                           preferred_batch_sizes=(8, 16))
+    frames = add_frames(batcher, clock, 9)
+    clock.advance(15 * MS)
+
+    batches = drain(batcher)
+
+    # All nine are overdue: one batch of 9 (the runner pads it to 16), not 8 now and 1 left behind.
+    assert [(b.size, b.reason) for b in batches] == [(9, "deadline")]
+    assert sorted(ids(batches[0].frames)) == sorted(ids(frames))
+
+
+def test_without_preferred_sizes_a_deadline_batch_takes_all_it_can():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(max_batch_size=8, standard=(15, 0, 3)), clock)
+    add_frames(batcher, clock, 3)
+    clock.advance(10 * MS)
+    add_frames(batcher, clock, 3)
+    clock.advance(5 * MS)
+
+    assert [b.size for b in drain(batcher)] == [6]
+
+
+# ------------------------------------------------------------------------------------------- shapes
+
+def test_close_shapes_share_a_padded_batch_within_the_waste_limit():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(padding_waste_max=0.20, standard=(15, 0, 3)), clock)
+    add_frames(batcher, clock, 3, shape=(100, 100, 3))
+    add_frames(batcher, clock, 3, shape=(90, 100, 3))
+    clock.advance(15 * MS)
+
+    batches = drain(batcher)
+
+    assert len(batches) == 1
+    batch = batches[0]
+    assert (batch.size, batch.lane, batch.shape) == (6, "padded", (100, 100, 3))
+    assert batch.padding_waste == pytest.approx(3 * 1000 / (6 * 10_000))  # 5%
+
+
+def test_padding_stops_where_the_waste_limit_would_be_crossed():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(padding_waste_max=0.20, standard=(15, 0, 3)), clock)
+    add_frames(batcher, clock, 1, shape=(100, 100, 3))
+    add_frames(batcher, clock, 5, shape=(70, 100, 3))  # 30% padding each
+    clock.advance(15 * MS)
+
+    batches = drain(batcher)
+
+    assert all(b.padding_waste <= 0.20 for b in batches)
+    padded = [b for b in batches if b.lane == "padded"]
+    # 1 full frame + k frames at 70%: waste 0.3k/(1+k) <= 0.2 holds for k <= 2 only.
+    assert [b.size for b in padded] == [3]
+    assert sum(b.size for b in batches) == 6
+
+
+def test_shapes_too_far_apart_are_not_padded_together():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(standard=(15, 0, 3)), clock)
+    add_frames(batcher, clock, 2, shape=(100, 100, 3))
+    add_frames(batcher, clock, 2, shape=(50, 50, 3))
+    clock.advance(15 * MS)
+
+    batches = drain(batcher)
+
+    assert sorted((b.shape, b.size, b.lane) for b in batches) == [
+        ((50, 50, 3), 2, "exact"), ((100, 100, 3), 2, "exact")]
+
+
+def test_channels_are_never_mixed_even_for_equal_height_and_width():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(padding_waste_max=0.9, standard=(15, 0, 3)), clock)
+    add_frames(batcher, clock, 2, shape=(64, 64, 3))
+    add_frames(batcher, clock, 2, shape=(64, 64, 1))
+    clock.advance(15 * MS)
+
+    batches = drain(batcher)
+
+    assert sorted(b.shape for b in batches) == [(64, 64, 1), (64, 64, 3)]
+    assert all(len({f.channels for f in b.frames}) == 1 for b in batches)
+
+
+def test_the_memory_cap_bounds_a_batch_by_its_padded_tensor_bytes():
+    clock = FakeClock()
+    shape = (100, 100, 3)
+    frame_bytes = 100 * 100 * 3 * 4
+    batcher = MicroBatcher(make_settings(max_batch_size=32, max_batch_bytes=3 * frame_bytes + 1), clock)
+    add_frames(batcher, clock, 7, shape=shape)
+
+    batches = drain(batcher)
+
+    assert [(b.size, b.reason) for b in batches] == [(3, "bytes"), (3, "bytes")]
+    assert batcher.pending_frames == 1
+
+
+def test_the_memory_cap_holds_for_padded_batches():
+    clock = FakeClock()
+    big = 100 * 100 * 3 * 4
+    batcher = MicroBatcher(make_settings(max_batch_size=32, max_batch_bytes=4 * big, padding_waste_max=0.2,
+                                         standard=(15, 0, 3)), clock)
+    add_frames(batcher, clock, 2, shape=(96, 100, 3))  # 4 fit by their own bytes, 4 once padded to 100x100
+    add_frames(batcher, clock, 3, shape=(100, 100, 3))
+    clock.advance(15 * MS)
+
+    batches = drain(batcher)
+
+    assert all(b.size * b.shape[0] * b.shape[1] * b.shape[2] * 4 <= 4 * big for b in batches)
+    assert sum(b.size for b in batches) == 5
+
+
+def test_a_frame_larger_than_max_batch_bytes_runs_alone_in_the_fallback_lane_at_once():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(max_batch_bytes=10_000, max_pending_bytes=10**9), clock)
+    huge = add_frames(batcher, clock, 2, shape=(100, 100, 3))  # 120 kB each
+
+    batches = drain(batcher)
+
+    assert [(ids(b.frames), b.lane, b.reason) for b in batches] == [
+        ([huge[0].frame_index], "fallback", "fallback"), ([huge[1].frame_index], "fallback", "fallback")]
+
+
+def test_a_rare_shape_goes_to_the_fallback_lane_and_does_not_hold_common_shapes():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(rare_shape_min_count=2, standard=(15, 0, 3)), clock)
+    odd = add_frames(batcher, clock, 1, shape=(33, 77, 3))
+    common = add_frames(batcher, clock, 1, shape=(64, 64, 3)) + add_frames(batcher, clock, 1, shape=(64, 64, 3))
+
+    now = drain(batcher)
+    clock.advance(15 * MS)
+    later = drain(batcher)
+
+    # The first sighting of (64, 64, 3) is rare too; the second joins the normal lane and waits its turn.
+    assert [(ids(b.frames), b.lane, b.reason) for b in now] == [
+        ([odd[0].frame_index], "fallback", "fallback"), ([common[0].frame_index], "fallback", "fallback")]
+    assert [b.lane for b in later] == ["exact"] and ids(later[0].frames) == [common[1].frame_index]
+
+
+def test_a_shape_is_rare_again_once_its_sightings_leave_the_window():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(rare_shape_min_count=2, rare_shape_window_ms=1_000,
+                                         standard=(0, 0, 3)), clock)
+    lanes = []
+    for gap in (0.0, 0.5, 0.5, 1.5):
+        clock.advance(gap)
+        add_frames(batcher, clock, 1)
+        lanes += [b.lane for b in drain(batcher)]
+
+    assert lanes == ["fallback", "exact", "exact", "fallback"]
+
+
+def test_the_fallback_lane_batches_one_rare_shape_up_to_fallback_max_batch_size():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(rare_shape_min_count=10, fallback_max_batch_size=3), clock)
+    add_frames(batcher, clock, 4, shape=(33, 77, 3))
+    add_frames(batcher, clock, 1, shape=(31, 77, 3))
+
+    batches = drain(batcher)
+
+    assert sorted((b.shape, b.size) for b in batches) == [
+        ((31, 77, 3), 1), ((33, 77, 3), 1), ((33, 77, 3), 3)]
+    assert all(b.lane == "fallback" for b in batches)
+
+
+# ------------------------------------------------------------------------------------------- expiry
+
+def test_expired_frames_come_out_of_pop_expired_and_never_in_a_batch():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(realtime=(5, 100, 8)), clock)
+    stale = add_frames(batcher, clock, 2, priority=REALTIME, captured_s_ago=0.098)
+    fresh = add_frames(batcher, clock, 1, priority=REALTIME)
+
+    clock.advance(5 * MS)
+    batch = batcher.pop_batch()
+    expired = batcher.pop_expired()
+
+    assert batch is not None and ids(batch.frames) == ids(fresh)
+    assert ids(expired) == ids(stale)
+    assert batcher.pop_expired() == [] and batcher.pending_frames == 0
+
+
+def test_a_frame_is_not_expired_until_its_deadline_has_passed():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(realtime=(5, 100, 8)), clock)
+    add_frames(batcher, clock, 1, priority=REALTIME, captured_s_ago=0.090)
+
+    clock.advance(9 * MS)
+    assert batcher.pop_expired() == []
+    clock.advance(2 * MS)
+    assert len(batcher.pop_expired()) == 1
+
+
+def test_max_age_zero_means_a_frame_never_expires():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(bulk=(100, 0, 1)), clock)
+    add_frames(batcher, clock, 1, priority=BULK, captured_s_ago=86_400)
+
+    clock.advance(1.0)
+
+    assert batcher.pop_expired() == []
+    assert [b.size for b in drain(batcher)] == [1]
+
+
+def test_tenants_left_with_only_expired_frames_do_not_stall_a_release():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(max_batch_size=1, standard=(1, 1, 3)), clock)
+    (fresh,) = add_frames(batcher, clock, 1, tenant="a")
+    add_frames(batcher, clock, 1, tenant="b", captured_s_ago=0.002)
+    add_frames(batcher, clock, 1, tenant="c", captured_s_ago=0.002)
+
+    batch = batcher.pop_batch()
+
+    assert batch is not None and ids(batch.frames) == [fresh.frame_index]
+    assert len(batcher.pop_expired()) == 2
+
+
+# ------------------------------------------------------------------------------------------- classes
+
+def test_realtime_goes_first_when_every_class_has_a_due_batch():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(), clock)
+    for prio in (BULK, STANDARD, REALTIME):
+        add_frames(batcher, clock, 8, priority=prio)
+
+    assert [b.priority for b in drain(batcher)][0] == REALTIME
+
+
+def test_a_bulk_frame_that_arrived_later_never_goes_before_a_due_realtime_frame():
+    clock = FakeClock()
+    # Bulk weighs far more than realtime here, so only the ordering rule keeps realtime first.
+    batcher = MicroBatcher(make_settings(realtime=(5, 0, 1), bulk=(5, 0, 50)), clock)
+    realtime = add_frames(batcher, clock, 3, priority=REALTIME)
+    clock.advance(1 * MS)
+    add_frames(batcher, clock, 8, priority=BULK)
+    clock.advance(5 * MS)
+
+    batches = drain(batcher)
+
+    assert [b.priority for b in batches] == [REALTIME, BULK]
+    assert ids(batches[0].frames) == ids(realtime)
+
+
+def test_older_bulk_frames_may_go_ahead_of_newer_realtime_frames_by_weight():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(realtime=(5, 0, 1), bulk=(5, 0, 50)), clock)
+    bulk = add_frames(batcher, clock, 8, priority=BULK)
+    clock.advance(1 * MS)
+    add_frames(batcher, clock, 8, priority=REALTIME)
+
+    batches = drain(batcher)
+
+    assert [b.priority for b in batches] == [BULK, REALTIME]
+    assert ids(batches[0].frames) == ids(bulk)
+
+
+def test_no_class_starves_under_a_realtime_backlog():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(realtime=(5, 0, 8), bulk=(100, 0, 1)), clock)
+    add_frames(batcher, clock, 16, priority=BULK)  # older than every realtime frame below
+    clock.advance(100 * MS)
+    served = []
+    for _ in range(40):  # a consumer with room for one batch per tick, realtime arriving faster than that
+        add_frames(batcher, clock, 10, priority=REALTIME)
+        batch = batcher.pop_batch()
+        served.append(batch.priority)
+        clock.advance(1 * MS)
+
+    # Weights 8:1 give bulk one turn in nine while its frames are the older ones.
+    assert served[:18].count(BULK) == 2
+    assert BULK not in served[18:]
+
+
+def test_within_a_class_the_group_with_the_oldest_frame_goes_first():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(padding_waste_max=0.0), clock)
+    add_frames(batcher, clock, 8, shape=(50, 50, 3))
+    clock.advance(1 * MS)
+    add_frames(batcher, clock, 8, shape=(60, 60, 3))
+
+    assert [b.shape for b in drain(batcher)] == [(50, 50, 3), (60, 60, 3)]
+
+
+# ------------------------------------------------------------------------------------------- tenants
+
+def test_a_flooding_tenant_does_not_delay_a_small_tenant():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(max_batch_size=32), clock)
+    add_frames(batcher, clock, 500, tenant="flood")
+    small = add_frames(batcher, clock, 10, tenant="small")
+    add_frames(batcher, clock, 500, tenant="flood")
+
+    first = batcher.pop_batch()
+
+    assert first is not None and set(ids(small)) <= set(ids(first.frames))
+    assert sum(f.tenant == "flood" for f in first.frames) == 22
+
+
+def test_tenant_weights_set_each_tenant_share_of_a_batch():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(max_batch_size=8, tenant_weights={"gold": 3}), clock)
+    add_frames(batcher, clock, 40, tenant="basic")
+    add_frames(batcher, clock, 40, tenant="gold")
+
+    tenants = [f.tenant for b in [batcher.pop_batch() for _ in range(4)] for f in b.frames]
+
+    assert tenants.count("gold") == 24 and tenants.count("basic") == 8
+
+
+def test_a_small_tenant_keeps_its_latency_under_a_flood_when_capacity_is_short():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(max_batch_size=8, standard=(15, 0, 3)), clock)
+    sent: dict[int, float] = {}
+    waited = []
+    for tick in range(200):
+        add_frames(batcher, clock, 10, tenant="flood")  # 10 a tick against room for 8
+        if tick % 3 == 0:
+            (f,) = add_frames(batcher, clock, 1, tenant="small")
+            sent[f.frame_index] = clock.now
+        batch = batcher.pop_batch()
+        if batch is not None:
+            waited += [clock.now - sent[f.frame_index] for f in batch.frames if f.tenant == "small"]
+        clock.advance(1 * MS)
+
+    assert len(waited) >= 60
+    # Never held past its own wait (plus the polling tick) by the flood, whose backlog grows without end.
+    assert max(waited) <= 16 * MS + 1e-9
+    assert batcher.pending_frames > 300
+
+
+# ------------------------------------------------------------------------------------------- next_due
+
+def test_next_due_is_none_for_an_empty_batcher():
+    assert MicroBatcher(make_settings(), FakeClock()).next_due() is None
+
+
+def test_next_due_is_the_oldest_frame_plus_its_wait():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(realtime=(5, 0, 8), bulk=(100, 0, 1)), clock)
+    start = clock.now
+    add_frames(batcher, clock, 1, priority=BULK)
+    clock.advance(2 * MS)
+    add_frames(batcher, clock, 1, priority=REALTIME)
+
+    assert batcher.next_due() == pytest.approx(start + 7 * MS)
+    clock.now = batcher.next_due()
+    assert batcher.pop_batch().priority == REALTIME
+    assert batcher.next_due() == pytest.approx(start + 100 * MS)
+
+
+def test_next_due_is_now_or_earlier_when_a_batch_is_full():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(max_batch_size=4), clock)
+    add_frames(batcher, clock, 4)
+
+    assert batcher.next_due() <= clock.now
+
+
+def test_next_due_is_the_arrival_of_a_fallback_frame():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(rare_shape_min_count=2), clock)
+    add_frames(batcher, clock, 1)
+
+    assert batcher.next_due() == clock.now
+
+
+def test_next_due_includes_the_next_expiry():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(standard=(15, 100, 3)), clock)
+    add_frames(batcher, clock, 1, captured_s_ago=0.095)
+
+    due = batcher.next_due()
+
+    assert due == pytest.approx(clock.now + 5 * MS)
+    clock.now = due
+    assert len(batcher.pop_expired()) == 1
+
+
+# ------------------------------------------------------------------------------------------- flush, discard
+
+def test_flush_returns_everything_pending_ignoring_waits_but_not_caps():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(max_batch_size=4, padding_waste_max=0.0), clock)
+    frames = (add_frames(batcher, clock, 6, priority=BULK) + add_frames(batcher, clock, 1, shape=(10, 10, 1))
+              + add_frames(batcher, clock, 2, priority=REALTIME))
+
+    batches = batcher.flush()
+
+    assert sorted(ids(f for b in batches for f in b.frames)) == sorted(ids(frames))
+    assert all(b.reason == "flush" and b.size <= 4 for b in batches)
+    assert batches[0].priority == REALTIME
+    assert batcher.pending_frames == 0 and batcher.next_due() is None
+
+
+def test_flush_sets_expired_frames_aside_for_pop_expired():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(realtime=(5, 100, 8)), clock)
+    stale = add_frames(batcher, clock, 1, priority=REALTIME, captured_s_ago=1.0)
+
+    assert batcher.flush() == []
+    assert ids(batcher.pop_expired()) == ids(stale)
+
+
+def test_discard_removes_matching_frames_which_never_come_out_again():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(max_batch_size=4), clock)
+    revoked = add_frames(batcher, clock, 3, tenant="a")
+    kept = add_frames(batcher, clock, 2, tenant="b")
+
+    out = batcher.discard(lambda f: f.tenant == "a")
+    clock.advance(1.0)
+    batches = drain(batcher)
+
+    assert sorted(ids(out)) == sorted(ids(revoked))
+    assert [sorted(ids(b.frames)) for b in batches] == [sorted(ids(kept))]
+    assert batcher.pending_frames == 0 and batcher.pending_bytes == 0
+
+
+def test_discard_also_takes_expired_frames_not_yet_returned():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(realtime=(5, 100, 8)), clock)
+    stale = add_frames(batcher, clock, 1, priority=REALTIME, captured_s_ago=1.0)
+    assert batcher.pop_batch() is None  # sets the expired frame aside
+
+    assert ids(batcher.discard(lambda f: True)) == ids(stale)
+    assert batcher.pop_expired() == []
+
+
+# ------------------------------------------------------------------------------------------- backpressure
+
+def test_pending_counts_use_each_frame_tensor_bytes():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(tensor_dtype_bytes=2), clock)
+    add_frames(batcher, clock, 2, shape=(10, 20, 3))
+    add_frames(batcher, clock, 1, shape=(5, 5, 1))
+
+    assert (batcher.pending_frames, batcher.pending_bytes) == (3, 2 * 10 * 20 * 3 * 2 + 5 * 5 * 2)
+
+
+def test_all_classes_pause_at_the_frame_cap_and_resume_below_75_percent():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(max_batch_size=4, max_pending_frames=8, bulk=(100, 0, 1)), clock)
+    add_frames(batcher, clock, 7, priority=BULK, shape=(64, 64, 3))
+    assert batcher.classes_to_pause() == set()
+    add_frames(batcher, clock, 1, priority=BULK, shape=(64, 64, 3))
+    assert batcher.classes_to_pause() == {REALTIME, STANDARD, BULK}
+
+    batcher.pop_batch()  # 4 left: at 50%, below the 75% watermark
+    assert batcher.classes_to_pause() == set()
+
+
+def test_pause_has_hysteresis_between_the_watermarks():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(max_batch_size=1, max_pending_frames=8, bulk=(100, 0, 1)), clock)
+    add_frames(batcher, clock, 8, priority=BULK)
+    batcher.pop_batch()  # 7 pending: below the cap, above 6 (75%)
+    assert batcher.classes_to_pause() == {REALTIME, STANDARD, BULK}
+    batcher.pop_batch()
+    batcher.pop_batch()  # 5 pending
+    assert batcher.classes_to_pause() == set()
+
+
+def test_all_classes_pause_at_the_byte_cap():
+    clock = FakeClock()
+    frame_bytes = 64 * 64 * 3 * 4
+    batcher = MicroBatcher(make_settings(max_pending_bytes=3 * frame_bytes), clock)
+    add_frames(batcher, clock, 3)
+
+    assert batcher.classes_to_pause() == {REALTIME, STANDARD, BULK}
+
+
+def test_a_realtime_backlog_pauses_bulk_then_standard_too():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(max_batch_size=4, realtime=(5, 0, 8)), clock)
+    add_frames(batcher, clock, 3, priority=REALTIME)
+    assert batcher.classes_to_pause() == set()  # waiting within its budget is not a backlog
+
+    clock.advance(5 * MS)
+    assert batcher.classes_to_pause() == {BULK}
+    add_frames(batcher, clock, 2, priority=REALTIME)  # 5 realtime frames: more than one batch
+    assert batcher.classes_to_pause() == {BULK, STANDARD}
+
+    drain(batcher)
+    assert batcher.classes_to_pause() == set()
+
+
+def test_add_past_twice_the_pending_cap_raises_batcher_full_error():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(max_batch_size=4, max_pending_frames=4), clock)
+    add_frames(batcher, clock, 8, priority=BULK)
+
+    with pytest.raises(BatcherFullError, match="classes_to_pause"):
+        batcher.add(make_frame(clock, priority=BULK))
+    assert batcher.pending_frames == 8
+
+
+def test_an_empty_batcher_accepts_a_frame_bigger_than_its_byte_caps():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(max_batch_bytes=1024, max_pending_bytes=1024), clock)
+    batcher.add(make_frame(clock, shape=(100, 100, 3)))
+
+    assert [b.lane for b in drain(batcher)] == ["fallback"]
+
+
+# ------------------------------------------------------------------------------------------- contract
+
+def test_preferred_sizes_below_one_are_a_config_error():
+    with pytest.raises(ConfigError, match="preferred_batch_sizes"):
+        MicroBatcher(make_settings(), FakeClock(), preferred_batch_sizes=(0, 8))
+
+
+def test_the_batcher_imports_neither_kafka_nor_torch_nor_numpy():
+    code = ("import sys, worker.batching; "
+            "print(sorted(m for m in ('confluent_kafka', 'torch', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+
+    assert out.strip() == "[]"

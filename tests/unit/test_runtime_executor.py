@@ -1,0 +1,320 @@
+"""InferenceExecutor: what the pipeline sees. Batches in, verdicts and per-frame failures out, never a raise
+for a bad frame; preprocessing of the next batch overlaps inference of the current one."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import model_factories  # noqa: E402
+from model_factories import jpeg_frame, raw_frame  # noqa: E402
+
+from worker.config import ConfigError, ModelSettings, RuntimeSettings  # noqa: E402
+from worker.runtime import (  # noqa: E402
+    DECODE_ERROR,
+    MODEL_ERROR,
+    NON_FINITE_OUTPUT,
+    InferenceExecutor,
+    build_builtin_model,
+)
+from worker.runtime.models import ModelContract  # noqa: E402
+from worker.runtime.runners import EagerRunner  # noqa: E402
+
+CPU = RuntimeSettings(device="cpu", warmup_batches=1, graph_batch_sizes=(1, 4))
+WAIT_S = 30
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+
+@pytest.fixture
+def executor_for():
+    made: list[InferenceExecutor] = []
+
+    def make(model: ModelSettings = ModelSettings(), runtime: RuntimeSettings = CPU) -> InferenceExecutor:
+        ex = InferenceExecutor.from_settings(model, runtime)
+        made.append(ex)
+        return ex
+
+    yield make
+    for ex in made:
+        ex.close()
+
+
+def _scores(outcome) -> dict[int, np.ndarray]:
+    return {f.frame_index: np.array(list(v.scores.values())) for f, v in outcome.verdicts}
+
+
+def _run(ex: InferenceExecutor, frames, shape):
+    return ex.submit(frames, shape).result(timeout=WAIT_S)
+
+
+# --- start-up ---
+
+def test_from_settings_on_cpu_has_no_graph_buckets_and_describes_itself(executor_for):
+    ex = executor_for()
+    assert ex.preferred_batch_sizes == ()
+    assert (ex.model_name, ex.model_version, ex.labels) == ("streamfer-moderation-cnn", "1", ModelSettings().labels)
+    assert "cpu" in ex.device_description and "eager" in ex.device_description
+
+
+def test_ready_only_after_warm_up(executor_for):
+    ex = executor_for()
+    assert not ex.ready
+    ex.warm_up([(24, 24, 3)])
+    assert ex.ready and ex.capture_count == 0
+
+
+def test_fp16_on_cpu_is_refused_with_a_clear_error():
+    with pytest.raises(ConfigError, match="fp16 autocast needs a CUDA device"):
+        InferenceExecutor.from_settings(ModelSettings(), RuntimeSettings(device="cpu", precision="fp16"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_cuda_device_without_a_gpu_is_refused():
+    with pytest.raises(ConfigError, match="asks for a GPU but torch sees none"):
+        InferenceExecutor.from_settings(ModelSettings(), RuntimeSettings(device="cuda"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU fallback of auto")
+def test_auto_device_picks_cpu_without_a_gpu(executor_for):
+    ex = executor_for(runtime=RuntimeSettings(device="auto", warmup_batches=1))
+    assert ex.runners[0].device.type == "cpu"
+
+
+def test_torch_threads_setting_sets_torch_intra_op_threads(executor_for):
+    before = torch.get_num_threads()
+    try:
+        executor_for(runtime=RuntimeSettings(device="cpu", torch_threads=1))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+# --- results ---
+
+def test_batched_scores_equal_one_by_one_scores_for_an_exact_shape_batch(executor_for):
+    ex = executor_for()
+    frames = [raw_frame(i, 40, 56) for i in range(6)] + [jpeg_frame(10, 40, 56)]
+    batched = _scores(_run(ex, frames, (40, 56, 3)))
+    for frame in frames:
+        alone = _scores(_run(ex, [frame], (40, 56, 3)))[frame.frame_index]
+        np.testing.assert_allclose(batched[frame.frame_index], alone, rtol=1e-5, atol=1e-6)
+
+
+def test_mixed_shapes_in_one_padded_batch_run_with_finite_scores(executor_for):
+    """Padding changes a CNN's output for the padded frames (the pool averages over the padding), so only
+    frames of the batch shape are compared with their one-by-one scores; padded ones must run and be finite."""
+    ex = executor_for()
+    frames = [raw_frame(0, 48, 48), raw_frame(1, 44, 48), raw_frame(2, 48, 40), raw_frame(3, 40, 44)]
+    outcome = _run(ex, frames, (48, 48, 3))
+    assert not outcome.failures and outcome.batch_size == 4
+    assert [f.frame_index for f, _ in outcome.verdicts] == [0, 1, 2, 3]
+    scores = _scores(outcome)
+    assert all(np.isfinite(s).all() for s in scores.values())
+    np.testing.assert_allclose(scores[0], _scores(_run(ex, [frames[0]], (48, 48, 3)))[0], rtol=1e-5, atol=1e-6)
+
+
+def test_with_a_fixed_input_size_batched_equals_one_by_one_for_any_mix_of_shapes(executor_for):
+    ex = executor_for(ModelSettings(input_size=(32, 32)))
+    frames = [raw_frame(0, 48, 48), raw_frame(1, 20, 36), jpeg_frame(2, 40, 24)]
+    batched = _scores(_run(ex, frames, (48, 48, 3)))
+    for frame in frames:
+        alone = _scores(_run(ex, [frame], frame.shape))[frame.frame_index]
+        np.testing.assert_allclose(batched[frame.frame_index], alone, rtol=1e-5, atol=1e-6)
+
+
+def test_outcome_reports_sizes_and_timings(executor_for):
+    ex = executor_for()
+    outcome = _run(ex, [raw_frame(i, 16, 16) for i in range(3)], (16, 16, 3))
+    assert (outcome.batch_size, outcome.bucket, outcome.used_graph) == (3, 3, False)
+    assert outcome.preprocess_ms >= 0 and outcome.inference_ms > 0 and outcome.started_at > 0
+
+
+def test_verdicts_apply_per_label_thresholds(executor_for):
+    labels = ModelSettings().labels
+    ex = executor_for(ModelSettings(thresholds={labels[0]: 0.0}, default_threshold=1.0))
+    outcome = _run(ex, [raw_frame(0, 16, 16)], (16, 16, 3))
+    assert outcome.verdicts[0][1].flagged_labels == (labels[0],)
+
+
+def test_empty_batch_gives_an_empty_outcome(executor_for):
+    outcome = _run(executor_for(), [], (16, 16, 3))
+    assert (outcome.verdicts, outcome.failures, outcome.batch_size) == ([], [], 0)
+
+
+# --- bad frames never raise ---
+
+def test_undecodable_frames_become_failures_and_the_others_get_verdicts(executor_for):
+    ex = executor_for()
+    frames = [raw_frame(0, 16, 16), raw_frame(1, 16, 16, data=b"\0" * 7), jpeg_frame(2, 16, 16, data=b"junk"),
+              jpeg_frame(3, 16, 16)]
+    outcome = _run(ex, frames, (16, 16, 3))
+    assert [f.frame_index for f, _ in outcome.verdicts] == [0, 3]
+    assert [(f.frame.frame_index, f.error_type) for f in outcome.failures] == [(1, DECODE_ERROR), (2, DECODE_ERROR)]
+    assert "7 bytes" in outcome.failures[0].reason
+    assert outcome.batch_size == 2
+
+
+def test_a_frame_the_model_raises_on_is_isolated_and_the_others_run(executor_for):
+    ex = executor_for(ModelSettings(source="model_factories:poison_model"))
+    frames = [raw_frame(i, 16, 16, marker=(i == 2)) for i in range(5)]
+    outcome = _run(ex, frames, (16, 16, 3))
+    assert [f.frame_index for f, _ in outcome.verdicts] == [0, 1, 3, 4]
+    [failure] = outcome.failures
+    assert (failure.frame.frame_index, failure.error_type) == (2, MODEL_ERROR)
+    assert "poisoned input" in failure.reason
+    # The retried frames score as they would have in the batch.
+    clean = _scores(_run(ex, [f for f in frames if f.frame_index != 2], (16, 16, 3)))
+    for index, scores in _scores(outcome).items():
+        np.testing.assert_allclose(scores, clean[index], rtol=1e-5, atol=1e-6)
+
+
+def test_a_frame_with_non_finite_scores_is_a_failure(executor_for):
+    ex = executor_for(ModelSettings(source="model_factories:nan_model"))
+    outcome = _run(ex, [raw_frame(0, 16, 16), raw_frame(1, 16, 16, marker=True)], (16, 16, 3))
+    assert [f.frame_index for f, _ in outcome.verdicts] == [0]
+    assert [(f.frame.frame_index, f.error_type) for f in outcome.failures] == [(1, NON_FINITE_OUTPUT)]
+
+
+@pytest.fixture(scope="module")
+def poison_executor():
+    ex = InferenceExecutor.from_settings(ModelSettings(source="model_factories:poison_model"), CPU)
+    yield ex
+    ex.close()
+
+
+_KINDS = {
+    "raw": lambda i: raw_frame(i, 16, 16),
+    "smaller_raw": lambda i: raw_frame(i, 12, 10),
+    "jpeg": lambda i: jpeg_frame(i, 16, 16),
+    "short_raw": lambda i: raw_frame(i, 16, 16, data=b"\0" * 5),
+    "corrupt_jpeg": lambda i: jpeg_frame(i, 16, 16, data=b"\xff\xd8junk"),
+    "too_big": lambda i: raw_frame(i, 17, 16),
+    "poisoned": lambda i: raw_frame(i, 16, 16, marker=True),
+}
+
+
+@settings(max_examples=30, deadline=None)
+@given(kinds=st.lists(st.sampled_from(sorted(_KINDS)), max_size=8))
+def test_every_frame_comes_back_exactly_once_as_a_verdict_or_a_failure(poison_executor, kinds):
+    frames = [_KINDS[kind](i) for i, kind in enumerate(kinds)]
+    outcome = _run(poison_executor, frames, (16, 16, 3))
+    ran = [f.frame_index for f, _ in outcome.verdicts]
+    failed = [f.frame.frame_index for f in outcome.failures]
+    assert sorted(ran + failed) == list(range(len(frames)))
+    assert ran == sorted(ran)  # verdicts keep batch order
+    good = {"raw", "smaller_raw", "jpeg"}
+    assert {i for i, kind in enumerate(kinds) if kind in good} == set(ran)
+
+
+# --- pipelining ---
+
+def test_preprocessing_of_the_next_batch_overlaps_inference_of_the_current(executor_for, monkeypatch):
+    gate = model_factories.GATE
+    ex = executor_for(ModelSettings(source="model_factories:gated_model"))
+    prepared_b = threading.Event()
+    prepare = ex._preprocessor.prepare
+
+    def observed_prepare(frames, shape):
+        batch = prepare(frames, shape)
+        if frames and frames[0].frame_index >= 100:
+            prepared_b.set()
+        return batch
+
+    monkeypatch.setattr(ex._preprocessor, "prepare", observed_prepare)
+    gate.arm()
+    try:
+        future_a = ex.submit([raw_frame(i, 16, 16) for i in range(4)], (16, 16, 3))
+        assert gate.entered.wait(WAIT_S), "inference of batch A never started"
+        future_b = ex.submit([raw_frame(100 + i, 16, 16) for i in range(4)], (16, 16, 3))
+        # Batch A's inference is held open by the gate; batch B must get preprocessed meanwhile.
+        assert prepared_b.wait(WAIT_S), "batch B was not preprocessed while batch A was in inference"
+        assert not future_a.done()
+    finally:
+        gate.release()
+    assert future_a.result(WAIT_S).batch_size == 4
+    assert future_b.result(WAIT_S).batch_size == 4
+
+
+def test_batches_go_to_the_least_loaded_runner():
+    """With several devices each has a runner; two CPU runners stand in for two GPUs here."""
+    contract = ModelContract.from_settings(ModelSettings(source="model_factories:gated_model"))
+    runners = [EagerRunner(model_factories.gated_model(), contract, torch.device("cpu")) for _ in range(2)]
+    gate = model_factories.GATE
+    with InferenceExecutor(runners, contract) as ex:
+        gate.arm()
+        try:
+            first = ex.submit([raw_frame(i, 16, 16) for i in range(8)], (16, 16, 3))
+            assert gate.entered.wait(WAIT_S)
+            loads = [s.load for s in ex._slots]
+            assert sorted(loads) == [0, 8]
+            second = ex.submit([raw_frame(10, 16, 16)], (16, 16, 3))
+            assert sorted(s.load for s in ex._slots) == [1, 8]
+            # The idle runner takes the second batch and finishes it while the first is still held.
+            assert second.result(WAIT_S).batch_size == 1
+            assert not first.done()
+        finally:
+            gate.release()
+        assert first.result(WAIT_S).batch_size == 8
+        assert [s.load for s in ex._slots] == [0, 0]
+
+
+# --- lifecycle ---
+
+def test_close_finishes_submitted_batches_and_refuses_new_ones():
+    ex = InferenceExecutor.from_settings(ModelSettings(), CPU)
+    futures = [ex.submit([raw_frame(i, 16, 16)], (16, 16, 3)) for i in range(3)]
+    ex.close()
+    assert all(f.result(timeout=0).batch_size == 1 for f in futures)
+    with pytest.raises(RuntimeError, match="closed"):
+        ex.submit([raw_frame(9, 16, 16)], (16, 16, 3))
+    ex.close()  # idempotent
+
+
+def test_builtin_executor_scores_match_the_builtin_model(executor_for):
+    ex = executor_for()
+    frame = raw_frame(0, 24, 24)
+    outcome = _run(ex, [frame], (24, 24, 3))
+    x = ex._preprocessor.prepare([frame], (24, 24, 3)).tensor
+    with torch.inference_mode():
+        expected = torch.sigmoid(build_builtin_model(5)(x))[0].numpy()
+    np.testing.assert_allclose(_scores(outcome)[0], expected, rtol=1e-5, atol=1e-6)
+
+
+# --- CUDA (GPU only) ---
+
+@pytest.mark.cuda
+@cuda_only
+def test_on_cuda_warmed_shapes_replay_their_bucket_without_new_captures(executor_for):
+    buckets = (1, 2, 4, 8)
+    ex = executor_for(runtime=RuntimeSettings(device="cuda:0", warmup_batches=2, graph_batch_sizes=buckets))
+    assert ex.preferred_batch_sizes == buckets
+    ex.warm_up([(32, 32, 3)])
+    captures = ex.capture_count
+    assert captures == len(buckets)
+    for i in range(40):
+        n = 1 + i % 8
+        outcome = _run(ex, [raw_frame(j, 32, 32) for j in range(n)], (32, 32, 3))
+        assert outcome.used_graph and outcome.bucket == min(b for b in buckets if b >= n)
+    assert ex.capture_count == captures
+
+
+@pytest.mark.cuda
+@cuda_only
+def test_cuda_graph_scores_match_cpu_eager_scores(executor_for):
+    gpu = executor_for(runtime=RuntimeSettings(device="cuda:0", warmup_batches=2, graph_batch_sizes=(4,)))
+    gpu.warm_up([(32, 32, 3)])
+    cpu = executor_for()
+    frames = [raw_frame(i, 32, 32) for i in range(3)] + [raw_frame(3, 30, 28)]
+    on_gpu, on_cpu = _scores(_run(gpu, frames, (32, 32, 3))), _scores(_run(cpu, frames, (32, 32, 3)))
+    for index, scores in on_cpu.items():
+        np.testing.assert_allclose(on_gpu[index], scores, rtol=1e-3, atol=1e-4)
