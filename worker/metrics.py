@@ -1,7 +1,7 @@
 """Every Prometheus metric of the worker, defined once with its help text, and the HTTP endpoint that
 serves them together with `/healthz` and `/readyz`.
 
-docs/metrics.md lists the same names; tests/unit/test_metrics_doc.py keeps the two in step.
+docs/metrics.md lists the same names; tests/unit/test_deploy_manifests.py keeps the two in step.
 """
 
 from __future__ import annotations

@@ -318,7 +318,8 @@ class Pipeline:
     def _on_assign(self, tps: list[TP]) -> None:
         self.metrics.rebalances.labels("assign").inc()
         log.info("partitions assigned: %s", sorted(tps))
-        self.health.assigned = True
+        # A cooperative rebalance can hand out an empty increment: ready means owning a partition.
+        self.health.assigned = bool(self.source.assignment)
         self.metrics.ready.set(1 if self.health.ready else 0)
 
     def _on_revoke(self, tps: list[TP]) -> None:
@@ -331,8 +332,7 @@ class Pipeline:
         self._finish_inflight()
         if not self.exactly_once:
             self._commit_if_due(force=True)
-        for tp in tps:
-            self.tracker.forget(tp)
+        self._release(tps)
         self.health.assigned = bool(self.source.assignment - revoked)
 
     def _on_lost(self, tps: list[TP]) -> None:
@@ -341,9 +341,16 @@ class Pipeline:
         log.warning("partitions lost: %s", sorted(tps))
         lost = set(tps)
         self.batcher.discard(lambda f: f.source.topic_partition in lost)
-        for tp in tps:
-            self.tracker.forget(tp)
+        self._release(tps)
         self.health.assigned = bool(self.source.assignment - lost)
+
+    def _release(self, tps: list[TP]) -> None:
+        for topic, partition in tps:
+            self.tracker.forget((topic, partition))
+            try:
+                self.metrics.consumer_lag.remove(topic, str(partition))
+            except KeyError:
+                pass  # never reported
 
     def _finish_inflight(self) -> None:
         """Wait for running batches, produce everything pending and wait for the broker's acks."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,16 @@ import fastavro
 
 from worker.frames import Encoding, Frame, Priority, SourceRef
 
-SCHEMA_DIR = Path(__file__).resolve().parent.parent / "schemas"
+def _schema_dir() -> Path:
+    """`schemas/` of a source checkout, else the copy a wheel installs under `<prefix>/share/streamfer/`."""
+    candidates = [Path(__file__).resolve().parent.parent / "schemas", Path(sys.prefix) / "share" / "streamfer" / "schemas"]
+    for candidate in candidates:
+        if (candidate / "frame.avsc").is_file():
+            return candidate
+    raise FileNotFoundError(f"Avro schemas not found in {[str(c) for c in candidates]}: reinstall streamfer")
+
+
+SCHEMA_DIR = _schema_dir()
 
 # Frames larger than this are rejected before decoding (a sane cap far above 8K RGB).
 MAX_FRAME_PIXELS = 8192 * 8192

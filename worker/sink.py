@@ -40,6 +40,10 @@ class ResultSink:
         }
         if transactional_id:
             conf["transactional.id"] = transactional_id
+            # librdkafka requires message.timeout.ms <= transaction.timeout.ms; an aborted transaction is
+            # replayed from the committed offsets, so a shorter timeout loses nothing.
+            conf["transaction.timeout.ms"] = 60_000
+            conf["message.timeout.ms"] = 60_000
         conf.update(settings.kafka.producer_overrides)
         self._results_topic = settings.topics.results
         self._dlq_topic = settings.topics.dead_letter

@@ -68,7 +68,7 @@ class Ledger:
         age = self.settings.for_class(frame.priority).max_age_ms / 1000.0
         return frame.capture_ts_ms / 1000.0 + age if age > 0 else math.inf
 
-    def released(self, frames, now: float | None) -> None:
+    def released(self, frames) -> None:
         for f in frames:
             self.out[f.frame_id] += 1
             self.pending.pop(f.frame_id, None)
@@ -99,7 +99,7 @@ class Ledger:
                 # Polled every tick: out within its wait plus one tick, and never once expired.
                 assert now <= f.received_at + self.wait_s(f) + TICK + 1e-9, f"{f.frame_id} held too long"
                 assert not self.expire_at(f) < now, f"{f.frame_id} batched after its deadline"
-        self.released(frames, now)
+        self.released(frames)
         self.check_no_urgent_frame_behind(batch, now)
 
     def check_no_urgent_frame_behind(self, batch: Batch, now: float) -> None:
@@ -115,7 +115,7 @@ class Ledger:
         for f in frames:
             # Out at the first poll after its deadline (or after its arrival, if it came in already expired).
             assert self.expire_at(f) < now <= max(self.expire_at(f), f.received_at) + TICK + 1e-9
-        self.released(frames, now)
+        self.released(frames)
 
 
 def run_scenario(scenario) -> Ledger:
@@ -139,7 +139,7 @@ def run_scenario(scenario) -> Ledger:
         if due is None or due > clock.now:
             assert not expired and not released, "next_due() was later than something due"
         if discard is not None and discard[0] == i:
-            ledger.released(batcher.discard(lambda f: f.tenant == discard[1]), None)
+            ledger.released(batcher.discard(lambda f: f.tenant == discard[1]))
     clock.advance(TICK)
     for batch in batcher.flush():
         assert batch.reason == "flush"
@@ -208,13 +208,13 @@ def test_realtime_is_never_behind_later_bulk_for_a_capacity_limited_consumer(arr
             ledger.add(make_frame(clock, priority=priority))
         batch = batcher.pop_batch()
         if batch is not None:
-            ledger.released(batch.frames, clock.now)
+            ledger.released(batch.frames)
             ledger.check_no_urgent_frame_behind(batch, clock.now)
     while batcher.pending_frames:
         i += 1
         clock.now = base + i * TICK
         batch = batcher.pop_batch()
         if batch is not None:
-            ledger.released(batch.frames, clock.now)
+            ledger.released(batch.frames)
             ledger.check_no_urgent_frame_behind(batch, clock.now)
     assert ledger.out == Counter(list(ledger.added))

@@ -1,0 +1,119 @@
+"""Assembling a worker process: logging, the runtime, the metrics endpoint, signals, the pipeline."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from worker.config import Settings
+from worker.metrics import Health, Metrics, MetricsServer
+from worker.pipeline import Pipeline, RunSummary
+
+log = logging.getLogger("worker")
+
+
+class JsonFormatter(logging.Formatter):
+    def __init__(self, worker_id: str) -> None:
+        super().__init__()
+        self.worker_id = worker_id
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname,
+            "logger": record.name,
+            "worker_id": self.worker_id,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup_logging(settings: Settings) -> None:
+    o = settings.observability
+    handler = logging.StreamHandler(sys.stderr)
+    if o.log_format == "json":
+        handler.setFormatter(JsonFormatter(o.worker_id))
+    else:
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s [{o.worker_id}] %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(o.log_level.upper())
+
+
+class StopFlag:
+    """First SIGTERM/SIGINT: stop intake and drain. Second: exit at once (offsets stay where they were)."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def install(self) -> "StopFlag":
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        if self._event.is_set():
+            log.warning("second signal %d: exiting without draining", signum)
+            os._exit(128 + signum)
+        log.info("signal %d: draining then exiting", signum)
+        self._event.set()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def __call__(self) -> bool:
+        return self._event.is_set()
+
+
+def run_worker(settings: Settings, exit_when_idle_s: float | None = None, stop: StopFlag | None = None,
+               health: Health | None = None) -> RunSummary:
+    """Load and warm the model, serve metrics, then run the pipeline until stopped or idle.
+
+    Pass `health` to watch readiness from another thread (the demo and tests do)."""
+    from worker.runtime import InferenceExecutor  # torch import is slow: only where it is needed
+
+    metrics = Metrics()
+    health = health if health is not None else Health()
+    server = None
+    started = time.monotonic()
+    executor = InferenceExecutor.from_settings(settings.model, settings.runtime)
+    try:
+        metrics.model_info.info({"name": executor.model_name, "version": executor.model_version,
+                                 "device": executor.device_description,
+                                 "labels": ",".join(executor.labels)})
+        pipeline = Pipeline(settings, executor, metrics, health)
+        if settings.observability.metrics_enabled:
+            server = MetricsServer(metrics, health, settings.observability.metrics_host,
+                                   settings.observability.metrics_port,
+                                   before_scrape=lambda: _refresh_scrape_gauges(pipeline, metrics)).start()
+            log.info("metrics on http://%s:%d/metrics", settings.observability.metrics_host, server.port)
+        executor.warm_up()
+        health.warmed_up = True
+        log.info("model %s:%s warmed up on %s in %.1fs", executor.model_name, executor.model_version,
+                 executor.device_description, time.monotonic() - started)
+        return pipeline.run(stop or StopFlag().install(), exit_when_idle_s)
+    finally:
+        health.alive = False
+        executor.close()
+        if server is not None:
+            server.stop()
+
+
+def _refresh_scrape_gauges(pipeline: Pipeline, metrics: Metrics) -> None:
+    metrics.ready.set(1 if pipeline.health.ready else 0)
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            for i in range(torch.cuda.device_count()):
+                metrics.gpu_memory.labels(f"cuda:{i}").set(torch.cuda.memory_allocated(i))
+    except Exception:  # noqa: BLE001 (a scrape must never fail because of a gauge)
+        pass

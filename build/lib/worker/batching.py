@@ -1,0 +1,611 @@
+"""The micro-batcher: pure policy that turns polled frames into GPU batches. No Kafka, no torch; time comes
+from an injected clock (the same clock, in seconds, as `Frame.received_at`). Not thread-safe: one loop owns it.
+
+Guarantees and decisions, in the order the batcher applies them:
+
+Groups and lanes. A frame joins the group of its (class, height, width, channels). A group is released
+  - full: when it holds its *trigger* size: the largest preferred size (settings.preferred_batch_sizes plus the
+    runner's CUDA-graph buckets, those <= max_batch_size) that fits its cap, else the cap itself; the cap is
+    min(max_batch_size, max_batch_bytes // frame tensor bytes). Reason "full" when the trigger is
+    max_batch_size, "bytes" when the memory cap is what bounds it, else "preferred" (Triton: a batch of the
+    largest preferred size goes at once);
+  - deadline: when its oldest frame has waited its class's max_wait_ms. The batch takes every overdue frame
+    (up to the cap) and is then topped up to the largest preferred size that holds them all and that the
+    group (plus padding partners, below) can fill; when no preferred size fits in between, it takes all it
+    can, and the runner pads it to its next bucket. One padded batch beats a 16+8+4+2+1 split, and no frame is
+    ever left past its wait: while a group still has an overdue frame it stays due, so the caller draining
+    pop_batch() gets every overdue frame in that same call sequence.
+  Padding ("padded" lane): a deadline batch short of its trigger may take frames of other shapes of the same
+  class and channel count, closest pixel area first, padded to the largest height and width, while
+  padded pixels / batch padded pixels <= padding_waste_max and the padded tensor stays <= max_batch_bytes.
+  Channels are never mixed. Partner frames leave before their own wait is up, which only shortens it.
+Fallback lane. A frame whose tensor alone exceeds max_batch_bytes runs alone (never dropped). A shape seen
+  fewer than rare_shape_min_count times (this frame included) within rare_shape_window_ms goes to the fallback
+  lane: due at once, in batches of up to fallback_max_batch_size frames of its class and shape, so an odd
+  shape neither waits nor holds a common shape's batch back.
+Classes. Each pop_batch() serves one class among those with a due batch, by smooth weighted round robin on
+  the class weights (realtime first when all are due, since it weighs most), with one ordering rule on top:
+  a less urgent class may go ahead of a more urgent due class only with frames that arrived before that
+  class's oldest pending frame. So a realtime frame is never released after a bulk frame that arrived later
+  while both are due, and a lower class is never starved: its frames wait at most until the higher classes'
+  older frames are out (bounded by their max_age_ms when that is set), and get their weighted share when
+  they are older. Within a class, the due group with the oldest frame goes first.
+Tenants. Inside a group, frames are taken overdue-first and, within each of these two tiers, by deficit
+  round robin over tenants (quantum = settings.tenant_weights[tenant], default 1; state kept across
+  batches). Bound: a tenant of weight w with n frames in a tier, among tenants of total weight W with frames
+  in that tier, has all n taken within (ceil(n / w) + 1) * W frames taken from that tier. E.g. with 2 tenants
+  of weight 1, one flooding 1000 frames and one sending 10, the 10 all leave in the first 32-frame batch.
+  Overdue-first means a flood never holds another tenant's frame past its own wait when the caller drains.
+Expiry. A frame whose capture_ts_ms/1000 + class max_age_ms/1000 < clock() (max_age_ms 0: never) is never
+  put in a batch: pop_batch() sets it aside and pop_expired() returns it.
+Backpressure (classes_to_pause). All classes pause when pending_frames >= max_pending_frames or
+  pending_bytes >= max_pending_bytes, and stay paused until both are below 75% of their caps. Otherwise,
+  while realtime is backlogged (its oldest pending frame has waited past realtime.max_wait_ms, i.e. the
+  consumer of batches is not keeping up with realtime) bulk pauses, and standard too when more than
+  max_batch_size realtime frames are pending. Mere presence of realtime frames pauses nothing: a steady
+  realtime stream would otherwise starve bulk at the source. Call it after dispatching what the runtime
+  has room for, so that frames still due are the backlog.
+  add() raises BatcherFullError past twice those caps (except into an empty batcher).
+next_due() is the earliest of the groups' release times and the next expiry (a time <= now means now),
+  so the caller can sleep until then.
+Cost. add() and a release are O(log n) in the group's pending frames; pop_batch() and next_due() also scan
+  the groups (one per class and shape in use), never the frames; discard() alone walks every frame.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from worker.config import BatchingSettings, ConfigError
+from worker.frames import Frame, Priority
+
+LANE_EXACT = "exact"
+LANE_PADDED = "padded"
+LANE_FALLBACK = "fallback"
+
+# Backpressure resumes below this share of max_pending_frames / max_pending_bytes.
+RESUME_WATERMARK = 0.75
+# add() refuses frames beyond this multiple of the pending caps: the caller ignored classes_to_pause().
+HARD_CAP_FACTOR = 2
+
+_NO_CUTOFF = (math.inf, math.inf)
+
+
+class BatcherFullError(RuntimeError):
+    """add() was called past the hard cap: the source kept consuming while classes_to_pause() said stop."""
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Frames of one class to run together, padded to `shape` = (height, width, channels)."""
+
+    frames: tuple[Frame, ...]
+    shape: tuple[int, int, int]
+    priority: Priority
+    lane: str
+    padding_waste: float
+    released_at: float
+    reason: str
+
+    @property
+    def size(self) -> int:
+        return len(self.frames)
+
+
+class _Entry:
+    """One pending frame; `live` turns False when it leaves (batched, expired, discarded): lazy deletion."""
+
+    __slots__ = ("frame", "t", "seq", "tenant", "group", "live")
+
+    def __init__(self, frame: Frame, seq: int, group: _Group):
+        self.frame = frame
+        self.t = frame.received_at
+        self.seq = seq  # (t, seq) is the arrival order
+        self.tenant = frame.tenant
+        self.group = group
+        self.live = True
+
+
+class _Group:
+    """Pending frames of one (class, shape, lane): per-tenant FIFO queues plus a heap for the oldest."""
+
+    __slots__ = ("cls", "shape", "area", "fallback", "frame_bytes", "cap", "trigger", "full_reason", "n",
+                 "due_at", "heap", "queues", "ring", "credit")
+
+    def __init__(self, cls: _ClassState, shape: tuple[int, int, int], fallback: bool, frame_bytes: int,
+                 cap: int, trigger: int, full_reason: str):
+        self.cls = cls
+        self.shape = shape
+        self.area = shape[0] * shape[1]
+        self.fallback = fallback
+        self.frame_bytes = frame_bytes
+        self.cap = cap
+        self.trigger = trigger
+        self.full_reason = full_reason
+        self.n = 0
+        self.due_at = math.inf  # when this group has a batch due (full, overdue or fallback)
+        self.heap: list[tuple[float, int, _Entry]] = []
+        self.queues: dict[str, deque[_Entry]] = {}
+        self.ring: deque[str] = deque()  # tenants with queued entries, in round-robin order
+        self.credit: dict[str, int] = {}  # deficit left in a tenant's current turn
+
+    def oldest(self) -> _Entry | None:
+        heap = self.heap
+        while heap and not heap[0][2].live:
+            heapq.heappop(heap)
+        return heap[0][2] if heap else None
+
+    def oldest_key(self) -> tuple[float, int]:
+        e = self.oldest()
+        return _NO_CUTOFF if e is None else (e.t, e.seq)
+
+    def refresh_due(self) -> None:
+        e = self.oldest()
+        if e is None:
+            self.due_at = math.inf
+        elif self.fallback or self.n >= self.trigger:
+            self.due_at = e.t
+        else:
+            self.due_at = e.t + self.cls.wait_s
+
+
+class _ClassState:
+    __slots__ = ("priority", "wait_s", "max_age_s", "weight", "groups", "fallback", "pending", "credit")
+
+    def __init__(self, priority: Priority, settings: BatchingSettings):
+        c = settings.for_class(priority)
+        self.priority = priority
+        self.wait_s = c.max_wait_ms / 1000.0
+        self.max_age_s = c.max_age_ms / 1000.0
+        self.weight = c.weight
+        self.groups: dict[tuple[int, int, int], _Group] = {}
+        self.fallback: dict[tuple[int, int, int], _Group] = {}
+        self.pending = 0
+        self.credit = 0  # smooth weighted round robin among classes
+
+
+class MicroBatcher:
+    """Shape-, class- and tenant-aware micro-batcher; see the module docstring for the policy."""
+
+    def __init__(self, settings: BatchingSettings, clock: Callable[[], float],
+                 preferred_batch_sizes: Sequence[int] = ()) -> None:
+        bad = [s for s in preferred_batch_sizes if s < 1]
+        if bad:
+            raise ConfigError([f"preferred_batch_sizes: sizes must be >= 1 (got {bad})"])
+        self._s = settings
+        self._clock = clock
+        # Runner buckets above max_batch_size are simply never reached.
+        self._preferred = tuple(sorted({s for s in (*settings.preferred_batch_sizes, *preferred_batch_sizes)
+                                        if 1 <= s <= settings.max_batch_size}))
+        self._dtype_bytes = settings.tensor_dtype_bytes
+        self._waste_max = settings.padding_waste_max
+        self._rare_window_s = settings.rare_shape_window_ms / 1000.0
+        self._rare_min = settings.rare_shape_min_count
+        self._tenant_weights = dict(settings.tenant_weights)
+        self._classes = tuple(_ClassState(p, settings) for p in sorted(Priority))
+        self._shape_seen: dict[tuple[int, int, int], deque[float]] = {}
+        self._shape_sweep_at = 1024
+        self._expiry: list[tuple[float, int, _Entry]] = []
+        self._expired: list[Frame] = []
+        self._seq = 0
+        self._pending_frames = 0
+        self._pending_bytes = 0
+        self._paused_all = False
+
+    # ----------------------------------------------------------------------------------------------- intake
+
+    def add(self, frame: Frame) -> None:
+        """Enqueue a frame at frame.received_at; raises BatcherFullError past the hard cap."""
+        s = self._s
+        shape = (frame.height, frame.width, frame.channels)
+        frame_bytes = shape[0] * shape[1] * shape[2] * self._dtype_bytes
+        if self._pending_frames and (
+                self._pending_frames >= HARD_CAP_FACTOR * s.max_pending_frames
+                or self._pending_bytes + frame_bytes > HARD_CAP_FACTOR * s.max_pending_bytes):
+            raise BatcherFullError(
+                f"batcher holds {self._pending_frames} frames / {self._pending_bytes} bytes, past "
+                f"{HARD_CAP_FACTOR}x batching.max_pending_frames / max_pending_bytes: the source must pause "
+                f"the classes returned by classes_to_pause() and drain pop_batch() before adding more")
+        cls = self._classes[frame.priority]
+        t = frame.received_at
+        fallback = frame_bytes > s.max_batch_bytes or self._is_rare(shape, t)
+        groups = cls.fallback if fallback else cls.groups
+        group = groups.get(shape)
+        if group is None:
+            group = groups[shape] = self._new_group(cls, shape, fallback, frame_bytes)
+        seq = self._seq = self._seq + 1
+        entry = _Entry(frame, seq, group)
+        heapq.heappush(group.heap, (t, seq, entry))
+        queue = group.queues.get(entry.tenant)
+        if queue is None:
+            queue = group.queues[entry.tenant] = deque()
+            group.ring.append(entry.tenant)
+        queue.append(entry)
+        group.n += 1
+        cls.pending += 1
+        self._pending_frames += 1
+        self._pending_bytes += frame_bytes
+        if self._pending_frames >= s.max_pending_frames or self._pending_bytes >= s.max_pending_bytes:
+            self._paused_all = True
+        if group.n >= group.trigger or fallback:
+            group.refresh_due()
+        elif t + cls.wait_s < group.due_at:
+            group.due_at = t + cls.wait_s
+        if cls.max_age_s > 0:
+            heapq.heappush(self._expiry, (frame.capture_ts_ms / 1000.0 + cls.max_age_s, seq, entry))
+
+    def _is_rare(self, shape: tuple[int, int, int], t: float) -> bool:
+        # Only the last rare_shape_min_count arrival times matter: rare iff the oldest of them is out of window.
+        seen = self._shape_seen.get(shape)
+        if seen is None:
+            if len(self._shape_seen) >= self._shape_sweep_at:
+                self._sweep_shapes(t)
+            seen = self._shape_seen[shape] = deque(maxlen=self._rare_min)
+        seen.append(t)
+        return len(seen) < self._rare_min or t - seen[0] > self._rare_window_s
+
+    def _sweep_shapes(self, t: float) -> None:
+        horizon = t - self._rare_window_s
+        self._shape_seen = {k: v for k, v in self._shape_seen.items() if v[-1] >= horizon}
+        self._shape_sweep_at = max(1024, 2 * len(self._shape_seen))
+
+    def _new_group(self, cls: _ClassState, shape: tuple[int, int, int], fallback: bool,
+                   frame_bytes: int) -> _Group:
+        s = self._s
+        cap = max(1, min(s.max_batch_size, s.max_batch_bytes // frame_bytes))
+        if fallback:
+            limit = 1 if frame_bytes > s.max_batch_bytes else min(s.fallback_max_batch_size, cap)
+            return _Group(cls, shape, True, frame_bytes, limit, limit, "fallback")
+        trigger = max((p for p in self._preferred if p <= cap), default=cap)
+        if trigger == s.max_batch_size:
+            reason = "full"
+        elif cap < s.max_batch_size:
+            reason = "bytes"
+        else:
+            reason = "preferred"
+        return _Group(cls, shape, False, frame_bytes, cap, trigger, reason)
+
+    # ---------------------------------------------------------------------------------------------- release
+
+    def pop_batch(self) -> Batch | None:
+        """The next batch due now, by class weights and the ordering rule; None when nothing is due."""
+        now = self._clock()
+        self._collect_expired(now)
+        if not self._pending_frames:
+            return None
+        due: list[tuple[_ClassState, list[_Group]]] = []
+        for cls in self._classes:
+            if cls.pending:
+                groups = [g for g in cls.fallback.values()]
+                groups += [g for g in cls.groups.values() if g.due_at <= now]
+                if groups:
+                    due.append((cls, groups))
+        if not due:
+            return None
+        # Ordering rule: a class may only send frames that arrived before the oldest pending frame of every
+        # more urgent class with a due batch; a class with no such group is not eligible this time.
+        eligible: list[tuple[_ClassState, list[_Group], tuple[float, int] | None]] = []
+        cutoff: tuple[float, int] | None = None
+        for i, (cls, groups) in enumerate(due):
+            # Within a class, the group with the oldest frame first.
+            keyed = sorted((g.oldest_key(), g) for g in groups) if len(groups) > 1 else [(groups[0].oldest_key(),
+                                                                                         groups[0])]
+            ok = [g for key, g in keyed if cutoff is None or key < cutoff]
+            if ok:
+                eligible.append((cls, ok, cutoff))
+            if i + 1 < len(due):
+                oldest = self._oldest_key(cls)
+                cutoff = oldest if cutoff is None else min(cutoff, oldest)
+        total = 0
+        if len(eligible) > 1:
+            for cls, _, _ in eligible:
+                cls.credit += cls.weight
+                total += cls.weight
+            eligible.sort(key=lambda d: (-d[0].credit, d[0].priority))
+        for cls, groups, cls_cutoff in eligible:
+            for group in groups:
+                batch = self._release(group, now, now, cls_cutoff, flush=False)
+                if batch is not None:
+                    cls.credit -= total
+                    return batch
+        raise AssertionError("unreachable: the most urgent due class always yields a batch")
+
+    @staticmethod
+    def _oldest_key(cls: _ClassState) -> tuple[float, int]:
+        keys = [g.oldest_key() for groups in (cls.fallback, cls.groups) for g in groups.values()]
+        return min(keys, default=_NO_CUTOFF)
+
+    def _release(self, group: _Group, now: float, age_now: float, cutoff: tuple[float, int] | None,
+                 flush: bool) -> Batch | None:
+        """Take one batch from `group` (and padding partners); None if the cutoff left nothing to take."""
+        cls = group.cls
+        out: list[_Entry] = []
+        if group.fallback or group.n >= group.trigger:
+            size = min(group.n, group.cap if group.fallback else group.trigger)
+            self._take_two_tier(group, size, out, age_now, cutoff)
+            if not out:
+                return None
+            reason = "flush" if flush else group.full_reason
+            lane = LANE_FALLBACK if group.fallback else LANE_EXACT
+            return self._batch(out, group.shape, cls.priority, lane, 0.0, now, reason)
+
+        n_lead = min(group.n, group.cap)
+        overdue = self._take(group, n_lead, out, age_now, cls.wait_s, cutoff)
+        # Padding partners change the batch's shape, so they are only used with no ordering cutoff (whose
+        # partial takes could break the waste bound).
+        plan: list[tuple[_Group, int]] = []
+        if cutoff is None and self._waste_max > 0 and n_lead < group.trigger:
+            plan = self._plan_partners(group, n_lead, group.trigger)
+        available = n_lead + sum(k for _, k in plan)
+        size = self._size_for(overdue, available)
+        if size <= n_lead:
+            plan = []
+        else:
+            plan = self._trim(plan, size - n_lead)
+            if self._waste(group, n_lead, plan) > self._waste_max:
+                plan = []
+                size = self._size_for(overdue, n_lead)
+        lead_size = min(size, n_lead)
+        if lead_size > overdue:
+            self._take(group, lead_size - overdue, out, None, cls.wait_s, cutoff)
+        for partner, k in plan:
+            self._take_two_tier(partner, k, out, age_now, None)
+        if not out:
+            return None
+        if plan:
+            height = max(group.shape[0], *(p.shape[0] for p, _ in plan))
+            width = max(group.shape[1], *(p.shape[1] for p, _ in plan))
+            shape = (height, width, group.shape[2])
+            real = sum(e.group.area for e in out)
+            waste = (len(out) * height * width - real) / (len(out) * height * width)
+            return self._batch(out, shape, cls.priority, LANE_PADDED, waste, now, "flush" if flush else "deadline")
+        return self._batch(out, group.shape, cls.priority, LANE_EXACT, 0.0, now, "flush" if flush else "deadline")
+
+    def _size_for(self, must: int, available: int) -> int:
+        """Largest preferred size in [must, available]; else all available (the runner pads to its bucket)."""
+        for p in reversed(self._preferred):
+            if p <= available:
+                return p if p >= must else available
+        return available
+
+    def _plan_partners(self, lead: _Group, n_lead: int, target: int) -> list[tuple[_Group, int]]:
+        """Greedy, closest area first: how many frames of each other same-channel shape join the lead."""
+        channels = lead.shape[2]
+        candidates = [g for g in lead.cls.groups.values()
+                      if g is not lead and g.n and g.shape[2] == channels]
+        if not candidates:
+            return []
+        candidates.sort(key=lambda g: abs(g.area - lead.area))
+        per_pixel_bytes = channels * self._dtype_bytes
+        height, width = lead.shape[0], lead.shape[1]
+        n, real = n_lead, n_lead * lead.area
+        keep = 1.0 - self._waste_max
+        plan = []
+        for g in candidates:
+            if n >= target:
+                break
+            h2, w2 = max(height, g.shape[0]), max(width, g.shape[1])
+            padded = h2 * w2
+            room = min(target, self._s.max_batch_bytes // (padded * per_pixel_bytes)) - n
+            if room <= 0 or _waste(n, real, padded) > self._waste_max:
+                continue
+            k = min(room, g.n)
+            if _waste(n + k, real + k * g.area, padded) > self._waste_max:
+                # real + k*a >= keep*(n+k)*padded  <=>  k <= (real - keep*n*padded) / (keep*padded - a)
+                k = min(k, int((real - keep * n * padded) / (keep * padded - g.area)))
+                while k > 0 and _waste(n + k, real + k * g.area, padded) > self._waste_max:
+                    k -= 1
+            if k <= 0:
+                continue
+            plan.append((g, k))
+            height, width, n, real = h2, w2, n + k, real + k * g.area
+        return plan
+
+    @staticmethod
+    def _trim(plan: list[tuple[_Group, int]], keep: int) -> list[tuple[_Group, int]]:
+        out = []
+        for g, k in plan:
+            if keep <= 0:
+                break
+            out.append((g, min(k, keep)))
+            keep -= k
+        return out
+
+    def _waste(self, lead: _Group, n_lead: int, plan: list[tuple[_Group, int]]) -> float:
+        if not plan:
+            return 0.0
+        height = max(lead.shape[0], *(g.shape[0] for g, _ in plan))
+        width = max(lead.shape[1], *(g.shape[1] for g, _ in plan))
+        n = n_lead + sum(k for _, k in plan)
+        padded = height * width
+        if n * padded * lead.shape[2] * self._dtype_bytes > self._s.max_batch_bytes:
+            return math.inf
+        return _waste(n, n_lead * lead.area + sum(k * g.area for g, k in plan), padded)
+
+    def _take_two_tier(self, group: _Group, k: int, out: list[_Entry], age_now: float,
+                       cutoff: tuple[float, int] | None) -> None:
+        taken = self._take(group, k, out, age_now, group.cls.wait_s, cutoff)
+        if taken < k:
+            self._take(group, k - taken, out, None, group.cls.wait_s, cutoff)
+
+    def _take(self, group: _Group, k: int, out: list[_Entry], age_now: float | None, wait_s: float,
+              cutoff: tuple[float, int] | None) -> int:
+        """Deficit round robin over tenants: move up to k live entries to `out`. With `age_now`, only frames
+        overdue at that time (t + wait_s <= age_now); with `cutoff`, only frames that arrived before it."""
+        ring, queues, credit = group.ring, group.queues, group.credit
+        weights = self._tenant_weights
+        taken = 0
+        idle = 0  # tenants visited in a row without taking anything
+        while taken < k and ring and idle < len(ring):
+            tenant = ring[0]
+            q = queues[tenant]
+            c = credit.get(tenant, 0)
+            if c <= 0:
+                c = weights.get(tenant, 1)
+            took = 0
+            while c > 0 and taken < k and q:
+                e = q[0]
+                if not e.live:
+                    q.popleft()
+                    continue
+                if (age_now is not None and e.t + wait_s > age_now) or (
+                        cutoff is not None and (e.t, e.seq) >= cutoff):
+                    break
+                q.popleft()
+                e.live = False
+                out.append(e)
+                c -= 1
+                taken += 1
+                took += 1
+            while q and not q[0].live:
+                q.popleft()
+            if not q:  # no live frames left: the tenant leaves the ring (progress, so not idle)
+                ring.popleft()
+                del queues[tenant]
+                credit.pop(tenant, None)
+                if took:
+                    idle = 0
+                continue
+            credit[tenant] = c
+            if c <= 0 or taken < k:  # turn over, or blocked by age/cutoff: next tenant
+                ring.rotate(-1)
+            idle = 0 if took else idle + 1
+        if taken:
+            self._forget(group, taken)
+        return taken
+
+    def _forget(self, group: _Group, count: int) -> None:
+        """Bookkeeping for `count` entries of `group` that just stopped being live."""
+        group.n -= count
+        group.cls.pending -= count
+        self._pending_frames -= count
+        self._pending_bytes -= count * group.frame_bytes
+        if group.n:
+            group.refresh_due()
+            return
+        groups = group.cls.fallback if group.fallback else group.cls.groups
+        if groups.get(group.shape) is group:
+            del groups[group.shape]
+        # Entries point at their group: empty its containers so no reference cycle is left for the GC.
+        group.heap.clear()
+        group.queues.clear()
+        group.ring.clear()
+        group.due_at = math.inf
+
+    def _batch(self, entries: list[_Entry], shape: tuple[int, int, int], priority: Priority, lane: str,
+               waste: float, now: float, reason: str) -> Batch:
+        return Batch(tuple(e.frame for e in entries), shape, priority, lane, waste, now, reason)
+
+    # ------------------------------------------------------------------------------------- expiry, flush, etc.
+
+    def pop_expired(self) -> list[Frame]:
+        """Frames whose deadline (capture + class max_age_ms) has passed; they leave the batcher."""
+        self._collect_expired(self._clock())
+        out, self._expired = self._expired, []
+        return out
+
+    def _collect_expired(self, now: float) -> None:
+        heap = self._expiry
+        while heap and heap[0][0] < now:
+            _, _, entry = heapq.heappop(heap)
+            if entry.live:
+                entry.live = False
+                self._forget(entry.group, 1)
+                self._expired.append(entry.frame)
+
+    def next_due(self) -> float | None:
+        """Earliest clock time at which pop_batch()/pop_expired() could return something new (<= now: now).
+        None when the batcher holds nothing."""
+        if self._expired:
+            return self._clock()
+        best = math.inf
+        heap = self._expiry
+        while heap and not heap[0][2].live:
+            heapq.heappop(heap)
+        if heap:
+            best = math.nextafter(heap[0][0], math.inf)  # expiry is strict: due just after
+        for cls in self._classes:
+            if cls.pending:
+                for groups in (cls.fallback, cls.groups):
+                    for group in groups.values():
+                        if group.due_at < best:
+                            best = group.due_at
+        return None if best == math.inf else best
+
+    def flush(self) -> list[Batch]:
+        """Everything pending as batches, ignoring waits (shutdown). Frames already expired are set aside for
+        pop_expired(), never batched."""
+        now = self._clock()
+        self._collect_expired(now)
+        batches = []
+        for cls in self._classes:
+            while cls.pending:
+                _, group = min((g.oldest_key(), g) for groups in (cls.fallback, cls.groups) for g in groups.values())
+                batch = self._release(group, now, math.inf, None, flush=True)
+                assert batch is not None
+                batches.append(batch)
+        return batches
+
+    def discard(self, predicate: Callable[[Frame], bool]) -> list[Frame]:
+        """Remove and return held frames matching `predicate` (e.g. of revoked partitions), including expired
+        ones not yet returned by pop_expired()."""
+        out = []
+        for cls in self._classes:
+            for groups in (cls.fallback, cls.groups):
+                for group in list(groups.values()):
+                    count = 0
+                    for q in group.queues.values():
+                        for e in q:
+                            if e.live and predicate(e.frame):
+                                e.live = False
+                                out.append(e.frame)
+                                count += 1
+                    if count:
+                        self._forget(group, count)
+        kept = []
+        for frame in self._expired:
+            (out if predicate(frame) else kept).append(frame)
+        self._expired = kept
+        return out
+
+    # ---------------------------------------------------------------------------------------- backpressure
+
+    @property
+    def pending_frames(self) -> int:
+        return self._pending_frames
+
+    @property
+    def pending_bytes(self) -> int:
+        """Tensor bytes (h*w*c*tensor_dtype_bytes) of the frames waiting for a batch."""
+        return self._pending_bytes
+
+    def classes_to_pause(self) -> set[Priority]:
+        """Classes whose partitions the source should pause now (rules in the module docstring)."""
+        s = self._s
+        if self._paused_all and (self._pending_frames < RESUME_WATERMARK * s.max_pending_frames
+                                 and self._pending_bytes < RESUME_WATERMARK * s.max_pending_bytes):
+            self._paused_all = False
+        if self._paused_all:
+            return set(Priority)
+        realtime = self._classes[Priority.REALTIME]
+        if not realtime.pending:
+            return set()
+        now = self._clock()
+        backlogged = any(
+            (e := g.oldest()) is not None and e.t + realtime.wait_s <= now
+            for groups in (realtime.groups, realtime.fallback) for g in groups.values())
+        if not backlogged:
+            return set()
+        if realtime.pending > s.max_batch_size:
+            return {Priority.STANDARD, Priority.BULK}
+        return {Priority.BULK}
+
+
+def _waste(n: int, real_pixels: int, padded_pixels: int) -> float:
+    """Share of the batch's padded pixels that are padding."""
+    total = n * padded_pixels
+    return (total - real_pixels) / total

@@ -1,0 +1,210 @@
+"""`worker` command line: thin wrappers over the modules; each subcommand documents its flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from worker.config import ConfigError, Settings, load_settings
+
+log = logging.getLogger("worker")
+
+
+def _settings(args: argparse.Namespace, **extra: dict[str, Any]) -> Settings:
+    overrides: dict[str, dict[str, Any]] = {"kafka": {"bootstrap_servers": getattr(args, "bootstrap_servers", None),
+                                                      "group_id": getattr(args, "group_id", None)}}
+    for section, values in extra.items():
+        overrides.setdefault(section, {}).update(values)
+    return load_settings(getattr(args, "config", None), overrides=overrides)
+
+
+# -- run ---------------------------------------------------------------------------------------------------
+def cmd_run(args: argparse.Namespace) -> int:
+    settings = _settings(args, observability={"metrics_port": args.metrics_port})
+    from worker.app import run_worker, setup_logging
+
+    setup_logging(settings)
+    if args.processes > 1:
+        return _run_processes(args, settings)
+    summary = run_worker(settings, exit_when_idle_s=args.exit_when_idle)
+    print(json.dumps({"consumed": summary.consumed, "results": summary.results, "expired": summary.expired,
+                      "dead_lettered": summary.dead_lettered, "batches": summary.batches,
+                      "commits": summary.commits}), flush=True)
+    return 0
+
+
+def _run_processes(args: argparse.Namespace, settings: Settings) -> int:
+    """N consumer processes of one group on this host; each gets its own worker id and metrics port."""
+    children = []
+    base_port = settings.observability.metrics_port
+    for i in range(args.processes):
+        argv = [sys.executable, "-m", "worker", "run", "--processes", "1"]
+        if args.config:
+            argv += ["--config", args.config]
+        if args.bootstrap_servers:
+            argv += ["--bootstrap-servers", args.bootstrap_servers]
+        if args.group_id:
+            argv += ["--group-id", args.group_id]
+        if args.exit_when_idle is not None:
+            argv += ["--exit-when-idle", str(args.exit_when_idle)]
+        argv += ["--metrics-port", str(base_port + i if base_port else 0)]
+        env = dict(os.environ, WORKER_OBSERVABILITY_WORKER_ID=f"{settings.observability.worker_id}-p{i}")
+        children.append(subprocess.Popen(argv, env=env))
+
+    def forward(signum: int, _frame: Any) -> None:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    codes = [child.wait() for child in children]
+    return max(codes, key=abs)
+
+
+# -- produce -----------------------------------------------------------------------------------------------
+def cmd_produce(args: argparse.Namespace) -> int:
+    from worker.frames import Encoding, Priority
+    from worker.producer import folder_frames, parse_shapes, publish, random_run_id, synthetic_frames, \
+        video_frames
+
+    settings = _settings(args)
+    topics = settings.topics.input_topics()
+    priority = topics.get(args.topic, Priority.STANDARD)
+    encoding = Encoding.JPEG if args.encoding == "jpeg" else Encoding.RAW_RGB8
+    run_id = args.run_id or random_run_id()
+    tenants = [t for t in args.tenants.split(",") if t]
+    if args.from_folder:
+        frames = folder_frames(Path(args.from_folder), encoding, priority, run_id, tenants[0], args.count)
+    elif args.from_video:
+        frames = video_frames(Path(args.from_video), encoding, priority, run_id, tenants[0], args.count)
+    else:
+        frames = synthetic_frames(args.count, parse_shapes(args.shape), encoding, priority, run_id, tenants)
+    report = publish(settings.kafka.bootstrap_servers, args.topic, frames, args.rate)
+    print(json.dumps({"topic": args.topic, "run_id": run_id, "sent": report.sent,
+                      "seconds": round(report.seconds, 3), "max_send_lag_ms": round(report.max_send_lag_ms, 2)}))
+    return 0
+
+
+# -- results -----------------------------------------------------------------------------------------------
+def cmd_results(args: argparse.Namespace) -> int:
+    from worker.results import iter_messages
+    from worker.schemas import decode_result
+
+    for msg in iter_messages(args.bootstrap_servers, args.topic, args.count, args.idle_timeout, follow=args.follow):
+        print(json.dumps(decode_result(msg.value())), flush=True)
+    return 0
+
+
+# -- topics / broker / demo --------------------------------------------------------------------------------
+def cmd_topics(args: argparse.Namespace) -> int:
+    from worker.topics import ensure_topics, worker_topics
+
+    settings = _settings(args)
+    created = ensure_topics(settings.kafka.bootstrap_servers, worker_topics(settings.topics), args.partitions)
+    print(json.dumps({"created": created}))
+    return 0
+
+
+def cmd_broker(args: argparse.Namespace) -> int:
+    from worker.local_kafka import LocalKafka
+
+    broker = LocalKafka(args.dir) if args.dir else LocalKafka()
+    if args.action == "start":
+        st = broker.start()
+        print(st.bootstrap_servers)
+    elif args.action == "stop":
+        print("stopped" if broker.stop() else "not running")
+    elif args.action == "destroy":
+        broker.destroy()
+        print("destroyed")
+    else:
+        st = broker.running()
+        print(st.bootstrap_servers if st else "not running")
+        return 0 if st else 1
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from worker.demo import run_demo
+
+    return run_demo(frames_per_topic=args.frames, keep_broker=args.keep_broker)
+
+
+# -- parser ------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="worker", description="streamfer: Kafka streaming inference worker "
+                                     "for video moderation. Settings come from --config (TOML) and "
+                                     "WORKER_<SECTION>_<FIELD> environment variables; flags win.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser, bootstrap_required: bool = False) -> None:
+        p.add_argument("--bootstrap-servers", "-b", required=bootstrap_required,
+                       help="Kafka bootstrap servers, host:port[,host:port] (default: kafka.bootstrap_servers)")
+        p.add_argument("--config", "-c", help="TOML settings file (see docs/configuration.md)")
+        p.add_argument("--group-id", help="consumer group (default: kafka.group_id)")
+
+    run = sub.add_parser("run", help="run the worker: consume frames, batch, infer, produce results")
+    common(run)
+    run.add_argument("--exit-when-idle", type=float, metavar="SECONDS",
+                     help="exit after this long with no input and nothing in flight (batch jobs, tests)")
+    run.add_argument("--processes", type=int, default=1, help="consumer processes of the group on this host")
+    run.add_argument("--metrics-port", type=int, help="port for /metrics, /healthz, /readyz (0: any free port)")
+    run.set_defaults(func=cmd_run)
+
+    prod = sub.add_parser("produce", help="publish frames: synthetic, from an image folder, or from a video")
+    common(prod)
+    prod.add_argument("--topic", "-t", required=True, help="input topic, e.g. frames.realtime")
+    prod.add_argument("--count", "-n", type=int, default=100, help="frames to send (default 100)")
+    prod.add_argument("--shape", default="64x64", help="WIDTHxHEIGHT[,WIDTHxHEIGHT...] cycled (default 64x64)")
+    prod.add_argument("--rate", type=float, help="frames per second, open loop (default: as fast as possible)")
+    prod.add_argument("--encoding", choices=["raw", "jpeg"], default="raw", help="pixel encoding (default raw)")
+    prod.add_argument("--tenants", default="tenant-a,tenant-b,tenant-c", help="comma-separated tenants, cycled")
+    prod.add_argument("--from-folder", help="publish the images in this folder instead of synthetic frames")
+    prod.add_argument("--from-video", help="publish the frames of this video (needs PyAV: pip install av)")
+    prod.add_argument("--run-id", help="prefix of the stream ids (default: random)")
+    prod.set_defaults(func=cmd_produce)
+
+    res = sub.add_parser("results", help="print moderation results as JSON lines")
+    res.add_argument("--bootstrap-servers", "-b", required=True)
+    res.add_argument("--topic", default="moderation.results")
+    res.add_argument("--count", "-n", type=int, help="stop after this many results")
+    res.add_argument("--idle-timeout", type=float, default=5.0, help="stop after this long at the end (seconds)")
+    res.add_argument("--follow", "-f", action="store_true", help="keep waiting for new results")
+    res.set_defaults(func=cmd_results)
+
+    top = sub.add_parser("topics", help="create the input, results and dead-letter topics if missing")
+    common(top)
+    top.add_argument("--partitions", type=int, default=3)
+    top.set_defaults(func=cmd_topics)
+
+    brk = sub.add_parser("broker", help="the local single-node Apache Kafka (KRaft) from Maven jars, no Docker")
+    brk.add_argument("action", choices=["start", "stop", "status", "destroy"])
+    brk.add_argument("--dir", help="state directory (default .local-kafka in the project)")
+    brk.set_defaults(func=cmd_broker)
+
+    demo = sub.add_parser("demo", help="all in one: local broker, sample frames, the worker, a summary")
+    demo.add_argument("--frames", type=int, default=120, help="frames per priority topic (default 120)")
+    demo.add_argument("--keep-broker", action="store_true", help="leave the local broker running afterwards")
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

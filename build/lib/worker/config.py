@@ -1,0 +1,378 @@
+"""One validated settings object, read from a TOML file and `WORKER_<SECTION>_<FIELD>` environment variables.
+
+This is the only place defaults live. `load_settings` either returns a complete, valid `Settings` or raises
+`ConfigError` naming every bad field, so the worker never starts half-configured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from worker.frames import Priority
+
+ENV_PREFIX = "WORKER_"
+
+
+class ConfigError(ValueError):
+    """Raised when settings are invalid; the message names each bad field and what it accepts."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("invalid worker configuration:\n  - " + "\n  - ".join(problems))
+
+
+@dataclass(frozen=True)
+class KafkaSettings:
+    bootstrap_servers: str = "127.0.0.1:9092"
+    group_id: str = "streamfer-worker"
+    # Static membership: a restarted worker with the same id gets its partitions back without a rebalance.
+    group_instance_id: str = ""
+    session_timeout_ms: int = 45_000
+    max_poll_interval_ms: int = 300_000
+    # Extra librdkafka properties for consumer and producer, e.g. security settings.
+    consumer_overrides: dict[str, str] = field(default_factory=dict)
+    producer_overrides: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TopicSettings:
+    realtime: str = "frames.realtime"
+    standard: str = "frames.standard"
+    bulk: str = "frames.bulk"
+    results: str = "moderation.results"
+    dead_letter: str = "frames.dlq"
+
+    def input_topics(self) -> dict[str, Priority]:
+        return {self.realtime: Priority.REALTIME, self.standard: Priority.STANDARD, self.bulk: Priority.BULK}
+
+
+@dataclass(frozen=True)
+class ClassSettings:
+    """Latency budget of one priority class."""
+
+    max_wait_ms: float
+    # A frame older than this (from capture) is not run but reported EXPIRED; 0 disables expiry.
+    max_age_ms: float
+    # Weight of the class when several have ready batches (higher = served more often, never starved).
+    weight: int
+
+
+@dataclass(frozen=True)
+class BatchingSettings:
+    max_batch_size: int = 32
+    # Release at one of these sizes rather than one frame past it (the runner's CUDA-graph buckets are added).
+    preferred_batch_sizes: tuple[int, ...] = ()
+    # Frames of close shapes may share a batch padded to the largest while padded pixels stay under this share.
+    padding_waste_max: float = 0.20
+    # Upper bound of one batch's padded input tensor, in bytes (batch x H x W x C x tensor_dtype_bytes).
+    max_batch_bytes: int = 256 * 1024 * 1024
+    tensor_dtype_bytes: int = 4
+    # Shapes seen fewer times than this within the window go to the fallback lane, which runs them alone.
+    rare_shape_min_count: int = 2
+    rare_shape_window_ms: float = 10_000.0
+    fallback_max_batch_size: int = 4
+    # Backpressure: the batcher holds at most this many frames / bytes before the source pauses.
+    max_pending_frames: int = 2048
+    max_pending_bytes: int = 512 * 1024 * 1024
+    realtime: ClassSettings = field(default_factory=lambda: ClassSettings(max_wait_ms=5, max_age_ms=2_000, weight=8))
+    standard: ClassSettings = field(default_factory=lambda: ClassSettings(max_wait_ms=15, max_age_ms=30_000, weight=3))
+    bulk: ClassSettings = field(default_factory=lambda: ClassSettings(max_wait_ms=100, max_age_ms=0, weight=1))
+    # Per-tenant weights for fair filling within a class; unknown tenants weigh 1.
+    tenant_weights: dict[str, int] = field(default_factory=dict)
+
+    def for_class(self, priority: Priority) -> ClassSettings:
+        return {Priority.REALTIME: self.realtime, Priority.STANDARD: self.standard, Priority.BULK: self.bulk}[priority]
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    # "builtin" (the shipped moderation CNN), a TorchScript file (*.pt, *.ts), a torch.export file (*.pt2),
+    # or a Python factory "package.module:function".
+    source: str = "builtin"
+    state_dict: str = ""
+    name: str = "streamfer-moderation-cnn"
+    version: str = "1"
+    labels: tuple[str, ...] = ("nudity", "violence", "weapons", "drugs", "hate_symbols")
+    # Per-label threshold; a label not listed uses default_threshold.
+    thresholds: dict[str, float] = field(default_factory=dict)
+    default_threshold: float = 0.5
+    # Fixed model input (height, width); empty means the model takes any size (frames are batched by shape).
+    input_size: tuple[int, ...] = ()
+    mean: tuple[float, ...] = (0.485, 0.456, 0.406)
+    std: tuple[float, ...] = (0.229, 0.224, 0.225)
+    # "sigmoid": independent labels; "softmax": mutually exclusive; "none": the model already outputs probabilities.
+    activation: str = "sigmoid"
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    # "auto" picks cuda when available, else cpu; "cuda:N" or "cuda" for all GPUs.
+    device: str = "auto"
+    precision: str = "fp32"
+    cuda_graphs: bool = True
+    graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    warmup_batches: int = 8
+    preprocess_threads: int = 1
+    # CPU intra-op threads for torch; 0 keeps torch's default.
+    torch_threads: int = 0
+
+
+@dataclass(frozen=True)
+class DeliverySettings:
+    # "at_least_once": commit offsets after results are acknowledged. "exactly_once": results and offsets in
+    # one Kafka transaction per batch.
+    mode: str = "at_least_once"
+    transactional_id_prefix: str = "streamfer"
+    # Batches dispatched to the runtime but not yet finished.
+    max_inflight_batches: int = 2
+    commit_interval_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class ObservabilitySettings:
+    metrics_enabled: bool = True
+    # 0 picks a free port (logged at start-up); useful when several workers share a host.
+    metrics_port: int = 9400
+    metrics_host: str = "0.0.0.0"
+    log_format: str = "text"
+    log_level: str = "INFO"
+    worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+
+
+@dataclass(frozen=True)
+class Settings:
+    kafka: KafkaSettings = field(default_factory=KafkaSettings)
+    topics: TopicSettings = field(default_factory=TopicSettings)
+    batching: BatchingSettings = field(default_factory=BatchingSettings)
+    model: ModelSettings = field(default_factory=ModelSettings)
+    runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
+    delivery: DeliverySettings = field(default_factory=DeliverySettings)
+    observability: ObservabilitySettings = field(default_factory=ObservabilitySettings)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Settings)}
+
+
+def load_settings(
+    path: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> Settings:
+    """Merge file < environment < explicit overrides (CLI flags), then validate everything at once."""
+    raw: dict[str, dict[str, Any]] = {}
+    problems: list[str] = []
+    if path is not None:
+        try:
+            with open(path, "rb") as fh:
+                file_data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError([f"config file {path}: not found"]) from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError([f"config file {path}: not valid TOML ({exc})"]) from None
+        for section, values in file_data.items():
+            if section not in SECTIONS:
+                problems.append(f"[{section}]: unknown section (known: {', '.join(SECTIONS)})")
+            elif not isinstance(values, dict):
+                problems.append(f"[{section}]: must be a table")
+            else:
+                raw.setdefault(section, {}).update(values)
+    for key, value in (os.environ if env is None else env).items():
+        if not key.startswith(ENV_PREFIX):
+            continue
+        rest = key[len(ENV_PREFIX):].lower()
+        section, _, name = rest.partition("_")
+        if section in SECTIONS and name:
+            raw.setdefault(section, {})[name] = value
+    for section, values in (overrides or {}).items():
+        raw.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
+
+    built: dict[str, Any] = {}
+    for section, section_type in _section_types().items():
+        built[section] = _build(section_type, raw.get(section, {}), section, problems)
+    # Fields that failed to parse were left at their defaults, so range checks still run on the rest.
+    settings = Settings(**built)
+    problems.extend(validate(settings))
+    if problems:
+        raise ConfigError(problems)
+    return settings
+
+
+def _section_types() -> dict[str, type]:
+    hints = typing.get_type_hints(Settings)
+    return {name: hints[name] for name in SECTIONS}
+
+
+def _build(cls: type, values: Mapping[str, Any], where: str, problems: list[str]) -> Any:
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    nested_prefixes = {n for n in known if dataclasses.is_dataclass(hints[n])}
+    nested_values: dict[str, dict[str, Any]] = {}
+    for key, value in values.items():
+        # Env vars flatten nested tables: WORKER_BATCHING_REALTIME_MAX_WAIT_MS -> realtime.max_wait_ms.
+        prefix, _, sub = key.partition("_")
+        if key not in known and prefix in nested_prefixes and sub:
+            nested_values.setdefault(prefix, {})[sub] = value
+            continue
+        if key not in known:
+            problems.append(f"{where}.{key}: unknown setting (known: {', '.join(sorted(known))})")
+            continue
+        if key in nested_prefixes:
+            if not isinstance(value, Mapping):
+                problems.append(f"{where}.{key}: must be a table")
+                continue
+            nested_values.setdefault(key, {}).update(value)
+            continue
+        try:
+            kwargs[key] = _coerce(value, hints[key])
+        except (TypeError, ValueError) as exc:
+            problems.append(f"{where}.{key}: {exc} (got {value!r})")
+    for name, sub_values in nested_values.items():
+        default = next(f for f in dataclasses.fields(cls) if f.name == name)
+        base = dataclasses.asdict(default.default_factory()) if default.default_factory is not dataclasses.MISSING else {}
+        base.update(sub_values)
+        kwargs[name] = _build(hints[name], base, f"{where}.{name}", problems)
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        problems.append(f"{where}: {exc}")
+        return cls()
+
+
+def _coerce(value: Any, hint: Any) -> Any:
+    """Turn a TOML value or an env-var string into the declared type, or raise with what was expected."""
+    origin = typing.get_origin(hint)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        raise ValueError("expected true or false")
+    if hint is int:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError("expected an integer")
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ValueError("expected an integer") from None
+    if hint is float:
+        if isinstance(value, bool):
+            raise ValueError("expected a number")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError("expected a number") from None
+    if hint is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ValueError("expected a string")
+        return str(value)
+    if origin is tuple:
+        (item_type, _ellipsis) = typing.get_args(hint)
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError("expected a list")
+        return tuple(_coerce(v, item_type) for v in value)
+    if origin is dict:
+        key_type, value_type = typing.get_args(hint)
+        if isinstance(value, str):
+            pairs = [p for p in value.split(",") if p.strip()]
+            try:
+                value = dict(p.split("=", 1) for p in pairs)
+            except ValueError:
+                raise ValueError("expected key=value pairs separated by commas") from None
+        if not isinstance(value, Mapping):
+            raise ValueError("expected a table of key = value")
+        return {_coerce(k, key_type): _coerce(v, value_type) for k, v in value.items()}
+    if origin in (typing.Union, types.UnionType):
+        raise TypeError(f"unsupported setting type {hint}")
+    raise TypeError(f"unsupported setting type {hint}")
+
+
+def validate(s: Settings) -> list[str]:
+    """Cross-field and range checks; each problem names the field as it is written in the config file."""
+    p: list[str] = []
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            p.append(message)
+
+    k = s.kafka
+    need(bool(k.bootstrap_servers.strip()), "kafka.bootstrap_servers: must not be empty (host:port[,host:port])")
+    need(bool(k.group_id.strip()), "kafka.group_id: must not be empty")
+    need(1_000 <= k.session_timeout_ms <= 3_600_000, "kafka.session_timeout_ms: must be 1000..3600000")
+    need(k.max_poll_interval_ms >= k.session_timeout_ms,
+         "kafka.max_poll_interval_ms: must be >= kafka.session_timeout_ms")
+
+    t = s.topics
+    names = [t.realtime, t.standard, t.bulk, t.results, t.dead_letter]
+    need(all(n.strip() for n in names), "topics: no topic name may be empty")
+    need(len(set(names)) == len(names), "topics: input, results and dead_letter topics must all differ")
+
+    b = s.batching
+    need(1 <= b.max_batch_size <= 4096, "batching.max_batch_size: must be 1..4096")
+    need(all(1 <= x <= b.max_batch_size for x in b.preferred_batch_sizes),
+         "batching.preferred_batch_sizes: each must be 1..batching.max_batch_size")
+    need(0.0 <= b.padding_waste_max < 1.0, "batching.padding_waste_max: must be in [0, 1)")
+    need(b.max_batch_bytes >= 1024, "batching.max_batch_bytes: must be >= 1024")
+    need(b.tensor_dtype_bytes in (1, 2, 4, 8), "batching.tensor_dtype_bytes: must be 1, 2, 4 or 8")
+    need(b.rare_shape_min_count >= 1, "batching.rare_shape_min_count: must be >= 1")
+    need(b.rare_shape_window_ms > 0, "batching.rare_shape_window_ms: must be > 0")
+    need(1 <= b.fallback_max_batch_size <= b.max_batch_size,
+         "batching.fallback_max_batch_size: must be 1..batching.max_batch_size")
+    need(b.max_pending_frames >= b.max_batch_size, "batching.max_pending_frames: must be >= batching.max_batch_size")
+    need(b.max_pending_bytes >= 1024, "batching.max_pending_bytes: must be >= 1024")
+    for prio in Priority:
+        c = b.for_class(prio)
+        need(0 <= c.max_wait_ms <= 1000, f"batching.{prio.label}.max_wait_ms: must be 0..1000")
+        need(c.max_age_ms == 0 or c.max_age_ms >= c.max_wait_ms,
+             f"batching.{prio.label}.max_age_ms: must be 0 (no expiry) or >= its max_wait_ms")
+        need(c.weight >= 1, f"batching.{prio.label}.weight: must be >= 1")
+    need(all(w >= 1 for w in b.tenant_weights.values()), "batching.tenant_weights: each weight must be >= 1")
+
+    m = s.model
+    need(bool(m.source.strip()), "model.source: must be 'builtin', a model file, or 'module:function'")
+    need(len(m.labels) >= 1 and len(set(m.labels)) == len(m.labels), "model.labels: must be non-empty and unique")
+    need(set(m.thresholds) <= set(m.labels),
+         f"model.thresholds: unknown labels {sorted(set(m.thresholds) - set(m.labels))} (labels: {list(m.labels)})")
+    need(all(0.0 <= v <= 1.0 for v in [*m.thresholds.values(), m.default_threshold]),
+         "model.thresholds / model.default_threshold: must be in [0, 1]")
+    need(len(m.input_size) in (0, 2) and all(x > 0 for x in m.input_size),
+         "model.input_size: must be empty (any size) or [height, width] > 0")
+    need(len(m.mean) == len(m.std) and all(x > 0 for x in m.std), "model.mean / model.std: same length, std > 0")
+    need(m.activation in ("sigmoid", "softmax", "none"), "model.activation: must be sigmoid, softmax or none")
+
+    r = s.runtime
+    need(r.device == "auto" or r.device == "cpu" or r.device.startswith("cuda"),
+         "runtime.device: must be auto, cpu, cuda or cuda:N")
+    need(r.precision in ("fp32", "fp16", "bf16"), "runtime.precision: must be fp32, fp16 or bf16")
+    need(len(r.graph_batch_sizes) >= 1 and all(x >= 1 for x in r.graph_batch_sizes),
+         "runtime.graph_batch_sizes: must list at least one size >= 1")
+    need(r.warmup_batches >= 0, "runtime.warmup_batches: must be >= 0")
+    need(1 <= r.preprocess_threads <= 64, "runtime.preprocess_threads: must be 1..64")
+    need(r.torch_threads >= 0, "runtime.torch_threads: must be >= 0")
+
+    d = s.delivery
+    need(d.mode in ("at_least_once", "exactly_once"), "delivery.mode: must be at_least_once or exactly_once")
+    need(bool(d.transactional_id_prefix.strip()), "delivery.transactional_id_prefix: must not be empty")
+    need(1 <= d.max_inflight_batches <= 64, "delivery.max_inflight_batches: must be 1..64")
+    need(d.commit_interval_ms >= 0, "delivery.commit_interval_ms: must be >= 0")
+
+    o = s.observability
+    need(0 <= o.metrics_port <= 65535, "observability.metrics_port: must be 0..65535 (0 picks a free port)")
+    need(o.log_format in ("text", "json"), "observability.log_format: must be text or json")
+    need(o.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"),
+         "observability.log_level: must be DEBUG, INFO, WARNING or ERROR")
+    return p
+
+
+def settings_as_dict(s: Settings) -> dict[str, Any]:
+    return dataclasses.asdict(s)

@@ -1,0 +1,102 @@
+"""Values passed between the stages: a decoded frame, where it came from, and what became of it.
+
+Pure data: no Kafka, no torch. Every stage below the source speaks in these types.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Priority(enum.IntEnum):
+    """Service class of a frame, taken from the topic it was read from. Lower value is served first."""
+
+    REALTIME = 0
+    STANDARD = 1
+    BULK = 2
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class Encoding(enum.Enum):
+    RAW_RGB8 = "RAW_RGB8"
+    JPEG = "JPEG"
+
+
+@dataclass(frozen=True, order=True)
+class SourceRef:
+    """Kafka coordinates of the message a frame came from: the unit of offset tracking."""
+
+    topic: str
+    partition: int
+    offset: int
+
+    @property
+    def topic_partition(self) -> tuple[str, int]:
+        return (self.topic, self.partition)
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One decoded frame header plus its (still encoded) pixel bytes.
+
+    `received_at` is the worker's clock (wall seconds) when the frame was polled; the batcher and the
+    latency metrics measure from it. `capture_ts_ms` is the producer's wall clock.
+    """
+
+    stream_id: str
+    frame_index: int
+    tenant: str
+    priority: Priority
+    capture_ts_ms: int
+    width: int
+    height: int
+    channels: int
+    encoding: Encoding
+    data: bytes
+    source: SourceRef
+    received_at: float = 0.0
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(height, width, channels) of the decoded image."""
+        return (self.height, self.width, self.channels)
+
+    @property
+    def frame_id(self) -> str:
+        return f"{self.stream_id}/{self.frame_index}"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The model's output for one frame: per-label scores and the thresholded decision."""
+
+    scores: dict[str, float]
+    flagged_labels: tuple[str, ...]
+
+    @property
+    def flagged(self) -> bool:
+        return bool(self.flagged_labels)
+
+
+@dataclass(frozen=True)
+class BatchTiming:
+    """How one batch ran; copied into each of its frames' results."""
+
+    batch_size: int
+    started_at: float
+    inference_ms: float
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """A message the worker could not process, with the reason, destined for the dead-letter topic."""
+
+    source: SourceRef
+    reason: str
+    error_type: str
+    payload: bytes = field(repr=False, default=b"")
+    key: bytes | None = field(repr=False, default=None)

@@ -1,0 +1,142 @@
+"""Every Prometheus metric of the worker, defined once with its help text, and the HTTP endpoint that
+serves them together with `/healthz` and `/readyz`.
+
+docs/metrics.md lists the same names; tests/unit/test_deploy_manifests.py keeps the two in step.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                     2.0, 5.0, 10.0, 30.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)
+RATIO_BUCKETS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5)
+
+
+class Metrics:
+    """The worker's metrics on one registry (a fresh registry per worker keeps tests independent)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.frames_consumed = Counter("streamfer_frames_consumed_total", "Frame messages read from Kafka.",
+                                       ["topic", "tenant"], registry=r)
+        self.results_produced = Counter("streamfer_results_produced_total",
+                                        "Moderation results acknowledged by the broker (status OK or EXPIRED).",
+                                        ["topic", "tenant", "status"], registry=r)
+        self.frames_expired = Counter("streamfer_frames_expired_total",
+                                      "Frames not run because their deadline passed.", ["topic", "tenant"], registry=r)
+        self.frames_dead_lettered = Counter("streamfer_frames_dead_lettered_total",
+                                            "Messages sent to the dead-letter topic, by reason class.",
+                                            ["topic", "error_type"], registry=r)
+        self.frames_flagged = Counter("streamfer_frames_flagged_total", "Frames the model flagged, by label.",
+                                      ["label"], registry=r)
+        self.batch_size = Histogram("streamfer_batch_size", "Frames per executed batch.", ["priority", "lane"],
+                                    buckets=BATCH_SIZE_BUCKETS, registry=r)
+        self.queue_wait = Histogram("streamfer_queue_wait_seconds",
+                                    "From a frame being read to its batch starting to run.", ["priority"],
+                                    buckets=LATENCY_BUCKETS_S, registry=r)
+        self.preprocess_latency = Histogram("streamfer_preprocess_seconds", "Decode, pad and normalise per batch.",
+                                            buckets=LATENCY_BUCKETS_S, registry=r)
+        self.inference_latency = Histogram("streamfer_inference_seconds", "Model call per batch.",
+                                           buckets=LATENCY_BUCKETS_S, registry=r)
+        self.end_to_end_latency = Histogram("streamfer_end_to_end_seconds",
+                                            "From the frame's capture timestamp to its result being produced.",
+                                            ["priority"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.padding_waste = Histogram("streamfer_padding_waste_ratio",
+                                       "Share of padded pixels in each executed batch.", buckets=RATIO_BUCKETS,
+                                       registry=r)
+        self.inflight_frames = Gauge("streamfer_inflight_frames",
+                                     "Frames read but not yet done (batching, running or awaiting acks).",
+                                     registry=r)
+        self.inflight_bytes = Gauge("streamfer_inflight_bytes", "Padded tensor bytes held by the batcher.",
+                                    registry=r)
+        self.paused_partitions = Gauge("streamfer_paused_partitions",
+                                       "Input partitions paused for priority or backpressure.", registry=r)
+        self.consumer_lag = Gauge("streamfer_consumer_lag", "High watermark minus position, per assigned partition.",
+                                  ["topic", "partition"], registry=r)
+        self.commits = Counter("streamfer_commits_total", "Offset commits, by outcome.", ["outcome"], registry=r)
+        self.commit_latency = Histogram("streamfer_commit_seconds",
+                                        "Offset commit (or transaction commit) duration.",
+                                        buckets=LATENCY_BUCKETS_S, registry=r)
+        self.rebalances = Counter("streamfer_rebalances_total", "Partition assignment changes, by kind.",
+                                  ["kind"], registry=r)
+        self.model_info = Info("streamfer_model", "The loaded model and device.", registry=r)
+        self.gpu_memory = Gauge("streamfer_gpu_memory_bytes", "GPU memory allocated by torch, per device.",
+                                ["device"], registry=r)
+        self.ready = Gauge("streamfer_ready", "1 when assigned, consuming and warmed up.", registry=r)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+@dataclass
+class Health:
+    """What /healthz and /readyz report; the pipeline flips the flags."""
+
+    alive: bool = True
+    warmed_up: bool = False
+    assigned: bool = False
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def ready(self) -> bool:
+        return self.alive and self.warmed_up and self.assigned
+
+
+class MetricsServer:
+    """Serves /metrics, /healthz and /readyz on one port, in a daemon thread."""
+
+    def __init__(self, metrics: Metrics, health: Health, host: str, port: int,
+                 before_scrape: Callable[[], None] | None = None) -> None:
+        metrics_ref, health_ref, hook = metrics, health, before_scrape
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server naming)
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    if hook is not None:
+                        hook()
+                    self._reply(200, metrics_ref.exposition(), CONTENT_TYPE_LATEST)
+                elif path == "/healthz":
+                    ok = health_ref.alive
+                    self._reply(200 if ok else 503, b"ok\n" if ok else b"dead\n")
+                elif path == "/readyz":
+                    ok = health_ref.ready
+                    body = b"ready\n" if ok else (
+                        f"not ready: warmed_up={health_ref.warmed_up} assigned={health_ref.assigned}\n".encode())
+                    self._reply(200 if ok else 503, body)
+                else:
+                    self._reply(404, b"not found\n")
+
+            def _reply(self, code: int, body: bytes, ctype: str = "text/plain; charset=utf-8") -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:  # quiet: one line per scrape is noise
+                return
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
+
+    def start(self) -> "MetricsServer":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -1,0 +1,90 @@
+"""Per-partition tracking of which offsets are done, giving the highest offset that is safe to commit.
+
+Batches of different shapes and priorities finish out of order, so a partition's commit point is the
+lowest offset that is read but not yet done: committing past it would lose that frame on a crash.
+Pure policy: no Kafka import.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+TopicPartition = tuple[str, int]
+
+
+class OffsetTrackingError(RuntimeError):
+    """An offset was marked done that was never tracked, or tracked twice: a pipeline bug, never data."""
+
+
+@dataclass
+class _PartitionState:
+    # Offsets read and not yet done: a min-heap (with lazy deletion) plus a set for membership.
+    outstanding: list[int] = field(default_factory=list)
+    outstanding_set: set[int] = field(default_factory=set)
+    highest_seen: int = -1
+    committed: int = -1  # next offset to consume, as last committed (-1: nothing committed by us)
+
+
+class OffsetTracker:
+    """Tracks read and done offsets per partition; `commit_points` gives the offsets to commit."""
+
+    def __init__(self) -> None:
+        self._parts: dict[TopicPartition, _PartitionState] = {}
+
+    def track(self, tp: TopicPartition, offset: int) -> None:
+        """Record that `offset` was read and is now in flight."""
+        st = self._parts.setdefault(tp, _PartitionState())
+        if offset in st.outstanding_set:
+            raise OffsetTrackingError(f"offset {offset} of {tp} tracked twice")
+        st.outstanding_set.add(offset)
+        heapq.heappush(st.outstanding, offset)
+        st.highest_seen = max(st.highest_seen, offset)
+
+    def mark_done(self, tp: TopicPartition, offset: int) -> None:
+        """Record that `offset` needs no more work (result acknowledged, dead-lettered or expired)."""
+        st = self._parts.get(tp)
+        if st is None or offset not in st.outstanding_set:
+            raise OffsetTrackingError(f"offset {offset} of {tp} marked done but not in flight")
+        st.outstanding_set.remove(offset)
+        # Lazy deletion: pop finished offsets off the top of the heap only.
+        while st.outstanding and st.outstanding[0] not in st.outstanding_set:
+            heapq.heappop(st.outstanding)
+
+    def in_flight(self, tp: TopicPartition | None = None) -> int:
+        if tp is not None:
+            st = self._parts.get(tp)
+            return len(st.outstanding_set) if st else 0
+        return sum(len(st.outstanding_set) for st in self._parts.values())
+
+    def commit_points(self) -> dict[TopicPartition, int]:
+        """Offsets to commit (Kafka's "next offset to read") for partitions whose watermark moved."""
+        points: dict[TopicPartition, int] = {}
+        for tp, st in self._parts.items():
+            point = self._watermark(st)
+            if point is not None and point > st.committed:
+                points[tp] = point
+        return points
+
+    def mark_committed(self, points: dict[TopicPartition, int]) -> None:
+        for tp, point in points.items():
+            st = self._parts.get(tp)
+            if st is not None and point > st.committed:
+                st.committed = point
+
+    def forget(self, tp: TopicPartition) -> int:
+        """Stop tracking a revoked or lost partition; returns how many offsets were still in flight."""
+        st = self._parts.pop(tp, None)
+        return len(st.outstanding_set) if st else 0
+
+    def tracks(self, tp: TopicPartition) -> bool:
+        return tp in self._parts
+
+    def partitions(self) -> list[TopicPartition]:
+        return list(self._parts)
+
+    @staticmethod
+    def _watermark(st: _PartitionState) -> int | None:
+        if st.highest_seen < 0:
+            return None
+        return st.outstanding[0] if st.outstanding else st.highest_seen + 1

@@ -1,0 +1,86 @@
+"""Reading moderation results (and dead letters) back: for `worker results`, the demo and the tests'
+verifier. Reads committed messages only, from the beginning of every partition, without joining a group.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+
+from worker.schemas import decode_result
+
+
+@dataclass(frozen=True)
+class DeadLetterRecord:
+    key: bytes | None
+    value: bytes
+    headers: dict[str, str]
+
+
+def _consumer(bootstrap_servers: str, topic: str) -> Consumer:
+    consumer = Consumer({
+        "bootstrap.servers": bootstrap_servers,
+        "group.id": "streamfer-reader",  # required by librdkafka; never used: partitions are assigned
+        "enable.auto.commit": False,
+        "isolation.level": "read_committed",
+        "enable.partition.eof": True,
+    })
+    md = consumer.list_topics(topic, timeout=10)
+    partitions = md.topics[topic].partitions if topic in md.topics else {}
+    consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
+    return consumer
+
+
+def iter_messages(bootstrap_servers: str, topic: str, count: int | None = None, idle_timeout_s: float = 5.0,
+                  follow: bool = False, timeout_s: float | None = None) -> Iterator[Any]:
+    """Yield raw messages until `count` are read, or (unless `follow`) all partitions hit their end and
+    nothing new came for `idle_timeout_s`. Raises TimeoutError after `timeout_s` in total."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    consumer = _consumer(bootstrap_servers, topic)
+    n_parts = len(consumer.assignment())
+    at_end: set[int] = set()
+    seen = 0
+    last = time.monotonic()
+    try:
+        while count is None or seen < count:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"read {seen} messages from {topic} in {timeout_s}s, expected more")
+            msg = consumer.poll(0.2)
+            if msg is None:
+                if not follow and len(at_end) >= n_parts and time.monotonic() - last >= idle_timeout_s:
+                    return
+                continue
+            if msg.error() is not None:
+                if msg.error().code() == KafkaError._PARTITION_EOF:
+                    at_end.add(msg.partition())
+                    continue
+                raise RuntimeError(msg.error().str())
+            at_end.discard(msg.partition())
+            last = time.monotonic()
+            seen += 1
+            yield msg
+    finally:
+        consumer.close()
+
+
+def read_results(bootstrap_servers: str, topic: str = "moderation.results", count: int | None = None,
+                 idle_timeout_s: float = 5.0, until: Callable[[list[dict[str, Any]]], bool] | None = None,
+                 timeout_s: float = 120.0) -> list[dict[str, Any]]:
+    """All decoded results; stops early once `until(results)` is true, raises TimeoutError past timeout_s."""
+    out: list[dict[str, Any]] = []
+    for msg in iter_messages(bootstrap_servers, topic, count, idle_timeout_s, follow=until is not None,
+                             timeout_s=timeout_s):
+        out.append(decode_result(msg.value()))
+        if until is not None and until(out):
+            break
+    return out
+
+
+def read_dead_letters(bootstrap_servers: str, topic: str = "frames.dlq", idle_timeout_s: float = 3.0
+                      ) -> list[DeadLetterRecord]:
+    return [DeadLetterRecord(key=m.key(), value=m.value() or b"",
+                             headers={k: (v or b"").decode(errors="replace") for k, v in (m.headers() or [])})
+            for m in iter_messages(bootstrap_servers, topic, None, idle_timeout_s)]

@@ -1,0 +1,295 @@
+"""The pipeline's only entry point into torch: submit a batch of frames, get a Future of its outcome.
+
+A preprocessing pool decodes and stages batch N+1 while a runner's inference thread executes batch N.
+Bad frames never raise: undecodable ones, ones the model fails on alone, and ones with non-finite scores
+come back as `FrameFailure`s beside the verdicts of the rest.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from worker.config import ConfigError, ModelSettings, RuntimeSettings
+from worker.frames import Frame, Verdict
+from worker.runtime.models import ModelContract, load_model
+from worker.runtime.preprocess import HostBatch, Preprocessor, stage_to_device
+from worker.runtime.runners import EagerRunner, RunResult, make_runner
+
+log = logging.getLogger(__name__)
+
+# FrameFailure.error_type values (they become the dead letter's error_type).
+DECODE_ERROR = "FrameDecodeError"
+MODEL_ERROR = "ModelError"
+NON_FINITE_OUTPUT = "NonFiniteOutput"
+
+
+@dataclass(frozen=True)
+class FrameFailure:
+    """A frame dead-lettered instead of run, with why."""
+
+    frame: Frame
+    reason: str
+    error_type: str
+
+
+@dataclass(frozen=True)
+class BatchOutcome:
+    verdicts: list[tuple[Frame, Verdict]]  # frames that ran, in batch order
+    failures: list[FrameFailure]  # undecodable frames, then frames the model failed on or scored NaN/inf
+    batch_size: int  # frames the model ran on (the decodable ones)
+    preprocess_ms: float
+    inference_ms: float
+    started_at: float  # time.time() when the batch started preprocessing
+    bucket: int  # padded batch size executed (the CUDA-graph bucket; == batch_size in eager; 1 after a retry)
+    used_graph: bool
+
+
+@dataclass
+class _Slot:
+    """One runner with its inference thread and the number of frames submitted to it and not yet done."""
+
+    runner: EagerRunner
+    thread: concurrent.futures.ThreadPoolExecutor
+    load: int = 0
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Devices, precision and graph sizes resolved from RuntimeSettings."""
+
+    devices: tuple[torch.device, ...]
+    precision: str
+    cuda_graphs: bool
+    buckets: tuple[int, ...] = ()
+
+
+class InferenceExecutor:
+    """Owns the runner(s) and a preprocessing pool; the pipeline's only entry point into torch."""
+
+    def __init__(self, runners: Sequence[EagerRunner], contract: ModelContract, preprocess_threads: int = 1,
+                 warmup_batches: int = 8, warmup_batch_size: int = 1, device_description: str = ""):
+        if not runners:
+            raise ValueError("InferenceExecutor needs at least one runner")
+        self.contract = contract
+        self.model_name = contract.name
+        self.model_version = contract.version
+        self.labels = contract.labels
+        self.device_description = device_description or ", ".join(str(r.device) for r in runners)
+        graph_buckets = [getattr(r, "buckets", ()) for r in runners if r.uses_graphs]
+        self.preferred_batch_sizes: tuple[int, ...] = tuple(graph_buckets[0]) if graph_buckets else ()
+        self._warmup_batches = warmup_batches
+        self._warmup_batch_size = warmup_batch_size
+        pin = any(r.device.type == "cuda" for r in runners)
+        self._preprocessor = Preprocessor(contract, pin_memory=pin)
+        self._slots = [
+            _Slot(r, concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"infer-{r.device}"))
+            for r in runners
+        ]
+        self._prep_pool = concurrent.futures.ThreadPoolExecutor(preprocess_threads, thread_name_prefix="preprocess")
+        self._lock = threading.Lock()
+        self._ready = False
+        self._closed = False
+
+    @classmethod
+    def from_settings(cls, model: ModelSettings, runtime: RuntimeSettings) -> "InferenceExecutor":
+        """Resolve devices, load and validate the model on each, and build one runner per device."""
+        plan = _resolve(runtime)
+        if runtime.torch_threads > 0:
+            torch.set_num_threads(runtime.torch_threads)
+        # Each device gets its own copy of the model, loaded and validated there.
+        loaded = [load_model(model, device) for device in plan.devices]
+        runners = [make_runner(m.module, m.contract, m.device, plan.precision, plan.cuda_graphs, plan.buckets,
+                               runtime.warmup_batches) for m in loaded]
+        return cls(runners, loaded[0].contract, runtime.preprocess_threads, runtime.warmup_batches,
+                   warmup_batch_size=max(runtime.graph_batch_sizes),
+                   device_description=_describe(plan, loaded[0].kind))
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    @property
+    def capture_count(self) -> int:
+        """CUDA graphs captured so far, over all runners (0 on CPU)."""
+        return sum(s.runner.capture_count for s in self._slots)
+
+    @property
+    def runners(self) -> tuple[EagerRunner, ...]:
+        return tuple(s.runner for s in self._slots)
+
+    def warm_up(self, shapes: Sequence[tuple[int, int, int]] = ((224, 224, 3),)) -> None:
+        """Run warm-up batches for each (h, w, c) shape on every runner, capturing CUDA graphs where enabled."""
+        t0 = time.perf_counter()
+        model_shapes = [self._model_shape(s) for s in shapes]
+        futures = [s.thread.submit(self._warm_up_runner, s.runner, model_shapes) for s in self._slots]
+        for f in futures:
+            f.result()
+        self._ready = True
+        # DEBUG: the app logs warm-up at INFO; this line adds what only the runtime knows (graphs captured).
+        log.debug("runtime warm-up done model=%s version=%s device=%s shapes=%s graphs=%d ms=%.0f",
+                 self.model_name, self.model_version, self.device_description, [list(s) for s in shapes],
+                 self.capture_count, (time.perf_counter() - t0) * 1000.0)
+
+    def submit(self, frames: Sequence[Frame], shape: tuple[int, int, int]) -> concurrent.futures.Future[BatchOutcome]:
+        """Queue a batch padded to `shape` = (h, w, c); the Future resolves to its BatchOutcome."""
+        frames = list(frames)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("InferenceExecutor is closed")
+            slot = min(self._slots, key=lambda s: s.load)
+            slot.load += len(frames)
+            prepared = self._prep_pool.submit(self._prepare, frames, shape, slot.runner)
+            # The inference job waits for its own preprocessing; FIFO per runner keeps batches in order.
+            return slot.thread.submit(self._infer, prepared, slot, len(frames))
+
+    def close(self) -> None:
+        """Finish the batches already submitted, then stop the threads. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for slot in self._slots:
+            slot.thread.shutdown(wait=True)
+        self._prep_pool.shutdown(wait=True)
+
+    def __enter__(self) -> "InferenceExecutor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- inside the threads ---
+
+    def _warm_up_runner(self, runner: EagerRunner, shapes: Sequence[tuple[int, int, int]]) -> None:
+        for shape in shapes:
+            runner.warm_up(shape, self._warmup_batches, self._warmup_batch_size)
+
+    def _prepare(self, frames: list[Frame], shape: tuple[int, int, int], runner: EagerRunner) -> HostBatch:
+        batch = self._preprocessor.prepare(frames, shape)
+        if batch.frames:
+            stage_to_device(batch, runner.device, runner.copy_stream)
+        return batch
+
+    def _infer(self, prepared: concurrent.futures.Future[HostBatch], slot: _Slot, submitted: int) -> BatchOutcome:
+        try:
+            batch = prepared.result()
+            return self._run_batch(batch, slot.runner)
+        finally:
+            with self._lock:
+                slot.load -= submitted
+
+    def _run_batch(self, batch: HostBatch, runner: EagerRunner) -> BatchOutcome:
+        failures = [FrameFailure(f, str(exc), DECODE_ERROR) for f, exc in batch.failures]
+        t0 = time.perf_counter()
+        scored: list[tuple[Frame, np.ndarray]] = []
+        bucket, used_graph = 0, False
+        if batch.frames:
+            try:
+                result = runner.run(batch.device_tensor, batch.ready_event)
+                scored = list(zip(batch.frames, result.scores))
+                bucket, used_graph = result.bucket, result.used_graph
+            except Exception as exc:
+                log.warning("model failed on a batch; retrying frame by frame size=%d error=%s: %s",
+                            len(batch.frames), type(exc).__name__, exc)
+                scored, model_failures, used_graph = _run_one_by_one(runner, batch)
+                failures.extend(model_failures)
+                bucket = 1
+        verdicts = []
+        for frame, scores in scored:
+            if np.isfinite(scores).all():
+                verdicts.append((frame, self.contract.verdict(scores)))
+            else:
+                failures.append(FrameFailure(frame, f"model output is not finite: {scores.tolist()}",
+                                             NON_FINITE_OUTPUT))
+        return BatchOutcome(
+            verdicts=verdicts,
+            failures=failures,
+            batch_size=len(batch.frames),
+            preprocess_ms=batch.preprocess_ms,
+            inference_ms=(time.perf_counter() - t0) * 1000.0,
+            started_at=batch.started_at,
+            bucket=bucket,
+            used_graph=used_graph,
+        )
+
+    def _model_shape(self, shape: tuple[int, int, int]) -> tuple[int, int, int]:
+        h, w = self.contract.model_input_hw((shape[0], shape[1]))
+        return (self.contract.channels, h, w)
+
+
+def _run_one_by_one(runner: EagerRunner, batch: HostBatch) -> tuple[list, list[FrameFailure], bool]:
+    """Run each row alone so one bad frame does not take the batch down; the input is already on the device."""
+    scored: list[tuple[Frame, np.ndarray]] = []
+    failures: list[FrameFailure] = []
+    used_graph = False
+    for i, frame in enumerate(batch.frames):
+        try:
+            result: RunResult = runner.run(batch.device_tensor[i:i + 1])
+        except Exception as exc:
+            failures.append(FrameFailure(frame, f"model raised on this frame: {type(exc).__name__}: {exc}",
+                                         MODEL_ERROR))
+            continue
+        scored.append((frame, result.scores[0]))
+        used_graph = used_graph or result.used_graph
+    return scored, failures, used_graph
+
+
+def _resolve(runtime: RuntimeSettings) -> _Plan:
+    """RuntimeSettings -> concrete devices and checks of what this machine supports; ConfigError otherwise."""
+    requested = runtime.device
+    cuda_ok = torch.cuda.is_available()
+    if requested == "auto":
+        requested = "cuda" if cuda_ok else "cpu"
+    if requested == "cpu":
+        devices: tuple[torch.device, ...] = (torch.device("cpu"),)
+    elif requested.startswith("cuda"):
+        if not cuda_ok:
+            raise ConfigError([f"runtime.device: {runtime.device!r} asks for a GPU but torch sees none "
+                               "(torch.cuda.is_available() is False); use 'auto' or 'cpu'"])
+        count = torch.cuda.device_count()
+        if requested == "cuda":
+            devices = tuple(torch.device("cuda", i) for i in range(count))
+        else:
+            try:
+                index = int(requested.split(":", 1)[1])
+            except ValueError:
+                raise ConfigError([f"runtime.device: {runtime.device!r} is not cuda:N"]) from None
+            if not 0 <= index < count:
+                raise ConfigError([f"runtime.device: {runtime.device!r} but only {count} GPU(s) are visible"])
+            devices = (torch.device("cuda", index),)
+    else:
+        raise ConfigError([f"runtime.device: {runtime.device!r} must be auto, cpu, cuda or cuda:N"])
+    on_cuda = devices[0].type == "cuda"
+    if runtime.precision == "fp16" and not on_cuda:
+        raise ConfigError(["runtime.precision: fp16 autocast needs a CUDA device; on cpu use fp32 or bf16"])
+    if runtime.precision == "bf16" and on_cuda and not all(_bf16_ok(d) for d in devices):
+        raise ConfigError(["runtime.precision: this GPU does not support bf16; use fp16 or fp32"])
+    if runtime.precision not in ("fp32", "fp16", "bf16"):
+        raise ConfigError([f"runtime.precision: {runtime.precision!r} must be fp32, fp16 or bf16"])
+    cuda_graphs = on_cuda and runtime.cuda_graphs
+    buckets = tuple(sorted(set(runtime.graph_batch_sizes))) if cuda_graphs else ()
+    return _Plan(devices=devices, precision=runtime.precision, cuda_graphs=cuda_graphs, buckets=buckets)
+
+
+def _bf16_ok(device: torch.device) -> bool:
+    with torch.cuda.device(device):
+        return torch.cuda.is_bf16_supported()
+
+
+def _describe(plan: _Plan, kind: str) -> str:
+    if plan.devices[0].type == "cpu":
+        threads = torch.get_num_threads()
+        where = f"cpu ({threads} thread{'' if threads == 1 else 's'})"
+    else:
+        names = sorted({torch.cuda.get_device_name(d) for d in plan.devices})
+        where = f"{', '.join(str(d) for d in plan.devices)} ({', '.join(names)})"
+    mode = f"cuda graphs {list(plan.buckets)}" if plan.cuda_graphs else "eager"
+    return f"{where}, {plan.precision}, {mode}, {kind} model"

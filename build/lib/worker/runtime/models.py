@@ -1,0 +1,293 @@
+"""The model and its contract: the builtin moderation CNN, loading a user's model, and the start-up check.
+
+`load_model` either returns a module that maps a float32 NCHW batch to `[N, len(labels)]` outputs on the
+requested device, or raises `ModelContractError` saying what is wrong with the model and how to fix it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from worker.config import ModelSettings
+from worker.frames import Verdict
+
+BUILTIN_SOURCE = "builtin"
+BUILTIN_SEED = 1234
+EXPORT_SUFFIXES = (".pt2",)
+# Batch size of the start-up forward: 2 rather than 1, so a model exported with a fixed batch of 1 is caught.
+VALIDATION_BATCH = 2
+# Image size of the start-up forward when the contract has no fixed input size (the default warm-up shape).
+VALIDATION_HW = (224, 224)
+_FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+class ModelContractError(Exception):
+    """The model file, factory or contract is unusable; the message says what was wrong and what to change."""
+
+
+@dataclass(frozen=True)
+class ModelContract:
+    """What the worker assumes about the model's inputs and outputs, taken from `ModelSettings`."""
+
+    name: str
+    version: str
+    labels: tuple[str, ...]
+    thresholds: Mapping[str, float] = field(default_factory=dict)
+    default_threshold: float = 0.5
+    # (height, width) every frame is resized to, or None when the model takes any size.
+    input_size: tuple[int, int] | None = None
+    mean: tuple[float, ...] = (0.485, 0.456, 0.406)
+    std: tuple[float, ...] = (0.229, 0.224, 0.225)
+    activation: str = "sigmoid"
+
+    @classmethod
+    def from_settings(cls, settings: ModelSettings) -> "ModelContract":
+        if len(settings.mean) not in (1, 3):
+            raise ModelContractError(
+                f"model.mean / model.std have {len(settings.mean)} values; the worker feeds 3-channel RGB "
+                "(3 values) or grayscale (1 value) images, so give 3 (or 1) of each"
+            )
+        if settings.activation not in ("sigmoid", "softmax", "none"):
+            raise ModelContractError("model.activation: must be sigmoid, softmax or none")
+        input_size = (int(settings.input_size[0]), int(settings.input_size[1])) if settings.input_size else None
+        return cls(
+            name=settings.name,
+            version=settings.version,
+            labels=tuple(settings.labels),
+            thresholds=dict(settings.thresholds),
+            default_threshold=settings.default_threshold,
+            input_size=input_size,
+            mean=tuple(settings.mean),
+            std=tuple(settings.std),
+            activation=settings.activation,
+        )
+
+    @property
+    def channels(self) -> int:
+        return len(self.mean)
+
+    def threshold_for(self, label: str) -> float:
+        return self.thresholds.get(label, self.default_threshold)
+
+    def verdict(self, scores: Sequence[float]) -> Verdict:
+        """Scores in label order -> a Verdict flagging every label at or above its threshold."""
+        by_label = {label: float(s) for label, s in zip(self.labels, scores)}
+        flagged = tuple(label for label in self.labels if by_label[label] >= self.threshold_for(label))
+        return Verdict(scores=by_label, flagged_labels=flagged)
+
+    def model_input_hw(self, batch_hw: tuple[int, int]) -> tuple[int, int]:
+        """The (height, width) the model sees for a batch padded to `batch_hw`."""
+        return self.input_size if self.input_size is not None else batch_hw
+
+
+def apply_activation(logits: torch.Tensor, activation: str) -> torch.Tensor:
+    """Raw model outputs -> per-label scores in float32."""
+    logits = logits.float()
+    if activation == "sigmoid":
+        return torch.sigmoid(logits)
+    if activation == "softmax":
+        return torch.softmax(logits, dim=1)
+    return logits
+
+
+class ModerationCNN(nn.Module):
+    """The shipped stand-in moderation model: three strided convs, global average pool, linear head.
+
+    Its weights are deterministic (seeded) but untrained, so its scores are reproducible, not meaningful.
+    The adaptive pool lets it take any H x W.
+    """
+
+    def __init__(self, num_labels: int, channels: int = 3):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(channels, 16, kernel_size=5, stride=4, padding=2),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(16, 32, kernel_size=3, stride=2, padding=1),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(32, 64, kernel_size=3, stride=2, padding=1),
+            nn.ReLU(inplace=True),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+        )
+        self.head = nn.Linear(64, num_labels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+def build_builtin_model(num_labels: int, channels: int = 3, seed: int = BUILTIN_SEED) -> ModerationCNN:
+    """The builtin CNN with weights drawn from a private seeded generator (the global RNG is untouched)."""
+    # Built on the meta device so nn's default init (which draws from the global RNG) never runs.
+    with torch.device("meta"):
+        model = ModerationCNN(num_labels, channels)
+    model = model.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (nn.Conv2d, nn.Linear)):
+                fan_in = module.weight[0].numel()
+                std = math.sqrt(2.0 / fan_in) if isinstance(module, nn.Conv2d) else math.sqrt(1.0 / fan_in)
+                module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * std)
+                module.bias.copy_(torch.randn(module.bias.shape, generator=gen) * 0.01)
+        # A negative prior keeps the untrained demo model from flagging about half of all frames.
+        model.head.bias.add_(-2.0)
+    return model.eval()
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A validated model on its device, with how it was loaded (for logs and the device description)."""
+
+    module: Callable[[torch.Tensor], torch.Tensor]
+    contract: ModelContract
+    kind: str  # "builtin", "torchscript", "export" or "factory"
+    device: torch.device
+
+
+def load_model(settings: ModelSettings, device: torch.device | str = "cpu") -> LoadedModel:
+    """Load the configured model onto `device` and check its contract with one dummy forward."""
+    device = torch.device(device)
+    contract = ModelContract.from_settings(settings)
+    source = settings.source.strip()
+    if source == BUILTIN_SOURCE:
+        module, kind = build_builtin_model(len(contract.labels), contract.channels), "builtin"
+    elif _looks_like_factory(source):
+        module, kind = _from_factory(source), "factory"
+    else:
+        module, kind = _from_file(source, device)
+    if settings.state_dict:
+        _load_state_dict(module, settings.state_dict)
+    module = _to_device_eval(module, device)
+    validate_output(module, contract, device)
+    return LoadedModel(module=module, contract=contract, kind=kind, device=device)
+
+
+def validate_output(module: Callable[[torch.Tensor], torch.Tensor], contract: ModelContract,
+                    device: torch.device) -> None:
+    """Run one dummy batch and check the output is a tensor of shape [N, len(labels)]."""
+    h, w = contract.input_size or VALIDATION_HW
+    dummy = torch.zeros(VALIDATION_BATCH, contract.channels, h, w, device=device)
+    try:
+        with torch.inference_mode():
+            out = module(dummy)
+    except Exception as exc:
+        hint = "" if contract.input_size else (
+            "; if the model only takes a fixed size, set model.input_size = [height, width]")
+        raise ModelContractError(
+            f"model failed on a dummy input of shape {list(dummy.shape)} (float32 NCHW): "
+            f"{type(exc).__name__}: {_first_line(exc)}{hint}; a model must accept any batch size "
+            "(export with a dynamic batch dimension)"
+        ) from exc
+    expected = [VALIDATION_BATCH, len(contract.labels)]
+    if not isinstance(out, torch.Tensor):
+        raise ModelContractError(
+            f"model returned {type(out).__name__}, expected one tensor of shape {expected} "
+            f"(batch x labels); wrap the model so forward returns the logits tensor only"
+        )
+    if list(out.shape) != expected:
+        raise ModelContractError(
+            f"model output has shape {list(out.shape)} for a batch of {VALIDATION_BATCH}, expected {expected}: "
+            f"one score per label for labels {list(contract.labels)}; fix model.labels or the model's head"
+        )
+
+
+def _looks_like_factory(source: str) -> bool:
+    return bool(_FACTORY_RE.match(source)) and not Path(source).exists()
+
+
+def _from_factory(source: str) -> nn.Module:
+    module_name, _, attr_path = source.partition(":")
+    try:
+        target: object = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ModelContractError(
+            f"model.source {source!r}: cannot import module {module_name!r} "
+            f"({type(exc).__name__}: {_first_line(exc)}); install the package or put it on PYTHONPATH"
+        ) from exc
+    for part in attr_path.split("."):
+        if not hasattr(target, part):
+            raise ModelContractError(
+                f"model.source {source!r}: module {module_name!r} has no attribute {attr_path!r}; "
+                "name a function that takes no arguments and returns a torch.nn.Module"
+            )
+        target = getattr(target, part)
+    if not callable(target):
+        raise ModelContractError(f"model.source {source!r}: {attr_path!r} is not callable")
+    try:
+        model = target()
+    except Exception as exc:
+        raise ModelContractError(
+            f"model.source {source!r}: calling the factory failed ({type(exc).__name__}: {_first_line(exc)})"
+        ) from exc
+    if not isinstance(model, nn.Module):
+        raise ModelContractError(
+            f"model.source {source!r}: the factory returned {type(model).__name__}, expected a torch.nn.Module"
+        )
+    return model
+
+
+def _from_file(source: str, device: torch.device) -> tuple[nn.Module, str]:
+    path = Path(source)
+    if not path.is_file():
+        raise ModelContractError(
+            f"model.source {source!r}: no such file, and not 'builtin' or a factory 'package.module:function'"
+        )
+    if path.suffix in EXPORT_SUFFIXES:
+        try:
+            return torch.export.load(str(path)).module(), "export"
+        except Exception as exc:
+            raise ModelContractError(
+                f"model.source {source!r}: not a loadable torch.export program ({type(exc).__name__}: "
+                f"{_first_line(exc)}); save it with torch.export.save(torch.export.export(model, ...), path)"
+            ) from exc
+    try:
+        return torch.jit.load(str(path), map_location=device), "torchscript"
+    except Exception as exc:
+        raise ModelContractError(
+            f"model.source {source!r}: not a loadable TorchScript file ({type(exc).__name__}: "
+            f"{_first_line(exc)}); save it with torch.jit.script(model).save(path), or use a .pt2 file "
+            "from torch.export.save"
+        ) from exc
+
+
+def _load_state_dict(module: nn.Module, path: str) -> None:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ModelContractError(f"model.state_dict {path!r}: no such file") from None
+    except Exception as exc:
+        raise ModelContractError(
+            f"model.state_dict {path!r}: cannot be read with torch.load(weights_only=True) "
+            f"({type(exc).__name__}: {_first_line(exc)}); save it with torch.save(model.state_dict(), path)"
+        ) from exc
+    if not isinstance(state, Mapping):
+        raise ModelContractError(f"model.state_dict {path!r}: holds {type(state).__name__}, expected a state dict")
+    try:
+        module.load_state_dict(state, strict=True)
+    except Exception as exc:
+        raise ModelContractError(
+            f"model.state_dict {path!r}: does not fit the model ({_first_line(exc)}); "
+            "it must come from the same architecture as model.source"
+        ) from exc
+
+
+def _to_device_eval(module: nn.Module, device: torch.device) -> nn.Module:
+    module = module.to(device)
+    try:
+        module.eval()
+    except NotImplementedError:
+        pass  # torch.export modules keep the mode they were exported in and refuse eval().
+    return module
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "no message"

@@ -1,0 +1,150 @@
+"""Avro encoding of frames and moderation results; `schemas/*.avsc` are the source of truth.
+
+Messages are schemaless Avro bodies (no registry framing), so any fastavro or Avro client with the
+`.avsc` files can produce frames and read results.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import fastavro
+
+from worker.frames import Encoding, Frame, Priority, SourceRef
+
+def _schema_dir() -> Path:
+    """`schemas/` of a source checkout, else the copy a wheel installs under `<prefix>/share/streamfer/`."""
+    candidates = [Path(__file__).resolve().parent.parent / "schemas", Path(sys.prefix) / "share" / "streamfer" / "schemas"]
+    for candidate in candidates:
+        if (candidate / "frame.avsc").is_file():
+            return candidate
+    raise FileNotFoundError(f"Avro schemas not found in {[str(c) for c in candidates]}: reinstall streamfer")
+
+
+SCHEMA_DIR = _schema_dir()
+
+# Frames larger than this are rejected before decoding (a sane cap far above 8K RGB).
+MAX_FRAME_PIXELS = 8192 * 8192
+MAX_CHANNELS = 4
+
+
+class MessageDecodeError(ValueError):
+    """A Kafka message is not a valid frame: the worker dead-letters it with this message as the reason."""
+
+
+def _load(name: str) -> Any:
+    with open(SCHEMA_DIR / name, encoding="utf-8") as fh:
+        return fastavro.parse_schema(json.load(fh))
+
+
+FRAME_SCHEMA = _load("frame.avsc")
+RESULT_SCHEMA = _load("moderation_result.avsc")
+
+
+def _write(schema: Any, record: dict[str, Any]) -> bytes:
+    buf = io.BytesIO()
+    fastavro.schemaless_writer(buf, schema, record)
+    return buf.getvalue()
+
+
+def _read(schema: Any, payload: bytes) -> dict[str, Any]:
+    buf = io.BytesIO(payload)
+    record = fastavro.schemaless_reader(buf, schema, None)
+    if buf.tell() != len(payload):
+        raise MessageDecodeError(f"{len(payload) - buf.tell()} trailing bytes after the Avro record")
+    return record  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class FrameRecord:
+    """What a producer sends: the frame without Kafka coordinates."""
+
+    stream_id: str
+    frame_index: int
+    capture_ts_ms: int
+    tenant: str
+    priority: Priority
+    width: int
+    height: int
+    channels: int
+    encoding: Encoding
+    data: bytes
+
+
+def encode_frame(frame: FrameRecord) -> bytes:
+    return _write(
+        FRAME_SCHEMA,
+        {
+            "stream_id": frame.stream_id,
+            "frame_index": frame.frame_index,
+            "capture_ts_ms": frame.capture_ts_ms,
+            "tenant": frame.tenant,
+            "priority": frame.priority.name,
+            "width": frame.width,
+            "height": frame.height,
+            "channels": frame.channels,
+            "encoding": frame.encoding.value,
+            "data": frame.data,
+        },
+    )
+
+
+def decode_frame(payload: bytes | None, source: SourceRef, priority: Priority, received_at: float) -> Frame:
+    """Decode and sanity-check a frame message; raises MessageDecodeError with a reason a human can act on.
+
+    The priority class comes from the topic (the caller), not from the record's informational field.
+    """
+    if not payload:
+        raise MessageDecodeError("empty message value")
+    try:
+        rec = _read(FRAME_SCHEMA, payload)
+    except MessageDecodeError:
+        raise
+    except Exception as exc:  # fastavro raises EOFError, ValueError, UnicodeDecodeError, IndexError...
+        raise MessageDecodeError(f"not a Frame Avro record ({type(exc).__name__}: {exc})") from None
+    width, height, channels = rec["width"], rec["height"], rec["channels"]
+    if width <= 0 or height <= 0:
+        raise MessageDecodeError(f"impossible dimensions {width}x{height}")
+    if channels not in (1, 3, 4) or channels > MAX_CHANNELS:
+        raise MessageDecodeError(f"unsupported channel count {channels} (1, 3 or 4)")
+    if width * height > MAX_FRAME_PIXELS:
+        raise MessageDecodeError(f"frame {width}x{height} exceeds the {MAX_FRAME_PIXELS}-pixel limit")
+    encoding = Encoding(rec["encoding"])
+    if encoding is Encoding.RAW_RGB8 and len(rec["data"]) != width * height * channels:
+        raise MessageDecodeError(
+            f"RAW_RGB8 frame {width}x{height}x{channels} needs {width * height * channels} bytes, got {len(rec['data'])}"
+        )
+    capture = rec["capture_ts_ms"]
+    capture_ms = int(capture.timestamp() * 1000) if hasattr(capture, "timestamp") else int(capture)
+    return Frame(
+        stream_id=rec["stream_id"],
+        frame_index=rec["frame_index"],
+        tenant=rec["tenant"],
+        priority=priority,
+        capture_ts_ms=capture_ms,
+        width=width,
+        height=height,
+        channels=channels,
+        encoding=encoding,
+        data=rec["data"],
+        source=source,
+        received_at=received_at,
+    )
+
+
+def encode_result(record: dict[str, Any]) -> bytes:
+    return _write(RESULT_SCHEMA, record)
+
+
+def decode_result(payload: bytes) -> dict[str, Any]:
+    """Decode a result; `capture_ts_ms` is returned as epoch milliseconds (int)."""
+    rec = _read(RESULT_SCHEMA, payload)
+    capture = rec["capture_ts_ms"]
+    if hasattr(capture, "timestamp"):
+        rec["capture_ts_ms"] = int(round(capture.timestamp() * 1000))
+    return rec

@@ -1,0 +1,194 @@
+"""The Kafka consumer side: subscription to the per-priority input topics, decoding, pausing by class,
+rebalance callbacks and offset commits. A thin typed wrapper; the decisions live in the pipeline.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException, TopicPartition
+
+from worker.config import Settings
+from worker.frames import DeadLetter, Frame, Priority, SourceRef
+from worker.schemas import MessageDecodeError, decode_frame
+
+log = logging.getLogger(__name__)
+
+TP = tuple[str, int]
+
+
+class SourceError(RuntimeError):
+    """The consumer hit an error it cannot continue from (bad config, fatal broker error)."""
+
+
+@dataclass
+class Polled:
+    """One poll's worth of input: decodable frames and the messages that go to the dead-letter topic."""
+
+    frames: list[Frame]
+    dead_letters: list[DeadLetter]
+
+
+RebalanceHandler = Callable[[list[TP]], None]
+
+
+class FrameSource:
+    """Consumes frames from the input topics; each message becomes a Frame or a DeadLetter, never vanishes."""
+
+    def __init__(self, settings: Settings, clock: Callable[[], float] = time.time) -> None:
+        k = settings.kafka
+        conf: dict[str, object] = {
+            "bootstrap.servers": k.bootstrap_servers,
+            "group.id": k.group_id,
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": "earliest",
+            "partition.assignment.strategy": "cooperative-sticky",
+            "session.timeout.ms": k.session_timeout_ms,
+            "max.poll.interval.ms": k.max_poll_interval_ms,
+            # Producers may write frames transactionally; never feed aborted frames to the model.
+            "isolation.level": "read_committed",
+            "client.id": settings.observability.worker_id,
+        }
+        if k.group_instance_id:
+            conf["group.instance.id"] = k.group_instance_id
+        conf.update(k.consumer_overrides)
+        self._topics = settings.topics.input_topics()
+        self._clock = clock
+        self._consumer = Consumer(conf, logger=log)
+        self._assigned: set[TP] = set()
+        self._paused_classes: set[Priority] = set()
+        self._paused: set[TP] = set()
+
+    # -- subscription and rebalances ---------------------------------------------------------------
+    def subscribe(self, on_assign: RebalanceHandler, on_revoke: RebalanceHandler, on_lost: RebalanceHandler) -> None:
+        """Subscribe to all input topics. Handlers get incremental (cooperative) partition lists."""
+
+        def assigned(consumer: Consumer, partitions: list[TopicPartition]) -> None:
+            tps = [(p.topic, p.partition) for p in partitions]
+            self._assigned.update(tps)
+            on_assign(tps)
+            # Pauses are per partition: re-apply the current class pauses to the new ones.
+            self._apply_pauses()
+
+        def revoked(consumer: Consumer, partitions: list[TopicPartition]) -> None:
+            tps = [(p.topic, p.partition) for p in partitions]
+            on_revoke(tps)
+            self._forget(tps)
+
+        def lost(consumer: Consumer, partitions: list[TopicPartition]) -> None:
+            tps = [(p.topic, p.partition) for p in partitions]
+            on_lost(tps)
+            self._forget(tps)
+
+        self._consumer.subscribe(list(self._topics), on_assign=assigned, on_revoke=revoked, on_lost=lost)
+
+    def _forget(self, tps: Iterable[TP]) -> None:
+        for tp in tps:
+            self._assigned.discard(tp)
+            self._paused.discard(tp)
+
+    @property
+    def assignment(self) -> set[TP]:
+        return set(self._assigned)
+
+    def priority_of(self, topic: str) -> Priority:
+        return self._topics[topic]
+
+    # -- polling -------------------------------------------------------------------------------------
+    def poll(self, max_messages: int, timeout_s: float) -> Polled:
+        """Poll up to `max_messages`; also drives rebalance callbacks, so call it even while all is paused."""
+        messages = self._consumer.consume(num_messages=max_messages, timeout=max(0.0, timeout_s))
+        now = self._clock()
+        polled = Polled(frames=[], dead_letters=[])
+        for msg in messages:
+            err = msg.error()
+            if err is not None:
+                self._handle_error(err)
+                continue
+            source = SourceRef(msg.topic(), msg.partition(), msg.offset())
+            try:
+                frame = decode_frame(msg.value(), source, self._topics[source.topic], now)
+            except MessageDecodeError as exc:
+                polled.dead_letters.append(DeadLetter(source=source, reason=str(exc), error_type="MessageDecodeError",
+                                                      payload=msg.value() or b"", key=msg.key()))
+                continue
+            polled.frames.append(frame)
+        return polled
+
+    @staticmethod
+    def _handle_error(err: KafkaError) -> None:
+        if err.code() == KafkaError._PARTITION_EOF:
+            return
+        if err.fatal():
+            raise SourceError(f"fatal consumer error: {err.str()}")
+        # Transient errors (broker down, leader moves) are retried by librdkafka itself.
+        log.warning("consumer error: %s", err.str())
+
+    # -- pausing -------------------------------------------------------------------------------------
+    def pause_classes(self, classes: set[Priority]) -> None:
+        """Pause exactly the partitions of these priority classes; resume the rest."""
+        if classes != self._paused_classes:
+            self._paused_classes = set(classes)
+            self._apply_pauses()
+
+    def _apply_pauses(self) -> None:
+        want = {tp for tp in self._assigned if self._topics[tp[0]] in self._paused_classes}
+        to_pause = want - self._paused
+        to_resume = self._paused - want
+        if to_pause:
+            self._consumer.pause([TopicPartition(t, p) for t, p in to_pause])
+        if to_resume:
+            self._consumer.resume([TopicPartition(t, p) for t, p in to_resume])
+        self._paused = want
+
+    @property
+    def paused_partitions(self) -> int:
+        return len(self._paused)
+
+    # -- commits -------------------------------------------------------------------------------------
+    def commit(self, points: dict[TP, int]) -> None:
+        """Commit synchronously; only partitions still assigned (a revoked one belongs to someone else)."""
+        offsets = [TopicPartition(t, p, o) for (t, p), o in points.items() if (t, p) in self._assigned]
+        if not offsets:
+            return
+        result = self._consumer.commit(offsets=offsets, asynchronous=False)
+        for tp in result or []:
+            if tp.error is not None:
+                raise KafkaException(tp.error)
+
+    def committed(self, tps: list[TP], timeout_s: float = 10.0) -> dict[TP, int]:
+        res = self._consumer.committed([TopicPartition(t, p) for t, p in tps], timeout=timeout_s)
+        return {(r.topic, r.partition): r.offset for r in res if r.offset != OFFSET_INVALID}
+
+    def group_metadata(self) -> object:
+        return self._consumer.consumer_group_metadata()
+
+    def seek_to_committed(self, tps: list[TP]) -> None:
+        """Rewind partitions to their committed offsets (after an aborted transaction)."""
+        committed = self._consumer.committed([TopicPartition(t, p) for t, p in tps], timeout=10)
+        for tp in committed:
+            if tp.offset >= 0:
+                self._consumer.seek(tp)
+
+    def lag(self) -> dict[TP, int]:
+        """High watermark minus position per assigned partition, from cached watermarks (no broker call)."""
+        out: dict[TP, int] = {}
+        if not self._assigned:
+            return out
+        positions = self._consumer.position([TopicPartition(t, p) for t, p in self._assigned])
+        for tp in positions:
+            try:
+                _low, high = self._consumer.get_watermark_offsets(TopicPartition(tp.topic, tp.partition), cached=True)
+            except KafkaException:
+                continue
+            if high >= 0 and tp.offset >= 0:
+                out[(tp.topic, tp.partition)] = max(0, high - tp.offset)
+        return out
+
+    def close(self) -> None:
+        """Leave the group (triggers a final revoke) and close."""
+        self._consumer.close()
