@@ -15,13 +15,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
+from confluent_kafka import KafkaException
+
 from worker.batching import Batch, MicroBatcher
 from worker.config import Settings
 from worker.frames import DeadLetter, Frame, Priority, SourceRef, Verdict
 from worker.metrics import Health, Metrics
 from worker.offsets import OffsetTracker
-from worker.schemas import encode_result
-from worker.sink import ResultSink
+from worker.schemas import encode_result, reencode_frame
+from worker.sink import ResultSink, SinkError
 from worker.source import TP, FrameSource
 
 log = logging.getLogger(__name__)
@@ -118,6 +120,8 @@ class Pipeline:
         self._dispatch_due()
         self._emit()
         self.sink.poll(0)
+        if self.sink.fatal_error:
+            raise SinkError(self.sink.fatal_error)
         self._commit_if_due()
         self._apply_backpressure()
         self._poll_input()
@@ -190,8 +194,8 @@ class Pipeline:
         for failure in outcome.failures:
             frame = failure.frame
             dl = DeadLetter(source=frame.source, reason=failure.reason, error_type=failure.error_type,
-                            payload=b"", key=frame.stream_id.encode())
-            self._outputs.append(_Output(frame.source, dl.key, b"", frame.tenant, "DLQ", dl))
+                            payload=reencode_frame(frame), key=frame.stream_id.encode())
+            self._outputs.append(_Output(frame.source, dl.key, dl.payload, frame.tenant, "DLQ", dl))
 
     def _expire(self) -> None:
         now = self.clock()
@@ -242,20 +246,44 @@ class Pipeline:
 
     def _emit_transaction(self, outputs: list[_Output]) -> None:
         """Exactly-once: this step's results, dead letters and the resulting offsets in one transaction."""
-        self.sink.begin()
-        for out in outputs:
-            if out.dead_letter is not None:
-                self.sink.send_dead_letter(out.dead_letter)
-            else:
-                self.sink.send_result(out.source, out.key or b"", out.value)
-            self._finish(out)
-        points = self.tracker.commit_points()
         started = time.monotonic()
-        self.sink.commit_transaction(points, self.source.group_metadata())
+        try:
+            self.sink.begin()
+            for out in outputs:
+                if out.dead_letter is not None:
+                    self.sink.send_dead_letter(out.dead_letter)
+                else:
+                    self.sink.send_result(out.source, out.key or b"", out.value)
+                self._mark_done(out.source)
+            points = self.tracker.commit_points()
+            self.sink.commit_transaction(points, self.source.group_metadata())
+        except KafkaException as exc:
+            err = exc.args[0]
+            if not err.txn_requires_abort():
+                raise
+            self.metrics.commits.labels("aborted").inc()
+            log.warning("transaction aborted (%s): rewinding to the committed offsets", err.str())
+            self.sink.abort()
+            self._rewind()
+            return
+        for out in outputs:
+            self._count(out)
         self.tracker.mark_committed(points)
         self.metrics.commits.labels("ok").inc()
         self.metrics.commit_latency.observe(time.monotonic() - started)
         self.summary.commits += 1
+
+    def _rewind(self) -> None:
+        """After an aborted transaction: drop everything read since the last commit and read it again."""
+        self.batcher.discard(lambda _frame: True)
+        while self._inflight:
+            _batch, future = self._inflight.popleft()
+            future.result()  # let it finish; its outputs are dropped with the rest
+        self._outputs.clear()
+        assigned = sorted(self.source.assignment)
+        for tp in assigned:
+            self.tracker.forget(tp)
+        self.source.seek_to_committed(assigned)
 
     def _acknowledged(self, source: SourceRef) -> None:
         """Delivery report (at-least-once): the broker has the message, so the offset is done."""
@@ -263,18 +291,21 @@ class Pipeline:
             return  # done was recorded when the message joined the transaction
         out = self._awaiting_ack.pop(source, None)
         if out is not None:
-            self._finish(out)
+            self._count(out)
+            self._mark_done(source)
 
-    def _finish(self, out: _Output) -> None:
+    def _count(self, out: _Output) -> None:
         if out.dead_letter is not None:
             self.summary.dead_lettered += 1
             self.metrics.frames_dead_lettered.labels(out.source.topic, out.dead_letter.error_type).inc()
         else:
             self.summary.results += 1
             self.metrics.results_produced.labels(self.settings.topics.results, out.tenant, out.status).inc()
+
+    def _mark_done(self, source: SourceRef) -> None:
         # An ack can arrive after its partition was revoked and forgotten: nothing to mark then.
-        if self.tracker.tracks(out.source.topic_partition):
-            self.tracker.mark_done(out.source.topic_partition, out.source.offset)
+        if self.tracker.tracks(source.topic_partition):
+            self.tracker.mark_done(source.topic_partition, source.offset)
 
     def _commit_if_due(self, force: bool = False) -> None:
         if self.exactly_once:

@@ -94,6 +94,14 @@ def encode_frame(frame: FrameRecord) -> bytes:
     )
 
 
+def reencode_frame(frame: Frame) -> bytes:
+    """The Avro message a decoded frame came from (for dead letters of frames that decoded but failed later)."""
+    return encode_frame(FrameRecord(
+        stream_id=frame.stream_id, frame_index=frame.frame_index, capture_ts_ms=frame.capture_ts_ms,
+        tenant=frame.tenant, priority=frame.priority, width=frame.width, height=frame.height,
+        channels=frame.channels, encoding=frame.encoding, data=frame.data))
+
+
 def decode_frame(payload: bytes | None, source: SourceRef, priority: Priority, received_at: float) -> Frame:
     """Decode and sanity-check a frame message; raises MessageDecodeError with a reason a human can act on.
 

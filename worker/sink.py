@@ -52,6 +52,8 @@ class ResultSink:
         self._producer = Producer(conf, logger=log)
         self.transactional = bool(transactional_id)
         self.retried_deliveries = 0
+        # Set by a delivery report that the producer cannot recover from; the pipeline raises it.
+        self.fatal_error: str | None = None
         if self.transactional:
             self._producer.init_transactions(30)
 
@@ -76,9 +78,12 @@ class ResultSink:
             if err is None:
                 self._on_done(source)
                 return
-            if err.fatal() or (self.transactional and err.txn_requires_abort()):
-                # In a transaction the abort path rewinds the consumer, so the frame is read again.
-                log.error("delivery of %s failed: %s", source, err.str())
+            if err.fatal():
+                self.fatal_error = f"fatal producer error delivering {source}: {err.str()}"
+                return
+            if self.transactional:
+                # The transaction's commit fails too; its abort path rewinds the consumer to read it again.
+                log.warning("delivery of %s in a transaction failed: %s", source, err.str())
                 return
             # At-least-once: never drop; produce it again (the offset is still uncommitted).
             self.retried_deliveries += 1

@@ -5,7 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from worker.frames import Encoding, Priority, SourceRef
-from worker.schemas import FrameRecord, MessageDecodeError, decode_frame, decode_result, encode_frame, encode_result
+from worker.schemas import (FrameRecord, MessageDecodeError, decode_frame, decode_result, encode_frame,
+                            encode_result, reencode_frame)
 
 SRC = SourceRef("frames.standard", 2, 41)
 
@@ -67,3 +68,9 @@ def test_result_round_trip():
            "source_partition": 0, "source_offset": 9, "capture_ts_ms": 1_700_000_000_000, "queued_ms": 1.5,
            "batch_size": 8, "inference_ms": 3.0, "end_to_end_ms": 12.0, "worker_id": "w"}
     assert decode_result(encode_result(rec)) == rec
+
+
+def test_reencoded_frame_decodes_to_the_same_frame():
+    frame = decode_frame(encode_frame(record()), SRC, Priority.BULK, 1.0)
+    again = decode_frame(reencode_frame(frame), SRC, Priority.BULK, 1.0)
+    assert again == frame
