@@ -101,7 +101,13 @@ class FrameSource:
     # -- polling -------------------------------------------------------------------------------------
     def poll(self, max_messages: int, timeout_s: float) -> Polled:
         """Poll up to `max_messages`; also drives rebalance callbacks, so call it even while all is paused."""
-        messages = self._consumer.consume(num_messages=max_messages, timeout=max(0.0, timeout_s))
+        # consume() with a timeout waits for a *full* batch; so take what is queued now, and only block
+        # (for the first message) when nothing is, then top up without waiting.
+        messages = self._consumer.consume(num_messages=max_messages, timeout=0)
+        if not messages and timeout_s > 0:
+            messages = self._consumer.consume(num_messages=1, timeout=timeout_s)
+            if messages and max_messages > 1:
+                messages += self._consumer.consume(num_messages=max_messages - 1, timeout=0)
         now = self._clock()
         polled = Polled(frames=[], dead_letters=[])
         for msg in messages:
