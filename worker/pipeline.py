@@ -87,7 +87,8 @@ class Pipeline:
         self._outputs: list[_Output] = []
         self._awaiting_ack: dict[SourceRef, _Output] = {}
         self._last_commit = 0.0
-        self._last_activity = clock()
+        # Idle time counts from the first assignment: a worker still joining the group is not idle.
+        self._last_activity: float | None = None
         self._last_lag_update = 0.0
         self.source = FrameSource(settings, clock)
         txn_id = f"{settings.delivery.transactional_id_prefix}-{settings.observability.worker_id}" \
@@ -150,6 +151,8 @@ class Pipeline:
         self._update_gauges()
 
     def _idle_for(self) -> float:
+        if self._last_activity is None:
+            return 0.0
         busy = self.batcher.pending_frames or self._inflight or self._outputs or self.tracker.in_flight()
         if busy:
             self._last_activity = self.clock()
@@ -348,6 +351,7 @@ class Pipeline:
     # -- rebalances -------------------------------------------------------------------------------------------
     def _on_assign(self, tps: list[TP]) -> None:
         self.metrics.rebalances.labels("assign").inc()
+        self._last_activity = self.clock()
         log.info("partitions assigned: %s", sorted(tps))
         # A cooperative rebalance can hand out an empty increment: ready means owning a partition.
         self.health.assigned = bool(self.source.assignment)
@@ -356,6 +360,7 @@ class Pipeline:
     def _on_revoke(self, tps: list[TP]) -> None:
         """Finish what was read from the revoked partitions, commit it, then let them go."""
         self.metrics.rebalances.labels("revoke").inc()
+        self._last_activity = self.clock()
         log.info("partitions revoked: %s", sorted(tps))
         revoked = set(tps)
         # Frames not yet in a batch stay uncommitted: the next owner reads them again.
