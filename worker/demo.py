@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import threading
 import time
 
@@ -95,8 +94,7 @@ def run_demo(frames_per_topic: int = 120, keep_broker: bool = False, rate_fps: f
         print(f"  results (distinct)     {len(ids)}  ({len(results)} messages)")
         print(f"  per input topic        {json.dumps(by_topic)}")
         print(f"  flagged                {sum(1 for r in results if r['flagged'])}")
-        print(f"  batches run            {summary.batches} (mean size "
-              f"{statistics.mean(summary.batch_sizes) if summary.batch_sizes else 0:.1f})")
+        print(f"  batches run            {summary.batches} (mean size {summary.mean_batch_size:.1f})")
         print(f"  worker wall time       {elapsed:.2f} s (incl. model warm-up and the 3 s idle wait)")
         print(f"  end-to-end latency ms  p50 {_pct(latencies, 0.5):.1f}  p99 {_pct(latencies, 0.99):.1f}"
               "  (capture to result produced)")

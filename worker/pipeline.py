@@ -12,7 +12,7 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
 from confluent_kafka import KafkaException
@@ -54,7 +54,11 @@ class RunSummary:
     dead_lettered: int = 0
     batches: int = 0
     commits: int = 0
-    batch_sizes: list[int] = field(default_factory=list)
+    frames_batched: int = 0
+
+    @property
+    def mean_batch_size(self) -> float:
+        return self.frames_batched / self.batches if self.batches else 0.0
 
 
 @dataclass
@@ -139,6 +143,10 @@ class Pipeline:
         polled = self.source.poll(min(POLL_BATCH, max(room, 1)), timeout)
         if polled.frames or polled.dead_letters:
             self._last_activity = self.clock()
+        # A rebalance served inside this poll may have taken partitions away: their frames are not ours.
+        assigned = self.source.assignment
+        polled.frames = [f for f in polled.frames if f.source.topic_partition in assigned]
+        polled.dead_letters = [d for d in polled.dead_letters if d.source.topic_partition in assigned]
         for frame in polled.frames:
             self.tracker.track(frame.source.topic_partition, frame.source.offset)
             self.metrics.frames_consumed.labels(frame.source.topic, frame.tenant).inc()
@@ -160,9 +168,8 @@ class Pipeline:
         return self.clock() - self._last_activity
 
     # -- batches -------------------------------------------------------------------------------------------
-    def _dispatch_due(self, limit: int | None = None) -> None:
-        cap = self.settings.delivery.max_inflight_batches if limit is None else limit
-        while len(self._inflight) < cap:
+    def _dispatch_due(self) -> None:
+        while len(self._inflight) < self.settings.delivery.max_inflight_batches:
             batch = self.batcher.pop_batch()
             if batch is None:
                 return
@@ -182,7 +189,7 @@ class Pipeline:
     def _batch_done(self, batch: Batch, outcome: Any) -> None:
         now = self.clock()
         self.summary.batches += 1
-        self.summary.batch_sizes.append(outcome.batch_size)
+        self.summary.frames_batched += outcome.batch_size
         self.metrics.preprocess_latency.observe(outcome.preprocess_ms / 1000.0)
         self.metrics.inference_latency.observe(outcome.inference_ms / 1000.0)
         for frame, verdict in outcome.verdicts:

@@ -92,8 +92,8 @@ class FrameSource:
             self._paused.discard(tp)
 
     @property
-    def assignment(self) -> set[TP]:
-        return set(self._assigned)
+    def assignment(self) -> frozenset[TP]:
+        return frozenset(self._assigned)
 
     def priority_of(self, topic: str) -> Priority:
         return self._topics[topic]
