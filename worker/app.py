@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any
 
-from worker.config import Settings
+from worker.config import Settings, warmup_frame_shapes
 from worker.metrics import Health, Metrics, MetricsServer
 from worker.pipeline import Pipeline, RunSummary
 
@@ -95,7 +95,7 @@ def run_worker(settings: Settings, exit_when_idle_s: float | None = None, stop: 
                                    settings.observability.metrics_port,
                                    before_scrape=lambda: _refresh_scrape_gauges(pipeline, metrics)).start()
             log.info("metrics on http://%s:%d/metrics", settings.observability.metrics_host, server.port)
-        executor.warm_up()
+        executor.warm_up(warmup_frame_shapes(settings))
         health.warmed_up = True
         log.info("model %s:%s warmed up on %s in %.1fs", executor.model_name, executor.model_version,
                  executor.device_description, time.monotonic() - started)

@@ -120,6 +120,9 @@ class RuntimeSettings:
     cuda_graphs: bool = True
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     warmup_batches: int = 8
+    # Frame sizes ("WIDTHxHEIGHT") to warm up, and on CUDA capture graphs for, before the worker turns ready;
+    # other sizes run eager until they recur, then are captured.
+    warmup_shapes: tuple[str, ...] = ("224x224",)
     preprocess_threads: int = 1
     # CPU intra-op threads for torch; 0 keeps torch's default.
     torch_threads: int = 0
@@ -357,6 +360,8 @@ def validate(s: Settings) -> list[str]:
     need(len(r.graph_batch_sizes) >= 1 and all(x >= 1 for x in r.graph_batch_sizes),
          "runtime.graph_batch_sizes: must list at least one size >= 1")
     need(r.warmup_batches >= 0, "runtime.warmup_batches: must be >= 0")
+    need(all(_parse_size(x) is not None for x in r.warmup_shapes),
+         "runtime.warmup_shapes: each must be WIDTHxHEIGHT with positive integers, e.g. 1280x720")
     need(1 <= r.preprocess_threads <= 64, "runtime.preprocess_threads: must be 1..64")
     need(r.torch_threads >= 0, "runtime.torch_threads: must be >= 0")
 
@@ -374,5 +379,15 @@ def validate(s: Settings) -> list[str]:
     return p
 
 
-def settings_as_dict(s: Settings) -> dict[str, Any]:
-    return dataclasses.asdict(s)
+def _parse_size(text: str) -> tuple[int, int] | None:
+    try:
+        w, h = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        return None
+    return (w, h) if w > 0 and h > 0 else None
+
+
+def warmup_frame_shapes(s: Settings) -> list[tuple[int, int, int]]:
+    """runtime.warmup_shapes as (height, width, channels) frame shapes; channels follow the model's mean."""
+    channels = len(s.model.mean)
+    return [(h, w, channels) for w, h in (_parse_size(x) for x in s.runtime.warmup_shapes) if w and h]

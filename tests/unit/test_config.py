@@ -62,3 +62,12 @@ def test_missing_and_malformed_file(tmp_path):
 def test_topics_must_differ():
     with pytest.raises(ConfigError, match="topics"):
         load_settings(env={"WORKER_TOPICS_RESULTS": "frames.bulk"})
+
+
+def test_warmup_shapes_are_frame_sizes():
+    from worker.config import warmup_frame_shapes
+
+    s = load_settings(env={"WORKER_RUNTIME_WARMUP_SHAPES": "1280x720,64x48"})
+    assert warmup_frame_shapes(s) == [(720, 1280, 3), (48, 64, 3)]
+    with pytest.raises(ConfigError, match="runtime.warmup_shapes"):
+        load_settings(env={"WORKER_RUNTIME_WARMUP_SHAPES": "1280by720"})
