@@ -1,3 +1,0 @@
-"""streamfer: a Kafka-driven streaming inference worker for video moderation."""
-
-__version__ = "0.1.0"

@@ -1,5 +1,0 @@
-import sys
-
-from worker.cli import main
-
-sys.exit(main())
