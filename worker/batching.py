@@ -40,10 +40,12 @@ Expiry. A frame whose capture_ts_ms/1000 + class max_age_ms/1000 < clock() (max_
   put in a batch: pop_batch() sets it aside and pop_expired() returns it.
 Backpressure (classes_to_pause). All classes pause when pending_frames >= max_pending_frames or
   pending_bytes >= max_pending_bytes, and stay paused until both are below 75% of their caps. Otherwise,
-  while realtime is backlogged (its oldest pending frame has waited past realtime.max_wait_ms, i.e. the
-  consumer of batches is not keeping up with realtime) bulk pauses, and standard too when more than
-  max_batch_size realtime frames are pending. Mere presence of realtime frames pauses nothing: a steady
-  realtime stream would otherwise starve bulk at the source. Call it after dispatching what the runtime
+  when realtime is backlogged (at least max_batch_size realtime frames pending and its oldest has waited
+  past realtime.max_wait_ms, i.e. the consumer of batches is not keeping up with realtime) bulk pauses,
+  and standard too when more than 2 * max_batch_size realtime frames are pending; they resume only once
+  realtime is drained (no realtime frame pending). The hysteresis matters: librdkafka drops a paused
+  partition's prefetched messages, so pausing on every late realtime frame made all classes slower.
+  A steady realtime stream within capacity pauses nothing. Call it after dispatching what the runtime
   has room for, so that frames still due are the backlog.
   add() raises BatcherFullError past twice those caps (except into an empty batcher).
 next_due() is the earliest of the groups' release times and the next expiry (a time <= now means now),
@@ -195,6 +197,9 @@ class MicroBatcher:
         self._pending_frames = 0
         self._pending_bytes = 0
         self._paused_all = False
+        # Classes paused for a realtime backlog; they stay paused until realtime is drained (hysteresis:
+        # librdkafka drops a paused partition's fetched messages, so flapping pauses costs refetches).
+        self._priority_pause: set[Priority] = set()
 
     # ----------------------------------------------------------------------------------------------- intake
 
@@ -593,16 +598,19 @@ class MicroBatcher:
             return set(Priority)
         realtime = self._classes[Priority.REALTIME]
         if not realtime.pending:
+            self._priority_pause = set()  # drained: resume everything
             return set()
+        if realtime.pending < s.max_batch_size:
+            return set(self._priority_pause)
         now = self._clock()
         backlogged = any(
             (e := g.oldest()) is not None and e.t + realtime.wait_s <= now
             for groups in (realtime.groups, realtime.fallback) for g in groups.values())
-        if not backlogged:
-            return set()
-        if realtime.pending > s.max_batch_size:
-            return {Priority.STANDARD, Priority.BULK}
-        return {Priority.BULK}
+        if backlogged:
+            self._priority_pause.add(Priority.BULK)
+            if realtime.pending > 2 * s.max_batch_size:
+                self._priority_pause.add(Priority.STANDARD)
+        return set(self._priority_pause)
 
 
 def _waste(n: int, real_pixels: int, padded_pixels: int) -> float:

@@ -47,7 +47,7 @@ class Metrics:
         self.inference_latency = Histogram("streamfer_inference_seconds", "Model call per batch.",
                                            buckets=LATENCY_BUCKETS_S, registry=r)
         self.end_to_end_latency = Histogram("streamfer_end_to_end_seconds",
-                                            "From the frame's capture timestamp to its result being produced.",
+                                            "From the frame's capture timestamp to its result being built for the producer.",
                                             ["priority"], buckets=LATENCY_BUCKETS_S, registry=r)
         self.padding_waste = Histogram("streamfer_padding_waste_ratio",
                                        "Share of padded pixels in each executed batch.", buckets=RATIO_BUCKETS,
@@ -63,7 +63,8 @@ class Metrics:
                                   ["topic", "partition"], registry=r)
         self.commits = Counter("streamfer_commits_total", "Offset commits, by outcome.", ["outcome"], registry=r)
         self.commit_latency = Histogram("streamfer_commit_seconds",
-                                        "Offset commit (or transaction commit) duration.",
+                                        "Offset commit: from the request to the broker's answer being seen "
+                                        "(exactly-once: the transaction commit).",
                                         buckets=LATENCY_BUCKETS_S, registry=r)
         self.rebalances = Counter("streamfer_rebalances_total", "Partition assignment changes, by kind.",
                                   ["kind"], registry=r)

@@ -72,6 +72,12 @@ class OffsetTracker:
             if st is not None and point > st.committed:
                 st.committed = point
 
+    def commit_failed(self, tp: TopicPartition) -> None:
+        """An asynchronous commit of `tp` failed: offer its commit point again next time."""
+        st = self._parts.get(tp)
+        if st is not None:
+            st.committed = -1
+
     def forget(self, tp: TopicPartition) -> int:
         """Stop tracking a revoked or lost partition; returns how many offsets were still in flight."""
         st = self._parts.pop(tp, None)

@@ -94,7 +94,8 @@ class Pipeline:
         # Idle time counts from the first assignment: a worker still joining the group is not idle.
         self._last_activity: float | None = None
         self._last_lag_update = 0.0
-        self.source = FrameSource(settings, clock)
+        self._commits_in_flight: deque[float] = deque()
+        self.source = FrameSource(settings, clock, on_commit_done=self._commit_done)
         txn_id = f"{settings.delivery.transactional_id_prefix}-{settings.observability.worker_id}" \
             if self.exactly_once else None
         self.sink = ResultSink(settings, on_done=self._acknowledged, transactional_id=txn_id)
@@ -317,28 +318,40 @@ class Pipeline:
         if self.tracker.tracks(source.topic_partition):
             self.tracker.mark_done(source.topic_partition, source.offset)
 
-    def _commit_if_due(self, force: bool = False) -> None:
+    def _commit_if_due(self, final: bool = False) -> None:
+        """Commit the watermark after a batch: asynchronously in the loop (a synchronous commit would stall
+        it for a broker round trip per batch), synchronously before partitions are given up."""
         if self.exactly_once:
             return
         now = self.clock()
         interval = self.settings.delivery.commit_interval_ms / 1000.0
-        if not force and now - self._last_commit < interval:
+        if not final and now - self._last_commit < interval:
             return
         points = self.tracker.commit_points()
         if not points:
             return
-        started = time.monotonic()
+        # librdkafka reports every commit, synchronous ones too, to the commit callback, in order.
+        self._commits_in_flight.append(time.monotonic())
         try:
-            self.source.commit(points)
-        except Exception as exc:  # a failed commit is retried next turn; offsets only ever move forward
-            self.metrics.commits.labels("error").inc()
+            self.source.commit(points, asynchronous=not final)
+        except KafkaException as exc:  # counted by the callback; retried next turn
             log.warning("offset commit failed (will retry): %s", exc)
             return
         self.tracker.mark_committed(points)
         self._last_commit = now
-        self.metrics.commits.labels("ok").inc()
-        self.metrics.commit_latency.observe(time.monotonic() - started)
         self.summary.commits += 1
+
+    def _commit_done(self, failed: list[TP], reason: str | None) -> None:
+        """Outcome of a commit, served by a poll; a failed partition's commit point is offered again."""
+        if self._commits_in_flight:
+            self.metrics.commit_latency.observe(time.monotonic() - self._commits_in_flight.popleft())
+        if not failed:
+            self.metrics.commits.labels("ok").inc()
+            return
+        self.metrics.commits.labels("error").inc()
+        log.warning("asynchronous offset commit failed for %s (will retry): %s", sorted(failed), reason)
+        for tp in failed:
+            self.tracker.commit_failed(tp)
 
     # -- flow control -----------------------------------------------------------------------------------------
     def _apply_backpressure(self) -> None:
@@ -374,7 +387,7 @@ class Pipeline:
         self.batcher.discard(lambda f: f.source.topic_partition in revoked)
         self._finish_inflight()
         if not self.exactly_once:
-            self._commit_if_due(force=True)
+            self._commit_if_due(final=True)
         self._release(tps)
         self.health.assigned = bool(self.source.assignment - revoked)
 
@@ -411,6 +424,6 @@ class Pipeline:
         for batch in self.batcher.flush():
             self._dispatch(batch)
         self._finish_inflight()
-        self._commit_if_due(force=True)
+        self._commit_if_due(final=True)
         log.info("drained: %d results, %d dead letters, %d expired", self.summary.results,
                  self.summary.dead_lettered, self.summary.expired)

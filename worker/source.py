@@ -38,7 +38,8 @@ RebalanceHandler = Callable[[list[TP]], None]
 class FrameSource:
     """Consumes frames from the input topics; each message becomes a Frame or a DeadLetter, never vanishes."""
 
-    def __init__(self, settings: Settings, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, settings: Settings, clock: Callable[[], float] = time.time,
+                 on_commit_done: Callable[[list[TP], str | None], None] | None = None) -> None:
         k = settings.kafka
         conf: dict[str, object] = {
             "bootstrap.servers": k.bootstrap_servers,
@@ -55,6 +56,8 @@ class FrameSource:
         }
         if k.group_instance_id:
             conf["group.instance.id"] = k.group_instance_id
+        if on_commit_done is not None:
+            conf["on_commit"] = lambda err, parts: _report_commit(err, parts, on_commit_done)
         conf.update(k.consumer_overrides)
         self._topics = settings.topics.input_topics()
         self._clock = clock
@@ -156,10 +159,15 @@ class FrameSource:
         return len(self._paused)
 
     # -- commits -------------------------------------------------------------------------------------
-    def commit(self, points: dict[TP, int]) -> None:
-        """Commit synchronously; only partitions still assigned (a revoked one belongs to someone else)."""
+    def commit(self, points: dict[TP, int], asynchronous: bool = False) -> None:
+        """Commit offsets of partitions still assigned (a revoked one belongs to someone else).
+
+        Asynchronous commits report their outcome through `on_commit_done` (served by a later poll)."""
         offsets = [TopicPartition(t, p, o) for (t, p), o in points.items() if (t, p) in self._assigned]
         if not offsets:
+            return
+        if asynchronous:
+            self._consumer.commit(offsets=offsets, asynchronous=True)
             return
         result = self._consumer.commit(offsets=offsets, asynchronous=False)
         for tp in result or []:
@@ -198,3 +206,13 @@ class FrameSource:
     def close(self) -> None:
         """Leave the group (triggers a final revoke) and close."""
         self._consumer.close()
+
+
+def _report_commit(err: KafkaError | None, partitions: list[TopicPartition],
+                   on_done: Callable[[list[TP], str | None], None]) -> None:
+    """Adapt librdkafka's commit callback: the failed partitions and why, or ([], None) on success."""
+    failed = [(p.topic, p.partition) for p in partitions if err is not None or p.error is not None]
+    reason = None
+    if failed:
+        reason = err.str() if err is not None else "; ".join(p.error.str() for p in partitions if p.error)
+    on_done(failed, reason)

@@ -629,18 +629,31 @@ def test_all_classes_pause_at_the_byte_cap():
     assert batcher.classes_to_pause() == {REALTIME, STANDARD, BULK}
 
 
-def test_a_realtime_backlog_pauses_bulk_then_standard_too():
+def test_a_realtime_backlog_pauses_bulk_then_standard_too_until_realtime_is_drained():
     clock = FakeClock()
     batcher = MicroBatcher(make_settings(max_batch_size=4, realtime=(5, 0, 8)), clock)
-    add_frames(batcher, clock, 3, priority=REALTIME)
-    assert batcher.classes_to_pause() == set()  # waiting within its budget is not a backlog
+    add_frames(batcher, clock, 4, priority=REALTIME)
+    assert batcher.classes_to_pause() == set()  # a full batch waiting within its budget is not a backlog
 
     clock.advance(5 * MS)
     assert batcher.classes_to_pause() == {BULK}
-    add_frames(batcher, clock, 2, priority=REALTIME)  # 5 realtime frames: more than one batch
+    add_frames(batcher, clock, 5, priority=REALTIME)  # 9 realtime frames: more than two batches
     assert batcher.classes_to_pause() == {BULK, STANDARD}
 
+    batcher.pop_batch()  # still realtime pending: stays paused (no flapping on each batch)
+    assert batcher.classes_to_pause() == {BULK, STANDARD}
     drain(batcher)
+    assert batcher.pending_frames == 1 and batcher.classes_to_pause() == {BULK, STANDARD}
+    clock.advance(5 * MS)
+    drain(batcher)
+    assert batcher.pending_frames == 0 and batcher.classes_to_pause() == set()
+
+
+def test_a_few_late_realtime_frames_pause_nothing():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(max_batch_size=4, realtime=(5, 0, 8)), clock)
+    add_frames(batcher, clock, 3, priority=REALTIME)
+    clock.advance(50 * MS)
     assert batcher.classes_to_pause() == set()
 
 
