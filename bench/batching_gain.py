@@ -1,0 +1,380 @@
+"""Batching gain: the worker against the two consumer loops a user would write first, on the same frames
+(mixed shapes, three priority topics), the same model, decode and preprocessing code, and the same Kafka
+client settings, each in its own process, in one run.
+
+(a) one frame per inference: poll one message, decode, run the model on it, produce the result, wait for
+    the broker's ack (flush), commit that message's offset synchronously. Committing only after the ack
+    gives it the worker's at-least-once guarantee; committing before it would lose frames on a crash.
+(b) fixed-size consume-and-batch: `consumer.consume(num_messages=32, timeout=0.1)` (32 = the worker's
+    max_batch_size; 0.1 s = how long a short consume may wait), no priorities, no shape grouping policy and
+    no deadline: the frames of one consume are split into one sub-batch per shape (no padding; each shape's
+    frames run together, in arrival order of the shapes), then every result is produced, flushed and the
+    consumed offsets committed synchronously.
+(c) the worker: `python -m worker run` with its default settings.
+
+Throughput: each consumer starts on the same pre-published backlog (a fresh consumer group each), frames/s
+over the middle 80% of its results; (a) is stopped after a time cap. Consumers run in interleaved rounds
+and the best round counts (noise on a shared machine only ever slows a run down); every round is listed.
+Latency: at a fixed offered rate, open loop with intended-send timestamps, on fresh topics, after each
+consumer is warm: "low" = half of the slowest consumer's throughput (every loop keeps up), "high" = half
+of the worker's (the simple loops may fall behind; a loop that cannot keep up shows latency growing with
+the run's length, which is what an overloaded consumer does).
+
+    python bench/batching_gain.py [--quick]
+    python bench/batching_gain.py consume --mode one|fixed ...   (the baseline loops; started by the bench)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+from common import Context, Topics  # noqa: E402
+
+from worker.frames import Priority, SourceRef  # noqa: E402
+
+KEPT_UP_DRAIN_S = 1.5  # a consumer that needs longer after the load ends was falling behind during it
+FIXED_BATCH = 32
+FIXED_TIMEOUT_S = 0.1
+CONSUMERS = {
+    "a": "one frame per inference (poll, infer, produce+flush, commit)",
+    "b": f"fixed consume(num_messages={FIXED_BATCH}), per-shape sub-batches",
+    "c": "streamfer worker (defaults)",
+}
+
+
+# -- the baseline loops (run in their own process) ----------------------------------------------------------------
+def consume_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="batching_gain.py consume")
+    p.add_argument("--mode", choices=["one", "fixed"], required=True)
+    p.add_argument("--bootstrap", required=True)
+    p.add_argument("--topics", required=True, help="JSON of common.Topics")
+    p.add_argument("--worker-id", required=True)
+    p.add_argument("--torch-threads", type=int, default=1)
+    p.add_argument("--idle-exit-s", type=float, default=None)
+    args = p.parse_args(argv)
+    topics = Topics(**json.loads(args.topics))
+    stopping = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stopping.__setitem__("now", True))
+    loop = BaselineLoop(args.bootstrap, topics, args.worker_id, args.torch_threads)
+    try:
+        loop.run(args.mode, lambda: stopping["now"], args.idle_exit_s)
+    finally:
+        loop.close()
+    print(json.dumps({"results": loop.results}), flush=True)
+    return 0
+
+
+class BaselineLoop:
+    """The simple consumer loops, built from the worker's own pieces: the consumer and producer settings of
+    worker.source / worker.sink, worker.schemas decode/encode, the runtime's Preprocessor and EagerRunner."""
+
+    def __init__(self, bootstrap: str, topics: Topics, worker_id: str, torch_threads: int) -> None:
+        import torch
+        from confluent_kafka import Consumer, Producer
+
+        from worker.config import load_settings
+        from worker.runtime.models import load_model
+        from worker.runtime.preprocess import Preprocessor
+        from worker.runtime.runners import EagerRunner
+
+        torch.set_num_threads(torch_threads)
+        overrides = topics.overrides()
+        overrides["kafka"]["bootstrap_servers"] = bootstrap
+        overrides["observability"] = {"worker_id": worker_id}
+        self.settings = s = load_settings(env={}, overrides=overrides)
+        self.topics = topics
+        self.priority_of = topics.priority_of()
+        self.worker_id = worker_id
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        loaded = load_model(s.model, self.device)
+        self.contract = loaded.contract
+        self.runner = EagerRunner(loaded.module, loaded.contract, self.device, s.runtime.precision)
+        # The worker's warm-up: warmup_batches forward passes of its largest batch at 224x224.
+        self.runner.warm_up((3, 224, 224), s.runtime.warmup_batches, max(s.runtime.graph_batch_sizes))
+        self.preprocessor = Preprocessor(loaded.contract, pin_memory=False)
+        # worker.source.FrameSource's consumer settings and worker.sink.ResultSink's producer settings.
+        self.consumer = Consumer({
+            "bootstrap.servers": bootstrap, "group.id": topics.group, "enable.auto.commit": False,
+            "enable.auto.offset.store": False, "auto.offset.reset": "earliest",
+            "partition.assignment.strategy": "cooperative-sticky",
+            "session.timeout.ms": s.kafka.session_timeout_ms, "max.poll.interval.ms": s.kafka.max_poll_interval_ms,
+            "isolation.level": "read_committed", "client.id": worker_id})
+        self.producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "acks": "all",
+                                  "linger.ms": 2, "client.id": worker_id, "message.timeout.ms": 300_000})
+        self.consumer.subscribe(topics.inputs)
+        self.results = 0
+
+    def run(self, mode: str, stop: Any, idle_exit_s: float | None) -> None:
+        last = time.monotonic()
+        while not stop():
+            got = self._one() if mode == "one" else self._fixed()
+            if got:
+                last = time.monotonic()
+            elif idle_exit_s is not None and time.monotonic() - last >= idle_exit_s:
+                return
+
+    def _one(self) -> int:
+        """(a): one message, one inference, one produce + flush, one synchronous commit."""
+        from confluent_kafka import KafkaError
+
+        msg = self.consumer.poll(FIXED_TIMEOUT_S)
+        if msg is None:
+            return 0
+        if msg.error() is not None:
+            if msg.error().code() != KafkaError._PARTITION_EOF:
+                print(f"consumer error: {msg.error().str()}", file=sys.stderr)
+            return 0
+        frames = self._decode([msg])
+        self._infer_and_produce(frames)
+        self.producer.flush()
+        self.consumer.commit(message=msg, asynchronous=False)
+        return 1
+
+    def _fixed(self) -> int:
+        """(b): up to FIXED_BATCH messages, one sub-batch per shape, produce all, flush, commit."""
+        from confluent_kafka import TopicPartition
+
+        msgs = [m for m in self.consumer.consume(num_messages=FIXED_BATCH, timeout=FIXED_TIMEOUT_S)
+                if m.error() is None]
+        if not msgs:
+            return 0
+        frames = self._decode(msgs)
+        by_shape: dict[tuple[int, int, int], list] = {}
+        for f in frames:
+            by_shape.setdefault(f.shape, []).append(f)
+        for group in by_shape.values():
+            self._infer_and_produce(group)
+        self.producer.flush()
+        ends: dict[tuple[str, int], int] = {}
+        for m in msgs:
+            key = (m.topic(), m.partition())
+            ends[key] = max(ends.get(key, -1), m.offset() + 1)
+        self.consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in ends.items()], asynchronous=False)
+        return len(msgs)
+
+    def _decode(self, msgs: list) -> list:
+        from worker.schemas import MessageDecodeError, decode_frame
+
+        now = time.time()
+        frames = []
+        for m in msgs:
+            try:
+                frames.append(decode_frame(m.value(), SourceRef(m.topic(), m.partition(), m.offset()),
+                                           self.priority_of[m.topic()], now))
+            except MessageDecodeError as exc:  # the workload has none; a baseline has no dead-letter topic
+                print(f"undecodable message skipped: {exc}", file=sys.stderr)
+        return frames
+
+    def _infer_and_produce(self, frames: list) -> None:
+        from worker.runtime.preprocess import stage_to_device
+        from worker.schemas import encode_result
+
+        if not frames:
+            return
+        t0 = time.perf_counter()
+        batch = self.preprocessor.prepare(frames, frames[0].shape)
+        stage_to_device(batch, self.device, None)
+        scores = self.runner.run(batch.device_tensor).scores
+        now = time.time()
+        took_ms = (time.perf_counter() - t0) * 1000.0
+        for frame, row in zip(batch.frames, scores, strict=True):
+            verdict = self.contract.verdict(row)
+            record = {
+                "stream_id": frame.stream_id, "frame_index": frame.frame_index, "tenant": frame.tenant,
+                "status": "OK", "model_name": self.contract.name, "model_version": self.contract.version,
+                "scores": dict(verdict.scores), "flagged": verdict.flagged,
+                "flagged_labels": list(verdict.flagged_labels), "source_topic": frame.source.topic,
+                "source_partition": frame.source.partition, "source_offset": frame.source.offset,
+                "capture_ts_ms": frame.capture_ts_ms,
+                "queued_ms": max(0.0, batch.started_at - frame.received_at) * 1000,
+                "batch_size": len(batch.frames), "inference_ms": took_ms,
+                "end_to_end_ms": max(0.0, now * 1000.0 - frame.capture_ts_ms), "worker_id": self.worker_id,
+            }
+            value = encode_result(record)
+            while True:
+                try:
+                    self.producer.produce(self.topics.results, key=frame.stream_id.encode(), value=value)
+                    break
+                except BufferError:
+                    self.producer.poll(0.05)
+            self.results += 1
+        self.producer.poll(0)
+
+    def close(self) -> None:
+        self.producer.flush(30)
+        self.consumer.close()
+
+
+# -- starting the three consumers ---------------------------------------------------------------------------------
+def start_consumer(ctx: Context, which: str, topics: Topics, worker_id: str,
+                   exit_when_idle_s: float | None = None, expiry: bool = False) -> common.Proc:
+    if which == "c":
+        return common.start_worker(ctx.bootstrap, topics, ctx.log_dir, ctx.torch_threads, worker_id,
+                                   exit_when_idle_s, expiry=expiry, extra_env=ctx.shared.get("worker_env"))
+    argv = [sys.executable, str(Path(__file__).resolve()), "consume", "--mode", {"a": "one", "b": "fixed"}[which],
+            "--bootstrap", ctx.bootstrap, "--topics", json.dumps(topics.__dict__), "--worker-id", worker_id,
+            "--torch-threads", str(ctx.torch_threads)]
+    if exit_when_idle_s is not None:
+        argv += ["--idle-exit-s", str(exit_when_idle_s)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return common.Proc(argv, env, ctx.log_dir / f"{worker_id}.log")
+
+
+def backlog_round(ctx: Context, which: str, topics: Topics, frames: int, cap_s: float) -> dict[str, Any]:
+    """One consumer on the backlog, stopped once it has committed everything or after cap_s of consuming."""
+    t = common.fresh_consumer(ctx.bootstrap, topics, f"bg{which}")
+    ends = common.end_offsets(ctx.bootstrap, topics.inputs)
+    proc = start_consumer(ctx, which, t, common.new_id(f"bg{which}"))
+    watch = common.CpuWatch(ctx.broker, [proc.popen.pid])
+    finished = common.wait_committed(ctx.bootstrap, t.group, ends, cap_s, alive=proc.alive)
+    cpu = watch.stop()
+    proc.stop()
+    results = common.read_run_results(ctx.bootstrap, t.results, frames if finished else None)
+    if len(results) < 50:
+        raise RuntimeError(f"consumer {which} produced {len(results)} results in {cap_s:.0f}s\n{proc.tail()}")
+    tp = common.steady_throughput(results)
+    return {"consumer": which, "finished_backlog": finished, "results": len(results), **tp,
+            "background_cores": cpu["background_cores"], "batch_sizes": common.batch_size_distribution(results)}
+
+
+def latency_run(ctx: Context, which: str, rate: float, seconds: float) -> dict[str, Any]:
+    """One consumer, warm, on fresh topics, under an open-loop load of `rate` frames/s for `seconds`."""
+    topics = common.make_topics(ctx.bootstrap, f"lat{which}")
+    proc = start_consumer(ctx, which, topics, common.new_id(f"lat{which}"), expiry=False)
+    try:
+        warm = common.workload_records(30, common.new_id("warm"))
+        common.publish_load(ctx.bootstrap, topics, warm)
+        if not common.wait_committed(ctx.bootstrap, topics.group, common.end_offsets(ctx.bootstrap, topics.inputs),
+                                     120, alive=proc.alive):
+            raise RuntimeError(f"consumer {which} did not get warm\n{proc.tail()}")
+        run_id = common.new_id("lat")
+        records = common.workload_records(int(rate * seconds), run_id)
+        watch = common.CpuWatch(ctx.broker, [proc.popen.pid])
+        load = common.publish_load(ctx.bootstrap, topics, records, rate_fps=rate)
+        t_load_end = time.monotonic()
+        drained = common.wait_committed(ctx.bootstrap, topics.group,
+                                        common.end_offsets(ctx.bootstrap, topics.inputs),
+                                        ctx.scale(60, 30), alive=proc.alive)
+        drain_s = time.monotonic() - t_load_end
+        cpu = watch.stop()
+    finally:
+        proc.stop()
+    results = [r for r in common.read_run_results(ctx.bootstrap, topics.results)
+               if common.run_id_of(r["stream_id"]) == run_id]
+    # Warm-up discarded (OpenMessaging): frames intended in the first 10% of the run.
+    t_first = min(r["capture_ts_ms"] for r in results) + 0.1 * seconds * 1000.0
+    kept = [r for r in results if r["capture_ts_ms"] >= t_first]
+    per_class = {p.label: common.latency_summary([r for r in kept if r["source_topic"] == topics.for_priority(p)])
+                 for p in Priority}
+    return {"consumer": which, "offered_fps": rate, "seconds": seconds, "sent": load.sent,
+            "results": len(results), "drained_within_timeout": drained, "drain_after_load_s": drain_s,
+            "kept_up": drained and len(results) >= load.sent and drain_s <= KEPT_UP_DRAIN_S, "load": load.as_dict(),
+            "latency": common.latency_summary(kept), "latency_by_class": per_class,
+            "background_cores": cpu["background_cores"], "generator_cores": cpu["bench_process_cores"],
+            "consumer_cores": cpu["watched_processes_cores"], "batch_sizes": common.batch_size_distribution(kept)}
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    frames = int(ctx.scale(4000, 2500))
+    rounds = int(ctx.scale(2, 1))
+    cap_s = ctx.scale(9, 6)
+    topics = common.make_topics(ctx.bootstrap, "bg")
+    print(f"\n[gain] publishing a backlog of {frames} frames", flush=True)
+    publish = common.publish_load(ctx.bootstrap, topics, common.workload_records(frames, common.new_id("bg")))
+    trials: list[dict[str, Any]] = []
+    for r in range(rounds):
+        for which in CONSUMERS:
+            trial = backlog_round(ctx, which, topics, frames, cap_s if which == "a" else 120)
+            trial["round"] = r + 1
+            trials.append(trial)
+            print(f"[gain] round {r + 1} ({which}) {trial['frames_per_s']:.0f} frames/s, background load "
+                  f"{trial['background_cores']:.2f} cores", flush=True)
+    best = {w: max((t for t in trials if t["consumer"] == w), key=lambda t: t["frames_per_s"]) for w in CONSUMERS}
+    fps = {w: best[w]["frames_per_s"] for w in CONSUMERS}
+
+    seconds = ctx.scale(6, 4)
+    rates = {"low": 0.5 * min(fps.values())}
+    if not ctx.quick:
+        rates["high"] = 0.5 * fps["c"]
+    latency: dict[str, dict[str, Any]] = {}
+    skipped: dict[str, list[str]] = {}
+    for level, rate in rates.items():
+        for which in CONSUMERS:
+            if fps[which] < rate:
+                # Its measured capacity is below the offered rate: its queue (and latency) would grow for as
+                # long as the run lasts; that says nothing more than the throughput row already does.
+                skipped.setdefault(level, []).append(which)
+                continue
+            print(f"[gain] latency: {which} at {rate:.0f} frames/s ({level})", flush=True)
+            latency.setdefault(level, {})[which] = latency_run(ctx, which, rate, seconds)
+
+    text = [common.table(
+        "batching gain: throughput on a saturating backlog (best of rounds; frames/s over the middle 80%)",
+        ["consumer", "frames/s", "rounds", "mean batch", "vs (a)"],
+        [[f"({w}) {CONSUMERS[w]}", fps[w], " ".join(f"{t['frames_per_s']:.0f}" for t in trials if t["consumer"] == w),
+          best[w]["batch_sizes"]["mean_frame_weighted"], f"{fps[w] / fps['a']:.2f}x"] for w in CONSUMERS],
+        note=f"c/a = {fps['c'] / fps['a']:.2f}x, c/b = {fps['c'] / fps['b']:.2f}x (same frames, model and client "
+             f"settings; {ctx.torch_threads} torch thread(s) each).")]
+    for level, by in latency.items():
+        rows = []
+        for w, lr in by.items():
+            lat = lr["latency"]
+            cls = lr["latency_by_class"]
+            rows.append([f"({w})", lr["offered_fps"], lat["p50_ms"], lat["p99_ms"], lat["max_ms"],
+                         cls["realtime"]["p99_ms"], cls["standard"]["p99_ms"], cls["bulk"]["p99_ms"],
+                         lr["batch_sizes"]["mean_frame_weighted"],
+                         "yes" if lr["kept_up"] else f"NO ({lr['drain_after_load_s']:.1f}s)"])
+        text.append(common.table(
+            f"end-to-end latency at a fixed offered rate ({level}: {rates[level]:.0f} frames/s, open loop, "
+            f"{seconds:.0f}s, first 10% discarded), ms",
+            ["consumer", "offered", "p50", "p99", "max", "rt p99", "std p99", "bulk p99", "mean batch", "kept up"],
+            rows, note=f"kept up: done within {KEPT_UP_DRAIN_S:.1f}s of the load's end (else: how long it needed). "
+            + (("not run (capacity below the offered rate, so latency grows without bound): "
+                        + ", ".join(f"({w})" for w in skipped[level])) if skipped.get(level) else "")))
+    result = {
+        "benchmark": "batching_gain", "machine": common.machine(), "workload": common.describe_workload(),
+        "consumers": CONSUMERS, "torch_threads": ctx.torch_threads, "backlog_frames": frames,
+        "backlog_publish": publish, "throughput_trials": trials, "throughput_fps": fps,
+        "ratio_c_over_a": fps["c"] / fps["a"], "ratio_c_over_b": fps["c"] / fps["b"],
+        "latency_rates": rates, "latency": latency, "latency_skipped_overloaded": skipped,
+        "latency_seconds": seconds, "tables": text,
+    }
+    common.write_json("batching_gain", result, ctx.out_dir)
+    return result
+
+
+def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
+    """Headline rows for bench/results/summary.md."""
+    fps = result["throughput_fps"]
+    rows = [(f"({w}) {CONSUMERS[w]}", f"{fps[w]:.0f} frames/s") for w in CONSUMERS]
+    rows.append(("worker vs (a), vs (b)", f"**{result['ratio_c_over_a']:.1f}x**, **{result['ratio_c_over_b']:.2f}x**"))
+    for level, by in result["latency"].items():
+        rate = result["latency_rates"][level]
+        cells = "; ".join(f"({w}) {lr['latency']['p50_ms']:.0f} / {lr['latency']['p99_ms']:.0f}"
+                          for w, lr in by.items())
+        skipped = result.get("latency_skipped_overloaded", {}).get(level)
+        if skipped:
+            cells += "; " + ", ".join(f"({w}) overloaded" for w in skipped)
+        rows.append((f"latency p50 / p99 ms at {rate:.0f} frames/s offered ({level})", cells))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["consume"]:
+        return consume_main(argv[1:])
+    return common.standalone(run, argv, __doc__.splitlines()[0])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

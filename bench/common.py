@@ -1,0 +1,633 @@
+"""What the Kafka benchmarks share: the broker, the workload, load generators, worker processes, and how
+results are turned into throughput and latency figures.
+
+Every figure comes from the results themselves: a result carries `capture_ts_ms` (the *intended* send
+time of its frame) and `end_to_end_ms` (capture -> result ready to produce), so the moment a result was
+made is `capture_ts_ms + end_to_end_ms` on this machine's clock, whichever consumer made it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
+
+from worker.frames import Encoding, Priority  # noqa: E402
+from worker.producer import synthetic_frames  # noqa: E402
+from worker.results import read_results  # noqa: E402
+from worker.schemas import FrameRecord, encode_frame  # noqa: E402
+from worker.topics import ensure_topics  # noqa: E402
+
+RESULTS_DIR = REPO / "bench" / "results"
+# librdkafka's client logs (start-up retries such as "Coordinator load in progress") stay out of the tables.
+_KAFKA_LOG = logging.getLogger("bench.kafka")
+_KAFKA_LOG.addHandler(logging.NullHandler())
+_KAFKA_LOG.propagate = False
+PARTITIONS = 3
+
+
+# -- the workload ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ClassLoad:
+    share: float  # of all frames
+    encoding: Encoding
+    shapes: tuple[tuple[int, int], ...]  # (width, height), cycled
+
+
+# Mixed shapes on three priorities, sized like downscaled video frames. Standard frames arrive as JPEG
+# (decoded in the worker's preprocessing pool), the others as raw RGB.
+WORKLOAD: dict[Priority, ClassLoad] = {
+    Priority.REALTIME: ClassLoad(0.2, Encoding.RAW_RGB8, ((160, 120), (128, 96))),
+    Priority.STANDARD: ClassLoad(0.4, Encoding.JPEG, ((320, 240), (224, 224))),
+    Priority.BULK: ClassLoad(0.4, Encoding.RAW_RGB8, ((320, 240), (224, 224))),
+}
+STREAMS_PER_SHAPE = 6  # keys per shape: spreads a topic's frames over its partitions
+
+
+def describe_workload() -> dict[str, Any]:
+    return {p.label: {"share": c.share, "encoding": c.encoding.value,
+                      "shapes_wxh": [f"{w}x{h}" for w, h in c.shapes]} for p, c in WORKLOAD.items()}
+
+
+def workload_records(count: int, run_id: str) -> list[FrameRecord]:
+    """`count` frames of the workload, the classes interleaved evenly by share (deterministic)."""
+    per_class: list[tuple[float, FrameRecord]] = []
+    for priority, load in WORKLOAD.items():
+        n = max(1, round(count * load.share))
+        records = synthetic_frames(n, list(load.shapes), load.encoding, priority, run_id,
+                                   streams_per_shape=STREAMS_PER_SHAPE)
+        per_class.extend(((i + 0.5) / n, rec) for i, rec in enumerate(records))
+    per_class.sort(key=lambda pair: (pair[0], pair[1].priority))
+    return [rec for _, rec in per_class[:count]]
+
+
+def run_id_of(stream_id: str) -> str:
+    return stream_id.split("-", 1)[0]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:8]}"
+
+
+# -- the broker and topics ---------------------------------------------------------------------------------
+class Broker:
+    """KAFKA_BOOTSTRAP_SERVERS when set, else a fresh local broker in a temp dir, destroyed on exit."""
+
+    def __init__(self) -> None:
+        self.bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "")
+        self.pid: int | None = None
+        self.description = f"external broker {self.bootstrap}" if self.bootstrap else ""
+        self._local = None
+
+    def __enter__(self) -> "Broker":
+        if not self.bootstrap:
+            from worker.local_kafka import LocalKafka
+
+            t0 = time.monotonic()
+            self._local = LocalKafka(tempfile.mkdtemp(prefix="streamfer-bench-kafka-"), heap_mb=512)
+            state = self._local.start()
+            self.bootstrap, self.pid = state.bootstrap_servers, state.pid
+            self.description = f"local single-node Apache Kafka (KRaft), started in {time.monotonic() - t0:.0f}s"
+            print(f"[bench] {self.description} at {self.bootstrap}", flush=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        close_producers()
+        if self._local is not None:
+            self._local.destroy()
+
+    def cpu_seconds(self) -> float | None:
+        return process_cpu_seconds(self.pid) if self.pid else None
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """user + system CPU seconds of a process (Linux /proc), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def machine_cpu_seconds() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine since boot, all cores (Linux /proc/stat)."""
+    try:
+        with open("/proc/stat") as fh:
+            values = [int(v) for v in fh.readline().split()[1:]]
+    except OSError:
+        return (float("nan"), float("nan"))
+    tick = os.sysconf("SC_CLK_TCK")
+    idle = values[3] + (values[4] if len(values) > 4 else 0)
+    total = sum(values[:8])  # guest time is already inside user
+    return ((total - idle) / tick, total / tick)
+
+
+class CpuWatch:
+    """CPU used over a span by: this process, the given child processes, the broker, and everything else on
+    the machine ("background": other people's work on a shared machine is what makes timings noisy)."""
+
+    def __init__(self, broker: "Broker | None" = None, pids: Sequence[int] = ()) -> None:
+        self.broker = broker
+        self.pids = list(pids)
+        self._start = self._stamp()
+
+    def _stamp(self) -> dict[str, float]:
+        busy, total = machine_cpu_seconds()
+        children = sum(process_cpu_seconds(p) or 0.0 for p in self.pids)
+        broker = (self.broker.cpu_seconds() or 0.0) if self.broker else 0.0
+        return {"wall": time.monotonic(), "self": time.process_time(), "children": children, "broker": broker,
+                "busy": busy, "total": total}
+
+    def add_pid(self, pid: int) -> None:
+        """Count a process started after the watch (its CPU so far counts from zero)."""
+        self.pids.append(pid)
+
+    def stop(self) -> dict[str, float]:
+        end = self._stamp()
+        d = {k: end[k] - self._start.get(k, 0.0) for k in end}
+        wall = d["wall"] or float("nan")
+        children = end["children"] - self._start["children"]
+        ours = d["self"] + children
+        return {"wall_s": d["wall"], "cores": d["total"] / wall, "ours_cores": ours / wall,
+                "bench_process_cores": d["self"] / wall, "watched_processes_cores": children / wall,
+                "broker_cores": d["broker"] / wall,
+                "background_cores": max(0.0, d["busy"] - ours - d["broker"]) / wall}
+
+
+@dataclass(frozen=True)
+class Topics:
+    realtime: str
+    standard: str
+    bulk: str
+    results: str
+    dead_letter: str
+    group: str
+
+    @property
+    def inputs(self) -> list[str]:
+        return [self.realtime, self.standard, self.bulk]
+
+    def for_priority(self, priority: Priority) -> str:
+        return {Priority.REALTIME: self.realtime, Priority.STANDARD: self.standard, Priority.BULK: self.bulk}[priority]
+
+    def priority_of(self) -> dict[str, Priority]:
+        return {self.realtime: Priority.REALTIME, self.standard: Priority.STANDARD, self.bulk: Priority.BULK}
+
+    def env(self) -> dict[str, str]:
+        return {"WORKER_TOPICS_REALTIME": self.realtime, "WORKER_TOPICS_STANDARD": self.standard,
+                "WORKER_TOPICS_BULK": self.bulk, "WORKER_TOPICS_RESULTS": self.results,
+                "WORKER_TOPICS_DEAD_LETTER": self.dead_letter, "WORKER_KAFKA_GROUP_ID": self.group}
+
+    def overrides(self) -> dict[str, dict[str, Any]]:
+        return {"topics": {"realtime": self.realtime, "standard": self.standard, "bulk": self.bulk,
+                           "results": self.results, "dead_letter": self.dead_letter},
+                "kafka": {"group_id": self.group}}
+
+
+def make_topics(bootstrap: str, tag: str) -> Topics:
+    """Fresh input, results and dead-letter topics and a fresh group id."""
+    u = new_id(tag)
+    t = Topics(realtime=f"b{u}.realtime", standard=f"b{u}.standard", bulk=f"b{u}.bulk", results=f"b{u}.results",
+               dead_letter=f"b{u}.dlq", group=f"g{u}")
+    ensure_topics(bootstrap, [*t.inputs, t.results, t.dead_letter], PARTITIONS)
+    return t
+
+
+def fresh_consumer(bootstrap: str, topics: Topics, tag: str) -> Topics:
+    """The same inputs (and their backlog) for a new consumer: a new group, results and dead-letter topic."""
+    u = new_id(tag)
+    t = Topics(topics.realtime, topics.standard, topics.bulk, results=f"b{u}.results", dead_letter=f"b{u}.dlq",
+               group=f"g{u}")
+    ensure_topics(bootstrap, [t.results, t.dead_letter], PARTITIONS)
+    return t
+
+
+# -- load ---------------------------------------------------------------------------------------------------
+_PRODUCERS: dict[str, Producer] = {}
+
+
+def frame_producer(bootstrap: str) -> Producer:
+    """The frame producer of worker.producer.publish (same settings), one per broker, kept open: a new
+    producer needs ~0.5 s to connect and get its idempotent producer id, and frames due meanwhile would
+    count that against the consumer."""
+    if bootstrap not in _PRODUCERS:
+        _PRODUCERS[bootstrap] = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True,
+                                          "linger.ms": 5, "compression.type": "lz4"}, logger=_KAFKA_LOG)
+    return _PRODUCERS[bootstrap]
+
+
+def close_producers() -> None:
+    for producer in _PRODUCERS.values():
+        producer.flush(10)
+    _PRODUCERS.clear()
+
+
+@dataclass
+class LoadReport:
+    sent: int
+    seconds: float
+    offered_fps: float | None
+    achieved_fps: float
+    # Actual minus intended send time (OpenMessaging's "send delay"); large values mean the generator itself
+    # fell behind. Latencies stay honest anyway: capture_ts_ms is the intended time.
+    send_delay_p99_ms: float = 0.0
+    send_delay_max_ms: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: round(v, 3) if isinstance(v, float) else v for k, v in self.__dict__.items()}
+
+
+def publish_load(bootstrap: str, topics: Topics, records: Sequence[FrameRecord], rate_fps: float | None = None,
+                 stop: Callable[[], bool] = lambda: False) -> LoadReport:
+    """Publish `records` to their class's topic: as fast as possible (a backlog), or open loop at `rate_fps`.
+
+    Open loop as in worker.producer.publish: frame i is due at start + i / rate, and its capture_ts_ms is that
+    intended time, so a late send (generator or broker hiccup) shows up in latency instead of hiding it."""
+    producer = frame_producer(bootstrap)
+    errors: list[str] = []
+
+    def delivered(err, _msg) -> None:  # noqa: ANN001 (librdkafka callback)
+        if err is not None:
+            errors.append(err.str())
+
+    delays: list[float] = []
+    start = time.time()
+    sent = 0
+    for i, rec in enumerate(records):
+        if stop():
+            break
+        if rate_fps:
+            intended = start + i / rate_fps
+            wait = intended - time.time()
+            if wait > 0:
+                time.sleep(wait)
+            delays.append((time.time() - intended) * 1000.0)
+        else:
+            intended = time.time()
+        value = encode_frame(FrameRecord(**{**rec.__dict__, "capture_ts_ms": int(intended * 1000)}))
+        while True:
+            try:
+                producer.produce(topics.for_priority(rec.priority), key=rec.stream_id.encode(), value=value,
+                                 on_delivery=delivered)
+                break
+            except BufferError:
+                producer.poll(0.05)
+        producer.poll(0)
+        sent += 1
+    remaining = producer.flush(60)
+    seconds = time.time() - start
+    if remaining or errors:
+        raise RuntimeError(f"load generator: {remaining} frames unacknowledged, {len(errors)} failed: {errors[:3]}")
+    delays.sort()
+    return LoadReport(sent=sent, seconds=seconds, offered_fps=rate_fps, achieved_fps=sent / seconds if seconds else 0,
+                      send_delay_p99_ms=percentile(delays, 0.99) if delays else 0.0,
+                      send_delay_max_ms=delays[-1] if delays else 0.0)
+
+
+# -- consumers: progress and results ----------------------------------------------------------------------------
+def end_offsets(bootstrap: str, topics: Sequence[str]) -> dict[tuple[str, int], int]:
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "bench-offsets-probe"})
+    try:
+        md = consumer.list_topics(timeout=10)
+        return {(t, p): consumer.get_watermark_offsets(TopicPartition(t, p), timeout=10)[1]
+                for t in topics for p in md.topics[t].partitions}
+    finally:
+        consumer.close()
+
+
+def wait_committed(bootstrap: str, group: str, ends: dict[tuple[str, int], int], timeout_s: float,
+                   alive: Callable[[], bool] = lambda: True) -> bool:
+    """Wait until the group has committed every partition up to `ends` (what was published); False on timeout."""
+    probe = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
+    tps = [TopicPartition(t, p) for (t, p), end in ends.items() if end > 0]
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            committed = {(tp.topic, tp.partition): tp.offset for tp in probe.committed(tps, timeout=10)}
+            if all(committed.get(k, -1) >= ends[k] for k in ends if ends[k] > 0):
+                return True
+            if not alive():
+                return False
+            time.sleep(0.2)
+        return False
+    finally:
+        probe.close()
+
+
+def read_run_results(bootstrap: str, results_topic: str, expected: int | None = None,
+                     timeout_s: float = 120.0) -> list[dict[str, Any]]:
+    """Every result on a results topic (committed ones), stopping at `expected` when given."""
+    return read_results(bootstrap, results_topic, count=expected, idle_timeout_s=1.0, timeout_s=timeout_s)
+
+
+def produced_at_ms(r: dict[str, Any]) -> float:
+    return r["capture_ts_ms"] + r["end_to_end_ms"]
+
+
+def steady_throughput(results: Sequence[dict[str, Any]], trim: float = 0.1) -> dict[str, Any]:
+    """Frames/s over the middle of a run: results made between the `trim` and `1 - trim` quantiles of their
+    production times, divided by that span. Start-up (group join, warm caches) and the tail are left out."""
+    times = sorted(produced_at_ms(r) for r in results)
+    if len(times) < 20:
+        return {"frames_per_s": float("nan"), "window_s": 0.0, "frames_in_window": len(times)}
+    lo, hi = int(trim * (len(times) - 1)), int((1 - trim) * (len(times) - 1))
+    span_s = (times[hi] - times[lo]) / 1000.0
+    n = hi - lo
+    return {"frames_per_s": n / span_s if span_s > 0 else float("nan"), "window_s": span_s, "frames_in_window": n}
+
+
+def all_active_throughput(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Frames/s while every worker of a group was producing: from the last worker's first result to the
+    first worker's last result (so staggered start-ups and early finishers do not count)."""
+    by_worker: dict[str, list[float]] = {}
+    for r in results:
+        by_worker.setdefault(r["worker_id"], []).append(produced_at_ms(r))
+    start = max(min(v) for v in by_worker.values())
+    end = min(max(v) for v in by_worker.values())
+    n = sum(1 for r in results if start <= produced_at_ms(r) <= end)
+    span_s = (end - start) / 1000.0
+    return {"frames_per_s": n / span_s if span_s > 0.5 else float("nan"), "window_s": span_s,
+            "frames_in_window": n, "workers_with_results": len(by_worker),
+            "per_worker_results": {w: len(v) for w, v in sorted(by_worker.items())}}
+
+
+def latency_summary(results: Sequence[dict[str, Any]], qs: Sequence[float] = (0.5, 0.95, 0.99)) -> dict[str, float]:
+    values = sorted(r["end_to_end_ms"] for r in results)
+    out = {f"p{_q_name(q)}_ms": percentile(values, q) for q in qs}
+    out["max_ms"] = values[-1] if values else float("nan")
+    out["n"] = len(values)
+    return out
+
+
+def _q_name(q: float) -> str:
+    return f"{q * 100:g}".replace(".", "")
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of an already sorted sequence."""
+    if not sorted_values:
+        return float("nan")
+    k = max(0, min(len(sorted_values) - 1, math.ceil(q * len(sorted_values)) - 1))
+    return float(sorted_values[k])
+
+
+def batch_size_distribution(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Share of frames that ran in a batch of each size range (frame-weighted), and the mean."""
+    sizes = [r["batch_size"] for r in results if r.get("status", "OK") == "OK"]
+    edges = [(1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 10**9)]
+    dist = {(f"{a}" if a == b else (f"{a}-{b}" if b < 10**9 else f"{a}+")): 0.0 for a, b in edges}
+    for s in sizes:
+        for (a, b), key in zip(edges, dist, strict=True):
+            if a <= s <= b:
+                dist[key] += 1
+    total = len(sizes) or 1
+    return {"share_of_frames": {k: round(v / total, 3) for k, v in dist.items()},
+            "mean_frame_weighted": (sum(sizes) / len(sizes)) if sizes else float("nan")}
+
+
+# -- worker processes ---------------------------------------------------------------------------------------------
+def worker_env(bootstrap: str, topics: Topics, torch_threads: int, worker_id: str,
+               expiry: bool = False, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment of a `python -m worker run` process; defaults unless named here."""
+    env = dict(os.environ)
+    env.update(topics.env())
+    env.update({"WORKER_KAFKA_BOOTSTRAP_SERVERS": bootstrap, "WORKER_OBSERVABILITY_WORKER_ID": worker_id,
+                "WORKER_OBSERVABILITY_METRICS_PORT": "0", "WORKER_RUNTIME_TORCH_THREADS": str(torch_threads),
+                "PYTHONUNBUFFERED": "1"})
+    if not expiry:
+        # A pre-published backlog is older than realtime's 2 s max age: it must run, not expire.
+        env.update({"WORKER_BATCHING_REALTIME_MAX_AGE_MS": "0", "WORKER_BATCHING_STANDARD_MAX_AGE_MS": "0"})
+    env.update(extra or {})
+    return env
+
+
+class Proc:
+    """A child process with its log in the bench's log folder."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        self.popen = subprocess.Popen(argv, env=env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM (the worker drains and commits), SIGKILL if it does not exit."""
+        if self.alive():
+            self.popen.terminate()
+        try:
+            code = self.popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            code = self.popen.wait()
+        self._log.close()
+        return code
+
+    def wait(self, timeout_s: float) -> int:
+        try:
+            return self.popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return self.stop()
+        finally:
+            if not self._log.closed:
+                self._log.close()
+
+    def tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+
+def start_worker(bootstrap: str, topics: Topics, log_dir: Path, torch_threads: int, worker_id: str,
+                 exit_when_idle_s: float | None = None, expiry: bool = False,
+                 extra_env: dict[str, str] | None = None) -> Proc:
+    argv = [sys.executable, "-m", "worker", "run"]
+    if exit_when_idle_s is not None:
+        argv += ["--exit-when-idle", str(exit_when_idle_s)]
+    env = worker_env(bootstrap, topics, torch_threads, worker_id, expiry, extra_env)
+    return Proc(argv, env, log_dir / f"{worker_id}.log")
+
+
+@dataclass
+class BacklogRun:
+    results: list[dict[str, Any]]
+    procs: list[Proc]
+    seconds: float  # consumer start to everything committed (start-up and group join included)
+    proc_cpu_s: list[float | None]  # CPU seconds each consumer process used, start-up included
+    broker_cpu_s: float | None  # CPU seconds the local broker used meanwhile (None for an external one)
+
+
+def run_backlog(bootstrap: str, topics: Topics, expected: int, start: Callable[[Topics], Proc | list[Proc]],
+                timeout_s: float, tag: str, broker: Broker | None = None) -> BacklogRun:
+    """Start consumer process(es) on an already published backlog, wait until the group committed it all,
+    stop them and read their results."""
+    consumer_topics = fresh_consumer(bootstrap, topics, tag)
+    ends = end_offsets(bootstrap, topics.inputs)
+    broker_cpu0 = broker.cpu_seconds() if broker else None
+    t0 = time.monotonic()
+    started = start(consumer_topics)
+    procs = started if isinstance(started, list) else [started]
+    done = wait_committed(bootstrap, consumer_topics.group, ends, timeout_s,
+                          alive=lambda: all(p.alive() for p in procs))
+    elapsed = time.monotonic() - t0
+    proc_cpu = [process_cpu_seconds(p.popen.pid) for p in procs]
+    broker_cpu = broker.cpu_seconds() if broker else None
+    for p in procs:
+        p.stop()
+    if not done:
+        tails = "\n".join(f"--- {p.log_path}\n{p.tail()}" for p in procs)
+        raise RuntimeError(f"{tag}: the backlog was not consumed within {timeout_s:.0f}s\n{tails}")
+    results = read_run_results(bootstrap, consumer_topics.results, expected)
+    return BacklogRun(results, procs, elapsed, proc_cpu,
+                      None if broker_cpu is None or broker_cpu0 is None else broker_cpu - broker_cpu0)
+
+
+# -- output ----------------------------------------------------------------------------------------------------
+def table(title: str, headers: Sequence[str], rows: Iterable[Sequence[Any]], note: str = "") -> str:
+    """A fixed-width text table (also valid enough to read in a terminal log)."""
+    cells = [[_fmt(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    line = " | ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))
+    out = [f"\n== {title} ==", line, "-" * len(line)]
+    out += [" | ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    if note:
+        out.append(note)
+    text = "\n".join(out)
+    print(text, flush=True)
+    return text
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "n/a"
+        return f"{v:.0f}" if abs(v) >= 100 else (f"{v:.1f}" if abs(v) >= 10 else f"{v:.2f}")
+    return str(v)
+
+
+def machine() -> dict[str, Any]:
+    import confluent_kafka
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "host_cpu": cpu,
+        "cpu_cores": os.cpu_count(),
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "confluent_kafka": confluent_kafka.__version__,
+        "librdkafka": confluent_kafka.libversion()[0],
+    }
+
+
+def write_json(name: str, data: dict[str, Any], out_dir: Path = RESULTS_DIR) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2, default=_json_default))
+    print(f"[bench] wrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}", flush=True)
+    return path
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, float) and math.isnan(o):
+        return None
+    if hasattr(o, "as_dict"):
+        return o.as_dict()
+    return str(o)
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@dataclass
+class Context:
+    """What every benchmark gets from run_all (or builds for itself when run alone)."""
+
+    bootstrap: str
+    broker: Broker | None
+    quick: bool
+    torch_threads: int
+    log_dir: Path
+    out_dir: Path = RESULTS_DIR
+    shared: dict[str, Any] = field(default_factory=dict)  # figures one benchmark hands to the next
+
+    def scale(self, full: float, quick: float) -> float:
+        return quick if self.quick else full
+
+
+def standalone(run: Callable[[Context], dict[str, Any]], argv: list[str] | None, description: str,
+               configure: Callable[[Any], None] | None = None) -> int:
+    """`python bench/NAME.py [--quick] [--torch-threads N]`: one benchmark with its own broker. Extra flags
+    added by `configure` reach the benchmark as ctx.shared["args"]."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help="short run (noisier figures)")
+    p.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads per process (default 1)")
+    if configure:
+        configure(p)
+    args = p.parse_args(argv)
+    log_dir = Path(tempfile.mkdtemp(prefix="streamfer-bench-logs-"))
+    with Broker() as broker:
+        ctx = Context(bootstrap=broker.bootstrap, broker=broker, quick=args.quick,
+                      torch_threads=args.torch_threads, log_dir=log_dir, shared={"args": args})
+        run(ctx)
+    return 0
+
+
+class Timer:
+    """Accumulates wall and thread-CPU seconds of named code paths (thread-safe enough for counters)."""
+
+    def __init__(self) -> None:
+        self.wall: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            w0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dw, dc = time.perf_counter() - w0, time.thread_time() - c0
+                with self._lock:
+                    self.wall[name] = self.wall.get(name, 0.0) + dw
+                    self.cpu[name] = self.cpu.get(name, 0.0) + dc
+                    self.calls[name] = self.calls.get(name, 0) + 1
+
+        timed.__wrapped__ = fn  # type: ignore[attr-defined]
+        return timed

@@ -1,0 +1,265 @@
+"""Latency under load: an offered-rate sweep from 10% to 120% of the worker's measured capacity, open loop
+with intended-send timestamps (OpenMessaging style), against one warm worker process with its default
+settings (expiry on, as in production). Per level: p50/p95/p99 end-to-end latency (capture -> result),
+per class, the batch-size distribution, expired frames, and where the standard class's p99 leaves its
+budget (the knee). Prints a table, writes JSON and a PNG plot.
+
+Budget (standard class) = batching.standard.max_wait_ms + the executor's median time for a full batch
+(max_batch_size frames of the standard class's largest shape, decode included), measured in the same run.
+Kafka transit (producer linger, fetch) is not in it, so the knee is conservative.
+
+    python bench/latency_sweep.py [--quick]
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+from common import Context  # noqa: E402
+
+from worker.frames import Priority  # noqa: E402
+
+LEVELS = (0.1, 0.25, 0.5, 0.7, 0.85, 1.0, 1.2)
+QUICK_LEVELS = (0.1, 0.5, 0.85, 1.0, 1.2)
+WARMUP_SHARE = 0.1  # of each level, by intended send time, discarded
+
+
+def capacity(ctx: Context) -> float:
+    """The worker's saturated frames/s: from model_limit in the same run, else measured here."""
+    if "capacity_fps" in ctx.shared:
+        return float(ctx.shared["capacity_fps"])
+    frames = int(ctx.scale(4000, 2000))
+    topics = common.make_topics(ctx.bootstrap, "swc")
+    common.publish_load(ctx.bootstrap, topics, common.workload_records(frames, common.new_id("swc")))
+    run = common.run_backlog(ctx.bootstrap, topics, frames,
+                             lambda t: common.start_worker(ctx.bootstrap, t, ctx.log_dir, ctx.torch_threads,
+                                                           common.new_id("swc"),
+                                                           extra_env=ctx.shared.get("worker_env")),
+                             timeout_s=300, tag="swc", broker=ctx.broker)
+    return common.steady_throughput(run.results)["frames_per_s"]
+
+
+def budget_ms(ctx: Context) -> dict[str, Any]:
+    if "standard_full_batch_ms" not in ctx.shared:
+        from model_limit import standard_batch_ms
+
+        ctx.shared["standard_full_batch_ms"] = standard_batch_ms(ctx)["median_ms"]
+    from worker.config import load_settings
+
+    max_wait = load_settings(env={}).batching.standard.max_wait_ms
+    model = ctx.shared["standard_full_batch_ms"]
+    return {"max_wait_ms": max_wait, "model_ms": model, "budget_ms": max_wait + model,
+            "definition": "standard max_wait_ms + executor median for a full batch of the standard class's "
+                          "largest shape (Kafka transit not included)"}
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    cap = capacity(ctx)
+    budget = budget_ms(ctx)
+    levels = QUICK_LEVELS if ctx.quick else LEVELS
+    seconds = ctx.scale(6, 4)
+    print(f"\n[sweep] capacity {cap:.0f} frames/s, budget {budget['budget_ms']:.1f} ms, levels {levels}, "
+          f"{seconds:.0f}s each", flush=True)
+    topics = common.make_topics(ctx.bootstrap, "sw")
+    proc = common.start_worker(ctx.bootstrap, topics, ctx.log_dir, ctx.torch_threads, common.new_id("sw"),
+                               expiry=True, extra_env=ctx.shared.get("worker_env"))
+    runs: list[dict[str, Any]] = []
+    try:
+        common.publish_load(ctx.bootstrap, topics, common.workload_records(30, common.new_id("warm")))
+        if not common.wait_committed(ctx.bootstrap, topics.group, common.end_offsets(ctx.bootstrap, topics.inputs),
+                                     120, alive=proc.alive):
+            raise RuntimeError(f"the worker did not get warm\n{proc.tail()}")
+        for share in levels:
+            rate = share * cap
+            run_id = common.new_id("lv")
+            watch = common.CpuWatch(ctx.broker, [proc.popen.pid])
+            records = common.workload_records(max(20, int(rate * seconds)), run_id)
+            load = common.publish_load(ctx.bootstrap, topics, records, rate_fps=rate)
+            t0 = time.monotonic()
+            drained = common.wait_committed(ctx.bootstrap, topics.group,
+                                            common.end_offsets(ctx.bootstrap, topics.inputs), seconds * 3 + 30,
+                                            alive=proc.alive)
+            cpu = watch.stop()
+            runs.append({"share_of_capacity": share, "offered_fps": rate, "run_id": run_id, "load": load.as_dict(),
+                         "drain_after_load_s": time.monotonic() - t0, "drained": drained,
+                         "background_cores": cpu["background_cores"], "generator_cores": cpu["bench_process_cores"],
+                         "worker_cores": cpu["watched_processes_cores"], "broker_cores": cpu["broker_cores"]})
+            print(f"[sweep] {share:>4.0%} = {rate:.0f} frames/s: sent {load.sent}, send delay p99 "
+                  f"{load.send_delay_p99_ms:.1f} ms, drained {time.monotonic() - t0:.1f}s after the load", flush=True)
+            if not drained:
+                break
+            time.sleep(0.5)
+    finally:
+        proc.stop()
+    all_results = common.read_run_results(ctx.bootstrap, topics.results)
+    by_run: dict[str, list[dict[str, Any]]] = {}
+    for r in all_results:
+        by_run.setdefault(common.run_id_of(r["stream_id"]), []).append(r)
+    standard_topic = topics.for_priority(Priority.STANDARD)
+    knee = None
+    for lv in runs:
+        results = by_run.get(lv["run_id"], [])
+        first = min((r["capture_ts_ms"] for r in results), default=0)
+        kept = [r for r in results if r["capture_ts_ms"] >= first + WARMUP_SHARE * seconds * 1000.0]
+        ok = [r for r in kept if r["status"] == "OK"]
+        lv["results"] = len(results)
+        lv["expired"] = sum(1 for r in kept if r["status"] == "EXPIRED")
+        lv["latency"] = common.latency_summary(ok)
+        lv["latency_by_class"] = {p.label: common.latency_summary([r for r in ok if r["source_topic"] ==
+                                                                   topics.for_priority(p)]) for p in Priority}
+        lv["batch_sizes"] = common.batch_size_distribution(ok)
+        lv["achieved_fps"] = common.steady_throughput(results, trim=0.05)["frames_per_s"]
+        std_p99 = common.latency_summary([r for r in ok if r["source_topic"] == standard_topic])["p99_ms"]
+        lv["standard_p99_within_budget"] = bool(std_p99 <= budget["budget_ms"])
+        if knee is None and not lv["standard_p99_within_budget"]:
+            knee = lv
+    last_ok = max((lv for lv in runs if lv["standard_p99_within_budget"] and (knee is None or
+                   lv["share_of_capacity"] < knee["share_of_capacity"])),
+                  key=lambda lv: lv["share_of_capacity"], default=None)
+    if knee is None:
+        knee_text = f"standard p99 stayed within {budget['budget_ms']:.1f} ms at every level up to {levels[-1]:.0%}"
+    elif last_ok is None:
+        knee_text = (f"knee: standard p99 was over the {budget['budget_ms']:.1f} ms budget already at the lowest level "
+                     f"({knee['share_of_capacity']:.0%} of capacity, {knee['offered_fps']:.0f} frames/s)")
+    else:
+        knee_text = (f"knee: standard p99 leaves the {budget['budget_ms']:.1f} ms budget between "
+                     f"{(last_ok['share_of_capacity'] if last_ok else 0):.0%} and {knee['share_of_capacity']:.0%} "
+                     f"of capacity ({(last_ok['offered_fps'] if last_ok else 0):.0f}-{knee['offered_fps']:.0f} "
+                     "frames/s)")
+    rows = []
+    for lv in runs:
+        lat, cls = lv["latency"], lv["latency_by_class"]
+        bs = lv["batch_sizes"]["share_of_frames"]
+        rows.append([f"{lv['share_of_capacity']:.0%}", lv["offered_fps"], lv["achieved_fps"], lat["p50_ms"],
+                     lat["p95_ms"], lat["p99_ms"], cls["realtime"]["p99_ms"], cls["standard"]["p99_ms"],
+                     cls["bulk"]["p99_ms"], "ok" if lv["standard_p99_within_budget"] else "OVER", lv["expired"],
+                     lv["batch_sizes"]["mean_frame_weighted"],
+                     " ".join(f"{int(round(100 * v))}" for v in bs.values()),
+                     lv["load"]["send_delay_p99_ms"], lv["worker_cores"], lv["generator_cores"], lv["broker_cores"],
+                     lv["background_cores"]])
+    text = common.table(
+        f"latency under load (open loop, {seconds:.0f}s per level, first {WARMUP_SHARE:.0%} discarded; capacity "
+        f"{cap:.0f} frames/s; budget {budget['budget_ms']:.1f} ms = {budget['max_wait_ms']:.0f} ms wait + "
+        f"{budget['model_ms']:.1f} ms model), ms",
+        ["load", "offered", "achieved", "p50", "p95", "p99", "rt p99", "std p99", "bulk p99", "std budget",
+         "expired", "mean batch", "% frames in batch 1|2-3|4-7|8-15|16-31|32", "send delay p99", "worker cores",
+         "generator cores", "broker cores", "bg cores"],
+        rows, note=knee_text + ". Latency over OK results; expired = frames past their class's max_age_ms.\n"
+                   "Capacity was measured on a backlog with no load generator running; here the generator (this "
+                   "process: Avro encode + lz4) shares the same CPUs, so the worker saturates below 100%.")
+    plot: Path | None = ctx.out_dir / "latency_sweep.png"
+    try:
+        plot_sweep(runs, cap, budget["budget_ms"], plot)
+        print(f"[bench] wrote {plot}", flush=True)
+    except Exception as exc:  # noqa: BLE001 (a plot must never lose the numbers)
+        print(f"[sweep] plot failed: {exc}", flush=True)
+        plot = None
+    result = {"benchmark": "latency_sweep", "machine": common.machine(), "workload": common.describe_workload(),
+              "capacity_fps": cap, "budget": budget, "seconds_per_level": seconds, "levels": runs,
+              "knee": knee_text, "knee_share": knee["share_of_capacity"] if knee else None,
+              "last_within_budget_share": last_ok["share_of_capacity"] if last_ok else None,
+              "plot": str(plot) if plot else None, "tables": [text]}
+    common.write_json("latency_sweep", result, ctx.out_dir)
+    return result
+
+
+# -- the plot (Pillow; no plotting library needed) ------------------------------------------------------------------
+def plot_sweep(runs: list[dict[str, Any]], cap: float, budget: float, path: Path) -> None:
+    from PIL import Image, ImageDraw, ImageFont
+
+    series = {
+        "p50": ([(lv["offered_fps"], lv["latency"]["p50_ms"]) for lv in runs], (31, 119, 180)),
+        "p95": ([(lv["offered_fps"], lv["latency"]["p95_ms"]) for lv in runs], (255, 127, 14)),
+        "p99": ([(lv["offered_fps"], lv["latency"]["p99_ms"]) for lv in runs], (214, 39, 40)),
+        "standard p99": ([(lv["offered_fps"], lv["latency_by_class"]["standard"]["p99_ms"]) for lv in runs],
+                         (148, 103, 189)),
+    }
+    W, H, L, R, T, B = 900, 560, 80, 190, 50, 60
+    img = Image.new("RGB", (W, H), "white")
+    d = ImageDraw.Draw(img)
+    font = ImageFont.load_default()
+    ys = [y for pts, _ in series.values() for _, y in pts if y == y and y > 0] + [budget]
+    y_lo = 10 ** math.floor(math.log10(max(0.1, min(ys))))
+    y_hi = 10 ** math.ceil(math.log10(max(ys)))
+    x_hi = max(max(lv["offered_fps"] for lv in runs), cap) * 1.05
+
+    def px(x: float, y: float) -> tuple[float, float]:
+        fy = (math.log10(max(y, y_lo)) - math.log10(y_lo)) / (math.log10(y_hi) - math.log10(y_lo))
+        return L + x / x_hi * (W - L - R), H - B - fy * (H - T - B)
+
+    d.rectangle([L, T, W - R, H - B], outline="black")
+    decade = y_lo
+    while decade <= y_hi * 1.0001:
+        _, y = px(0, decade)
+        d.line([L, y, W - R, y], fill=(225, 225, 225))
+        d.text((L - 8, y), f"{decade:g}", fill="black", anchor="rm", font=font)
+        decade *= 10
+    step = 10 ** math.floor(math.log10(x_hi / 2))
+    x = 0.0
+    while x <= x_hi:
+        px_x, _ = px(x, y_lo)
+        d.line([px_x, H - B, px_x, H - B + 4], fill="black")
+        d.text((px_x, H - B + 8), f"{x:g}", fill="black", anchor="mt", font=font)
+        x += step
+    _, by = px(0, budget)
+    d.line([L, by, W - R, by], fill=(44, 160, 44), width=2)
+    d.text((W - R + 6, by), f"std budget {budget:.0f} ms", fill=(44, 160, 44), anchor="lm", font=font)
+    cx, _ = px(cap, y_lo)
+    d.line([cx, T, cx, H - B], fill=(127, 127, 127), width=1)
+    d.text((cx, T - 4), f"capacity {cap:.0f}/s", fill=(90, 90, 90), anchor="mb", font=font)
+    for i, (name, (pts, color)) in enumerate(series.items()):
+        coords = [px(x, y) for x, y in pts if y == y]
+        if len(coords) > 1:
+            d.line(coords, fill=color, width=2)
+        for cx_, cy_ in coords:
+            d.ellipse([cx_ - 3, cy_ - 3, cx_ + 3, cy_ + 3], fill=color)
+        d.line([W - R + 10, T + 20 + 18 * i, W - R + 30, T + 20 + 18 * i], fill=color, width=2)
+        d.text((W - R + 36, T + 20 + 18 * i), name, fill="black", anchor="lm", font=font)
+    d.text((W / 2, 20), "streamfer end-to-end latency vs offered load (log scale)", fill="black", anchor="mm",
+           font=font)
+    d.text(((L + W - R) / 2, H - 18), "offered frames/s (open loop)", fill="black", anchor="mm", font=font)
+    d.text((12, T - 20), "ms", fill="black", font=font)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img.save(path)
+
+
+def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
+    """Headline rows for bench/results/summary.md."""
+    b = result["budget"]
+    rows = [("capacity (worker saturated) and standard budget",
+             f"{result['capacity_fps']:.0f} frames/s; {b['budget_ms']:.0f} ms = {b['max_wait_ms']:.0f} ms wait + "
+             f"{b['model_ms']:.0f} ms full-batch model time"),
+            ("knee", result["knee"].removeprefix("knee: "))]
+    cells = "; ".join(f"{lv['share_of_capacity']:.0%}: {lv['latency']['p50_ms']:.0f}/{lv['latency']['p99_ms']:.0f}"
+                      for lv in result["levels"])
+    rows.append(("p50/p99 ms by offered load (share of capacity)", cells))
+    return rows
+
+
+def markdown_levels(result: dict[str, Any]) -> str:
+    lines = ["| load | offered/s | achieved/s | p50 | p95 | p99 | realtime p99 | standard p99 | bulk p99 | "
+             "expired | mean batch |", "|" + "---|" * 11]
+    for lv in result["levels"]:
+        lat, cls = lv["latency"], lv["latency_by_class"]
+        lines.append(f"| {lv['share_of_capacity']:.0%} | {lv['offered_fps']:.0f} | {lv['achieved_fps']:.0f} | "
+                     f"{lat['p50_ms']:.0f} | {lat['p95_ms']:.0f} | {lat['p99_ms']:.0f} | "
+                     f"{cls['realtime']['p99_ms']:.0f} | "
+                     f"{cls['standard']['p99_ms']:.0f}{'' if lv['standard_p99_within_budget'] else ' (over)'} | "
+                     f"{cls['bulk']['p99_ms']:.0f} | {lv['expired']} | "
+                     f"{lv['batch_sizes']['mean_frame_weighted']:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return common.standalone(run, argv, __doc__.splitlines()[0])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

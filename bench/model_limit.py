@@ -1,0 +1,522 @@
+"""The limit: the model's own best throughput on this device, and the worker's saturated throughput as a
+fraction of it, in one run; then where the worker's time goes.
+
+1. Executor only (no Kafka): the workload's frames (same shapes, encodings and shares as the Kafka runs)
+   submitted to `InferenceExecutor` in batches of one shape, 2 batches in flight as in the worker
+   (decode + preprocess of the next batch overlap the model), for each batch size and torch thread count;
+   the best is "the limit". Model only (prepared tensors, `runner.run`) is listed beside it.
+2. The worker, a `python -m worker run` process with default settings, on a pre-published backlog of the
+   same workload: frames/s over the middle 80% of its results (start-up and tail excluded).
+3. The same worker in this process with timers around each stage of its loop (and the preprocessing and
+   inference threads), counted while the backlog drains; with --profile also a cProfile of the loop thread.
+
+    python bench/model_limit.py [--quick] [--torch-threads 1]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+from common import Context  # noqa: E402
+
+from worker.config import load_settings  # noqa: E402
+from worker.frames import Frame, SourceRef  # noqa: E402
+from worker.schemas import decode_frame, encode_frame  # noqa: E402
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+INFLIGHT = 2  # the worker's delivery.max_inflight_batches default
+GOAL = 0.85
+
+
+def runtime_overrides(ctx: Context) -> dict[str, Any]:
+    """runtime.* settings run_all varies (cuda_graphs on/off on a GPU); empty on CPU."""
+    return dict(ctx.shared.get("runtime_overrides", {}))
+
+
+def seed_comparison(ctx: Context) -> dict[str, Any]:
+    """The seed's own kind of figure: executor latency of one 512x512 frame and of a batch of 16."""
+    from worker.frames import Encoding, Priority
+    from worker.runtime import InferenceExecutor
+
+    settings = load_settings(env={}, overrides={"runtime": {"torch_threads": ctx.torch_threads,
+                                                            **runtime_overrides(ctx)}})
+    rec = next(common.synthetic_frames(1, [(512, 512)], Encoding.RAW_RGB8, Priority.STANDARD, "seed"))
+    frame = decode_frame(encode_frame(rec), SourceRef("seed", 0, 0), Priority.STANDARD, time.time())
+    with InferenceExecutor.from_settings(settings.model, settings.runtime) as executor:
+        executor.warm_up([(512, 512, 3)])
+        return {"single_512_ms": batch_latency_ms(executor, frame, frame.shape, 1, 30),
+                "batch16_512_ms": batch_latency_ms(executor, frame, frame.shape, 16, 30),
+                "device": executor.device_description}
+
+
+def shape_schedule(run_id: str) -> list[tuple[Frame, tuple[int, int, int]]]:
+    """One frame per (class, shape) of the workload, repeated by share: a cycle of batches whose frame mix
+    matches the Kafka runs'."""
+    smallest = min(load.share / len(load.shapes) for load in common.WORKLOAD.values())
+    cycle: list[tuple[Frame, tuple[int, int, int]]] = []
+    for priority, load in common.WORKLOAD.items():
+        records = list(common.synthetic_frames(len(load.shapes), list(load.shapes), load.encoding, priority, run_id))
+        for rec in records:
+            frame = decode_frame(encode_frame(rec), SourceRef("limit", 0, 0), priority, time.time())
+            repeats = round(load.share / len(load.shapes) / smallest)
+            cycle.extend([(frame, frame.shape)] * repeats)
+    return cycle
+
+
+def executor_throughput(executor: Any, cycle: list, batch_size: int, seconds: float) -> float:
+    """Frames/s of the executor fed batches of `batch_size` frames cycling through the shapes."""
+    pending: list[Future] = []
+    done_frames = 0
+    i = 0
+    # One untimed pass over every shape: first-call costs out of the figure.
+    for frame, shape in cycle:
+        executor.submit([frame] * batch_size, shape).result()
+    t0 = time.perf_counter()
+    while True:
+        while len(pending) < INFLIGHT:
+            frame, shape = cycle[i % len(cycle)]
+            i += 1
+            pending.append(executor.submit([frame] * batch_size, shape))
+        outcome = pending.pop(0).result()
+        done_frames += outcome.batch_size
+        if time.perf_counter() - t0 >= seconds and i % len(cycle) == 0:
+            break
+    for f in pending:
+        f.result()
+    return done_frames / (time.perf_counter() - t0)
+
+
+def model_only_throughput(executor: Any, cycle: list, batch_size: int, seconds: float) -> float:
+    """Frames/s of runner.run on tensors prepared beforehand (no decode, no preprocessing, one at a time)."""
+    from worker.runtime.preprocess import Preprocessor
+
+    runner = executor.runners[0]
+    prep = Preprocessor(executor.contract)  # the executor's preprocessing, to build the same tensors
+    tensors = []
+    for frame, shape in cycle:
+        hb = prep.prepare([frame] * batch_size, shape)
+        tensors.append(hb.tensor.to(runner.device))
+    for x in tensors:
+        runner.run(x)
+    n, t0, i = 0, time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds or i % len(tensors):
+        runner.run(tensors[i % len(tensors)])
+        n += batch_size
+        i += 1
+    return n / (time.perf_counter() - t0)
+
+
+def batch_latency_ms(executor: Any, frame: Frame, shape: tuple[int, int, int], batch_size: int, iters: int) -> float:
+    """Median submit -> outcome time of one batch alone (the model time in the latency budget)."""
+    executor.submit([frame] * batch_size, shape).result()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        executor.submit([frame] * batch_size, shape).result()
+        times.append((time.perf_counter() - t0) * 1000.0)
+    return statistics.median(times)
+
+
+def measure_executor(ctx: Context, thread_counts: list[int], seconds: float) -> dict[str, Any]:
+    import torch
+
+    from worker.runtime import InferenceExecutor
+
+    cycle = shape_schedule(common.new_id("lim"))
+    rows = []
+    for threads in thread_counts:
+        settings = load_settings(env={}, overrides={"runtime": {"torch_threads": threads, **runtime_overrides(ctx)}})
+        executor = InferenceExecutor.from_settings(settings.model, settings.runtime)
+        try:
+            executor.warm_up()
+            for b in BATCH_SIZES:
+                rows.append({"torch_threads": threads, "batch_size": b,
+                             "executor_fps": executor_throughput(executor, cycle, b, seconds),
+                             "model_only_fps": model_only_throughput(executor, cycle, b, seconds / 2)})
+                print(f"[limit] threads={threads} batch={b:>2}: executor {rows[-1]['executor_fps']:.0f} frames/s, "
+                      f"model only {rows[-1]['model_only_fps']:.0f} frames/s", flush=True)
+        finally:
+            executor.close()
+    torch.set_num_threads(ctx.torch_threads)
+    return {"rows": rows, "device": str(executor.device_description)}
+
+
+def standard_batch_ms(ctx: Context) -> dict[str, Any]:
+    """Model time of a full batch (max_batch_size) of the standard class's largest shape, at the worker's
+    thread count: the "model time" of the latency budget."""
+    from worker.frames import Priority
+    from worker.runtime import InferenceExecutor
+
+    settings = load_settings(env={}, overrides={"runtime": {"torch_threads": ctx.torch_threads,
+                                                            **runtime_overrides(ctx)}})
+    load = common.WORKLOAD[Priority.STANDARD]
+    w, h = max(load.shapes, key=lambda s: s[0] * s[1])
+    rec = next(common.synthetic_frames(1, [(w, h)], load.encoding, Priority.STANDARD, "budget"))
+    frame = decode_frame(encode_frame(rec), SourceRef("budget", 0, 0), Priority.STANDARD, time.time())
+    with InferenceExecutor.from_settings(settings.model, settings.runtime) as executor:
+        executor.warm_up()
+        ms = batch_latency_ms(executor, frame, frame.shape, settings.batching.max_batch_size,
+                              iters=5 if ctx.quick else 10)
+    return {"batch_size": settings.batching.max_batch_size, "shape_wxh": f"{w}x{h}",
+            "encoding": load.encoding.value, "median_ms": ms,
+            "max_wait_ms": settings.batching.standard.max_wait_ms}
+
+
+# -- the worker, as a process ------------------------------------------------------------------------------------
+def worker_saturated(ctx: Context, topics: common.Topics, frames: int) -> dict[str, Any]:
+    run = common.run_backlog(ctx.bootstrap, topics, frames,
+                             lambda t: common.start_worker(ctx.bootstrap, t, ctx.log_dir, ctx.torch_threads,
+                                                           common.new_id("limw")),
+                             timeout_s=300, tag="limw", broker=ctx.broker)
+    tp = common.steady_throughput(run.results)
+    return {**tp, "results": len(run.results), "seconds_total": run.seconds,
+            "worker_cpu_s": run.proc_cpu_s[0], "broker_cpu_s": run.broker_cpu_s,
+            "batch_sizes": common.batch_size_distribution(run.results)}
+
+
+# -- the worker, in this process, with timers ----------------------------------------------------------------------
+LOOP_STAGES = [
+    ("worker.pipeline", "Pipeline", "step", "loop turn (all below)"),
+    ("worker.pipeline", "Pipeline", "_poll_input", "poll input (consume + decode + batcher.add)"),
+    ("worker.source", "FrameSource", "poll", "  consumer.consume + decode"),
+    ("worker.source", "decode_frame", None, "    Avro decode of frames"),
+    ("worker.batching", "MicroBatcher", "add", "  batcher.add"),
+    ("worker.pipeline", "Pipeline", "_collect_finished", "collect finished batches (build results)"),
+    ("worker.pipeline", "encode_result", None, "  Avro encode of results"),
+    ("worker.pipeline", "Pipeline", "_expire", "expire"),
+    ("worker.pipeline", "Pipeline", "_dispatch_due", "dispatch due batches (batcher.pop_batch + submit)"),
+    ("worker.pipeline", "Pipeline", "_emit", "produce results"),
+    ("worker.sink", "ResultSink", "poll", "producer.poll (delivery reports)"),
+    ("worker.pipeline", "Pipeline", "_commit_if_due", "commit if due"),
+    ("worker.source", "FrameSource", "commit", "  consumer.commit (synchronous round trip)"),
+    ("worker.pipeline", "Pipeline", "_apply_backpressure", "pause/resume"),
+    ("worker.pipeline", "Pipeline", "update_lag", "lag gauge refresh"),
+]
+THREAD_STAGES = [
+    ("worker.runtime.preprocess", "Preprocessor", "prepare", "preprocess thread: decode + normalise"),
+    ("worker.runtime.runners", "EagerRunner", "run", "inference thread: model"),
+    ("worker.runtime.executor", "InferenceExecutor", "_infer",
+     "inference thread: model + waiting for its batch's preprocessing"),
+]
+
+
+class Instrumented:
+    """Patches timers onto the worker's stages in this process (restored on exit); counts only while a
+    backlog is draining: from the first frame consumed until `expected` results are acknowledged. Also
+    takes the CPU seconds of this process, the broker and the whole machine over that window."""
+
+    def __init__(self, expected: int, broker: common.Broker | None) -> None:
+        self.expected = expected
+        self.broker = broker
+        self.timer = common.Timer()
+        self.active = False
+        self.start: dict[str, float] = {}
+        self.end: dict[str, float] = {}
+        # Time-weighted: how many batches were in flight between loop turns, and pending frames / 32.
+        self.inflight: dict[int, float] = {}
+        self.pending: dict[int, float] = {}
+        self._last_turn: tuple[float, int, int] | None = None
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> "Instrumented":
+        import importlib
+
+        for module_name, owner, attr, label in LOOP_STAGES + THREAD_STAGES:
+            module = importlib.import_module(module_name)
+            target, name = (getattr(module, owner), attr) if attr else (module, owner)
+            original = getattr(target, name)
+            self._undo.append((target, name, original))
+            setattr(target, name, self._gated(label, original, is_step=(name == "step")))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for target, name, original in reversed(self._undo):
+            setattr(target, name, original)
+
+    def _stamp(self) -> dict[str, float]:
+        busy, total = common.machine_cpu_seconds()
+        return {"wall": time.perf_counter(), "process_cpu": time.process_time(), "machine_busy": busy,
+                "machine_total": total,
+                "broker_cpu": (self.broker.cpu_seconds() or float("nan")) if self.broker else float("nan")}
+
+    def _gated(self, label: str, fn: Any, is_step: bool) -> Any:
+        timed = self.timer.wrap(label, fn)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if is_step:
+                summary = args[0].summary
+                was = self.active
+                self.active = summary.consumed > 0 and summary.results < self.expected
+                if self.active and not was and not self.start:
+                    self.start = self._stamp()
+                if was and not self.active and not self.end:
+                    self.end = self._stamp()
+                if self.active:
+                    self._sample(args[0])
+            return timed(*args, **kwargs) if self.active else fn(*args, **kwargs)
+
+        return call
+
+    def _sample(self, pipeline: Any) -> None:
+        now = time.perf_counter()
+        if self._last_turn is not None:
+            t, inflight, pending = self._last_turn
+            self.inflight[inflight] = self.inflight.get(inflight, 0.0) + now - t
+            self.pending[pending] = self.pending.get(pending, 0.0) + now - t
+        self._last_turn = (now, len(pipeline._inflight), min(pipeline.batcher.pending_frames // 32, 8))
+
+    def report(self) -> dict[str, Any]:
+        if not self.end:
+            self.end = self._stamp()
+        window = self.end["wall"] - self.start["wall"]
+        rows = []
+        for _m, _o, _a, label in LOOP_STAGES + THREAD_STAGES:
+            wall = self.timer.wall.get(label, 0.0)
+            rows.append({"stage": label, "calls": self.timer.calls.get(label, 0), "wall_s": wall,
+                         "cpu_s": self.timer.cpu.get(label, 0.0),
+                         "share_of_window": wall / window if window else float("nan"),
+                         "mean_ms": wall * 1000.0 / max(1, self.timer.calls.get(label, 0))})
+        d = {k: self.end[k] - self.start[k] for k in self.start}
+        loop_cpu = self.timer.cpu.get(LOOP_STAGES[0][3], 0.0)
+        prep_cpu = self.timer.cpu.get(THREAD_STAGES[0][3], 0.0)
+        infer_cpu = self.timer.cpu.get(THREAD_STAGES[1][3], 0.0)
+        cores = d["machine_total"] / window if window else float("nan")
+        cpu = [
+            ("inference thread (torch)", infer_cpu),
+            ("preprocess thread (decode, normalise)", prep_cpu),
+            ("loop thread (consume, batch, produce, commit)", loop_cpu),
+            ("other threads of the worker (librdkafka, ...)", d["process_cpu"] - infer_cpu - prep_cpu - loop_cpu),
+            ("Kafka broker (JVM)", d["broker_cpu"]),
+            ("other processes on the machine",
+             d["machine_busy"] - d["process_cpu"] - (0.0 if d["broker_cpu"] != d["broker_cpu"] else d["broker_cpu"])),
+            ("idle", d["machine_total"] - d["machine_busy"]),
+        ]
+        total = sum(self.inflight.values()) or float("nan")
+        occupancy = {"batches_in_flight": {k: v / total for k, v in sorted(self.inflight.items())},
+                     "pending_frames_div_32": {k: v / total for k, v in sorted(self.pending.items())}}
+        return {"window_s": window, "stages": rows, "cores_seen": cores, "occupancy": occupancy,
+                "cpu_budget": [{"who": who, "cpu_s": s, "cores": s / window if window else float("nan")}
+                               for who, s in cpu]}
+
+
+def worker_in_process(ctx: Context, topics: common.Topics, frames: int, profile: bool) -> dict[str, Any]:
+    """Run the worker on the backlog in a thread of this process, with stage timers, or (profile=True) under
+    cProfile instead (the profiler's own overhead makes its timings relative only)."""
+    from worker.app import StopFlag, run_worker
+    from worker.metrics import Health
+
+    t = common.fresh_consumer(ctx.bootstrap, topics, "limi")
+    overrides = t.overrides()
+    overrides["kafka"]["bootstrap_servers"] = ctx.bootstrap
+    overrides.update({"observability": {"metrics_enabled": False, "worker_id": common.new_id("limi")},
+                      "runtime": {"torch_threads": ctx.torch_threads, **runtime_overrides(ctx)},
+                      "batching": {"realtime": {"max_age_ms": 0}, "standard": {"max_age_ms": 0}}})
+    settings = load_settings(env={}, overrides=overrides)
+    outcome: dict[str, Any] = {}
+    prof = cProfile.Profile() if profile else None
+
+    def work() -> None:
+        try:
+            if prof:
+                prof.enable()
+            outcome["summary"] = run_worker(settings, exit_when_idle_s=1.0, stop=StopFlag(), health=Health())
+        except BaseException as exc:  # noqa: BLE001 (re-raised below)
+            outcome["error"] = exc
+        finally:
+            if prof:
+                prof.disable()
+
+    cpu0 = time.process_time()
+    broker0 = ctx.broker.cpu_seconds() if ctx.broker else None
+    inst = Instrumented(frames, ctx.broker)
+    with (contextlib.nullcontext() if profile else inst):
+        thread = threading.Thread(target=work, name="bench-worker")
+        thread.start()
+        thread.join(300)
+    if "error" in outcome:
+        raise outcome["error"]
+    process_cpu = time.process_time() - cpu0
+    broker_cpu = (ctx.broker.cpu_seconds() - broker0) if ctx.broker and broker0 is not None else None
+    results = common.read_run_results(ctx.bootstrap, t.results, frames)
+    report = {} if profile else inst.report()
+    report.update({"throughput": common.steady_throughput(results), "process_cpu_s_whole_run": process_cpu,
+                   "broker_cpu_s_whole_run": broker_cpu})
+    if prof:
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+        report["cprofile_loop_thread_top25_tottime"] = out.getvalue()
+    return report
+
+
+# -- the benchmark -------------------------------------------------------------------------------------------------
+def run(ctx: Context, profile: bool | None = None) -> dict[str, Any]:
+    import os
+
+    profile = (not ctx.quick) if profile is None else profile
+    seconds = ctx.scale(1.0, 0.6)
+    thread_counts = sorted({ctx.torch_threads, os.cpu_count() or 1}) if not ctx.quick else [ctx.torch_threads]
+    print(f"\n[limit] executor only: batch sizes {list(BATCH_SIZES)}, torch threads {thread_counts}", flush=True)
+    ex = measure_executor(ctx, thread_counts, seconds)
+    rows = ex["rows"]
+    best = max(rows, key=lambda r: r["executor_fps"])
+    best_same = max((r for r in rows if r["torch_threads"] == ctx.torch_threads), key=lambda r: r["executor_fps"])
+    best_model = max(rows, key=lambda r: r["model_only_fps"])
+    budget = standard_batch_ms(ctx)
+
+    frames = int(ctx.scale(6000, 2500))
+    topics = common.make_topics(ctx.bootstrap, "lim")
+    print(f"[limit] publishing a backlog of {frames} frames", flush=True)
+    load = common.publish_load(ctx.bootstrap, topics, common.workload_records(frames, common.new_id("r")))
+    print(f"[limit] worker process on the backlog ({ctx.torch_threads} torch thread(s))", flush=True)
+    worker = worker_saturated(ctx, topics, frames)
+    print("[limit] the same worker in this process, with stage timers", flush=True)
+    inproc = worker_in_process(ctx, topics, frames, profile=False)
+    prof_text = None
+    if profile:
+        print("[limit] once more under cProfile (loop thread only), on a smaller backlog", flush=True)
+        small = common.make_topics(ctx.bootstrap, "limp")
+        common.publish_load(ctx.bootstrap, small, common.workload_records(2000, common.new_id("r")))
+        prof_text = worker_in_process(ctx, small, 2000, profile=True).get("cprofile_loop_thread_top25_tottime")
+
+    fraction = worker["frames_per_s"] / best["executor_fps"]
+    fraction_same = worker["frames_per_s"] / best_same["executor_fps"]
+    text = [common.table(
+        "model limit: executor only (decode + preprocess + model, 2 batches in flight), frames/s",
+        ["torch threads", "batch", "executor fps", "model-only fps"],
+        [[r["torch_threads"], r["batch_size"], r["executor_fps"], r["model_only_fps"]] for r in rows])]
+    summary_rows = [
+        ["model only, best (prepared tensors)", best_model["model_only_fps"],
+         f"batch {best_model['batch_size']}, {best_model['torch_threads']} thr", ""],
+        ["executor, best = the limit", best["executor_fps"],
+         f"batch {best['batch_size']}, {best['torch_threads']} thr", "1.00"],
+        [f"executor, best at {ctx.torch_threads} thread(s)", best_same["executor_fps"],
+         f"batch {best_same['batch_size']}", f"{best_same['executor_fps'] / best['executor_fps']:.2f}"],
+        ["worker process, saturated", worker["frames_per_s"], f"{ctx.torch_threads} thr, mean batch "
+         f"{worker['batch_sizes']['mean_frame_weighted']:.1f}", f"{fraction:.2f}"],
+        ["worker in-process + timers", inproc["throughput"]["frames_per_s"], "",
+         f"{inproc['throughput']['frames_per_s'] / best['executor_fps']:.2f}"],
+    ]
+    text.append(common.table("the limit and the worker (same run)", ["what", "frames/s", "how", "of limit"],
+                             summary_rows,
+                             note=f"worker / limit = {fraction:.2f} (goal >= {GOAL}); at the worker's own thread "
+                                  f"count: {fraction_same:.2f}. Worker process CPU {worker['worker_cpu_s']:.1f}s, "
+                                  f"broker CPU {worker['broker_cpu_s'] or float('nan'):.1f}s over "
+                                  f"{worker['seconds_total']:.1f}s (incl. start-up)."))
+    window = inproc["window_s"]
+    text.append(common.table(
+        f"where the worker's time goes (in-process, while the backlog drained: {window:.2f}s, "
+        f"{inproc['throughput']['frames_per_s']:.0f} frames/s)",
+        ["stage", "calls", "wall s", "cpu s", "% of window", "mean ms"],
+        [[s["stage"], s["calls"], s["wall_s"], s["cpu_s"], f"{100 * s['share_of_window']:.0f}%", s["mean_ms"]]
+         for s in inproc["stages"]],
+        note="Loop stages are inclusive (indented = part of the line above); wall - cpu = waiting (I/O, GIL, "
+             "CPU, timeouts). Thread rows: busy time of the preprocessing and inference threads.\n"
+             "Batches in flight (share of the window): " + ", ".join(
+                 f"{k}: {v:.0%}" for k, v in inproc["occupancy"]["batches_in_flight"].items())
+             + "; frames pending in the batcher >= 256 for "
+             + f"{inproc['occupancy']['pending_frames_div_32'].get(8, 0.0):.0%} of it."))
+    text.append(common.table(
+        f"CPU while the backlog drained ({window:.2f}s x {inproc['cores_seen']:.0f} cores)",
+        ["who", "cpu s", "cores"], [[c["who"], c["cpu_s"], c["cores"]] for c in inproc["cpu_budget"]]))
+    if prof_text:
+        print(prof_text)
+    result = {
+        "benchmark": "model_limit", "machine": common.machine(), "workload": common.describe_workload(),
+        "torch_threads_worker": ctx.torch_threads, "device": ex["device"],
+        "executor_rows": rows, "limit": best, "limit_same_threads": best_same, "model_only_best": best_model,
+        "worker_process": worker, "worker_in_process": inproc, "backlog_publish": load,
+        "fraction_of_limit": fraction, "fraction_of_limit_same_threads": fraction_same, "goal": GOAL,
+        "standard_full_batch": budget, "cprofile": prof_text, "tables": text,
+    }
+    ctx.shared["capacity_fps"] = worker["frames_per_s"]
+    ctx.shared["standard_full_batch_ms"] = budget["median_ms"]
+    common.write_json("model_limit", result, ctx.out_dir)
+    return result
+
+
+# -- what-if: the worker with single settings changed, interleaved -------------------------------------------------
+WHAT_IF = {
+    "defaults": {},
+    "commit_interval_ms=200": {"WORKER_DELIVERY_COMMIT_INTERVAL_MS": "200"},
+    "max_inflight_batches=3": {"WORKER_DELIVERY_MAX_INFLIGHT_BATCHES": "3"},
+    "preprocess_threads=2": {"WORKER_RUNTIME_PREPROCESS_THREADS": "2"},
+    "all three": {"WORKER_DELIVERY_COMMIT_INTERVAL_MS": "200", "WORKER_DELIVERY_MAX_INFLIGHT_BATCHES": "3",
+                  "WORKER_RUNTIME_PREPROCESS_THREADS": "2"},
+}
+
+
+def what_if(ctx: Context, rounds: int) -> dict[str, Any]:
+    """Saturated throughput of the worker process with one setting changed at a time, in interleaved rounds
+    (so background load hits every variant alike); median and best per variant."""
+    frames = int(ctx.scale(4000, 2000))
+    topics = common.make_topics(ctx.bootstrap, "wi")
+    common.publish_load(ctx.bootstrap, topics, common.workload_records(frames, common.new_id("wi")))
+    fps: dict[str, list[float]] = {name: [] for name in WHAT_IF}
+    for r in range(rounds):
+        for name, env in WHAT_IF.items():
+            run = common.run_backlog(ctx.bootstrap, topics, frames,
+                                     lambda t, env=env: common.start_worker(
+                                         ctx.bootstrap, t, ctx.log_dir, ctx.torch_threads, common.new_id("wi"),
+                                         extra_env={**ctx.shared.get("worker_env", {}), **env}),
+                                     timeout_s=300, tag="wi", broker=ctx.broker)
+            fps[name].append(common.steady_throughput(run.results)["frames_per_s"])
+            print(f"[what-if] round {r + 1} {name}: {fps[name][-1]:.0f} frames/s", flush=True)
+    base = statistics.median(fps["defaults"])
+    rows = [[name, statistics.median(v), max(v), f"{statistics.median(v) / base:.2f}x", " ".join(f"{x:.0f}" for x in v)]
+            for name, v in fps.items()]
+    text = common.table("what-if: the worker with one setting changed (saturated frames/s, interleaved rounds)",
+                        ["variant", "median", "best", "median vs defaults", "rounds"], rows)
+    result = {"benchmark": "model_limit_what_if", "machine": common.machine(), "frames": frames, "rounds": rounds,
+              "variants": {n: {"env": WHAT_IF[n], "frames_per_s": v} for n, v in fps.items()}, "tables": [text]}
+    common.write_json("model_limit_what_if", result, ctx.out_dir)
+    return result
+
+
+def _run_standalone(ctx: Context) -> dict[str, Any]:
+    args = ctx.shared["args"]
+    if args.what_if:
+        return what_if(ctx, args.rounds)
+    return run(ctx)
+
+
+def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
+    """Headline rows for bench/results/summary.md."""
+    lim, w, model = result["limit"], result["worker_process"], result["model_only_best"]
+    return [
+        ("model only, best (prepared tensors, no decode)",
+         f"{model['model_only_fps']:.0f} frames/s (batch {model['batch_size']}, {model['torch_threads']} torch thr)"),
+        ("the limit: InferenceExecutor, best (decode + preprocess + model)",
+         f"{lim['executor_fps']:.0f} frames/s (batch {lim['batch_size']}, {lim['torch_threads']} torch thr)"),
+        (f"worker saturated ({result['torch_threads_worker']} torch thr)",
+         f"{w['frames_per_s']:.0f} frames/s = **{result['fraction_of_limit']:.2f} of the limit** "
+         f"(goal >= {result['goal']}); {result['fraction_of_limit_same_threads']:.2f} of the limit at "
+         f"{result['torch_threads_worker']} thr"),
+        ("CPU while the worker drained a backlog (cores)",
+         ", ".join(f"{c['who'].split(' (')[0]} {c['cores']:.2f}" for c in result["worker_in_process"]["cpu_budget"])),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    def configure(p: Any) -> None:
+        p.add_argument("--what-if", action="store_true",
+                       help="instead: the worker with single settings changed, in interleaved rounds")
+        p.add_argument("--rounds", type=int, default=3, help="rounds for --what-if (default 3)")
+
+    return common.standalone(_run_standalone, argv, __doc__.splitlines()[0], configure)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
