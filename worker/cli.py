@@ -28,12 +28,14 @@ def _settings(args: argparse.Namespace, **extra: dict[str, Any]) -> Settings:
 # -- run ---------------------------------------------------------------------------------------------------
 def cmd_run(args: argparse.Namespace) -> int:
     settings = _settings(args, observability={"metrics_port": args.metrics_port})
-    from worker.app import run_worker, setup_logging
+    from worker.app import StopFlag, run_worker, setup_logging
 
     setup_logging(settings)
     if args.processes > 1:
         return _run_processes(args, settings)
-    summary = run_worker(settings, exit_when_idle_s=args.exit_when_idle)
+    # Before the slow imports and warm-up: a SIGTERM during start-up then means "start, drain, exit 0".
+    stop = StopFlag().install()
+    summary = run_worker(settings, exit_when_idle_s=args.exit_when_idle, stop=stop)
     print(json.dumps({"consumed": summary.consumed, "results": summary.results, "expired": summary.expired,
                       "dead_lettered": summary.dead_lettered, "batches": summary.batches,
                       "commits": summary.commits}), flush=True)

@@ -1,0 +1,29 @@
+"""Model factories for integration tests, loaded by the worker as `tests.integration.models:<name>`."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+# Frames of this height make the slow model stall; warm-up (224x224) and other frames run at full speed.
+SLOW_HEIGHT = 40
+SLOW_SECONDS = 9.0
+
+
+class _SlowOnHeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, kernel_size=3, stride=2, padding=1)
+        self.head = nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[2] == SLOW_HEIGHT:
+            time.sleep(SLOW_SECONDS)  # a stalled GPU, a huge frame: longer than max.poll.interval.ms
+        return self.head(torch.relu(self.conv(x)).mean(dim=(2, 3)))
+
+
+def slow_on_40px_frames() -> nn.Module:
+    torch.manual_seed(0)
+    return _SlowOnHeight().eval()
