@@ -218,6 +218,8 @@ def _alive(pid: int) -> bool:
 
 def _port_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # As the JVM's listener does: a port whose old connections sit in TIME_WAIT can be listened on again.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
             return True

@@ -86,6 +86,10 @@ class OffsetTracker:
     def tracks(self, tp: TopicPartition) -> bool:
         return tp in self._parts
 
+    def is_in_flight(self, tp: TopicPartition, offset: int) -> bool:
+        st = self._parts.get(tp)
+        return st is not None and offset in st.outstanding_set
+
     def partitions(self) -> list[TopicPartition]:
         return list(self._parts)
 

@@ -267,9 +267,9 @@ class Pipeline:
         """
         for out in outputs:
             tp = out.source.topic_partition
-            if self.tracker.tracks(tp):
+            if self.tracker.is_in_flight(tp, out.source.offset):  # else stale: its partition was given up
                 self._held.setdefault(tp, {})[out.source.offset] = out
-                self._mark_done(out.source)
+                self.tracker.mark_done(tp, out.source.offset)
         points = self.tracker.commit_points()
         releasable = [out for tp, point in points.items()
                       for offset, out in sorted(self._held.get(tp, {}).items()) if offset < point]
@@ -332,8 +332,9 @@ class Pipeline:
             self.metrics.results_produced.labels(self.settings.topics.results, out.tenant, out.status).inc()
 
     def _mark_done(self, source: SourceRef) -> None:
-        # An ack can arrive after its partition was revoked and forgotten: nothing to mark then.
-        if self.tracker.tracks(source.topic_partition):
+        # An ack can arrive after its partition was lost (forgotten, or even assigned to us again and the
+        # offset not read yet): only an offset in flight now is ours to mark.
+        if self.tracker.is_in_flight(source.topic_partition, source.offset):
             self.tracker.mark_done(source.topic_partition, source.offset)
 
     def _commit_if_due(self, final: bool = False) -> None:
@@ -415,6 +416,10 @@ class Pipeline:
         log.warning("partitions lost: %s", sorted(tps))
         lost = set(tps)
         self.batcher.discard(lambda f: f.source.topic_partition in lost)
+        # Let running batches finish and drop their outputs for these partitions: a late output would
+        # duplicate the new owner's (and could be mistaken for a re-read offset if they come back to us).
+        self._collect_finished(wait=True)
+        self._outputs = [o for o in self._outputs if o.source.topic_partition not in lost]
         self._release(tps)
         self.health.assigned = bool(self.source.assignment - lost)
 
