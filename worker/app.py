@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any
 
-from worker.config import Settings, warmup_frame_shapes
+from worker.config import ConfigError, Settings, warmup_frame_shapes
 from worker.metrics import Health, Metrics, MetricsServer
 from worker.pipeline import Pipeline, RunSummary
 
@@ -78,13 +78,11 @@ def run_worker(settings: Settings, exit_when_idle_s: float | None = None, stop: 
     """Load and warm the model, serve metrics, then run the pipeline until stopped or idle.
 
     Pass `health` to watch readiness from another thread (the demo and tests do)."""
-    from worker.runtime import InferenceExecutor  # torch import is slow: only where it is needed
-
     metrics = Metrics()
     health = health if health is not None else Health()
     server = None
     started = time.monotonic()
-    executor = InferenceExecutor.from_settings(settings.model, settings.runtime)
+    executor = _load_executor(settings)
     try:
         metrics.model_info.info({"name": executor.model_name, "version": executor.model_version,
                                  "device": executor.device_description,
@@ -105,6 +103,18 @@ def run_worker(settings: Settings, exit_when_idle_s: float | None = None, stop: 
         executor.close()
         if server is not None:
             server.stop()
+
+
+def _load_executor(settings: Settings) -> Any:
+    """The runtime, or a ConfigError naming the model setting it rejected (exit code 2, no traceback)."""
+    from worker.runtime import InferenceExecutor, ModelContractError
+
+    try:
+        return InferenceExecutor.from_settings(settings.model, settings.runtime)
+    except ModelContractError as exc:
+        m = settings.model
+        name = "model.state_dict" if m.state_dict and m.state_dict in str(exc) else "model.source"
+        raise ConfigError([f"{name}: {exc}"]) from None
 
 
 def _refresh_scrape_gauges(pipeline: Pipeline, metrics: Metrics) -> None:

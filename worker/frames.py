@@ -59,6 +59,8 @@ class Frame:
     data: bytes
     source: SourceRef
     received_at: float = 0.0
+    # The record's own (informational) priority field, kept so a dead letter can carry the original bytes.
+    declared_priority: Priority | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:

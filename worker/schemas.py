@@ -98,7 +98,8 @@ def reencode_frame(frame: Frame) -> bytes:
     """The Avro message a decoded frame came from (for dead letters of frames that decoded but failed later)."""
     return encode_frame(FrameRecord(
         stream_id=frame.stream_id, frame_index=frame.frame_index, capture_ts_ms=frame.capture_ts_ms,
-        tenant=frame.tenant, priority=frame.priority, width=frame.width, height=frame.height,
+        tenant=frame.tenant, priority=frame.declared_priority or frame.priority, width=frame.width,
+        height=frame.height,
         channels=frame.channels, encoding=frame.encoding, data=frame.data))
 
 
@@ -142,6 +143,7 @@ def decode_frame(payload: bytes | None, source: SourceRef, priority: Priority, r
         data=rec["data"],
         source=source,
         received_at=received_at,
+        declared_priority=Priority[rec["priority"]],
     )
 
 

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 
-from worker.config import Settings
+from worker.config import ConfigError, Settings
 from worker.frames import DeadLetter, SourceRef
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,11 @@ class ResultSink:
         self._dlq_topic = settings.topics.dead_letter
         self._worker_id = settings.observability.worker_id
         self._on_done = on_done
-        self._producer = Producer(conf, logger=log)
+        try:
+            self._producer = Producer(conf, logger=log)
+        except KafkaException as exc:
+            raise ConfigError([f"kafka.producer_overrides / kafka settings: librdkafka rejected the producer "
+                               f"configuration: {exc.args[0].str()}"]) from None
         self.transactional = bool(transactional_id)
         self.retried_deliveries = 0
         # Set by a delivery report that the producer cannot recover from; the pipeline raises it.

@@ -11,7 +11,7 @@ from typing import Callable, Iterable
 
 from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException, TopicPartition
 
-from worker.config import Settings
+from worker.config import ConfigError, Settings
 from worker.frames import DeadLetter, Frame, Priority, SourceRef
 from worker.schemas import MessageDecodeError, decode_frame
 
@@ -61,7 +61,11 @@ class FrameSource:
         conf.update(k.consumer_overrides)
         self._topics = settings.topics.input_topics()
         self._clock = clock
-        self._consumer = Consumer(conf, logger=log)
+        try:
+            self._consumer = Consumer(conf, logger=log)
+        except KafkaException as exc:
+            raise ConfigError([f"kafka.consumer_overrides / kafka settings: librdkafka rejected the consumer "
+                               f"configuration: {exc.args[0].str()}"]) from None
         self._assigned: set[TP] = set()
         self._paused_classes: set[Priority] = set()
         self._paused: set[TP] = set()

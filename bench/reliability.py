@@ -1,0 +1,204 @@
+"""The reliability suite: inject each fault against a real Kafka broker and print what a read_committed
+verifier saw, per fault and delivery mode.
+
+    python bench/reliability.py [--quick] [--mode at_least_once|exactly_once|both] [--soak SECONDS]
+                                [--faults sigkill,churn,...] [--runs N] [--no-config]
+
+Every input message is accounted for by its source coordinates: lost = produced but neither a result nor a
+dead letter; duplicated = answered more than once (exactly-once must show 0; at-least-once stays within the
+frames in flight at each fault). The faults are in tests/reliability/faults.py; the pytest tests there
+assert the same outcomes. The broker: KAFKA_BOOTSTRAP_SERVERS if set (the broker faults then need
+STREAMFER_TEST_BROKER_DIR naming a broker this suite may restart, else they are skipped), otherwise a
+local Apache Kafka of its own, destroyed at the end. Writes bench/results/reliability.json; exits 1 when a
+run broke its mode's promise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.reliability import configcases, faults  # noqa: E402
+from tests.reliability.harness import MODES, Audit, Lab, RunOutcome  # noqa: E402
+from tests.reliability.known_bugs import BY_RUN  # noqa: E402
+from worker.local_kafka import LocalKafka  # noqa: E402
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "reliability.json"
+# Faults that stop the broker run last: with a broker that comes back elsewhere, the rest still runs.
+BROKER_FAULTS = ("broker-restart", "broker-kill9", "output-down")
+COLUMNS = ("fault", "mode", "runs", "produced", "results", "dead letters", "lost", "duplicated", "misrouted",
+           "crashes", "seconds", "verdict")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    modes = MODES if args.mode == "both" else (args.mode,)
+    scale = faults.QUICK if args.quick else faults.FULL
+    runs = args.runs or (1 if args.quick else 3)
+    chosen = [f for f in faults.FAULTS if not args.faults or f in args.faults]
+    chosen.sort(key=lambda f: f in BROKER_FAULTS)
+    workdir = Path(tempfile.mkdtemp(prefix="streamfer-reliability-"))
+    lab = _lab(workdir)
+    report: dict[str, Any] = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+                              "host": platform.node(), "cpus": os.cpu_count(), "git": _git_rev(),
+                              "args": vars(args), "workdir": str(workdir), "rows": [], "config": None,
+                              "soak": []}
+    try:
+        for fault in chosen:
+            for mode in modes:
+                row = _row(fault, mode, [_run(lab, fault, mode, scale, i) for i in range(runs)])
+                report["rows"].append(row)
+                _log(f"{fault} [{mode}]: {row['verdict']} ({row['seconds']} s)")
+        if not args.no_config:
+            report["config"] = _config(lab.bootstrap)
+        for mode in modes if args.soak else ():
+            _log(f"soak [{mode}] for {args.soak:.0f} s")
+            report["soak"].append(_soak_row(faults.soak(lab, mode, args.soak, args.soak_rate)))
+    finally:
+        lab.close()
+    print(render(report))
+    DEFAULT_OUT.parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+    _log(f"wrote {args.out}; worker logs under {workdir}")
+    failed = any(r["verdict"].startswith("FAIL") for r in report["rows"] + report["soak"])
+    failed |= bool(report["config"] and report["config"]["failures"])
+    return 1 if failed else 0
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="smaller runs, one of each (about 10 minutes)")
+    p.add_argument("--mode", choices=[*MODES, "both"], default="both")
+    p.add_argument("--soak", type=float, default=0.0, metavar="SECONDS", help="also soak this long per mode")
+    p.add_argument("--soak-rate", type=float, default=100.0, metavar="FPS", help="soak rate (default 100)")
+    p.add_argument("--faults", type=lambda s: [f for f in s.split(",") if f],
+                   help=f"only these, comma-separated: {','.join(faults.FAULTS)}")
+    p.add_argument("--runs", type=int, help="runs per fault and mode (default 3, --quick 1)")
+    p.add_argument("--no-config", action="store_true", help="skip the bad-configuration checks")
+    p.add_argument("--out", default=str(DEFAULT_OUT), help="JSON report path")
+    args = p.parse_args(argv)
+    unknown = set(args.faults or ()) - set(faults.FAULTS)
+    if unknown:
+        p.error(f"unknown faults {sorted(unknown)}; known: {', '.join(faults.FAULTS)}")
+    return args
+
+
+def _lab(workdir: Path) -> Lab:
+    given = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    if not given:
+        _log("starting a local Kafka broker for the suite")
+        return Lab.with_own_broker(workdir)
+    broker_dir = os.environ.get("STREAMFER_TEST_BROKER_DIR")
+    broker = LocalKafka(broker_dir) if broker_dir else None
+    return Lab(workdir, fixed_bootstrap=given, broker=broker)
+
+
+def _run(lab: Lab, fault: str, mode: str, scale: faults.Scale, index: int) -> RunOutcome | None:
+    try:
+        return faults.FAULTS[fault](lab, mode, scale)
+    except Exception as exc:  # a harness failure is a row, not the end of the suite
+        _log(f"{fault} [{mode}] run {index + 1}: harness error {type(exc).__name__}: {exc}")
+        return RunOutcome(fault, mode, Audit(), [], {}, 0.0, 0, 0, notes={"stuck": f"harness error: {exc}"})
+
+
+def _row(fault: str, mode: str, outcomes: list[RunOutcome | None]) -> dict[str, Any]:
+    done = [o for o in outcomes if o is not None]
+    if not done:
+        return {"fault": fault, "mode": mode, "runs": 0, "verdict": "skipped (needs a broker it may restart)"}
+    total = Audit()
+    for o in done:
+        total.add(o.audit)
+    problems = [p.splitlines()[0] for o in done for p in o.problems()]
+    return {
+        "fault": done[0].fault, "key": fault, "mode": mode, "runs": len(done), "produced": total.produced,
+        "results": total.results, "dead letters": total.dead_letters, "lost": total.lost,
+        "duplicated": total.duplicated, "misrouted": total.misrouted,
+        "crashes": sum(len(o.crashes) for o in done), "seconds": round(sum(o.seconds for o in done)),
+        "faults injected": sum(o.faults_injected for o in done),
+        "verdict": _verdict(fault, mode, problems),
+        "problems": problems, "notes": [o.notes for o in done], "logs": [o.logdir for o in done],
+    }
+
+
+def _verdict(fault: str, mode: str, problems: list[str]) -> str:
+    if not problems:
+        return "ok"
+    return f"FAIL ({BY_RUN[fault, mode][0]})" if (fault, mode) in BY_RUN else "FAIL"
+
+
+def _config(bootstrap: str) -> dict[str, Any]:
+    _log(f"bad configuration: {len(configcases.CASES)} cases")
+    outcomes = configcases.run_cases(bootstrap)
+    failures = {name: configcases.problems(configcases.CASES[name], got) for name, got in outcomes.items()}
+    failures = {name: p for name, p in failures.items() if p}
+    return {"cases": len(outcomes), "ok": len(outcomes) - len(failures), "failures": failures}
+
+
+def _soak_row(outcome: RunOutcome) -> dict[str, Any]:
+    s = outcome.notes.get("soak", {})
+    return {"fault": outcome.fault, "mode": outcome.mode, "produced": outcome.audit.produced,
+            "lost": outcome.audit.lost, "duplicated": outcome.audit.duplicated,
+            "verdict": "ok" if not outcome.problems() else "FAIL", "problems": outcome.problems(), **s}
+
+
+# -- output -----------------------------------------------------------------------------------------------------
+def render(report: dict[str, Any]) -> str:
+    lines = [f"streamfer reliability suite, {report['date']} on {report['host']} ({report['cpus']} CPUs), "
+             f"git {report['git']}", ""]
+    rows = [[str(r.get(c, "")) for c in COLUMNS] for r in report["rows"]]
+    lines += _table(COLUMNS, rows)
+    problems = [(r["fault"], r["mode"], p) for r in report["rows"] for p in r.get("problems", [])]
+    if problems:
+        lines += ["", "problems:"]
+        lines += [f"  {fault} [{mode}]: {p[:300]}" for fault, mode, p in problems]
+    tags = {BY_RUN[r["key"], r["mode"]] for r in report["rows"] if r["verdict"].startswith("FAIL (")}
+    if tags:
+        lines += ["", "known bugs (tests/reliability/known_bugs.py, reproductions in docs/reliability.md):"]
+        lines += [f"  {tag}: {reason}" for tag, reason in sorted(tags)]
+    if report["config"]:
+        c = report["config"]
+        lines += ["", f"bad configuration: {c['ok']} of {c['cases']} invalid settings stop start-up with exit "
+                  "code 2 naming the setting"]
+        lines += [f"  {name}: {'; '.join(p)}" for name, p in c["failures"].items()]
+    if report["soak"]:
+        cols = ("mode", "produced", "lost", "duplicated", "p50 ms (thirds)", "p99 ms (thirds)", "p99 drift ms",
+                "RSS MiB warm", "RSS growth MiB", "max lag", "verdict")
+        soak_rows = [[r["mode"], str(r["produced"]), str(r["lost"]), str(r["duplicated"]),
+                      "/".join(map(str, r.get("p50_ms", []))), "/".join(map(str, r.get("p99_ms", []))),
+                      str(r.get("p99_drift_ms")), str(r.get("rss_warm_mib")), str(r.get("rss_growth_mib")),
+                      str(r.get("max_lag")), r["verdict"]] for r in report["soak"]]
+        lines += ["", f"soak: {report['soak'][0]['fault']}"] + _table(cols, soak_rows)
+    return "\n".join(lines)
+
+
+def _table(header: tuple[str, ...], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    fmt = "| " + " | ".join(f"{{:{w}}}" for w in widths) + " |"
+    return [fmt.format(*header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *(fmt.format(*r) for r in rows)]
+
+
+def _git_rev() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parents[1]).stdout.strip() or "?"
+    except OSError:
+        return "?"
+
+
+def _log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,439 @@
+"""The faults of the suite, one function each: `fault(lab, mode, scale) -> RunOutcome` (None when the fault
+cannot be injected here, e.g. a broker restart against a broker the suite does not own).
+
+Each function sets up a run, injects its fault while frames flow or wait, and returns the audit. They
+assert nothing: the pytest tests assert on the outcome, the suite runner tabulates it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from worker.frames import Priority, SourceRef
+
+from .badinput import catalogue, mutations, oversized
+from .harness import DEAD_LETTER, Lab, Outgoing, Run, RunOutcome, Sent, rss_bytes
+
+# The broker's minimum session timeout; max.poll.interval.ms may not be below it.
+MIN_SESSION_MS = 6000
+# A restarted broker must be consumed from again within this long (the stated reconnect bound).
+RECONNECT_BOUND_S = 30.0
+
+
+@dataclass(frozen=True)
+class Scale:
+    backlog: int  # frames published up front for the kill, drain, model and outage faults
+    rate_fps: float  # steady rate of the faults that inject while frames flow
+    flow_s: float  # how long those publish
+
+
+QUICK = Scale(backlog=600, rate_fps=100, flow_s=12)
+FULL = Scale(backlog=1500, rate_fps=120, flow_s=25)
+
+
+def _guarded(run: Run, body: Callable[[], None], **finish: object) -> RunOutcome:
+    """Run the fault body; whatever happens, leave no worker process behind."""
+    try:
+        body()
+        return run.finish(**finish)  # type: ignore[arg-type]
+    except BaseException:
+        run.abandon()
+        raise
+
+
+# -- no fault: the control row ---------------------------------------------------------------------------------
+def baseline(lab: Lab, mode: str, scale: Scale) -> RunOutcome:
+    run = Run(lab, "none (control)", mode)
+
+    def body() -> None:
+        run.feed(run.factory.frames(scale.backlog), wait=True)
+        run.fleet.start("w0")
+
+    return _guarded(run, body)
+
+
+# -- process faults -----------------------------------------------------------------------------------------------
+def sigkill(lab: Lab, mode: str, scale: Scale, seed: int | None = None) -> RunOutcome:
+    """SIGKILL the worker at 20/50/80% progress: mid-batch, at a random moment, after produce before commit;
+    each time a new process (same worker id, hence same transactional id) takes over."""
+    run = Run(lab, "SIGKILL x3 (20/50/80%)", mode)
+    seed = random.randrange(2**32) if seed is None else seed
+    rng = random.Random(seed)
+    run.notes["seed"] = seed  # of the random kill moment
+
+    def random_moment(worker_id: str) -> str:
+        time.sleep(rng.uniform(0.0, 0.3))
+        return run.kill_now(worker_id)
+
+    def body() -> None:
+        run.feed(run.factory.frames(scale.backlog), wait=True)
+        run.fleet.start("w0")
+        phases = []
+        for fraction, kill in ((0.2, run.kill_mid_batch), (0.5, random_moment), (0.8, run.kill_after_produce)):
+            if not run.wait_progress(fraction):
+                break
+            if run.progress() >= 0.97:
+                break  # finished before the kill could land: the run would prove nothing more
+            at = run.progress()
+            phases.append(f"{kill('w0')}@{at:.0%}")
+            run.fleet.start("w0")
+        run.notes["kills"] = phases
+
+    return _guarded(run, body)
+
+
+def kill_with_held_frame(lab: Lab, mode: str, scale: Scale) -> RunOutcome:
+    """A deterministic kill between two batches of one partition that finish out of order: two earlier frames
+    wait in the batcher (their shape's bucket is not full; bulk waits 1 s) while eight later frames of another
+    shape fill a batch and run. The worker is SIGKILLed 0.3 s after that batch ran, before the held frames run.
+    The committed offset cannot pass the held frames, so the next owner reads the eight again: exactly-once
+    must not have committed their results ahead of their offsets."""
+    run = Run(lab, "SIGKILL with an earlier frame held", mode,
+              env={"WORKER_BATCHING_BULK_MAX_WAIT_MS": "1000", "WORKER_BATCHING_RARE_SHAPE_MIN_COUNT": "1",
+                   "WORKER_BATCHING_PADDING_WASTE_MAX": "0"})
+
+    def body() -> None:
+        run.fleet.start("w0")
+        run.feed(run.factory.frames(3), wait=True)  # the worker is assigned and warm once these are done
+        if not run.wait(run.caught_up, 120):
+            return
+        forwards = run.probe_dir / f"forwards.{run.fleet.pid('w0')}"
+        before = len(forwards.read_text().split())
+
+        def batches_run() -> list[int]:
+            return [int(n) for n in forwards.read_text().split()[before:]]
+
+        held = run.factory.frames(2, shape=(40, 40), priority=Priority.BULK, partition=0, jpeg_every=0)
+        later = run.factory.frames(8, shape=(32, 32), priority=Priority.BULK, partition=0, jpeg_every=0)
+        run.feed(held + later, wait=True)
+        if not run.wait(lambda: len(later) in batches_run(), 30, interval_s=0.005):
+            return
+        time.sleep(0.3)  # its results are produced (and, if nothing holds them back, committed)
+        run.notes["held_ran_before_kill"] = len(batches_run()) > 1
+        run.kill_now("w0")
+        run.fleet.start("w0")
+
+    return _guarded(run, body)
+
+
+def sigterm_drain(lab: Lab, mode: str, scale: Scale) -> RunOutcome:
+    """SIGTERM with batches in flight: the worker drains, commits and leaves; a new one finds nothing to redo."""
+    run = Run(lab, "SIGTERM drain", mode)
+    run.zero_duplicates_expected = True
+
+    def body() -> None:
+        run.feed(run.factory.frames(scale.backlog), wait=True)
+        run.fleet.start("w0")
+        run.wait_progress(0.4)
+        started = time.monotonic()
+        rc = run.fleet.terminate("w0")
+        run.notes["drain_s"] = round(time.monotonic() - started, 1)
+        run.notes["drain_rc"] = rc
+        run.faults_injected += 1
+        run.fleet.start("w0")
+
+    return _guarded(run, body)
+
+
+def zombie(lab: Lab, mode: str, scale: Scale) -> RunOutcome:
+    """SIGSTOP one of two workers past its session and poll interval while the other takes over, then SIGCONT:
+    the zombie's late output must be fenced (exactly-once) and the zombie must rejoin, not crash."""
+    run = Run(lab, "zombie (SIGSTOP > poll interval)", mode,
+              env={"WORKER_KAFKA_SESSION_TIMEOUT_MS": str(MIN_SESSION_MS),
+                   "WORKER_KAFKA_MAX_POLL_INTERVAL_MS": str(MIN_SESSION_MS)})
+
+    def body() -> None:
+        frames = run.factory.frames(int(scale.rate_fps * scale.flow_s))
+        run.fleet.start("w0")
+        run.fleet.start("w1")
+        run.feed(frames, rate_fps=scale.rate_fps)
+        run.wait_progress(0.25)
+        # Frozen with a batch inside the model: its results are ready the moment the zombie wakes up.
+        probe = run.probe_dir / f"forward.{run.fleet.pid('w0')}"
+        run.notes["stopped"] = "mid-batch" if run.wait(probe.exists, 15, interval_s=0.002) else "random"
+        run.fleet.signal("w0", signal.SIGSTOP)
+        run.faults_injected += 1
+        try:
+            time.sleep(MIN_SESSION_MS / 1000 + 3)  # the fault: frozen past session timeout and poll interval
+        finally:
+            run.fleet.signal("w0", signal.SIGCONT)
+
+    return _guarded(run, body)
+
+
+# -- group churn --------------------------------------------------------------------------------------------------
+def group_churn(lab: Lab, mode: str, scale: Scale, static: bool = False) -> RunOutcome:
+    """Three workers; every few seconds one leaves (SIGTERM) and a new process joins, while frames flow."""
+    run = Run(lab, "group churn" + (" (static members)" if static else ""), mode)
+    workers = ["w0", "w1", "w2"]
+
+    def start(worker_id: str) -> None:
+        extra = {"WORKER_KAFKA_GROUP_INSTANCE_ID": f"{run.unique}-{worker_id}"} if static else None
+        run.fleet.start(worker_id, extra)
+
+    def body() -> None:
+        for w in workers:
+            start(w)
+        run.feed(run.factory.frames(int(scale.rate_fps * scale.flow_s)), rate_fps=scale.rate_fps)
+        deadline = time.monotonic() + scale.flow_s
+        i = 0
+        while time.monotonic() < deadline:
+            run.wait(lambda: False, 3.0)  # supervise for a few seconds, then churn
+            worker_id = workers[i % len(workers)]
+            # A process still loading its model has joined nothing yet: churn only members.
+            run.wait(lambda: run.fleet.is_up(worker_id), 60)
+            run.fleet.terminate(worker_id)
+            start(worker_id)
+            run.faults_injected += 1
+            i += 1
+        run.notes["churns"] = i
+
+    return _guarded(run, body, timeout_s=240.0)
+
+
+# -- broker faults --------------------------------------------------------------------------------------------------
+def _broker_bounce(lab: Lab, mode: str, scale: Scale, name: str, kill: bool, outage_s: float,
+                   env: dict[str, str] | None = None, backlog: bool = False) -> RunOutcome | None:
+    if lab.broker is None or lab.broker.running() is None:
+        return None
+    run = Run(lab, name, mode, env=env)
+    broker = lab.broker
+
+    def body() -> None:
+        if backlog:  # the worker holds fetched frames and produces into a full queue while the broker is away
+            run.feed(run.factory.frames(scale.backlog * 2), wait=True)
+            run.fleet.start("w0")
+            run.wait_progress(0.2)
+        else:  # frames keep coming (and queue in the feeder) while the broker is away
+            run.fleet.start("w0")
+            run.feed(run.factory.frames(int(scale.rate_fps * scale.flow_s)), rate_fps=scale.rate_fps)
+            run.wait_progress(0.3)
+        before_address = lab.bootstrap
+        broker.stop(kill=kill)
+        run.faults_injected += 1
+        try:
+            time.sleep(outage_s)
+        finally:
+            broker.start()
+        up = time.monotonic()
+        if lab.bootstrap != before_address:
+            run.abort(f"the broker came back at {lab.bootstrap}, not at {before_address}, so no client can "
+                      "reconnect: LocalKafka's restart did not keep its port")
+            return
+        before = run.watch.committed() or 0
+        if run.wait(lambda: (run.watch.committed() or 0) > before or run.caught_up(), RECONNECT_BOUND_S):
+            run.notes["resumed_after_s"] = round(time.monotonic() - up, 1)
+        else:
+            run.abort(f"no offset committed within {RECONNECT_BOUND_S:.0f} s of the broker's return (the stated "
+                      "reconnect bound)")
+
+    return _guarded(run, body)
+
+
+def broker_restart(lab: Lab, mode: str, scale: Scale) -> RunOutcome | None:
+    """The broker stops cleanly mid-stream and comes back on the same address: no operator action needed."""
+    return _broker_bounce(lab, mode, scale, "broker restart (clean)", kill=False, outage_s=2.0)
+
+
+def broker_kill9(lab: Lab, mode: str, scale: Scale) -> RunOutcome | None:
+    """The broker is SIGKILLed mid-transaction (it recovers its logs on start) and comes back."""
+    return _broker_bounce(lab, mode, scale, "broker kill -9", kill=True, outage_s=2.0)
+
+
+def output_path_down(lab: Lab, mode: str, scale: Scale) -> RunOutcome | None:
+    """A full output path: the broker is unreachable for 10 s while the worker holds a backlog, with a producer
+    queue of 16 messages, so produce() hits a full queue: backpressure, and nothing lost."""
+    return _broker_bounce(lab, mode, scale, "output path down 10 s (queue full)", kill=False, outage_s=10.0,
+                          env={"WORKER_KAFKA_PRODUCER_OVERRIDES": "queue.buffering.max.messages=16"}, backlog=True)
+
+
+def partitions_lost_mid_batch(lab: Lab, mode: str, scale: Scale) -> RunOutcome | None:
+    """The broker freezes (SIGSTOP, so its address is kept) past the session timeout while a batch is inside
+    the model: the worker loses its partitions and gets them back. The batch then finishes; its results
+    belong to partitions this worker no longer held when they finished, so (exactly-once) they must not be
+    committed, and nothing may crash."""
+    broker = lab.pausable.running() if lab.pausable else None
+    if broker is None:
+        return None
+    stall_s = 12.0
+    run = Run(lab, "partitions lost mid-batch", mode, model="stall_model",
+              env={"STREAMFER_REL_STALL_S": str(stall_s), "WORKER_KAFKA_SESSION_TIMEOUT_MS": str(MIN_SESSION_MS),
+                   "WORKER_KAFKA_MAX_POLL_INTERVAL_MS": str(MIN_SESSION_MS)})
+
+    def body() -> None:
+        run.fleet.start("w0")
+        run.feed(run.factory.frames(scale.backlog // 4, marked=(5,)), wait=True)
+        stall = run.probe_dir / f"stall.{run.fleet.pid('w0')}"
+        if not run.wait(stall.exists, 60, interval_s=0.01):
+            run.notes["stuck"] = "the stalling batch never started"
+            return
+        os.kill(broker.pid, signal.SIGSTOP)
+        try:
+            time.sleep(MIN_SESSION_MS / 1000 + 2)  # the fault: the coordinator is silent past the session timeout
+        finally:
+            os.kill(broker.pid, signal.SIGCONT)
+        run.faults_injected += 1
+
+    return _guarded(run, body)
+
+
+# -- model faults -------------------------------------------------------------------------------------------------
+def slow_model(lab: Lab, mode: str, scale: Scale) -> RunOutcome:
+    """Batches that take 8 s, longer than max.poll.interval.ms (6 s): no rebalance, and the lag drains to 0."""
+    stall_s = 8.0
+    run = Run(lab, "model stalls 8 s > poll interval 6 s", mode, model="stall_model",
+              env={"STREAMFER_REL_STALL_S": str(stall_s), "WORKER_KAFKA_SESSION_TIMEOUT_MS": str(MIN_SESSION_MS),
+                   "WORKER_KAFKA_MAX_POLL_INTERVAL_MS": str(MIN_SESSION_MS)})
+    count = scale.backlog // 2
+    # A tenth in (and, at full scale, six tenths in); the marked frames get results like the rest.
+    stalls = (count // 10,) if scale is QUICK else (count // 10, count * 6 // 10)
+
+    def body() -> None:
+        run.feed(run.factory.frames(count, marked=stalls), wait=True)
+        run.fleet.start("w0")
+        run.faults_injected += len(stalls)
+
+    outcome = _guarded(run, body)
+    events = outcome.notes["events"]
+    if events.get("revoked") or events.get("lost") or events.get("assigned", 0) > 1:
+        outcome.notes["stuck"] = f"rebalanced while the model stalled: {events}"
+    return outcome
+
+
+def poison_model(lab: Lab, mode: str, scale: Scale) -> RunOutcome:
+    """A model that raises on some inputs: only those frames are dead-lettered, the rest of their batch is scored."""
+    run = Run(lab, "model raises on 1 in 10 frames", mode, model="poison_model")
+    count = scale.backlog // 2
+    marked = range(3, count, 10)
+
+    def body() -> None:
+        items = [it if it.sent.kind != "marked" else _expect(it, DEAD_LETTER)
+                 for it in run.factory.frames(count, marked=marked)]
+        run.feed(items, wait=True)
+        run.fleet.start("w0")
+        run.faults_injected += len(marked)
+
+    return _guarded(run, body)
+
+
+def _expect(item: Outgoing, expect: str) -> Outgoing:
+    return Outgoing(item.topic, item.key, Sent(item.sent.kind, expect, item.sent.frame_id), item.record, item.raw)
+
+
+# -- bad input ----------------------------------------------------------------------------------------------------
+def bad_input(lab: Lab, mode: str, scale: Scale, seed: int = 0) -> RunOutcome:
+    """Every kind of damaged message, and seeded mutations of valid ones, interleaved with good frames on the
+    same partitions: each bad one dead-lettered with a reason, every good one scored."""
+    run = Run(lab, "bad input (catalogue + mutations)", mode)
+    bad = catalogue(seed) + mutations(40, seed)
+    return _guarded(run, lambda: _interleave(run, bad))
+
+
+def oversized_input(lab: Lab, mode: str, scale: Scale) -> RunOutcome:
+    """Messages at the client's size limit, valid and not, between good frames."""
+    run = Run(lab, "oversized input (~1 MB)", mode)
+    return _guarded(run, lambda: _interleave(run, oversized()))
+
+
+def _interleave(run: Run, bad: list) -> None:
+    items: list[Outgoing] = []
+    good = iter(run.factory.frames(len(bad) * 3))
+    for i, b in enumerate(bad):
+        items.extend(next(good) for _ in range(3))
+        topic = run.topics.inputs[i % 3]
+        items.append(Outgoing(topic, f"bad-{i}".encode(), Sent(b.kind, b.expect), raw=b.value))
+    run.fleet.start("w0")
+    run.feed(items, wait=True)
+    run.faults_injected += len(bad)
+
+
+# -- soak -------------------------------------------------------------------------------------------------------------
+def soak(lab: Lab, mode: str, seconds: float, rate_fps: float = 100.0) -> RunOutcome:
+    """A steady open-loop rate for `seconds`: p99 latency of the first and last thirds (from intended send
+    time), and the worker's RSS growth after warm-up (the first third)."""
+    run = Run(lab, f"soak {seconds:.0f} s @ {rate_fps:.0f} fps", mode, batch_sleep_ms=2)
+    samples: list[tuple[float, int]] = []  # (seconds into the soak, RSS bytes)
+    lags: list[int] = []
+
+    def body() -> None:
+        run.fleet.start("w0")
+        run.feed(run.factory.frames(20), wait=True)  # wait for the worker to be assigned and warm
+        run.wait(run.caught_up, 120)
+        start = time.monotonic()
+        feeder = run.feed(run.factory.frames(int(seconds * rate_fps)), rate_fps=rate_fps)
+        pid = run.fleet.pid("w0")
+        while feeder.is_alive():
+            rss = rss_bytes(pid)
+            if rss is not None:
+                samples.append((time.monotonic() - start, rss))
+            lag = run.watch.lag()
+            if lag is not None:
+                lags.append(lag)
+            run.wait(lambda: not feeder.is_alive(), 1.0)
+        run.notes["max_send_lag_ms"] = round(feeder.max_send_lag_s * 1000, 1)
+
+    outcome = _guarded(run, body)
+    outcome.notes["soak"] = soak_report(run, samples, lags, seconds)
+    return outcome
+
+
+def soak_report(run: Run, samples: list[tuple[float, int]], lags: list[int], seconds: float) -> dict:
+    intended = {ref: t for f in run.feeders[1:] for ref, t in f.intended.items()}
+    t0 = min(intended.values(), default=0.0)
+    thirds: list[list[float]] = [[], [], []]
+    for r in run.results:
+        t = intended.get(SourceRef(r["source_topic"], r["source_partition"], r["source_offset"]))
+        if t is not None:
+            thirds[min(2, int((t - t0) / (seconds / 3)))].append(r["end_to_end_ms"])
+
+    def pct(values: list[float], q: float) -> float | None:
+        if not values:
+            return None
+        values = sorted(values)
+        return round(values[min(len(values) - 1, int(q * len(values)))], 1)
+
+    warm = [rss for t, rss in samples if t < seconds / 3]
+    late = [rss for t, rss in samples if t >= seconds * 2 / 3]
+    mib = 1024 * 1024
+    baseline = max(warm) if warm else None
+    growth = (max(late) - baseline) if (late and baseline) else None
+    first, last = pct(thirds[0], 0.99), pct(thirds[2], 0.99)
+    return {
+        "results_per_third": [len(t) for t in thirds],
+        "p50_ms": [pct(t, 0.5) for t in thirds],
+        "p99_ms": [pct(t, 0.99) for t in thirds],
+        "p999_ms": [pct(t, 0.999) for t in thirds],
+        "p99_drift_ms": round(last - first, 1) if first is not None and last is not None else None,
+        "rss_warm_mib": round(baseline / mib, 1) if baseline else None,
+        "rss_end_mib": round(late[-1] / mib, 1) if late else None,
+        "rss_growth_mib": round(growth / mib, 1) if growth is not None else None,
+        "rss_median_first_last_mib": [round(statistics.median(warm) / mib, 1) if warm else None,
+                                      round(statistics.median(late) / mib, 1) if late else None],
+        "max_lag": max(lags, default=None),
+    }
+
+
+# The table's faults, in order; the ones that need the mode run in each mode asked for.
+FAULTS: dict[str, Callable[[Lab, str, Scale], RunOutcome | None]] = {
+    "none": baseline,
+    "sigkill": sigkill,
+    "kill-held-frame": kill_with_held_frame,
+    "sigterm": sigterm_drain,
+    "zombie": zombie,
+    "churn": group_churn,
+    "churn-static": lambda lab, mode, scale: group_churn(lab, mode, scale, static=True),
+    "lost-mid-batch": partitions_lost_mid_batch,
+    "broker-restart": broker_restart,
+    "broker-kill9": broker_kill9,
+    "output-down": output_path_down,
+    "slow-model": slow_model,
+    "poison-model": poison_model,
+    "bad-input": bad_input,
+    "oversized": oversized_input,
+}

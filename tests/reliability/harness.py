@@ -1,0 +1,698 @@
+"""The fault suite's machinery: publish a known set of input messages, run worker processes, inject faults,
+and audit the outputs with a read_committed verifier.
+
+The ledger keys on source coordinates (topic, partition, offset), which every output carries (a result in
+its `source_*` fields, a dead letter in its `streamfer.source_*` headers), so good frames and garbage are
+accounted for alike. A run's audit answers: was every input message answered (lost), answered more than
+once (duplicated), answered the wrong way (misrouted: a good frame dead-lettered or garbage scored), or
+answered for a message nobody sent (phantom)?
+
+Used by the pytest suite (tests/reliability/test_*.py) and by the runner that prints the table
+(bench/reliability.py). Nothing here sleeps for a fixed time where a condition can be awaited, except the
+fault itself (an outage lasts N seconds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+
+from tests.integration.helpers import TestTopics, make_topics, start_worker
+from tests.reliability.models import marked_pixels, unmarked_pixels
+from worker.frames import Encoding, Priority, SourceRef
+from worker.local_kafka import LocalKafka
+from worker.results import DeadLetterRecord, read_dead_letters, read_results
+from worker.schemas import FrameRecord, encode_frame
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PARTITIONS = 3
+DLQ_HEADERS = ("streamfer.error", "streamfer.error_type", "streamfer.source_topic",
+               "streamfer.source_partition", "streamfer.source_offset")
+MODES = ("at_least_once", "exactly_once")
+# librdkafka's default message.max.bytes: the largest value (plus key and headers) a client may produce.
+CLIENT_MAX_MESSAGE_BYTES = 1_000_000
+
+# What a result or dead letter is expected for one input message.
+RESULT, DEAD_LETTER, EITHER = "result", "dead_letter", "either"
+# A run whose group commits nothing for this long (while work is left) is stuck: the worker hangs.
+NO_PROGRESS_S = 60.0
+
+
+# -- the inputs ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Sent:
+    """One input message as the verifier knows it."""
+
+    kind: str  # "frame", "marked", or the label of a bad input
+    expect: str  # RESULT, DEAD_LETTER or EITHER
+    frame_id: tuple[str, int] | None = None  # (stream_id, frame_index) of a good frame
+    digest: str = ""  # of the value, to check that a dead letter carries the original bytes
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """A message to publish: a frame record (stamped with its intended send time) or raw bytes."""
+
+    topic: str
+    key: bytes | None
+    sent: Sent
+    record: FrameRecord | None = None
+    raw: bytes = b""
+    partition: int | None = None  # None: by key
+
+    def value(self, intended_s: float) -> bytes:
+        if self.record is None:
+            return self.raw
+        return encode_frame(dataclasses.replace(self.record, capture_ts_ms=int(intended_s * 1000)))
+
+
+def digest(value: bytes | None) -> str:
+    return hashlib.blake2b(value or b"", digest_size=8).hexdigest()
+
+
+SHAPES = ((32, 32), (48, 32))  # (width, height): two shapes, so the batcher runs two shape buckets
+STREAMS = 12
+
+
+class FrameFactory:
+    """Good frames with unique ids (`<run>-s<k>`, index), spread over the three priority topics."""
+
+    def __init__(self, topics: TestTopics, run_id: str):
+        self.topics = topics
+        self.run_id = run_id
+        self.next = 0
+        self._payloads: dict[tuple[int, int, Encoding, bool], bytes] = {}
+
+    def frames(self, count: int, marked: Iterable[int] = (), jpeg_every: int = 5,
+               shape: tuple[int, int] | None = None, priority: Priority | None = None,
+               partition: int | None = None) -> list[Outgoing]:
+        """`count` frames; positions in `marked` (0-based within this call) carry the model-fault marker.
+        By default shapes, classes and streams rotate; `shape`, `priority` and `partition` pin them."""
+        marked = set(marked)
+        out = []
+        for i in range(count):
+            n = self.next
+            self.next += 1
+            is_marked = i in marked
+            w, h = shape or SHAPES[n % len(SHAPES)]
+            # The marker must survive encoding, so marked frames are always RAW.
+            enc = Encoding.JPEG if (jpeg_every and n % jpeg_every == jpeg_every - 1 and not is_marked) \
+                else Encoding.RAW_RGB8
+            prio = Priority(n % 3) if priority is None else priority
+            stream = f"{self.run_id}-s{n % STREAMS}"
+            record = FrameRecord(stream_id=stream, frame_index=n // STREAMS, capture_ts_ms=0, tenant=f"t{n % 3}",
+                                 priority=prio, width=w, height=h, channels=3, encoding=enc,
+                                 data=self._payload(w, h, enc, is_marked))
+            out.append(Outgoing(topic=self.topics.inputs[prio], key=stream.encode(), record=record,
+                                sent=Sent("marked" if is_marked else "frame", RESULT, (stream, n // STREAMS)),
+                                partition=partition))
+        return out
+
+    def _payload(self, w: int, h: int, enc: Encoding, marked: bool) -> bytes:
+        key = (w, h, enc, marked)
+        if key not in self._payloads:
+            pixels = marked_pixels(h, w) if marked else unmarked_pixels(h, w, seed=w * 1000 + h)
+            if enc is Encoding.RAW_RGB8:
+                self._payloads[key] = pixels.tobytes()
+            else:
+                from PIL import Image
+
+                buf = io.BytesIO()
+                Image.fromarray(pixels).save(buf, format="JPEG", quality=90)
+                self._payloads[key] = buf.getvalue()
+        return self._payloads[key]
+
+
+class Feeder(threading.Thread):
+    """Publishes messages in order, open loop at `rate_fps` (or as fast as possible), and records the
+    coordinates each landed at. A frame's capture_ts_ms is its *intended* send time, so latency measured from
+    it includes any delay of the feeder itself (no coordinated omission)."""
+
+    def __init__(self, bootstrap: str, items: Sequence[Outgoing], rate_fps: float | None = None):
+        super().__init__(daemon=True, name="feeder")
+        self.items = list(items)
+        self.rate_fps = rate_fps
+        self.sent: dict[SourceRef, Sent] = {}
+        self.intended: dict[SourceRef, float] = {}
+        self.errors: list[str] = []
+        self.max_send_lag_s = 0.0
+        self._halt = threading.Event()
+        self._producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 5,
+                                   # Keep retrying through broker outages; the suite's outages are short.
+                                   "message.timeout.ms": 300_000})
+
+    def run(self) -> None:
+        start = time.time()
+        for i, item in enumerate(self.items):
+            if self._halt.is_set():
+                break
+            intended = start + i / self.rate_fps if self.rate_fps else time.time()
+            if self.rate_fps:
+                delay = intended - time.time()
+                if delay > 0:
+                    time.sleep(delay)
+                self.max_send_lag_s = max(self.max_send_lag_s, time.time() - intended)
+            value = item.value(intended)
+            sent = dataclasses.replace(item.sent, digest=digest(value))
+            self._produce(item, value, sent, intended)
+            self._producer.poll(0)
+        deadline = time.monotonic() + 240
+        while len(self._producer) and not self._halt.is_set() and time.monotonic() < deadline:
+            self._producer.flush(0.5)
+        if self._halt.is_set():
+            self._producer.purge()
+            self._producer.flush(5)
+        elif len(self._producer):
+            self.errors.append(f"{len(self._producer)} messages unacknowledged after 240 s")
+
+    def stop(self) -> None:
+        """Stop publishing and drop what is queued (the run is being abandoned)."""
+        self._halt.set()
+
+    def _produce(self, item: Outgoing, value: bytes, sent: Sent, intended: float) -> None:
+        def delivered(err: Any, msg: Any) -> None:
+            if err is not None:
+                if not self._halt.is_set():  # purged on purpose otherwise
+                    self.errors.append(err.str())
+                return
+            ref = SourceRef(msg.topic(), msg.partition(), msg.offset())
+            self.sent[ref] = sent
+            self.intended[ref] = intended
+
+        while True:
+            try:
+                if item.partition is None:
+                    self._producer.produce(item.topic, value=value, key=item.key, on_delivery=delivered)
+                else:
+                    self._producer.produce(item.topic, value=value, key=item.key, partition=item.partition,
+                                           on_delivery=delivered)
+                return
+            except BufferError:
+                self._producer.poll(0.05)
+
+
+# -- the workers ----------------------------------------------------------------------------------------------
+def suite_env(mode: str, unique: str, model: str = "steady_model", batch_sleep_ms: float = 20) -> dict[str, str]:
+    """Worker settings of the suite: small batches and caps, so every fault catches work in flight."""
+    return {
+        "PYTHONPATH": os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")) if p),
+        "WORKER_MODEL_SOURCE": f"tests.reliability.models:{model}",
+        "WORKER_DELIVERY_MODE": mode,
+        # One transactional id space per run: runs never fence each other.
+        "WORKER_DELIVERY_TRANSACTIONAL_ID_PREFIX": f"rel-{unique}",
+        "WORKER_BATCHING_MAX_BATCH_SIZE": "8",
+        "WORKER_BATCHING_FALLBACK_MAX_BATCH_SIZE": "4",
+        "WORKER_BATCHING_MAX_PENDING_FRAMES": "64",
+        "WORKER_DELIVERY_MAX_INFLIGHT_BATCHES": "2",
+        "WORKER_RUNTIME_WARMUP_BATCHES": "0",
+        "WORKER_OBSERVABILITY_METRICS_ENABLED": "false",
+        "STREAMFER_REL_BATCH_SLEEP_MS": str(batch_sleep_ms),
+    }
+
+
+def duplicate_bound_per_fault(env: dict[str, str]) -> int:
+    """At-least-once: the most frames one fault may answer twice, i.e. what one worker holds read but not
+    committed (the batcher's cap plus the batches running); the suite's producer queue is far below it."""
+    return int(env["WORKER_BATCHING_MAX_PENDING_FRAMES"]) + \
+        int(env["WORKER_DELIVERY_MAX_INFLIGHT_BATCHES"]) * int(env["WORKER_BATCHING_MAX_BATCH_SIZE"])
+
+
+@dataclass
+class Crash:
+    worker_id: str
+    returncode: int
+    log_tail: str
+
+
+class Fleet:
+    """The worker processes of one consumer group. A process that exits without being told to is a crash:
+    it is recorded and restarted (as an orchestrator would), at most `max_restarts` times per worker."""
+
+    def __init__(self, bootstrap: str, topics: TestTopics, env: dict[str, str], logdir: Path, max_restarts: int = 3):
+        self.bootstrap = bootstrap
+        self.topics = topics
+        self.env = env
+        self.logdir = logdir
+        self.max_restarts = max_restarts
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.crashes: list[Crash] = []
+        self.unclean_stops: dict[str, int] = {}
+        self._restarts: Counter = Counter()
+        self._log_offsets: dict[str, int] = {}
+
+    def log_path(self, worker_id: str) -> Path:
+        return self.logdir / f"{worker_id}.log"
+
+    def start(self, worker_id: str, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+        env = dict(self.env)
+        env.update(extra_env or {})
+        path = self.log_path(worker_id)
+        self._log_offsets[worker_id] = path.stat().st_size if path.exists() else 0
+        proc = start_worker(self.bootstrap, self.topics, extra_env=env, worker_id=worker_id,
+                            log_path=str(self.log_path(worker_id)))
+        self.procs[worker_id] = proc
+        return proc
+
+    def is_up(self, worker_id: str) -> bool:
+        """Whether the worker's current process has started its loop (model loaded, subscribed)."""
+        path = self.log_path(worker_id)
+        if worker_id not in self.procs or not path.exists():
+            return False
+        with open(path, "rb") as fh:
+            fh.seek(self._log_offsets.get(worker_id, 0))
+            return b"worker started:" in fh.read()
+
+    def pid(self, worker_id: str) -> int:
+        return self.procs[worker_id].pid
+
+    def signal(self, worker_id: str, sig: int) -> None:
+        self.procs[worker_id].send_signal(sig)
+
+    def kill(self, worker_id: str) -> None:
+        """SIGKILL and reap: the worker gets no chance to flush, commit or leave the group."""
+        proc = self.procs.pop(worker_id)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+
+    def terminate(self, worker_id: str, timeout_s: float = 60.0) -> int:
+        """SIGTERM (drain, commit, leave the group) and wait; returns the exit code (SIGKILL after the timeout)."""
+        proc = self.procs.pop(worker_id)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+            rc = -9
+        if rc != 0:
+            self.unclean_stops[worker_id] = rc
+        return rc
+
+    def supervise(self) -> None:
+        for worker_id, proc in list(self.procs.items()):
+            rc = proc.poll()
+            if rc is None:
+                continue
+            self.crashes.append(Crash(worker_id, rc, self.log_tail(worker_id)))
+            del self.procs[worker_id]
+            if self._restarts[worker_id] < self.max_restarts:
+                self._restarts[worker_id] += 1
+                self.start(worker_id)
+
+    def stop_all(self, timeout_s: float = 30.0) -> None:
+        for worker_id in list(self.procs):
+            self.terminate(worker_id, timeout_s)
+
+    def log_tail(self, worker_id: str, chars: int = 3000) -> str:
+        path = self.log_path(worker_id)
+        if not path.exists():
+            return ""
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if not ln.startswith("%")]
+        return "\n".join(lines)[-chars:]
+
+    def log_events(self) -> Counter:
+        """Rebalance and failure events over all workers' logs."""
+        events: Counter = Counter()
+        for path in self.logdir.glob("*.log"):
+            text = path.read_text(errors="replace")
+            for name, needle in (("assigned", "partitions assigned"), ("revoked", "partitions revoked"),
+                                 ("lost", "partitions lost"), ("traceback", "Traceback"),
+                                 ("delivery_retried", "producing again")):
+                events[name] += text.count(needle)
+        return events
+
+
+def rss_bytes(pid: int) -> int | None:
+    """Resident set size of a process from /proc (None once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+# -- watching the group ----------------------------------------------------------------------------------------
+class GroupWatch:
+    """The worker group's committed offsets against the inputs' end offsets, without joining the group."""
+
+    def __init__(self, bootstrap: str, group: str, topics: Sequence[str]):
+        self._consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False,
+                                   "isolation.level": "read_committed", "log_level": 0})
+        self._tps = [TopicPartition(t, p) for t in topics for p in range(PARTITIONS)]
+
+    def committed(self) -> int | None:
+        """Messages the group has committed over all input partitions (None while the broker does not answer)."""
+        try:
+            return sum(max(0, tp.offset) for tp in self._consumer.committed(self._tps, timeout=5))
+        except KafkaException:
+            return None
+
+    def ends(self) -> int | None:
+        try:
+            return sum(self._consumer.get_watermark_offsets(tp, timeout=5)[1] for tp in self._tps)
+        except KafkaException:
+            return None
+
+    def lag(self) -> int | None:
+        committed, ends = self.committed(), self.ends()
+        return None if committed is None or ends is None else ends - committed
+
+    def close(self) -> None:
+        self._consumer.close()
+
+
+# -- the audit ------------------------------------------------------------------------------------------------
+@dataclass
+class Audit:
+    """The verifier's ledger over one run: every count is over input messages (source coordinates)."""
+
+    produced: int = 0
+    results: int = 0
+    dead_letters: int = 0
+    lost: int = 0
+    duplicated: int = 0  # outputs beyond the first, summed over input messages
+    misrouted: int = 0  # a good frame dead-lettered, or garbage answered with a result
+    phantom: int = 0  # outputs for coordinates nobody produced
+    mismatched: int = 0  # a result whose frame id is not the one produced at its coordinates
+    bad_headers: int = 0  # dead letters without a reason or without their source coordinates
+    dead_letters_without_original: int = 0  # dead letters whose value is not the input's bytes
+    lost_sample: list[str] = field(default_factory=list)
+    duplicated_sample: list[str] = field(default_factory=list)
+    misrouted_sample: list[str] = field(default_factory=list)
+    error_types: Counter = field(default_factory=Counter)
+
+    def add(self, other: "Audit") -> None:
+        for f in dataclasses.fields(self):
+            mine = getattr(self, f.name)
+            if isinstance(mine, int):
+                setattr(self, f.name, mine + getattr(other, f.name))
+            elif isinstance(mine, list):
+                mine.extend(getattr(other, f.name)[: max(0, 5 - len(mine))])
+            elif isinstance(mine, Counter):
+                mine.update(getattr(other, f.name))
+
+
+def dead_letter_source(dl: DeadLetterRecord) -> SourceRef | None:
+    try:
+        return SourceRef(dl.headers["streamfer.source_topic"], int(dl.headers["streamfer.source_partition"]),
+                         int(dl.headers["streamfer.source_offset"]))
+    except (KeyError, ValueError):
+        return None
+
+
+def audit(sent: dict[SourceRef, Sent], results: list[dict[str, Any]], dead_letters: list[DeadLetterRecord]) -> Audit:
+    a = Audit(produced=len(sent), results=len(results), dead_letters=len(dead_letters))
+    answers: dict[SourceRef, list[str]] = {}
+    for r in results:
+        ref = SourceRef(r["source_topic"], r["source_partition"], r["source_offset"])
+        answers.setdefault(ref, []).append(RESULT)
+        s = sent.get(ref)
+        if s is not None and s.frame_id is not None and (r["stream_id"], r["frame_index"]) != s.frame_id:
+            a.mismatched += 1
+    for dl in dead_letters:
+        a.error_types[dl.headers.get("streamfer.error_type", "?")] += 1
+        ref = dead_letter_source(dl)
+        if ref is None or not all(dl.headers.get(h) for h in DLQ_HEADERS):
+            a.bad_headers += 1
+        if ref is None:
+            a.phantom += 1
+            continue
+        answers.setdefault(ref, []).append(DEAD_LETTER)
+        s = sent.get(ref)
+        if s is not None and digest(dl.value) != s.digest:
+            a.dead_letters_without_original += 1
+    a.phantom += sum(len(v) for ref, v in answers.items() if ref not in sent)
+    for ref, s in sent.items():
+        got = answers.get(ref, [])
+        if not got:
+            a.lost += 1
+            if len(a.lost_sample) < 5:
+                a.lost_sample.append(f"{ref} {s.kind} {s.frame_id}")
+            continue
+        if len(got) > 1:
+            a.duplicated += len(got) - 1
+            if len(a.duplicated_sample) < 5:
+                a.duplicated_sample.append(f"{ref} {s.kind} {got}")
+        if s.expect != EITHER and any(g != s.expect for g in got):
+            a.misrouted += 1
+            if len(a.misrouted_sample) < 5:
+                a.misrouted_sample.append(f"{ref} {s.kind}: expected {s.expect}, got {got}")
+    return a
+
+
+# -- one run ------------------------------------------------------------------------------------------------------
+@dataclass
+class Lab:
+    """Where runs happen: a broker and a scratch folder. With `broker` (a LocalKafka the suite may restart)
+    the bootstrap address is read from the broker's state, so clients made after a restart find it."""
+
+    workdir: Path
+    fixed_bootstrap: str = ""
+    broker: LocalKafka | None = None
+    owns_broker: bool = False
+    # A broker the suite may freeze for a moment (SIGSTOP/SIGCONT keeps its address): the restartable one,
+    # or the shared test broker.
+    pausable: LocalKafka | None = None
+
+    def __post_init__(self) -> None:
+        if self.pausable is None:
+            self.pausable = self.broker
+
+    @property
+    def bootstrap(self) -> str:
+        state = self.broker.state() if self.broker is not None else None
+        return state.bootstrap_servers if state is not None else self.fixed_bootstrap
+
+    @classmethod
+    def with_own_broker(cls, workdir: Path) -> "Lab":
+        """A lab on a broker of its own (for faults that stop the broker, so nothing else sees them)."""
+        broker = LocalKafka(workdir / f"broker-{uuid.uuid4().hex[:6]}")
+        broker.start()
+        return cls(workdir, broker=broker, owns_broker=True)
+
+    def close(self) -> None:
+        if self.owns_broker and self.broker is not None:
+            self.broker.destroy()
+
+
+@dataclass
+class RunOutcome:
+    fault: str
+    mode: str
+    audit: Audit
+    crashes: list[Crash]
+    unclean_stops: dict[str, int]
+    seconds: float
+    faults_injected: int
+    duplicate_bound: int
+    zero_duplicates_expected: bool = False
+    notes: dict[str, Any] = field(default_factory=dict)
+    logdir: str = ""
+
+    def problems(self) -> list[str]:
+        """Everything that breaks the delivery promise of the run's mode, or the worker's keeping going."""
+        a, p = self.audit, []
+        if a.lost:
+            p.append(f"{a.lost} lost, e.g. {a.lost_sample}")
+        if (self.mode == "exactly_once" or self.zero_duplicates_expected) and a.duplicated:
+            p.append(f"{a.duplicated} duplicated ({self.mode}, {self.fault}), e.g. {a.duplicated_sample}")
+        if self.mode == "at_least_once" and a.duplicated > self.faults_injected * self.duplicate_bound:
+            p.append(f"{a.duplicated} duplicated, above {self.faults_injected} faults x "
+                     f"{self.duplicate_bound} in flight")
+        for name in ("misrouted", "phantom", "mismatched", "bad_headers"):
+            if getattr(a, name):
+                p.append(f"{getattr(a, name)} {name}" + (f", e.g. {a.misrouted_sample}" if name == "misrouted" else ""))
+        for c in self.crashes:
+            p.append(f"worker {c.worker_id} exited on its own with {c.returncode}:\n{c.log_tail[-1500:]}")
+        for worker_id, rc in self.unclean_stops.items():
+            p.append(f"worker {worker_id} exited with {rc} after SIGTERM (expected a clean drain, 0)")
+        if self.notes.get("stuck"):
+            p.append(f"the group never caught up: {self.notes['stuck']}")
+        if self.notes.get("feeder_errors"):
+            p.append(f"the feeder could not publish: {self.notes['feeder_errors'][:3]}")
+        return p
+
+    def describe(self) -> str:
+        return f"{self.fault} [{self.mode}] in {self.logdir}:\n  - " + "\n  - ".join(self.problems())
+
+
+class Run:
+    """One fault run: fresh topics and group, a fleet of workers, feeders, and at the end the audit."""
+
+    def __init__(self, lab: Lab, fault: str, mode: str, *, model: str = "steady_model", batch_sleep_ms: float = 20,
+                 env: dict[str, str] | None = None):
+        self.lab = lab
+        self.fault = fault
+        self.mode = mode
+        self.unique = uuid.uuid4().hex[:8]
+        self.topics = make_topics(lab.bootstrap, self.unique, PARTITIONS)
+        slug = re.sub(r"[^a-z0-9]+", "-", fault.lower()).strip("-")
+        self.dir = lab.workdir / f"{slug}-{mode}-{self.unique}"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.env = suite_env(mode, self.unique, model, batch_sleep_ms)
+        self.env["STREAMFER_REL_PROBE_DIR"] = str(self.probe_dir)
+        self.env.update(env or {})
+        self.probe_dir.mkdir(exist_ok=True)
+        self.fleet = Fleet(lab.bootstrap, self.topics, self.env, self.dir)
+        self.watch = GroupWatch(lab.bootstrap, self.topics.group, self.topics.inputs)
+        self.factory = FrameFactory(self.topics, self.unique)
+        self.feeders: list[Feeder] = []
+        self.expected = 0
+        self.faults_injected = 0
+        # A clean stop (SIGTERM drain) must not redo anything, even in at-least-once mode.
+        self.zero_duplicates_expected = False
+        self.aborted = False
+        self.notes: dict[str, Any] = {}
+        self.started = time.monotonic()
+
+    @property
+    def probe_dir(self) -> Path:
+        return self.dir / "probe"
+
+    # -- input ----------------------------------------------------------------------------------------------
+    def feed(self, items: Sequence[Outgoing], rate_fps: float | None = None, wait: bool = False) -> Feeder:
+        feeder = Feeder(self.lab.bootstrap, items, rate_fps)
+        self.expected += len(items)
+        self.feeders.append(feeder)
+        feeder.start()
+        if wait:
+            feeder.join()
+        return feeder
+
+    @property
+    def sent(self) -> dict[SourceRef, Sent]:
+        out: dict[SourceRef, Sent] = {}
+        for f in self.feeders:
+            out.update(f.sent)
+        return out
+
+    # -- waiting --------------------------------------------------------------------------------------------
+    def wait(self, condition: Callable[[], bool], timeout_s: float, interval_s: float = 0.1) -> bool:
+        """Poll `condition` while supervising the workers; False after the timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.fleet.supervise()
+            if condition():
+                return True
+            time.sleep(interval_s)
+        return False
+
+    def progress(self) -> float:
+        committed = self.watch.committed()
+        return 0.0 if committed is None or not self.expected else committed / self.expected
+
+    def wait_progress(self, fraction: float, timeout_s: float = 120.0) -> bool:
+        """Wait until the group has committed `fraction` of all the input the run will produce."""
+        ok = self.wait(lambda: self.progress() >= fraction, timeout_s)
+        if not ok:
+            self.notes.setdefault("progress_timeouts", []).append(fraction)
+        return ok
+
+    def _done_or_stalled(self) -> Callable[[], bool]:
+        """A condition: caught up, or no worker left, or no offset committed for NO_PROGRESS_S."""
+        last = {"committed": -1, "at": time.monotonic()}
+
+        def check() -> bool:
+            if self.caught_up() or not self.fleet.procs:
+                return True
+            committed = self.watch.committed()
+            if committed != last["committed"]:
+                last.update(committed=committed, at=time.monotonic())
+            return time.monotonic() - last["at"] > NO_PROGRESS_S
+
+        return check
+
+    def caught_up(self) -> bool:
+        committed = self.watch.committed()
+        return committed is not None and committed >= self.expected and all(not f.is_alive() for f in self.feeders)
+
+    # -- faults ---------------------------------------------------------------------------------------------
+    def kill_mid_batch(self, worker_id: str, timeout_s: float = 15.0) -> str:
+        """SIGKILL the worker while a batch is inside its model; at a random moment if none is seen in time."""
+        probe = self.probe_dir / f"forward.{self.fleet.pid(worker_id)}"
+        phase = "mid-batch" if self.wait(probe.exists, timeout_s, interval_s=0.002) else "random"
+        self.fleet.kill(worker_id)
+        probe.unlink(missing_ok=True)
+        self.faults_injected += 1
+        return phase
+
+    def kill_after_produce(self, worker_id: str, freeze_s: float = 0.5) -> str:
+        """SIGKILL the worker while its output is on the wire but unacknowledged: the broker is frozen
+        (SIGSTOP) for `freeze_s` while the worker keeps producing, the worker is killed, then the broker
+        resumes and appends what was sent. Without a broker to freeze, a kill at a random moment."""
+        broker = self.lab.pausable.running() if self.lab.pausable else None
+        if broker is None:
+            self.fleet.kill(worker_id)
+            self.faults_injected += 1
+            return "random"
+        os.kill(broker.pid, signal.SIGSTOP)
+        try:
+            time.sleep(freeze_s)
+            self.fleet.kill(worker_id)
+        finally:
+            os.kill(broker.pid, signal.SIGCONT)
+        self.faults_injected += 1
+        return "after-produce"
+
+    def kill_now(self, worker_id: str) -> str:
+        self.fleet.kill(worker_id)
+        self.faults_injected += 1
+        return "random"
+
+    # -- the end --------------------------------------------------------------------------------------------
+    def finish(self, timeout_s: float = 180.0, stop_workers: bool = True) -> RunOutcome:
+        """Wait for the group to commit everything, stop the workers (SIGTERM), read and audit the outputs."""
+        for f in self.feeders:
+            f.join(timeout=timeout_s)
+        errors = [e for f in self.feeders for e in f.errors]
+        if errors:
+            self.notes["feeder_errors"] = errors
+        if not self.aborted and not self.wait(self._done_or_stalled(), timeout_s, interval_s=0.2):
+            self.notes["stuck"] = f"committed {self.watch.committed()} of {self.expected} after {timeout_s:.0f} s"
+        elif not self.aborted and not self.caught_up():
+            self.notes["stuck"] = (f"committed {self.watch.committed()} of {self.expected}: no progress for "
+                                   f"{NO_PROGRESS_S:.0f} s" if self.fleet.procs else "every worker is gone")
+        self.notes["events"] = dict(self.fleet.log_events())
+        if stop_workers:
+            self.fleet.stop_all()
+        results = read_results(self.lab.bootstrap, self.topics.results, idle_timeout_s=1.0, timeout_s=180)
+        dead_letters = read_dead_letters(self.lab.bootstrap, self.topics.dead_letter, idle_timeout_s=1.0)
+        self.watch.close()
+        self.results, self.dead_letters = results, dead_letters
+        return RunOutcome(fault=self.fault, mode=self.mode, audit=audit(self.sent, results, dead_letters),
+                          crashes=list(self.fleet.crashes), unclean_stops=dict(self.fleet.unclean_stops),
+                          seconds=time.monotonic() - self.started, faults_injected=self.faults_injected,
+                          duplicate_bound=duplicate_bound_per_fault(self.env),
+                          zero_duplicates_expected=self.zero_duplicates_expected, notes=self.notes,
+                          logdir=str(self.dir))
+
+    def abort(self, reason: str) -> None:
+        """Give up on the run (the fault left nothing to recover): stop feeding, kill the workers; finish()
+        then audits what there is without waiting for the group to catch up."""
+        self.notes["stuck"] = reason
+        self.aborted = True
+        for f in self.feeders:
+            f.stop()
+        self.abandon()
+
+    def abandon(self) -> None:
+        """Kill whatever still runs (after a failure inside a scenario)."""
+        for worker_id in list(self.fleet.procs):
+            self.fleet.kill(worker_id)
