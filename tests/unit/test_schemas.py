@@ -74,3 +74,10 @@ def test_reencoded_frame_decodes_to_the_same_frame():
     frame = decode_frame(encode_frame(record()), SRC, Priority.BULK, 1.0)
     again = decode_frame(reencode_frame(frame), SRC, Priority.BULK, 1.0)
     assert again == frame
+
+
+def test_reencoded_frame_is_the_original_message_even_when_topic_and_record_priority_differ():
+    original = encode_frame(record(priority=Priority.BULK))
+    frame = decode_frame(original, SRC, Priority.REALTIME, 1.0)
+    assert frame.priority is Priority.REALTIME
+    assert reencode_frame(frame) == original
