@@ -311,7 +311,9 @@ def validate(s: Settings) -> list[str]:
     k = s.kafka
     need(bool(k.bootstrap_servers.strip()), "kafka.bootstrap_servers: must not be empty (host:port[,host:port])")
     need(bool(k.group_id.strip()), "kafka.group_id: must not be empty")
-    need(1_000 <= k.session_timeout_ms <= 3_600_000, "kafka.session_timeout_ms: must be 1000..3600000")
+    # The broker's defaults group.min/max.session.timeout.ms: outside them JoinGroup fails forever.
+    need(6_000 <= k.session_timeout_ms <= 1_800_000,
+         "kafka.session_timeout_ms: must be 6000..1800000 (the broker's default group.min/max.session.timeout.ms)")
     need(k.max_poll_interval_ms >= k.session_timeout_ms,
          "kafka.max_poll_interval_ms: must be >= kafka.session_timeout_ms")
 

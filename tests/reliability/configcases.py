@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from tests.integration.helpers import make_topics
 
 from .harness import PROJECT_ROOT
-from .known_bugs import BAD_CONFIG_SESSION_TIMEOUT
 
 CONFIG_ERROR_EXIT = 2
 TIMEOUT_S = 60.0
@@ -95,9 +94,7 @@ CASES: dict[str, Case] = {
 }
 
 # Cases that fail today, with the bug each shows.
-KNOWN_BUGS = {
-    "session timeout below the broker's minimum": BAD_CONFIG_SESSION_TIMEOUT,
-}
+KNOWN_BUGS: dict[str, str] = {}
 
 
 def env_for(case: Case, bootstrap: str) -> dict[str, str]:

@@ -8,10 +8,6 @@ EOS_HANGS_AFTER_BROKER_RESTART = (
     "coordinator went away: librdkafka issues #5456, #5511); the loop stops, SIGTERM cannot interrupt the "
     "C call, and nothing watches the loop's liveness")
 
-BAD_CONFIG_SESSION_TIMEOUT = (
-    "worker bug: kafka.session_timeout_ms below the broker's group.min.session.timeout.ms (6000) passes "
-    "validation (1000..3600000); the worker then logs 'JoinGroup failed: Invalid session timeout' every 2 s "
-    "forever instead of stopping with an error naming the setting")
 
 # Which runs of the suite show which bug, for the runner's table: (fault key, mode) -> (tag, reason).
 BY_RUN = {
