@@ -30,10 +30,12 @@ sys.path.insert(0, str(REPO))
 from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
 
 from worker.frames import Encoding, Priority  # noqa: E402
-from worker.producer import synthetic_frames  # noqa: E402
+from worker.producer import frame_producer, send_frames, synthetic_frames  # noqa: E402
 from worker.results import read_results  # noqa: E402
-from worker.schemas import FrameRecord, encode_frame  # noqa: E402
+from worker.schemas import FrameRecord  # noqa: E402
 from worker.topics import ensure_topics  # noqa: E402
+
+from tests.integration.helpers import TestTopics as Topics  # noqa: E402
 
 RESULTS_DIR = REPO / "bench" / "results"
 # librdkafka's client logs (start-up retries such as "Coordinator load in progress") stay out of the tables.
@@ -172,36 +174,6 @@ class CpuWatch:
                 "background_cores": max(0.0, d["busy"] - ours - d["broker"]) / wall}
 
 
-@dataclass(frozen=True)
-class Topics:
-    realtime: str
-    standard: str
-    bulk: str
-    results: str
-    dead_letter: str
-    group: str
-
-    @property
-    def inputs(self) -> list[str]:
-        return [self.realtime, self.standard, self.bulk]
-
-    def for_priority(self, priority: Priority) -> str:
-        return {Priority.REALTIME: self.realtime, Priority.STANDARD: self.standard, Priority.BULK: self.bulk}[priority]
-
-    def priority_of(self) -> dict[str, Priority]:
-        return {self.realtime: Priority.REALTIME, self.standard: Priority.STANDARD, self.bulk: Priority.BULK}
-
-    def env(self) -> dict[str, str]:
-        return {"WORKER_TOPICS_REALTIME": self.realtime, "WORKER_TOPICS_STANDARD": self.standard,
-                "WORKER_TOPICS_BULK": self.bulk, "WORKER_TOPICS_RESULTS": self.results,
-                "WORKER_TOPICS_DEAD_LETTER": self.dead_letter, "WORKER_KAFKA_GROUP_ID": self.group}
-
-    def overrides(self) -> dict[str, dict[str, Any]]:
-        return {"topics": {"realtime": self.realtime, "standard": self.standard, "bulk": self.bulk,
-                           "results": self.results, "dead_letter": self.dead_letter},
-                "kafka": {"group_id": self.group}}
-
-
 def make_topics(bootstrap: str, tag: str) -> Topics:
     """Fresh input, results and dead-letter topics and a fresh group id."""
     u = new_id(tag)
@@ -224,13 +196,11 @@ def fresh_consumer(bootstrap: str, topics: Topics, tag: str) -> Topics:
 _PRODUCERS: dict[str, Producer] = {}
 
 
-def frame_producer(bootstrap: str) -> Producer:
-    """The frame producer of worker.producer.publish (same settings), one per broker, kept open: a new
-    producer needs ~0.5 s to connect and get its idempotent producer id, and frames due meanwhile would
-    count that against the consumer."""
+def cached_frame_producer(bootstrap: str) -> Producer:
+    """worker.producer's frame producer, one per broker, kept open: a new producer needs ~0.5 s to connect and
+    get its idempotent producer id, and frames due meanwhile would count that against the consumer."""
     if bootstrap not in _PRODUCERS:
-        _PRODUCERS[bootstrap] = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True,
-                                          "linger.ms": 5, "compression.type": "lz4"}, logger=_KAFKA_LOG)
+        _PRODUCERS[bootstrap] = frame_producer(bootstrap, logger=_KAFKA_LOG)
     return _PRODUCERS[bootstrap]
 
 
@@ -257,47 +227,13 @@ class LoadReport:
 
 def publish_load(bootstrap: str, topics: Topics, records: Sequence[FrameRecord], rate_fps: float | None = None,
                  stop: Callable[[], bool] = lambda: False) -> LoadReport:
-    """Publish `records` to their class's topic: as fast as possible (a backlog), or open loop at `rate_fps`.
-
-    Open loop as in worker.producer.publish: frame i is due at start + i / rate, and its capture_ts_ms is that
-    intended time, so a late send (generator or broker hiccup) shows up in latency instead of hiding it."""
-    producer = frame_producer(bootstrap)
-    errors: list[str] = []
-
-    def delivered(err, _msg) -> None:  # noqa: ANN001 (librdkafka callback)
-        if err is not None:
-            errors.append(err.str())
-
-    delays: list[float] = []
-    start = time.time()
-    sent = 0
-    for i, rec in enumerate(records):
-        if stop():
-            break
-        if rate_fps:
-            intended = start + i / rate_fps
-            wait = intended - time.time()
-            if wait > 0:
-                time.sleep(wait)
-            delays.append((time.time() - intended) * 1000.0)
-        else:
-            intended = time.time()
-        value = encode_frame(FrameRecord(**{**rec.__dict__, "capture_ts_ms": int(intended * 1000)}))
-        while True:
-            try:
-                producer.produce(topics.for_priority(rec.priority), key=rec.stream_id.encode(), value=value,
-                                 on_delivery=delivered)
-                break
-            except BufferError:
-                producer.poll(0.05)
-        producer.poll(0)
-        sent += 1
-    remaining = producer.flush(60)
-    seconds = time.time() - start
-    if remaining or errors:
-        raise RuntimeError(f"load generator: {remaining} frames unacknowledged, {len(errors)} failed: {errors[:3]}")
-    delays.sort()
-    return LoadReport(sent=sent, seconds=seconds, offered_fps=rate_fps, achieved_fps=sent / seconds if seconds else 0,
+    """Publish `records` to their class's topic: as fast as possible (a backlog), or open loop at `rate_fps`
+    (worker.producer.send_frames: capture_ts_ms is each frame's intended send time)."""
+    report = send_frames(cached_frame_producer(bootstrap), records, lambda rec: topics.for_priority(rec.priority),
+                         rate_fps, stop)
+    delays = report.send_delays_ms
+    return LoadReport(sent=report.sent, seconds=report.seconds, offered_fps=rate_fps,
+                      achieved_fps=report.sent / report.seconds if report.seconds else 0,
                       send_delay_p99_ms=percentile(delays, 0.99) if delays else 0.0,
                       send_delay_max_ms=delays[-1] if delays else 0.0)
 

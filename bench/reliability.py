@@ -31,7 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.reliability import configcases, faults  # noqa: E402
 from tests.reliability.harness import MODES, Audit, Lab, RunOutcome  # noqa: E402
-from tests.reliability.known_bugs import BY_RUN  # noqa: E402
 from worker.local_kafka import LocalKafka  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "reliability.json"
@@ -126,15 +125,9 @@ def _row(fault: str, mode: str, outcomes: list[RunOutcome | None]) -> dict[str, 
         "duplicated": total.duplicated, "misrouted": total.misrouted,
         "crashes": sum(len(o.crashes) for o in done), "seconds": round(sum(o.seconds for o in done)),
         "faults injected": sum(o.faults_injected for o in done),
-        "verdict": _verdict(fault, mode, problems),
+        "verdict": "FAIL" if problems else "ok",
         "problems": problems, "notes": [o.notes for o in done], "logs": [o.logdir for o in done],
     }
-
-
-def _verdict(fault: str, mode: str, problems: list[str]) -> str:
-    if not problems:
-        return "ok"
-    return f"FAIL ({BY_RUN[fault, mode][0]})" if (fault, mode) in BY_RUN else "FAIL"
 
 
 def _config(bootstrap: str) -> dict[str, Any]:
@@ -162,10 +155,6 @@ def render(report: dict[str, Any]) -> str:
     if problems:
         lines += ["", "problems:"]
         lines += [f"  {fault} [{mode}]: {p[:300]}" for fault, mode, p in problems]
-    tags = {BY_RUN[r["key"], r["mode"]] for r in report["rows"] if r["verdict"].startswith("FAIL (")}
-    if tags:
-        lines += ["", "known bugs (tests/reliability/known_bugs.py, reproductions in docs/reliability.md):"]
-        lines += [f"  {tag}: {reason}" for tag, reason in sorted(tags)]
     if report["config"]:
         c = report["config"]
         lines += ["", f"bad configuration: {c['ok']} of {c['cases']} invalid settings stop start-up with exit "

@@ -80,6 +80,7 @@ def run_worker(settings: Settings, exit_when_idle_s: float | None = None, stop: 
     Pass `health` to watch readiness from another thread (the demo and tests do)."""
     metrics = Metrics()
     health = health if health is not None else Health()
+    health.stall_limit_s = settings.kafka.max_poll_interval_ms / 1000.0
     server = None
     started = time.monotonic()
     executor = _load_executor(settings)

@@ -157,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     common(run)
     run.add_argument("--exit-when-idle", type=float, metavar="SECONDS",
                      help="exit after this long with no input and nothing in flight, counted from the "
-                     "first partition assignment (batch jobs, tests)")
+                     "first partition assignment, once the committed offsets reach the end of every "
+                     "partition assigned here (batch jobs, tests)")
     run.add_argument("--processes", type=int, default=1, help="consumer processes of the group on this host")
     run.add_argument("--metrics-port", type=int, help="port for /metrics, /healthz, /readyz (0: any free port)")
     run.set_defaults(func=cmd_run)

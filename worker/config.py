@@ -137,6 +137,9 @@ class DeliverySettings:
     # Batches dispatched to the runtime but not yet finished.
     max_inflight_batches: int = 2
     commit_interval_ms: float = 0.0
+    # Exactly-once: the longest a transaction's offsets + commit may take before the producer is replaced
+    # (fencing it) and the frames are read again from the committed offsets.
+    transaction_call_timeout_ms: int = 10_000
 
 
 @dataclass(frozen=True)
@@ -300,6 +303,30 @@ def _coerce(value: Any, hint: Any) -> Any:
     raise TypeError(f"unsupported setting type {hint}")
 
 
+# librdkafka properties the worker's delivery guarantees depend on: an override would silently break them.
+# Each maps to what to do instead.
+PROTECTED_CONSUMER_PROPERTIES = {
+    "bootstrap.servers": "use kafka.bootstrap_servers",
+    "group.id": "use kafka.group_id",
+    "group.instance.id": "use kafka.group_instance_id",
+    "session.timeout.ms": "use kafka.session_timeout_ms",
+    "max.poll.interval.ms": "use kafka.max_poll_interval_ms",
+    "enable.auto.commit": "the worker commits only offsets whose frames are done",
+    "enable.auto.offset.store": "the worker commits only offsets whose frames are done",
+    "isolation.level": "the worker never reads aborted (transactional) frames",
+    "partition.assignment.strategy": "the rebalance handling is written for cooperative-sticky",
+    "auto.offset.reset": ("a partition with no committed offset is read from its beginning, so nothing is "
+                          "skipped; to skip a backlog, reset the group's offsets with kafka-consumer-groups "
+                          "--reset-offsets --to-latest"),
+}
+PROTECTED_PRODUCER_PROPERTIES = {
+    "bootstrap.servers": "use kafka.bootstrap_servers",
+    "enable.idempotence": "at-least-once needs an idempotent producer (retries never duplicate)",
+    "acks": "a result counts as delivered only when all in-sync replicas have it",
+    "transactional.id": "set delivery.transactional_id_prefix (the worker id is appended)",
+}
+
+
 def validate(s: Settings) -> list[str]:
     """Cross-field and range checks; each problem names the field as it is written in the config file."""
     p: list[str] = []
@@ -316,6 +343,11 @@ def validate(s: Settings) -> list[str]:
          "kafka.session_timeout_ms: must be 6000..1800000 (the broker's default group.min/max.session.timeout.ms)")
     need(k.max_poll_interval_ms >= k.session_timeout_ms,
          "kafka.max_poll_interval_ms: must be >= kafka.session_timeout_ms")
+    for field_name, overrides, protected in (("consumer_overrides", k.consumer_overrides, PROTECTED_CONSUMER_PROPERTIES),
+                                             ("producer_overrides", k.producer_overrides, PROTECTED_PRODUCER_PROPERTIES)):
+        for key in sorted(overrides):
+            if key in protected:
+                p.append(f"kafka.{field_name}: {key!r} is managed by the worker ({protected[key]})")
 
     t = s.topics
     names = [t.realtime, t.standard, t.bulk, t.results, t.dead_letter]
@@ -372,6 +404,7 @@ def validate(s: Settings) -> list[str]:
     need(bool(d.transactional_id_prefix.strip()), "delivery.transactional_id_prefix: must not be empty")
     need(1 <= d.max_inflight_batches <= 64, "delivery.max_inflight_batches: must be 1..64")
     need(d.commit_interval_ms >= 0, "delivery.commit_interval_ms: must be >= 0")
+    need(1_000 <= d.transaction_call_timeout_ms <= 300_000, "delivery.transaction_call_timeout_ms: must be 1000..300000")
 
     o = s.observability
     need(0 <= o.metrics_port <= 65535, "observability.metrics_port: must be 0..65535 (0 picks a free port)")

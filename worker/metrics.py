@@ -7,6 +7,7 @@ docs/metrics.md lists the same names; tests/unit/test_deploy_manifests.py keeps 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
@@ -79,16 +80,34 @@ class Metrics:
 
 @dataclass
 class Health:
-    """What /healthz and /readyz report; the pipeline flips the flags."""
+    """What /healthz and /readyz report; the pipeline flips the flags and beats once per loop turn.
+
+    A loop that has not turned for `stall_limit_s` (kafka.max_poll_interval_ms, the bound Kafka itself puts
+    on a consumer) is reported dead, so a supervisor restarts a worker stuck in a call that never returns."""
 
     alive: bool = True
     warmed_up: bool = False
     assigned: bool = False
     reasons: list[str] = field(default_factory=list)
+    stall_limit_s: float = 300.0
+    clock: Callable[[], float] = time.monotonic
+    last_beat: float | None = None
+
+    def beat(self) -> None:
+        self.last_beat = self.clock()
+
+    @property
+    def stalled_for(self) -> float:
+        """Seconds since the loop last turned (0 before it started)."""
+        return 0.0 if self.last_beat is None else max(0.0, self.clock() - self.last_beat)
+
+    @property
+    def live(self) -> bool:
+        return self.alive and self.stalled_for <= self.stall_limit_s
 
     @property
     def ready(self) -> bool:
-        return self.alive and self.warmed_up and self.assigned
+        return self.live and self.warmed_up and self.assigned
 
 
 class MetricsServer:
@@ -106,8 +125,13 @@ class MetricsServer:
                         hook()
                     self._reply(200, metrics_ref.exposition(), CONTENT_TYPE_LATEST)
                 elif path == "/healthz":
-                    ok = health_ref.alive
-                    self._reply(200 if ok else 503, b"ok\n" if ok else b"dead\n")
+                    if health_ref.live:
+                        self._reply(200, b"ok\n")
+                    elif not health_ref.alive:
+                        self._reply(503, b"dead\n")
+                    else:
+                        self._reply(503, f"stalled: the worker loop has not turned for "
+                                         f"{health_ref.stalled_for:.0f}s\n".encode())
                 elif path == "/readyz":
                     ok = health_ref.ready
                     body = b"ready\n" if ok else (

@@ -14,7 +14,8 @@ TopicPartition = tuple[str, int]
 
 
 class OffsetTrackingError(RuntimeError):
-    """An offset was marked done that was never tracked, or tracked twice: a pipeline bug, never data."""
+    """An offset was marked done that was never tracked, or read again without a rewind: a pipeline bug,
+    never data. Raised rather than tolerated: a frame read twice gets two results."""
 
 
 @dataclass
@@ -33,10 +34,15 @@ class OffsetTracker:
         self._parts: dict[TopicPartition, _PartitionState] = {}
 
     def track(self, tp: TopicPartition, offset: int) -> None:
-        """Record that `offset` was read and is now in flight."""
+        """Record that `offset` was read and is now in flight.
+
+        Kafka delivers a partition's offsets in increasing order until a seek, and every seek (a rewind, a
+        new assignment) starts from a forgotten partition: an offset at or below the highest one read is a
+        re-delivery the pipeline failed to drop."""
         st = self._parts.setdefault(tp, _PartitionState())
-        if offset in st.outstanding_set:
-            raise OffsetTrackingError(f"offset {offset} of {tp} tracked twice")
+        if offset <= st.highest_seen:
+            raise OffsetTrackingError(f"offset {offset} of {tp} read again (highest read {st.highest_seen}) "
+                                      f"without a rewind")
         st.outstanding_set.add(offset)
         heapq.heappush(st.outstanding, offset)
         st.highest_seen = max(st.highest_seen, offset)

@@ -23,7 +23,7 @@ from worker.frames import DeadLetter, Frame, Priority, SourceRef, Verdict
 from worker.metrics import Health, Metrics
 from worker.offsets import OffsetTracker
 from worker.schemas import encode_result, reencode_frame
-from worker.sink import ResultSink, SinkError
+from worker.sink import ResultSink, SinkError, TransactionStuckError
 from worker.source import TP, FrameSource
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,7 @@ POLL_BATCH = 500
 INFLIGHT_POLL_S = 0.002
 IDLE_POLL_S = 0.1
 LAG_REFRESH_S = 1.0
+COMMIT_FAILURE_LOG_INTERVAL_S = 10.0
 
 
 class Executor(Protocol):
@@ -97,10 +98,12 @@ class Pipeline:
         self._last_activity: float | None = None
         self._last_lag_update = 0.0
         self._commits_in_flight: deque[float] = deque()
+        self._last_commit_failure_log = float("-inf")
+        self._commit_failures_unlogged = 0
         self.source = FrameSource(settings, clock, on_commit_done=self._commit_done)
-        txn_id = f"{settings.delivery.transactional_id_prefix}-{settings.observability.worker_id}" \
+        self._transactional_id = f"{settings.delivery.transactional_id_prefix}-{settings.observability.worker_id}" \
             if self.exactly_once else None
-        self.sink = ResultSink(settings, on_done=self._acknowledged, transactional_id=txn_id)
+        self.sink = ResultSink(settings, on_done=self._acknowledged, transactional_id=self._transactional_id)
 
     # -- the loop ----------------------------------------------------------------------------------------
     def run(self, should_stop: Callable[[], bool], exit_when_idle_s: float | None = None) -> RunSummary:
@@ -111,8 +114,10 @@ class Pipeline:
             while not should_stop():
                 self.step()
                 if exit_when_idle_s is not None and self._idle_for() >= exit_when_idle_s:
-                    log.info("idle for %.1fs: exiting", exit_when_idle_s)
-                    break
+                    if self.source.caught_up():
+                        log.info("idle for %.1fs and caught up: exiting", exit_when_idle_s)
+                        break
+                    self._last_activity = self.clock()  # input still to come (or still locked): wait again
             self.drain()
         finally:
             self.source.close()
@@ -123,6 +128,7 @@ class Pipeline:
 
     def step(self) -> None:
         """One turn: collect finished batches, expire, dispatch, produce, commit, pause, poll."""
+        self.health.beat()
         self._collect_finished()
         self._expire()
         self._dispatch_due()
@@ -150,12 +156,16 @@ class Pipeline:
         assigned = self.source.assignment
         polled.frames = [f for f in polled.frames if f.source.topic_partition in assigned]
         polled.dead_letters = [d for d in polled.dead_letters if d.source.topic_partition in assigned]
+        # Track in each partition's offset order (the tracker refuses an offset below one already read).
+        read = [f.source for f in polled.frames]
+        if polled.dead_letters:
+            read = sorted(read + [d.source for d in polled.dead_letters])
+        for ref in read:
+            self.tracker.track(ref.topic_partition, ref.offset)
         for frame in polled.frames:
-            self.tracker.track(frame.source.topic_partition, frame.source.offset)
             self.metrics.frames_consumed.labels(frame.source.topic, frame.tenant).inc()
             self.batcher.add(frame)
         for dl in polled.dead_letters:
-            self.tracker.track(dl.source.topic_partition, dl.source.offset)
             self.metrics.frames_consumed.labels(dl.source.topic, "unknown").inc()
             self._outputs.append(_Output(dl.source, dl.key, dl.payload, "unknown", "DLQ", dl))
         self.summary.consumed += len(polled.frames) + len(polled.dead_letters)
@@ -283,14 +293,22 @@ class Pipeline:
                     self.sink.send_dead_letter(out.dead_letter)
                 else:
                     self.sink.send_result(out.source, out.key or b"", out.value)
-            self.sink.commit_transaction(points, self.source.group_metadata())
+            self.sink.commit_transaction(points, self.source.group_metadata(),
+                                         self.settings.delivery.transaction_call_timeout_ms / 1000.0)
+        except TransactionStuckError as exc:
+            self._replace_stuck_sink(exc)
+            return
         except KafkaException as exc:
             err = exc.args[0]
             if not err.txn_requires_abort():
                 raise
             self.metrics.commits.labels("aborted").inc()
             log.warning("transaction aborted (%s): rewinding to the committed offsets", err.str())
-            self.sink.abort()
+            try:
+                self.sink.abort(self.settings.delivery.transaction_call_timeout_ms / 1000.0)
+            except TransactionStuckError as stuck:
+                self._replace_stuck_sink(stuck)
+                return
             self._rewind()
             return
         for out in releasable:
@@ -300,6 +318,16 @@ class Pipeline:
         self.metrics.commits.labels("ok").inc()
         self.metrics.commit_latency.observe(time.monotonic() - started)
         self.summary.commits += 1
+
+    def _replace_stuck_sink(self, exc: TransactionStuckError) -> None:
+        """A transaction call is stuck inside librdkafka (or its outcome is unknown): start a producer with the
+        same transactional id, which fences the stuck one and aborts its open transaction, then read again
+        from the committed offsets. Nothing of the stuck transaction is visible to a read_committed reader."""
+        self.metrics.commits.labels("timed_out").inc()
+        log.error("%s: replacing the transactional producer and rewinding to the committed offsets", exc)
+        self.sink.close()
+        self.sink = ResultSink(self.settings, on_done=self._acknowledged, transactional_id=self._transactional_id)
+        self._rewind()
 
     def _rewind(self) -> None:
         """After an aborted transaction: drop everything read since the last commit and read it again."""
@@ -368,7 +396,15 @@ class Pipeline:
             self.metrics.commits.labels("ok").inc()
             return
         self.metrics.commits.labels("error").inc()
-        log.warning("asynchronous offset commit failed for %s (will retry): %s", sorted(failed), reason)
+        # During a rebalance every commit fails for a moment: one line per interval, with a count.
+        now = time.monotonic()
+        if now - self._last_commit_failure_log >= COMMIT_FAILURE_LOG_INTERVAL_S:
+            more = f" ({self._commit_failures_unlogged} more since the last report)" if self._commit_failures_unlogged else ""
+            log.warning("asynchronous offset commit failed for %s (will retry): %s%s", sorted(failed), reason, more)
+            self._last_commit_failure_log = now
+            self._commit_failures_unlogged = 0
+        else:
+            self._commit_failures_unlogged += 1
         for tp in failed:
             self.tracker.commit_failed(tp)
 

@@ -9,9 +9,9 @@ import io
 import itertools
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 from confluent_kafka import Producer
@@ -123,51 +123,74 @@ def video_frames(path: Path, encoding: Encoding, priority: Priority, run_id: str
                               data=encode_pixels(pixels, encoding))
 
 
+# Frame producers: idempotent (a retry never duplicates a frame), small linger, compressed.
+FRAME_PRODUCER_CONFIG = {"enable.idempotence": True, "linger.ms": 5, "compression.type": "lz4"}
+
+
+def frame_producer(bootstrap_servers: str, logger: Any = None) -> Producer:
+    conf: dict[str, Any] = {"bootstrap.servers": bootstrap_servers, **FRAME_PRODUCER_CONFIG}
+    return Producer(conf, logger=logger) if logger is not None else Producer(conf)
+
+
 @dataclass
 class PublishReport:
     sent: int
     seconds: float
-    max_send_lag_ms: float
+    # Open loop only: actual minus intended send time of each frame, ms, sorted (OpenMessaging's "send delay";
+    # large values mean the generator itself fell behind).
+    send_delays_ms: list[float] = field(default_factory=list)
+
+    @property
+    def max_send_lag_ms(self) -> float:
+        return self.send_delays_ms[-1] if self.send_delays_ms else 0.0
 
 
-def publish(bootstrap_servers: str, topic: str, frames: Iterator[FrameRecord], rate_fps: float | None = None,
-            clock=time.time, sleep=time.sleep) -> PublishReport:
-    """Publish frames, open loop at `rate_fps` when given. `capture_ts_ms` is the *intended* send time, so
-    end-to-end latency includes any delay of the producer itself (no coordinated omission)."""
-    producer = Producer({"bootstrap.servers": bootstrap_servers, "enable.idempotence": True, "linger.ms": 5,
-                         "compression.type": "lz4"})
+def send_frames(producer: Producer, frames: Iterable[FrameRecord], topic_of: Callable[[FrameRecord], str],
+                rate_fps: float | None = None, stop: Callable[[], bool] = lambda: False,
+                clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep) -> PublishReport:
+    """Produce frames as fast as possible, or open loop at `rate_fps`: frame i is due at start + i / rate, and
+    its `capture_ts_ms` is that *intended* time, so a late send (generator or broker hiccup) shows up in the
+    end-to-end latency instead of hiding it (no coordinated omission). Waits for every acknowledgement."""
     errors: list[str] = []
 
     def delivered(err, _msg) -> None:  # noqa: ANN001 (librdkafka callback)
         if err is not None:
             errors.append(err.str())
 
-    # Connect before the clock starts, so the producer's own start-up is not charged to the frames' latency.
-    producer.list_topics(topic, timeout=30)
     start = clock()
     sent = 0
-    max_lag = 0.0
+    delays: list[float] = []
     for i, rec in enumerate(frames):
+        if stop():
+            break
         intended = start + i / rate_fps if rate_fps else clock()
         if rate_fps:
             delay = intended - clock()
             if delay > 0:
                 sleep(delay)
-            max_lag = max(max_lag, (clock() - intended) * 1000.0)
-        rec = FrameRecord(**{**rec.__dict__, "capture_ts_ms": int(intended * 1000)})
-        value = encode_frame(rec)
+            delays.append((clock() - intended) * 1000.0)
+        value = encode_frame(FrameRecord(**{**rec.__dict__, "capture_ts_ms": int(intended * 1000)}))
         while True:
             try:
-                producer.produce(topic, key=rec.stream_id.encode(), value=value, on_delivery=delivered)
+                producer.produce(topic_of(rec), key=rec.stream_id.encode(), value=value, on_delivery=delivered)
                 break
             except BufferError:
-                producer.poll(0.05)
+                producer.poll(0.05)  # local queue full: serve acknowledgements to make room
         producer.poll(0)
         sent += 1
     remaining = producer.flush(60)
     if remaining or errors:
         raise RuntimeError(f"{remaining} frames unacknowledged, {len(errors)} failed: {errors[:3]}")
-    return PublishReport(sent=sent, seconds=clock() - start, max_send_lag_ms=max_lag)
+    return PublishReport(sent=sent, seconds=clock() - start, send_delays_ms=sorted(delays))
+
+
+def publish(bootstrap_servers: str, topic: str, frames: Iterable[FrameRecord], rate_fps: float | None = None,
+            clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep) -> PublishReport:
+    """Publish frames to one topic with a producer of their own (see send_frames)."""
+    producer = frame_producer(bootstrap_servers)
+    # Connect before the clock starts, so the producer's own start-up is not charged to the frames' latency.
+    producer.list_topics(topic, timeout=30)
+    return send_frames(producer, frames, lambda _rec: topic, rate_fps, clock=clock, sleep=sleep)
 
 
 def random_run_id() -> str:

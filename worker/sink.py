@@ -8,8 +8,9 @@ the pipeline wraps each batch in a transaction that also carries the consumed of
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 
@@ -19,10 +20,22 @@ from worker.frames import DeadLetter, SourceRef
 log = logging.getLogger(__name__)
 
 DoneCallback = Callable[[SourceRef], None]
+T = TypeVar("T")
+
+# A transactional call still blocked this long past its own timeout is stuck (librdkafka issues #5456, #5511:
+# send_offsets_to_transaction can wait for good on a group coordinator that went away with a broker restart).
+STUCK_GRACE_S = 5.0
+# How long a new transactional producer keeps retrying init_transactions (the broker may still be coming back).
+INIT_TRANSACTIONS_TIMEOUT_S = 120.0
 
 
 class SinkError(RuntimeError):
     """The producer cannot go on (fatal error, fenced transactional id); the worker must stop and restart."""
+
+
+class TransactionStuckError(SinkError):
+    """A transactional call outlived its timeout. The producer is unusable (the call still holds it); a new
+    producer with the same transactional id fences it and aborts its open transaction."""
 
 
 class ResultSink:
@@ -40,10 +53,15 @@ class ResultSink:
         }
         if transactional_id:
             conf["transactional.id"] = transactional_id
+            # The broker aborts a transaction left open this long. A crashed worker's open transaction holds
+            # back read_committed readers of the results and its partitions' committed offsets until then
+            # (unless a worker with the same id starts first and fences it), so keep it short: a transaction
+            # lasts one loop turn, and a call outliving transaction_call_timeout_ms replaces the producer.
             # librdkafka requires message.timeout.ms <= transaction.timeout.ms; an aborted transaction is
             # replayed from the committed offsets, so a shorter timeout loses nothing.
-            conf["transaction.timeout.ms"] = 60_000
-            conf["message.timeout.ms"] = 60_000
+            txn_timeout_ms = 3 * settings.delivery.transaction_call_timeout_ms
+            conf["transaction.timeout.ms"] = txn_timeout_ms
+            conf["message.timeout.ms"] = txn_timeout_ms
         conf.update(settings.kafka.producer_overrides)
         self._results_topic = settings.topics.results
         self._dlq_topic = settings.topics.dead_letter
@@ -55,11 +73,14 @@ class ResultSink:
             raise ConfigError([f"kafka.producer_overrides / kafka settings: librdkafka rejected the producer "
                                f"configuration: {exc.args[0].str()}"]) from None
         self.transactional = bool(transactional_id)
+        self._transactional_id = transactional_id
         self.retried_deliveries = 0
         # Set by a delivery report that the producer cannot recover from; the pipeline raises it.
         self.fatal_error: str | None = None
+        # Set when a transactional call got stuck: the producer is abandoned, never flushed or closed.
+        self.stuck = False
         if self.transactional:
-            self._producer.init_transactions(30)
+            self._init_transactions()
 
     # -- producing -----------------------------------------------------------------------------------
     def send_result(self, source: SourceRef, key: bytes, value: bytes) -> None:
@@ -114,37 +135,90 @@ class ResultSink:
         return len(self._producer)
 
     # -- transactions (exactly-once) ------------------------------------------------------------------
+    def _init_transactions(self) -> None:
+        """Register the transactional id (fencing any older producer with it and aborting its transaction),
+        retrying while the broker is unreachable."""
+        deadline = time.monotonic() + INIT_TRANSACTIONS_TIMEOUT_S
+        while True:
+            try:
+                self._guarded(lambda: self._producer.init_transactions(10.0), 10.0)
+                return
+            except KafkaException as exc:
+                err = exc.args[0]
+                if err.retriable() and not err.fatal() and time.monotonic() < deadline:
+                    log.warning("init_transactions for %s failed (%s); retrying", self._transactional_id, err.str())
+                    continue
+                raise SinkError(f"cannot initialise transactions for transactional id {self._transactional_id!r}: "
+                                f"{err.str()}") from exc
+
     def begin(self) -> None:
         self._producer.begin_transaction()
 
     def commit_transaction(self, offsets: dict[tuple[str, int], int], group_metadata: object,
                            timeout_s: float = 30.0) -> None:
-        """Attach the consumed offsets to the open transaction and commit both atomically."""
+        """Attach the consumed offsets to the open transaction and commit both atomically.
+
+        Raises TransactionStuckError if librdkafka does not return within its timeout."""
         tps = [TopicPartition(t, p, o) for (t, p), o in offsets.items()]
         deadline = time.monotonic() + timeout_s
         if tps:
-            self._retrying(lambda: self._producer.send_offsets_to_transaction(tps, group_metadata, timeout_s), deadline)
-        self._retrying(lambda: self._producer.commit_transaction(timeout_s), deadline)
+            self._retrying(lambda: self._producer.send_offsets_to_transaction(tps, group_metadata, timeout_s),
+                           deadline, timeout_s)
+        self._retrying(lambda: self._producer.commit_transaction(timeout_s), deadline, timeout_s)
 
     def abort(self, timeout_s: float = 30.0) -> None:
-        self._producer.abort_transaction(timeout_s)
+        self._guarded(lambda: self._producer.abort_transaction(timeout_s), timeout_s)
 
-    @staticmethod
-    def _retrying(call: Callable[[], object], deadline: float) -> None:
+    def _retrying(self, call: Callable[[], object], deadline: float, timeout_s: float) -> None:
         while True:
             try:
-                call()
+                self._guarded(call, timeout_s)
                 return
             except KafkaException as exc:
                 err = exc.args[0]
-                if err.retriable() and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                    continue
                 if err.fatal():
                     raise SinkError(f"fatal producer error: {err.str()}") from exc
+                if err.retriable() and not err.txn_requires_abort():
+                    if time.monotonic() < deadline:
+                        time.sleep(0.1)
+                        continue
+                    # The transaction's outcome is unknown: only a new producer can settle it.
+                    self.stuck = True
+                    raise TransactionStuckError(f"a transactional call of {self._transactional_id!r} still fails "
+                                                f"after {timeout_s:.0f}s: {err.str()}") from exc
                 raise
 
+    def _guarded(self, call: Callable[[], T], timeout_s: float) -> T:
+        """Run a blocking transactional call on a thread of its own and give up on it shortly after its own
+        timeout: a call stuck inside librdkafka must not stop the worker's loop for good.
+
+        The thread is a daemon: if the call never returns, it stays blocked, holding only this producer."""
+        done = threading.Event()
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["result"] = call()
+            except BaseException as exc:  # handed to the caller below
+                box["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=target, name="transaction-call", daemon=True).start()
+        if not done.wait(timeout_s + STUCK_GRACE_S):
+            self.stuck = True
+            raise TransactionStuckError(f"a transactional call of {self._transactional_id!r} is still blocked "
+                                        f"{timeout_s + STUCK_GRACE_S:.0f}s after it started (its timeout is "
+                                        f"{timeout_s:.0f}s)")
+        if "error" in box:
+            raise box["error"]
+        return box.get("result")  # type: ignore[return-value]
+
     def close(self, timeout_s: float = 30.0) -> None:
+        if self.stuck:
+            log.warning("abandoning a stuck transactional producer: its open transaction is aborted by the "
+                        "producer that fenced it")
+            return
         remaining = self._producer.flush(timeout_s)
         if remaining:
             log.warning("%d messages not acknowledged at close; their offsets stay uncommitted", remaining)

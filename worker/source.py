@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, OFFSET_INVALID, Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from worker.config import ConfigError, Settings
 from worker.frames import DeadLetter, Frame, Priority, SourceRef
@@ -69,6 +69,8 @@ class FrameSource:
         self._assigned: set[TP] = set()
         self._paused_classes: set[Priority] = set()
         self._paused: set[TP] = set()
+        # Partitions revoked or lost while a poll() was consuming: its messages of them are suspect.
+        self._rebalanced_in_poll: set[TP] = set()
 
     # -- subscription and rebalances ---------------------------------------------------------------
     def subscribe(self, on_assign: RebalanceHandler, on_revoke: RebalanceHandler, on_lost: RebalanceHandler) -> None:
@@ -85,11 +87,13 @@ class FrameSource:
             tps = [(p.topic, p.partition) for p in partitions]
             on_revoke(tps)
             self._forget(tps)
+            self._rebalanced_in_poll.update(tps)
 
         def lost(consumer: Consumer, partitions: list[TopicPartition]) -> None:
             tps = [(p.topic, p.partition) for p in partitions]
             on_lost(tps)
             self._forget(tps)
+            self._rebalanced_in_poll.update(tps)
 
         self._consumer.subscribe(list(self._topics), on_assign=assigned, on_revoke=revoked, on_lost=lost)
 
@@ -110,11 +114,14 @@ class FrameSource:
         """Poll up to `max_messages`; also drives rebalance callbacks, so call it even while all is paused."""
         # consume() with a timeout waits for a *full* batch; so take what is queued now, and only block
         # (for the first message) when nothing is, then top up without waiting.
+        self._rebalanced_in_poll = set()
         messages = self._consumer.consume(num_messages=max_messages, timeout=0)
         if not messages and timeout_s > 0:
             messages = self._consumer.consume(num_messages=1, timeout=timeout_s)
             if messages and max_messages > 1:
                 messages += self._consumer.consume(num_messages=max_messages - 1, timeout=0)
+        if self._rebalanced_in_poll:
+            messages = self._drop_rebalanced(messages, self._rebalanced_in_poll)
         now = self._clock()
         polled = Polled(frames=[], dead_letters=[])
         for msg in messages:
@@ -131,6 +138,31 @@ class FrameSource:
                 continue
             polled.frames.append(frame)
         return polled
+
+    def _drop_rebalanced(self, messages: list[Message], rebalanced: set[TP]) -> list[Message]:
+        """Drop the messages of partitions revoked or lost during this poll, and re-read those we own again.
+
+        A rebalance callback runs inside consume(), so one call can return messages fetched before a
+        partition was revoked (no longer ours) and, when it was assigned back within the same poll, messages
+        of the new assignment as well, in one list we cannot split: the same offset twice, or a frame from
+        before the revocation that the new assignment delivers again. Dropping them all and seeking the
+        partitions still ours to their committed offsets re-reads exactly what the new assignment starts from.
+        """
+        kept: list[Message] = []
+        dropped: dict[TP, int] = {}
+        for msg in messages:
+            tp = (msg.topic(), msg.partition())
+            if msg.error() is None and tp in rebalanced:
+                dropped[tp] = dropped.get(tp, 0) + 1
+                continue
+            kept.append(msg)
+        reread = sorted(tp for tp in dropped if tp in self._assigned)
+        if dropped:
+            log.info("dropped %d messages read across a rebalance of %s; re-reading %s from the committed offsets",
+                     sum(dropped.values()), sorted(dropped), reread)
+        if reread:
+            self.seek_to_committed(reread)
+        return kept
 
     @staticmethod
     def _handle_error(err: KafkaError) -> None:
@@ -182,15 +214,33 @@ class FrameSource:
         res = self._consumer.committed([TopicPartition(t, p) for t, p in tps], timeout=timeout_s)
         return {(r.topic, r.partition): r.offset for r in res if r.offset != OFFSET_INVALID}
 
+    def caught_up(self, timeout_s: float = 5.0) -> bool:
+        """Whether the group's committed offset has reached the end of every partition assigned here.
+
+        Broker calls: for deciding to exit when idle, not for the loop. False while a committed offset cannot
+        be read yet (a dead exactly-once member's transaction still holds it until the broker aborts it)."""
+        try:
+            committed = self._consumer.committed([TopicPartition(t, p) for t, p in sorted(self._assigned)],
+                                                 timeout=timeout_s)
+            for tp in committed:
+                low, high = self._consumer.get_watermark_offsets(TopicPartition(tp.topic, tp.partition),
+                                                                 timeout=timeout_s, cached=False)
+                if (tp.offset if tp.offset >= 0 else low) < high:
+                    return False
+        except KafkaException:
+            return False
+        return True
+
     def group_metadata(self) -> object:
         return self._consumer.consumer_group_metadata()
 
     def seek_to_committed(self, tps: list[TP]) -> None:
-        """Rewind partitions to their committed offsets (after an aborted transaction)."""
+        """Rewind partitions to their committed offsets, or to their beginning where nothing is committed yet
+        (where a first assignment starts: auto.offset.reset is always earliest)."""
         committed = self._consumer.committed([TopicPartition(t, p) for t, p in tps], timeout=10)
         for tp in committed:
-            if tp.offset >= 0:
-                self._consumer.seek(tp)
+            offset = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
+            self._consumer.seek(TopicPartition(tp.topic, tp.partition, offset))
 
     def lag(self) -> dict[TP, int]:
         """High watermark minus position per assigned partition, from cached watermarks (no broker call)."""

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from confluent_kafka import Consumer, TopicPartition
-from confluent_kafka.admin import AdminClient
 
+from worker.frames import Priority
 from worker.topics import ensure_topics
 
 
@@ -28,6 +28,12 @@ class TestTopics:
     @property
     def inputs(self) -> list[str]:
         return [self.realtime, self.standard, self.bulk]
+
+    def for_priority(self, priority: Priority) -> str:
+        return {Priority.REALTIME: self.realtime, Priority.STANDARD: self.standard, Priority.BULK: self.bulk}[priority]
+
+    def priority_of(self) -> dict[str, Priority]:
+        return {self.realtime: Priority.REALTIME, self.standard: Priority.STANDARD, self.bulk: Priority.BULK}
 
     def env(self) -> dict[str, str]:
         return {

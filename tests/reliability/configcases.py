@@ -83,8 +83,12 @@ CASES: dict[str, Case] = {
                                        "WORKER_KAFKA_CONSUMER_OVERRIDES": "no.such.property=1"},
                                       "kafka.consumer_overrides"),
     "bad producer property value": Case({"WORKER_MODEL_SOURCE": FACTORY_CASE,
-                                         "WORKER_KAFKA_PRODUCER_OVERRIDES": "acks=banana"},
+                                         "WORKER_KAFKA_PRODUCER_OVERRIDES": "linger.ms=banana"},
                                         "kafka.producer_overrides"),
+    # Found by the validator: properties the delivery guarantees depend on.
+    "auto commit switched on": Case({"WORKER_KAFKA_CONSUMER_OVERRIDES": "enable.auto.commit=true"},
+                                    "kafka.consumer_overrides"),
+    "producer acks weakened": Case({"WORKER_KAFKA_PRODUCER_OVERRIDES": "acks=1"}, "kafka.producer_overrides"),
     # Found only by the broker.
     "session timeout below the broker's minimum": Case({"WORKER_MODEL_SOURCE": FACTORY_CASE,
                                                         "WORKER_KAFKA_SESSION_TIMEOUT_MS": "3000",

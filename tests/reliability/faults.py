@@ -22,6 +22,8 @@ from .harness import DEAD_LETTER, Lab, Outgoing, Run, RunOutcome, Sent, rss_byte
 
 # The broker's minimum session timeout; max.poll.interval.ms may not be below it.
 MIN_SESSION_MS = 6000
+# Group churn: at least this many leave-and-join cycles per run, however slowly workers start.
+MIN_CHURNS = 3
 # A restarted broker must be consumed from again within this long (the stated reconnect bound).
 RECONNECT_BOUND_S = 30.0
 
@@ -183,7 +185,7 @@ def group_churn(lab: Lab, mode: str, scale: Scale, static: bool = False) -> RunO
         run.feed(run.factory.frames(int(scale.rate_fps * scale.flow_s)), rate_fps=scale.rate_fps)
         deadline = time.monotonic() + scale.flow_s
         i = 0
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline or i < MIN_CHURNS:
             run.wait(lambda: False, 3.0)  # supervise for a few seconds, then churn
             worker_id = workers[i % len(workers)]
             # A process still loading its model has joined nothing yet: churn only members.

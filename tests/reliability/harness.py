@@ -35,8 +35,8 @@ from tests.integration.helpers import TestTopics, make_topics, start_worker
 from tests.reliability.models import marked_pixels, unmarked_pixels
 from worker.frames import Encoding, Priority, SourceRef
 from worker.local_kafka import LocalKafka
-from worker.results import DeadLetterRecord, read_dead_letters, read_results
-from worker.schemas import FrameRecord, encode_frame
+from worker.results import DeadLetterRecord, iter_messages, read_dead_letters
+from worker.schemas import FrameRecord, decode_result, encode_frame
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 PARTITIONS = 3
@@ -378,6 +378,17 @@ class GroupWatch:
         self._consumer.close()
 
 
+def read_results_with_times(bootstrap: str, topic: str) -> list[dict[str, Any]]:
+    """Every committed result, each with `_produced_at` (its Kafka create time, seconds): which worker process
+    wrote a duplicate shows from the time, against the process start times in the worker's log."""
+    out = []
+    for msg in iter_messages(bootstrap, topic, idle_timeout_s=1.0, timeout_s=180):
+        record = decode_result(msg.value())
+        record["_produced_at"] = msg.timestamp()[1] / 1000.0
+        out.append(record)
+    return out
+
+
 # -- the audit ------------------------------------------------------------------------------------------------
 @dataclass
 class Audit:
@@ -420,9 +431,13 @@ def dead_letter_source(dl: DeadLetterRecord) -> SourceRef | None:
 def audit(sent: dict[SourceRef, Sent], results: list[dict[str, Any]], dead_letters: list[DeadLetterRecord]) -> Audit:
     a = Audit(produced=len(sent), results=len(results), dead_letters=len(dead_letters))
     answers: dict[SourceRef, list[str]] = {}
+    produced_at: dict[SourceRef, list[str]] = {}
     for r in results:
         ref = SourceRef(r["source_topic"], r["source_partition"], r["source_offset"])
         answers.setdefault(ref, []).append(RESULT)
+        if "_produced_at" in r:
+            produced_at.setdefault(ref, []).append(time.strftime("%H:%M:%S", time.localtime(r["_produced_at"]))
+                                                   + f".{int(r['_produced_at'] * 1000) % 1000:03d}")
         s = sent.get(ref)
         if s is not None and s.frame_id is not None and (r["stream_id"], r["frame_index"]) != s.frame_id:
             a.mismatched += 1
@@ -449,7 +464,7 @@ def audit(sent: dict[SourceRef, Sent], results: list[dict[str, Any]], dead_lette
         if len(got) > 1:
             a.duplicated += len(got) - 1
             if len(a.duplicated_sample) < 5:
-                a.duplicated_sample.append(f"{ref} {s.kind} {got}")
+                a.duplicated_sample.append(f"{ref} {s.kind} {got} at {produced_at.get(ref, '?')}")
         if s.expect != EITHER and any(g != s.expect for g in got):
             a.misrouted += 1
             if len(a.misrouted_sample) < 5:
@@ -672,7 +687,7 @@ class Run:
         self.notes["events"] = dict(self.fleet.log_events())
         if stop_workers:
             self.fleet.stop_all()
-        results = read_results(self.lab.bootstrap, self.topics.results, idle_timeout_s=1.0, timeout_s=180)
+        results = read_results_with_times(self.lab.bootstrap, self.topics.results)
         dead_letters = read_dead_letters(self.lab.bootstrap, self.topics.dead_letter, idle_timeout_s=1.0)
         self.watch.close()
         self.results, self.dead_letters = results, dead_letters

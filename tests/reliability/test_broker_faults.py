@@ -9,30 +9,23 @@ import pytest
 from . import faults
 from .conftest import assert_kept
 from .harness import MODES, Lab
-from .known_bugs import EOS_HANGS_AFTER_BROKER_RESTART
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-ALO, EOS = MODES
 
-
-# Exactly-once hangs after the broker comes back (deterministic here: every run so far).
-MODE_PARAMS = [ALO, pytest.param(EOS, marks=pytest.mark.xfail(strict=True, reason=EOS_HANGS_AFTER_BROKER_RESTART))]
-
-
-@pytest.mark.parametrize("mode", MODE_PARAMS)
+@pytest.mark.parametrize("mode", MODES)
 def test_a_clean_broker_restart_mid_stream_loses_nothing(restartable_lab: Lab, mode: str) -> None:
     outcome = assert_kept(faults.broker_restart(restartable_lab, mode, faults.QUICK))
     assert outcome.notes["resumed_after_s"] <= faults.RECONNECT_BOUND_S
 
 
-@pytest.mark.parametrize("mode", MODE_PARAMS)
+@pytest.mark.parametrize("mode", MODES)
 def test_a_broker_killed_mid_transaction_loses_nothing(restartable_lab: Lab, mode: str) -> None:
     outcome = assert_kept(faults.broker_kill9(restartable_lab, mode, faults.QUICK))
     assert outcome.notes["resumed_after_s"] <= faults.RECONNECT_BOUND_S
 
 
-@pytest.mark.parametrize("mode", MODE_PARAMS)
+@pytest.mark.parametrize("mode", MODES)
 def test_an_unreachable_output_path_with_a_full_queue_backpressures_and_loses_nothing(
         restartable_lab: Lab, mode: str) -> None:
     assert_kept(faults.output_path_down(restartable_lab, mode, faults.QUICK))

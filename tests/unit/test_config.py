@@ -71,3 +71,21 @@ def test_warmup_shapes_are_frame_sizes():
     assert warmup_frame_shapes(s) == [(720, 1280, 3), (48, 64, 3)]
     with pytest.raises(ConfigError, match="runtime.warmup_shapes"):
         load_settings(env={"WORKER_RUNTIME_WARMUP_SHAPES": "1280by720"})
+
+
+def test_overrides_of_properties_the_guarantees_depend_on_are_refused():
+    with pytest.raises(ConfigError) as info:
+        load_settings(env={"WORKER_KAFKA_CONSUMER_OVERRIDES": "enable.auto.commit=true,auto.offset.reset=latest,"
+                                                              "security.protocol=SSL",
+                           "WORKER_KAFKA_PRODUCER_OVERRIDES": "acks=1,linger.ms=5"})
+    text = str(info.value)
+    assert "kafka.consumer_overrides: 'enable.auto.commit' is managed by the worker" in text
+    assert "kafka.consumer_overrides: 'auto.offset.reset'" in text and "--reset-offsets" in text
+    assert "kafka.producer_overrides: 'acks'" in text
+    assert "security.protocol" not in text and "linger.ms" not in text  # the rest pass through
+    assert len(info.value.problems) == 3
+
+
+def test_transaction_call_timeout_is_bounded():
+    with pytest.raises(ConfigError, match="delivery.transaction_call_timeout_ms"):
+        load_settings(env={"WORKER_DELIVERY_TRANSACTION_CALL_TIMEOUT_MS": "50"})

@@ -52,6 +52,27 @@ def test_marking_an_untracked_offset_is_a_bug():
         t.track(TP, 0)
 
 
+def test_an_offset_read_again_after_it_was_done_is_a_bug():
+    """A re-delivery (a message from before a rebalance) would get a second result: refuse it."""
+    t = OffsetTracker()
+    for o in (3, 4):
+        t.track(TP, o)
+    t.mark_done(TP, 3)
+    with pytest.raises(OffsetTrackingError, match="read again"):
+        t.track(TP, 3)
+    with pytest.raises(OffsetTrackingError):
+        t.track(TP, 2)
+    t.track(TP, 7)  # gaps (transaction markers, compaction) are normal
+
+
+def test_a_forgotten_partition_may_be_read_again_from_anywhere():
+    t = OffsetTracker()
+    t.track(TP, 9)
+    t.forget(TP)
+    t.track(TP, 2)
+    assert t.commit_points() == {TP: 2}
+
+
 def test_forget_drops_a_revoked_partition():
     t = OffsetTracker()
     t.track(TP, 0)

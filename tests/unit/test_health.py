@@ -1,0 +1,57 @@
+"""/healthz and /readyz over real HTTP, with a fake clock for the loop-stall check."""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+from typing import Iterator
+
+import pytest
+
+from worker.metrics import Health, Metrics, MetricsServer
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[Health, FakeClock, int]]:
+    clock = FakeClock()
+    health = Health(stall_limit_s=300.0, clock=clock)
+    server = MetricsServer(Metrics(), health, "127.0.0.1", 0).start()
+    yield health, clock, server.port
+    server.stop()
+
+
+def test_a_loop_that_stops_turning_fails_liveness_and_readiness(served: tuple[Health, FakeClock, int]) -> None:
+    health, clock, port = served
+    health.warmed_up = health.assigned = True
+    assert get(port, "/healthz") == (200, "ok\n")  # before the loop starts (warm-up) it is alive
+    health.beat()
+    clock.now += 300.0
+    assert get(port, "/healthz")[0] == 200 and get(port, "/readyz")[0] == 200
+    clock.now += 1.0
+    status, body = get(port, "/healthz")
+    assert status == 503 and "has not turned for 301s" in body
+    assert get(port, "/readyz")[0] == 503
+    health.beat()  # the loop turns again (the stuck call returned): healthy again
+    assert get(port, "/healthz")[0] == 200
+
+
+def test_a_stopped_pipeline_is_dead(served: tuple[Health, FakeClock, int]) -> None:
+    health, _clock, port = served
+    health.alive = False
+    assert get(port, "/healthz") == (503, "dead\n")

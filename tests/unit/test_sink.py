@@ -1,0 +1,111 @@
+"""ResultSink's guard around librdkafka's blocking transactional calls. librdkafka can block in
+send_offsets_to_transaction past its timeout after a broker restart (issues #5456, #5511; reproduced by
+tests/reliability/test_broker_faults.py against a real broker); here a fake producer blocks on purpose so the
+guard is tested in milliseconds."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import pytest
+from confluent_kafka import KafkaError, KafkaException
+
+import worker.sink as sink_module
+from worker.config import Settings
+from worker.sink import ResultSink, SinkError, TransactionStuckError
+
+
+@dataclass
+class FakeProducer:
+    release: threading.Event = field(default_factory=threading.Event)
+    block_send_offsets: bool = False
+    commit_errors: list[KafkaError] = field(default_factory=list)
+    init_errors: list[KafkaError] = field(default_factory=list)
+    calls: list[str] = field(default_factory=list)
+
+    def init_transactions(self, timeout: float) -> None:
+        self.calls.append("init")
+        if self.init_errors:
+            raise KafkaException(self.init_errors.pop(0))
+
+    def begin_transaction(self) -> None:
+        self.calls.append("begin")
+
+    def send_offsets_to_transaction(self, offsets: object, metadata: object, timeout: float) -> None:
+        self.calls.append("send_offsets")
+        if self.block_send_offsets:
+            self.release.wait()  # as librdkafka does when its coordinator request is never re-triggered
+
+    def commit_transaction(self, timeout: float) -> None:
+        self.calls.append("commit")
+        if self.commit_errors:
+            raise KafkaException(self.commit_errors.pop(0))
+
+    def flush(self, timeout: float) -> int:
+        self.calls.append("flush")
+        return 0
+
+
+@pytest.fixture
+def producer(monkeypatch: pytest.MonkeyPatch):
+    fake = FakeProducer()
+    monkeypatch.setattr(sink_module, "Producer", lambda conf, logger=None: fake)
+    monkeypatch.setattr(sink_module, "STUCK_GRACE_S", 0.05)
+    yield fake
+    fake.release.set()  # let an abandoned call's thread end
+
+
+def transactional_sink() -> ResultSink:
+    return ResultSink(Settings(), on_done=lambda source: None, transactional_id="streamfer-w0")
+
+
+def test_a_call_blocked_past_its_timeout_raises_instead_of_hanging(producer: FakeProducer) -> None:
+    producer.block_send_offsets = True
+    sink = transactional_sink()
+    sink.begin()
+    started = time.monotonic()
+    with pytest.raises(TransactionStuckError, match="still blocked"):
+        sink.commit_transaction({("frames.standard", 0): 5}, object(), timeout_s=0.1)
+    assert time.monotonic() - started < 5.0
+    assert sink.stuck
+    sink.close()  # a stuck producer is abandoned: flushing it could block as well
+    assert "flush" not in producer.calls and "commit" not in producer.calls
+
+
+def test_a_retriable_commit_error_is_retried_until_it_succeeds(producer: FakeProducer) -> None:
+    producer.commit_errors = [KafkaError(KafkaError._TIMED_OUT, retriable=True)] * 2
+    sink = transactional_sink()
+    sink.begin()
+    sink.commit_transaction({("frames.standard", 0): 5}, object(), timeout_s=5.0)
+    assert producer.calls.count("commit") == 3 and not sink.stuck
+
+
+def test_a_commit_still_failing_at_its_deadline_has_an_unknown_outcome(producer: FakeProducer) -> None:
+    producer.commit_errors = [KafkaError(KafkaError._TIMED_OUT, retriable=True)] * 1000
+    sink = transactional_sink()
+    sink.begin()
+    with pytest.raises(TransactionStuckError, match="still fails"):
+        sink.commit_transaction({}, object(), timeout_s=0.3)
+    assert sink.stuck
+
+
+def test_an_abortable_error_is_left_to_the_caller_to_abort(producer: FakeProducer) -> None:
+    producer.commit_errors = [KafkaError(KafkaError._TIMED_OUT, retriable=True, txn_requires_abort=True)]
+    sink = transactional_sink()
+    sink.begin()
+    with pytest.raises(KafkaException) as info:
+        sink.commit_transaction({}, object(), timeout_s=5.0)
+    assert info.value.args[0].txn_requires_abort() and not sink.stuck
+
+
+def test_init_transactions_waits_for_the_broker_then_gives_a_named_error(producer: FakeProducer,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    producer.init_errors = [KafkaError(KafkaError._TRANSPORT, retriable=True)] * 2
+    transactional_sink()
+    assert producer.calls.count("init") == 3
+    producer.init_errors = [KafkaError(KafkaError._TRANSPORT, retriable=True)] * 1000
+    monkeypatch.setattr(sink_module, "INIT_TRANSACTIONS_TIMEOUT_S", 0.0)
+    with pytest.raises(SinkError, match="streamfer-w0"):
+        transactional_sink()
