@@ -63,6 +63,10 @@ class Metrics:
         self.consumer_lag = Gauge("streamfer_consumer_lag", "High watermark minus position, per assigned partition.",
                                   ["topic", "partition"], registry=r)
         self.commits = Counter("streamfer_commits_total", "Offset commits, by outcome.", ["outcome"], registry=r)
+        self.redelivered = Counter("streamfer_redelivered_messages_total",
+                                   "Messages the consumer delivered again at an offset this assignment had already "
+                                   "delivered (a client-side rewind); dropped, since the first copy is in the "
+                                   "pipeline.", registry=r)
         self.commit_latency = Histogram("streamfer_commit_seconds",
                                         "Offset commit: from the request to the broker's answer being seen "
                                         "(exactly-once: the transaction commit).",

@@ -150,6 +150,8 @@ class Pipeline:
             due = self.batcher.next_due()
             timeout = IDLE_POLL_S if due is None else min(IDLE_POLL_S, max(0.0, due - self.clock()))
         polled = self.source.poll(min(POLL_BATCH, max(room, 1)), timeout)
+        if polled.redelivered:
+            self.metrics.redelivered.inc(polled.redelivered)
         if polled.frames or polled.dead_letters:
             self._last_activity = self.clock()
         # A rebalance served inside this poll may have taken partitions away: their frames are not ours.

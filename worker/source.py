@@ -30,6 +30,8 @@ class Polled:
 
     frames: list[Frame]
     dead_letters: list[DeadLetter]
+    # Messages dropped because this assignment had already delivered their offsets (see FrameSource.poll).
+    redelivered: int = 0
 
 
 RebalanceHandler = Callable[[list[TP]], None]
@@ -71,6 +73,8 @@ class FrameSource:
         self._paused: set[TP] = set()
         # Partitions revoked or lost while a poll() was consuming: its messages of them are suspect.
         self._rebalanced_in_poll: set[TP] = set()
+        # Per partition: the offset after the last one delivered since it was assigned or sought.
+        self._next_offset: dict[TP, int] = {}
 
     # -- subscription and rebalances ---------------------------------------------------------------
     def subscribe(self, on_assign: RebalanceHandler, on_revoke: RebalanceHandler, on_lost: RebalanceHandler) -> None:
@@ -79,6 +83,8 @@ class FrameSource:
         def assigned(consumer: Consumer, partitions: list[TopicPartition]) -> None:
             tps = [(p.topic, p.partition) for p in partitions]
             self._assigned.update(tps)
+            for tp in tps:
+                self._next_offset.pop(tp, None)
             on_assign(tps)
             # Pauses are per partition: re-apply the current class pauses to the new ones.
             self._apply_pauses()
@@ -101,6 +107,7 @@ class FrameSource:
         for tp in tps:
             self._assigned.discard(tp)
             self._paused.discard(tp)
+            self._next_offset.pop(tp, None)
 
     @property
     def assignment(self) -> frozenset[TP]:
@@ -124,12 +131,26 @@ class FrameSource:
             messages = self._drop_rebalanced(messages, self._rebalanced_in_poll)
         now = self._clock()
         polled = Polled(frames=[], dead_letters=[])
+        rewound: set[TP] = set()
         for msg in messages:
             err = msg.error()
             if err is not None:
                 self._handle_error(err)
                 continue
             source = SourceRef(msg.topic(), msg.partition(), msg.offset())
+            # librdkafka can rewind a partition it was not asked to (seen once in 18 exactly-once SIGKILL runs,
+            # right after an assignment, with pauses and resumes) and deliver offsets it already delivered;
+            # they are in the pipeline already, and a second copy would get a second result.
+            tp = source.topic_partition
+            expected = self._next_offset.get(tp)
+            if expected is not None and source.offset < expected:
+                polled.redelivered += 1
+                if tp not in rewound:
+                    rewound.add(tp)
+                    log.warning("the consumer delivered %s again from offset %d (already read up to %d): dropping "
+                                "the offsets already read", tp, source.offset, expected - 1)
+                continue
+            self._next_offset[tp] = source.offset + 1
             try:
                 frame = decode_frame(msg.value(), source, self._topics[source.topic], now)
             except MessageDecodeError as exc:
@@ -239,6 +260,7 @@ class FrameSource:
         (where a first assignment starts: auto.offset.reset is always earliest)."""
         committed = self._consumer.committed([TopicPartition(t, p) for t, p in tps], timeout=10)
         for tp in committed:
+            self._next_offset.pop((tp.topic, tp.partition), None)
             offset = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
             self._consumer.seek(TopicPartition(tp.topic, tp.partition, offset))
 

@@ -167,3 +167,27 @@ def test_a_rebalance_in_the_blocking_call_also_drops_the_earlier_calls_messages(
                    [("revoke", [(REALTIME, 0)]), ("assign", [(REALTIME, 0)]), ("msg", (REALTIME, 0, 1))]]
     assert offsets(source.poll(10, 1.0)) == []
     assert fake.seeks == [(REALTIME, 0, 1)]
+
+
+def test_offsets_delivered_again_within_an_assignment_are_dropped(fake: FakeConsumer) -> None:
+    """A rewind the worker did not ask for (librdkafka after pause/resume) re-delivers offsets already read."""
+    source, _ = make_source()
+    fake.script = [[("assign", [(BULK, 2)]), ("msg", (BULK, 2, 56)), ("msg", (BULK, 2, 57))],
+                   [("msg", (BULK, 2, 0)), ("msg", (BULK, 2, 57)), ("msg", (BULK, 2, 58))]]
+    assert offsets(source.poll(10, 0.0)) == [(BULK, 2, 56), (BULK, 2, 57)]
+    polled = source.poll(10, 0.0)
+    assert offsets(polled) == [(BULK, 2, 58)] and polled.redelivered == 2
+
+
+def test_a_seek_or_a_new_assignment_accepts_lower_offsets_again(fake: FakeConsumer) -> None:
+    source, _ = make_source()
+    fake.committed_offsets = {(BULK, 2): 10}
+    fake.script = [[("assign", [(BULK, 2)]), ("msg", (BULK, 2, 20))],
+                   [("msg", (BULK, 2, 10))],  # after the rewind below
+                   [("revoke", [(BULK, 2)])],
+                   [("assign", [(BULK, 2)]), ("msg", (BULK, 2, 11))]]
+    source.poll(10, 0.0)
+    source.seek_to_committed([(BULK, 2)])  # the pipeline's rewind after an aborted transaction
+    assert offsets(source.poll(10, 0.0)) == [(BULK, 2, 10)]
+    source.poll(10, 0.0)
+    assert offsets(source.poll(10, 0.0)) == [(BULK, 2, 11)]
