@@ -97,9 +97,6 @@ CASES: dict[str, Case] = {
                                                        timeout_s=12.0),
 }
 
-# Cases that fail today, with the bug each shows.
-KNOWN_BUGS: dict[str, str] = {}
-
 
 def env_for(case: Case, bootstrap: str) -> dict[str, str]:
     """The worker's environment for a case: no WORKER_* of the caller's, fresh group, no metrics port."""

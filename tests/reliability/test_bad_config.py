@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from .configcases import CASES, CONFIG_ERROR_EXIT, KNOWN_BUGS, TIMEOUT_S, Case, Outcome, env_for, problems, run_cases
+from .configcases import CASES, CONFIG_ERROR_EXIT, TIMEOUT_S, Case, Outcome, env_for, problems, run_cases
 from .harness import PROJECT_ROOT
 
 
@@ -19,9 +19,7 @@ def outcomes(kafka_bootstrap: str) -> dict[str, Outcome]:
 
 def _params():
     for name, case in CASES.items():
-        marks = [pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[name])] if name in KNOWN_BUGS else []
-        if case.needs_broker:
-            marks.append(pytest.mark.integration)
+        marks = [pytest.mark.integration] if case.needs_broker else []
         yield pytest.param(name, id=name, marks=marks)
 
 
