@@ -35,7 +35,7 @@ from worker.results import read_results  # noqa: E402
 from worker.schemas import FrameRecord  # noqa: E402
 from worker.topics import ensure_topics  # noqa: E402
 
-from tests.integration.helpers import TestTopics as Topics  # noqa: E402
+from tests.integration.helpers import TestTopics as Topics, end_offsets  # noqa: E402
 
 RESULTS_DIR = REPO / "bench" / "results"
 # librdkafka's client logs (start-up retries such as "Coordinator load in progress") stay out of the tables.
@@ -239,16 +239,6 @@ def publish_load(bootstrap: str, topics: Topics, records: Sequence[FrameRecord],
 
 
 # -- consumers: progress and results ----------------------------------------------------------------------------
-def end_offsets(bootstrap: str, topics: Sequence[str]) -> dict[tuple[str, int], int]:
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "bench-offsets-probe"})
-    try:
-        md = consumer.list_topics(timeout=10)
-        return {(t, p): consumer.get_watermark_offsets(TopicPartition(t, p), timeout=10)[1]
-                for t in topics for p in md.topics[t].partitions}
-    finally:
-        consumer.close()
-
-
 def wait_committed(bootstrap: str, group: str, ends: dict[tuple[str, int], int], timeout_s: float,
                    alive: Callable[[], bool] = lambda: True) -> bool:
     """Wait until the group has committed every partition up to `ends` (what was published); False on timeout."""

@@ -96,9 +96,6 @@ class OffsetTracker:
         st = self._parts.get(tp)
         return st is not None and offset in st.outstanding_set
 
-    def partitions(self) -> list[TopicPartition]:
-        return list(self._parts)
-
     @staticmethod
     def _watermark(st: _PartitionState) -> int | None:
         if st.highest_seen < 0:

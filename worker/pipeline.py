@@ -154,10 +154,6 @@ class Pipeline:
             self.metrics.redelivered.inc(polled.redelivered)
         if polled.frames or polled.dead_letters:
             self._last_activity = self.clock()
-        # A rebalance served inside this poll may have taken partitions away: their frames are not ours.
-        assigned = self.source.assignment
-        polled.frames = [f for f in polled.frames if f.source.topic_partition in assigned]
-        polled.dead_letters = [d for d in polled.dead_letters if d.source.topic_partition in assigned]
         # Track in each partition's offset order (the tracker refuses an offset below one already read).
         read = [f.source for f in polled.frames]
         if polled.dead_letters:
@@ -283,10 +279,10 @@ class Pipeline:
                 self._held.setdefault(tp, {})[out.source.offset] = out
                 self.tracker.mark_done(tp, out.source.offset)
         points = self.tracker.commit_points()
-        releasable = [out for tp, point in points.items()
-                      for offset, out in sorted(self._held.get(tp, {}).items()) if offset < point]
         if not points:
             return
+        releasable = [out for tp, point in points.items()
+                      for _offset, out in sorted(o for o in self._held.get(tp, {}).items() if o[0] < point)]
         started = time.monotonic()
         try:
             self.sink.begin()

@@ -138,10 +138,12 @@ class FrameSource:
                 self._handle_error(err)
                 continue
             source = SourceRef(msg.topic(), msg.partition(), msg.offset())
+            tp = source.topic_partition
+            if tp not in self._assigned:
+                continue  # fetched before a rebalance served inside this poll took the partition away
             # librdkafka can rewind a partition it was not asked to (seen once in 18 exactly-once SIGKILL runs,
             # right after an assignment, with pauses and resumes) and deliver offsets it already delivered;
             # they are in the pipeline already, and a second copy would get a second result.
-            tp = source.topic_partition
             expected = self._next_offset.get(tp)
             if expected is not None and source.offset < expected:
                 polled.redelivered += 1
@@ -241,12 +243,11 @@ class FrameSource:
         Broker calls: for deciding to exit when idle, not for the loop. False while a committed offset cannot
         be read yet (a dead exactly-once member's transaction still holds it until the broker aborts it)."""
         try:
-            committed = self._consumer.committed([TopicPartition(t, p) for t, p in sorted(self._assigned)],
-                                                 timeout=timeout_s)
-            for tp in committed:
-                low, high = self._consumer.get_watermark_offsets(TopicPartition(tp.topic, tp.partition),
-                                                                 timeout=timeout_s, cached=False)
-                if (tp.offset if tp.offset >= 0 else low) < high:
+            committed = self.committed(sorted(self._assigned), timeout_s)
+            for t, p in self._assigned:
+                low, high = self._consumer.get_watermark_offsets(TopicPartition(t, p), timeout=timeout_s,
+                                                                 cached=False)
+                if committed.get((t, p), low) < high:
                     return False
         except KafkaException:
             return False
@@ -258,11 +259,10 @@ class FrameSource:
     def seek_to_committed(self, tps: list[TP]) -> None:
         """Rewind partitions to their committed offsets, or to their beginning where nothing is committed yet
         (where a first assignment starts: auto.offset.reset is always earliest)."""
-        committed = self._consumer.committed([TopicPartition(t, p) for t, p in tps], timeout=10)
-        for tp in committed:
-            self._next_offset.pop((tp.topic, tp.partition), None)
-            offset = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
-            self._consumer.seek(TopicPartition(tp.topic, tp.partition, offset))
+        committed = self.committed(tps)
+        for t, p in tps:
+            self._next_offset.pop((t, p), None)
+            self._consumer.seek(TopicPartition(t, p, committed.get((t, p), OFFSET_BEGINNING)))
 
     def lag(self) -> dict[TP, int]:
         """High watermark minus position per assigned partition, from cached watermarks (no broker call)."""

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -106,6 +108,17 @@ def uncommitted(bootstrap: str, group: str, topics: list[str]) -> dict[tuple[str
     ends = end_offsets(bootstrap, topics)
     return {tp: (committed.get(tp, -1), end) for tp, end in ends.items()
             if not (committed.get(tp, -1) == end or (end == 0 and committed.get(tp, -1) < 0))}
+
+
+def http_get(port: int, path: str) -> tuple[int, str]:
+    """Status and body of a GET on the worker's metrics port; (0, "") while nothing listens."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except OSError:
+        return 0, ""
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.2) -> None:

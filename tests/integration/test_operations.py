@@ -7,8 +7,6 @@ import os
 import re
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 
 import pytest
 
@@ -17,19 +15,9 @@ from worker.local_kafka import free_port
 from worker.producer import publish, synthetic_frames
 from worker.results import read_results
 
-from .helpers import ledger, make_topics, start_worker, uncommitted, wait_for
+from .helpers import http_get, ledger, make_topics, start_worker, uncommitted, wait_for
 
 pytestmark = pytest.mark.integration
-
-
-def http_get(port: int, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-    except OSError:
-        return 0, ""
 
 
 def metric_sum(text: str, name: str, **labels: str) -> float:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import urllib.error
-import urllib.request
 from typing import Iterator
 
 import pytest
 
+from tests.integration.helpers import http_get as get
 from worker.metrics import Health, Metrics, MetricsServer
 
 
@@ -17,14 +16,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def get(port: int, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
 
 
 @pytest.fixture
