@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import socket
 import tomllib
 import types
@@ -16,17 +17,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from worker.errors import OperatorError
 from worker.frames import Priority
 
 ENV_PREFIX = "WORKER_"
+_SETTING_RE = re.compile(r"^[a-z_]+\.[a-z_.]+$")
 
 
-class ConfigError(ValueError):
-    """Raised when settings are invalid; the message names each bad field and what it accepts."""
+class ConfigError(OperatorError, ValueError):
+    """Raised when settings are invalid; the message names each bad field and what it accepts.
+
+    Each problem starts with the setting it is about (`section.field: ...`); `setting` is the first one's."""
 
     def __init__(self, problems: list[str]):
         self.problems = problems
-        super().__init__("invalid worker configuration:\n  - " + "\n  - ".join(problems))
+        first = problems[0].split(":", 1)[0].strip() if problems else ""
+        super().__init__("invalid worker configuration:\n  - " + "\n  - ".join(problems),
+                         setting=first if _SETTING_RE.match(first) else None)
 
 
 @dataclass(frozen=True)
