@@ -50,12 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     # The workload is the bench's data, not batcher state: keep the GC from rescanning it.
     gc.collect()
     gc.freeze()
-    makers = {"streamfer": lambda: MicroBatcher(settings, _Clock(), buckets),
-              "naive": lambda: NaiveBatcher(settings, _Clock())}
+    makers = {"streamfer": lambda clock: MicroBatcher(settings, clock, buckets),
+              "naive": lambda clock: NaiveBatcher(settings, clock)}
     rows = {}
     for name, make in makers.items():
         # Same workload each repeat, so the batches are the same; keep the fastest timing (least noise).
-        runs = [(_run(make(), arrivals, args.tick_ms / 1000.0, tally), tally)
+        runs = [(_run(make, arrivals, args.tick_ms / 1000.0, tally), tally)
                 for tally in (_Tally(settings) for _ in range(args.repeat))]
         best = min(runs, key=lambda r: r[0]["add_s"] + r[0]["pop_s"])
         rows[name] = _summary(*best)
@@ -181,8 +181,9 @@ class _Tally:
         self.over_bytes += b.size > 1 and b.size * math.prod(b.shape) * s.tensor_dtype_bytes > s.max_batch_bytes
 
 
-def _run(batcher, ticks: list[list[Frame]], tick_s: float, tally: _Tally) -> dict:
-    clock = batcher._clock
+def _run(make_batcher, ticks: list[list[Frame]], tick_s: float, tally: _Tally) -> dict:
+    clock = _Clock()
+    batcher = make_batcher(clock)
     add_s = pop_s = 0.0
     pops = 0
     expired = 0

@@ -86,6 +86,8 @@ class BaselineLoop:
         from worker.runtime.models import load_model
         from worker.runtime.preprocess import Preprocessor
         from worker.runtime.runners import EagerRunner
+        from worker.sink import producer_config
+        from worker.source import consumer_config
 
         torch.set_num_threads(torch_threads)
         overrides = topics.overrides()
@@ -102,15 +104,9 @@ class BaselineLoop:
         # The worker's warm-up: warmup_batches forward passes of its largest batch at 224x224.
         self.runner.warm_up((3, 224, 224), s.runtime.warmup_batches, max(s.runtime.graph_batch_sizes))
         self.preprocessor = Preprocessor(loaded.contract, pin_memory=False)
-        # worker.source.FrameSource's consumer settings and worker.sink.ResultSink's producer settings.
-        self.consumer = Consumer({
-            "bootstrap.servers": bootstrap, "group.id": topics.group, "enable.auto.commit": False,
-            "enable.auto.offset.store": False, "auto.offset.reset": "earliest",
-            "partition.assignment.strategy": "cooperative-sticky",
-            "session.timeout.ms": s.kafka.session_timeout_ms, "max.poll.interval.ms": s.kafka.max_poll_interval_ms,
-            "isolation.level": "read_committed", "client.id": worker_id})
-        self.producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "acks": "all",
-                                  "linger.ms": 2, "client.id": worker_id, "message.timeout.ms": 300_000})
+        # The worker's own client settings (worker.source.FrameSource, worker.sink.ResultSink).
+        self.consumer = Consumer(consumer_config(s))
+        self.producer = Producer(producer_config(s))
         self.consumer.subscribe(topics.inputs)
         self.results = 0
 

@@ -188,35 +188,41 @@ def worker_saturated(ctx: Context, topics: common.Topics, frames: int) -> dict[s
 
 
 # -- the worker, in this process, with timers ----------------------------------------------------------------------
-LOOP_STAGES = [
-    ("worker.pipeline", "Pipeline", "step", "loop turn (all below)"),
-    ("worker.pipeline", "Pipeline", "_poll_input", "poll input (consume + decode + batcher.add)"),
+LOOP_TURN = "loop turn (all below)"
+# The loop's own phase timers (worker.pipeline.PHASES), in the order they run.
+LOOP_PHASES = [
+    ("collect", "collect finished batches (build results)"),
+    ("expire", "expire"),
+    ("dispatch", "dispatch due batches (batcher.pop_batch + submit)"),
+    ("emit", "produce results"),
+    ("deliver", "producer.poll (delivery reports)"),
+    ("commit", "commit if due"),
+    ("backpressure", "pause/resume"),
+    ("poll", "poll input (consume + decode + batcher.add)"),
+    ("lag", "lag gauge refresh"),
+]
+# Public functions inside those phases and on the runtime's threads, timed by wrapping them.
+SUB_STAGES = [
     ("worker.source", "FrameSource", "poll", "  consumer.consume + decode"),
     ("worker.source", "decode_frame", None, "    Avro decode of frames"),
     ("worker.batching", "MicroBatcher", "add", "  batcher.add"),
-    ("worker.pipeline", "Pipeline", "_collect_finished", "collect finished batches (build results)"),
-    ("worker.pipeline", "encode_result", None, "  Avro encode of results"),
-    ("worker.pipeline", "Pipeline", "_expire", "expire"),
-    ("worker.pipeline", "Pipeline", "_dispatch_due", "dispatch due batches (batcher.pop_batch + submit)"),
-    ("worker.pipeline", "Pipeline", "_emit", "produce results"),
-    ("worker.sink", "ResultSink", "poll", "producer.poll (delivery reports)"),
-    ("worker.pipeline", "Pipeline", "_commit_if_due", "commit if due"),
-    ("worker.source", "FrameSource", "commit", "  consumer.commit (synchronous round trip)"),
-    ("worker.pipeline", "Pipeline", "_apply_backpressure", "pause/resume"),
-    ("worker.pipeline", "Pipeline", "update_lag", "lag gauge refresh"),
+    ("worker.schemas", "encode_result", None, "  Avro encode of results"),
+    ("worker.source", "FrameSource", "commit", "  consumer.commit"),
 ]
 THREAD_STAGES = [
     ("worker.runtime.preprocess", "Preprocessor", "prepare", "preprocess thread: decode + normalise"),
     ("worker.runtime.runners", "EagerRunner", "run", "inference thread: model"),
-    ("worker.runtime.executor", "InferenceExecutor", "_infer",
-     "inference thread: model + waiting for its batch's preprocessing"),
 ]
 
 
 class Instrumented:
-    """Patches timers onto the worker's stages in this process (restored on exit); counts only while a
-    backlog is draining: from the first frame consumed until `expected` results are acknowledged. Also
-    takes the CPU seconds of this process, the broker and the whole machine over that window."""
+    """Times the worker's stages in this process while a backlog is draining: from the first frame consumed
+    until `expected` results are acknowledged. The loop's phases come from its own timers
+    (`Pipeline.phase_times`); public functions inside them and on the runtime's threads are wrapped (restored
+    on exit). A sampler thread watches the pipeline to open and close the window and to record how many
+    batches were in flight. Also takes the CPU seconds of this process, the broker and the whole machine."""
+
+    SAMPLE_S = 0.002
 
     def __init__(self, expected: int, broker: common.Broker | None) -> None:
         self.expected = expected
@@ -225,24 +231,34 @@ class Instrumented:
         self.active = False
         self.start: dict[str, float] = {}
         self.end: dict[str, float] = {}
-        # Time-weighted: how many batches were in flight between loop turns, and pending frames / 32.
+        self.phases_start: Any = None
+        self.phases_end: Any = None
+        # Time-weighted: how many batches were in flight, and pending frames / 32.
         self.inflight: dict[int, float] = {}
         self.pending: dict[int, float] = {}
-        self._last_turn: tuple[float, int, int] | None = None
+        self._pipeline: Any = None
+        self._stop = threading.Event()
+        self._sampler = threading.Thread(target=self._sample_loop, name="bench-sampler", daemon=True)
         self._undo: list[tuple[Any, str, Any]] = []
 
-    def __enter__(self) -> "Instrumented":
+    def attach(self, pipeline: Any) -> None:
+        """Given the pipeline before it runs (worker.app.run_worker's on_pipeline)."""
+        self._pipeline = pipeline
+        self._sampler.start()
+
+    def __enter__(self) -> Instrumented:
         import importlib
 
-        for module_name, owner, attr, label in LOOP_STAGES + THREAD_STAGES:
+        for module_name, owner, attr, label in SUB_STAGES + THREAD_STAGES:
             module = importlib.import_module(module_name)
             target, name = (getattr(module, owner), attr) if attr else (module, owner)
             original = getattr(target, name)
             self._undo.append((target, name, original))
-            setattr(target, name, self._gated(label, original, is_step=(name == "step")))
+            setattr(target, name, self._gated(label, original))
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._stop.set()
         for target, name, original in reversed(self._undo):
             setattr(target, name, original)
 
@@ -252,45 +268,55 @@ class Instrumented:
                 "machine_total": total,
                 "broker_cpu": (self.broker.cpu_seconds() or float("nan")) if self.broker else float("nan")}
 
-    def _gated(self, label: str, fn: Any, is_step: bool) -> Any:
+    def _gated(self, label: str, fn: Any) -> Any:
         timed = self.timer.wrap(label, fn)
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            if is_step:
-                summary = args[0].summary
-                was = self.active
-                self.active = summary.consumed > 0 and summary.results < self.expected
-                if self.active and not was and not self.start:
-                    self.start = self._stamp()
-                if was and not self.active and not self.end:
-                    self.end = self._stamp()
-                if self.active:
-                    self._sample(args[0])
             return timed(*args, **kwargs) if self.active else fn(*args, **kwargs)
 
         return call
 
-    def _sample(self, pipeline: Any) -> None:
-        now = time.perf_counter()
-        if self._last_turn is not None:
-            t, inflight, pending = self._last_turn
-            self.inflight[inflight] = self.inflight.get(inflight, 0.0) + now - t
-            self.pending[pending] = self.pending.get(pending, 0.0) + now - t
-        self._last_turn = (now, len(pipeline._inflight), min(pipeline.batcher.pending_frames // 32, 8))
+    def _sample_loop(self) -> None:
+        last = time.perf_counter()
+        while not self._stop.wait(self.SAMPLE_S):
+            p = self._pipeline
+            summary = p.summary
+            was = self.active
+            self.active = summary.consumed > 0 and summary.results < self.expected
+            now = time.perf_counter()
+            if self.active and not was and not self.start:
+                self.start = self._stamp()
+                self.phases_start = p.phase_times.copy()
+            if was and not self.active and not self.end:
+                self.end = self._stamp()
+                self.phases_end = p.phase_times.copy()
+            if self.active:
+                inflight = p.inflight_batches
+                self.inflight[inflight] = self.inflight.get(inflight, 0.0) + now - last
+                pending = min(p.batcher.pending_frames // 32, 8)
+                self.pending[pending] = self.pending.get(pending, 0.0) + now - last
+            last = now
 
     def report(self) -> dict[str, Any]:
         if not self.end:
             self.end = self._stamp()
+            self.phases_end = self._pipeline.phase_times.copy()
         window = self.end["wall"] - self.start["wall"]
+        p0, p1 = self.phases_start, self.phases_end
+        phase = {name: (p1.wall[name] - p0.wall[name], p1.cpu[name] - p0.cpu[name], p1.calls[name] - p0.calls[name])
+                 for name, _label in LOOP_PHASES}
+        timed = {LOOP_TURN: (sum(v[0] for v in phase.values()), sum(v[1] for v in phase.values()),
+                             phase["poll"][2])}
+        timed.update({label: phase[name] for name, label in LOOP_PHASES})
+        timed.update({label: (self.timer.wall.get(label, 0.0), self.timer.cpu.get(label, 0.0),
+                              self.timer.calls.get(label, 0)) for _m, _o, _a, label in SUB_STAGES + THREAD_STAGES})
         rows = []
-        for _m, _o, _a, label in LOOP_STAGES + THREAD_STAGES:
-            wall = self.timer.wall.get(label, 0.0)
-            rows.append({"stage": label, "calls": self.timer.calls.get(label, 0), "wall_s": wall,
-                         "cpu_s": self.timer.cpu.get(label, 0.0),
+        for label, (wall, cpu_s, calls) in timed.items():
+            rows.append({"stage": label, "calls": calls, "wall_s": wall, "cpu_s": cpu_s,
                          "share_of_window": wall / window if window else float("nan"),
-                         "mean_ms": wall * 1000.0 / max(1, self.timer.calls.get(label, 0))})
+                         "mean_ms": wall * 1000.0 / max(1, calls)})
         d = {k: self.end[k] - self.start[k] for k in self.start}
-        loop_cpu = self.timer.cpu.get(LOOP_STAGES[0][3], 0.0)
+        loop_cpu = timed[LOOP_TURN][1]
         prep_cpu = self.timer.cpu.get(THREAD_STAGES[0][3], 0.0)
         infer_cpu = self.timer.cpu.get(THREAD_STAGES[1][3], 0.0)
         cores = d["machine_total"] / window if window else float("nan")
@@ -327,12 +353,14 @@ def worker_in_process(ctx: Context, topics: common.Topics, frames: int, profile:
     settings = load_settings(env={}, overrides=overrides)
     outcome: dict[str, Any] = {}
     prof = cProfile.Profile() if profile else None
+    inst = Instrumented(frames, ctx.broker)
 
     def work() -> None:
         try:
             if prof:
                 prof.enable()
-            outcome["summary"] = run_worker(settings, exit_when_idle_s=1.0, stop=StopFlag(), health=Health())
+            outcome["summary"] = run_worker(settings, exit_when_idle_s=1.0, stop=StopFlag(), health=Health(),
+                                            time_phases=True, on_pipeline=None if profile else inst.attach)
         except BaseException as exc:  # noqa: BLE001 (re-raised below)
             outcome["error"] = exc
         finally:
@@ -341,7 +369,6 @@ def worker_in_process(ctx: Context, topics: common.Topics, frames: int, profile:
 
     cpu0 = time.process_time()
     broker0 = ctx.broker.cpu_seconds() if ctx.broker else None
-    inst = Instrumented(frames, ctx.broker)
     with (contextlib.nullcontext() if profile else inst):
         thread = threading.Thread(target=work, name="bench-worker")
         thread.start()

@@ -9,11 +9,11 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from worker.config import ConfigError, Settings, warmup_frame_shapes
 from worker.metrics import Health, Metrics, MetricsServer
-from worker.pipeline import Pipeline, RunSummary
+from worker.pipeline import Pipeline, RunSummary, build_pipeline
 
 log = logging.getLogger("worker")
 
@@ -54,7 +54,7 @@ class StopFlag:
     def __init__(self) -> None:
         self._event = threading.Event()
 
-    def install(self) -> "StopFlag":
+    def install(self) -> StopFlag:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
         return self
@@ -74,10 +74,12 @@ class StopFlag:
 
 
 def run_worker(settings: Settings, exit_when_idle_s: float | None = None, stop: StopFlag | None = None,
-               health: Health | None = None) -> RunSummary:
+               health: Health | None = None, time_phases: bool = False,
+               on_pipeline: Callable[[Pipeline], None] | None = None) -> RunSummary:
     """Load and warm the model, serve metrics, then run the pipeline until stopped or idle.
 
-    Pass `health` to watch readiness from another thread (the demo and tests do)."""
+    Pass `health` to watch readiness from another thread (the demo and tests do); benchmarks pass
+    `time_phases` and get the pipeline (with its `phase_times`) through `on_pipeline` before it runs."""
     metrics = Metrics()
     health = health if health is not None else Health()
     health.stall_limit_s = settings.kafka.max_poll_interval_ms / 1000.0
@@ -88,7 +90,9 @@ def run_worker(settings: Settings, exit_when_idle_s: float | None = None, stop: 
         metrics.model_info.info({"name": executor.model_name, "version": executor.model_version,
                                  "device": executor.device_description,
                                  "labels": ",".join(executor.labels)})
-        pipeline = Pipeline(settings, executor, metrics, health)
+        pipeline = build_pipeline(settings, executor, metrics, health, time_phases=time_phases)
+        if on_pipeline is not None:
+            on_pipeline(pipeline)
         if settings.observability.metrics_enabled:
             server = MetricsServer(metrics, health, settings.observability.metrics_host,
                                    settings.observability.metrics_port,

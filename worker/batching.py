@@ -59,10 +59,11 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from worker.config import BatchingSettings, ConfigError
+from worker.errors import StreamferError
 from worker.frames import Frame, Priority
 
 LANE_EXACT = "exact"
@@ -77,7 +78,7 @@ HARD_CAP_FACTOR = 2
 _NO_CUTOFF = (math.inf, math.inf)
 
 
-class BatcherFullError(RuntimeError):
+class BatcherFullError(StreamferError):
     """add() was called past the hard cap: the source kept consuming while classes_to_pause() said stop."""
 
 
@@ -101,7 +102,7 @@ class Batch:
 class _Entry:
     """One pending frame; `live` turns False when it leaves (batched, expired, discarded): lazy deletion."""
 
-    __slots__ = ("frame", "t", "seq", "tenant", "group", "live")
+    __slots__ = ("frame", "group", "live", "seq", "t", "tenant")
 
     def __init__(self, frame: Frame, seq: int, group: _Group):
         self.frame = frame
@@ -115,8 +116,22 @@ class _Entry:
 class _Group:
     """Pending frames of one (class, shape, lane): per-tenant FIFO queues plus a heap for the oldest."""
 
-    __slots__ = ("cls", "shape", "area", "fallback", "frame_bytes", "cap", "trigger", "full_reason", "n",
-                 "due_at", "heap", "queues", "ring", "credit")
+    __slots__ = (
+        "area",
+        "cap",
+        "cls",
+        "credit",
+        "due_at",
+        "fallback",
+        "frame_bytes",
+        "full_reason",
+        "heap",
+        "n",
+        "queues",
+        "ring",
+        "shape",
+        "trigger",
+    )
 
     def __init__(self, cls: _ClassState, shape: tuple[int, int, int], fallback: bool, frame_bytes: int,
                  cap: int, trigger: int, full_reason: str):
@@ -156,7 +171,7 @@ class _Group:
 
 
 class _ClassState:
-    __slots__ = ("priority", "wait_s", "max_age_s", "weight", "groups", "fallback", "pending", "credit")
+    __slots__ = ("credit", "fallback", "groups", "max_age_s", "pending", "priority", "wait_s", "weight")
 
     def __init__(self, priority: Priority, settings: BatchingSettings):
         c = settings.for_class(priority)

@@ -9,10 +9,12 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from worker.config import ConfigError, Settings, load_settings
+from worker.config import Settings, load_settings
+from worker.errors import EXIT_OPERATOR_ERROR, OperatorError
 
 log = logging.getLogger("worker")
 
@@ -74,8 +76,7 @@ def _run_processes(args: argparse.Namespace, settings: Settings) -> int:
 # -- produce -----------------------------------------------------------------------------------------------
 def cmd_produce(args: argparse.Namespace) -> int:
     from worker.frames import Encoding, Priority
-    from worker.producer import folder_frames, parse_shapes, publish, random_run_id, synthetic_frames, \
-        video_frames
+    from worker.producer import folder_frames, parse_shapes, publish, random_run_id, synthetic_frames, video_frames
 
     settings = _settings(args)
     topics = settings.topics.input_topics()
@@ -205,9 +206,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except OperatorError as exc:
+        # Nothing a restart fixes: one message naming what to change, and an exit code supervisors can tell.
+        where = f" (change: {exc.setting})" if exc.setting and exc.setting not in str(exc) else ""
+        print(f"error: {exc}{where}", file=sys.stderr)
+        return EXIT_OPERATOR_ERROR
 
 
 if __name__ == "__main__":

@@ -28,11 +28,13 @@ class Encoding(enum.Enum):
 
 @dataclass(frozen=True, order=True)
 class SourceRef:
-    """Kafka coordinates of the message a frame came from: the unit of offset tracking."""
+    """Kafka coordinates of the message a frame came from (the unit of offset tracking), and the assignment
+    epoch of its partition it was read under: work of an older epoch is stale (see worker.assignment)."""
 
     topic: str
     partition: int
     offset: int
+    epoch: int = 0
 
     @property
     def topic_partition(self) -> tuple[str, int]:
@@ -85,15 +87,6 @@ class Verdict:
 
 
 @dataclass(frozen=True)
-class BatchTiming:
-    """How one batch ran; copied into each of its frames' results."""
-
-    batch_size: int
-    started_at: float
-    inference_ms: float
-
-
-@dataclass(frozen=True)
 class DeadLetter:
     """A message the worker could not process, with the reason, destined for the dead-letter topic."""
 
@@ -102,3 +95,58 @@ class DeadLetter:
     error_type: str
     payload: bytes = field(repr=False, default=b"")
     key: bytes | None = field(repr=False, default=None)
+
+
+class Status(str, enum.Enum):
+    """What became of a frame: a result (OK, EXPIRED) or a dead letter (DLQ)."""
+
+    OK = "OK"
+    EXPIRED = "EXPIRED"
+    DLQ = "DLQ"
+
+
+@dataclass(frozen=True)
+class Output:
+    """The one message to produce for one source offset: an encoded result or a dead letter.
+
+    Every offset read ends in exactly one Output (or is left uncommitted for the next owner)."""
+
+    source: SourceRef
+    key: bytes | None
+    value: bytes
+    tenant: str
+    status: Status
+    dead_letter: DeadLetter | None = None
+
+    @staticmethod
+    def of_dead_letter(dl: DeadLetter, tenant: str = "unknown") -> Output:
+        return Output(dl.source, dl.key, dl.payload, tenant, Status.DLQ, dl)
+
+
+# FrameFailure.error_type values (they become the dead letter's error_type).
+DECODE_ERROR = "FrameDecodeError"
+MODEL_ERROR = "ModelError"
+NON_FINITE_OUTPUT = "NonFiniteOutput"
+
+
+@dataclass(frozen=True)
+class FrameFailure:
+    """A frame of a batch that was not scored (undecodable, the model failed on it alone, non-finite scores)."""
+
+    frame: Frame
+    reason: str
+    error_type: str
+
+
+@dataclass(frozen=True)
+class BatchOutcome:
+    """What the runtime hands back for one submitted batch: every frame is in exactly one of the two lists."""
+
+    verdicts: list[tuple[Frame, Verdict]]  # frames that ran, in batch order
+    failures: list[FrameFailure]  # undecodable frames, then frames the model failed on or scored NaN/inf
+    batch_size: int  # frames the model ran on (the decodable ones)
+    preprocess_ms: float
+    inference_ms: float
+    started_at: float  # wall seconds when the batch started preprocessing
+    bucket: int  # padded batch size executed (the CUDA-graph bucket; == batch_size in eager; 1 after a retry)
+    used_graph: bool

@@ -10,10 +10,12 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+from worker.errors import StreamferError
+
 TopicPartition = tuple[str, int]
 
 
-class OffsetTrackingError(RuntimeError):
+class OffsetTrackingError(StreamferError):
     """An offset was marked done that was never tracked, or read again without a rewind: a pipeline bug,
     never data. Raised rather than tolerated: a frame read twice gets two results."""
 

@@ -1,9 +1,10 @@
-"""Wires source -> batcher -> runtime -> sink -> commits. The only module that knows all the stages.
+"""The worker loop: source -> batcher -> runtime -> delivery. The only module that knows all the stages.
 
-One thread owns the consumer, the batcher, the offset tracker and the producer; the runtime executes
-batches on its own threads and hands back futures. Every message read ends in exactly one of: a result
-(OK or EXPIRED), a dead letter, or (on revocation) being left uncommitted for the next owner. Offsets are
-committed per partition only up to the first message that has not ended, after each batch.
+One thread owns the consumer, the batcher, the offset tracker and the producer; the runtime executes batches
+on its own threads and hands back futures of `BatchOutcome`s. Every message read ends in exactly one of: a
+result (OK or EXPIRED), a dead letter, or (on revocation, or as stale work) being left uncommitted for the
+partition's next reading. When an output counts as delivered and what may be committed is decided by
+`worker.delivery`; the loop asks it after each turn and rewinds when it says so.
 """
 
 from __future__ import annotations
@@ -11,20 +12,21 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Protocol
 
-from confluent_kafka import KafkaException
-
+from worker.assignment import TP, Assignments
 from worker.batching import Batch, MicroBatcher
 from worker.config import Settings
-from worker.frames import DeadLetter, Frame, Priority, SourceRef, Verdict
+from worker.delivery import AtLeastOnceDelivery, CommitResult, Delivery, ExactlyOnceDelivery
+from worker.frames import BatchOutcome, DeadLetter, Frame, Output, Priority, Status, Verdict
 from worker.metrics import Health, Metrics
 from worker.offsets import OffsetTracker
-from worker.schemas import encode_result, reencode_frame
-from worker.sink import ResultSink, SinkError, TransactionStuckError
-from worker.source import TP, FrameSource
+from worker.schemas import ResultContext, build_result, reencode_frame
+from worker.sink import DoneCallback, RejectedCallback, ResultSink
+from worker.source import FrameSource, Polled, RebalanceHandler
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +36,6 @@ POLL_BATCH = 500
 INFLIGHT_POLL_S = 0.002
 IDLE_POLL_S = 0.1
 LAG_REFRESH_S = 1.0
-COMMIT_FAILURE_LOG_INTERVAL_S = 10.0
 
 
 class Executor(Protocol):
@@ -44,7 +45,31 @@ class Executor(Protocol):
     model_name: str
     model_version: str
 
-    def submit(self, frames: Sequence[Frame], shape: tuple[int, int, int]) -> Future[Any]: ...
+    def submit(self, frames: Sequence[Frame], shape: tuple[int, int, int]) -> Future[BatchOutcome]: ...
+
+
+class Source(Protocol):
+    """What the pipeline needs from the consumer side (worker.source.FrameSource)."""
+
+    assignments: Assignments
+
+    @property
+    def paused_partitions(self) -> int: ...
+
+    def subscribe(self, on_assign: RebalanceHandler, on_revoke: RebalanceHandler,
+                  on_lost: RebalanceHandler) -> None: ...
+
+    def poll(self, max_messages: int, timeout_s: float) -> Polled: ...
+
+    def pause_classes(self, classes: set[Priority]) -> None: ...
+
+    def seek_to_committed(self, tps: list[TP]) -> None: ...
+
+    def caught_up(self) -> bool: ...
+
+    def lag(self) -> dict[TP, int]: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -62,48 +87,67 @@ class RunSummary:
         return self.frames_batched / self.batches if self.batches else 0.0
 
 
-@dataclass
-class _Output:
-    """A message to produce for one source offset: a result or a dead letter."""
+# The loop's phases, in order; with `time_phases` each one's time is summed in `Pipeline.phase_times`.
+PHASES = ("collect", "expire", "dispatch", "emit", "deliver", "commit", "backpressure", "poll", "lag")
 
-    source: SourceRef
-    key: bytes | None
-    value: bytes
-    tenant: str
-    status: str  # "OK", "EXPIRED" or "DLQ"
-    dead_letter: DeadLetter | None = None
+
+@dataclass
+class PhaseTimes:
+    """Wall and loop-thread CPU seconds spent in each phase of the loop, and how often it ran (for benchmarks)."""
+
+    wall: dict[str, float]
+    cpu: dict[str, float]
+    calls: dict[str, int]
+
+    @classmethod
+    def zero(cls) -> PhaseTimes:
+        return cls(dict.fromkeys(PHASES, 0.0), dict.fromkeys(PHASES, 0.0), dict.fromkeys(PHASES, 0))
+
+    def copy(self) -> PhaseTimes:
+        return PhaseTimes(dict(self.wall), dict(self.cpu), dict(self.calls))
 
 
 class Pipeline:
     """Runs the worker loop until `should_stop()` is true, then drains, commits and closes."""
 
-    def __init__(self, settings: Settings, executor: Executor, metrics: Metrics, health: Health,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, settings: Settings, source: Source, delivery: Delivery, executor: Executor,
+                 metrics: Metrics, health: Health, clock: Callable[[], float] = time.time,
+                 time_phases: bool = False) -> None:
         self.settings = settings
+        self.source = source
+        self.delivery = delivery
         self.executor = executor
         self.metrics = metrics
         self.health = health
         self.clock = clock
-        self.exactly_once = settings.delivery.mode == "exactly_once"
-        self.tracker = OffsetTracker()
+        self.assignments = source.assignments
+        self.tracker = delivery.tracker
         self.batcher = MicroBatcher(settings.batching, clock, executor.preferred_batch_sizes)
-        self.summary = RunSummary()
-        self._inflight: deque[tuple[Batch, Future[Any]]] = deque()
-        self._outputs: list[_Output] = []
-        self._awaiting_ack: dict[SourceRef, _Output] = {}
-        # Exactly-once: outputs waiting for their partition's commit point to pass them, by partition and offset.
-        self._held: dict[TP, dict[int, _Output]] = {}
-        self._last_commit = 0.0
+        self._result_context = ResultContext(executor.model_name, executor.model_version,
+                                             settings.observability.worker_id)
+        self._counts = RunSummary()
+        self._inflight: deque[tuple[Batch, Future[BatchOutcome]]] = deque()
+        self._outputs: list[Output] = []
         # Idle time counts from the first assignment: a worker still joining the group is not idle.
         self._last_activity: float | None = None
-        self._last_lag_update = 0.0
-        self._commits_in_flight: deque[float] = deque()
-        self._last_commit_failure_log = float("-inf")
-        self._commit_failures_unlogged = 0
-        self.source = FrameSource(settings, clock, on_commit_done=self._commit_done)
-        self._transactional_id = f"{settings.delivery.transactional_id_prefix}-{settings.observability.worker_id}" \
-            if self.exactly_once else None
-        self.sink = ResultSink(settings, on_done=self._acknowledged, transactional_id=self._transactional_id)
+        self._last_lag_update = float("-inf")
+        self.phase_times: PhaseTimes | None = PhaseTimes.zero() if time_phases else None
+        self._phases: tuple[tuple[str, Callable[[], None]], ...] = (
+            ("collect", self._collect_finished), ("expire", self._expire), ("dispatch", self._dispatch_due),
+            ("emit", self._emit), ("deliver", self.delivery.poll), ("commit", self._commit),
+            ("backpressure", self._apply_backpressure), ("poll", self._poll_input), ("lag", self._refresh_lag))
+
+    @property
+    def summary(self) -> RunSummary:
+        c = self._counts
+        return RunSummary(consumed=c.consumed, results=self.delivery.results, expired=c.expired,
+                          dead_lettered=self.delivery.dead_lettered, batches=c.batches,
+                          commits=self.delivery.commits, frames_batched=c.frames_batched)
+
+    @property
+    def inflight_batches(self) -> int:
+        """Batches submitted to the runtime and not yet collected."""
+        return len(self._inflight)
 
     # -- the loop ----------------------------------------------------------------------------------------
     def run(self, should_stop: Callable[[], bool], exit_when_idle_s: float | None = None) -> RunSummary:
@@ -121,7 +165,7 @@ class Pipeline:
             self.drain()
         finally:
             self.source.close()
-            self.sink.close()
+            self.delivery.close()
             self.health.assigned = False
             self.metrics.ready.set(0)
         return self.summary
@@ -129,18 +173,16 @@ class Pipeline:
     def step(self) -> None:
         """One turn: collect finished batches, expire, dispatch, produce, commit, pause, poll."""
         self.health.beat()
-        self._collect_finished()
-        self._expire()
-        self._dispatch_due()
-        self._emit()
-        self.sink.poll(0)
-        if self.sink.fatal_error:
-            raise SinkError(self.sink.fatal_error)
-        self._commit_if_due()
-        self._apply_backpressure()
-        self._poll_input()
-        if self.clock() - self._last_lag_update >= LAG_REFRESH_S:
-            self.update_lag()
+        timings = self.phase_times
+        for name, phase in self._phases:
+            if timings is None:
+                phase()
+            else:
+                w0, c0 = time.perf_counter(), time.thread_time()
+                phase()
+                timings.wall[name] += time.perf_counter() - w0
+                timings.cpu[name] += time.thread_time() - c0
+                timings.calls[name] += 1
 
     def _poll_input(self) -> None:
         room = max(0, self.settings.batching.max_pending_frames - self.batcher.pending_frames)
@@ -165,16 +207,16 @@ class Pipeline:
             self.batcher.add(frame)
         for dl in polled.dead_letters:
             self.metrics.frames_consumed.labels(dl.source.topic, "unknown").inc()
-            self._outputs.append(_Output(dl.source, dl.key, dl.payload, "unknown", "DLQ", dl))
-        self.summary.consumed += len(polled.frames) + len(polled.dead_letters)
-        self._update_gauges()
+            self._outputs.append(Output.of_dead_letter(dl))
+        self._counts.consumed += len(polled.frames) + len(polled.dead_letters)
+        self.metrics.inflight_frames.set(self.tracker.in_flight())
+        self.metrics.inflight_bytes.set(self.batcher.pending_bytes)
 
     def _idle_for(self) -> float:
         if self._last_activity is None:
             return 0.0
-        busy = (self.batcher.pending_frames or self._inflight or self._outputs or self.tracker.in_flight()
-                or any(self._held.values()))
-        if busy:
+        if self.batcher.pending_frames or self._inflight or self._outputs or self.tracker.in_flight() \
+                or self.delivery.busy:
             self._last_activity = self.clock()
             return 0.0
         return self.clock() - self._last_activity
@@ -194,16 +236,17 @@ class Pipeline:
 
     def _collect_finished(self, wait: bool = False) -> None:
         while self._inflight and (wait or self._inflight[0][1].done()):
-            batch, future = self._inflight.popleft()
-            outcome = future.result()  # the executor isolates bad frames; an exception here is a bug: crash
-            self._batch_done(batch, outcome)
+            _batch, future = self._inflight.popleft()
+            # The executor isolates bad frames; an exception here is a bug: crash.
+            self._batch_done(future.result())
 
-    def _batch_done(self, batch: Batch, outcome: Any) -> None:
+    def _batch_done(self, outcome: BatchOutcome) -> None:
         now = self.clock()
-        self.summary.batches += 1
-        self.summary.frames_batched += outcome.batch_size
+        self._counts.batches += 1
+        self._counts.frames_batched += outcome.batch_size
         self.metrics.preprocess_latency.observe(outcome.preprocess_ms / 1000.0)
         self.metrics.inference_latency.observe(outcome.inference_ms / 1000.0)
+        run_ms = outcome.preprocess_ms + outcome.inference_ms
         for frame, verdict in outcome.verdicts:
             queued_s = max(0.0, outcome.started_at - frame.received_at)
             self.metrics.queue_wait.labels(frame.priority.label).observe(queued_s)
@@ -211,209 +254,57 @@ class Pipeline:
                 max(0.0, now - frame.capture_ts_ms / 1000.0))
             for label in verdict.flagged_labels:
                 self.metrics.frames_flagged.labels(label).inc()
-            self._outputs.append(self._result(frame, verdict, "OK", queued_s * 1000.0, outcome.batch_size,
-                                              outcome.preprocess_ms + outcome.inference_ms, now))
+            self._outputs.append(self._result(frame, verdict, Status.OK, queued_s * 1000.0, outcome.batch_size,
+                                              run_ms, now))
         for failure in outcome.failures:
             frame = failure.frame
             dl = DeadLetter(source=frame.source, reason=failure.reason, error_type=failure.error_type,
                             payload=reencode_frame(frame), key=frame.stream_id.encode())
-            self._outputs.append(_Output(frame.source, dl.key, dl.payload, frame.tenant, "DLQ", dl))
+            self._outputs.append(Output.of_dead_letter(dl, frame.tenant))
 
     def _expire(self) -> None:
         now = self.clock()
         for frame in self.batcher.pop_expired():
             self.metrics.frames_expired.labels(frame.source.topic, frame.tenant).inc()
-            self.summary.expired += 1
-            self._outputs.append(self._result(frame, None, "EXPIRED", (now - frame.received_at) * 1000.0, 0, 0.0, now))
+            self._counts.expired += 1
+            self._outputs.append(self._result(frame, None, Status.EXPIRED, (now - frame.received_at) * 1000.0,
+                                              0, 0.0, now))
 
-    def _result(self, frame: Frame, verdict: Verdict | None, status: str, queued_ms: float, batch_size: int,
-                inference_ms: float, now: float) -> _Output:
-        record = {
-            "stream_id": frame.stream_id,
-            "frame_index": frame.frame_index,
-            "tenant": frame.tenant,
-            "status": status,
-            "model_name": self.executor.model_name,
-            "model_version": self.executor.model_version,
-            "scores": dict(verdict.scores) if verdict else {},
-            "flagged": verdict.flagged if verdict else False,
-            "flagged_labels": list(verdict.flagged_labels) if verdict else [],
-            "source_topic": frame.source.topic,
-            "source_partition": frame.source.partition,
-            "source_offset": frame.source.offset,
-            "capture_ts_ms": frame.capture_ts_ms,
-            "queued_ms": queued_ms,
-            "batch_size": batch_size,
-            "inference_ms": inference_ms,
-            "end_to_end_ms": max(0.0, now * 1000.0 - frame.capture_ts_ms),
-            "worker_id": self.settings.observability.worker_id,
-        }
+    def _result(self, frame: Frame, verdict: Verdict | None, status: Status, queued_ms: float, batch_size: int,
+                run_ms: float, now: float) -> Output:
+        value = build_result(frame, verdict, status.value, self._result_context, queued_ms, batch_size, run_ms, now)
         # Keyed by stream so a stream's results stay ordered within one output partition.
-        return _Output(frame.source, frame.stream_id.encode(), encode_result(record), frame.tenant, status)
+        return Output(frame.source, frame.stream_id.encode(), value, frame.tenant, status)
 
     # -- producing and committing ---------------------------------------------------------------------------
     def _emit(self) -> None:
-        if not self._outputs:
-            return
-        outputs, self._outputs = self._outputs, []
-        if self.exactly_once:
-            self._emit_transaction(outputs)
-            return
-        for out in outputs:
-            self._awaiting_ack[out.source] = out
-            if out.dead_letter is not None:
-                self.sink.send_dead_letter(out.dead_letter)
-            else:
-                self.sink.send_result(out.source, out.key or b"", out.value)
+        if self._outputs:
+            outputs, self._outputs = self._outputs, []
+            self.delivery.emit(outputs)
 
-    def _emit_transaction(self, outputs: list[_Output]) -> None:
-        """Exactly-once: outputs up to each partition's commit point, with those offsets, in one transaction.
-
-        An output beyond its partition's commit point (an earlier frame is still batching or running) is
-        held back: committing its result while its offset is not committed would let the next owner of the
-        partition, after a crash, produce that frame's result a second time.
-        """
-        for out in outputs:
-            tp = out.source.topic_partition
-            if self.tracker.is_in_flight(tp, out.source.offset):  # else stale: its partition was given up
-                self._held.setdefault(tp, {})[out.source.offset] = out
-                self.tracker.mark_done(tp, out.source.offset)
-        points = self.tracker.commit_points()
-        if not points:
-            return
-        releasable = [out for tp, point in points.items()
-                      for _offset, out in sorted(o for o in self._held.get(tp, {}).items() if o[0] < point)]
-        started = time.monotonic()
-        try:
-            self.sink.begin()
-            for out in releasable:
-                if out.dead_letter is not None:
-                    self.sink.send_dead_letter(out.dead_letter)
-                else:
-                    self.sink.send_result(out.source, out.key or b"", out.value)
-            self.sink.commit_transaction(points, self.source.group_metadata(),
-                                         self.settings.delivery.transaction_call_timeout_ms / 1000.0)
-        except TransactionStuckError as exc:
-            self._replace_stuck_sink(exc)
-            return
-        except KafkaException as exc:
-            err = exc.args[0]
-            if not err.txn_requires_abort():
-                raise
-            self.metrics.commits.labels("aborted").inc()
-            log.warning("transaction aborted (%s): rewinding to the committed offsets", err.str())
-            try:
-                self.sink.abort(self.settings.delivery.transaction_call_timeout_ms / 1000.0)
-            except TransactionStuckError as stuck:
-                self._replace_stuck_sink(stuck)
-                return
+    def _commit(self, final: bool = False) -> None:
+        if self.delivery.commit(final) is CommitResult.REWIND:
             self._rewind()
-            return
-        for out in releasable:
-            del self._held[out.source.topic_partition][out.source.offset]
-            self._count(out)
-        self.tracker.mark_committed(points)
-        self.metrics.commits.labels("ok").inc()
-        self.metrics.commit_latency.observe(time.monotonic() - started)
-        self.summary.commits += 1
-
-    def _replace_stuck_sink(self, exc: TransactionStuckError) -> None:
-        """A transaction call is stuck inside librdkafka (or its outcome is unknown): start a producer with the
-        same transactional id, which fences the stuck one and aborts its open transaction, then read again
-        from the committed offsets. Nothing of the stuck transaction is visible to a read_committed reader."""
-        self.metrics.commits.labels("timed_out").inc()
-        log.error("%s: replacing the transactional producer and rewinding to the committed offsets", exc)
-        self.sink.close()
-        self.sink = ResultSink(self.settings, on_done=self._acknowledged, transactional_id=self._transactional_id)
-        self._rewind()
 
     def _rewind(self) -> None:
-        """After an aborted transaction: drop everything read since the last commit and read it again."""
+        """Delivery voided what was read since the last commit: drop all of it and read it again."""
         self.batcher.discard(lambda _frame: True)
         while self._inflight:
             _batch, future = self._inflight.popleft()
-            future.result()  # let it finish; its outputs are dropped with the rest
+            future.result()  # let it finish; its outputs are stale with the rest
         self._outputs.clear()
-        self._held.clear()
-        assigned = sorted(self.source.assignment)
-        for tp in assigned:
-            self.tracker.forget(tp)
+        assigned = sorted(self.assignments.partitions)
+        self.delivery.release(assigned)
         self.source.seek_to_committed(assigned)
-
-    def _acknowledged(self, source: SourceRef) -> None:
-        """Delivery report (at-least-once): the broker has the message, so the offset is done."""
-        if self.exactly_once:
-            return  # done was recorded when the message joined the transaction
-        out = self._awaiting_ack.pop(source, None)
-        if out is not None:
-            self._count(out)
-            self._mark_done(source)
-
-    def _count(self, out: _Output) -> None:
-        if out.dead_letter is not None:
-            self.summary.dead_lettered += 1
-            self.metrics.frames_dead_lettered.labels(out.source.topic, out.dead_letter.error_type).inc()
-        else:
-            self.summary.results += 1
-            self.metrics.results_produced.labels(self.settings.topics.results, out.tenant, out.status).inc()
-
-    def _mark_done(self, source: SourceRef) -> None:
-        # An ack can arrive after its partition was lost (forgotten, or even assigned to us again and the
-        # offset not read yet): only an offset in flight now is ours to mark.
-        if self.tracker.is_in_flight(source.topic_partition, source.offset):
-            self.tracker.mark_done(source.topic_partition, source.offset)
-
-    def _commit_if_due(self, final: bool = False) -> None:
-        """Commit the watermark after a batch: asynchronously in the loop (a synchronous commit would stall
-        it for a broker round trip per batch), synchronously before partitions are given up."""
-        if self.exactly_once:
-            return
-        now = self.clock()
-        interval = self.settings.delivery.commit_interval_ms / 1000.0
-        if not final and now - self._last_commit < interval:
-            return
-        points = self.tracker.commit_points()
-        if not points:
-            return
-        # librdkafka reports every commit, synchronous ones too, to the commit callback, in order.
-        self._commits_in_flight.append(time.monotonic())
-        try:
-            self.source.commit(points, asynchronous=not final)
-        except KafkaException as exc:  # counted by the callback; retried next turn
-            log.warning("offset commit failed (will retry): %s", exc)
-            return
-        self.tracker.mark_committed(points)
-        self._last_commit = now
-        self.summary.commits += 1
-
-    def _commit_done(self, failed: list[TP], reason: str | None) -> None:
-        """Outcome of a commit, served by a poll; a failed partition's commit point is offered again."""
-        if self._commits_in_flight:
-            self.metrics.commit_latency.observe(time.monotonic() - self._commits_in_flight.popleft())
-        if not failed:
-            self.metrics.commits.labels("ok").inc()
-            return
-        self.metrics.commits.labels("error").inc()
-        # During a rebalance every commit fails for a moment: one line per interval, with a count.
-        now = time.monotonic()
-        if now - self._last_commit_failure_log >= COMMIT_FAILURE_LOG_INTERVAL_S:
-            more = f" ({self._commit_failures_unlogged} more since the last report)" if self._commit_failures_unlogged else ""
-            log.warning("asynchronous offset commit failed for %s (will retry): %s%s", sorted(failed), reason, more)
-            self._last_commit_failure_log = now
-            self._commit_failures_unlogged = 0
-        else:
-            self._commit_failures_unlogged += 1
-        for tp in failed:
-            self.tracker.commit_failed(tp)
 
     # -- flow control -----------------------------------------------------------------------------------------
     def _apply_backpressure(self) -> None:
         self.source.pause_classes(self.batcher.classes_to_pause())
         self.metrics.paused_partitions.set(self.source.paused_partitions)
 
-    def _update_gauges(self) -> None:
-        self.metrics.inflight_frames.set(self.tracker.in_flight())
-        self.metrics.inflight_bytes.set(self.batcher.pending_bytes)
+    def _refresh_lag(self) -> None:
+        if self.clock() - self._last_lag_update >= LAG_REFRESH_S:
+            self.update_lag()
 
     def update_lag(self) -> None:
         """Refresh the consumer-lag gauge from cached watermarks (on the loop thread: the consumer is not shared)."""
@@ -427,62 +318,75 @@ class Pipeline:
         self._last_activity = self.clock()
         log.info("partitions assigned: %s", sorted(tps))
         # A cooperative rebalance can hand out an empty increment: ready means owning a partition.
-        self.health.assigned = bool(self.source.assignment)
+        self.health.assigned = bool(self.assignments.partitions)
         self.metrics.ready.set(1 if self.health.ready else 0)
 
     def _on_revoke(self, tps: list[TP]) -> None:
-        """Finish what was read from the revoked partitions, commit it, then let them go."""
+        """Finish what was read from the revoked partitions, deliver and commit it, then let them go."""
         self.metrics.rebalances.labels("revoke").inc()
         self._last_activity = self.clock()
         log.info("partitions revoked: %s", sorted(tps))
         revoked = set(tps)
         # Frames not yet in a batch stay uncommitted: the next owner reads them again.
         self.batcher.discard(lambda f: f.source.topic_partition in revoked)
-        self._finish_inflight()
-        if not self.exactly_once:
-            self._commit_if_due(final=True)
+        self._collect_finished(wait=True)
+        self._emit()
+        self._commit(final=True)
         self._release(tps)
-        self.health.assigned = bool(self.source.assignment - revoked)
+        self.health.assigned = bool(self.assignments.partitions - revoked)
 
     def _on_lost(self, tps: list[TP]) -> None:
-        """Partitions already belong to someone else: drop their state without committing."""
+        """Partitions already belong to someone else: drop their state without committing. Their batches still
+        running finish as stale work (their epoch ends here), and delivery drops their outputs."""
         self.metrics.rebalances.labels("lost").inc()
         log.warning("partitions lost: %s", sorted(tps))
         lost = set(tps)
         self.batcher.discard(lambda f: f.source.topic_partition in lost)
-        # Let running batches finish and drop their outputs for these partitions: a late output would
-        # duplicate the new owner's (and could be mistaken for a re-read offset if they come back to us).
-        self._collect_finished(wait=True)
-        self._outputs = [o for o in self._outputs if o.source.topic_partition not in lost]
         self._release(tps)
-        self.health.assigned = bool(self.source.assignment - lost)
+        self.health.assigned = bool(self.assignments.partitions - lost)
 
     def _release(self, tps: list[TP]) -> None:
+        self.assignments.release(tps)
+        self.delivery.release(tps)
         for topic, partition in tps:
-            self.tracker.forget((topic, partition))
-            # Exactly-once outputs still held behind a gap: the next owner redoes those frames.
-            self._held.pop((topic, partition), None)
             try:
                 self.metrics.consumer_lag.remove(topic, str(partition))
             except KeyError:
                 pass  # never reported
 
-    def _finish_inflight(self) -> None:
-        """Wait for running batches, produce everything pending and wait for the broker's acks."""
-        self._collect_finished(wait=True)
-        self._emit()
-        if not self.exactly_once:
-            remaining = self.sink.flush(30.0)
-            if remaining:
-                log.warning("%d results still unacknowledged after 30s; their offsets stay uncommitted", remaining)
-
     def drain(self) -> None:
-        """Graceful stop: no new input; run everything pending, produce, commit."""
+        """Graceful stop: no new input; run everything pending, deliver, commit."""
         self.source.pause_classes(set(Priority))
         self._expire()
         for batch in self.batcher.flush():
             self._dispatch(batch)
-        self._finish_inflight()
-        self._commit_if_due(final=True)
-        log.info("drained: %d results, %d dead letters, %d expired", self.summary.results,
-                 self.summary.dead_lettered, self.summary.expired)
+        self._collect_finished(wait=True)
+        self._emit()
+        self._commit(final=True)
+        summary = self.summary
+        log.info("drained: %d results, %d dead letters, %d expired", summary.results, summary.dead_lettered,
+                 summary.expired)
+
+
+def build_pipeline(settings: Settings, executor: Executor, metrics: Metrics, health: Health,
+                   clock: Callable[[], float] = time.time, time_phases: bool = False) -> Pipeline:
+    """The pipeline with its real parts: a Kafka consumer, producer and the delivery of the configured mode."""
+    assignments = Assignments()
+    tracker = OffsetTracker()
+    source = FrameSource(settings, clock, assignments)
+    delivery: Delivery
+    if settings.delivery.mode == "exactly_once":
+        transactional_id = f"{settings.delivery.transactional_id_prefix}-{settings.observability.worker_id}"
+
+        def transactional_sink(on_done: DoneCallback, on_rejected: RejectedCallback) -> ResultSink:
+            return ResultSink(settings, on_done, on_rejected, transactional_id=transactional_id)
+
+        delivery = ExactlyOnceDelivery(settings, transactional_sink, source, tracker, assignments, metrics)
+    else:
+        def sink(on_done: DoneCallback, on_rejected: RejectedCallback) -> ResultSink:
+            return ResultSink(settings, on_done, on_rejected)
+
+        at_least_once = AtLeastOnceDelivery(settings, sink, source, tracker, assignments, metrics, clock)
+        source.on_commit_done = at_least_once.commit_reported
+        delivery = at_least_once
+    return Pipeline(settings, source, delivery, executor, metrics, health, clock, time_phases)

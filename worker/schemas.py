@@ -15,7 +15,8 @@ from typing import Any
 
 import fastavro
 
-from worker.frames import Encoding, Frame, Priority, SourceRef
+from worker.frames import Encoding, Frame, Priority, SourceRef, Verdict
+
 
 def _schema_dir() -> Path:
     """`schemas/` of a source checkout, else the copy a wheel installs under `<prefix>/share/streamfer/`."""
@@ -158,3 +159,37 @@ def decode_result(payload: bytes) -> dict[str, Any]:
     if hasattr(capture, "timestamp"):
         rec["capture_ts_ms"] = int(round(capture.timestamp() * 1000))
     return rec
+
+
+@dataclass(frozen=True)
+class ResultContext:
+    """What every result of this worker carries besides the frame and its verdict."""
+
+    model_name: str
+    model_version: str
+    worker_id: str
+
+
+def build_result(frame: Frame, verdict: Verdict | None, status: str, ctx: ResultContext, queued_ms: float,
+                 batch_size: int, inference_ms: float, now: float) -> bytes:
+    """The encoded moderation result of one frame (verdict None for an EXPIRED frame)."""
+    return encode_result({
+        "stream_id": frame.stream_id,
+        "frame_index": frame.frame_index,
+        "tenant": frame.tenant,
+        "status": status,
+        "model_name": ctx.model_name,
+        "model_version": ctx.model_version,
+        "scores": dict(verdict.scores) if verdict else {},
+        "flagged": verdict.flagged if verdict else False,
+        "flagged_labels": list(verdict.flagged_labels) if verdict else [],
+        "source_topic": frame.source.topic,
+        "source_partition": frame.source.partition,
+        "source_offset": frame.source.offset,
+        "capture_ts_ms": frame.capture_ts_ms,
+        "queued_ms": queued_ms,
+        "batch_size": batch_size,
+        "inference_ms": inference_ms,
+        "end_to_end_ms": max(0.0, now * 1000.0 - frame.capture_ts_ms),
+        "worker_id": ctx.worker_id,
+    })

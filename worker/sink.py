@@ -11,16 +11,19 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 
 from worker.config import ConfigError, Settings
+from worker.errors import StreamferError
 from worker.frames import DeadLetter, SourceRef
 
 log = logging.getLogger(__name__)
 
 DoneCallback = Callable[[SourceRef], None]
+RejectedCallback = Callable[[SourceRef, str], None]
 T = TypeVar("T")
 
 # A transactional call still blocked this long past its own timeout is stuck (librdkafka issues #5456, #5511:
@@ -30,8 +33,23 @@ STUCK_GRACE_S = 5.0
 INIT_TRANSACTIONS_TIMEOUT_S = 120.0
 
 
-class SinkError(RuntimeError):
+# Errors about one message, not the producer: that message can never be produced as it is (it is dead-lettered
+# by reference instead), and the next ones can.
+PER_MESSAGE_ERRORS = frozenset({
+    KafkaError.MSG_SIZE_TOO_LARGE,
+    KafkaError.INVALID_RECORD,
+    KafkaError.RECORD_LIST_TOO_LARGE,
+    KafkaError.INVALID_MSG,
+    KafkaError.INVALID_MSG_SIZE,
+})
+
+
+class SinkError(StreamferError):
     """The producer cannot go on (fatal error, fenced transactional id); the worker must stop and restart."""
+
+
+class MessageRejected(StreamferError):
+    """The client or the broker refuses this one message (too large, invalid record); others still go."""
 
 
 class TransactionStuckError(SinkError):
@@ -39,35 +57,43 @@ class TransactionStuckError(SinkError):
     producer with the same transactional id fences it and aborts its open transaction."""
 
 
+def producer_config(settings: Settings, transactional_id: str | None = None) -> dict[str, Any]:
+    """The worker's librdkafka producer configuration (transactional with an id), then the overrides."""
+    conf: dict[str, Any] = {
+        "bootstrap.servers": settings.kafka.bootstrap_servers,
+        "enable.idempotence": True,
+        "acks": "all",
+        "linger.ms": 2,
+        "client.id": settings.observability.worker_id,
+        # Keep retrying through broker restarts; the frame's offset stays uncommitted meanwhile.
+        "message.timeout.ms": 300_000,
+    }
+    if transactional_id:
+        conf["transactional.id"] = transactional_id
+        # The broker aborts a transaction left open this long. A crashed worker's open transaction holds
+        # back read_committed readers of the results and its partitions' committed offsets until then
+        # (unless a worker with the same id starts first and fences it), so keep it short: a transaction
+        # lasts one loop turn, and a call outliving transaction_call_timeout_ms replaces the producer.
+        # librdkafka requires message.timeout.ms <= transaction.timeout.ms; an aborted transaction is
+        # replayed from the committed offsets, so a shorter timeout loses nothing.
+        txn_timeout_ms = 3 * settings.delivery.transaction_call_timeout_ms
+        conf["transaction.timeout.ms"] = txn_timeout_ms
+        conf["message.timeout.ms"] = txn_timeout_ms
+    conf.update(settings.kafka.producer_overrides)
+    return conf
+
+
 class ResultSink:
     """Produces encoded results and dead letters; reports each source offset as done once acknowledged."""
 
-    def __init__(self, settings: Settings, on_done: DoneCallback, transactional_id: str | None = None) -> None:
-        conf: dict[str, Any] = {
-            "bootstrap.servers": settings.kafka.bootstrap_servers,
-            "enable.idempotence": True,
-            "acks": "all",
-            "linger.ms": 2,
-            "client.id": settings.observability.worker_id,
-            # Keep retrying through broker restarts; the frame's offset stays uncommitted meanwhile.
-            "message.timeout.ms": 300_000,
-        }
-        if transactional_id:
-            conf["transactional.id"] = transactional_id
-            # The broker aborts a transaction left open this long. A crashed worker's open transaction holds
-            # back read_committed readers of the results and its partitions' committed offsets until then
-            # (unless a worker with the same id starts first and fences it), so keep it short: a transaction
-            # lasts one loop turn, and a call outliving transaction_call_timeout_ms replaces the producer.
-            # librdkafka requires message.timeout.ms <= transaction.timeout.ms; an aborted transaction is
-            # replayed from the committed offsets, so a shorter timeout loses nothing.
-            txn_timeout_ms = 3 * settings.delivery.transaction_call_timeout_ms
-            conf["transaction.timeout.ms"] = txn_timeout_ms
-            conf["message.timeout.ms"] = txn_timeout_ms
-        conf.update(settings.kafka.producer_overrides)
+    def __init__(self, settings: Settings, on_done: DoneCallback, on_rejected: RejectedCallback,
+                 transactional_id: str | None = None) -> None:
+        conf = producer_config(settings, transactional_id)
         self._results_topic = settings.topics.results
         self._dlq_topic = settings.topics.dead_letter
         self._worker_id = settings.observability.worker_id
         self._on_done = on_done
+        self._on_rejected = on_rejected
         try:
             self._producer = Producer(conf, logger=log)
         except KafkaException as exc:
@@ -80,7 +106,7 @@ class ResultSink:
         self.fatal_error: str | None = None
         # Set when a transactional call got stuck: the producer is abandoned, never flushed or closed.
         self.stuck = False
-        self._calls: "queue.SimpleQueue[Any] | None" = None  # the transactional call thread's queue
+        self._calls: queue.SimpleQueue[Any] | None = None  # the transactional call thread's queue
         if self.transactional:
             self._init_transactions()
 
@@ -108,6 +134,11 @@ class ResultSink:
             if err.fatal():
                 self.fatal_error = f"fatal producer error delivering {source}: {err.str()}"
                 return
+            if err.code() in PER_MESSAGE_ERRORS:
+                # Producing it again would fail again: the caller replaces it (in exactly-once, after the
+                # transaction that held it aborts).
+                self._on_rejected(source, f"{topic} refused it: {err.str()}")
+                return
             if self.transactional:
                 # The transaction's commit fails too; its abort path rewinds the consumer to read it again.
                 log.warning("delivery of %s in a transaction failed: %s", source, err.str())
@@ -124,6 +155,13 @@ class ResultSink:
             except BufferError:
                 # Local queue full: serve delivery reports to make room (backpressure, not loss).
                 self._producer.poll(0.05)
+            except KafkaException as exc:
+                err = exc.args[0]
+                if err.code() in PER_MESSAGE_ERRORS:
+                    raise MessageRejected(f"{topic} cannot take the message for {source.topic}/"
+                                          f"{source.partition}@{source.offset} ({len(value)} bytes): {err.str()}",
+                                          setting="kafka.producer_overrides (message.max.bytes)") from None
+                raise SinkError(f"producing to {topic} failed: {err.str()}") from exc
 
     def poll(self, timeout_s: float = 0.0) -> int:
         """Serve delivery callbacks."""
@@ -213,7 +251,7 @@ class ResultSink:
         return box.get("result")  # type: ignore[return-value]
 
     @staticmethod
-    def _serve_calls(calls: "queue.SimpleQueue[Any]") -> None:
+    def _serve_calls(calls: queue.SimpleQueue[Any]) -> None:
         while True:
             item = calls.get()
             if item is None:

@@ -6,12 +6,22 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
-from confluent_kafka import OFFSET_BEGINNING, OFFSET_INVALID, Consumer, KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    OFFSET_INVALID,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    TopicPartition,
+)
 
+from worker.assignment import Assignments
 from worker.config import ConfigError, Settings
+from worker.errors import StreamferError
 from worker.frames import DeadLetter, Frame, Priority, SourceRef
 from worker.schemas import MessageDecodeError, decode_frame
 
@@ -20,7 +30,7 @@ log = logging.getLogger(__name__)
 TP = tuple[str, int]
 
 
-class SourceError(RuntimeError):
+class SourceError(StreamferError):
     """The consumer hit an error it cannot continue from (bad config, fatal broker error)."""
 
 
@@ -37,30 +47,37 @@ class Polled:
 RebalanceHandler = Callable[[list[TP]], None]
 
 
+def consumer_config(settings: Settings) -> dict[str, object]:
+    """The worker's librdkafka consumer configuration: what its delivery guarantees rest on, then the overrides."""
+    k = settings.kafka
+    conf: dict[str, object] = {
+        "bootstrap.servers": k.bootstrap_servers,
+        "group.id": k.group_id,
+        "enable.auto.commit": False,
+        "enable.auto.offset.store": False,
+        "auto.offset.reset": "earliest",
+        "partition.assignment.strategy": "cooperative-sticky",
+        "session.timeout.ms": k.session_timeout_ms,
+        "max.poll.interval.ms": k.max_poll_interval_ms,
+        # Producers may write frames transactionally; never feed aborted frames to the model.
+        "isolation.level": "read_committed",
+        "client.id": settings.observability.worker_id,
+    }
+    if k.group_instance_id:
+        conf["group.instance.id"] = k.group_instance_id
+    conf.update(k.consumer_overrides)
+    return conf
+
+
 class FrameSource:
     """Consumes frames from the input topics; each message becomes a Frame or a DeadLetter, never vanishes."""
 
     def __init__(self, settings: Settings, clock: Callable[[], float] = time.time,
-                 on_commit_done: Callable[[list[TP], str | None], None] | None = None) -> None:
-        k = settings.kafka
-        conf: dict[str, object] = {
-            "bootstrap.servers": k.bootstrap_servers,
-            "group.id": k.group_id,
-            "enable.auto.commit": False,
-            "enable.auto.offset.store": False,
-            "auto.offset.reset": "earliest",
-            "partition.assignment.strategy": "cooperative-sticky",
-            "session.timeout.ms": k.session_timeout_ms,
-            "max.poll.interval.ms": k.max_poll_interval_ms,
-            # Producers may write frames transactionally; never feed aborted frames to the model.
-            "isolation.level": "read_committed",
-            "client.id": settings.observability.worker_id,
-        }
-        if k.group_instance_id:
-            conf["group.instance.id"] = k.group_instance_id
-        if on_commit_done is not None:
-            conf["on_commit"] = lambda err, parts: _report_commit(err, parts, on_commit_done)
-        conf.update(k.consumer_overrides)
+                 assignments: Assignments | None = None) -> None:
+        conf = consumer_config(settings)
+        # The outcome of every commit (asynchronous ones are served by a later poll) goes to `on_commit_done`.
+        self.on_commit_done: Callable[[list[TP], str | None], None] | None = None
+        conf["on_commit"] = self._commit_reported
         self._topics = settings.topics.input_topics()
         self._clock = clock
         try:
@@ -68,7 +85,8 @@ class FrameSource:
         except KafkaException as exc:
             raise ConfigError([f"kafka.consumer_overrides / kafka settings: librdkafka rejected the consumer "
                                f"configuration: {exc.args[0].str()}"]) from None
-        self._assigned: set[TP] = set()
+        # The partitions owned and their epochs, shared with the pipeline and delivery.
+        self.assignments = assignments if assignments is not None else Assignments()
         self._paused_classes: set[Priority] = set()
         self._paused: set[TP] = set()
         # Partitions revoked or lost while a poll() was consuming: its messages of them are suspect.
@@ -82,7 +100,7 @@ class FrameSource:
 
         def assigned(consumer: Consumer, partitions: list[TopicPartition]) -> None:
             tps = [(p.topic, p.partition) for p in partitions]
-            self._assigned.update(tps)
+            self.assignments.assign(tps)
             for tp in tps:
                 self._next_offset.pop(tp, None)
             on_assign(tps)
@@ -103,15 +121,15 @@ class FrameSource:
 
         self._consumer.subscribe(list(self._topics), on_assign=assigned, on_revoke=revoked, on_lost=lost)
 
-    def _forget(self, tps: Iterable[TP]) -> None:
+    def _forget(self, tps: list[TP]) -> None:
+        self.assignments.release(tps)
         for tp in tps:
-            self._assigned.discard(tp)
             self._paused.discard(tp)
             self._next_offset.pop(tp, None)
 
     @property
     def assignment(self) -> frozenset[TP]:
-        return frozenset(self._assigned)
+        return self.assignments.partitions
 
     def priority_of(self, topic: str) -> Priority:
         return self._topics[topic]
@@ -137,10 +155,11 @@ class FrameSource:
             if err is not None:
                 self._handle_error(err)
                 continue
-            source = SourceRef(msg.topic(), msg.partition(), msg.offset())
-            tp = source.topic_partition
-            if tp not in self._assigned:
+            tp = (msg.topic(), msg.partition())
+            epoch = self.assignments.epoch(tp)
+            if epoch is None:
                 continue  # fetched before a rebalance served inside this poll took the partition away
+            source = SourceRef(tp[0], tp[1], msg.offset(), epoch)
             # librdkafka can rewind a partition it was not asked to (seen once in 18 exactly-once SIGKILL runs,
             # right after an assignment, with pauses and resumes) and deliver offsets it already delivered;
             # they are in the pipeline already, and a second copy would get a second result.
@@ -179,7 +198,7 @@ class FrameSource:
                 dropped[tp] = dropped.get(tp, 0) + 1
                 continue
             kept.append(msg)
-        reread = sorted(tp for tp in dropped if tp in self._assigned)
+        reread = sorted(tp for tp in dropped if tp in self.assignments)
         if dropped:
             log.info("dropped %d messages read across a rebalance of %s; re-reading %s from the committed offsets",
                      sum(dropped.values()), sorted(dropped), reread)
@@ -204,7 +223,7 @@ class FrameSource:
             self._apply_pauses()
 
     def _apply_pauses(self) -> None:
-        want = {tp for tp in self._assigned if self._topics[tp[0]] in self._paused_classes}
+        want = {tp for tp in self.assignments.partitions if self._topics[tp[0]] in self._paused_classes}
         to_pause = want - self._paused
         to_resume = self._paused - want
         if to_pause:
@@ -222,7 +241,7 @@ class FrameSource:
         """Commit offsets of partitions still assigned (a revoked one belongs to someone else).
 
         Asynchronous commits report their outcome through `on_commit_done` (served by a later poll)."""
-        offsets = [TopicPartition(t, p, o) for (t, p), o in points.items() if (t, p) in self._assigned]
+        offsets = [TopicPartition(t, p, o) for (t, p), o in points.items() if (t, p) in self.assignments]
         if not offsets:
             return
         if asynchronous:
@@ -243,8 +262,9 @@ class FrameSource:
         Broker calls: for deciding to exit when idle, not for the loop. False while a committed offset cannot
         be read yet (a dead exactly-once member's transaction still holds it until the broker aborts it)."""
         try:
-            committed = self.committed(sorted(self._assigned), timeout_s)
-            for t, p in self._assigned:
+            assigned = sorted(self.assignments.partitions)
+            committed = self.committed(assigned, timeout_s)
+            for t, p in assigned:
                 low, high = self._consumer.get_watermark_offsets(TopicPartition(t, p), timeout=timeout_s,
                                                                  cached=False)
                 if committed.get((t, p), low) < high:
@@ -267,9 +287,9 @@ class FrameSource:
     def lag(self) -> dict[TP, int]:
         """High watermark minus position per assigned partition, from cached watermarks (no broker call)."""
         out: dict[TP, int] = {}
-        if not self._assigned:
+        if not self.assignments.partitions:
             return out
-        positions = self._consumer.position([TopicPartition(t, p) for t, p in self._assigned])
+        positions = self._consumer.position([TopicPartition(t, p) for t, p in self.assignments.partitions])
         for tp in positions:
             try:
                 _low, high = self._consumer.get_watermark_offsets(TopicPartition(tp.topic, tp.partition), cached=True)
@@ -284,11 +304,15 @@ class FrameSource:
         self._consumer.close()
 
 
-def _report_commit(err: KafkaError | None, partitions: list[TopicPartition],
-                   on_done: Callable[[list[TP], str | None], None]) -> None:
+    def _commit_reported(self, err: KafkaError | None, partitions: list[TopicPartition]) -> None:
+        if self.on_commit_done is not None:
+            self.on_commit_done(*_commit_outcome(err, partitions))
+
+
+def _commit_outcome(err: KafkaError | None, partitions: list[TopicPartition]) -> tuple[list[TP], str | None]:
     """Adapt librdkafka's commit callback: the failed partitions and why, or ([], None) on success."""
     failed = [(p.topic, p.partition) for p in partitions if err is not None or p.error is not None]
     reason = None
     if failed:
         reason = err.str() if err is not None else "; ".join(p.error.str() for p in partitions if p.error)
-    on_done(failed, reason)
+    return failed, reason

@@ -19,13 +19,8 @@ import model_factories  # noqa: E402
 from model_factories import jpeg_frame, raw_frame  # noqa: E402
 
 from worker.config import ConfigError, ModelSettings, RuntimeSettings  # noqa: E402
-from worker.runtime import (  # noqa: E402
-    DECODE_ERROR,
-    MODEL_ERROR,
-    NON_FINITE_OUTPUT,
-    InferenceExecutor,
-    build_builtin_model,
-)
+from worker.frames import DECODE_ERROR, MODEL_ERROR, NON_FINITE_OUTPUT  # noqa: E402
+from worker.runtime import InferenceExecutor, build_builtin_model  # noqa: E402
 from worker.runtime.models import ModelContract  # noqa: E402
 from worker.runtime.runners import EagerRunner  # noqa: E402
 

@@ -58,7 +58,8 @@ def producer(monkeypatch: pytest.MonkeyPatch):
 
 
 def transactional_sink() -> ResultSink:
-    return ResultSink(Settings(), on_done=lambda source: None, transactional_id="streamfer-w0")
+    return ResultSink(Settings(), on_done=lambda source: None, on_rejected=lambda source, reason: None,
+                      transactional_id="streamfer-w0")
 
 
 def test_a_call_blocked_past_its_timeout_raises_instead_of_hanging(producer: FakeProducer) -> None:

@@ -11,46 +11,19 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
 
 from worker.config import ConfigError, ModelSettings, RuntimeSettings
-from worker.frames import Frame, Verdict
+from worker.frames import DECODE_ERROR, MODEL_ERROR, NON_FINITE_OUTPUT, BatchOutcome, Frame, FrameFailure
 from worker.runtime.models import ModelContract, load_model
 from worker.runtime.preprocess import HostBatch, Preprocessor, stage_to_device
 from worker.runtime.runners import EagerRunner, RunResult, make_runner
 
 log = logging.getLogger(__name__)
-
-# FrameFailure.error_type values (they become the dead letter's error_type).
-DECODE_ERROR = "FrameDecodeError"
-MODEL_ERROR = "ModelError"
-NON_FINITE_OUTPUT = "NonFiniteOutput"
-
-
-@dataclass(frozen=True)
-class FrameFailure:
-    """A frame dead-lettered instead of run, with why."""
-
-    frame: Frame
-    reason: str
-    error_type: str
-
-
-@dataclass(frozen=True)
-class BatchOutcome:
-    verdicts: list[tuple[Frame, Verdict]]  # frames that ran, in batch order
-    failures: list[FrameFailure]  # undecodable frames, then frames the model failed on or scored NaN/inf
-    batch_size: int  # frames the model ran on (the decodable ones)
-    preprocess_ms: float
-    inference_ms: float
-    started_at: float  # time.time() when the batch started preprocessing
-    bucket: int  # padded batch size executed (the CUDA-graph bucket; == batch_size in eager; 1 after a retry)
-    used_graph: bool
-
 
 @dataclass
 class _Slot:
@@ -99,7 +72,7 @@ class InferenceExecutor:
         self._closed = False
 
     @classmethod
-    def from_settings(cls, model: ModelSettings, runtime: RuntimeSettings) -> "InferenceExecutor":
+    def from_settings(cls, model: ModelSettings, runtime: RuntimeSettings) -> InferenceExecutor:
         """Resolve devices, load and validate the model on each, and build one runner per device."""
         plan = _resolve(runtime)
         if runtime.torch_threads > 0:
@@ -160,7 +133,7 @@ class InferenceExecutor:
             slot.thread.shutdown(wait=True)
         self._prep_pool.shutdown(wait=True)
 
-    def __enter__(self) -> "InferenceExecutor":
+    def __enter__(self) -> InferenceExecutor:
         return self
 
     def __exit__(self, *exc: object) -> None:

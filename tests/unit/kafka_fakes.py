@@ -1,0 +1,313 @@
+"""In-memory stand-ins for librdkafka's Consumer and Producer, and a runtime that scores on demand, so the real
+FrameSource, ResultSink, delivery and Pipeline run together in a unit test without a broker.
+
+The consumer is a tiny log: partitions hold messages, the group holds committed offsets, and rebalance
+callbacks run inside `consume()` as librdkafka runs them, optionally between messages of the same call. The
+producer keeps what a read_committed reader would see (`visible`) apart from what was merely sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from confluent_kafka import OFFSET_BEGINNING, OFFSET_INVALID, KafkaError, KafkaException, TopicPartition
+
+from worker.frames import BatchOutcome, Encoding, Frame, Priority, Verdict
+from worker.schemas import FrameRecord, encode_frame
+
+TP = tuple[str, int]
+
+
+def frame_value(stream: str, index: int, tenant: str = "t", side: int = 2) -> bytes:
+    return encode_frame(FrameRecord(stream_id=stream, frame_index=index, capture_ts_ms=1_000_000, tenant=tenant,
+                                    priority=Priority.REALTIME, width=side, height=side, channels=3,
+                                    encoding=Encoding.RAW_RGB8, data=bytes(side * side * 3)))
+
+
+@dataclass
+class FakeMessage:
+    _topic: str
+    _partition: int
+    _offset: int
+    _value: bytes
+    _key: bytes | None = b"s"
+    _error: KafkaError | None = None
+    _headers: list[tuple[str, bytes]] | None = None
+
+    def topic(self) -> str:
+        return self._topic
+
+    def partition(self) -> int:
+        return self._partition
+
+    def offset(self) -> int:
+        return self._offset
+
+    def value(self) -> bytes:
+        return self._value
+
+    def key(self) -> bytes | None:
+        return self._key
+
+    def headers(self) -> list[tuple[str, bytes]] | None:
+        return self._headers
+
+    def error(self) -> KafkaError | None:
+        return self._error
+
+
+@dataclass
+class FakeConsumer:
+    """A consumer of an in-memory log. `rebalance(...)` queues callbacks for the next consume() call; `script`
+    gives one call's exact interleaving of messages and callbacks."""
+
+    conf: dict[str, Any]
+    log: dict[TP, list[bytes]] = field(default_factory=dict)
+    group_committed: dict[TP, int] = field(default_factory=dict)
+    position_of: dict[TP, int] = field(default_factory=dict)
+    paused: set[TP] = field(default_factory=set)
+    callbacks: dict[str, Callable[..., None]] = field(default_factory=dict)
+    queued_events: list[tuple[str, list[TP]]] = field(default_factory=list)
+    script: list[tuple[str, Any]] = field(default_factory=list)
+    commit_history: list[dict[TP, int]] = field(default_factory=list)
+    seeks: list[tuple[TP, int]] = field(default_factory=list)
+    _commit_reports: list[tuple[KafkaError | None, list[TopicPartition]]] = field(default_factory=list)
+
+    # -- test controls --
+    def append(self, tp: TP, *values: bytes) -> None:
+        self.log.setdefault(tp, []).extend(values)
+
+    def rebalance(self, kind: str, tps: list[TP]) -> None:
+        self.queued_events.append((kind, tps))
+
+    # -- the Consumer API FrameSource uses --
+    def subscribe(self, topics: list[str], on_assign: Callable[..., None], on_revoke: Callable[..., None],
+                  on_lost: Callable[..., None]) -> None:
+        self.callbacks = {"assign": on_assign, "revoke": on_revoke, "lost": on_lost}
+
+    def _run_event(self, kind: str, tps: list[TP]) -> None:
+        if kind == "assign":
+            for tp in tps:
+                self.position_of[tp] = self.group_committed.get(tp, 0)
+        self.callbacks[kind](self, [TopicPartition(t, p) for t, p in tps])
+        if kind != "assign":
+            for tp in tps:
+                self.position_of.pop(tp, None)
+                self.paused.discard(tp)
+
+    def _take(self, n: int) -> list[FakeMessage]:
+        out: list[FakeMessage] = []
+        for tp in sorted(self.position_of):
+            if tp in self.paused:
+                continue
+            values = self.log.get(tp, [])
+            while len(out) < n and self.position_of[tp] < len(values):
+                offset = self.position_of[tp]
+                out.append(FakeMessage(tp[0], tp[1], offset, values[offset]))
+                self.position_of[tp] = offset + 1
+        return out
+
+    def consume(self, num_messages: int, timeout: float) -> list[FakeMessage]:
+        self._serve_commit_reports()
+        out: list[FakeMessage] = []
+        if self.script:
+            script, self.script = self.script, []
+            for kind, arg in script:
+                if kind == "messages":
+                    out += self._take(arg)
+                else:
+                    self._run_event(kind, arg)
+            return out
+        while self.queued_events:
+            self._run_event(*self.queued_events.pop(0))
+        return self._take(num_messages)
+
+    def pause(self, partitions: list[TopicPartition]) -> None:
+        self.paused.update((p.topic, p.partition) for p in partitions)
+
+    def resume(self, partitions: list[TopicPartition]) -> None:
+        self.paused.difference_update((p.topic, p.partition) for p in partitions)
+
+    def commit(self, offsets: list[TopicPartition], asynchronous: bool = True) -> list[TopicPartition] | None:
+        points = {(o.topic, o.partition): o.offset for o in offsets}
+        self.commit_history.append(points)
+        self.group_committed.update(points)
+        if asynchronous:
+            self._commit_reports.append((None, offsets))
+            return None
+        cb = self.conf.get("on_commit")
+        if cb is not None:
+            cb(None, offsets)
+        return offsets
+
+    def _serve_commit_reports(self) -> None:
+        cb = self.conf.get("on_commit")
+        reports, self._commit_reports = self._commit_reports, []
+        for err, offsets in reports:
+            if cb is not None:
+                cb(err, offsets)
+
+    def committed(self, partitions: list[TopicPartition], timeout: float) -> list[TopicPartition]:
+        return [TopicPartition(p.topic, p.partition, self.group_committed.get((p.topic, p.partition), OFFSET_INVALID))
+                for p in partitions]
+
+    def seek(self, tp: TopicPartition) -> None:
+        offset = 0 if tp.offset == OFFSET_BEGINNING else tp.offset
+        self.seeks.append(((tp.topic, tp.partition), offset))
+        self.position_of[(tp.topic, tp.partition)] = offset
+
+    def position(self, partitions: list[TopicPartition]) -> list[TopicPartition]:
+        return [TopicPartition(p.topic, p.partition, self.position_of.get((p.topic, p.partition), -1))
+                for p in partitions]
+
+    def get_watermark_offsets(self, tp: TopicPartition, timeout: float = 1.0, cached: bool = False) -> tuple[int, int]:
+        return 0, len(self.log.get((tp.topic, tp.partition), []))
+
+    def consumer_group_metadata(self) -> object:
+        return "group-metadata"
+
+    def close(self) -> None:
+        for tp in sorted(self.position_of):
+            self.group_committed.setdefault(tp, self.group_committed.get(tp, 0))
+
+
+@dataclass
+class Produced:
+    topic: str
+    key: bytes | None
+    value: bytes
+    headers: dict[str, str]
+
+
+@dataclass
+class FakeProducer:
+    """A producer whose delivery reports arrive on poll()/flush(). Transactional when the conf says so: messages
+    become `visible` (to a read_committed reader) only when their transaction commits."""
+
+    conf: dict[str, Any]
+    max_message_bytes: int = 1_000_000
+    # The group's committed offsets (the consumer's): a committed transaction's offsets land there.
+    group: dict[TP, int] | None = None
+    visible: list[Produced] = field(default_factory=list)
+    committed_offsets: list[dict[TP, int]] = field(default_factory=list)
+    pending_reports: list[tuple[Callable[..., None], Produced]] = field(default_factory=list)
+    # Broker-side refusals: a delivery report error for messages matching the predicate.
+    refuse: Callable[[Produced], KafkaError | None] = lambda produced: None
+    commit_errors: list[KafkaError] = field(default_factory=list)
+    block_send_offsets: bool = False
+    calls: list[str] = field(default_factory=list)
+    _transaction: list[Produced] = field(default_factory=list)
+    _transaction_offsets: dict[TP, int] = field(default_factory=dict)
+    _transaction_failed: bool = False
+
+    @property
+    def transactional(self) -> bool:
+        return "transactional.id" in self.conf
+
+    def produce(self, topic: str, value: bytes, key: bytes | None = None,
+                headers: list[tuple[str, bytes]] | None = None, on_delivery: Callable[..., None] | None = None) -> None:
+        if len(value) > self.max_message_bytes:
+            raise KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE))
+        produced = Produced(topic, key, value, {k: v.decode() for k, v in (headers or [])})
+        assert on_delivery is not None
+        self.pending_reports.append((on_delivery, produced))
+        if self.transactional:
+            self._transaction.append(produced)
+
+    def poll(self, timeout: float = 0.0) -> int:
+        reports, self.pending_reports = self.pending_reports, []
+        for callback, produced in reports:
+            err = self.refuse(produced)
+            if err is None and not self.transactional:
+                self.visible.append(produced)
+            elif err is not None and self.transactional:
+                self._transaction_failed = True
+            callback(err, produced)
+        return len(reports)
+
+    def flush(self, timeout: float = 0.0) -> int:
+        self.poll(0)
+        return 0
+
+    def __len__(self) -> int:
+        return len(self.pending_reports)
+
+    # -- transactions --
+    def init_transactions(self, timeout: float) -> None:
+        self.calls.append("init")
+
+    def begin_transaction(self) -> None:
+        self.calls.append("begin")
+        self._transaction, self._transaction_offsets, self._transaction_failed = [], {}, False
+
+    def send_offsets_to_transaction(self, offsets: list[TopicPartition], metadata: object, timeout: float) -> None:
+        self.calls.append("send_offsets")
+        if self.block_send_offsets:
+            import threading
+
+            threading.Event().wait()  # as librdkafka does when its coordinator request is never re-triggered
+        self._transaction_offsets = {(o.topic, o.partition): o.offset for o in offsets}
+
+    def commit_transaction(self, timeout: float) -> None:
+        self.calls.append("commit")
+        self.poll(0)
+        if self.commit_errors:
+            raise KafkaException(self.commit_errors.pop(0))
+        if self._transaction_failed:
+            raise KafkaException(KafkaError(KafkaError._STATE, "a message of the transaction failed",
+                                            txn_requires_abort=True))
+        self.visible.extend(self._transaction)
+        self.committed_offsets.append(dict(self._transaction_offsets))
+        if self.group is not None:
+            self.group.update(self._transaction_offsets)
+        self._transaction = []
+
+    def abort_transaction(self, timeout: float) -> None:
+        self.calls.append("abort")
+        self._transaction = []
+
+
+def abortable(reason: str = "injected") -> KafkaError:
+    return KafkaError(KafkaError._STATE, reason, txn_requires_abort=True)
+
+
+class FakeExecutor:
+    """Scores every frame `scores` at once, or holds batches until `release()` when `hold` is set."""
+
+    preferred_batch_sizes: tuple[int, ...] = ()
+    model_name = "fake"
+    model_version = "1"
+
+    def __init__(self, hold: bool = False) -> None:
+        self.hold = hold
+        self.held: list[tuple[list[Frame], Future[BatchOutcome]]] = []
+        self.batches: list[list[Frame]] = []
+
+    def submit(self, frames: Any, shape: tuple[int, int, int]) -> Future[BatchOutcome]:
+        frames = list(frames)
+        self.batches.append(frames)
+        future: Future[BatchOutcome] = Future()
+        if self.hold:
+            self.held.append((frames, future))
+        else:
+            future.set_result(outcome(frames))
+        return future
+
+    def release(self, predicate: Callable[[Frame], bool] = lambda f: True) -> None:
+        """Finish the held batches that contain a frame matching `predicate`."""
+        still: list[tuple[list[Frame], Future[BatchOutcome]]] = []
+        for frames, future in self.held:
+            if any(predicate(f) for f in frames):
+                future.set_result(outcome(frames))
+            else:
+                still.append((frames, future))
+        self.held = still
+
+
+def outcome(frames: list[Frame]) -> BatchOutcome:
+    return BatchOutcome(verdicts=[(f, Verdict({"nudity": 0.1}, ())) for f in frames], failures=[],
+                        batch_size=len(frames), preprocess_ms=1.0, inference_ms=1.0, started_at=0.0, bucket=len(frames),
+                        used_graph=False)

@@ -1,0 +1,358 @@
+"""The worker loop with its real parts (FrameSource, ResultSink, delivery, batcher, offset tracker) over
+in-memory Kafka fakes and a fake clock: each test is one delivery guarantee, deterministic, no broker.
+
+Several guard a bug the fault suite once found only in a few SIGKILL runs of many (docs/reliability.md,
+"Worker bugs the suite found"); the test names the bug number."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from confluent_kafka import KafkaError
+
+
+import worker.sink as sink_module
+import worker.source as source_module
+from worker.config import BatchingSettings, DeliverySettings, ObservabilitySettings, Settings
+from worker.delivery import OUTPUT_REJECTED
+from worker.metrics import Health, Metrics
+from worker.pipeline import Pipeline, build_pipeline
+from worker.schemas import decode_result
+
+from .kafka_fakes import FakeConsumer, FakeExecutor, FakeProducer, Produced, abortable, frame_value
+
+BULK = Settings().topics.bulk
+P0 = (BULK, 0)
+P1 = (BULK, 1)
+STEP_S = 0.2  # past bulk's max_wait_ms: every step releases what is pending
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class World:
+    """A pipeline over fakes; `consumer` is the group's view, `producers` every producer created, in order."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, mode: str = "at_least_once", hold: bool = False) -> None:
+        self.settings = Settings(batching=BatchingSettings(rare_shape_min_count=1, max_batch_size=4),
+                                 delivery=DeliverySettings(mode=mode, max_inflight_batches=4,
+                                                           transaction_call_timeout_ms=1_000),
+                                 observability=ObservabilitySettings(worker_id="w0", metrics_enabled=False))
+        self.consumer: FakeConsumer | None = None
+        self.producers: list[FakeProducer] = []
+        self.max_message_bytes = 1_000_000
+        self.apply_txn = True  # committed transactions move the group's offsets (as the broker does)
+
+        def consumer(conf: dict[str, Any], logger: Any = None) -> FakeConsumer:
+            self.consumer = FakeConsumer(conf)
+            return self.consumer
+
+        def producer(conf: dict[str, Any], logger: Any = None) -> FakeProducer:
+            made = FakeProducer(conf, max_message_bytes=self.max_message_bytes,
+                                group=self.consumer.group_committed if self.consumer and self.apply_txn else None)
+            self.producers.append(made)
+            return made
+
+        monkeypatch.setattr(source_module, "Consumer", consumer)
+        monkeypatch.setattr(sink_module, "Producer", producer)
+        monkeypatch.setattr(sink_module, "STUCK_GRACE_S", 0.05)
+        self.clock = Clock()
+        self.executor = FakeExecutor(hold=hold)
+        self.health = Health()
+        self.pipeline: Pipeline = build_pipeline(self.settings, self.executor, Metrics(), self.health, self.clock)
+        assert self.consumer is not None
+        self.pipeline.source.subscribe(self.pipeline._on_assign, self.pipeline._on_revoke, self.pipeline._on_lost)
+
+    @property
+    def kafka(self) -> FakeConsumer:
+        assert self.consumer is not None
+        return self.consumer
+
+    @property
+    def producer(self) -> FakeProducer:
+        return self.producers[-1]
+
+    def frames(self, tp: tuple[str, int], count: int, start: int = 0) -> None:
+        self.kafka.append(tp, *(frame_value(f"s{tp[1]}", start + i) for i in range(count)))
+
+    def step(self, turns: int = 1) -> None:
+        for _ in range(turns):
+            self.clock.now += STEP_S
+            self.pipeline.step()
+
+    def results(self) -> list[tuple[str, int, int]]:
+        """(topic, partition, offset) of every result a read_committed reader sees, over all producers."""
+        out = []
+        for p in self.producers:
+            for m in p.visible:
+                if m.topic == self.settings.topics.results:
+                    r = decode_result(m.value)
+                    out.append((r["source_topic"], r["source_partition"], r["source_offset"]))
+        return out
+
+    def dead_letters(self) -> list[Produced]:
+        return [m for p in self.producers for m in p.visible if m.topic == self.settings.topics.dead_letter]
+
+    def committed(self, tp: tuple[str, int]) -> int | None:
+        if self.pipeline.settings.delivery.mode == "exactly_once":
+            points = [c[tp] for p in self.producers for c in p.committed_offsets if tp in c]
+            return points[-1] if points else None
+        return self.kafka.group_committed.get(tp)
+
+
+def offsets(results: list[tuple[str, int, int]], tp: tuple[str, int]) -> list[int]:
+    return sorted(o for t, p, o in results if (t, p) == tp)
+
+
+# -- commit points ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["at_least_once", "exactly_once"])
+def test_every_frame_gets_one_result_and_the_commit_reaches_the_end(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    w = World(monkeypatch, mode)
+    w.frames(P0, 6)
+    w.kafka.rebalance("assign", [P0])
+    w.step(6)
+    assert offsets(w.results(), P0) == [0, 1, 2, 3, 4, 5]
+    assert w.committed(P0) == 6
+
+
+def test_bug2_exactly_once_never_commits_an_output_beyond_its_partitions_commit_point(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    w = World(monkeypatch, "exactly_once", hold=True)
+    # Offset 1 is not a frame: its dead letter is ready at once, while offset 0 is still running.
+    w.kafka.append(P0, frame_value("s", 0), b"not a frame", frame_value("s", 2))
+    w.kafka.rebalance("assign", [P0])
+    w.step(4)
+    assert w.dead_letters() == []  # beyond the commit point (0): held back, not committed
+    assert (w.committed(P0) or 0) == 0
+    w.executor.release()
+    w.step(2)
+    assert offsets(w.results(), P0) == [0, 2]
+    assert [d.headers["streamfer.source_offset"] for d in w.dead_letters()] == ["1"]
+    assert w.committed(P0) == 3
+
+
+def test_at_least_once_commit_stays_below_an_unfinished_frame(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = World(monkeypatch, "at_least_once", hold=True)
+    w.kafka.append(P0, frame_value("s", 0), b"not a frame", frame_value("s", 2))
+    w.kafka.rebalance("assign", [P0])
+    w.step(4)
+    assert len(w.dead_letters()) == 1  # produced and acknowledged ...
+    assert (w.committed(P0) or 0) == 0  # ... but offset 0 is not done: nothing past it may be committed
+    w.executor.release()
+    w.step(2)
+    assert offsets(w.results(), P0) == [0, 2]
+    assert w.committed(P0) == 3
+
+
+# -- stale work ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["at_least_once", "exactly_once"])
+def test_bug3_outputs_of_a_lost_partition_are_dropped(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    w = World(monkeypatch, mode, hold=True)
+    w.frames(P0, 2)
+    w.frames(P1, 2)
+    w.kafka.rebalance("assign", [P0, P1])
+    w.step()
+    w.kafka.rebalance("lost", [P0])
+    w.step()
+    w.executor.release()
+    w.step(3)
+    assert offsets(w.results(), P0) == []
+    assert offsets(w.results(), P1) == [0, 1]
+    assert (w.committed(P0) or 0) == 0
+
+
+def test_outputs_of_a_lost_partition_are_dropped_even_when_it_comes_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = World(monkeypatch, "exactly_once", hold=True)
+    w.frames(P0, 2)
+    w.kafka.rebalance("assign", [P0])
+    w.step()
+    w.kafka.rebalance("lost", [P0])
+    w.kafka.rebalance("assign", [P0])  # back to us before the old batch finishes: a new epoch
+    w.step()
+    w.executor.release()
+    w.step(4)
+    w.executor.release()
+    w.step(3)
+    assert offsets(w.results(), P0) == [0, 1]  # once each: the old epoch's outputs were dropped
+
+
+@pytest.mark.parametrize("mode", ["at_least_once", "exactly_once"])
+def test_bug9_a_partition_revoked_and_reassigned_inside_one_poll_is_reread_from_its_commit_never_twice(
+        monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    w = World(monkeypatch, mode)
+    w.frames(P0, 3)
+    w.kafka.rebalance("assign", [P0])
+    w.step(3)
+    w.frames(P0, 3, start=3)
+    # One consume() call: messages 3-4 fetched, then revoke + re-assign from the committed offset 3, then 3-5.
+    w.kafka.script = [("messages", 2), ("revoke", [P0]), ("assign", [P0]), ("messages", 3)]
+    w.step(4)
+    assert offsets(w.results(), P0) == [0, 1, 2, 3, 4, 5]
+    assert w.committed(P0) == 6
+
+
+def test_bug9_a_partition_lost_and_reassigned_inside_one_poll_loses_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = World(monkeypatch, "exactly_once", hold=True)
+    w.kafka.group_committed[P0] = 3
+    w.frames(P0, 7)
+    w.kafka.script = [("assign", [P0]), ("messages", 2)]  # reads 3, 4
+    w.step()
+    # One consume() call: 5, 6 fetched ahead, the partition lost and assigned back (from 3), then 3..6 again.
+    w.kafka.script = [("messages", 2), ("lost", [P0]), ("assign", [P0]), ("messages", 4)]
+    w.step()
+    for _ in range(4):
+        w.executor.release()
+        w.step(2)
+    assert offsets(w.results(), P0) == [3, 4, 5, 6]
+    assert w.committed(P0) == 7
+
+
+def test_revoked_partitions_are_finished_delivered_and_committed_before_they_go(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    w = World(monkeypatch, "at_least_once")
+    w.frames(P0, 3)
+    w.kafka.rebalance("assign", [P0])
+    w.step()  # 0..2 read
+    w.kafka.rebalance("revoke", [P0])
+    w.step()  # dispatched, then revoked inside the poll
+    assert offsets(w.results(), P0) == [0, 1, 2]
+    assert w.committed(P0) == 3
+
+
+def test_bug11_offsets_the_consumer_delivers_again_within_an_assignment_are_dropped(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    w = World(monkeypatch, "exactly_once")
+    w.frames(P0, 4)
+    w.kafka.rebalance("assign", [P0])
+    w.step(3)
+    w.kafka.position_of[P0] = 1  # librdkafka rewinds on its own, no seek asked for
+    w.step(3)
+    assert offsets(w.results(), P0) == [0, 1, 2, 3]
+    assert w.pipeline.metrics.redelivered._value.get() == 3
+
+
+# -- exactly-once transactions -------------------------------------------------------------------------------
+def test_an_aborted_transaction_rewinds_and_every_frame_is_answered_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = World(monkeypatch, "exactly_once")
+    w.frames(P0, 3)
+    w.kafka.rebalance("assign", [P0])
+    w.producer.commit_errors.append(abortable())
+    w.step(5)
+    assert "abort" in w.producer.calls
+    assert (P0, 0) in w.kafka.seeks  # read again from the committed offset (nothing committed: the start)
+    assert offsets(w.results(), P0) == [0, 1, 2]
+    assert w.committed(P0) == 3
+
+
+def test_bug8_a_stuck_transactional_call_is_replaced_by_a_fencing_producer(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = World(monkeypatch, "exactly_once")
+    w.frames(P0, 3)
+    w.kafka.rebalance("assign", [P0])
+    stuck = w.producer
+    stuck.block_send_offsets = True
+    w.step()
+    w.step()
+    assert len(w.producers) == 2  # a new producer with the same transactional id fences the stuck one
+    assert w.producers[1].conf["transactional.id"] == stuck.conf["transactional.id"]
+    assert (P0, 0) in w.kafka.seeks
+    w.step(4)
+    assert offsets(w.results(), P0) == [0, 1, 2]
+    assert stuck.visible == []
+
+
+# -- outputs that cannot be produced ------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["at_least_once", "exactly_once"])
+def test_a_result_the_client_refuses_is_dead_lettered_by_reference_and_the_partition_moves_on(
+        monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    w = World(monkeypatch, mode)
+    w.max_message_bytes = 400
+    w.producers.clear()
+    w.pipeline = build_pipeline(w.settings, w.executor, Metrics(), w.health, w.clock)
+    w.pipeline.source.subscribe(w.pipeline._on_assign, w.pipeline._on_revoke, w.pipeline._on_lost)
+    w.kafka.append(P0, frame_value("s", 0), frame_value("s", 1, tenant="x" * 600), frame_value("s", 2))
+    w.kafka.rebalance("assign", [P0])
+    w.step(4)
+    assert offsets(w.results(), P0) == [0, 2]
+    [dl] = w.dead_letters()
+    assert dl.headers["streamfer.error_type"] == OUTPUT_REJECTED
+    assert dl.headers["streamfer.source_offset"] == "1"
+    assert dl.value == b""
+    assert w.committed(P0) == 3
+
+
+@pytest.mark.parametrize("mode", ["at_least_once", "exactly_once"])
+def test_a_result_the_broker_refuses_is_dead_lettered_by_reference(monkeypatch: pytest.MonkeyPatch,
+                                                                   mode: str) -> None:
+    w = World(monkeypatch, mode)
+    w.frames(P0, 3)
+
+    def refuse_offset_1(m: Produced) -> KafkaError | None:
+        if m.topic == w.settings.topics.results and decode_result(m.value)["source_offset"] == 1:
+            return KafkaError(KafkaError.MSG_SIZE_TOO_LARGE)
+        return None
+
+    w.producer.refuse = refuse_offset_1
+    w.kafka.rebalance("assign", [P0])
+    w.step(6)
+    assert offsets(w.results(), P0) == [0, 2]
+    assert [d.headers["streamfer.source_offset"] for d in w.dead_letters()] == ["1"]
+    assert w.committed(P0) == 3
+
+
+# -- lifecycle --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["at_least_once", "exactly_once"])
+def test_a_stop_request_drains_running_batches_delivers_and_commits(monkeypatch: pytest.MonkeyPatch,
+                                                                    mode: str) -> None:
+    w = World(monkeypatch, mode)
+    w.frames(P0, 3)
+    w.kafka.rebalance("assign", [P0])
+    turns = iter(range(1))
+
+    def should_stop() -> bool:
+        w.clock.now += STEP_S
+        return next(turns, None) is None  # SIGTERM after one turn: the frames are read, not yet batched
+
+    summary = w.pipeline.run(should_stop)
+    assert offsets(w.results(), P0) == [0, 1, 2]
+    assert w.committed(P0) == 3
+    assert summary.results == 3
+
+
+def test_bug1_idle_time_counts_only_from_the_first_assignment(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = World(monkeypatch)
+    w.clock.now += 3_600
+    assert w.pipeline._idle_for() == 0.0  # still joining the group: never idle
+    w.kafka.rebalance("assign", [P0])
+    w.step()
+    w.clock.now += 5
+    assert w.pipeline._idle_for() == pytest.approx(5)
+
+
+@pytest.mark.parametrize("committed_moves", [True, False])
+def test_bug12_exit_when_idle_waits_until_the_committed_offsets_reach_the_end(monkeypatch: pytest.MonkeyPatch,
+                                                                             committed_moves: bool) -> None:
+    w = World(monkeypatch, "exactly_once")
+    if not committed_moves:  # as while a dead member's open transaction still holds the group's offsets
+        w.producer.group = None
+    w.frames(P0, 2)
+    w.kafka.rebalance("assign", [P0])
+    turns = 0
+
+    def should_stop() -> bool:
+        nonlocal turns
+        turns += 1
+        w.clock.now += STEP_S
+        return turns > 40
+
+    w.pipeline.run(should_stop, exit_when_idle_s=1.0)
+    assert offsets(w.results(), P0) == [0, 1]
+    if committed_moves:
+        assert turns < 20  # idle for 1 s (5 turns) after the last commit, and caught up: gone
+    else:
+        assert turns > 40  # never caught up: stays until stopped

@@ -1,0 +1,348 @@
+"""The commit protocol: when an output counts as delivered, and which offsets may then be committed.
+
+One class per delivery mode behind one small interface, so the loop never asks which mode it runs in:
+- `AtLeastOnceDelivery`: outputs are produced at once; an offset is done when the broker acknowledged its
+  output; the watermark is committed after each batch (asynchronously), flushed and committed synchronously
+  before partitions are given up.
+- `ExactlyOnceDelivery`: outputs are held until their partition's commit point passes them, then produced in
+  one transaction together with those offsets; an aborted or stuck transaction is reported as `REWIND`, and
+  the loop reads again from the committed offsets.
+
+Work of a partition epoch that is no longer current (see worker.assignment) is dropped here, in one place.
+An output the client or broker refuses (too large, invalid) is replaced by a reference-only dead letter, so no
+single input can stop its partition.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+from confluent_kafka import KafkaException
+
+from worker.assignment import TP, Assignments
+from worker.config import Settings
+from worker.errors import OperatorError
+from worker.frames import DeadLetter, Output, SourceRef
+from worker.metrics import Metrics
+from worker.offsets import OffsetTracker
+from worker.sink import DoneCallback, MessageRejected, RejectedCallback, ResultSink, SinkError, TransactionStuckError
+
+log = logging.getLogger(__name__)
+
+COMMIT_FAILURE_LOG_INTERVAL_S = 10.0
+FINAL_FLUSH_TIMEOUT_S = 30.0
+OUTPUT_REJECTED = "OutputRejected"
+
+
+class CommitResult(enum.Enum):
+    NOTHING = "nothing"  # nothing new to commit, or not due yet
+    COMMITTED = "committed"  # requested (at-least-once: asynchronously) or committed (exactly-once)
+    REWIND = "rewind"  # what was read since the last commit is void: read it again from the committed offsets
+
+
+class Committer(Protocol):
+    """What delivery needs of the consumer (worker.source.FrameSource)."""
+
+    def commit(self, points: dict[TP, int], asynchronous: bool = False) -> None: ...
+
+    def group_metadata(self) -> object: ...
+
+
+SinkFactory = Callable[[DoneCallback, RejectedCallback], ResultSink]
+
+
+class DeliveryError(OperatorError):
+    """Even a reference-only dead letter cannot be produced: the dead-letter topic refuses it."""
+
+
+class Delivery:
+    """Shared by both modes: the stale-work filter, counting, replacing refused outputs."""
+
+    def __init__(self, settings: Settings, sink_factory: SinkFactory, committer: Committer,
+                 tracker: OffsetTracker, assignments: Assignments, metrics: Metrics) -> None:
+        self.settings = settings
+        self._sink_factory = sink_factory
+        self.committer = committer
+        self.tracker = tracker
+        self.assignments = assignments
+        self.metrics = metrics
+        self.results = 0
+        self.dead_lettered = 0
+        self.commits = 0
+        self.sink = sink_factory(self.on_ack, self.on_rejected)
+
+    # -- the interface the loop uses -------------------------------------------------------------------
+    def emit(self, outputs: list[Output]) -> None:
+        raise NotImplementedError
+
+    def commit(self, final: bool = False) -> CommitResult:
+        raise NotImplementedError
+
+    def release(self, tps: list[TP]) -> None:
+        """Partitions given up: forget their offsets and any output not yet delivered (the next owner redoes it)."""
+        for tp in tps:
+            self.tracker.forget(tp)
+
+    def finish(self) -> None:
+        """Before partitions are given up or the worker stops: wait for what was produced to be acknowledged."""
+
+    @property
+    def busy(self) -> bool:
+        """Outputs not yet delivered."""
+        return False
+
+    def poll(self) -> None:
+        """Serve delivery reports; stop on a producer error that nothing but a restart can fix."""
+        self.sink.poll(0)
+        if self.sink.fatal_error:
+            raise SinkError(self.sink.fatal_error)
+
+    def close(self) -> None:
+        self.sink.close()
+
+    # -- callbacks from the sink (served by sink.poll / flush, on the loop thread) ----------------------
+    def on_ack(self, source: SourceRef) -> None:
+        """The broker has the output of `source`."""
+
+    def on_rejected(self, source: SourceRef, reason: str) -> None:
+        """The broker refused the output of `source` for good."""
+
+    # -- shared ----------------------------------------------------------------------------------------
+    def _send(self, out: Output) -> Output:
+        """Produce `out`; if it is refused, its reference-only dead letter instead. Returns what was produced."""
+        try:
+            self._produce(out)
+            return out
+        except MessageRejected as exc:
+            replacement = self._replacement(out, str(exc))
+            try:
+                self._produce(replacement)
+            except MessageRejected as again:
+                raise DeliveryError(f"the dead-letter topic {self.settings.topics.dead_letter} refuses even a "
+                                    f"reference-only dead letter: {again}",
+                                    setting=f"max.message.bytes of topic {self.settings.topics.dead_letter}"
+                                    ) from None
+            return replacement
+
+    def _produce(self, out: Output) -> None:
+        if out.dead_letter is not None:
+            self.sink.send_dead_letter(out.dead_letter)
+        else:
+            self.sink.send_result(out.source, out.key or b"", out.value)
+
+    @staticmethod
+    def _replacement(out: Output, reason: str) -> Output:
+        """A dead letter that names the source offset instead of carrying the output (which cannot be produced:
+        the original frame is still in its input topic)."""
+        log.warning("the %s for %s/%d@%d cannot be produced, dead-lettering a reference instead: %s",
+                    "dead letter" if out.dead_letter else "result", out.source.topic, out.source.partition,
+                    out.source.offset, reason)
+        dl = DeadLetter(source=out.source, reason=f"its output cannot be produced: {reason}",
+                        error_type=OUTPUT_REJECTED, payload=b"", key=out.key)
+        return Output.of_dead_letter(dl, out.tenant)
+
+    def _count(self, out: Output) -> None:
+        if out.dead_letter is not None:
+            self.dead_lettered += 1
+            self.metrics.frames_dead_lettered.labels(out.source.topic, out.dead_letter.error_type).inc()
+        else:
+            self.results += 1
+            self.metrics.results_produced.labels(self.settings.topics.results, out.tenant, out.status.value).inc()
+
+
+class AtLeastOnceDelivery(Delivery):
+    """Produce at once; an offset is done when its output is acknowledged; commit the watermark after each batch.
+
+    A crash re-reads from the last commit: an output may be produced twice, never lost."""
+
+    def __init__(self, settings: Settings, sink_factory: SinkFactory, committer: Committer,
+                 tracker: OffsetTracker, assignments: Assignments, metrics: Metrics,
+                 clock: Callable[[], float] = time.time) -> None:
+        super().__init__(settings, sink_factory, committer, tracker, assignments, metrics)
+        self.clock = clock
+        self._awaiting_ack: dict[SourceRef, Output] = {}
+        self._last_commit = float("-inf")
+        self._commits_in_flight: deque[float] = deque()
+        self._last_failure_log = float("-inf")
+        self._failures_unlogged = 0
+
+    def emit(self, outputs: list[Output]) -> None:
+        for out in outputs:
+            if self.assignments.is_current(out.source):
+                self._awaiting_ack[out.source] = self._send(out)
+
+    def on_ack(self, source: SourceRef) -> None:
+        out = self._awaiting_ack.pop(source, None)
+        if out is None or not self.assignments.is_current(source):
+            return  # an acknowledgement of a partition given up since: the next owner redoes its frame
+        self._count(out)
+        self.tracker.mark_done(source.topic_partition, source.offset)
+
+    def on_rejected(self, source: SourceRef, reason: str) -> None:
+        out = self._awaiting_ack.get(source)
+        if out is None or not self.assignments.is_current(source):
+            return
+        if out.dead_letter is not None and out.dead_letter.error_type == OUTPUT_REJECTED:
+            raise DeliveryError(f"the dead-letter topic {self.settings.topics.dead_letter} refuses even a "
+                                f"reference-only dead letter: {reason}",
+                                setting=f"max.message.bytes of topic {self.settings.topics.dead_letter}")
+        self._awaiting_ack[source] = self._send(self._replacement(out, reason))
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._awaiting_ack)
+
+    def finish(self) -> None:
+        remaining = self.sink.flush(FINAL_FLUSH_TIMEOUT_S)
+        if remaining:
+            log.warning("%d results still unacknowledged after %.0fs; their offsets stay uncommitted", remaining,
+                        FINAL_FLUSH_TIMEOUT_S)
+
+    def commit(self, final: bool = False) -> CommitResult:
+        """Commit the watermark: asynchronously in the loop (a synchronous commit would stall it for a broker
+        round trip per batch), after a flush and synchronously before partitions are given up."""
+        now = self.clock()
+        if not final and now - self._last_commit < self.settings.delivery.commit_interval_ms / 1000.0:
+            return CommitResult.NOTHING
+        if final:
+            self.finish()
+        points = self.tracker.commit_points()
+        if not points:
+            return CommitResult.NOTHING
+        # librdkafka reports every commit, synchronous ones too, to the commit callback, in order.
+        self._commits_in_flight.append(time.monotonic())
+        try:
+            self.committer.commit(points, asynchronous=not final)
+        except KafkaException as exc:  # counted by the callback; retried next turn
+            log.warning("offset commit failed (will retry): %s", exc)
+            return CommitResult.NOTHING
+        self.tracker.mark_committed(points)
+        self._last_commit = now
+        self.commits += 1
+        return CommitResult.COMMITTED
+
+    def commit_reported(self, failed: list[TP], reason: str | None) -> None:
+        """Outcome of a commit, served by a consumer poll; a failed partition's commit point is offered again."""
+        if self._commits_in_flight:
+            self.metrics.commit_latency.observe(time.monotonic() - self._commits_in_flight.popleft())
+        if not failed:
+            self.metrics.commits.labels("ok").inc()
+            return
+        self.metrics.commits.labels("error").inc()
+        # During a rebalance every commit fails for a moment: one line per interval, with a count.
+        now = time.monotonic()
+        if now - self._last_failure_log >= COMMIT_FAILURE_LOG_INTERVAL_S:
+            more = f" ({self._failures_unlogged} more since the last report)" if self._failures_unlogged else ""
+            log.warning("asynchronous offset commit failed for %s (will retry): %s%s", sorted(failed), reason, more)
+            self._last_failure_log = now
+            self._failures_unlogged = 0
+        else:
+            self._failures_unlogged += 1
+        for tp in failed:
+            self.tracker.commit_failed(tp)
+
+    def release(self, tps: list[TP]) -> None:
+        gone = set(tps)
+        for source in [s for s in self._awaiting_ack if s.topic_partition in gone]:
+            del self._awaiting_ack[source]
+        super().release(tps)
+
+
+class ExactlyOnceDelivery(Delivery):
+    """Outputs and their offsets in one transaction per turn: a read_committed reader sees each output once."""
+
+    def __init__(self, settings: Settings, sink_factory: SinkFactory, committer: Committer,
+                 tracker: OffsetTracker, assignments: Assignments, metrics: Metrics) -> None:
+        super().__init__(settings, sink_factory, committer, tracker, assignments, metrics)
+        # Outputs waiting for their partition's commit point to pass them, by partition and offset.
+        self._held: dict[TP, dict[int, Output]] = {}
+        # Offsets whose output a broker refused inside a transaction (which then aborted): when read again,
+        # they are dead-lettered by reference at once.
+        self._refused: dict[tuple[TP, int], str] = {}
+
+    @property
+    def _call_timeout_s(self) -> float:
+        return self.settings.delivery.transaction_call_timeout_ms / 1000.0
+
+    def emit(self, outputs: list[Output]) -> None:
+        """Hold each output: it is done (its offset may be committed) once it joins a transaction."""
+        for out in outputs:
+            if not self.assignments.is_current(out.source):
+                continue
+            tp = out.source.topic_partition
+            refused = self._refused.pop((tp, out.source.offset), None)
+            if refused is not None:
+                out = self._replacement(out, refused)
+            self._held.setdefault(tp, {})[out.source.offset] = out
+            self.tracker.mark_done(tp, out.source.offset)
+
+    @property
+    def busy(self) -> bool:
+        return any(self._held.values())
+
+    def on_rejected(self, source: SourceRef, reason: str) -> None:
+        # The transaction fails to commit and is aborted; the frame is read again and dead-lettered then.
+        self._refused[(source.topic_partition, source.offset)] = reason
+
+    def commit(self, final: bool = False) -> CommitResult:
+        """Produce the outputs below each partition's commit point and commit those offsets, atomically.
+
+        An output beyond its partition's commit point (an earlier frame is still batching or running) stays
+        held: committing its result while its offset is not committed would let the next owner of the
+        partition, after a crash, produce that frame's result a second time."""
+        points = self.tracker.commit_points()
+        if not points:
+            return CommitResult.NOTHING
+        releasable = [out for tp, point in points.items()
+                      for _offset, out in sorted(o for o in self._held.get(tp, {}).items() if o[0] < point)]
+        started = time.monotonic()
+        try:
+            self.sink.begin()
+            sent = [self._send(out) for out in releasable]
+            self.sink.commit_transaction(points, self.committer.group_metadata(), self._call_timeout_s)
+        except TransactionStuckError as exc:
+            return self._replace_stuck_sink(exc)
+        except KafkaException as exc:
+            err = exc.args[0]
+            if not err.txn_requires_abort():
+                raise
+            self.metrics.commits.labels("aborted").inc()
+            log.warning("transaction aborted (%s): rewinding to the committed offsets", err.str())
+            try:
+                self.sink.abort(self._call_timeout_s)
+            except TransactionStuckError as stuck:
+                return self._replace_stuck_sink(stuck)
+            return self._rewind()
+        for out, produced in zip(releasable, sent):
+            del self._held[out.source.topic_partition][out.source.offset]
+            self._count(produced)
+        self.tracker.mark_committed(points)
+        self.metrics.commits.labels("ok").inc()
+        self.metrics.commit_latency.observe(time.monotonic() - started)
+        self.commits += 1
+        return CommitResult.COMMITTED
+
+    def release(self, tps: list[TP]) -> None:
+        for tp in tps:
+            # Outputs still held behind a gap: the next owner redoes those frames.
+            self._held.pop(tp, None)
+        super().release(tps)
+
+    def _replace_stuck_sink(self, exc: TransactionStuckError) -> CommitResult:
+        """A transactional call is stuck inside librdkafka (or its outcome is unknown): start a producer with the
+        same transactional id, which fences the stuck one and aborts its open transaction, then read again from
+        the committed offsets. Nothing of the stuck transaction is visible to a read_committed reader."""
+        self.metrics.commits.labels("timed_out").inc()
+        log.error("%s: replacing the transactional producer and rewinding to the committed offsets", exc)
+        self.sink.close()
+        self.sink = self._sink_factory(self.on_ack, self.on_rejected)
+        return self._rewind()
+
+    def _rewind(self) -> CommitResult:
+        self._held.clear()
+        return CommitResult.REWIND
