@@ -29,12 +29,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # noqa: E402
-from common import Context  # noqa: E402
+import common
+from common import Context
 
-from worker.config import load_settings  # noqa: E402
-from worker.frames import Frame, SourceRef  # noqa: E402
-from worker.schemas import decode_frame, encode_frame  # noqa: E402
+from worker.config import load_settings
+from worker.frames import Frame, SourceRef
+from worker.schemas import decode_frame, encode_frame
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 INFLIGHT = 2  # the worker's delivery.max_inflight_batches default

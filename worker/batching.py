@@ -75,7 +75,7 @@ RESUME_WATERMARK = 0.75
 # add() refuses frames beyond this multiple of the pending caps: the caller ignored classes_to_pause().
 HARD_CAP_FACTOR = 2
 
-_NO_CUTOFF = (math.inf, math.inf)
+_NO_CUTOFF: tuple[float, int] = (math.inf, 2**63)
 
 
 class BatcherFullError(StreamferError):
@@ -586,7 +586,7 @@ class MicroBatcher:
                                 count += 1
                     if count:
                         self._forget(group, count)
-        kept = []
+        kept: list[Frame] = []
         for frame in self._expired:
             (out if predicate(frame) else kept).append(frame)
         self._expired = kept

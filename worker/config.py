@@ -15,12 +15,17 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 from worker.errors import OperatorError
 from worker.frames import Priority
 
 ENV_PREFIX = "WORKER_"
+# The enumerated settings: checked once, here, when settings load; the rest of the code trusts them.
+DeliveryMode = Literal["at_least_once", "exactly_once"]
+Precision = Literal["fp32", "fp16", "bf16"]
+LogFormat = Literal["text", "json"]
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 _SETTING_RE = re.compile(r"^[a-z_]+\.[a-z_.]+$")
 
 
@@ -123,7 +128,7 @@ class ModelSettings:
 class RuntimeSettings:
     # "auto" picks cuda when available, else cpu; "cuda:N" or "cuda" for all GPUs.
     device: str = "auto"
-    precision: str = "fp32"
+    precision: Precision = "fp32"
     cuda_graphs: bool = True
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     warmup_batches: int = 8
@@ -139,7 +144,7 @@ class RuntimeSettings:
 class DeliverySettings:
     # "at_least_once": commit offsets after results are acknowledged. "exactly_once": results and offsets in
     # one Kafka transaction per batch.
-    mode: str = "at_least_once"
+    mode: DeliveryMode = "at_least_once"
     transactional_id_prefix: str = "streamfer"
     # Batches dispatched to the runtime but not yet finished.
     max_inflight_batches: int = 2
@@ -155,8 +160,8 @@ class ObservabilitySettings:
     # 0 picks a free port (logged at start-up); useful when several workers share a host.
     metrics_port: int = 9400
     metrics_host: str = "0.0.0.0"
-    log_format: str = "text"
-    log_level: str = "INFO"
+    log_format: LogFormat = "text"
+    log_level: LogLevel = "INFO"
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
 
 
@@ -287,6 +292,12 @@ def _coerce(value: Any, hint: Any) -> Any:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ValueError("expected a string")
         return str(value)
+    if origin is typing.Literal:
+        choices = typing.get_args(hint)
+        match = next((c for c in choices if isinstance(value, str) and c.lower() == value.lower()), None)
+        if match is None:
+            raise ValueError(f"expected one of {', '.join(choices)}")
+        return match
     if origin is tuple:
         (item_type, _ellipsis) = typing.get_args(hint)
         if isinstance(value, str):
@@ -397,7 +408,6 @@ def validate(s: Settings) -> list[str]:
     r = s.runtime
     need(r.device == "auto" or r.device == "cpu" or r.device.startswith("cuda"),
          "runtime.device: must be auto, cpu, cuda or cuda:N")
-    need(r.precision in ("fp32", "fp16", "bf16"), "runtime.precision: must be fp32, fp16 or bf16")
     need(len(r.graph_batch_sizes) >= 1 and all(x >= 1 for x in r.graph_batch_sizes),
          "runtime.graph_batch_sizes: must list at least one size >= 1")
     need(r.warmup_batches >= 0, "runtime.warmup_batches: must be >= 0")
@@ -407,7 +417,6 @@ def validate(s: Settings) -> list[str]:
     need(r.torch_threads >= 0, "runtime.torch_threads: must be >= 0")
 
     d = s.delivery
-    need(d.mode in ("at_least_once", "exactly_once"), "delivery.mode: must be at_least_once or exactly_once")
     need(bool(d.transactional_id_prefix.strip()), "delivery.transactional_id_prefix: must not be empty")
     need(1 <= d.max_inflight_batches <= 64, "delivery.max_inflight_batches: must be 1..64")
     need(d.commit_interval_ms >= 0, "delivery.commit_interval_ms: must be >= 0")
@@ -415,9 +424,6 @@ def validate(s: Settings) -> list[str]:
 
     o = s.observability
     need(0 <= o.metrics_port <= 65535, "observability.metrics_port: must be 0..65535 (0 picks a free port)")
-    need(o.log_format in ("text", "json"), "observability.log_format: must be text or json")
-    need(o.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"),
-         "observability.log_level: must be DEBUG, INFO, WARNING or ERROR")
     return p
 
 
@@ -432,4 +438,5 @@ def _parse_size(text: str) -> tuple[int, int] | None:
 def warmup_frame_shapes(s: Settings) -> list[tuple[int, int, int]]:
     """runtime.warmup_shapes as (height, width, channels) frame shapes; channels follow the model's mean."""
     channels = len(s.model.mean)
-    return [(h, w, channels) for w, h in (_parse_size(x) for x in s.runtime.warmup_shapes) if w and h]
+    sizes = [size for size in map(_parse_size, s.runtime.warmup_shapes) if size is not None]
+    return [(h, w, channels) for w, h in sizes]

@@ -318,7 +318,7 @@ class ExactlyOnceDelivery(Delivery):
             except TransactionStuckError as stuck:
                 return self._replace_stuck_sink(stuck)
             return self._rewind()
-        for out, produced in zip(releasable, sent):
+        for out, produced in zip(releasable, sent, strict=True):
             del self._held[out.source.topic_partition][out.source.offset]
             self._count(produced)
         self.tracker.mark_committed(points)

@@ -115,7 +115,7 @@ class ResultSink:
         self._produce(self._results_topic, source, key, value, headers=None)
 
     def send_dead_letter(self, dl: DeadLetter) -> None:
-        headers = [
+        headers: list[tuple[str, str | bytes | None]] = [
             ("streamfer.error", dl.reason.encode()[:4000]),
             ("streamfer.error_type", dl.error_type.encode()),
             ("streamfer.source_topic", dl.source.topic.encode()),
@@ -126,7 +126,7 @@ class ResultSink:
         self._produce(self._dlq_topic, dl.source, dl.key, dl.payload, headers=headers)
 
     def _produce(self, topic: str, source: SourceRef, key: bytes | None, value: bytes,
-                 headers: list[tuple[str, bytes]] | None) -> None:
+                 headers: list[tuple[str, str | bytes | None]] | None) -> None:
         def delivered(err: KafkaError | None, _msg: Any) -> None:
             if err is None:
                 self._on_done(source)
@@ -259,7 +259,7 @@ class ResultSink:
             call, done, box = item
             try:
                 box["result"] = call()
-            except BaseException as exc:  # handed to the caller
+            except BaseException as exc:  # noqa: BLE001 (handed to the caller, who re-raises it)
                 box["error"] = exc
             finally:
                 done.set()

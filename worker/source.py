@@ -155,11 +155,11 @@ class FrameSource:
             if err is not None:
                 self._handle_error(err)
                 continue
-            tp = (msg.topic(), msg.partition())
+            tp: TP = (msg.topic() or "", msg.partition() or 0)
             epoch = self.assignments.epoch(tp)
             if epoch is None:
                 continue  # fetched before a rebalance served inside this poll took the partition away
-            source = SourceRef(tp[0], tp[1], msg.offset(), epoch)
+            source = SourceRef(tp[0], tp[1], msg.offset() or 0, epoch)
             # librdkafka can rewind a partition it was not asked to (seen once in 18 exactly-once SIGKILL runs,
             # right after an assignment, with pauses and resumes) and deliver offsets it already delivered;
             # they are in the pipeline already, and a second copy would get a second result.

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError
 
-
 import worker.sink as sink_module
 import worker.source as source_module
 from worker.config import BatchingSettings, DeliverySettings, ObservabilitySettings, Settings

@@ -245,8 +245,6 @@ def _resolve(runtime: RuntimeSettings) -> _Plan:
         raise ConfigError(["runtime.precision: fp16 autocast needs a CUDA device; on cpu use fp32 or bf16"])
     if runtime.precision == "bf16" and on_cuda and not all(_bf16_ok(d) for d in devices):
         raise ConfigError(["runtime.precision: this GPU does not support bf16; use fp16 or fp32"])
-    if runtime.precision not in ("fp32", "fp16", "bf16"):
-        raise ConfigError([f"runtime.precision: {runtime.precision!r} must be fp32, fp16 or bf16"])
     cuda_graphs = on_cuda and runtime.cuda_graphs
     buckets = tuple(sorted(set(runtime.graph_batch_sizes))) if cuda_graphs else ()
     return _Plan(devices=devices, precision=runtime.precision, cuda_graphs=cuda_graphs, buckets=buckets)
