@@ -91,13 +91,6 @@ class OffsetTracker:
         st = self._parts.pop(tp, None)
         return len(st.outstanding_set) if st else 0
 
-    def tracks(self, tp: TopicPartition) -> bool:
-        return tp in self._parts
-
-    def is_in_flight(self, tp: TopicPartition, offset: int) -> bool:
-        st = self._parts.get(tp)
-        return st is not None and offset in st.outstanding_set
-
     @staticmethod
     def _watermark(st: _PartitionState) -> int | None:
         if st.highest_seen < 0:

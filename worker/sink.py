@@ -101,7 +101,6 @@ class ResultSink:
                                f"configuration: {exc.args[0].str()}"]) from None
         self.transactional = bool(transactional_id)
         self._transactional_id = transactional_id
-        self.retried_deliveries = 0
         # Set by a delivery report that the producer cannot recover from; the pipeline raises it.
         self.fatal_error: str | None = None
         # Set when a transactional call got stuck: the producer is abandoned, never flushed or closed.
@@ -144,7 +143,6 @@ class ResultSink:
                 log.warning("delivery of %s in a transaction failed: %s", source, err.str())
                 return
             # At-least-once: never drop; produce it again (the offset is still uncommitted).
-            self.retried_deliveries += 1
             log.warning("delivery of %s to %s failed (%s); producing again", source, topic, err.str())
             self._produce(topic, source, key, value, headers)
 
@@ -170,9 +168,6 @@ class ResultSink:
     def flush(self, timeout_s: float) -> int:
         """Wait for outstanding deliveries; returns how many are still outstanding."""
         return self._producer.flush(timeout_s)
-
-    def __len__(self) -> int:
-        return len(self._producer)
 
     # -- transactions (exactly-once) ------------------------------------------------------------------
     def _init_transactions(self) -> None:

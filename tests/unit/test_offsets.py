@@ -78,8 +78,9 @@ def test_forget_drops_a_revoked_partition():
     t.track(TP, 0)
     t.track(("x", 1), 5)
     assert t.forget(TP) == 1
-    assert not t.tracks(TP)
+    assert t.in_flight(TP) == 0
     assert t.in_flight() == 1
+    assert t.commit_points() == {("x", 1): 5}
 
 
 @settings(max_examples=200, deadline=None)
