@@ -78,7 +78,7 @@ def run_worker(settings: Settings, exit_when_idle_s: float | None = None, stop: 
     """Load and warm the model, serve metrics, then run the pipeline until stopped or idle.
 
     Pass `health` to watch readiness from another thread (the demo and tests do)."""
-    metrics = Metrics()
+    metrics = Metrics(settings=settings)
     health = health if health is not None else Health()
     health.stall_limit_s = settings.kafka.max_poll_interval_ms / 1000.0
     server = None

@@ -63,6 +63,7 @@ class FrameSource:
         conf.update(k.consumer_overrides)
         self._topics = settings.topics.input_topics()
         self._clock = clock
+        self._limits = settings.limits
         try:
             self._consumer = Consumer(conf, logger=log)
         except KafkaException as exc:
@@ -154,7 +155,7 @@ class FrameSource:
                 continue
             self._next_offset[tp] = source.offset + 1
             try:
-                frame = decode_frame(msg.value(), source, self._topics[source.topic], now)
+                frame = decode_frame(msg.value(), source, self._topics[source.topic], now, self._limits)
             except MessageDecodeError as exc:
                 polled.dead_letters.append(DeadLetter(source=source, reason=str(exc), error_type="MessageDecodeError",
                                                       payload=msg.value() or b"", key=msg.key()))
