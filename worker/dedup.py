@@ -18,6 +18,15 @@ from collections.abc import Iterable
 TP = tuple[str, int]
 FrameIdentity = tuple[str, int]  # (stream_id, frame_index)
 
+# The dead letter's error_type of a duplicate (one of metrics.DEAD_LETTER_ERROR_TYPES).
+DUPLICATE_FRAME = "DuplicateFrame"
+
+
+def duplicate_reason(identity: FrameIdentity, first_offset: int) -> str:
+    """The dead letter's reason for a duplicate: what repeated, and where the copy that counts is."""
+    return (f"duplicate frame: (stream_id, frame_index) = ({identity[0]!r}, {identity[1]}) was first read at "
+            f"offset {first_offset} of this partition; only that copy is scored (limits.duplicate_window_frames)")
+
 
 class DuplicateFrames:
     """Per-partition windows of recently read frame identities; `window` 0 turns detection off."""

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.dedup import DuplicateFrames
+from worker.dedup import DUPLICATE_FRAME, DuplicateFrames, duplicate_reason
+from worker.metrics import DEAD_LETTER_ERROR_TYPES
 
 P0 = ("frames.standard", 0)
 P1 = ("frames.standard", 1)
@@ -115,3 +116,8 @@ def test_with_a_window_larger_than_the_reads_every_repeat_at_another_offset_is_f
         answer = d.first_offset(P0, ("s", ident), offset)
         first.setdefault(ident, offset)
         assert answer == (None if first[ident] == offset else first[ident])
+
+
+def test_a_duplicate_is_dead_lettered_under_a_known_error_type_with_the_first_offset_in_its_reason():
+    assert DUPLICATE_FRAME in DEAD_LETTER_ERROR_TYPES
+    assert "offset 100" in duplicate_reason(("cam", 7), 100) and "'cam', 7" in duplicate_reason(("cam", 7), 100)
