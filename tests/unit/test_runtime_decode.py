@@ -269,3 +269,10 @@ def test_a_bomb_in_a_batch_is_a_failure_beside_it_and_the_other_frames_still_run
     assert batch.frames == [good]
     [(_, error)] = batch.failures
     assert "12000x12000" in str(error)
+
+
+def test_stray_bytes_between_segments_are_skipped_as_libjpeg_does():
+    data = jpeg_bytes(16, 16)
+    after_app0 = 4 + struct.unpack_from(">H", data, 4)[0]
+    padded = data[:after_app0] + b"\x00\x00" + data[after_app0:]
+    np.testing.assert_array_equal(decode_frame(frame(padded, 16, 16)), decode_frame(frame(data, 16, 16)))

@@ -98,6 +98,8 @@ class JpegInfo:
 _SOI, _EOI, _SOS, _DNL = 0xD8, 0xD9, 0xDA, 0xDC
 _SUPPORTED_SOF = {0xC0: False, 0xC1: False, 0xC2: True}  # baseline, extended sequential, progressive (Huffman)
 _OTHER_SOF = {0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+# Codes that have no length and may not stand between segments: TEM, RST0..7, a second SOI, and 00 (stuffing).
+_NO_LENGTH = frozenset({0x00, 0x01, _SOI, *range(0xD0, 0xD8)})
 
 
 @dataclass
@@ -132,7 +134,7 @@ def check_jpeg(data: bytes, expected_size: tuple[int, int] | None = None) -> Jpe
             raise _bad("truncated: the data ends before the EOI marker (FF D9)")
         if marker == _EOI:
             break
-        if marker in (0x01, *range(0xD0, 0xD8)):  # TEM, RSTn: no length
+        if marker in _NO_LENGTH:
             raise _bad(f"stray marker FF {marker:02X} outside a scan")
         if pos + 2 > n:
             raise _bad("truncated inside a marker segment")
@@ -144,7 +146,7 @@ def check_jpeg(data: bytes, expected_size: tuple[int, int] | None = None) -> Jpe
         if marker in _SUPPORTED_SOF or marker in _OTHER_SOF:
             if marker in _OTHER_SOF:
                 raise _bad(f"unsupported coding process (SOF FF {marker:02X}); "
-                                       f"send baseline or progressive Huffman-coded JPEG")
+                           f"send baseline or progressive Huffman-coded JPEG")
             if size is not None:
                 raise _bad("more than one frame header (SOF)")
             progressive = _SUPPORTED_SOF[marker]
@@ -166,12 +168,12 @@ def check_jpeg(data: bytes, expected_size: tuple[int, int] | None = None) -> Jpe
 
 
 def _next_marker(data: bytes, pos: int) -> tuple[int | None, int]:
-    """The marker code at `pos` (skipping fill 0xFFs) and the position after it; (None, pos) at the end."""
+    """The marker code at or after `pos` and the position after it; (None, pos) at the end. Like libjpeg, skips
+    stray bytes between segments (some cameras pad them) and fill 0xFFs."""
     n = len(data)
-    if pos >= n or data[pos] != 0xFF:
-        if pos >= n:
-            return None, pos
-        raise _bad(f"garbage where a marker should be (byte {pos} of {n})")
+    pos = data.find(b"\xff", pos)
+    if pos < 0:
+        return None, n
     while pos < n and data[pos] == 0xFF:
         pos += 1
     if pos >= n:
