@@ -80,7 +80,7 @@ def run_worker(settings: Settings, exit_when_idle_s: float | None = None, stop: 
 
     Pass `health` to watch readiness from another thread (the demo and tests do); benchmarks pass
     `time_phases` and get the pipeline (with its `phase_times`) through `on_pipeline` before it runs."""
-    metrics = Metrics()
+    metrics = Metrics(settings=settings)
     health = health if health is not None else Health()
     health.stall_limit_s = settings.kafka.max_poll_interval_ms / 1000.0
     server = None

@@ -163,6 +163,31 @@ class ObservabilitySettings:
     log_format: LogFormat = "text"
     log_level: LogLevel = "INFO"
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    # Tenant label values of the per-tenant metrics: these tenants only, when listed; otherwise the first
+    # max_metric_tenants tenants seen. Every other tenant is counted as "other", so the label stays bounded.
+    metric_tenants: tuple[str, ...] = ()
+    max_metric_tenants: int = 100
+
+
+# 2000-01-01T00:00:00Z: a capture time before it is a producer bug (0, unset, or seconds sent as milliseconds).
+_YEAR_2000_MS = 946_684_800_000
+
+
+@dataclass(frozen=True)
+class LimitsSettings:
+    """What the worker accepts from producers: bounds that keep one bad or hostile message cheap."""
+
+    # Largest frame (width x height) decoded; checked on the message header and again on the JPEG's own header
+    # before any pixel is decoded. The default takes 4K (3840x2160, 4096x2160) and anything up to 4096x4096.
+    max_frame_pixels: int = 4096 * 4096
+    # Longest stream_id / tenant, in UTF-8 bytes (they become result keys and metric labels).
+    max_identifier_bytes: int = 256
+    # capture_ts_ms must lie in [min_capture_ts_ms, now + max_capture_skew_ms]; others are dead-lettered.
+    min_capture_ts_ms: int = _YEAR_2000_MS
+    max_capture_skew_ms: int = 60_000
+    # Per input partition, how many recent (stream_id, frame_index) identities are remembered to catch a
+    # repeated frame (see worker/dedup.py); 0 disables.
+    duplicate_window_frames: int = 4096
 
 
 @dataclass(frozen=True)
@@ -174,6 +199,7 @@ class Settings:
     runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
     delivery: DeliverySettings = field(default_factory=DeliverySettings)
     observability: ObservabilitySettings = field(default_factory=ObservabilitySettings)
+    limits: LimitsSettings = field(default_factory=LimitsSettings)
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Settings)}
@@ -345,6 +371,11 @@ PROTECTED_PRODUCER_PROPERTIES = {
 }
 
 
+# Upper bounds of settings whose cost grows with them: 16384x16384 RGB is 805 MB decoded, 3.2 GB as float32.
+MAX_FRAME_PIXELS_CEILING = 16384 * 16384
+MAX_METRIC_TENANTS = 1000
+
+
 def validate(s: Settings) -> list[str]:
     """Cross-field and range checks; each problem names the field as it is written in the config file."""
     p: list[str] = []
@@ -424,6 +455,19 @@ def validate(s: Settings) -> list[str]:
 
     o = s.observability
     need(0 <= o.metrics_port <= 65535, "observability.metrics_port: must be 0..65535 (0 picks a free port)")
+    need(0 <= o.max_metric_tenants <= MAX_METRIC_TENANTS,
+         f"observability.max_metric_tenants: must be 0..{MAX_METRIC_TENANTS} (each tenant adds series to every scrape)")
+    need(len(o.metric_tenants) <= MAX_METRIC_TENANTS, f"observability.metric_tenants: at most {MAX_METRIC_TENANTS}")
+    need(all(0 < len(t.encode()) <= s.limits.max_identifier_bytes for t in o.metric_tenants),
+         "observability.metric_tenants: each must be a non-empty tenant of at most limits.max_identifier_bytes bytes")
+
+    lim = s.limits
+    need(1 <= lim.max_frame_pixels <= MAX_FRAME_PIXELS_CEILING,
+         f"limits.max_frame_pixels: must be 1..{MAX_FRAME_PIXELS_CEILING} (16384x16384)")
+    need(1 <= lim.max_identifier_bytes <= 65_536, "limits.max_identifier_bytes: must be 1..65536")
+    need(lim.min_capture_ts_ms >= 1, "limits.min_capture_ts_ms: must be >= 1 (epoch milliseconds)")
+    need(0 <= lim.max_capture_skew_ms <= 86_400_000, "limits.max_capture_skew_ms: must be 0..86400000 (one day)")
+    need(0 <= lim.duplicate_window_frames <= 1_000_000, "limits.duplicate_window_frames: must be 0..1000000 (0 = off)")
     return p
 
 

@@ -27,7 +27,7 @@ from confluent_kafka import KafkaException
 from worker.assignment import TP, Assignments
 from worker.config import Settings
 from worker.errors import OperatorError
-from worker.frames import DeadLetter, Output, SourceRef
+from worker.frames import OUTPUT_REJECTED, DeadLetter, Output, SourceRef
 from worker.metrics import Metrics
 from worker.offsets import OffsetTracker
 from worker.sink import DoneCallback, MessageRejected, RejectedCallback, ResultSink, SinkError, TransactionStuckError
@@ -36,7 +36,6 @@ log = logging.getLogger(__name__)
 
 COMMIT_FAILURE_LOG_INTERVAL_S = 10.0
 FINAL_FLUSH_TIMEOUT_S = 30.0
-OUTPUT_REJECTED = "OutputRejected"
 
 
 class CommitResult(enum.Enum):
@@ -149,10 +148,12 @@ class Delivery:
     def _count(self, out: Output) -> None:
         if out.dead_letter is not None:
             self.dead_lettered += 1
-            self.metrics.frames_dead_lettered.labels(out.source.topic, out.dead_letter.error_type).inc()
+            self.metrics.frames_dead_lettered.labels(out.source.topic,
+                                                     self.metrics.error_type_label(out.dead_letter.error_type)).inc()
         else:
             self.results += 1
-            self.metrics.results_produced.labels(self.settings.topics.results, out.tenant, out.status.value).inc()
+            self.metrics.results_produced.labels(self.settings.topics.results, self.metrics.tenant_label(out.tenant),
+                                                 out.status.value).inc()
 
 
 class AtLeastOnceDelivery(Delivery):

@@ -123,10 +123,15 @@ class Output:
         return Output(dl.source, dl.key, dl.payload, tenant, Status.DLQ, dl)
 
 
-# FrameFailure.error_type values (they become the dead letter's error_type).
-DECODE_ERROR = "FrameDecodeError"
-MODEL_ERROR = "ModelError"
-NON_FINITE_OUTPUT = "NonFiniteOutput"
+# A dead letter's error_type: what went wrong, from a fixed set (it is also a metric label).
+MESSAGE_DECODE_ERROR = "MessageDecodeError"  # not a frame message (Avro, header fields, limits)
+DECODE_ERROR = "FrameDecodeError"  # its pixels do not decode
+MODEL_ERROR = "ModelError"  # the model raised on this frame alone
+NON_FINITE_OUTPUT = "NonFiniteOutput"  # the model scored it NaN or infinite
+DUPLICATE_FRAME = "DuplicateFrame"  # its (stream_id, frame_index) was read at another offset just before
+OUTPUT_REJECTED = "OutputRejected"  # its result could not be produced (too large, invalid record)
+DEAD_LETTER_ERROR_TYPES = frozenset({MESSAGE_DECODE_ERROR, DECODE_ERROR, MODEL_ERROR, NON_FINITE_OUTPUT,
+                                     DUPLICATE_FRAME, OUTPUT_REJECTED})
 
 
 @dataclass(frozen=True)

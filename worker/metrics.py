@@ -15,16 +15,33 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from worker.config import Settings
+from worker.frames import DEAD_LETTER_ERROR_TYPES
+
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                      2.0, 5.0, 10.0, 30.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 RATIO_BUCKETS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5)
 
+# The label value of every tenant without a label of its own, and of every error_type not listed below.
+OTHER = "other"
+# The dead letters' error_type values (the worker's own classes); anything else is counted as "other".
+
 
 class Metrics:
-    """The worker's metrics on one registry (a fresh registry per worker keeps tests independent)."""
+    """The worker's metrics on one registry (a fresh registry per worker keeps tests independent).
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    No label takes producer input as it comes: a tenant goes through `tenant_label`, a dead letter's error
+    type through `error_type_label`, so a scrape stays bounded whatever the producers send.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None, settings: Settings | None = None) -> None:
+        settings = settings or Settings()
+        self._listed_tenants = frozenset(settings.observability.metric_tenants)
+        self._max_seen_tenants = settings.observability.max_metric_tenants
+        self._max_tenant_bytes = settings.limits.max_identifier_bytes
+        self._seen_tenants: set[str] = set()
+        self._tenants_lock = threading.Lock()
         r = self.registry = registry or CollectorRegistry()
         self.frames_consumed = Counter("streamfer_frames_consumed_total", "Frame messages read from Kafka.",
                                        ["topic", "tenant"], registry=r)
@@ -77,6 +94,29 @@ class Metrics:
         self.gpu_memory = Gauge("streamfer_gpu_memory_bytes", "GPU memory allocated by torch, per device.",
                                 ["device"], registry=r)
         self.ready = Gauge("streamfer_ready", "1 when assigned, consuming and warmed up.", registry=r)
+
+    def tenant_label(self, tenant: str) -> str:
+        """The `tenant` label value to count this tenant under: the tenant itself if it is listed in
+        observability.metric_tenants (when that list is set) or among the first max_metric_tenants seen
+        (when it is not); otherwise "other". Once given a label of its own, a tenant keeps it."""
+        if self._listed_tenants:
+            return tenant if tenant in self._listed_tenants else OTHER
+        if tenant in self._seen_tenants:
+            return tenant
+        if len(tenant) > self._max_tenant_bytes or len(tenant.encode()) > self._max_tenant_bytes:
+            return OTHER  # (a str has at least as many UTF-8 bytes as characters: no copy for a huge one)
+        with self._tenants_lock:
+            if tenant in self._seen_tenants:
+                return tenant
+            if len(self._seen_tenants) < self._max_seen_tenants:
+                self._seen_tenants.add(tenant)
+                return tenant
+        return OTHER
+
+    @staticmethod
+    def error_type_label(error_type: str) -> str:
+        """The `error_type` label value of a dead letter: one of DEAD_LETTER_ERROR_TYPES, else "other"."""
+        return error_type if error_type in DEAD_LETTER_ERROR_TYPES else OTHER
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

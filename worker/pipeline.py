@@ -21,7 +21,8 @@ from worker.assignment import TP, Assignments
 from worker.batching import Batch, MicroBatcher
 from worker.config import Settings
 from worker.delivery import AtLeastOnceDelivery, CommitResult, Delivery, ExactlyOnceDelivery
-from worker.frames import BatchOutcome, DeadLetter, Frame, Output, Priority, Status, Verdict
+from worker.dedup import DuplicateFrames, duplicate_reason
+from worker.frames import DUPLICATE_FRAME, BatchOutcome, DeadLetter, Frame, Output, Priority, Status, Verdict
 from worker.metrics import Health, Metrics
 from worker.offsets import OffsetTracker
 from worker.schemas import ResultContext, build_result, reencode_frame
@@ -123,6 +124,7 @@ class Pipeline:
         self.assignments = source.assignments
         self.tracker = delivery.tracker
         self.batcher = MicroBatcher(settings.batching, clock, executor.preferred_batch_sizes)
+        self.duplicates = DuplicateFrames(settings.limits.duplicate_window_frames)
         self._result_context = ResultContext(executor.model_name, executor.model_version,
                                              settings.observability.worker_id)
         self._counts = RunSummary()
@@ -203,8 +205,14 @@ class Pipeline:
         for ref in read:
             self.tracker.track(ref.topic_partition, ref.offset)
         for frame in polled.frames:
-            self.metrics.frames_consumed.labels(frame.source.topic, frame.tenant).inc()
-            self.batcher.add(frame)
+            self.metrics.frames_consumed.labels(frame.source.topic, self.metrics.tenant_label(frame.tenant)).inc()
+            first = self.duplicates.first_offset(frame.source.topic_partition, (frame.stream_id, frame.frame_index),
+                                                 frame.source.offset)
+            if first is None:
+                self.batcher.add(frame)
+            else:
+                self._outputs.append(self._dead_letter(frame, DUPLICATE_FRAME,
+                                                       duplicate_reason((frame.stream_id, frame.frame_index), first)))
         for dl in polled.dead_letters:
             self.metrics.frames_consumed.labels(dl.source.topic, "unknown").inc()
             self._outputs.append(Output.of_dead_letter(dl))
@@ -257,15 +265,18 @@ class Pipeline:
             self._outputs.append(self._result(frame, verdict, Status.OK, queued_s * 1000.0, outcome.batch_size,
                                               run_ms, now))
         for failure in outcome.failures:
-            frame = failure.frame
-            dl = DeadLetter(source=frame.source, reason=failure.reason, error_type=failure.error_type,
-                            payload=reencode_frame(frame), key=frame.stream_id.encode())
-            self._outputs.append(Output.of_dead_letter(dl, frame.tenant))
+            self._outputs.append(self._dead_letter(failure.frame, failure.error_type, failure.reason))
+
+    @staticmethod
+    def _dead_letter(frame: Frame, error_type: str, reason: str) -> Output:
+        dl = DeadLetter(source=frame.source, reason=reason, error_type=error_type, payload=reencode_frame(frame),
+                        key=frame.stream_id.encode())
+        return Output.of_dead_letter(dl, frame.tenant)
 
     def _expire(self) -> None:
         now = self.clock()
         for frame in self.batcher.pop_expired():
-            self.metrics.frames_expired.labels(frame.source.topic, frame.tenant).inc()
+            self.metrics.frames_expired.labels(frame.source.topic, self.metrics.tenant_label(frame.tenant)).inc()
             self._counts.expired += 1
             self._outputs.append(self._result(frame, None, Status.EXPIRED, (now - frame.received_at) * 1000.0,
                                               0, 0.0, now))
@@ -348,6 +359,7 @@ class Pipeline:
     def _release(self, tps: list[TP]) -> None:
         self.assignments.release(tps)
         self.delivery.release(tps)
+        self.duplicates.release(tps)
         for topic, partition in tps:
             try:
                 self.metrics.consumer_lag.remove(topic, str(partition))

@@ -52,6 +52,12 @@ class FrameSpec:
     height: int
 
 
+def _now_ms() -> int:
+    """A record's capture time until `send_frames` stamps it with the send time; valid (the worker
+    dead-letters a capture time of 0) for a record decoded without being sent."""
+    return int(time.time() * 1000)
+
+
 def synthetic_pixels(rng: np.random.Generator, width: int, height: int) -> np.ndarray:
     """A smooth random image (so JPEG compresses it like a real frame), HWC uint8."""
     small = rng.integers(0, 256, size=(max(1, height // 8), max(1, width // 8), 3), dtype=np.uint8)
@@ -83,9 +89,9 @@ def synthetic_frames(count: int, shapes: Sequence[tuple[int, int]], encoding: En
         stream = f"{run_id}-{priority.label}-{w}x{h}-s{(i // len(shapes)) % streams_per_shape}"
         index = counters.get(stream, 0)
         counters[stream] = index + 1
-        yield FrameRecord(stream_id=stream, frame_index=index, capture_ts_ms=0, tenant=tenants[i % len(tenants)],
-                          priority=priority, width=w, height=h, channels=3, encoding=encoding,
-                          data=payloads[(w, h)])
+        yield FrameRecord(stream_id=stream, frame_index=index, capture_ts_ms=_now_ms(),
+                          tenant=tenants[i % len(tenants)], priority=priority, width=w, height=h, channels=3,
+                          encoding=encoding, data=payloads[(w, h)])
 
 
 def folder_frames(folder: Path, encoding: Encoding, priority: Priority, run_id: str, tenant: str,
@@ -100,7 +106,7 @@ def folder_frames(folder: Path, encoding: Encoding, priority: Priority, run_id: 
     for index, path in enumerate(itertools.islice(cycle, count)):
         pixels = np.asarray(Image.open(path).convert("RGB"))
         h, w = pixels.shape[:2]
-        yield FrameRecord(stream_id=f"{run_id}-{Path(folder).name}", frame_index=index, capture_ts_ms=0,
+        yield FrameRecord(stream_id=f"{run_id}-{Path(folder).name}", frame_index=index, capture_ts_ms=_now_ms(),
                           tenant=tenant, priority=priority, width=w, height=h, channels=3, encoding=encoding,
                           data=encode_pixels(pixels, encoding))
 
@@ -118,7 +124,7 @@ def video_frames(path: Path, encoding: Encoding, priority: Priority, run_id: str
                 break
             pixels = frame.to_ndarray(format="rgb24")
             h, w = pixels.shape[:2]
-            yield FrameRecord(stream_id=f"{run_id}-{Path(path).stem}", frame_index=index, capture_ts_ms=0,
+            yield FrameRecord(stream_id=f"{run_id}-{Path(path).stem}", frame_index=index, capture_ts_ms=_now_ms(),
                               tenant=tenant, priority=priority, width=w, height=h, channels=3, encoding=encoding,
                               data=encode_pixels(pixels, encoding))
 

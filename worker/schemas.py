@@ -15,6 +15,7 @@ from typing import Any
 
 import fastavro
 
+from worker.config import LimitsSettings
 from worker.frames import Encoding, Frame, Priority, SourceRef, Verdict
 
 
@@ -29,22 +30,36 @@ def _schema_dir() -> Path:
 
 SCHEMA_DIR = _schema_dir()
 
-# Frames larger than this are rejected before decoding (a sane cap far above 8K RGB).
-MAX_FRAME_PIXELS = 8192 * 8192
-MAX_CHANNELS = 4
+DEFAULT_LIMITS = LimitsSettings()
+# Channel counts a frame may declare: a property of the formats (grey, RGB, RGBA/CMYK), not a tunable limit.
+SUPPORTED_CHANNELS = (1, 3, 4)
 
 
 class MessageDecodeError(ValueError):
     """A Kafka message is not a valid frame: the worker dead-letters it with this message as the reason."""
 
 
-def _load(name: str) -> Any:
+def _load_json(name: str) -> Any:
     with open(SCHEMA_DIR / name, encoding="utf-8") as fh:
-        return fastavro.parse_schema(json.load(fh))
+        return json.load(fh)
 
 
-FRAME_SCHEMA = _load("frame.avsc")
-RESULT_SCHEMA = _load("moderation_result.avsc")
+FRAME_SCHEMA = fastavro.parse_schema(_load_json("frame.avsc"))
+RESULT_SCHEMA = fastavro.parse_schema(_load_json("moderation_result.avsc"))
+
+
+def _without_logical_types(schema: Any) -> Any:
+    """The schema with `logicalType` annotations dropped: the same bytes, read as plain values, so a
+    timestamp-millis outside datetime's range is a number the range checks reject, not an OverflowError."""
+    if isinstance(schema, dict):
+        return {k: _without_logical_types(v) for k, v in schema.items() if k != "logicalType"}
+    if isinstance(schema, list):
+        return [_without_logical_types(v) for v in schema]
+    return schema
+
+
+# What frames are read with: frame.avsc, capture_ts_ms as a plain long (epoch milliseconds).
+FRAME_READ_SCHEMA = fastavro.parse_schema(_without_logical_types(_load_json("frame.avsc")))
 
 
 def _write(schema: Any, record: dict[str, Any]) -> bytes:
@@ -57,7 +72,9 @@ def _read(schema: Any, payload: bytes) -> dict[str, Any]:
     buf = io.BytesIO(payload)
     record = fastavro.schemaless_reader(buf, schema, None)
     if buf.tell() != len(payload):
-        raise MessageDecodeError(f"{len(payload) - buf.tell()} trailing bytes after the Avro record")
+        raise MessageDecodeError(
+            f"{len(payload) - buf.tell()} trailing bytes after the Avro record (not a frame, or written with a "
+            f"newer schema than this worker's: see Schema evolution in docs/configuration.md)")
     return record  # type: ignore[return-value]
 
 
@@ -104,15 +121,17 @@ def reencode_frame(frame: Frame) -> bytes:
         channels=frame.channels, encoding=frame.encoding, data=frame.data))
 
 
-def decode_frame(payload: bytes | None, source: SourceRef, priority: Priority, received_at: float) -> Frame:
+def decode_frame(payload: bytes | None, source: SourceRef, priority: Priority, received_at: float,
+                 limits: LimitsSettings = DEFAULT_LIMITS) -> Frame:
     """Decode and sanity-check a frame message; raises MessageDecodeError with a reason a human can act on.
 
     The priority class comes from the topic (the caller), not from the record's informational field.
+    `received_at` (wall seconds) is the worker's now, against which the capture time is checked.
     """
     if not payload:
         raise MessageDecodeError("empty message value")
     try:
-        rec = _read(FRAME_SCHEMA, payload)
+        rec = _read(FRAME_READ_SCHEMA, payload)
     except MessageDecodeError:
         raise
     except Exception as exc:  # fastavro raises EOFError, ValueError, UnicodeDecodeError, IndexError...
@@ -120,17 +139,25 @@ def decode_frame(payload: bytes | None, source: SourceRef, priority: Priority, r
     width, height, channels = rec["width"], rec["height"], rec["channels"]
     if width <= 0 or height <= 0:
         raise MessageDecodeError(f"impossible dimensions {width}x{height}")
-    if channels not in (1, 3, 4) or channels > MAX_CHANNELS:
+    if channels not in SUPPORTED_CHANNELS:
         raise MessageDecodeError(f"unsupported channel count {channels} (1, 3 or 4)")
-    if width * height > MAX_FRAME_PIXELS:
-        raise MessageDecodeError(f"frame {width}x{height} exceeds the {MAX_FRAME_PIXELS}-pixel limit")
+    if width * height > limits.max_frame_pixels:
+        raise MessageDecodeError(
+            f"frame {width}x{height} exceeds the {limits.max_frame_pixels}-pixel limit (limits.max_frame_pixels)")
     encoding = Encoding(rec["encoding"])
     if encoding is Encoding.RAW_RGB8 and len(rec["data"]) != width * height * channels:
         raise MessageDecodeError(
             f"RAW_RGB8 frame {width}x{height}x{channels} needs {width * height * channels} bytes, got {len(rec['data'])}"
         )
-    capture = rec["capture_ts_ms"]
-    capture_ms = int(capture.timestamp() * 1000) if hasattr(capture, "timestamp") else int(capture)
+    for name in ("stream_id", "tenant"):
+        size = len(rec[name].encode())
+        if size > limits.max_identifier_bytes:
+            raise MessageDecodeError(
+                f"{name} is {size} bytes; at most {limits.max_identifier_bytes} (limits.max_identifier_bytes)")
+    if rec["frame_index"] < 0:
+        raise MessageDecodeError(f"frame_index {rec['frame_index']} is negative: it counts frames from 0")
+    capture_ms = rec["capture_ts_ms"]
+    _check_capture_time(capture_ms, received_at, limits)
     return Frame(
         stream_id=rec["stream_id"],
         frame_index=rec["frame_index"],
@@ -146,6 +173,21 @@ def decode_frame(payload: bytes | None, source: SourceRef, priority: Priority, r
         received_at=received_at,
         declared_priority=Priority[rec["priority"]],
     )
+
+
+def _check_capture_time(capture_ms: int, now_s: float, limits: LimitsSettings) -> None:
+    """capture_ts_ms within [limits.min_capture_ts_ms, now + limits.max_capture_skew_ms], else dead-lettered:
+    a nonsense capture time would feed the latency metrics and the expiry decision with nonsense."""
+    if capture_ms < limits.min_capture_ts_ms:
+        raise MessageDecodeError(
+            f"capture_ts_ms {capture_ms} is before {limits.min_capture_ts_ms} (limits.min_capture_ts_ms): "
+            f"it must be the capture time in epoch milliseconds")
+    latest = int(now_s * 1000) + limits.max_capture_skew_ms
+    if capture_ms > latest:
+        raise MessageDecodeError(
+            f"capture_ts_ms {capture_ms} is {capture_ms - int(now_s * 1000)} ms in the future, more than the "
+            f"{limits.max_capture_skew_ms} ms clock skew allowed (limits.max_capture_skew_ms): fix the producer's "
+            f"clock, or its unit (epoch milliseconds)")
 
 
 def encode_result(record: dict[str, Any]) -> bytes:

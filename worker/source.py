@@ -22,7 +22,7 @@ from confluent_kafka import (
 from worker.assignment import Assignments
 from worker.config import ConfigError, Settings
 from worker.errors import StreamferError
-from worker.frames import DeadLetter, Frame, Priority, SourceRef
+from worker.frames import MESSAGE_DECODE_ERROR, DeadLetter, Frame, Priority, SourceRef
 from worker.schemas import MessageDecodeError, decode_frame
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ class FrameSource:
         conf["on_commit"] = self._commit_reported
         self._topics = settings.topics.input_topics()
         self._clock = clock
+        self._limits = settings.limits
         try:
             self._consumer = Consumer(conf, logger=log)
         except KafkaException as exc:
@@ -173,9 +174,9 @@ class FrameSource:
                 continue
             self._next_offset[tp] = source.offset + 1
             try:
-                frame = decode_frame(msg.value(), source, self._topics[source.topic], now)
+                frame = decode_frame(msg.value(), source, self._topics[source.topic], now, self._limits)
             except MessageDecodeError as exc:
-                polled.dead_letters.append(DeadLetter(source=source, reason=str(exc), error_type="MessageDecodeError",
+                polled.dead_letters.append(DeadLetter(source=source, reason=str(exc), error_type=MESSAGE_DECODE_ERROR,
                                                       payload=msg.value() or b"", key=msg.key()))
                 continue
             polled.frames.append(frame)

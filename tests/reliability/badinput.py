@@ -6,8 +6,11 @@ these, so a table row is reproducible from its seed.
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import random
+import struct
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,14 +28,29 @@ class BadInput:
     expect: str  # DEAD_LETTER, RESULT (a control) or EITHER (a mutation that may still be a valid frame)
 
 
+_frame_indices = itertools.count()
+
+
 def frame_bytes(width: int = 32, height: int = 32, channels: int = 3, encoding: Encoding = Encoding.RAW_RGB8,
-                data: bytes | None = None, stream_id: str = "bad-input") -> bytes:
-    """A frame message with any header values, valid or not."""
+                data: bytes | None = None, stream_id: str = "bad-input", capture_ts_ms: int | None = None,
+                tenant: str = "t", frame_index: int | None = None) -> bytes:
+    """A frame message with any header values, valid or not. By default it is captured now (the worker
+    dead-letters capture times outside limits.min_capture_ts_ms .. now + max_capture_skew_ms) and has an
+    identity of its own (a repeated (stream_id, frame_index) may be dead-lettered as a duplicate)."""
     if data is None:
         data = raw_pixels(width, height, channels) if encoding is Encoding.RAW_RGB8 else jpeg_pixels(width, height)
-    return encode_frame(FrameRecord(stream_id=stream_id, frame_index=0, capture_ts_ms=0, tenant="t",
-                                    priority=Priority.STANDARD, width=width, height=height, channels=channels,
-                                    encoding=encoding, data=data))
+    return encode_frame(FrameRecord(
+        stream_id=stream_id, frame_index=next(_frame_indices) if frame_index is None else frame_index,
+        capture_ts_ms=int(time.time() * 1000) if capture_ts_ms is None else capture_ts_ms, tenant=tenant,
+        priority=Priority.STANDARD, width=width, height=height, channels=channels, encoding=encoding, data=data))
+
+
+def with_sof_size(jpeg: bytes, width: int, height: int) -> bytes:
+    """The JPEG with its frame header (SOF) patched to declare width x height: a decompression bomb."""
+    pos = 2
+    while jpeg[pos + 1] not in (0xC0, 0xC1, 0xC2):
+        pos += 2 + struct.unpack_from(">H", jpeg, pos + 2)[0]
+    return jpeg[:pos + 5] + struct.pack(">HH", height, width) + jpeg[pos + 9:]
 
 
 def jpeg_frame(data: bytes, width: int = 32, height: int = 32) -> bytes:
@@ -91,6 +109,16 @@ def catalogue(seed: int = 0) -> list[BadInput]:
         BadInput("corrupt JPEG (empty)", jpeg_frame(b""), DEAD_LETTER),
         BadInput("JPEG holding a PNG", jpeg_frame(jpeg_pixels(32, 32, "PNG")), DEAD_LETTER),
         BadInput("JPEG size not as declared", jpeg_frame(jpeg, width=48), DEAD_LETTER),
+        BadInput("JPEG decompression bomb (SOF 12000x12000, header 64x64)",
+                 jpeg_frame(with_sof_size(jpeg_pixels(8, 8), 12000, 12000), 64, 64), DEAD_LETTER),
+        BadInput("corrupt JPEG (truncated, closed with EOI, SOF 4096x4096 as its header)",
+                 jpeg_frame(with_sof_size(jpeg_pixels(8, 8), 4096, 4096), 4096, 4096), DEAD_LETTER),
+        BadInput("capture time 0", frame_bytes(capture_ts_ms=0), DEAD_LETTER),
+        BadInput("capture time 2^62", frame_bytes(capture_ts_ms=2**62), DEAD_LETTER),
+        BadInput("capture time an hour ahead", frame_bytes(capture_ts_ms=int(time.time() * 1000) + 3_600_000),
+                 DEAD_LETTER),
+        BadInput("negative frame index", frame_bytes(frame_index=-1), DEAD_LETTER),
+        BadInput("900 KB tenant", frame_bytes(tenant="t" * 900_000), DEAD_LETTER),
     ]
     return cases
 

@@ -4,6 +4,7 @@ coordinates, and the worker keeps scoring the good frames interleaved with it.""
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Iterator
 
 import pytest
@@ -11,8 +12,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from worker.frames import Encoding, Priority, SourceRef
-from worker.runtime.models import ModelContract
 from worker.results import read_dead_letters, read_results
+from worker.runtime.models import ModelContract
 from worker.runtime.preprocess import Preprocessor
 from worker.schemas import MessageDecodeError, decode_frame
 
@@ -20,7 +21,6 @@ from . import faults
 from .badinput import catalogue, frame_bytes
 from .conftest import assert_kept
 from .harness import EITHER, MODES, RESULT, Lab, Outgoing, Run, RunOutcome, Sent, audit, digest
-
 
 # -- the decoders never raise anything but their own errors (no broker) -----------------------------------------
 damaged_frames = st.one_of(
@@ -51,7 +51,7 @@ def test_a_damaged_message_is_a_named_decode_error_never_a_crash(payload: bytes)
     becomes a FrameDecodeError beside its batch. Nothing else escapes, so one message cannot crash-loop the
     worker."""
     try:
-        frame = decode_frame(payload, SourceRef("frames.standard", 0, 0), Priority.STANDARD, 0.0)
+        frame = decode_frame(payload, SourceRef("frames.standard", 0, 0), Priority.STANDARD, time.time())
     except MessageDecodeError as exc:
         assert str(exc)
         event("rejected by the source")
@@ -139,7 +139,7 @@ def test_fuzzed_bytes_between_good_frames_each_get_exactly_one_answer(fuzz_run: 
 
 def _usable_frame(payload: bytes) -> bool:
     try:
-        frame = decode_frame(payload, SourceRef("t", 0, 0), Priority.STANDARD, 0.0)
+        frame = decode_frame(payload, SourceRef("t", 0, 0), Priority.STANDARD, time.time())
     except MessageDecodeError:
         return False
     return not PREPROCESSOR.prepare([frame], frame.shape).failures

@@ -19,10 +19,12 @@ from worker.frames import BatchOutcome, Encoding, Frame, Priority, Verdict
 from worker.schemas import FrameRecord, encode_frame
 
 TP = tuple[str, int]
+# Frames are captured a second before the tests' fake clock starts (test_pipeline.Clock).
+CAPTURE_TS_MS = 1_799_999_999_000
 
 
 def frame_value(stream: str, index: int, tenant: str = "t", side: int = 2) -> bytes:
-    return encode_frame(FrameRecord(stream_id=stream, frame_index=index, capture_ts_ms=1_000_000, tenant=tenant,
+    return encode_frame(FrameRecord(stream_id=stream, frame_index=index, capture_ts_ms=CAPTURE_TS_MS, tenant=tenant,
                                     priority=Priority.REALTIME, width=side, height=side, channels=3,
                                     encoding=Encoding.RAW_RGB8, data=bytes(side * side * 3)))
 

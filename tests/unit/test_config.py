@@ -89,3 +89,34 @@ def test_overrides_of_properties_the_guarantees_depend_on_are_refused():
 def test_transaction_call_timeout_is_bounded():
     with pytest.raises(ConfigError, match="delivery.transaction_call_timeout_ms"):
         load_settings(env={"WORKER_DELIVERY_TRANSACTION_CALL_TIMEOUT_MS": "50"})
+
+
+def test_limits_come_from_file_and_env(tmp_path):
+    cfg = tmp_path / "w.toml"
+    cfg.write_text('[limits]\nmax_frame_pixels = 33177600\nmax_capture_skew_ms = 5000\n'
+                   '[observability]\nmetric_tenants = ["acme", "globex"]\n')
+    s = load_settings(cfg, env={"WORKER_LIMITS_DUPLICATE_WINDOW_FRAMES": "0",
+                                "WORKER_OBSERVABILITY_MAX_METRIC_TENANTS": "7"})
+    assert s.limits.max_frame_pixels == 7680 * 4320  # 8K, raised from the default
+    assert s.limits.max_capture_skew_ms == 5000 and s.limits.duplicate_window_frames == 0
+    assert s.observability.metric_tenants == ("acme", "globex") and s.observability.max_metric_tenants == 7
+
+
+def test_default_pixel_limit_takes_4k_frames():
+    assert Settings().limits.max_frame_pixels >= 4096 * 2160
+
+
+@pytest.mark.parametrize("env, field", [
+    ({"WORKER_LIMITS_MAX_FRAME_PIXELS": "0"}, "limits.max_frame_pixels"),
+    ({"WORKER_LIMITS_MAX_FRAME_PIXELS": str(16384 * 16384 + 1)}, "limits.max_frame_pixels"),
+    ({"WORKER_LIMITS_MAX_IDENTIFIER_BYTES": "0"}, "limits.max_identifier_bytes"),
+    ({"WORKER_LIMITS_MIN_CAPTURE_TS_MS": "0"}, "limits.min_capture_ts_ms"),
+    ({"WORKER_LIMITS_MAX_CAPTURE_SKEW_MS": "-1"}, "limits.max_capture_skew_ms"),
+    ({"WORKER_LIMITS_DUPLICATE_WINDOW_FRAMES": "-1"}, "limits.duplicate_window_frames"),
+    ({"WORKER_OBSERVABILITY_MAX_METRIC_TENANTS": "1001"}, "observability.max_metric_tenants"),
+    ({"WORKER_OBSERVABILITY_METRIC_TENANTS": "a," + "b" * 300}, "observability.metric_tenants"),
+])
+def test_limits_out_of_range_are_named(env, field):
+    with pytest.raises(ConfigError) as err:
+        load_settings(env=env)
+    assert err.value.setting == field

@@ -14,7 +14,7 @@ from confluent_kafka import KafkaError
 import worker.sink as sink_module
 import worker.source as source_module
 from worker.config import BatchingSettings, DeliverySettings, ObservabilitySettings, Settings
-from worker.delivery import OUTPUT_REJECTED
+from worker.frames import OUTPUT_REJECTED
 from worker.metrics import Health, Metrics
 from worker.pipeline import Pipeline, build_pipeline
 from worker.schemas import decode_result
@@ -29,7 +29,7 @@ STEP_S = 0.2  # past bulk's max_wait_ms: every step releases what is pending
 
 class Clock:
     def __init__(self) -> None:
-        self.now = 1_000.0
+        self.now = 1_800_000_000.0  # 2027-01-15
 
     def __call__(self) -> float:
         return self.now
@@ -355,3 +355,14 @@ def test_bug12_exit_when_idle_waits_until_the_committed_offsets_reach_the_end(mo
         assert turns < 20  # idle for 1 s (5 turns) after the last commit, and caught up: gone
     else:
         assert turns > 40  # never caught up: stays until stopped
+
+
+def test_a_repeated_frame_identity_is_dead_lettered_and_the_first_copy_scored(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = World(monkeypatch, "exactly_once")
+    w.kafka.append(P0, frame_value("s", 0), frame_value("s", 1), frame_value("s", 0))  # offset 2 repeats 0
+    w.kafka.rebalance("assign", [P0])
+    w.step(4)
+    assert offsets(w.results(), P0) == [0, 1]
+    [dl] = w.dead_letters()
+    assert (dl.headers["streamfer.error_type"], dl.headers["streamfer.source_offset"]) == ("DuplicateFrame", "2")
+    assert w.committed(P0) == 3

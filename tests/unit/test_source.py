@@ -5,6 +5,7 @@ exactly that interleaving; everything else about the source is tested against th
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -22,8 +23,8 @@ BULK = Settings().topics.bulk
 
 
 def frame_bytes(offset: int) -> bytes:
-    return encode_frame(FrameRecord(stream_id="s", frame_index=offset, capture_ts_ms=0, tenant="t",
-                                    priority=Priority.REALTIME, width=2, height=2, channels=3,
+    return encode_frame(FrameRecord(stream_id="s", frame_index=offset, capture_ts_ms=int(time.time() * 1000),
+                                    tenant="t", priority=Priority.REALTIME, width=2, height=2, channels=3,
                                     encoding=Encoding.RAW_RGB8, data=bytes(12)))
 
 

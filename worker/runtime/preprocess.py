@@ -8,7 +8,6 @@ uses. With a fixed `input_size` each frame is resized on its own, so no padding 
 
 from __future__ import annotations
 
-import io
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -17,55 +16,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from worker.frames import Encoding, Frame
+from worker.frames import Frame
+from worker.runtime.decode import FrameDecodeError, decode_frame
 from worker.runtime.models import ModelContract
-
-
-class FrameDecodeError(Exception):
-    """One frame's pixels are unusable (corrupt JPEG, wrong byte count, zero or mismatched dimensions)."""
-
-
-def decode_frame(frame: Frame, channels: int = 3) -> np.ndarray:
-    """The frame's pixels as a (height, width, channels) uint8 array, or FrameDecodeError saying why not."""
-    h, w, c = frame.shape
-    if h <= 0 or w <= 0 or c <= 0:
-        raise FrameDecodeError(f"frame declares {w}x{h}x{c} pixels (width x height x channels); all must be > 0")
-    if frame.encoding is Encoding.RAW_RGB8:
-        return _decode_raw(frame, channels)
-    if frame.encoding is Encoding.JPEG:
-        return _decode_jpeg(frame, channels)
-    raise FrameDecodeError(f"unsupported encoding {frame.encoding!r}")
-
-
-def _decode_raw(frame: Frame, channels: int) -> np.ndarray:
-    h, w, c = frame.shape
-    if c != channels:
-        raise FrameDecodeError(f"RAW_RGB8 frame has {c} channels; the model takes {channels}")
-    expected = h * w * c
-    if len(frame.data) != expected:
-        raise FrameDecodeError(
-            f"RAW_RGB8 frame has {len(frame.data)} bytes, expected height*width*channels = {h}*{w}*{c} = {expected}"
-        )
-    return np.frombuffer(frame.data, dtype=np.uint8).reshape(h, w, c)
-
-
-def _decode_jpeg(frame: Frame, channels: int) -> np.ndarray:
-    try:
-        with Image.open(io.BytesIO(frame.data)) as img:
-            if img.format != "JPEG":
-                raise FrameDecodeError(f"frame is marked JPEG but holds {img.format or 'unknown'} data")
-            img.load()
-            if img.size != (frame.width, frame.height):
-                raise FrameDecodeError(
-                    f"JPEG decodes to {img.size[0]}x{img.size[1]}, but the frame declares {frame.width}x{frame.height}"
-                )
-            rgb = img.convert("RGB" if channels == 3 else "L")
-    except FrameDecodeError:
-        raise
-    except Exception as exc:  # Pillow signals corrupt data with OSError, SyntaxError, ValueError, ...
-        raise FrameDecodeError(f"JPEG does not decode: {type(exc).__name__}: {exc}") from None
-    arr = np.asarray(rgb, dtype=np.uint8)
-    return arr if arr.ndim == 3 else arr[:, :, None]
 
 
 def _resize(pixels: np.ndarray, size_hw: tuple[int, int]) -> np.ndarray:

@@ -1,0 +1,277 @@
+"""Pixel decoding is bounded before it starts: a JPEG's own header is checked against the frame header and
+the pixel limit, and truncated or padded JPEG data is an error, never a score (worker/runtime/decode.py)."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image, ImageFile
+
+from worker.frames import Encoding, Frame, Priority, SourceRef
+from worker.runtime.decode import FrameDecodeError, check_jpeg, decode_frame
+
+ROOT = Path(__file__).resolve().parents[2]
+SOF_MARKERS = (0xC0, 0xC1, 0xC2)
+
+
+def jpeg_bytes(width: int, height: int, seed: int = 1, mode: str = "RGB", **save: object) -> bytes:
+    """A real JPEG of smooth random content (8x8 blocks), as a camera frame compresses."""
+    small = np.random.default_rng(seed).integers(0, 256, (-(-height // 8), -(-width // 8), 3), dtype=np.uint8)
+    img = np.repeat(np.repeat(small, 8, axis=0), 8, axis=1)[:height, :width]
+    buf = io.BytesIO()
+    Image.fromarray(np.ascontiguousarray(img)).convert(mode).save(buf, format="JPEG", **save)
+    return buf.getvalue()
+
+
+def with_sof_size(data: bytes, width: int, height: int) -> bytes:
+    """The JPEG with its frame header (SOF) patched to declare width x height; the scan data is unchanged."""
+    pos = 2
+    while True:
+        marker = data[pos + 1]
+        (length,) = struct.unpack_from(">H", data, pos + 2)
+        if marker in SOF_MARKERS:
+            return data[:pos + 5] + struct.pack(">HH", height, width) + data[pos + 9:]
+        pos += 2 + length
+
+
+def with_sof_marker(data: bytes, marker: int) -> bytes:
+    pos = data.index(bytes((0xFF, 0xC0)))
+    return data[:pos + 1] + bytes((marker,)) + data[pos + 2:]
+
+
+def scan_starts(data: bytes) -> list[int]:
+    return [i for i in range(len(data) - 1) if data[i] == 0xFF and data[i + 1] == 0xDA]
+
+
+def frame(data: bytes, width: int, height: int, encoding: Encoding = Encoding.JPEG, channels: int = 3) -> Frame:
+    return Frame(stream_id="cam", frame_index=0, tenant="t", priority=Priority.STANDARD, capture_ts_ms=0,
+                 width=width, height=height, channels=channels, encoding=encoding, data=data,
+                 source=SourceRef("frames.standard", 0, 0))
+
+
+def bomb(declared: int = 12000) -> bytes:
+    """A few hundred bytes of real 8x8 JPEG whose SOF declares declared x declared pixels."""
+    return with_sof_size(jpeg_bytes(8, 8, quality=10), declared, declared)
+
+
+# -- what decodes --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("save", [{}, {"progressive": True}, {"subsampling": 0}, {"optimize": True},
+                                  {"quality": 100}, {"restart_marker_blocks": 3}, {"quality": 5, "progressive": True}],
+                         ids=str)
+def test_a_complete_jpeg_decodes_to_what_pillow_decodes(save):
+    data = jpeg_bytes(67, 45, **save)
+    pixels = decode_frame(frame(data, 67, 45))
+    expected = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+    np.testing.assert_array_equal(pixels, expected)
+
+
+@pytest.mark.parametrize("mode", ["L", "CMYK"])
+def test_grey_and_cmyk_jpegs_decode_to_the_models_channels(mode):
+    assert decode_frame(frame(jpeg_bytes(16, 8, mode=mode), 16, 8)).shape == (8, 16, 3)
+
+
+def test_bytes_after_the_eoi_marker_are_ignored_as_pillow_does():
+    data = jpeg_bytes(16, 16)
+    np.testing.assert_array_equal(decode_frame(frame(data + b"camera trailer", 16, 16)),
+                                  decode_frame(frame(data, 16, 16)))
+
+
+def test_check_jpeg_reads_size_components_and_scans_without_decoding():
+    info = check_jpeg(jpeg_bytes(40, 24, progressive=True))
+    assert (info.width, info.height, info.components, info.progressive) == (40, 24, 3, True)
+    assert info.scans > 1
+
+
+# -- decompression bombs ----------------------------------------------------------------------------------------------
+def test_a_jpeg_larger_than_its_frame_header_is_rejected_before_pillow_sees_it(monkeypatch):
+    monkeypatch.setattr(Image, "open", lambda *a, **k: pytest.fail("Pillow was asked to open the bomb"))
+    with pytest.raises(FrameDecodeError, match="JPEG decodes to 12000x12000, but the frame declares 64x64"):
+        decode_frame(frame(bomb(12000), 64, 64))
+
+
+def test_a_jpeg_whose_header_matches_but_whose_data_is_far_too_short_is_rejected_before_pillow(monkeypatch):
+    monkeypatch.setattr(Image, "open", lambda *a, **k: pytest.fail("Pillow was asked to open the bomb"))
+    with pytest.raises(FrameDecodeError, match="a scan holds .* bits, fewer than the .* its .* blocks need"):
+        decode_frame(frame(bomb(8000), 8000, 8000), max_pixels=8000 * 8000)
+
+
+def test_a_frame_over_the_pixel_limit_is_rejected_whatever_its_encoding():
+    with pytest.raises(FrameDecodeError, match="exceeds the 100-pixel limit"):
+        decode_frame(frame(bytes(11 * 10 * 3), 11, 10, Encoding.RAW_RGB8), max_pixels=100)
+    with pytest.raises(FrameDecodeError, match="exceeds the 100-pixel limit"):
+        decode_frame(frame(jpeg_bytes(11, 10), 11, 10), max_pixels=100)
+
+
+_MEASURE = """
+import io, json, sys
+from PIL import Image
+from worker.frames import Encoding, Frame, Priority, SourceRef
+from worker.runtime.decode import FrameDecodeError, decode_frame
+
+how, width, height, max_pixels = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+data = sys.stdin.buffer.read()
+frame = Frame(stream_id="s", frame_index=0, tenant="t", priority=Priority.STANDARD, capture_ts_ms=0, width=width,
+              height=height, channels=3, encoding=Encoding.JPEG, data=data, source=SourceRef("t", 0, 0))
+def status_kb(field):
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith(field + ":"))
+try:  # reset the peak (VmHWM) to the current RSS, so the peak below is this call's alone
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+except OSError:
+    pass
+rss_before = status_kb("VmRSS") * 1024
+outcome = "decoded"
+try:
+    if how == "worker":
+        decode_frame(frame, max_pixels=max_pixels)
+    else:  # what the worker did before: Pillow decodes whatever the JPEG's header says
+        with Image.open(io.BytesIO(data)) as img:
+            img.load()
+except FrameDecodeError as exc:
+    outcome = str(exc)
+peak = status_kb("VmHWM") * 1024
+print(json.dumps({"outcome": outcome, "growth_mb": (peak - rss_before) / 2**20}))
+"""
+
+
+def peak_rss_growth_mb(how: str, data: bytes, width: int, height: int, max_pixels: int) -> tuple[str, float]:
+    """Peak RSS (VmHWM, reset just before) of a fresh process decoding `data`, less its RSS just before."""
+    proc = subprocess.run([sys.executable, "-c", _MEASURE, how, str(width), str(height), str(max_pixels)],
+                          input=data, capture_output=True, cwd=ROOT, timeout=240, check=True)
+    out = json.loads(proc.stdout.decode().strip().splitlines()[-1])
+    return out["outcome"], out["growth_mb"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+@pytest.mark.parametrize("declared, header, max_pixels", [
+    (12000, 64, 16384 * 16384),  # the issue's bomb: 12000x12000 in ~600 bytes, sent with a 64x64 header
+    (8000, 8000, 16384 * 16384),  # the issue's truncated JPEG with a matching header (and the limit raised)
+])
+def test_a_decompression_bomb_is_rejected_with_under_50_mb_of_peak_memory_growth(declared, header, max_pixels):
+    data = bomb(declared)
+    assert len(data) < 1000
+    outcome, growth_mb = peak_rss_growth_mb("worker", data, header, header, max_pixels)
+    assert outcome.startswith("JPEG"), outcome
+    assert growth_mb < 50, f"decoding the bomb grew the peak RSS by {growth_mb:.0f} MB"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_the_memory_measurement_sees_a_bomb_that_pillow_alone_decodes():
+    """The control of the test above: the same measurement of Pillow decoding a 5000x5000 bomb (75 MB of RGB)
+    unchecked does exceed 50 MB, so the bound above can fail."""
+    outcome, growth_mb = peak_rss_growth_mb("pillow", bomb(5000), 5000, 5000, 5000 * 5000)
+    assert outcome == "decoded"
+    assert growth_mb > 50, growth_mb
+
+
+# -- truncated, padded, partial ---------------------------------------------------------------------------------------
+JPEGS = {
+    "baseline": jpeg_bytes(96, 64),
+    "progressive": jpeg_bytes(96, 64, progressive=True),
+    "restart markers": jpeg_bytes(96, 64, restart_marker_blocks=2),
+    "grey": jpeg_bytes(96, 64, mode="L"),
+}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(sorted(JPEGS)), st.floats(0.0, 1.0, exclude_max=True))
+def test_a_jpeg_cut_anywhere_is_a_decode_error(kind, share):
+    data = JPEGS[kind]
+    cut = data[:int(len(data) * share)]
+    with pytest.raises(FrameDecodeError, match="JPEG does not decode"):
+        decode_frame(frame(cut, 96, 64))
+
+
+@pytest.mark.parametrize("kind", sorted(JPEGS))
+def test_a_jpeg_missing_only_its_last_byte_is_a_decode_error(kind):
+    with pytest.raises(FrameDecodeError, match="truncated"):
+        decode_frame(frame(JPEGS[kind][:-1], 96, 64))
+
+
+def test_truncated_data_stays_an_error_even_if_something_sets_pillows_load_truncated_images(monkeypatch):
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
+    data = JPEGS["baseline"]
+    with pytest.raises(FrameDecodeError, match="truncated"):
+        decode_frame(frame(data[:len(data) * 3 // 4], 96, 64))
+
+
+def test_a_progressive_jpeg_cut_after_a_scan_and_closed_with_eoi_is_a_decode_error():
+    """Pillow decodes it without complaint (a blurred or grey image); the missing scans give it away."""
+    data = JPEGS["progressive"]
+    for start in scan_starts(data)[1:]:
+        partial = data[:start] + b"\xff\xd9"
+        Image.open(io.BytesIO(partial)).load()  # what the worker used to score
+        with pytest.raises(FrameDecodeError, match="not fully coded|in no scan"):
+            decode_frame(frame(partial, 96, 64))
+
+
+def test_a_baseline_jpeg_cut_to_a_sliver_of_its_scan_and_closed_with_eoi_is_a_decode_error():
+    data = jpeg_bytes(512, 512)
+    scan = scan_starts(data)[0]
+    partial = data[:scan + 40] + b"\xff\xd9"
+    Image.open(io.BytesIO(partial)).load()  # libjpeg pads the missing blocks grey, without an error
+    with pytest.raises(FrameDecodeError, match="fewer than the .* its .* blocks need"):
+        decode_frame(frame(partial, 512, 512))
+
+
+def test_a_baseline_jpeg_cut_in_half_and_closed_with_eoi_is_a_decode_error():
+    data = JPEGS["baseline"]
+    with pytest.raises(FrameDecodeError):
+        decode_frame(frame(data[:len(data) // 2] + b"\xff\xd9", 96, 64))
+
+
+# -- not a supported JPEG -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("marker, name", [(0xC9, "arithmetic"), (0xC3, "lossless"), (0xC5, "hierarchical")])
+def test_jpeg_coding_processes_other_than_huffman_baseline_or_progressive_are_refused(marker, name):
+    with pytest.raises(FrameDecodeError, match=f"unsupported coding process \\(SOF FF {marker:02X}\\)"):
+        decode_frame(frame(with_sof_marker(jpeg_bytes(16, 16), marker), 16, 16))
+
+
+def test_a_png_marked_jpeg_is_refused_by_the_structure_check():
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16)).save(buf, format="PNG")
+    with pytest.raises(FrameDecodeError, match="no SOI marker"):
+        decode_frame(frame(buf.getvalue(), 16, 16))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=400), st.sampled_from(sorted(JPEGS)))
+def test_any_bytes_after_a_jpeg_header_decode_or_fail_with_frame_decode_error(junk, kind):
+    data = JPEGS[kind]
+    scan = scan_starts(data)[0]
+    try:
+        decode_frame(frame(data[:scan] + junk, 96, 64))
+    except FrameDecodeError as exc:
+        assert str(exc)
+
+
+def test_a_bomb_in_a_batch_is_a_failure_beside_it_and_the_other_frames_still_run():
+    """What the executor turns into a FrameDecodeError dead letter, with this reason."""
+    from worker.runtime.models import ModelContract
+    from worker.runtime.preprocess import Preprocessor
+
+    good = frame(jpeg_bytes(64, 64), 64, 64)
+    batch = Preprocessor(ModelContract(name="m", version="1", labels=("a",))).prepare(
+        [good, frame(bomb(12000), 64, 64)], (64, 64, 3))
+    assert batch.frames == [good]
+    [(_, error)] = batch.failures
+    assert "12000x12000" in str(error)
+
+
+def test_stray_bytes_between_segments_are_corrupt_data_and_refused():
+    # libjpeg skips them with a "Corrupt JPEG data: extraneous bytes" warning; warnings are errors here.
+    data = jpeg_bytes(16, 16)
+    after_app0 = 4 + struct.unpack_from(">H", data, 4)[0]
+    padded = data[:after_app0] + b"\x00\x00" + data[after_app0:]
+    with pytest.raises(FrameDecodeError, match="extraneous bytes"):
+        decode_frame(frame(padded, 16, 16))

@@ -1,0 +1,271 @@
+"""Frame bytes -> pixels, safely: the size of what will be decoded is known and bounded before any pixel is.
+
+A JPEG is walked marker by marker first (pure Python, no pixel work): its SOF dimensions must equal the frame
+header and stay within `max_pixels`, it must be one complete baseline or progressive Huffman-coded image ending
+in EOI, and each scan must hold at least the bits its blocks need. Only then does Pillow decode it. This
+catches what Pillow (libjpeg) lets through silently: a few-hundred-byte JPEG whose SOF declares 12000x12000
+(a decompression bomb), and data cut short with an EOI marker after it, which libjpeg pads with grey and
+decodes without an error. Pillow's `LOAD_TRUNCATED_IMAGES` is never set here; data cut without an EOI fails
+both here and in Pillow.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
+import simplejpeg
+from PIL import Image
+
+from worker.config import MAX_FRAME_PIXELS_CEILING
+from worker.frames import Encoding, Frame
+
+
+class FrameDecodeError(Exception):
+    """One frame's pixels are unusable (corrupt JPEG, wrong byte count, zero or mismatched dimensions)."""
+
+
+def decode_frame(frame: Frame, channels: int = 3, max_pixels: int = MAX_FRAME_PIXELS_CEILING) -> np.ndarray:
+    """The frame's pixels as a (height, width, channels) uint8 array, or FrameDecodeError saying why not.
+
+    `max_pixels` is `limits.max_frame_pixels`; the message decoder has already held the frame header to it,
+    and a JPEG must match its header, so the default (the setting's ceiling) is only a last line of defence.
+    """
+    h, w, c = frame.shape
+    if h <= 0 or w <= 0 or c <= 0:
+        raise FrameDecodeError(f"frame declares {w}x{h}x{c} pixels (width x height x channels); all must be > 0")
+    if w * h > max_pixels:
+        raise FrameDecodeError(f"frame {w}x{h} exceeds the {max_pixels}-pixel limit (limits.max_frame_pixels)")
+    if frame.encoding is Encoding.RAW_RGB8:
+        return _decode_raw(frame, channels)
+    if frame.encoding is Encoding.JPEG:
+        return _decode_jpeg(frame, channels)
+    raise FrameDecodeError(f"unsupported encoding {frame.encoding!r}")
+
+
+def _decode_raw(frame: Frame, channels: int) -> np.ndarray:
+    h, w, c = frame.shape
+    if c != channels:
+        raise FrameDecodeError(f"RAW_RGB8 frame has {c} channels; the model takes {channels}")
+    expected = h * w * c
+    if len(frame.data) != expected:
+        raise FrameDecodeError(
+            f"RAW_RGB8 frame has {len(frame.data)} bytes, expected height*width*channels = {h}*{w}*{c} = {expected}"
+        )
+    return np.frombuffer(frame.data, dtype=np.uint8).reshape(h, w, c)
+
+
+# Pillow modes a JPEG opens in; each decodes to at most 4 bytes per pixel.
+
+
+def _decode_jpeg(frame: Frame, channels: int) -> np.ndarray:
+    info = check_jpeg(frame.data, (frame.width, frame.height))  # raises FrameDecodeError before any pixel work
+    if info.components not in (1, 3, 4):
+        raise FrameDecodeError(f"JPEG has {info.components} colour components; supported: 1, 3 or 4 (CMYK)")
+    try:
+        # libjpeg-turbo with strict=True: its warnings are errors, so data cut short (even when closed with a
+        # new EOI marker, which Pillow decodes as grey padding) never becomes a score.
+        if info.components != 4:
+            arr = simplejpeg.decode_jpeg(frame.data, colorspace="RGB" if channels == 3 else "GRAY", strict=True)
+            return arr if arr.ndim == 3 else arr[:, :, None]
+        # CMYK (print files, never video): libjpeg-turbo checks the data, Pillow converts the colours (it knows
+        # Adobe's inverted CMYK); both decode, which only this rare kind pays for.
+        simplejpeg.decode_jpeg(frame.data, colorspace="CMYK", strict=True)
+        with Image.open(io.BytesIO(frame.data), formats=("JPEG",)) as img:
+            arr = np.asarray(img.convert("RGB" if channels == 3 else "L"), dtype=np.uint8)
+    except (ValueError, RuntimeError, OSError) as exc:
+        raise FrameDecodeError(f"JPEG does not decode: {exc}") from None
+    return arr if arr.ndim == 3 else arr[:, :, None]
+
+
+# -- the JPEG structure walk --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class JpegInfo:
+    """What a JPEG declares, read from its markers without decoding: size, components, scans."""
+
+    width: int
+    height: int
+    components: int
+    progressive: bool
+    scans: int
+
+
+_SOI, _EOI, _SOS, _DNL = 0xD8, 0xD9, 0xDA, 0xDC
+_SUPPORTED_SOF = {0xC0: False, 0xC1: False, 0xC2: True}  # baseline, extended sequential, progressive (Huffman)
+_OTHER_SOF = {0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+# Codes that have no length and may not stand between segments: TEM, RST0..7, a second SOI, and 00 (stuffing).
+_NO_LENGTH = frozenset({0x00, 0x01, _SOI, *range(0xD0, 0xD8)})
+
+
+@dataclass
+class _Component:
+    ident: int
+    h: int
+    v: int
+    blocks: int = 0  # 8x8 blocks of this component, before MCU padding (a lower bound of what a scan codes)
+    # Per coefficient 0..63: the lowest successive-approximation bit coded so far (64 = never coded).
+    lowest_bit: list[int] = field(default_factory=lambda: [64] * 64)
+
+
+def _bad(reason: str) -> FrameDecodeError:
+    return FrameDecodeError(f"JPEG does not decode: {reason}")
+
+
+def check_jpeg(data: bytes, expected_size: tuple[int, int] | None = None) -> JpegInfo:
+    """Walk the JPEG's markers; FrameDecodeError unless it is one complete, supported image (of
+    `expected_size` = (width, height) when given, checked as soon as the frame header is read).
+    Costs one bytes.find pass over the entropy-coded data: no Huffman decoding, no pixels."""
+    if data[:2] != b"\xff\xd8":
+        raise _bad("no SOI marker (FF D8) at the start: not a JPEG")
+    pos = 2
+    n = len(data)
+    comps: dict[int, _Component] = {}
+    size: tuple[int, int] | None = None
+    progressive = False
+    scans = 0
+    while True:
+        marker, pos = _next_marker(data, pos)
+        if marker is None:
+            raise _bad("truncated: the data ends before the EOI marker (FF D9)")
+        if marker == _EOI:
+            break
+        if marker in _NO_LENGTH:
+            raise _bad(f"stray marker FF {marker:02X} outside a scan")
+        if pos + 2 > n:
+            raise _bad("truncated inside a marker segment")
+        (length,) = struct.unpack_from(">H", data, pos)
+        if length < 2 or pos + length > n:
+            raise _bad(f"marker FF {marker:02X} segment of {length} bytes runs past the data")
+        segment = data[pos + 2:pos + length]
+        pos += length
+        if marker in _SUPPORTED_SOF or marker in _OTHER_SOF:
+            if marker in _OTHER_SOF:
+                raise _bad(f"unsupported coding process (SOF FF {marker:02X}); "
+                           f"send baseline or progressive Huffman-coded JPEG")
+            if size is not None:
+                raise _bad("more than one frame header (SOF)")
+            progressive = _SUPPORTED_SOF[marker]
+            size = _read_sof(segment, comps)
+            if expected_size is not None and size != expected_size:
+                raise FrameDecodeError(f"JPEG decodes to {size[0]}x{size[1]}, but the frame declares "
+                                       f"{expected_size[0]}x{expected_size[1]} (read from its header, before decoding)")
+        elif marker == _SOS:
+            if size is None:
+                raise _bad("a scan (SOS) before the frame header (SOF)")
+            pos = _read_scan(data, pos, segment, comps, progressive)
+            scans += 1
+        elif marker == _DNL:
+            raise _bad("a DNL marker (height defined after the scan): unsupported")
+    if size is None or scans == 0:
+        raise _bad("no frame header (SOF) or no scan (SOS)")
+    _check_complete(comps, progressive)
+    return JpegInfo(width=size[0], height=size[1], components=len(comps), progressive=progressive, scans=scans)
+
+
+def _next_marker(data: bytes, pos: int) -> tuple[int | None, int]:
+    """The marker code at or after `pos` and the position after it; (None, pos) at the end. Like libjpeg, skips
+    stray bytes between segments (some cameras pad them) and fill 0xFFs."""
+    n = len(data)
+    pos = data.find(b"\xff", pos)
+    if pos < 0:
+        return None, n
+    while pos < n and data[pos] == 0xFF:
+        pos += 1
+    if pos >= n:
+        return None, pos
+    return data[pos], pos + 1
+
+
+def _scan_data_end(data: bytes, pos: int) -> tuple[int, int]:
+    """Where the entropy-coded data starting at `pos` ends (the 0xFF of the next marker that is neither a stuffed
+    FF 00 nor a restart marker RST0..7), and how many of its bytes are stuffing or restart markers."""
+    n = len(data)
+    overhead = 0
+    i = pos
+    while True:
+        i = data.find(b"\xff", i)
+        j = i + 1
+        while 0 < j < n and data[j] == 0xFF:  # fill bytes
+            j += 1
+        if i < 0 or j >= n:
+            raise _bad("truncated: a scan's data ends before the EOI marker (FF D9)")
+        code = data[j]
+        if code == 0x00:
+            overhead += 1
+        elif 0xD0 <= code <= 0xD7:
+            overhead += j + 1 - i
+        else:
+            return i, overhead
+        i = j + 1
+
+
+def _read_sof(segment: bytes, comps: dict[int, _Component]) -> tuple[int, int]:
+    if len(segment) < 6:
+        raise _bad("frame header (SOF) too short")
+    precision, height, width, count = struct.unpack_from(">BHHB", segment, 0)
+    if precision != 8:
+        raise _bad(f"sample precision {precision} bits; only 8 is supported")
+    if height == 0 or width == 0:
+        raise _bad(f"declares {width}x{height} pixels (a height of 0 means DNL: unsupported)")
+    if count not in (1, 3, 4) or len(segment) < 6 + 3 * count:
+        raise _bad(f"declares {count} components; supported: 1, 3 or 4")
+    for i in range(count):
+        ident, sampling, _table = struct.unpack_from(">BBB", segment, 6 + 3 * i)
+        h, v = sampling >> 4, sampling & 0x0F
+        if not (1 <= h <= 4 and 1 <= v <= 4) or ident in comps:
+            raise _bad(f"component {ident} has invalid sampling {h}x{v} or is declared twice")
+        comps[ident] = _Component(ident, h, v)
+    h_max = max(c.h for c in comps.values())
+    v_max = max(c.v for c in comps.values())
+    for c in comps.values():
+        c_width = -(-width * c.h // h_max)
+        c_height = -(-height * c.v // v_max)
+        c.blocks = -(-c_width // 8) * -(-c_height // 8)
+    return width, height
+
+
+def _read_scan(data: bytes, pos: int, header: bytes, comps: dict[int, _Component], progressive: bool) -> int:
+    """Check one scan's header and that its entropy-coded data can hold its blocks; returns the position of the
+    marker that ends the data."""
+    if len(header) < 1 or len(header) < 1 + 2 * header[0] + 3:
+        raise _bad("scan header (SOS) too short")
+    count = header[0]
+    idents = [header[1 + 2 * i] for i in range(count)]
+    ss, se, approx = header[1 + 2 * count:4 + 2 * count]
+    ah, al = approx >> 4, approx & 0x0F
+    if count < 1 or any(i not in comps for i in idents) or len(set(idents)) != count:
+        raise _bad(f"scan names components {idents}, not those of its frame {sorted(comps)}")
+    if not progressive and (ss, se, ah, al) != (0, 63, 0, 0):
+        raise _bad("a sequential scan does not cover all 64 coefficients")
+    if progressive and not (ss <= se <= 63 and al <= 13 and (ss == 0 or count == 1) and (ss > 0 or se == 0)):
+        raise _bad(f"progressive scan with an invalid spectral range {ss}..{se} / bits {ah},{al}")
+    stop, overhead = _scan_data_end(data, pos)
+    available_bits = 8 * (stop - pos - overhead)
+    # Every block of a scan that codes the DC coefficient takes at least one bit (a Huffman code is >= 1 bit;
+    # a refinement scan sends exactly one); a sequential scan adds at least one more (EOB or an AC code).
+    # AC-only progressive scans can cover thousands of blocks with one EOB run, so they get no lower bound.
+    per_block = (1 if progressive else 2) if ss == 0 else 0
+    needed_bits = per_block * sum(comps[i].blocks for i in idents)
+    if available_bits < needed_bits:
+        raise _bad(
+            f"a scan holds {available_bits} bits, fewer than the {needed_bits} its "
+            f"{sum(comps[i].blocks for i in idents)} blocks need: truncated data, or a header claiming a larger image")
+    for i in idents:
+        lowest = comps[i].lowest_bit
+        for k in range(ss, se + 1):
+            lowest[k] = min(lowest[k], al)
+    return stop
+
+
+def _check_complete(comps: dict[int, _Component], progressive: bool) -> None:
+    """Every coefficient of every component must be coded down to its last bit, else libjpeg leaves the rest
+    at zero (grey, or a blurred image) without an error."""
+    for c in comps.values():
+        missing = [k for k, bit in enumerate(c.lowest_bit) if bit != 0]
+        if missing:
+            what = "is in no scan" if not progressive else \
+                f"has coefficients {missing[0]}..{missing[-1]} not fully coded (a progressive JPEG cut short)"
+            raise _bad(f"component {c.ident} {what}")
