@@ -66,7 +66,8 @@ class _Awaiting:
     since: float
     next_try: float
     delay: float = COMMITTED_RETRY_FIRST_S
-    reported: bool = False
+    reported: bool = False  # that its committed offset cannot be read now (a warning, counted)
+    reported_unstarted: bool = False  # that librdkafka has not started fetching it yet, so it cannot be sought
 
 
 RebalanceHandler = Callable[[list[TP]], None]
@@ -369,38 +370,47 @@ class FrameSource:
             if self._clock() - started >= COMMITTED_LOOKUP_BUDGET_S:
                 break
             answer = self.committed([tp], COMMITTED_LOOKUP_TIMEOUT_S)
-            if tp in answer.offsets and self._seek(tp, answer.offsets[tp]):
+            if tp not in answer.offsets:
+                self._retry_later(tp, answer.unknown[tp], unknown=True)
+                continue
+            refused = self._seek(tp, answer.offsets[tp])
+            if refused is None:
                 sought.append(tp)
-            else:
-                self._retry_later(tp, answer.unknown.get(tp, "the seek failed"))
+            else:  # librdkafka starts a partition once it has its own answer; seek then
+                self._retry_later(tp, refused, unknown=False)
         for tp in sought:
             waited = self._awaiting.pop(tp)
-            if waited.reported:
+            if waited.reported or waited.reported_unstarted:
                 log.info("committed offset of %s known after %.1fs: reading it from there", tp,
                          self._clock() - waited.since)
         if sought:
             self._apply_pauses()
 
-    def _seek(self, tp: TP, offset: int) -> bool:
+    def _seek(self, tp: TP, offset: int) -> str | None:
+        """Seek; None when done, else why not (`_STATE` while librdkafka has not started fetching the partition)."""
         try:
             self._consumer.seek(TopicPartition(tp[0], tp[1], offset))
         except KafkaException as exc:
-            log.warning("seeking %s to its committed offset %d failed (will retry): %s", tp, offset, exc)
-            return False
+            err = exc.args[0] if exc.args else None
+            return err.str() if isinstance(err, KafkaError) else str(exc)
         self._next_offset.pop(tp, None)
-        return True
+        return None
 
-    def _retry_later(self, tp: TP, reason: str) -> None:
+    def _retry_later(self, tp: TP, reason: str, unknown: bool) -> None:
         waiting = self._awaiting[tp]
         now = self._clock()
         waiting.next_try = now + waiting.delay
         waiting.delay = min(waiting.delay * 2, COMMITTED_RETRY_MAX_S)
-        if not waiting.reported:
+        if unknown and not waiting.reported:
             waiting.reported = True
             self._waits_unreported += 1
             log.warning("the committed offset of %s cannot be read now (%s; a dead member's transaction may still "
                         "hold it): keeping it paused and asking again, never reading it from its beginning",
                         tp, reason)
+        elif not unknown and not waiting.reported_unstarted:
+            waiting.reported_unstarted = True
+            log.info("%s cannot be sought yet (%s): librdkafka has not started fetching it, as it waits for the "
+                     "committed offsets of its assignment; keeping it paused and seeking it once it has", tp, reason)
 
     def lag(self) -> dict[TP, int]:
         """High watermark minus position per assigned partition, from cached watermarks (no broker call)."""

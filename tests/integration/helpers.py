@@ -60,12 +60,17 @@ def make_topics(bootstrap: str, unique: str, partitions: int = 3) -> TestTopics:
 
 
 def start_worker(bootstrap: str, topics: TestTopics, extra_env: dict[str, str] | None = None,
-                 exit_when_idle: float | None = None, worker_id: str = "w0",
+                 exit_when_idle: float | None = None, worker_id: str | None = "w0",
                  log_path: str | None = None) -> subprocess.Popen:
-    """A `worker run` process with the test's topics; small batching waits keep tests quick."""
+    """A `worker run` process with the test's topics; small batching waits keep tests quick.
+
+    `worker_id` None leaves the worker its default id (`<hostname>-<pid>`: a new transactional id per process)."""
     env = dict(os.environ)
     env.update(topics.env())
-    env.update({"WORKER_KAFKA_BOOTSTRAP_SERVERS": bootstrap, "WORKER_OBSERVABILITY_WORKER_ID": worker_id,
+    env.pop("WORKER_OBSERVABILITY_WORKER_ID", None)
+    if worker_id is not None:
+        env["WORKER_OBSERVABILITY_WORKER_ID"] = worker_id
+    env.update({"WORKER_KAFKA_BOOTSTRAP_SERVERS": bootstrap,
                 "WORKER_OBSERVABILITY_METRICS_PORT": "0", "WORKER_RUNTIME_TORCH_THREADS": "1",
                 "WORKER_RUNTIME_WARMUP_BATCHES": "1", "WORKER_KAFKA_SESSION_TIMEOUT_MS": "6000",
                 "WORKER_KAFKA_MAX_POLL_INTERVAL_MS": "60000",

@@ -90,6 +90,7 @@ class FakeConsumer:
     committed_offsets: dict[tuple[str, int], int] = field(default_factory=dict)
     unstable: set[tuple[str, int]] = field(default_factory=set)
     timing_out: bool = False
+    unstarted: set[tuple[str, int]] = field(default_factory=set)  # librdkafka refuses to seek them (_STATE)
     lookups: list[list[tuple[str, int]]] = field(default_factory=list)
     seeks: list[tuple[str, int, int]] = field(default_factory=list)
     paused: set[tuple[str, int]] = field(default_factory=set)
@@ -121,6 +122,8 @@ class FakeConsumer:
                 for p in partitions]
 
     def seek(self, tp: TopicPartition) -> None:
+        if (tp.topic, tp.partition) in self.unstarted:
+            raise KafkaException(KafkaError(KafkaError._STATE))
         self.seeks.append((tp.topic, tp.partition, tp.offset))
 
     def pause(self, partitions: list[TopicPartition]) -> None:
@@ -228,6 +231,21 @@ def test_a_partition_waiting_for_its_committed_offset_is_counted_once(fake: Fake
     assert source.poll(10, 0.0).committed_offset_waits == 1
     fake.clock.now += 10.0
     assert source.poll(10, 0.0).committed_offset_waits == 0
+
+
+def test_a_partition_librdkafka_has_not_started_is_sought_once_it_has(fake: FakeConsumer) -> None:
+    """librdkafka starts a new partition once it has its own answer; until then a seek is refused (_STATE)."""
+    source, _ = make_source(fake)
+    fake.committed_offsets = {(REALTIME, 0): 5}
+    fake.unstarted = {(REALTIME, 0)}
+    fake.script = [[("assign", [(REALTIME, 0)])], [], []]
+    source.poll(10, 0.0)
+    polled = source.poll(10, 0.0)
+    assert fake.seeks == [] and fake.paused == {(REALTIME, 0)} and polled.committed_offset_waits == 0
+    fake.unstarted = set()
+    fake.clock.now += COMMITTED_RETRY_FIRST_S
+    source.poll(10, 0.0)
+    assert fake.seeks == [(REALTIME, 0, 5)] and fake.paused == set()
 
 
 def test_the_look_ups_of_one_poll_stay_within_their_budget(fake: FakeConsumer) -> None:
