@@ -3,7 +3,7 @@ verifier saw, per fault and delivery mode.
 
     python bench/reliability.py [--quick] [--mode at_least_once|exactly_once|both] [--soak SECONDS]
                                 [--faults sigkill,churn,...] [--runs N] [--no-config]
-                                [--worker-ids fixed|default|both]
+                                [--worker-ids fixed|default|both] [--cpu-load N]
 
 Every input message is accounted for by its source coordinates: lost = produced but neither a result nor a
 dead letter; duplicated = answered more than once (exactly-once must show 0; at-least-once stays within the
@@ -33,7 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.reliability import configcases, faults  # noqa: E402
-from tests.reliability.harness import MODES, WORKER_IDS, Audit, Lab, RunOutcome  # noqa: E402
+from tests.reliability.harness import MODES, WORKER_IDS, Audit, Lab, RunOutcome, cpu_load  # noqa: E402
 from worker.local_kafka import LocalKafka  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "reliability.json"
@@ -57,14 +57,8 @@ def main(argv: list[str] | None = None) -> int:
                               "args": vars(args), "workdir": str(workdir), "rows": [], "config": None,
                               "soak": []}
     try:
-        for fault in chosen:
-            for ids in _worker_ids(args.worker_ids, fault):
-                for mode in modes:
-                    row = _row(fault, mode, [_run(lab.with_worker_ids(ids), fault, mode, scale, i)
-                                             for i in range(runs)])
-                    row["worker ids"] = ids
-                    report["rows"].append(row)
-                    _log(f"{fault} [{mode}, {ids} worker ids]: {row['verdict']} ({row.get('seconds')} s)")
+        with cpu_load(args.cpu_load):
+            _faults(report, chosen, modes, lab, scale, runs, args.worker_ids)
         if not args.no_config:
             report["config"] = _config(lab.bootstrap)
         for mode in modes if args.soak else ():
@@ -91,6 +85,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help=f"only these, comma-separated: {','.join(faults.FAULTS)}")
     p.add_argument("--runs", type=int, help="runs per fault and mode (default 3, --quick 1)")
     p.add_argument("--no-config", action="store_true", help="skip the bad-configuration checks")
+    p.add_argument("--cpu-load", type=int, default=0, metavar="N",
+                   help="run the faults with N busy processes competing for the CPU (default 0)")
     p.add_argument("--worker-ids", choices=[*WORKER_IDS, "both"], default="both",
                    help="how the faults that replace a worker process name the new one: fixed (the same worker id, "
                         "so the same transactional id), default (the worker's own <hostname>-<pid>: a new one per "
@@ -101,6 +97,17 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown faults {sorted(unknown)}; known: {', '.join(faults.FAULTS)}")
     return args
+
+
+def _faults(report: dict[str, Any], chosen: list[str], modes: tuple[str, ...], lab: Lab, scale: faults.Scale,
+            runs: int, worker_ids: str) -> None:
+    for fault in chosen:
+        for ids in _worker_ids(worker_ids, fault):
+            for mode in modes:
+                row = _row(fault, mode, [_run(lab.with_worker_ids(ids), fault, mode, scale, i) for i in range(runs)])
+                row["worker ids"] = ids
+                report["rows"].append(row)
+                _log(f"{fault} [{mode}, {ids} worker ids]: {row['verdict']} ({row.get('seconds')} s)")
 
 
 def _worker_ids(choice: str, fault: str) -> tuple[str, ...]:

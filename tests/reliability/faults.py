@@ -202,9 +202,12 @@ def group_churn(lab: Lab, mode: str, scale: Scale, static: bool = False) -> RunO
 
 
 def sigkill_churn(lab: Lab, mode: str, scale: Scale, seed: int | None = None) -> RunOutcome:
-    """Three workers while frames flow; every 2.5 to 5 s one of them is SIGKILLed and a new process takes its
-    place (issue 13 found duplicates this way with default worker ids: a partition whose committed offset a dead
-    process's open transaction held was read again from its beginning by its next owner)."""
+    """Three workers while frames flow; every 2.5 to 5 s one of them that holds partitions is SIGKILLed and a new
+    process takes its place (issue 13 found duplicates this way with default worker ids: a partition whose
+    committed offset a dead process's open transaction held was read again from its beginning by its next owner).
+    Every other kill comes after produce, before commit (the broker frozen for a moment, see kill_after_produce),
+    so a transaction carrying offsets is left open as a loaded CPU would leave it; the others at random moments.
+    The flow lasts twice the scale's at half its rate, so kills land while the group works, not while it loads."""
     run = Run(lab, "SIGKILL churn (3 workers)", mode)
     seed = random.randrange(2**32) if seed is None else seed
     rng = random.Random(seed)
@@ -214,17 +217,23 @@ def sigkill_churn(lab: Lab, mode: str, scale: Scale, seed: int | None = None) ->
     def body() -> None:
         for w in workers:
             run.fleet.start(w)
-        run.feed(run.factory.frames(int(scale.rate_fps * scale.flow_s)), rate_fps=scale.rate_fps)
-        deadline = time.monotonic() + scale.flow_s
-        kills = 0
-        while time.monotonic() < deadline or kills < MIN_CHURNS:
+        if not run.wait(lambda: all(run.fleet.is_up(w) for w in workers), 120):
+            run.notes["stuck"] = "the workers never started"
+            return
+        run.feed(run.factory.frames(int(scale.rate_fps * scale.flow_s)), rate_fps=scale.rate_fps / 2)
+        deadline = time.monotonic() + 2 * scale.flow_s
+        kills: list[str] = []
+        while time.monotonic() < deadline or len(kills) < MIN_CHURNS:
             run.wait(lambda: False, rng.uniform(2.5, 5.0))  # supervise until the next kill
-            victim = rng.choice(workers)
-            # A process still loading its model has joined nothing yet: kill only members.
-            run.wait(lambda: run.fleet.is_up(victim), 60)
-            run.kill_now(victim)
+            # Kill a member holding partitions (its transaction may hold their offsets); a process still loading
+            # its model has joined nothing yet.
+            if not run.wait(lambda: any(run.fleet.partitions(w) for w in workers), 60):
+                break
+            victim = rng.choice([w for w in workers if run.fleet.partitions(w)])
+            held = len(run.fleet.partitions(victim))
+            phase = run.kill_after_produce(victim) if len(kills) % 2 == 0 else run.kill_now(victim)
+            kills.append(f"{victim} holding {held}: {phase}")
             run.fleet.start(victim)
-            kills += 1
         run.notes["kills"] = kills
 
     return _guarded(run, body, timeout_s=240.0)

@@ -14,6 +14,8 @@ fault itself (an outage lasts N seconds).
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -21,13 +23,14 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
@@ -286,6 +289,24 @@ class Fleet:
             fh.seek(self._log_offsets.get(worker_id, 0))
             return b"worker started:" in fh.read()
 
+    def partitions(self, worker_id: str) -> set[tuple[str, int]]:
+        """The partitions the worker's current process holds, by its log's assignment lines (cooperative
+        increments: assigned adds, revoked and lost remove)."""
+        path = self.log_path(worker_id)
+        held: set[tuple[str, int]] = set()
+        if worker_id not in self.procs or not path.exists():
+            return held
+        with open(path, "rb") as fh:
+            fh.seek(self._log_offsets.get(worker_id, 0))
+            text = fh.read().decode(errors="replace")
+        for kind, listed in re.findall(r"partitions (assigned|revoked|lost): (\[[^\]]*\])", text):
+            try:
+                tps = {(t, int(p)) for t, p in ast.literal_eval(listed)}
+            except (ValueError, SyntaxError):
+                continue
+            held = held | tps if kind == "assigned" else held - tps
+        return held
+
     def pid(self, worker_id: str) -> int:
         return self.procs[worker_id].pid
 
@@ -344,6 +365,19 @@ class Fleet:
                                  ("delivery_retried", "producing again")):
                 events[name] += text.count(needle)
         return events
+
+
+@contextlib.contextmanager
+def cpu_load(processes: int) -> Iterator[None]:
+    """Busy processes competing for the CPU while the block runs: timing windows (a transaction still open, a
+    rebalance inside a poll) open wider under load, and several defects showed only then."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait(10)
 
 
 def rss_bytes(pid: int) -> int | None:
