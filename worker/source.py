@@ -257,10 +257,13 @@ class FrameSource:
         to_pause = want - self._paused
         to_resume = self._paused - want
         if to_pause:
-            self._consumer.pause([TopicPartition(t, p) for t, p in to_pause])
+            self._consumer.pause([TopicPartition(t, p) for t, p in sorted(to_pause)])
         if to_resume:
-            self._consumer.resume([TopicPartition(t, p) for t, p in to_resume])
+            self._consumer.resume([TopicPartition(t, p) for t, p in sorted(to_resume, key=self._priority_order)])
         self._paused = want
+
+    def _priority_order(self, tp: TP) -> tuple[int, str, int]:
+        return (self._topics[tp[0]].value, tp[0], tp[1])
 
     @property
     def paused_partitions(self) -> int:
@@ -366,7 +369,8 @@ class FrameSource:
         in the group) however long a transaction holds an offset."""
         started = self._clock()
         sought: list[TP] = []
-        for tp in sorted(tp for tp, w in self._awaiting.items() if w.next_try <= started):
+        # Highest class first: librdkafka fetches partitions in the order they were sought and resumed.
+        for tp in sorted((tp for tp, w in self._awaiting.items() if w.next_try <= started), key=self._priority_order):
             if self._clock() - started >= COMMITTED_LOOKUP_BUDGET_S:
                 break
             answer = self.committed([tp], COMMITTED_LOOKUP_TIMEOUT_S)

@@ -178,6 +178,16 @@ def test_a_new_partition_is_read_from_its_committed_offset_after_the_next_look_u
     assert fake.seeks == [(REALTIME, 0, 5)] and fake.paused == set()
 
 
+def test_new_partitions_are_sought_highest_class_first(fake: FakeConsumer) -> None:
+    """librdkafka fetches partitions in the order they were sought and resumed: realtime before an older bulk
+    backlog (tests/integration/test_priorities_and_shutdown.py failed with topic-name order)."""
+    source, _ = make_source(fake)
+    fake.script = [[("assign", [(BULK, 0), (REALTIME, 1), (REALTIME, 0)])], []]
+    source.poll(10, 0.0)
+    source.poll(10, 0.0)
+    assert [tp for (tp,) in fake.lookups] == [(REALTIME, 0), (REALTIME, 1), (BULK, 0)]
+
+
 def test_with_nothing_committed_and_no_error_a_partition_is_read_from_its_beginning(fake: FakeConsumer) -> None:
     source, _ = make_source(fake)
     fake.script = [[("assign", [(REALTIME, 0)])], []]
