@@ -369,7 +369,8 @@ class FrameSource:
         in the group) however long a transaction holds an offset."""
         started = self._clock()
         sought: list[TP] = []
-        # Highest class first: librdkafka fetches partitions in the order they were sought and resumed.
+        # Highest class first, so its fetches start first (in topic-name order bulk went first after each
+        # assignment, and realtime no longer overtook an older bulk backlog).
         for tp in sorted((tp for tp, w in self._awaiting.items() if w.next_try <= started), key=self._priority_order):
             if self._clock() - started >= COMMITTED_LOOKUP_BUDGET_S:
                 break

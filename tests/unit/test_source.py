@@ -179,8 +179,8 @@ def test_a_new_partition_is_read_from_its_committed_offset_after_the_next_look_u
 
 
 def test_new_partitions_are_sought_highest_class_first(fake: FakeConsumer) -> None:
-    """librdkafka fetches partitions in the order they were sought and resumed: realtime before an older bulk
-    backlog (tests/integration/test_priorities_and_shutdown.py failed with topic-name order)."""
+    """So realtime's fetches start first (tests/integration/test_priorities_and_shutdown.py failed with
+    topic-name order, which put bulk first)."""
     source, _ = make_source(fake)
     fake.script = [[("assign", [(BULK, 0), (REALTIME, 1), (REALTIME, 0)])], []]
     source.poll(10, 0.0)
