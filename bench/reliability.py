@@ -3,11 +3,14 @@ verifier saw, per fault and delivery mode.
 
     python bench/reliability.py [--quick] [--mode at_least_once|exactly_once|both] [--soak SECONDS]
                                 [--faults sigkill,churn,...] [--runs N] [--no-config]
+                                [--worker-ids fixed|default|both] [--cpu-load N]
 
 Every input message is accounted for by its source coordinates: lost = produced but neither a result nor a
 dead letter; duplicated = answered more than once (exactly-once must show 0; at-least-once stays within the
-frames in flight at each fault). The faults are in tests/reliability/faults.py; the pytest tests there
-assert the same outcomes. The broker: KAFKA_BOOTSTRAP_SERVERS if set (the broker faults then need
+frames in flight at each fault); and no partition's committed offset may move backwards (read from
+__consumer_offsets). The faults that replace a worker process run with fixed worker ids and/or default ones (a
+new transactional id per process), as --worker-ids says. The faults are in tests/reliability/faults.py; the
+pytest tests there assert the same outcomes. The broker: KAFKA_BOOTSTRAP_SERVERS if set (the broker faults then need
 STREAMFER_TEST_BROKER_DIR naming a broker this suite may restart, else they are skipped), otherwise a
 local Apache Kafka of its own, destroyed at the end. Writes bench/results/reliability.json; exits 1 when a
 run broke its mode's promise.
@@ -30,7 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.reliability import configcases, faults  # noqa: E402
-from tests.reliability.harness import MODES, Audit, Lab, RunOutcome  # noqa: E402
+from tests.reliability.harness import MODES, WORKER_IDS, Audit, Lab, RunOutcome, cpu_load  # noqa: E402
 from worker.local_kafka import LocalKafka  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "reliability.json"
@@ -54,11 +57,8 @@ def main(argv: list[str] | None = None) -> int:
                               "args": vars(args), "workdir": str(workdir), "rows": [], "config": None,
                               "soak": []}
     try:
-        for fault in chosen:
-            for mode in modes:
-                row = _row(fault, mode, [_run(lab, fault, mode, scale, i) for i in range(runs)])
-                report["rows"].append(row)
-                _log(f"{fault} [{mode}]: {row['verdict']} ({row['seconds']} s)")
+        with cpu_load(args.cpu_load):
+            _faults(report, chosen, modes, lab, scale, runs, args.worker_ids)
         if not args.no_config:
             report["config"] = _config(lab.bootstrap)
         for mode in modes if args.soak else ():
@@ -85,12 +85,36 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help=f"only these, comma-separated: {','.join(faults.FAULTS)}")
     p.add_argument("--runs", type=int, help="runs per fault and mode (default 3, --quick 1)")
     p.add_argument("--no-config", action="store_true", help="skip the bad-configuration checks")
+    p.add_argument("--cpu-load", type=int, default=0, metavar="N",
+                   help="run the faults with N busy processes competing for the CPU (default 0)")
+    p.add_argument("--worker-ids", choices=[*WORKER_IDS, "both"], default="both",
+                   help="how the faults that replace a worker process name the new one: fixed (the same worker id, "
+                        "so the same transactional id), default (the worker's own <hostname>-<pid>: a new one per "
+                        "process, as a user gets it), or both (default; the other faults always run with fixed ids)")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="JSON report path")
     args = p.parse_args(argv)
     unknown = set(args.faults or ()) - set(faults.FAULTS)
     if unknown:
         p.error(f"unknown faults {sorted(unknown)}; known: {', '.join(faults.FAULTS)}")
     return args
+
+
+def _faults(report: dict[str, Any], chosen: list[str], modes: tuple[str, ...], lab: Lab, scale: faults.Scale,
+            runs: int, worker_ids: str) -> None:
+    for fault in chosen:
+        for ids in _worker_ids(worker_ids, fault):
+            for mode in modes:
+                row = _row(fault, mode, [_run(lab.with_worker_ids(ids), fault, mode, scale, i) for i in range(runs)])
+                row["worker ids"] = ids
+                report["rows"].append(row)
+                _log(f"{fault} [{mode}, {ids} worker ids]: {row['verdict']} ({row.get('seconds')} s)")
+
+
+def _worker_ids(choice: str, fault: str) -> tuple[str, ...]:
+    """The worker-id policies to run a fault with: only the faults that replace a process can tell them apart."""
+    if choice != "both":
+        return (choice,)
+    return WORKER_IDS if fault in faults.REPLACE_WORKERS else ("fixed",)
 
 
 def _lab(workdir: Path) -> Lab:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from confluent_kafka import (
     OFFSET_BEGINNING,
@@ -29,6 +29,14 @@ log = logging.getLogger(__name__)
 
 TP = tuple[str, int]
 
+# Looking up committed offsets: how long one call may block the loop, how much of one poll the look-ups of
+# partitions waiting for theirs may take, and how often a partition whose committed offset could not be read is
+# asked again (doubling up to the cap: a dead member's open transaction can hold it for transaction.timeout.ms).
+COMMITTED_LOOKUP_TIMEOUT_S = 1.0
+COMMITTED_LOOKUP_BUDGET_S = 1.0
+COMMITTED_RETRY_FIRST_S = 0.25
+COMMITTED_RETRY_MAX_S = 2.0
+
 
 class SourceError(StreamferError):
     """The consumer hit an error it cannot continue from (bad config, fatal broker error)."""
@@ -42,6 +50,33 @@ class Polled:
     dead_letters: list[DeadLetter]
     # Messages dropped because this assignment had already delivered their offsets (see FrameSource.poll).
     redelivered: int = 0
+    # Partitions that began waiting, since the last poll, for a committed offset the broker could not tell yet
+    # (see FrameSource.seek_to_committed); each is paused until it is known.
+    committed_offset_waits: int = 0
+
+
+@dataclass(frozen=True)
+class CommittedOffsets:
+    """The group's committed offsets as far as the broker could tell now.
+
+    `offsets`: per answered partition, its committed offset, or OFFSET_BEGINNING where nothing is committed (a
+    first assignment starts there too: auto.offset.reset is always earliest). `unknown`: the partitions it could
+    not answer, and why (a per-partition error such as UNSTABLE_OFFSET_COMMIT while a transaction holds pending
+    offsets, or the call timing out). Unknown is never "nothing committed"."""
+
+    offsets: dict[TP, int] = field(default_factory=dict)
+    unknown: dict[TP, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Awaiting:
+    """A partition to seek to its committed offset once the broker can tell it; paused until then."""
+
+    since: float
+    next_try: float
+    delay: float = COMMITTED_RETRY_FIRST_S
+    reported: bool = False  # that its committed offset cannot be read now (a warning, counted)
+    reported_unstarted: bool = False  # that librdkafka has not started fetching it yet, so it cannot be sought
 
 
 RebalanceHandler = Callable[[list[TP]], None]
@@ -94,6 +129,9 @@ class FrameSource:
         self._rebalanced_in_poll: set[TP] = set()
         # Per partition: the offset after the last one delivered since it was assigned or sought.
         self._next_offset: dict[TP, int] = {}
+        # Partitions to seek to their committed offsets, kept paused while those cannot be read.
+        self._awaiting: dict[TP, _Awaiting] = {}
+        self._waits_unreported = 0
 
     # -- subscription and rebalances ---------------------------------------------------------------
     def subscribe(self, on_assign: RebalanceHandler, on_revoke: RebalanceHandler, on_lost: RebalanceHandler) -> None:
@@ -104,6 +142,11 @@ class FrameSource:
             self.assignments.assign(tps)
             for tp in tps:
                 self._next_offset.pop(tp, None)
+            # Where librdkafka starts a new partition is not trusted: when the committed offset is held by an open
+            # transaction and the assignment changes while it asks again, librdkafka 2.16 starts the partition at
+            # "no offset", i.e. auto.offset.reset (its beginning). Each new partition stays paused until the next
+            # polls have read its committed offset and sought it there (see seek_to_committed).
+            self._await_committed(tps)
             on_assign(tps)
             # Pauses are per partition: re-apply the current class pauses to the new ones.
             self._apply_pauses()
@@ -127,6 +170,7 @@ class FrameSource:
         for tp in tps:
             self._paused.discard(tp)
             self._next_offset.pop(tp, None)
+            self._awaiting.pop(tp, None)
 
     @property
     def assignment(self) -> frozenset[TP]:
@@ -141,6 +185,8 @@ class FrameSource:
         # consume() with a timeout waits for a *full* batch; so take what is queued now, and only block
         # (for the first message) when nothing is, then top up without waiting.
         self._rebalanced_in_poll = set()
+        if self._awaiting:
+            self._seek_awaiting()
         messages = self._consumer.consume(num_messages=max_messages, timeout=0)
         if not messages and timeout_s > 0:
             messages = self._consumer.consume(num_messages=1, timeout=timeout_s)
@@ -149,7 +195,8 @@ class FrameSource:
         if self._rebalanced_in_poll:
             messages = self._drop_rebalanced(messages, self._rebalanced_in_poll)
         now = self._clock()
-        polled = Polled(frames=[], dead_letters=[])
+        polled = Polled(frames=[], dead_letters=[], committed_offset_waits=self._waits_unreported)
+        self._waits_unreported = 0
         rewound: set[TP] = set()
         for msg in messages:
             err = msg.error()
@@ -160,6 +207,8 @@ class FrameSource:
             epoch = self.assignments.epoch(tp)
             if epoch is None:
                 continue  # fetched before a rebalance served inside this poll took the partition away
+            if tp in self._awaiting:
+                continue  # fetched before the pause: the seek to its committed offset reads it again
             source = SourceRef(tp[0], tp[1], msg.offset() or 0, epoch)
             # librdkafka can rewind a partition it was not asked to (seen once in 18 exactly-once SIGKILL runs,
             # right after an assignment, with pauses and resumes) and deliver offsets it already delivered;
@@ -224,14 +273,19 @@ class FrameSource:
             self._apply_pauses()
 
     def _apply_pauses(self) -> None:
-        want = {tp for tp in self.assignments.partitions if self._topics[tp[0]] in self._paused_classes}
+        """Pause the partitions of paused classes and those waiting for their committed offset; resume the rest."""
+        want = {tp for tp in self.assignments.partitions
+                if self._topics[tp[0]] in self._paused_classes or tp in self._awaiting}
         to_pause = want - self._paused
         to_resume = self._paused - want
         if to_pause:
-            self._consumer.pause([TopicPartition(t, p) for t, p in to_pause])
+            self._consumer.pause([TopicPartition(t, p) for t, p in sorted(to_pause)])
         if to_resume:
-            self._consumer.resume([TopicPartition(t, p) for t, p in to_resume])
+            self._consumer.resume([TopicPartition(t, p) for t, p in sorted(to_resume, key=self._priority_order)])
         self._paused = want
+
+    def _priority_order(self, tp: TP) -> tuple[int, str, int]:
+        return (self._topics[tp[0]].value, tp[0], tp[1])
 
     @property
     def paused_partitions(self) -> int:
@@ -253,22 +307,47 @@ class FrameSource:
             if tp.error is not None:
                 raise KafkaException(tp.error)
 
-    def committed(self, tps: list[TP], timeout_s: float = 10.0) -> dict[TP, int]:
-        res = self._consumer.committed([TopicPartition(t, p) for t, p in tps], timeout=timeout_s)
-        return {(r.topic, r.partition): r.offset for r in res if r.offset != OFFSET_INVALID}
+    def committed(self, tps: list[TP], timeout_s: float = 10.0) -> CommittedOffsets:
+        """The group's committed offsets of `tps`, telling "nothing committed" apart from "not known now"."""
+        if not tps:
+            return CommittedOffsets()
+        try:
+            answer = self._consumer.committed([TopicPartition(t, p) for t, p in tps], timeout=timeout_s)
+        except KafkaException as exc:  # the call as a whole: timed out (an open transaction), coordinator away
+            err = exc.args[0] if exc.args else None
+            reason = err.str() if isinstance(err, KafkaError) else str(exc)
+            return CommittedOffsets(unknown={tp: reason for tp in tps})
+        out = CommittedOffsets()
+        for r in answer:
+            tp = (r.topic, r.partition)
+            if r.error is not None:
+                out.unknown[tp] = r.error.str()
+            elif r.offset >= 0:
+                out.offsets[tp] = r.offset
+            elif r.offset == OFFSET_INVALID:
+                out.offsets[tp] = OFFSET_BEGINNING
+            else:
+                out.unknown[tp] = f"unexpected committed offset {r.offset}"
+        for tp in tps:
+            if tp not in out.offsets and tp not in out.unknown:
+                out.unknown[tp] = "missing from the broker's answer"
+        return out
 
     def caught_up(self, timeout_s: float = 5.0) -> bool:
         """Whether the group's committed offset has reached the end of every partition assigned here.
 
         Broker calls: for deciding to exit when idle, not for the loop. False while a committed offset cannot
         be read yet (a dead exactly-once member's transaction still holds it until the broker aborts it)."""
+        assigned = sorted(self.assignments.partitions)
+        committed = self.committed(assigned, timeout_s)
+        if committed.unknown:
+            return False
         try:
-            assigned = sorted(self.assignments.partitions)
-            committed = self.committed(assigned, timeout_s)
             for t, p in assigned:
                 low, high = self._consumer.get_watermark_offsets(TopicPartition(t, p), timeout=timeout_s,
                                                                  cached=False)
-                if committed.get((t, p), low) < high:
+                offset = committed.offsets[(t, p)]
+                if (low if offset == OFFSET_BEGINNING else offset) < high:
                     return False
         except KafkaException:
             return False
@@ -279,11 +358,87 @@ class FrameSource:
 
     def seek_to_committed(self, tps: list[TP]) -> None:
         """Rewind partitions to their committed offsets, or to their beginning where nothing is committed yet
-        (where a first assignment starts: auto.offset.reset is always earliest)."""
-        committed = self.committed(tps)
-        for t, p in tps:
-            self._next_offset.pop((t, p), None)
-            self._consumer.seek(TopicPartition(t, p, committed.get((t, p), OFFSET_BEGINNING)))
+        (where a first assignment starts: auto.offset.reset is always earliest).
+
+        A partition whose committed offset cannot be read now (a dead member's open transaction holds pending
+        offsets until the broker aborts it, or the call times out) is never sought to its beginning, which would
+        answer again what the group has committed: it stays paused, later polls ask again, and it is sought and
+        resumed once the broker can tell."""
+        self._await_committed(tp for tp in tps if tp in self.assignments)
+        self._apply_pauses()
+        self._seek_awaiting()
+
+    def _await_committed(self, tps: Iterable[TP]) -> None:
+        """Mark partitions to be sought to their committed offsets by the next look-up (paused until then)."""
+        now = self._clock()
+        for tp in tps:
+            self._next_offset.pop(tp, None)
+            waiting = self._awaiting.get(tp)
+            if waiting is None:
+                self._awaiting[tp] = _Awaiting(since=now, next_try=now)
+            else:
+                waiting.next_try = now
+
+    @property
+    def awaiting_committed_offset(self) -> frozenset[TP]:
+        """Partitions paused until their committed offset can be read (see seek_to_committed)."""
+        return frozenset(self._awaiting)
+
+    def _seek_awaiting(self) -> None:
+        """Ask for the committed offsets of the waiting partitions that are due; seek and resume those answered.
+
+        One partition per call: librdkafka holds back a whole answer while any of its partitions is unstable. The
+        look-ups of one poll stop after COMMITTED_LOOKUP_BUDGET_S, so the loop keeps polling (and the member stays
+        in the group) however long a transaction holds an offset."""
+        started = self._clock()
+        sought: list[TP] = []
+        # Highest class first, so its fetches start first (in topic-name order bulk went first after each
+        # assignment, and realtime no longer overtook an older bulk backlog).
+        for tp in sorted((tp for tp, w in self._awaiting.items() if w.next_try <= started), key=self._priority_order):
+            if self._clock() - started >= COMMITTED_LOOKUP_BUDGET_S:
+                break
+            answer = self.committed([tp], COMMITTED_LOOKUP_TIMEOUT_S)
+            if tp not in answer.offsets:
+                self._retry_later(tp, answer.unknown[tp], unknown=True)
+                continue
+            refused = self._seek(tp, answer.offsets[tp])
+            if refused is None:
+                sought.append(tp)
+            else:  # librdkafka starts a partition once it has its own answer; seek then
+                self._retry_later(tp, refused, unknown=False)
+        for tp in sought:
+            waited = self._awaiting.pop(tp)
+            if waited.reported or waited.reported_unstarted:
+                log.info("committed offset of %s known after %.1fs: reading it from there", tp,
+                         self._clock() - waited.since)
+        if sought:
+            self._apply_pauses()
+
+    def _seek(self, tp: TP, offset: int) -> str | None:
+        """Seek; None when done, else why not (`_STATE` while librdkafka has not started fetching the partition)."""
+        try:
+            self._consumer.seek(TopicPartition(tp[0], tp[1], offset))
+        except KafkaException as exc:
+            err = exc.args[0] if exc.args else None
+            return err.str() if isinstance(err, KafkaError) else str(exc)
+        self._next_offset.pop(tp, None)
+        return None
+
+    def _retry_later(self, tp: TP, reason: str, unknown: bool) -> None:
+        waiting = self._awaiting[tp]
+        now = self._clock()
+        waiting.next_try = now + waiting.delay
+        waiting.delay = min(waiting.delay * 2, COMMITTED_RETRY_MAX_S)
+        if unknown and not waiting.reported:
+            waiting.reported = True
+            self._waits_unreported += 1
+            log.warning("the committed offset of %s cannot be read now (%s; a dead member's transaction may still "
+                        "hold it): keeping it paused and asking again, never reading it from its beginning",
+                        tp, reason)
+        elif not unknown and not waiting.reported_unstarted:
+            waiting.reported_unstarted = True
+            log.info("%s cannot be sought yet (%s): librdkafka has not started fetching it, as it waits for the "
+                     "committed offsets of its assignment; keeping it paused and seeking it once it has", tp, reason)
 
     def lag(self) -> dict[TP, int]:
         """High watermark minus position per assigned partition, from cached watermarks (no broker call)."""

@@ -63,7 +63,9 @@ def baseline(lab: Lab, mode: str, scale: Scale) -> RunOutcome:
 # -- process faults -----------------------------------------------------------------------------------------------
 def sigkill(lab: Lab, mode: str, scale: Scale, seed: int | None = None) -> RunOutcome:
     """SIGKILL the worker at 20/50/80% progress: mid-batch, at a random moment, after produce before commit;
-    each time a new process (same worker id, hence same transactional id) takes over."""
+    each time a new process takes over: with the same worker id (hence transactional id, which fences the dead
+    one's open transaction), or with default worker ids a new one (the transaction stays open until the broker
+    aborts it, holding the committed offsets of its partitions)."""
     run = Run(lab, "SIGKILL x3 (20/50/80%)", mode)
     seed = random.randrange(2**32) if seed is None else seed
     rng = random.Random(seed)
@@ -195,6 +197,44 @@ def group_churn(lab: Lab, mode: str, scale: Scale, static: bool = False) -> RunO
             run.faults_injected += 1
             i += 1
         run.notes["churns"] = i
+
+    return _guarded(run, body, timeout_s=240.0)
+
+
+def sigkill_churn(lab: Lab, mode: str, scale: Scale, seed: int | None = None) -> RunOutcome:
+    """Three workers while frames flow; every 2.5 to 5 s one of them that holds partitions is SIGKILLed and a new
+    process takes its place (issue 13 found duplicates this way with default worker ids: a partition whose
+    committed offset a dead process's open transaction held was read again from its beginning by its next owner).
+    Every other kill comes after produce, before commit (the broker frozen for a moment, see kill_after_produce),
+    so a transaction carrying offsets is left open as a loaded CPU would leave it; the others at random moments.
+    The flow lasts twice the scale's at half its rate, so kills land while the group works, not while it loads."""
+    run = Run(lab, "SIGKILL churn (3 workers)", mode)
+    seed = random.randrange(2**32) if seed is None else seed
+    rng = random.Random(seed)
+    run.notes["seed"] = seed
+    workers = ["w0", "w1", "w2"]
+
+    def body() -> None:
+        for w in workers:
+            run.fleet.start(w)
+        if not run.wait(lambda: all(run.fleet.is_up(w) for w in workers), 120):
+            run.notes["stuck"] = "the workers never started"
+            return
+        run.feed(run.factory.frames(int(scale.rate_fps * scale.flow_s)), rate_fps=scale.rate_fps / 2)
+        deadline = time.monotonic() + 2 * scale.flow_s
+        kills: list[str] = []
+        while time.monotonic() < deadline or len(kills) < MIN_CHURNS:
+            run.wait(lambda: False, rng.uniform(2.5, 5.0))  # supervise until the next kill
+            # Kill a member holding partitions (its transaction may hold their offsets); a process still loading
+            # its model has joined nothing yet.
+            if not run.wait(lambda: any(run.fleet.partitions(w) for w in workers), 60):
+                break
+            victim = rng.choice([w for w in workers if run.fleet.partitions(w)])
+            held = len(run.fleet.partitions(victim))
+            phase = run.kill_after_produce(victim) if len(kills) % 2 == 0 else run.kill_now(victim)
+            kills.append(f"{victim} holding {held}: {phase}")
+            run.fleet.start(victim)
+        run.notes["kills"] = kills
 
     return _guarded(run, body, timeout_s=240.0)
 
@@ -430,6 +470,7 @@ FAULTS: dict[str, Callable[[Lab, str, Scale], RunOutcome | None]] = {
     "zombie": zombie,
     "churn": group_churn,
     "churn-static": lambda lab, mode, scale: group_churn(lab, mode, scale, static=True),
+    "sigkill-churn": sigkill_churn,
     "lost-mid-batch": partitions_lost_mid_batch,
     "broker-restart": broker_restart,
     "broker-kill9": broker_kill9,
@@ -439,3 +480,7 @@ FAULTS: dict[str, Callable[[Lab, str, Scale], RunOutcome | None]] = {
     "bad-input": bad_input,
     "oversized": oversized_input,
 }
+
+# The faults that replace a worker process: the ones the runner repeats with default worker ids (a new id per
+# process), where the others keep one process per worker and its id does not matter.
+REPLACE_WORKERS = ("sigkill", "kill-held-frame", "sigterm", "churn", "churn-static", "sigkill-churn")

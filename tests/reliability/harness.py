@@ -14,6 +14,8 @@ fault itself (an outage lasts N seconds).
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -21,17 +23,19 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
-from tests.integration.helpers import TestTopics, make_topics, start_worker
+from tests.integration.helpers import (TestTopics, group_commit_history, make_topics, offsets_moved_backwards,
+                                       start_worker)
 from tests.reliability.models import marked_pixels, unmarked_pixels
 from worker.frames import Encoding, Priority, SourceRef
 from worker.local_kafka import LocalKafka
@@ -43,6 +47,10 @@ PARTITIONS = 3
 DLQ_HEADERS = ("streamfer.error", "streamfer.error_type", "streamfer.source_topic",
                "streamfer.source_partition", "streamfer.source_offset")
 MODES = ("at_least_once", "exactly_once")
+# How a restarted worker is named: "fixed" keeps its worker id (so its transactional id: the new process fences
+# the dead one's open transaction); "default" leaves the worker's default `<hostname>-<pid>`, a new id per process,
+# as a user gets it (the dead process's transaction stays open until the broker aborts it).
+WORKER_IDS = ("fixed", "default")
 # librdkafka's default message.max.bytes: the largest value (plus key and headers) a client may produce.
 CLIENT_MAX_MESSAGE_BYTES = 1_000_000
 
@@ -242,12 +250,14 @@ class Fleet:
     """The worker processes of one consumer group. A process that exits without being told to is a crash:
     it is recorded and restarted (as an orchestrator would), at most `max_restarts` times per worker."""
 
-    def __init__(self, bootstrap: str, topics: TestTopics, env: dict[str, str], logdir: Path, max_restarts: int = 3):
+    def __init__(self, bootstrap: str, topics: TestTopics, env: dict[str, str], logdir: Path, max_restarts: int = 3,
+                 worker_ids: str = "fixed"):
         self.bootstrap = bootstrap
         self.topics = topics
         self.env = env
         self.logdir = logdir
         self.max_restarts = max_restarts
+        self.worker_ids = worker_ids
         self.procs: dict[str, subprocess.Popen] = {}
         self.crashes: list[Crash] = []
         self.unclean_stops: dict[str, int] = {}
@@ -258,11 +268,14 @@ class Fleet:
         return self.logdir / f"{worker_id}.log"
 
     def start(self, worker_id: str, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start a process in the role `worker_id` (its log's name); with default worker ids it is named by the
+        worker itself, so each process of the role has a new worker id and transactional id."""
         env = dict(self.env)
         env.update(extra_env or {})
         path = self.log_path(worker_id)
         self._log_offsets[worker_id] = path.stat().st_size if path.exists() else 0
-        proc = start_worker(self.bootstrap, self.topics, extra_env=env, worker_id=worker_id,
+        proc = start_worker(self.bootstrap, self.topics, extra_env=env,
+                            worker_id=worker_id if self.worker_ids == "fixed" else None,
                             log_path=str(self.log_path(worker_id)))
         self.procs[worker_id] = proc
         return proc
@@ -275,6 +288,24 @@ class Fleet:
         with open(path, "rb") as fh:
             fh.seek(self._log_offsets.get(worker_id, 0))
             return b"worker started:" in fh.read()
+
+    def partitions(self, worker_id: str) -> set[tuple[str, int]]:
+        """The partitions the worker's current process holds, by its log's assignment lines (cooperative
+        increments: assigned adds, revoked and lost remove)."""
+        path = self.log_path(worker_id)
+        held: set[tuple[str, int]] = set()
+        if worker_id not in self.procs or not path.exists():
+            return held
+        with open(path, "rb") as fh:
+            fh.seek(self._log_offsets.get(worker_id, 0))
+            text = fh.read().decode(errors="replace")
+        for kind, listed in re.findall(r"partitions (assigned|revoked|lost): (\[[^\]]*\])", text):
+            try:
+                tps = {(t, int(p)) for t, p in ast.literal_eval(listed)}
+            except (ValueError, SyntaxError):
+                continue
+            held = held | tps if kind == "assigned" else held - tps
+        return held
 
     def pid(self, worker_id: str) -> int:
         return self.procs[worker_id].pid
@@ -336,6 +367,19 @@ class Fleet:
         return events
 
 
+@contextlib.contextmanager
+def cpu_load(processes: int) -> Iterator[None]:
+    """Busy processes competing for the CPU while the block runs: timing windows (a transaction still open, a
+    rebalance inside a poll) open wider under load, and several defects showed only then."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait(10)
+
+
 def rss_bytes(pid: int) -> int | None:
     """Resident set size of a process from /proc (None once it is gone)."""
     try:
@@ -353,16 +397,22 @@ class GroupWatch:
     """The worker group's committed offsets against the inputs' end offsets, without joining the group."""
 
     def __init__(self, bootstrap: str, group: str, topics: Sequence[str]):
+        # read_uncommitted: asks for committed offsets without requiring them stable, so the broker answers with
+        # the last committed ones at once while a dead member's transaction holds pending offsets (a
+        # read_committed client's look-up would wait, up to transaction.timeout.ms).
         self._consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False,
-                                   "isolation.level": "read_committed", "log_level": 0})
+                                   "isolation.level": "read_uncommitted", "log_level": 0})
         self._tps = [TopicPartition(t, p) for t in topics for p in range(PARTITIONS)]
 
     def committed(self) -> int | None:
         """Messages the group has committed over all input partitions (None while the broker does not answer)."""
         try:
-            return sum(max(0, tp.offset) for tp in self._consumer.committed(self._tps, timeout=5))
+            answer = self._consumer.committed(self._tps, timeout=5)
         except KafkaException:
             return None
+        if any(tp.error is not None for tp in answer):
+            return None
+        return sum(max(0, tp.offset) for tp in answer)
 
     def ends(self) -> int | None:
         try:
@@ -495,6 +545,15 @@ class Lab:
         state = self.broker.state() if self.broker is not None else None
         return state.bootstrap_servers if state is not None else self.fixed_bootstrap
 
+    # Worker ids of restarted workers (WORKER_IDS): "fixed", or "default" (a new id per process).
+    worker_ids: str = "fixed"
+
+    def with_worker_ids(self, worker_ids: str) -> "Lab":
+        """The same lab, its runs naming workers as `worker_ids` says (it does not own the broker a second time)."""
+        if worker_ids not in WORKER_IDS:
+            raise ValueError(f"worker_ids must be one of {WORKER_IDS}, not {worker_ids!r}")
+        return dataclasses.replace(self, worker_ids=worker_ids, owns_broker=False)
+
     @classmethod
     def with_own_broker(cls, workdir: Path) -> "Lab":
         """A lab on a broker of its own (for faults that stop the broker, so nothing else sees them)."""
@@ -524,6 +583,11 @@ class RunOutcome:
     def problems(self) -> list[str]:
         """Everything that breaks the delivery promise of the run's mode, or the worker's keeping going."""
         a, p = self.audit, []
+        if self.notes.get("offsets_backwards"):
+            p.append(f"the group's committed offset moved backwards (a duplicate in waiting): "
+                     f"{self.notes['offsets_backwards'][:5]}")
+        if self.notes.get("commit_history_error"):
+            p.append(f"could not read the group's commit history: {self.notes['commit_history_error']}")
         if a.lost:
             p.append(f"{a.lost} lost, e.g. {a.lost_sample}")
         if (self.mode == "exactly_once" or self.zero_duplicates_expected) and a.duplicated:
@@ -554,18 +618,18 @@ class Run:
     def __init__(self, lab: Lab, fault: str, mode: str, *, model: str = "steady_model", batch_sleep_ms: float = 20,
                  env: dict[str, str] | None = None):
         self.lab = lab
-        self.fault = fault
+        self.fault = fault + (" (default worker ids)" if lab.worker_ids == "default" else "")
         self.mode = mode
         self.unique = uuid.uuid4().hex[:8]
         self.topics = make_topics(lab.bootstrap, self.unique, PARTITIONS)
-        slug = re.sub(r"[^a-z0-9]+", "-", fault.lower()).strip("-")
+        slug = re.sub(r"[^a-z0-9]+", "-", self.fault.lower()).strip("-")
         self.dir = lab.workdir / f"{slug}-{mode}-{self.unique}"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.env = suite_env(mode, self.unique, model, batch_sleep_ms)
         self.env["STREAMFER_REL_PROBE_DIR"] = str(self.probe_dir)
         self.env.update(env or {})
         self.probe_dir.mkdir(exist_ok=True)
-        self.fleet = Fleet(lab.bootstrap, self.topics, self.env, self.dir)
+        self.fleet = Fleet(lab.bootstrap, self.topics, self.env, self.dir, worker_ids=lab.worker_ids)
         self.watch = GroupWatch(lab.bootstrap, self.topics.group, self.topics.inputs)
         self.factory = FrameFactory(self.topics, self.unique)
         self.feeders: list[Feeder] = []
@@ -687,6 +751,7 @@ class Run:
         self.notes["events"] = dict(self.fleet.log_events())
         if stop_workers:
             self.fleet.stop_all()
+        self.check_commit_history()
         results = read_results_with_times(self.lab.bootstrap, self.topics.results)
         dead_letters = read_dead_letters(self.lab.bootstrap, self.topics.dead_letter, idle_timeout_s=1.0)
         self.watch.close()
@@ -697,6 +762,20 @@ class Run:
                           duplicate_bound=duplicate_bound_per_fault(self.env),
                           zero_duplicates_expected=self.zero_duplicates_expected, notes=self.notes,
                           logdir=str(self.dir))
+
+    def check_commit_history(self) -> None:
+        """Every commit of the group, in order, from __consumer_offsets: no partition's committed offset may move
+        backwards (the next owner would answer again what was committed). Read after the run rather than sampled
+        during it, because a sample every so often can miss a step back that a later commit covers again."""
+        try:
+            history = group_commit_history(self.lab.bootstrap, self.topics.group)
+        except Exception as exc:  # noqa: BLE001 (a broker that does not answer: reported, not raised)
+            self.notes["commit_history_error"] = f"{type(exc).__name__}: {exc}"
+            return
+        self.notes["commits_read"] = sum(len(v) for v in history.values())
+        backwards = offsets_moved_backwards(history)
+        if backwards:
+            self.notes["offsets_backwards"] = backwards
 
     def abort(self, reason: str) -> None:
         """Give up on the run (the fault left nothing to recover): stop feeding, kill the workers; finish()

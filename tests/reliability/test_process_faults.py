@@ -7,7 +7,7 @@ import pytest
 
 from . import faults
 from .conftest import assert_kept
-from .harness import MODES, Lab
+from .harness import MODES, WORKER_IDS, Lab
 
 pytestmark = pytest.mark.integration
 
@@ -22,8 +22,25 @@ def test_sigkill_at_20_50_80_percent_loses_nothing(lab: Lab) -> None:
 
 
 @pytest.mark.slow
-def test_sigkill_at_20_50_80_percent_exactly_once_answers_each_frame_once(lab: Lab) -> None:
-    assert_kept(faults.sigkill(lab, EOS, faults.QUICK))
+@pytest.mark.parametrize("worker_ids", WORKER_IDS)
+def test_sigkill_at_20_50_80_percent_exactly_once_answers_each_frame_once(lab: Lab, worker_ids: str) -> None:
+    """With default worker ids each new process has a new transactional id: the dead one's transaction stays open
+    and holds the committed offsets of its partitions until the broker aborts it."""
+    assert_kept(faults.sigkill(lab.with_worker_ids(worker_ids), EOS, faults.QUICK))
+
+
+@pytest.mark.slow
+def test_sigkill_with_default_worker_ids_loses_nothing(lab: Lab) -> None:
+    assert_kept(faults.sigkill(lab.with_worker_ids("default"), ALO, faults.QUICK))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("worker_ids", WORKER_IDS)
+def test_three_workers_sigkilled_in_turn_every_few_seconds_keep_the_promise(lab: Lab, mode: str,
+                                                                          worker_ids: str) -> None:
+    outcome = assert_kept(faults.sigkill_churn(lab.with_worker_ids(worker_ids), mode, faults.QUICK))
+    assert outcome.faults_injected >= faults.MIN_CHURNS, outcome.notes
 
 
 def test_exactly_once_kill_while_an_earlier_frame_is_held_answers_each_frame_once(lab: Lab) -> None:
