@@ -13,6 +13,8 @@ from confluent_kafka import OFFSET_BEGINNING, OFFSET_INVALID, Consumer, KafkaErr
 
 from worker.config import ConfigError, Settings
 from worker.frames import DeadLetter, Frame, Priority, SourceRef
+from worker.kafka_access import client_properties
+from worker.kafka_errors import UNKNOWN_TOPIC, BrokerStatus, Identity, RefusalStreak, classify_consumer_error
 from worker.schemas import MessageDecodeError, decode_frame
 
 log = logging.getLogger(__name__)
@@ -43,8 +45,12 @@ class FrameSource:
     def __init__(self, settings: Settings, clock: Callable[[], float] = time.time,
                  on_commit_done: Callable[[list[TP], str | None], None] | None = None) -> None:
         k = settings.kafka
+        # Authentication, authorisation and reachability are reported here, not as messages (librdkafka 2.x).
+        self.broker_status = BrokerStatus(unreachable_limit_s=k.session_timeout_ms / 1000.0)
+        self._identity = Identity.of(settings)
+        self._refusals = RefusalStreak()
         conf: dict[str, object] = {
-            "bootstrap.servers": k.bootstrap_servers,
+            **client_properties(k),
             "group.id": k.group_id,
             "enable.auto.commit": False,
             "enable.auto.offset.store": False,
@@ -55,6 +61,10 @@ class FrameSource:
             # Producers may write frames transactionally; never feed aborted frames to the model.
             "isolation.level": "read_committed",
             "client.id": settings.observability.worker_id,
+            "error_cb": self._on_client_error,
+            # Broker states for /healthz: the only sign librdkafka gives that a lost cluster is back.
+            "stats_cb": self._on_stats,
+            "statistics.interval.ms": 5000,
         }
         if k.group_instance_id:
             conf["group.instance.id"] = k.group_instance_id
@@ -187,14 +197,29 @@ class FrameSource:
             self.seek_to_committed(reread)
         return kept
 
-    @staticmethod
-    def _handle_error(err: KafkaError) -> None:
+    def _handle_error(self, err: KafkaError) -> None:
         if err.code() == KafkaError._PARTITION_EOF:
             return
+        refused = classify_consumer_error(err, self._identity)
+        if refused is not None and refused.cause != UNKNOWN_TOPIC:
+            raise refused
         if err.fatal():
             raise SourceError(f"fatal consumer error: {err.str()}")
-        # Transient errors (broker down, leader moves) are retried by librdkafka itself.
+        # Transient errors (broker down, leader moves, a topic not yet in the metadata) are retried by librdkafka.
         log.warning("consumer error: %s", err.str())
+
+    def _on_client_error(self, err: KafkaError) -> None:
+        """librdkafka's error callback (served inside poll): a refusal that persists stops the worker, raised out
+        of consume(); everything else is retried by the client and only recorded for /healthz."""
+        self.broker_status.on_error(err)
+        refused = classify_consumer_error(err, self._identity)
+        if refused is not None and refused.cause != UNKNOWN_TOPIC and self._refusals.refusal(refused):
+            raise refused
+
+    def _on_stats(self, stats_json: str) -> None:
+        self.broker_status.on_stats(stats_json)
+        if self.broker_status.problem is None:
+            self._refusals.reset()
 
     # -- pausing -------------------------------------------------------------------------------------
     def pause_classes(self, classes: set[Priority]) -> None:
