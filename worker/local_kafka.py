@@ -196,7 +196,8 @@ class LocalKafka:
         """Grant ACLs (as the super user `admin`); they apply on every node within a moment."""
         if not acls:
             return
-        for fut in self.admin().create_acls(acls, request_timeout=timeout_s).values():
+        admin = self.admin()  # kept alive until the futures resolve
+        for fut in admin.create_acls(acls, request_timeout=timeout_s).values():
             fut.result(timeout_s)
 
     def delete_acls(self, filters: list["AclBindingFilter"], timeout_s: float = 30.0) -> int:
@@ -204,7 +205,8 @@ class LocalKafka:
         if not filters:
             return 0
         removed = 0
-        for fut in self.admin().delete_acls(filters, request_timeout=timeout_s).values():
+        admin = self.admin()
+        for fut in admin.delete_acls(filters, request_timeout=timeout_s).values():
             removed += len(fut.result(timeout_s))
         return removed
 
@@ -215,7 +217,8 @@ class LocalKafka:
         upserts = [UserScramCredentialUpsertion(name, ScramCredentialInfo(getattr(ScramMechanism, m.replace("-", "_")),
                                                                          8192), password.encode())
                    for m in SCRAM_MECHANISMS]
-        for fut in self.admin().alter_user_scram_credentials(upserts, request_timeout=timeout_s).values():
+        admin = self.admin()
+        for fut in admin.alter_user_scram_credentials(upserts, request_timeout=timeout_s).values():
             fut.result(timeout_s)
         _write_secret(self.password_file(name), password)
 
