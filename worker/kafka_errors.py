@@ -79,6 +79,8 @@ class Identity:
     security_protocol: str = "PLAINTEXT"
     group_id: str = ""
     transactional_id: str | None = None
+    # Named when a consumer error does not say which input topic it is about.
+    input_topics: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, settings: Any, transactional_id: str | None = None) -> "Identity":
@@ -87,7 +89,7 @@ class Identity:
 
         k = settings.kafka
         return cls(principal=principal_of(k), security_protocol=k.security_protocol.upper(), group_id=k.group_id,
-                   transactional_id=transactional_id)
+                   transactional_id=transactional_id, input_topics=tuple(settings.topics.input_topics()))
 
 
 def access_error(err: KafkaError | KafkaException | None, identity: Identity = Identity(),
@@ -116,7 +118,9 @@ def access_error(err: KafkaError | KafkaException | None, identity: Identity = I
                                  f"topic {name}", kerr)
     resource = AUTHORIZATION_CODES[kerr.code()]
     if resource == "TOPIC":
-        acl = f"ACL: {operation or 'WRITE'} on topic {topic or '?'} for principal {identity.principal}"
+        where = f"topic {topic}" if topic else (f"topics {', '.join(identity.input_topics)}"
+                                                if operation == "READ" and identity.input_topics else "topic ?")
+        acl = f"ACL: {operation or 'WRITE'} on {where} for principal {identity.principal}"
     elif resource == "GROUP":
         acl = f"ACL: READ on group {identity.group_id or '?'} for principal {identity.principal}"
     elif resource == "TRANSACTIONAL_ID":

@@ -22,7 +22,8 @@ from worker.producer import FRAME_PRODUCER_CONFIG, send_frames, synthetic_frames
 from worker.results import read_results
 from worker.topics import ensure_topics
 
-from .helpers import TestTopics as Topics, ledger, start_worker
+from .helpers import TestTopics as Topics
+from .helpers import ledger, start_worker
 
 pytestmark = pytest.mark.integration
 
@@ -196,3 +197,36 @@ def test_acls_can_be_granted_and_removed_by_principal(secured: LocalKafka, uniqu
     assert removed == 1
     settings = dataclasses.replace(_settings(secured, topics, "exactly_once"))  # type: ignore[type-var]
     assert len(worker_acls(settings, principal)) == 7  # 3 READ topics, READ group, 2 WRITE topics, txn id
+
+
+def test_read_acls_revoked_under_a_running_worker_stop_it_with_exit_2(
+        secured: LocalKafka, unique: str, tmp_path: Path) -> None:
+    """A refusal after start-up (an ACL removed while it runs) is classified from the consumer's errors."""
+    topics = _topics(secured, unique)
+    _grant(secured, topics, "at_least_once")
+    sent = _publish(secured, topics, unique)
+    log = tmp_path / "worker.log"
+    extra = {**secured.worker_env(), "WORKER_DELIVERY_MODE": "at_least_once"}
+    bootstrap = secured.state().bootstrap_servers  # type: ignore[union-attr]
+    proc = start_worker(bootstrap, topics, extra_env=extra, log_path=str(log))
+    try:
+        read_results(bootstrap, topics.results, until=lambda rs: len(rs) >= len(sent), timeout_s=120,
+                     properties=secured.client_properties())
+        principal = f"User:{WORKER_USER}"
+        removed = secured.delete_acls([AclBindingFilter(ResourceType.TOPIC, name, ResourcePatternType.LITERAL,
+                                                        principal, None, AclOperation.READ, AclPermissionType.ANY)
+                                       for name in topics.inputs])
+        assert removed == 3
+        revoked = time.monotonic()
+        rc = proc.wait(timeout=120)
+        seconds = time.monotonic() - revoked
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    output = log.read_text(errors="replace")
+    lines = _error_lines(output)
+    print(f"[revoked] exit {rc} {seconds:.1f} s after the ACLs went: {lines}")
+    assert rc == 2, output[-3000:]
+    assert len(lines) == 1 and "ACL: READ on topic" in lines[0] and principal in lines[0]
+    assert "Traceback" not in output
