@@ -92,7 +92,9 @@ def run_worker(settings: Settings, exit_when_idle_s: float | None = None, stop: 
                                  "device": executor.device_description,
                                  "labels": ",".join(executor.labels)})
         pipeline = Pipeline(settings, executor, metrics, health)
-        health.broker_problem = pipeline.source.broker_status.unhealthy_reason
+        status = getattr(pipeline.source, "broker_status", None)  # FrameSource's view of the cluster
+        if status is not None:
+            health.broker_problem = status.unhealthy_reason
         if settings.observability.metrics_enabled:
             server = MetricsServer(metrics, health, settings.observability.metrics_host,
                                    settings.observability.metrics_port,
