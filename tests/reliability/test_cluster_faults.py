@@ -31,4 +31,4 @@ def cluster_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
 @pytest.mark.parametrize("fault", faults.CLUSTER_FAULTS)
 def test_a_cluster_node_fault_loses_nothing(cluster_lab: Lab, fault: str, mode: str) -> None:
     outcome = assert_kept(faults.FAULTS[fault](cluster_lab, mode, faults.QUICK))
-    assert outcome.notes["resumed_after_s"] <= faults.RECONNECT_BOUND_S
+    assert outcome.notes["resumed_after_s"] <= faults.CLUSTER_RESUME_BOUND_S
