@@ -65,6 +65,7 @@ ADMIN_USER = "admin"
 WORKER_USER = "streamfer"
 SCRAM_MECHANISMS = ("SCRAM-SHA-512", "SCRAM-SHA-256")
 CLIENT_CERT_CN = "streamfer-client"
+ADMIN_CERT_CN = "streamfer-admin"
 
 
 @dataclass
@@ -96,8 +97,9 @@ class LocalKafka:
 
     `security` chooses the clients' listener: plaintext (no authentication, no ACLs), or sasl_plaintext /
     sasl_ssl (SCRAM users `admin`, a super user, and `streamfer`, with no ACLs) or ssl (TLS client
-    certificates, principal `User:CN=streamfer-client`), all three with the StandardAuthorizer. The nodes
-    talk to each other on loopback PLAINTEXT listeners as `User:ANONYMOUS`, a super user: a development broker.
+    certificates: `User:CN=streamfer-admin`, a super user, and `User:CN=streamfer-client`), all three with the
+    StandardAuthorizer. The nodes talk to each other on loopback PLAINTEXT listeners as `User:ANONYMOUS`, a
+    super user: a development broker.
     """
 
     def __init__(self, state_dir: Path | str = DEFAULT_STATE_DIR, heap_mb: int = 512, security: str = "plaintext",
@@ -161,9 +163,9 @@ class LocalKafka:
         if self.security.endswith("ssl"):
             props["ssl.ca.location"] = str(self.tls_dir / "ca.pem")
         if self.security == "ssl":
-            props.update({"ssl.certificate.location": str(self.tls_dir / "client.pem"),
-                          "ssl.key.location": str(self.tls_dir / "client.key"),
-                          "ssl.key.password": (self.tls_dir / "client.key.password").read_text().strip()})
+            props.update({"ssl.certificate.location": str(self.tls_dir / f"{user}.pem"),
+                          "ssl.key.location": str(self.tls_dir / f"{user}.key"),
+                          "ssl.key.password": (self.tls_dir / f"{user}.key.password").read_text().strip()})
         return props
 
     def worker_env(self, user: str = WORKER_USER, mechanism: str = "SCRAM-SHA-512") -> dict[str, str]:
@@ -178,9 +180,9 @@ class LocalKafka:
         if self.security.endswith("ssl"):
             env["WORKER_KAFKA_SSL_CA_LOCATION"] = str(self.tls_dir / "ca.pem")
         if self.security == "ssl":
-            env.update({"WORKER_KAFKA_SSL_CERTIFICATE_LOCATION": str(self.tls_dir / "client.pem"),
-                        "WORKER_KAFKA_SSL_KEY_LOCATION": str(self.tls_dir / "client.key"),
-                        "WORKER_KAFKA_SSL_KEY_PASSWORD_FILE": str(self.tls_dir / "client.key.password")})
+            env.update({"WORKER_KAFKA_SSL_CERTIFICATE_LOCATION": str(self.tls_dir / f"{user}.pem"),
+                        "WORKER_KAFKA_SSL_KEY_LOCATION": str(self.tls_dir / f"{user}.key"),
+                        "WORKER_KAFKA_SSL_KEY_PASSWORD_FILE": str(self.tls_dir / f"{user}.key.password")})
         return env
 
     def admin(self) -> "AdminClient":
@@ -351,7 +353,7 @@ class LocalKafka:
                       "listener.security.protocol.map=CONTROLLER:PLAINTEXT,INTERNAL:PLAINTEXT,"
                       f"CLIENT:{self.security.upper()}",
                       "authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer",
-                      f"super.users=User:{ADMIN_USER};{BROKER_PRINCIPAL}"]
+                      f"super.users=User:{ADMIN_USER};User:CN={ADMIN_CERT_CN};{BROKER_PRINCIPAL}"]
             if self.security.startswith("sasl"):
                 lines.append(f"listener.name.client.sasl.enabled.mechanisms={','.join(SCRAM_MECHANISMS)}")
                 lines += [f"listener.name.client.{m.lower()}.sasl.jaas.config="
@@ -421,13 +423,18 @@ class LocalKafka:
         # Kafka's PEM keystore: the (PKCS#8) private key, then the certificate chain.
         (d / "broker.keystore.pem").write_text((d / "broker.key").read_text() + (d / "broker.pem").read_text()
                                                + (d / "ca.pem").read_text())
-        _write_secret(d / "client.key.password", secrets.token_urlsafe(12))
-        run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "client.plain.key", "-out", "client.csr",
-            "-subj", f"/CN={CLIENT_CERT_CN}")
-        run("x509", "-req", "-in", "client.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", "client.pem", "-days", "3650")
-        run("pkey", "-in", "client.plain.key", "-aes256", "-passout", "file:client.key.password", "-out", "client.key")
-        for name in ("ca.key", "broker.key", "broker.keystore.pem", "client.plain.key", "client.key"):
+        # One client certificate per user (the admin's is a super user's), each key encrypted with a password.
+        for user, cn in ((ADMIN_USER, ADMIN_CERT_CN), (WORKER_USER, CLIENT_CERT_CN)):
+            _write_secret(d / f"{user}.key.password", secrets.token_urlsafe(12))
+            run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{user}.plain.key", "-out", f"{user}.csr",
+                "-subj", f"/CN={cn}")
+            run("x509", "-req", "-in", f"{user}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                "-out", f"{user}.pem", "-days", "3650")
+            run("pkey", "-in", f"{user}.plain.key", "-aes256", "-passout", f"file:{user}.key.password",
+                "-out", f"{user}.key")
+            (d / f"{user}.plain.key").unlink()
+            os.chmod(d / f"{user}.key", 0o600)
+        for name in ("ca.key", "broker.key", "broker.keystore.pem"):
             os.chmod(d / name, 0o600)
 
 
