@@ -229,3 +229,18 @@ def test_read_acls_revoked_under_a_running_worker_stop_it_with_exit_2(
     assert rc == 2, output[-3000:]
     assert len(lines) == 1 and "ACL: READ on topic" in lines[0] and principal in lines[0]
     assert "Traceback" not in output
+
+
+def test_no_transactional_id_acl_exits_2_in_exactly_once(secured: LocalKafka, unique: str, tmp_path: Path) -> None:
+    """Found by init_transactions in the sink (the start-up probe cannot describe transactional ids)."""
+    topics = _topics(secured, unique)
+    _grant(secured, topics, "exactly_once", without=AclOperation.WRITE, on=f"sec-{topics.group}-")
+
+    rc, seconds, output = _run(secured, topics, "exactly_once", tmp_path / "worker.log", exit_when_idle=None)
+
+    lines = _error_lines(output)
+    print(f"[exactly_once] exit {rc} after {seconds:.1f} s: {lines}")
+    assert rc == 2, output[-3000:]
+    assert seconds < EXIT_BOUND_S
+    assert len(lines) == 1 and "ACL: WRITE and DESCRIBE on transactional id" in lines[0]
+    assert "Traceback" not in output
