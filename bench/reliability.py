@@ -51,21 +51,33 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [f for f in faults.FAULTS if not args.faults or f in args.faults]
     chosen.sort(key=lambda f: f in BROKER_FAULTS)
     workdir = Path(tempfile.mkdtemp(prefix="streamfer-reliability-"))
-    lab = _lab(workdir)
+    # The cluster faults run on a three-node cluster of their own; the rest on one broker.
+    cluster_faults = [f for f in chosen if f in faults.CLUSTER_FAULTS]
+    chosen = [f for f in chosen if f not in faults.CLUSTER_FAULTS] + cluster_faults
+    lab = _lab(workdir) if len(cluster_faults) < len(chosen) or not args.no_config or args.soak else None
+    cluster_lab = None
     report: dict[str, Any] = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
                               "host": platform.node(), "cpus": os.cpu_count(), "git": _git_rev(),
                               "args": vars(args), "workdir": str(workdir), "rows": [], "config": None,
                               "soak": []}
     try:
         with cpu_load(args.cpu_load):
-            _faults(report, chosen, modes, lab, scale, runs, args.worker_ids)
-        if not args.no_config:
+            for fault in chosen:
+                if fault in faults.CLUSTER_FAULTS and cluster_lab is None:
+                    _log("starting a three-node Kafka cluster for the cluster faults")
+                    cluster_lab = Lab.with_own_cluster(workdir)
+                where = cluster_lab if fault in faults.CLUSTER_FAULTS else lab
+                assert where is not None
+                _faults(report, [fault], modes, where, scale, runs, args.worker_ids)
+        if not args.no_config and lab is not None:
             report["config"] = _config(lab.bootstrap)
-        for mode in modes if args.soak else ():
+        for mode in modes if args.soak and lab is not None else ():
             _log(f"soak [{mode}] for {args.soak:.0f} s")
             report["soak"].append(_soak_row(faults.soak(lab, mode, args.soak, args.soak_rate)))
     finally:
-        lab.close()
+        for each in (lab, cluster_lab):
+            if each is not None:
+                each.close()
     print(render(report))
     DEFAULT_OUT.parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2, default=str))

@@ -12,6 +12,7 @@ import time
 from typing import Any, Callable
 
 from worker.config import ConfigError, Settings, warmup_frame_shapes
+from worker.kafka_access import probe_access
 from worker.metrics import Health, Metrics, MetricsServer
 from worker.pipeline import Pipeline, RunSummary, build_pipeline
 
@@ -85,6 +86,8 @@ def run_worker(settings: Settings, exit_when_idle_s: float | None = None, stop: 
     health.stall_limit_s = settings.kafka.max_poll_interval_ms / 1000.0
     server = None
     started = time.monotonic()
+    # Before the model loads: a wrong password or a missing ACL stops start-up in seconds, with exit code 2.
+    probe_access(settings)
     executor = _load_executor(settings)
     try:
         metrics.model_info.info({"name": executor.model_name, "version": executor.model_version,
@@ -93,6 +96,9 @@ def run_worker(settings: Settings, exit_when_idle_s: float | None = None, stop: 
         pipeline = build_pipeline(settings, executor, metrics, health, time_phases=time_phases)
         if on_pipeline is not None:
             on_pipeline(pipeline)
+        status = getattr(pipeline.source, "broker_status", None)  # FrameSource's view of the cluster
+        if status is not None:
+            health.broker_problem = status.unhealthy_reason
         if settings.observability.metrics_enabled:
             server = MetricsServer(metrics, health, settings.observability.metrics_host,
                                    settings.observability.metrics_port,

@@ -90,28 +90,48 @@ def cmd_produce(args: argparse.Namespace) -> int:
         frames = video_frames(Path(args.from_video), encoding, priority, run_id, tenants[0], args.count)
     else:
         frames = synthetic_frames(args.count, parse_shapes(args.shape), encoding, priority, run_id, tenants)
-    report = publish(settings.kafka.bootstrap_servers, args.topic, frames, args.rate)
+    report = _publish(settings, args.topic, frames, args.rate)
     print(json.dumps({"topic": args.topic, "run_id": run_id, "sent": report.sent,
                       "seconds": round(report.seconds, 3), "max_send_lag_ms": round(report.max_send_lag_ms, 2)}))
     return 0
 
 
+def _publish(settings: Settings, topic: str, frames: Any, rate: float | None) -> Any:
+    """worker.producer.publish with the [kafka] security settings."""
+    from confluent_kafka import Producer
+
+    from worker.kafka_access import client_properties, probe_reachable
+    from worker.producer import FRAME_PRODUCER_CONFIG, send_frames
+
+    probe_reachable(settings)
+    producer = Producer({**client_properties(settings.kafka), **FRAME_PRODUCER_CONFIG})
+    # Connect before the clock starts, so the producer's own start-up is not charged to the frames' latency.
+    producer.list_topics(topic, timeout=30)
+    return send_frames(producer, frames, lambda _rec: topic, rate)
+
+
 # -- results -----------------------------------------------------------------------------------------------
 def cmd_results(args: argparse.Namespace) -> int:
+    from worker.kafka_access import security_properties
     from worker.results import iter_messages
     from worker.schemas import decode_result
 
-    for msg in iter_messages(args.bootstrap_servers, args.topic, args.count, args.idle_timeout, follow=args.follow):
+    settings = _settings(args)
+    for msg in iter_messages(settings.kafka.bootstrap_servers, args.topic, args.count, args.idle_timeout,
+                             follow=args.follow, properties=security_properties(settings.kafka)):
         print(json.dumps(decode_result(msg.value())), flush=True)
     return 0
 
 
 # -- topics / broker / demo --------------------------------------------------------------------------------
 def cmd_topics(args: argparse.Namespace) -> int:
+    from worker.kafka_access import probe_reachable, security_properties
     from worker.topics import ensure_topics, worker_topics
 
     settings = _settings(args)
-    created = ensure_topics(settings.kafka.bootstrap_servers, worker_topics(settings.topics), args.partitions)
+    probe_reachable(settings)
+    created = ensure_topics(settings.kafka.bootstrap_servers, worker_topics(settings.topics), args.partitions,
+                            replication=args.replication_factor, properties=security_properties(settings.kafka))
     print(json.dumps({"created": created}))
     return 0
 
@@ -119,10 +139,15 @@ def cmd_topics(args: argparse.Namespace) -> int:
 def cmd_broker(args: argparse.Namespace) -> int:
     from worker.local_kafka import LocalKafka
 
-    broker = LocalKafka(args.dir) if args.dir else LocalKafka()
+    kwargs = {"security": args.security, "nodes": args.nodes}
+    broker = LocalKafka(args.dir, **kwargs) if args.dir else LocalKafka(**kwargs)
     if args.action == "start":
         st = broker.start()
         print(st.bootstrap_servers)
+        if broker.security != "plaintext":
+            # Settings for the worker (passwords by file): eval-able lines on stderr, the address on stdout.
+            for key, value in broker.worker_env().items():
+                print(f"export {key}={value}", file=sys.stderr)
     elif args.action == "stop":
         print("stopped" if broker.stop() else "not running")
     elif args.action == "destroy":
@@ -178,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     prod.set_defaults(func=cmd_produce)
 
     res = sub.add_parser("results", help="print moderation results as JSON lines")
-    res.add_argument("--bootstrap-servers", "-b", required=True)
+    res.add_argument("--bootstrap-servers", "-b", help="Kafka bootstrap servers (default: kafka.bootstrap_servers)")
+    res.add_argument("--config", "-c", help="TOML settings file (its [kafka] security settings are used)")
     res.add_argument("--topic", default="moderation.results")
     res.add_argument("--count", "-n", type=int, help="stop after this many results")
     res.add_argument("--idle-timeout", type=float, default=5.0, help="stop after this long at the end (seconds)")
@@ -188,11 +214,18 @@ def build_parser() -> argparse.ArgumentParser:
     top = sub.add_parser("topics", help="create the input, results and dead-letter topics if missing")
     common(top)
     top.add_argument("--partitions", type=int, default=3)
+    top.add_argument("--replication-factor", type=int, default=1,
+                     help="replicas of each topic (3 on a three-node cluster; min.insync.replicas is the broker's)")
     top.set_defaults(func=cmd_topics)
 
-    brk = sub.add_parser("broker", help="the local single-node Apache Kafka (KRaft) from Maven jars, no Docker")
+    brk = sub.add_parser("broker", help="the local Apache Kafka (KRaft, 1 or 3 nodes) from Maven jars, no Docker")
     brk.add_argument("action", choices=["start", "stop", "status", "destroy"])
     brk.add_argument("--dir", help="state directory (default .local-kafka in the project)")
+    brk.add_argument("--security", choices=["plaintext", "sasl_plaintext", "sasl_ssl", "ssl"], default="plaintext",
+                     help="the clients' listener: SCRAM users admin and streamfer (sasl_*), TLS with generated "
+                     "certificates (*ssl), ACLs enforced unless plaintext (see docs/security.md)")
+    brk.add_argument("--nodes", type=int, choices=[1, 3], default=1,
+                     help="1 broker, or a KRaft quorum of 3 combined nodes (replication factor 3, min ISR 2)")
     brk.set_defaults(func=cmd_broker)
 
     demo = sub.add_parser("demo", help="all in one: local broker, sample frames, the worker, a summary")

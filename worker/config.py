@@ -52,6 +52,18 @@ class KafkaSettings:
     # Extra librdkafka properties for consumer and producer, e.g. security settings.
     consumer_overrides: dict[str, str] = field(default_factory=dict)
     producer_overrides: dict[str, str] = field(default_factory=dict)
+    # Security (docs/security.md): PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL. Secrets are read from files or an
+    # environment variable when a client is made, so they never sit in Settings, logs or errors.
+    security_protocol: str = "PLAINTEXT"
+    sasl_mechanism: str = "SCRAM-SHA-512"
+    sasl_username: str = ""
+    sasl_password_file: str = ""
+    # The NAME of an environment variable holding the SASL password (not the password).
+    sasl_password_env: str = ""
+    ssl_ca_location: str = ""
+    ssl_certificate_location: str = ""
+    ssl_key_location: str = ""
+    ssl_key_password_file: str = ""
 
 
 @dataclass(frozen=True)
@@ -278,7 +290,9 @@ def _build(cls: type, values: Mapping[str, Any], where: str, problems: list[str]
         try:
             kwargs[key] = _coerce(value, hints[key])
         except (TypeError, ValueError) as exc:
-            problems.append(f"{where}.{key}: {exc} (got {value!r})")
+            # librdkafka overrides may carry a secret: never echo them.
+            shown = "a value not shown" if key.endswith("_overrides") else repr(value)
+            problems.append(f"{where}.{key}: {exc} (got {shown})")
     for name, sub_values in nested_values.items():
         default = next(f for f in dataclasses.fields(cls) if f.name == name)
         base = dataclasses.asdict(default.default_factory()) if default.default_factory is not dataclasses.MISSING else {}
@@ -397,6 +411,9 @@ def validate(s: Settings) -> list[str]:
         for key in sorted(overrides):
             if key in protected:
                 p.append(f"kafka.{field_name}: {key!r} is managed by the worker ({protected[key]})")
+    from worker.kafka_access import validate_security
+
+    p.extend(validate_security(k))
 
     t = s.topics
     names = [t.realtime, t.standard, t.bulk, t.results, t.dead_letter]

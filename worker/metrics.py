@@ -136,6 +136,9 @@ class Health:
     stall_limit_s: float = 300.0
     clock: Callable[[], float] = time.monotonic
     last_beat: float | None = None
+    # Why the worker cannot use the cluster now (refused, or unreachable too long), or None: the consumer's
+    # BrokerStatus.unhealthy_reason, attached by run_worker.
+    broker_problem: Callable[[], str | None] | None = None
 
     def beat(self) -> None:
         self.last_beat = self.clock()
@@ -146,8 +149,12 @@ class Health:
         return 0.0 if self.last_beat is None else max(0.0, self.clock() - self.last_beat)
 
     @property
+    def cluster_problem(self) -> str | None:
+        return self.broker_problem() if self.broker_problem is not None else None
+
+    @property
     def live(self) -> bool:
-        return self.alive and self.stalled_for <= self.stall_limit_s
+        return self.alive and self.stalled_for <= self.stall_limit_s and self.cluster_problem is None
 
     @property
     def ready(self) -> bool:
@@ -173,6 +180,8 @@ class MetricsServer:
                         self._reply(200, b"ok\n")
                     elif not health_ref.alive:
                         self._reply(503, b"dead\n")
+                    elif (problem := health_ref.cluster_problem) is not None:
+                        self._reply(503, f"kafka: {problem}\n".encode())
                     else:
                         self._reply(503, f"stalled: the worker loop has not turned for "
                                          f"{health_ref.stalled_for:.0f}s\n".encode())

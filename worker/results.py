@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
@@ -20,8 +20,9 @@ class DeadLetterRecord:
     headers: dict[str, str]
 
 
-def _consumer(bootstrap_servers: str, topic: str) -> Consumer:
+def _consumer(bootstrap_servers: str, topic: str, properties: Mapping[str, str] | None = None) -> Consumer:
     consumer = Consumer({
+        **(properties or {}),  # security (worker.kafka_access.security_properties)
         "bootstrap.servers": bootstrap_servers,
         "group.id": "streamfer-reader",  # required by librdkafka; never used: partitions are assigned
         "enable.auto.commit": False,
@@ -35,11 +36,12 @@ def _consumer(bootstrap_servers: str, topic: str) -> Consumer:
 
 
 def iter_messages(bootstrap_servers: str, topic: str, count: int | None = None, idle_timeout_s: float = 5.0,
-                  follow: bool = False, timeout_s: float | None = None) -> Iterator[Any]:
+                  follow: bool = False, timeout_s: float | None = None,
+                  properties: Mapping[str, str] | None = None) -> Iterator[Any]:
     """Yield raw messages until `count` are read, or (unless `follow`) all partitions hit their end and
     nothing new came for `idle_timeout_s`. Raises TimeoutError after `timeout_s` in total."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    consumer = _consumer(bootstrap_servers, topic)
+    consumer = _consumer(bootstrap_servers, topic, properties)
     n_parts = len(consumer.assignment())
     at_end: set[int] = set()
     seen = 0
@@ -68,19 +70,19 @@ def iter_messages(bootstrap_servers: str, topic: str, count: int | None = None, 
 
 def read_results(bootstrap_servers: str, topic: str = "moderation.results", count: int | None = None,
                  idle_timeout_s: float = 5.0, until: Callable[[list[dict[str, Any]]], bool] | None = None,
-                 timeout_s: float = 120.0) -> list[dict[str, Any]]:
+                 timeout_s: float = 120.0, properties: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """All decoded results; stops early once `until(results)` is true, raises TimeoutError past timeout_s."""
     out: list[dict[str, Any]] = []
     for msg in iter_messages(bootstrap_servers, topic, count, idle_timeout_s, follow=until is not None,
-                             timeout_s=timeout_s):
+                             timeout_s=timeout_s, properties=properties):
         out.append(decode_result(msg.value()))
         if until is not None and until(out):
             break
     return out
 
 
-def read_dead_letters(bootstrap_servers: str, topic: str = "frames.dlq", idle_timeout_s: float = 3.0
-                      ) -> list[DeadLetterRecord]:
+def read_dead_letters(bootstrap_servers: str, topic: str = "frames.dlq", idle_timeout_s: float = 3.0,
+                      properties: Mapping[str, str] | None = None) -> list[DeadLetterRecord]:
     return [DeadLetterRecord(key=m.key(), value=m.value() or b"",
                              headers={k: (v or b"").decode(errors="replace") for k, v in (m.headers() or [])})
-            for m in iter_messages(bootstrap_servers, topic, None, idle_timeout_s)]
+            for m in iter_messages(bootstrap_servers, topic, None, idle_timeout_s, properties=properties)]

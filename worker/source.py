@@ -23,6 +23,8 @@ from worker.assignment import Assignments
 from worker.config import ConfigError, Settings
 from worker.errors import StreamferError
 from worker.frames import MESSAGE_DECODE_ERROR, DeadLetter, Frame, Priority, SourceRef
+from worker.kafka_access import client_properties
+from worker.kafka_errors import UNKNOWN_TOPIC, BrokerStatus, Identity, RefusalStreak, classify_consumer_error
 from worker.schemas import MessageDecodeError, decode_frame
 
 log = logging.getLogger(__name__)
@@ -86,7 +88,7 @@ def consumer_config(settings: Settings) -> dict[str, object]:
     """The worker's librdkafka consumer configuration: what its delivery guarantees rest on, then the overrides."""
     k = settings.kafka
     conf: dict[str, object] = {
-        "bootstrap.servers": k.bootstrap_servers,
+        **client_properties(k),
         "group.id": k.group_id,
         "enable.auto.commit": False,
         "enable.auto.offset.store": False,
@@ -109,7 +111,16 @@ class FrameSource:
 
     def __init__(self, settings: Settings, clock: Callable[[], float] = time.time,
                  assignments: Assignments | None = None) -> None:
+        k = settings.kafka
+        # Authentication, authorisation and reachability are reported here, not as messages (librdkafka 2.x).
+        self.broker_status = BrokerStatus(unreachable_limit_s=k.session_timeout_ms / 1000.0)
+        self._identity = Identity.of(settings)
+        self._refusals = RefusalStreak()
         conf = consumer_config(settings)
+        conf["error_cb"] = self._on_client_error
+        # Broker states for /healthz: the only sign librdkafka gives that a lost cluster is back.
+        conf["stats_cb"] = self._on_stats
+        conf["statistics.interval.ms"] = 5000
         # The outcome of every commit (asynchronous ones are served by a later poll) goes to `on_commit_done`.
         self.on_commit_done: Callable[[list[TP], str | None], None] | None = None
         conf["on_commit"] = self._commit_reported
@@ -256,14 +267,29 @@ class FrameSource:
             self.seek_to_committed(reread)
         return kept
 
-    @staticmethod
-    def _handle_error(err: KafkaError) -> None:
+    def _handle_error(self, err: KafkaError) -> None:
         if err.code() == KafkaError._PARTITION_EOF:
             return
+        refused = classify_consumer_error(err, self._identity)
+        if refused is not None and refused.cause != UNKNOWN_TOPIC:
+            raise refused
         if err.fatal():
             raise SourceError(f"fatal consumer error: {err.str()}")
-        # Transient errors (broker down, leader moves) are retried by librdkafka itself.
+        # Transient errors (broker down, leader moves, a topic not yet in the metadata) are retried by librdkafka.
         log.warning("consumer error: %s", err.str())
+
+    def _on_client_error(self, err: KafkaError) -> None:
+        """librdkafka's error callback (served inside poll): a refusal that persists stops the worker, raised out
+        of consume(); everything else is retried by the client and only recorded for /healthz."""
+        self.broker_status.on_error(err)
+        refused = classify_consumer_error(err, self._identity)
+        if refused is not None and refused.cause != UNKNOWN_TOPIC and self._refusals.refusal(refused):
+            raise refused
+
+    def _on_stats(self, stats_json: str) -> None:
+        self.broker_status.on_stats(stats_json)
+        if self.broker_status.problem is None:
+            self._refusals.reset()
 
     # -- pausing -------------------------------------------------------------------------------------
     def pause_classes(self, classes: set[Priority]) -> None:

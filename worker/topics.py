@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Mapping
 
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
@@ -17,9 +18,11 @@ def worker_topics(topics: TopicSettings) -> list[str]:
 
 
 def ensure_topics(bootstrap_servers: str, names: list[str], partitions: int = 3, replication: int = 1,
-                  timeout_s: float = 30.0) -> list[str]:
-    """Create the topics that do not exist yet; returns the ones created. Existing topics are left alone."""
-    admin = AdminClient({"bootstrap.servers": bootstrap_servers})
+                  timeout_s: float = 30.0, properties: Mapping[str, str] | None = None) -> list[str]:
+    """Create the topics that do not exist yet; returns the ones created. Existing topics are left alone.
+
+    `properties`: librdkafka security properties (worker.kafka_access.security_properties)."""
+    admin = AdminClient({"bootstrap.servers": bootstrap_servers, **(properties or {})})
     existing = set(admin.list_topics(timeout=timeout_s).topics)
     missing = [n for n in names if n not in existing]
     if not missing:

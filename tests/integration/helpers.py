@@ -52,10 +52,10 @@ class TestTopics:
                 "kafka": {"group_id": self.group}}
 
 
-def make_topics(bootstrap: str, unique: str, partitions: int = 3) -> TestTopics:
+def make_topics(bootstrap: str, unique: str, partitions: int = 3, replication: int = 1) -> TestTopics:
     t = TestTopics(realtime=f"t{unique}.realtime", standard=f"t{unique}.standard", bulk=f"t{unique}.bulk",
                    results=f"t{unique}.results", dead_letter=f"t{unique}.dlq", group=f"g{unique}")
-    ensure_topics(bootstrap, [t.realtime, t.standard, t.bulk, t.results, t.dead_letter], partitions)
+    ensure_topics(bootstrap, [t.realtime, t.standard, t.bulk, t.results, t.dead_letter], partitions, replication)
     return t
 
 

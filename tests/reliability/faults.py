@@ -13,9 +13,12 @@ import signal
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from worker.frames import Priority, SourceRef
+
+if TYPE_CHECKING:
+    from confluent_kafka.admin import AdminClient
 
 from .badinput import catalogue, mutations, oversized
 from .harness import DEAD_LETTER, Lab, Outgoing, Run, RunOutcome, Sent, rss_bytes
@@ -325,6 +328,96 @@ def partitions_lost_mid_batch(lab: Lab, mode: str, scale: Scale) -> RunOutcome |
     return _guarded(run, body)
 
 
+# -- cluster faults (three nodes, replication factor 3, min ISR 2) ---------------------------------------------------
+# How long a killed node stays down, and how long two nodes stay down (no quorum, no ISR of 2: all writes stop).
+NODE_OUTAGE_S = 10.0
+QUORUM_OUTAGE_S = 20.0
+CLUSTER_SESSION_MS = 45_000
+# Commits must resume within this long of the nodes' return: longer than RECONNECT_BOUND_S, since a fenced
+# node's partitions and coordinators move back and a stuck exactly-once producer is replaced (15 s) first.
+CLUSTER_RESUME_BOUND_S = 60.0
+
+
+def _cluster_admin(lab: Lab) -> "AdminClient":
+    from confluent_kafka.admin import AdminClient
+
+    return AdminClient({"bootstrap.servers": lab.bootstrap, **(lab.broker.client_properties() if lab.broker else {})})
+
+
+def _leader_of(lab: Lab, topic: str, partition: int = 0) -> int:
+    return _cluster_admin(lab).list_topics(topic, timeout=10).topics[topic].partitions[partition].leader
+
+
+def _group_coordinator(lab: Lab, group: str) -> int:
+    admin = _cluster_admin(lab)
+    return admin.describe_consumer_groups([group], request_timeout=10)[group].result(10).coordinator.id
+
+
+def _nodes_down(lab: Lab, mode: str, scale: Scale, name: str, pick: Callable[[Run], list[int]],
+                outage_s: float) -> RunOutcome | None:
+    """Frames flow through a three-node cluster; the nodes `pick` names are SIGKILLed, stay down `outage_s`, and
+    come back. The worker rides it out without a restart: nothing lost, exactly-once nothing duplicated."""
+    broker = lab.broker
+    if broker is None or broker.nodes != 3 or broker.running() is None:
+        return None
+    # The default session timeout a user gets (45 s), not the suite's 6 s: a SIGKILLed node stays the registered
+    # leader of its partitions (the coordinators' too) until the controller fences it (broker.session.timeout.ms,
+    # 9 s), so a 6 s session loses the group on every coordinator kill.
+    run = Run(lab, name, mode, env={"WORKER_KAFKA_SESSION_TIMEOUT_MS": str(CLUSTER_SESSION_MS),
+                                    "WORKER_KAFKA_MAX_POLL_INTERVAL_MS": str(CLUSTER_SESSION_MS)})
+
+    def body() -> None:
+        run.fleet.start("w0")
+        run.feed(run.factory.frames(int(scale.rate_fps * scale.flow_s)), rate_fps=scale.rate_fps)
+        run.wait_progress(0.3)
+        nodes = pick(run)
+        run.notes["killed_nodes"] = nodes
+        for node in nodes:
+            broker.stop_node(node, kill=True)
+        run.faults_injected += 1
+        try:
+            run.wait(lambda: False, outage_s)  # the fault, while supervising the worker
+        finally:
+            broker.start(timeout_s=180)
+        up = time.monotonic()
+        before = run.watch.committed() or 0
+        if run.wait(lambda: (run.watch.committed() or 0) > before or run.caught_up(), CLUSTER_RESUME_BOUND_S):
+            run.notes["resumed_after_s"] = round(time.monotonic() - up, 1)
+        else:
+            run.abort(f"no offset committed within {CLUSTER_RESUME_BOUND_S:.0f} s of the nodes' return")
+
+    return _guarded(run, body, timeout_s=240.0)
+
+
+def leader_killed(lab: Lab, mode: str, scale: Scale) -> RunOutcome | None:
+    """The leader of an input partition is SIGKILLed mid-stream (and of the results partitions it led)."""
+    return _nodes_down(lab, mode, scale, "partition leader killed (3 nodes)",
+                       lambda run: [_leader_of(lab, run.topics.realtime)], NODE_OUTAGE_S)
+
+
+def group_coordinator_killed(lab: Lab, mode: str, scale: Scale) -> RunOutcome | None:
+    """The node coordinating the worker's consumer group is SIGKILLed: commits and heartbeats move."""
+    return _nodes_down(lab, mode, scale, "group coordinator killed (3 nodes)",
+                       lambda run: [_group_coordinator(lab, run.topics.group)], NODE_OUTAGE_S)
+
+
+def transaction_coordinator_killed(lab: Lab, mode: str, scale: Scale) -> RunOutcome | None:
+    """The leader of __transaction_state (one partition here: every transactional id's coordinator) is SIGKILLed
+    mid-transaction. At-least-once has no transactions: the same node is killed as a control."""
+    return _nodes_down(lab, mode, scale, "transaction coordinator killed (3 nodes)",
+                       lambda run: [_leader_of(lab, "__transaction_state")], NODE_OUTAGE_S)
+
+
+def two_nodes_down(lab: Lab, mode: str, scale: Scale) -> RunOutcome | None:
+    """Two of three nodes down for 20 s: no controller quorum and fewer in-sync replicas than min.insync.replicas,
+    so nothing can be written; the worker waits and resumes when they return."""
+    def pick(run: Run) -> list[int]:
+        leader = _leader_of(lab, run.topics.results)
+        return [leader, 1 + leader % 3]
+
+    return _nodes_down(lab, mode, scale, "two of three nodes down 20 s", pick, QUORUM_OUTAGE_S)
+
+
 # -- model faults -------------------------------------------------------------------------------------------------
 def slow_model(lab: Lab, mode: str, scale: Scale) -> RunOutcome:
     """Batches that take 8 s, longer than max.poll.interval.ms (6 s): no rebalance, and the lag drains to 0."""
@@ -479,8 +572,15 @@ FAULTS: dict[str, Callable[[Lab, str, Scale], RunOutcome | None]] = {
     "poison-model": poison_model,
     "bad-input": bad_input,
     "oversized": oversized_input,
+    "leader-killed": leader_killed,
+    "group-coordinator-killed": group_coordinator_killed,
+    "txn-coordinator-killed": transaction_coordinator_killed,
+    "two-nodes-down": two_nodes_down,
 }
 
 # The faults that replace a worker process: the ones the runner repeats with default worker ids (a new id per
 # process), where the others keep one process per worker and its id does not matter.
 REPLACE_WORKERS = ("sigkill", "kill-held-frame", "sigterm", "churn", "churn-static", "sigkill-churn")
+
+# Faults that need a three-node cluster of their own (Lab.with_own_cluster); skipped on any other lab.
+CLUSTER_FAULTS = ("leader-killed", "group-coordinator-killed", "txn-coordinator-killed", "two-nodes-down")

@@ -535,6 +535,8 @@ class Lab:
     # A broker the suite may freeze for a moment (SIGSTOP/SIGCONT keeps its address): the restartable one,
     # or the shared test broker.
     pausable: LocalKafka | None = None
+    # Replicas of each run's topics (3 on a three-node cluster).
+    replication: int = 1
 
     def __post_init__(self) -> None:
         if self.pausable is None:
@@ -560,6 +562,13 @@ class Lab:
         broker = LocalKafka(workdir / f"broker-{uuid.uuid4().hex[:6]}")
         broker.start()
         return cls(workdir, broker=broker, owns_broker=True)
+
+    @classmethod
+    def with_own_cluster(cls, workdir: Path, heap_mb: int = 320) -> "Lab":
+        """A lab on a three-node KRaft cluster of its own (replication factor 3, min ISR 2), for node faults."""
+        broker = LocalKafka(workdir / f"cluster-{uuid.uuid4().hex[:6]}", heap_mb=heap_mb, nodes=3)
+        broker.start(timeout_s=180)
+        return cls(workdir, broker=broker, owns_broker=True, replication=3)
 
     def close(self) -> None:
         if self.owns_broker and self.broker is not None:
@@ -621,7 +630,7 @@ class Run:
         self.fault = fault + (" (default worker ids)" if lab.worker_ids == "default" else "")
         self.mode = mode
         self.unique = uuid.uuid4().hex[:8]
-        self.topics = make_topics(lab.bootstrap, self.unique, PARTITIONS)
+        self.topics = make_topics(lab.bootstrap, self.unique, PARTITIONS, lab.replication)
         slug = re.sub(r"[^a-z0-9]+", "-", self.fault.lower()).strip("-")
         self.dir = lab.workdir / f"{slug}-{mode}-{self.unique}"
         self.dir.mkdir(parents=True, exist_ok=True)
