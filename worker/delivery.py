@@ -28,6 +28,7 @@ from worker.assignment import TP, Assignments
 from worker.config import Settings
 from worker.errors import OperatorError
 from worker.frames import OUTPUT_REJECTED, DeadLetter, Output, SourceRef
+from worker.kafka_errors import classify_producer_error
 from worker.metrics import Metrics
 from worker.offsets import OffsetTracker
 from worker.sink import DoneCallback, MessageRejected, RejectedCallback, ResultSink, SinkError, TransactionStuckError
@@ -98,6 +99,8 @@ class Delivery:
     def poll(self) -> None:
         """Serve delivery reports; stop on a producer error that nothing but a restart can fix."""
         self.sink.poll(0)
+        if self.sink.access_error is not None:
+            raise self.sink.access_error
         if self.sink.fatal_error:
             raise SinkError(self.sink.fatal_error)
 
@@ -310,6 +313,9 @@ class ExactlyOnceDelivery(Delivery):
             return self._replace_stuck_sink(exc)
         except KafkaException as exc:
             err = exc.args[0]
+            refused = self.sink.access_error or classify_producer_error(err, None, self.sink.identity)
+            if refused is not None:  # an ACL or credential: no abort-and-retry can fix it
+                raise refused from None
             if not err.txn_requires_abort():
                 raise
             self.metrics.commits.labels("aborted").inc()

@@ -84,6 +84,10 @@ class Metrics:
                                    "Messages the consumer delivered again at an offset this assignment had already "
                                    "delivered (a client-side rewind); dropped, since the first copy is in the "
                                    "pipeline.", registry=r)
+        self.committed_offset_waits = Counter(
+            "streamfer_committed_offset_waits_total",
+            "Partitions kept paused after an assignment or rewind because their committed offset could not be "
+            "read yet (typically held by a dead member's open transaction until the broker aborts it).", registry=r)
         self.commit_latency = Histogram("streamfer_commit_seconds",
                                         "Offset commit: from the request to the broker's answer being seen "
                                         "(exactly-once: the transaction commit).",

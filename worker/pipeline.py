@@ -196,6 +196,8 @@ class Pipeline:
         polled = self.source.poll(min(POLL_BATCH, max(room, 1)), timeout)
         if polled.redelivered:
             self.metrics.redelivered.inc(polled.redelivered)
+        if polled.committed_offset_waits:
+            self.metrics.committed_offset_waits.inc(polled.committed_offset_waits)
         if polled.frames or polled.dead_letters:
             self._last_activity = self.clock()
         # Track in each partition's offset order (the tracker refuses an offset below one already read).

@@ -19,6 +19,8 @@ from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 from worker.config import ConfigError, Settings
 from worker.errors import StreamferError
 from worker.frames import DeadLetter, SourceRef
+from worker.kafka_access import client_properties
+from worker.kafka_errors import BrokerAccessError, Identity, classify_producer_error
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +62,7 @@ class TransactionStuckError(SinkError):
 def producer_config(settings: Settings, transactional_id: str | None = None) -> dict[str, Any]:
     """The worker's librdkafka producer configuration (transactional with an id), then the overrides."""
     conf: dict[str, Any] = {
-        "bootstrap.servers": settings.kafka.bootstrap_servers,
+        **client_properties(settings.kafka),  # bootstrap.servers + the [kafka] security settings
         "enable.idempotence": True,
         "acks": "all",
         "linger.ms": 2,
@@ -94,6 +96,9 @@ class ResultSink:
         self._worker_id = settings.observability.worker_id
         self._on_done = on_done
         self._on_rejected = on_rejected
+        self.identity = Identity.of(settings, transactional_id)
+        # Set by a delivery report the cluster refused (ACL, credentials): the pipeline raises it (exit 2).
+        self.access_error: BrokerAccessError | None = None
         try:
             self._producer = Producer(conf, logger=log)
         except KafkaException as exc:
@@ -130,6 +135,10 @@ class ResultSink:
             if err is None:
                 self._on_done(source)
                 return
+            refused = classify_producer_error(err, topic, self.identity)
+            if refused is not None:  # no retry helps: stop the worker (exit 2) instead of producing again
+                self.access_error = self.access_error or refused
+                return
             if err.fatal():
                 self.fatal_error = f"fatal producer error delivering {source}: {err.str()}"
                 return
@@ -155,6 +164,9 @@ class ResultSink:
                 self._producer.poll(0.05)
             except KafkaException as exc:
                 err = exc.args[0]
+                refused = classify_producer_error(err, topic, self.identity)
+                if refused is not None:
+                    raise refused from None
                 if err.code() in PER_MESSAGE_ERRORS:
                     raise MessageRejected(f"{topic} cannot take the message for {source.topic}/"
                                           f"{source.partition}@{source.offset} ({len(value)} bytes): {err.str()}",
@@ -180,6 +192,9 @@ class ResultSink:
                 return
             except KafkaException as exc:
                 err = exc.args[0]
+                refused = classify_producer_error(err, None, self.identity)
+                if refused is not None:  # TRANSACTIONAL_ID_AUTHORIZATION_FAILED, a refused login
+                    raise refused from None
                 if err.retriable() and not err.fatal() and time.monotonic() < deadline:
                     log.warning("init_transactions for %s failed (%s); retrying", self._transactional_id, err.str())
                     continue

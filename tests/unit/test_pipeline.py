@@ -77,6 +77,12 @@ class World:
     def producer(self) -> FakeProducer:
         return self.producers[-1]
 
+    def assign(self, tps: list[tuple[str, int]]) -> None:
+        """Assign partitions and take the turn in which the source seeks them to their committed offsets
+        (a new partition stays paused until then: FrameSource.seek_to_committed)."""
+        self.kafka.rebalance("assign", tps)
+        self.step()
+
     def frames(self, tp: tuple[str, int], count: int, start: int = 0) -> None:
         self.kafka.append(tp, *(frame_value(f"s{tp[1]}", start + i) for i in range(count)))
 
@@ -155,7 +161,7 @@ def test_bug3_outputs_of_a_lost_partition_are_dropped(monkeypatch: pytest.Monkey
     w = World(monkeypatch, mode, hold=True)
     w.frames(P0, 2)
     w.frames(P1, 2)
-    w.kafka.rebalance("assign", [P0, P1])
+    w.assign([P0, P1])
     w.step()
     w.kafka.rebalance("lost", [P0])
     w.step()
@@ -216,7 +222,7 @@ def test_revoked_partitions_are_finished_delivered_and_committed_before_they_go(
         monkeypatch: pytest.MonkeyPatch) -> None:
     w = World(monkeypatch, "at_least_once")
     w.frames(P0, 3)
-    w.kafka.rebalance("assign", [P0])
+    w.assign([P0])
     w.step()  # 0..2 read
     w.kafka.rebalance("revoke", [P0])
     w.step()  # dispatched, then revoked inside the poll
@@ -252,7 +258,7 @@ def test_an_aborted_transaction_rewinds_and_every_frame_is_answered_once(monkeyp
 def test_bug8_a_stuck_transactional_call_is_replaced_by_a_fencing_producer(monkeypatch: pytest.MonkeyPatch) -> None:
     w = World(monkeypatch, "exactly_once")
     w.frames(P0, 3)
-    w.kafka.rebalance("assign", [P0])
+    w.assign([P0])
     stuck = w.producer
     stuck.block_send_offsets = True
     w.step()
@@ -310,7 +316,7 @@ def test_a_stop_request_drains_running_batches_delivers_and_commits(monkeypatch:
                                                                     mode: str) -> None:
     w = World(monkeypatch, mode)
     w.frames(P0, 3)
-    w.kafka.rebalance("assign", [P0])
+    w.assign([P0])
     turns = iter(range(1))
 
     def should_stop() -> bool:
