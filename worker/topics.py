@@ -23,8 +23,9 @@ from worker.config import TopicSettings
 
 log = logging.getLogger(__name__)
 
-# The largest frame, as a Kafka record, the frame topics take by default: room for any 1080p JPEG (a photo at
-# quality 95 measured 0.32-0.66 MB, sensor noise about 2 MB) and for a raw 720p frame (2.76 MB), not raw 1080p.
+# The largest frame, as a Kafka record, the frame topics take by default: room for any 1080p JPEG (photos at
+# quality 95 measured 0.32-0.66 MB, pure noise, the worst case, 2.44 MB) and a raw 720p frame (2.76 MB); not
+# a raw 1080p frame (6.2 MB).
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
 
 
@@ -69,8 +70,11 @@ def ensure_topics(bootstrap_servers: str, names: list[str], partitions: int = 3,
 
 def topic_message_limits(bootstrap_servers: str, topics: Iterable[str], timeout_s: float = 10.0) -> dict[str, int]:
     """Each topic's `max.message.bytes` as the broker reports it; topics it cannot describe are left out."""
+    topics = set(topics)
+    if not topics:
+        return {}
     admin = AdminClient({"bootstrap.servers": bootstrap_servers})
-    futures = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, t) for t in set(topics)])
+    futures = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, t) for t in topics])
     limits = {}
     for resource, fut in futures.items():
         try:
