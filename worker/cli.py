@@ -182,7 +182,7 @@ def cmd_broker(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from worker.demo import run_demo
 
-    return run_demo(frames_per_topic=args.frames, keep_broker=args.keep_broker)
+    return run_demo(frames_per_topic=args.frames, keep_broker=args.keep_broker, model=args.model)
 
 
 # -- parser ------------------------------------------------------------------------------------------------
@@ -257,8 +257,11 @@ def build_parser() -> argparse.ArgumentParser:
     brk.set_defaults(func=cmd_broker)
 
     demo = sub.add_parser("demo", help="all in one: local broker, sample frames, the worker, a summary")
-    demo.add_argument("--frames", type=int, default=120, help="frames per priority topic (default 120)")
+    demo.add_argument("--frames", type=int, help="synthetic frames per priority topic (default 120 with the "
+                      "builtin model, 30 with a real one)")
     demo.add_argument("--keep-broker", action="store_true", help="leave the local broker running afterwards")
+    demo.add_argument("--model", choices=["auto", "opennsfw", "builtin"], default="auto",
+                      help="auto (default): open_nsfw when the models extra is installed, else the builtin CNN")
     demo.set_defaults(func=cmd_demo)
     return parser
 
