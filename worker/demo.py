@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -78,7 +77,6 @@ def run_demo(frames_per_topic: int | None = None, keep_broker: bool = False, rat
     already_running = broker.running() is not None
     print("starting the local Apache Kafka broker (first run resolves its jars with Maven)...", flush=True)
     bootstrap = broker.start().bootstrap_servers
-    clip_dir = tempfile.TemporaryDirectory(prefix="streamfer-demo-")
     try:
         settings = load_settings(env={k: v for k, v in os.environ.items() if k.startswith("WORKER_")},
                                  overrides={"kafka": {"bootstrap_servers": bootstrap, "group_id": "streamfer-demo"},
@@ -87,7 +85,7 @@ def run_demo(frames_per_topic: int | None = None, keep_broker: bool = False, rat
         setup_logging(settings)
         ensure_topics(bootstrap, worker_topics(settings.topics), configs=frame_topic_configs(settings.topics))
         run_id = random_run_id()
-        clips = _make_clips(Path(clip_dir.name))
+        clips = _make_clips(Path(settings.model.cache_dir).expanduser() / "demo")
         # The worker starts first, as in production: frames then flow through a warm, assigned worker.
         health = Health()
         stop = StopFlag()
@@ -153,22 +151,31 @@ def run_demo(frames_per_topic: int | None = None, keep_broker: bool = False, rat
         print("\nevery frame has a result" if ok else f"\nMISSING results for {produced - len(ids)} frames")
         return 0 if ok else 1
     finally:
-        clip_dir.cleanup()
         if not keep_broker and not already_running:
             broker.stop()
 
 
 def _make_clips(folder: Path) -> list[Any]:
+    """The demo clips, made once and kept beside the model cache (encoding 1080p takes a while on 2 cores)."""
     missing = _video_missing()
     if missing:
         print(f"video: skipped ({', '.join(missing)} missing; pip install -e '.[models]' or ./dev setup)", flush=True)
         return []
-    from worker.sample_video import make_photo_clip
+    from worker.sample_video import make_photo_clip, photo_clip
 
     t0 = time.monotonic()
-    clips = [make_photo_clip(folder / f"photos-{w}x{h}.mp4", (w, h), fps=CLIP_FPS) for w, h in CLIP_SIZES]
-    print(f"video: made {len(clips)} H.264 clips of {len(clips[0].photos)} photos ({', '.join(clips[0].photos)}) "
-          f"at {', '.join(f'{w}x{h}' for w, h in CLIP_SIZES)} in {time.monotonic() - t0:.1f} s", flush=True)
+    clips = []
+    for w, h in CLIP_SIZES:
+        path = folder / f"photos-{w}x{h}-{CLIP_FPS}fps.mp4"
+        clip = photo_clip(path, (w, h), fps=CLIP_FPS)
+        if not path.is_file():
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp.mp4")
+            make_photo_clip(tmp, (w, h), fps=CLIP_FPS)
+            tmp.replace(path)
+        clips.append(clip)
+    print(f"video: {len(clips)} H.264 clips of {len(clips[0].photos)} photos ({', '.join(clips[0].photos)}) at "
+          f"{', '.join(f'{w}x{h}' for w, h in CLIP_SIZES)}, in {folder} ({time.monotonic() - t0:.1f} s)", flush=True)
     return clips
 
 

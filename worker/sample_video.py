@@ -40,13 +40,21 @@ def photo(name: str) -> np.ndarray:
     return np.repeat(img[:, :, None], 3, axis=2) if img.ndim == 2 else img[:, :, :3]
 
 
+def photo_clip(path: Path, size: tuple[int, int] = (1280, 720), fps: int = 10, seconds_per_photo: float = 1.0,
+               photos: Sequence[str] = PHOTOS) -> SampleClip:
+    """What `make_photo_clip` with these arguments writes (to describe a clip made before)."""
+    return SampleClip(path=Path(path), photos=tuple(photos), frames_per_photo=max(1, round(fps * seconds_per_photo)),
+                      fps=fps, size=size)
+
+
 def make_photo_clip(path: Path, size: tuple[int, int] = (1280, 720), fps: int = 10, seconds_per_photo: float = 1.0,
                     photos: Sequence[str] = PHOTOS) -> SampleClip:
     """Write an H.264 (yuv420p) clip panning across each photo in turn; returns what it holds."""
     import av
 
+    clip = photo_clip(path, size, fps, seconds_per_photo, photos)
     width, height = size
-    per_photo = max(1, round(fps * seconds_per_photo))
+    per_photo = clip.frames_per_photo
     with av.open(str(path), "w") as container:
         stream = container.add_stream("libx264", rate=fps, options={"preset": "ultrafast", "crf": "23"})
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
@@ -56,7 +64,7 @@ def make_photo_clip(path: Path, size: tuple[int, int] = (1280, 720), fps: int = 
                     container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
-    return SampleClip(path=Path(path), photos=tuple(photos), frames_per_photo=per_photo, fps=fps, size=size)
+    return clip
 
 
 def _pan(img: np.ndarray, width: int, height: int, frames: int) -> list[np.ndarray]:

@@ -41,7 +41,7 @@ def load_onnx(path: Path, contract: ModelContract, cache_dir: Path, device: torc
     cached = cache_path(path, sample, cache_dir)
     if cached.is_file():
         try:
-            return torch.jit.load(str(cached), map_location=device)
+            return _load_cached(cached, device)
         except Exception as exc:  # noqa: BLE001 (a damaged cache entry is converted again, not fatal)
             log.warning("cached ONNX conversion unreadable, converting again path=%s error=%s", cached, exc)
     t0 = time.perf_counter()
@@ -53,7 +53,15 @@ def load_onnx(path: Path, contract: ModelContract, cache_dir: Path, device: torc
                     "point model.cache_dir at a writable directory", path, time.perf_counter() - t0, exc)
         return traced.to(device)
     log.info("converted ONNX model %s to TorchScript in %.1fs; cached as %s", path, time.perf_counter() - t0, cached)
-    return torch.jit.load(str(cached), map_location=device)
+    return _load_cached(cached, device)
+
+
+def _load_cached(cached: Path, device: torch.device) -> torch.jit.ScriptModule:
+    with warnings.catch_warnings():
+        # TorchScript is deprecated upstream, but the converted graphs cannot be torch.export-ed (onnx2torch's
+        # Reshape branches on tensor values) and a TorchScript file loads without the converter.
+        warnings.simplefilter("ignore", FutureWarning)
+        return torch.jit.load(str(cached), map_location=device)
 
 
 def cache_path(path: Path, sample_shape: tuple[int, ...], cache_dir: Path) -> Path:
