@@ -186,3 +186,22 @@ def test_an_operator_the_converter_lacks_is_named_at_start_up(tmp_path):
     path = _tiny_graph(tmp_path / "hardmax.onnx", extra_op="Hardmax")
     with pytest.raises(ModelContractError, match=r"not supported by onnx2torch .*: Hardmax \(opset 17\)"):
         load_model(_settings(tmp_path / "cache", source=str(path), input_size=[32, 32]).model)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_opennsfw_on_cuda_graphs_scores_as_on_the_cpu(cache_dir, photos, reference):
+    """The same contract on the device path: NHWC batches padded to a graph bucket, replayed."""
+    from worker.runtime import InferenceExecutor
+
+    s = load_settings(env={}, overrides={
+        "model": {"source": "opennsfw", "cache_dir": str(cache_dir)},
+        "runtime": {"device": "cuda:0", "cuda_graphs": True, "graph_batch_sizes": [1, 2, 4, 8]}})
+    frames = [_frame(p, Encoding.JPEG, i) for i, p in enumerate(photos.values())]
+    with InferenceExecutor.from_settings(s.model, s.runtime) as executor:
+        executor.warm_up([(224, 224, 3)])
+        outcome = executor.submit(frames, frames[0].shape).result(timeout=120)
+    assert outcome.used_graph and outcome.bucket == 8 and not outcome.failures
+    on_gpu = np.array([[v.scores["sfw"], v.scores["nsfw"]] for _, v in outcome.verdicts])
+    # cuDNN may use TF32 for convolutions: close to the reference, not bit-equal.
+    np.testing.assert_allclose(on_gpu, _reference_scores(reference, frames), rtol=0, atol=5e-3)
