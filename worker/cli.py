@@ -116,6 +116,8 @@ def cmd_produce(args: argparse.Namespace) -> int:
                                       tenants)
         report = publish(settings.kafka.bootstrap_servers, topic, frames, args.rate, keep_capture_ts=keep_capture_ts,
                          progress=progress)
+        if progress is not None:
+            print(file=sys.stderr)  # ends the progress line
     except ProducerInputError as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return 2
@@ -125,7 +127,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
 
 def _progress_line(sent: int, acknowledged: int) -> None:
-    print(f"\rsent {sent} frames, {acknowledged} acknowledged", end="", file=sys.stderr, flush=True)
+    print(f"\rsent {sent} frames, {acknowledged} acknowledged by the broker", end="", file=sys.stderr, flush=True)
 
 
 # -- results -----------------------------------------------------------------------------------------------

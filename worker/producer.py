@@ -239,7 +239,7 @@ def check_frame_fits(rec: FrameRecord, value: bytes, topic: str, limit: int | No
         f"frame {rec.stream_id}/{rec.frame_index} ({rec.width}x{rec.height} {kind}) is {size:,} bytes as a Kafka "
         f"record, but topic {topic!r} takes at most {limit:,} (max.message.bytes). Send JPEG (--encoding jpeg, "
         f"or a lower --quality), make it smaller (--resize), or raise the topic's limit: `worker topics "
-        f"--max-frame-bytes {_round_up_mib(size)}` creates topics that take it, and for an existing topic "
+        f"--max-frame-bytes {_round_up_mib(size)}` (creates the frame topics, or raises their limit), or "
         f"`kafka-configs --alter --entity-type topics --entity-name {topic} --add-config "
         f"max.message.bytes={_round_up_mib(size)}`"
     )
