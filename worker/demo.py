@@ -192,7 +192,7 @@ def _send_clips(bootstrap: str, topic: str, clips: list[Any], run_id: str) -> in
 def _print_clip_scores(results: list[dict[str, Any]], clips: list[Any], run_id: str) -> None:
     from worker.producer import video_stream_ids
 
-    streams = dict(zip(video_stream_ids([str(c.path) for c in clips], run_id), clips))
+    streams = dict(zip(video_stream_ids([str(c.path) for c in clips], run_id), clips, strict=True))
     rows: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for r in results:
         clip = streams.get(r["stream_id"])

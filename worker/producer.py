@@ -14,9 +14,10 @@ import itertools
 import random
 import re
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 from confluent_kafka import KafkaError, KafkaException, Producer
@@ -164,7 +165,7 @@ def video_frames(sources: Sequence[str | Path], priority: Priority, run_id: str,
     names = [str(s) for s in sources]
     start = time.time() if start_wall is None else start_wall
     streams = [_one_video(src, sid, priority, tenant, options, start)
-               for src, sid in zip(names, video_stream_ids(names, run_id))]
+               for src, sid in zip(names, video_stream_ids(names, run_id), strict=True)]
     yield from heapq.merge(*streams, key=lambda rec: rec.capture_ts_ms)
 
 
@@ -278,7 +279,7 @@ def send_frames(producer: Producer, frames: Iterable[FrameRecord], topic_of: Cal
     errors: list[str] = []
     acked = [0]
 
-    def delivered(err, _msg) -> None:  # noqa: ANN001 (librdkafka callback)
+    def delivered(err, _msg) -> None:
         if err is not None:
             errors.append(_delivery_error(err))
         else:

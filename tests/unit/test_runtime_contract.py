@@ -13,12 +13,12 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from model_factories import pixels, raw_frame  # noqa: E402
+from model_factories import pixels, raw_frame
 
-from worker.config import ConfigError, ModelSettings, load_settings  # noqa: E402
-from worker.runtime import load_model  # noqa: E402
-from worker.runtime.models import ModelContract  # noqa: E402
-from worker.runtime.preprocess import Preprocessor  # noqa: E402
+from worker.config import ConfigError, ModelSettings, load_settings
+from worker.runtime import load_model
+from worker.runtime.models import ModelContract
+from worker.runtime.preprocess import Preprocessor
 
 
 def _contract(**kw: object) -> ModelContract:

@@ -12,9 +12,10 @@ import importlib.metadata
 import math
 import re
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -67,7 +68,7 @@ class ModelContract:
     activation: str = "sigmoid"
 
     @classmethod
-    def from_settings(cls, settings: ModelSettings) -> "ModelContract":
+    def from_settings(cls, settings: ModelSettings) -> ModelContract:
         """The settings were validated by worker.config; this only converts them."""
         input_size = (int(settings.input_size[0]), int(settings.input_size[1])) if settings.input_size else None
         resize_to = (int(settings.resize_to[0]), int(settings.resize_to[1])) if settings.resize_to else None
@@ -100,7 +101,7 @@ class ModelContract:
 
     def verdict(self, scores: Sequence[float]) -> Verdict:
         """Scores in label order -> a Verdict flagging every label at or above its threshold (never_flag aside)."""
-        by_label = {label: float(s) for label, s in zip(self.labels, scores)}
+        by_label = {label: float(s) for label, s in zip(self.labels, scores, strict=False)}
         flagged = tuple(label for label in self.labels
                         if label not in self.never_flag and by_label[label] >= self.threshold_for(label))
         return Verdict(scores=by_label, flagged_labels=flagged)

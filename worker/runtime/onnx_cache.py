@@ -83,7 +83,7 @@ def convert_onnx(path: Path, contract: ModelContract, sample_shape: tuple[int, .
         ) from None
     try:
         proto = onnx.load(str(path))
-    except Exception as exc:  # noqa: BLE001 (protobuf raises several types for a bad file)
+    except Exception as exc:  # protobuf raises several types for a bad file
         raise ModelContractError(f"model.source {str(path)!r}: not a readable ONNX file ({exc})") from exc
     _check_operators(proto, path)
     _check_input(proto, path, contract, sample_shape)
@@ -137,7 +137,7 @@ def _check_input(proto: Any, path: Path, contract: ModelContract, sample_shape: 
     dims = [d.dim_value if d.HasField("dim_value") else None for d in inputs[0].type.tensor_type.shape.dim]
     fed = list(sample_shape[1:])
     declared = dims[1:]
-    if len(declared) != len(fed) or any(d is not None and d != f for d, f in zip(declared, fed)):
+    if len(declared) != len(fed) or any(d is not None and d != f for d, f in zip(declared, fed, strict=True)):
         shown = ["N", *("?" if d is None else d for d in declared)]
         raise ModelContractError(
             f"model.source {str(path)!r}: the graph's input {inputs[0].name!r} is {shown}, but the worker would "
@@ -155,7 +155,7 @@ def _check_trace(module: nn.Module, traced: torch.jit.ScriptModule, sample_shape
         want, got = module(probe), traced(probe)
         same = isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor) and want.shape == got.shape and \
             torch.allclose(want, got, rtol=TRACE_CHECK_TOLERANCE, atol=TRACE_CHECK_TOLERANCE)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # whatever the converted graph raises, the message names it
         raise ModelContractError(
             f"model.source {str(path)!r}: the converted model fails on a batch of {VALIDATION_BATCH + 1} "
             f"({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); export the "

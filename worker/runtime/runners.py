@@ -10,8 +10,8 @@ import contextlib
 import logging
 import threading
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -126,7 +126,7 @@ class EagerRunner:
                 self.forward(x)
             self._sync()
 
-    def run(self, x: torch.Tensor, ready: "torch.cuda.Event | None" = None) -> RunResult:
+    def run(self, x: torch.Tensor, ready: torch.cuda.Event | None = None) -> RunResult:
         """Scores for every row of x (already on this runner's device)."""
         with self._on_device():
             self._wait_for_input(x, ready)
@@ -142,7 +142,7 @@ class EagerRunner:
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream), torch.inference_mode():
                 yield
 
-    def _wait_for_input(self, x: torch.Tensor, ready: "torch.cuda.Event | None") -> None:
+    def _wait_for_input(self, x: torch.Tensor, ready: torch.cuda.Event | None) -> None:
         if self.stream is not None and ready is not None:
             self.stream.wait_event(ready)
             # x was allocated on the copy stream; keep its memory alive until this stream is done with it.
@@ -155,7 +155,7 @@ class EagerRunner:
 
 @dataclass
 class _Graph:
-    graph: "torch.cuda.CUDAGraph"
+    graph: torch.cuda.CUDAGraph
     static_in: torch.Tensor
     static_out: torch.Tensor
 
@@ -203,7 +203,7 @@ class CudaGraphRunner(EagerRunner):
                     "Python branches on tensor values) from forward, or set runtime.cuda_graphs = false"
                 ) from exc
 
-    def run(self, x: torch.Tensor, ready: "torch.cuda.Event | None" = None) -> RunResult:
+    def run(self, x: torch.Tensor, ready: torch.cuda.Event | None = None) -> RunResult:
         n, shape = x.shape[0], tuple(x.shape[1:])
         step = self.plan.decide(n, shape)
         if step.action == "capture" and not self._capture_lazily(step.bucket, shape):
