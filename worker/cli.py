@@ -76,38 +76,62 @@ def _run_processes(args: argparse.Namespace, settings: Settings) -> int:
 # -- produce -----------------------------------------------------------------------------------------------
 def cmd_produce(args: argparse.Namespace) -> int:
     from worker.frames import Encoding, Priority
-    from worker.producer import folder_frames, parse_shapes, publish, random_run_id, synthetic_frames, video_frames
+    from worker.producer import (
+        ProducerInputError,
+        VideoOptions,
+        folder_frames,
+        paced,
+        parse_shapes,
+        parse_size,
+        publish,
+        random_run_id,
+        synthetic_frames,
+        video_frames,
+    )
+    from worker.kafka_access import probe_reachable, security_properties
 
     settings = _settings(args)
-    topics = settings.topics.input_topics()
-    priority = topics.get(args.topic, Priority.STANDARD)
+    topics = settings.topics
+    if args.topic:
+        topic = args.topic
+    elif args.from_video:
+        topic = topics.bulk if args.backfill else topics.realtime
+    else:
+        topic = topics.standard
+    priority = topics.input_topics().get(topic, Priority.STANDARD)
     encoding = Encoding.JPEG if args.encoding == "jpeg" else Encoding.RAW_RGB8
     run_id = args.run_id or random_run_id()
     tenants = [t for t in args.tenants.split(",") if t]
-    if args.from_folder:
-        frames = folder_frames(Path(args.from_folder), encoding, priority, run_id, tenants[0], args.count)
-    elif args.from_video:
-        frames = video_frames(Path(args.from_video), encoding, priority, run_id, tenants[0], args.count)
-    else:
-        frames = synthetic_frames(args.count, parse_shapes(args.shape), encoding, priority, run_id, tenants)
-    report = _publish(settings, args.topic, frames, args.rate)
-    print(json.dumps({"topic": args.topic, "run_id": run_id, "sent": report.sent,
+    progress = None if args.quiet else _progress_line
+    keep_capture_ts = False
+    try:
+        if args.from_video:
+            options = VideoOptions(fps=args.fps, size=parse_size(args.resize) if args.resize else None,
+                                   encoding=encoding, quality=args.quality, max_frames=args.count)
+            frames = video_frames(args.from_video, priority, run_id, tenants[0], options)
+            # A camera sends each frame when it is captured; a backfill sends as fast as the broker takes them.
+            frames = frames if args.backfill else paced(frames)
+            keep_capture_ts = True
+        elif args.from_folder:
+            frames = folder_frames(Path(args.from_folder), encoding, priority, run_id, tenants[0], args.count)
+        else:
+            frames = synthetic_frames(args.count or 100, parse_shapes(args.shape), encoding, priority, run_id,
+                                      tenants)
+        probe_reachable(settings)
+        report = publish(settings.kafka.bootstrap_servers, topic, frames, args.rate, keep_capture_ts=keep_capture_ts,
+                         progress=progress, properties=security_properties(settings.kafka))
+        if progress is not None:
+            print(file=sys.stderr)  # ends the progress line
+    except ProducerInputError as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({"topic": topic, "run_id": run_id, "sent": report.sent, "acknowledged": report.acknowledged,
                       "seconds": round(report.seconds, 3), "max_send_lag_ms": round(report.max_send_lag_ms, 2)}))
     return 0
 
 
-def _publish(settings: Settings, topic: str, frames: Any, rate: float | None) -> Any:
-    """worker.producer.publish with the [kafka] security settings."""
-    from confluent_kafka import Producer
-
-    from worker.kafka_access import client_properties, probe_reachable
-    from worker.producer import FRAME_PRODUCER_CONFIG, send_frames
-
-    probe_reachable(settings)
-    producer = Producer({**client_properties(settings.kafka), **FRAME_PRODUCER_CONFIG})
-    # Connect before the clock starts, so the producer's own start-up is not charged to the frames' latency.
-    producer.list_topics(topic, timeout=30)
-    return send_frames(producer, frames, lambda _rec: topic, rate)
+def _progress_line(sent: int, acknowledged: int) -> None:
+    print(f"\rsent {sent} frames, {acknowledged} acknowledged by the broker", end="", file=sys.stderr, flush=True)
 
 
 # -- results -----------------------------------------------------------------------------------------------
@@ -126,14 +150,27 @@ def cmd_results(args: argparse.Namespace) -> int:
 # -- topics / broker / demo --------------------------------------------------------------------------------
 def cmd_topics(args: argparse.Namespace) -> int:
     from worker.kafka_access import probe_reachable, security_properties
-    from worker.topics import ensure_topics, worker_topics
+    from worker.topics import ensure_topics, frame_topic_configs, frame_topics, raise_message_limits, worker_topics
 
     settings = _settings(args)
     probe_reachable(settings)
-    created = ensure_topics(settings.kafka.bootstrap_servers, worker_topics(settings.topics), args.partitions,
-                            replication=args.replication_factor, properties=security_properties(settings.kafka))
-    print(json.dumps({"created": created}))
+    bootstrap = settings.kafka.bootstrap_servers
+    properties = security_properties(settings.kafka)
+    created = ensure_topics(bootstrap, worker_topics(settings.topics), args.partitions,
+                            configs=frame_topic_configs(settings.topics, args.max_frame_bytes),
+                            replication=args.replication_factor, properties=properties)
+    # Topics made before (by an older version, or by hand) may still refuse large frames.
+    raised = raise_message_limits(bootstrap, [t for t in frame_topics(settings.topics) if t not in created],
+                                  args.max_frame_bytes, properties=properties)
+    print(json.dumps({"created": created, "max_message_bytes_raised": raised,
+                      "max_frame_bytes": args.max_frame_bytes}))
     return 0
+
+
+def _default_max_frame_bytes() -> int:
+    from worker.topics import DEFAULT_MAX_FRAME_BYTES
+
+    return DEFAULT_MAX_FRAME_BYTES
 
 
 def cmd_broker(args: argparse.Namespace) -> int:
@@ -163,7 +200,7 @@ def cmd_broker(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from worker.demo import run_demo
 
-    return run_demo(frames_per_topic=args.frames, keep_broker=args.keep_broker)
+    return run_demo(frames_per_topic=args.frames, keep_broker=args.keep_broker, model=args.model)
 
 
 # -- parser ------------------------------------------------------------------------------------------------
@@ -189,16 +226,29 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--metrics-port", type=int, help="port for /metrics, /healthz, /readyz (0: any free port)")
     run.set_defaults(func=cmd_run)
 
-    prod = sub.add_parser("produce", help="publish frames: synthetic, from an image folder, or from a video")
+    prod = sub.add_parser("produce", help="publish frames: synthetic, from an image folder, or from videos")
     common(prod)
-    prod.add_argument("--topic", "-t", required=True, help="input topic, e.g. frames.realtime")
-    prod.add_argument("--count", "-n", type=int, default=100, help="frames to send (default 100)")
+    prod.add_argument("--topic", "-t", help="input topic (default: topics.realtime for a video, topics.bulk with "
+                      "--backfill, else topics.standard)")
+    prod.add_argument("--count", "-n", type=int, help="frames to send (default 100 synthetic; all images; for a "
+                      "video, the most per stream, default all)")
     prod.add_argument("--shape", default="64x64", help="WIDTHxHEIGHT[,WIDTHxHEIGHT...] cycled (default 64x64)")
-    prod.add_argument("--rate", type=float, help="frames per second, open loop (default: as fast as possible)")
-    prod.add_argument("--encoding", choices=["raw", "jpeg"], default="raw", help="pixel encoding (default raw)")
+    prod.add_argument("--rate", type=float, help="frames per second, open loop (default: as fast as possible; "
+                      "a video is paced by its own timestamps)")
+    prod.add_argument("--encoding", choices=["raw", "jpeg"], default="jpeg",
+                      help="pixel encoding (default jpeg: a raw 1280x720 frame is 2.76 MB, over Kafka's default "
+                      "1 MB message limit)")
+    prod.add_argument("--quality", type=int, default=85, help="JPEG quality 1..95 (default 85)")
     prod.add_argument("--tenants", default="tenant-a,tenant-b,tenant-c", help="comma-separated tenants, cycled")
     prod.add_argument("--from-folder", help="publish the images in this folder instead of synthetic frames")
-    prod.add_argument("--from-video", help="publish the frames of this video (needs PyAV: pip install av)")
+    prod.add_argument("--from-video", nargs="+", action="extend", metavar="FILE_OR_URL",
+                      help="publish videos (files, or any URL FFmpeg opens), each as its own stream, all at once; "
+                      "repeatable (needs PyAV: pip install 'streamfer[models]')")
+    prod.add_argument("--fps", type=float, help="video: sample at most this many frames per second of video")
+    prod.add_argument("--resize", metavar="WxH", help="video: resize frames to WIDTHxHEIGHT")
+    prod.add_argument("--backfill", action="store_true", help="video: send as fast as possible (not in real time), "
+                      "to the bulk topic unless --topic says otherwise")
+    prod.add_argument("--quiet", "-q", action="store_true", help="no progress line")
     prod.add_argument("--run-id", help="prefix of the stream ids (default: random)")
     prod.set_defaults(func=cmd_produce)
 
@@ -216,6 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--partitions", type=int, default=3)
     top.add_argument("--replication-factor", type=int, default=1,
                      help="replicas of each topic (3 on a three-node cluster; min.insync.replicas is the broker's)")
+    top.add_argument("--max-frame-bytes", type=int, default=_default_max_frame_bytes(),
+                     help="largest frame (as a Kafka record) the input and dead-letter topics take: their "
+                     "max.message.bytes, raised on existing topics below it (default %(default)s: any 1080p JPEG, "
+                     "a raw 720p frame)")
     top.set_defaults(func=cmd_topics)
 
     brk = sub.add_parser("broker", help="the local Apache Kafka (KRaft, 1 or 3 nodes) from Maven jars, no Docker")
@@ -229,8 +283,11 @@ def build_parser() -> argparse.ArgumentParser:
     brk.set_defaults(func=cmd_broker)
 
     demo = sub.add_parser("demo", help="all in one: local broker, sample frames, the worker, a summary")
-    demo.add_argument("--frames", type=int, default=120, help="frames per priority topic (default 120)")
+    demo.add_argument("--frames", type=int, help="synthetic frames per priority topic (default 120 with the "
+                      "builtin model, 30 with a real one)")
     demo.add_argument("--keep-broker", action="store_true", help="leave the local broker running afterwards")
+    demo.add_argument("--model", choices=["auto", "opennsfw", "builtin"], default="auto",
+                      help="auto (default): open_nsfw when the models extra is installed, else the builtin CNN")
     demo.set_defaults(func=cmd_demo)
     return parser
 

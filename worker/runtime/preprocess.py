@@ -1,9 +1,11 @@
-"""Frame bytes -> one normalised float32 NCHW batch tensor, staged on the runner's device.
+"""Frame bytes -> one normalised float32 batch tensor in the model's layout (NCHW or NHWC), staged on the
+runner's device. The model's preprocessing contract (`ModelContract`) is applied here and nowhere else.
 
 A frame whose pixels are unusable is reported as a `FrameDecodeError` beside the batch, never raised: the
 other frames of the batch still run. Frames smaller than the batch shape are padded bottom/right with zeros
 *in the normalised tensor* (the mean colour in pixel terms), the value the convolutions' own border padding
-uses. With a fixed `input_size` each frame is resized on its own, so no padding reaches the model.
+uses. With a fixed `input_size` each frame is resized (stretched, letterboxed or resized and centre-cropped)
+on its own, so no batch padding reaches the model.
 """
 
 from __future__ import annotations
@@ -22,10 +24,67 @@ from worker.runtime.models import ModelContract
 
 
 def _resize(pixels: np.ndarray, size_hw: tuple[int, int]) -> np.ndarray:
+    """Bilinear resize with Pillow (antialiased when shrinking), the resampling reference preprocessing uses."""
     if pixels.shape[:2] == size_hw:
         return pixels
-    img = Image.fromarray(pixels if pixels.shape[2] == 3 else pixels[:, :, 0])
-    out = np.asarray(img.resize((size_hw[1], size_hw[0]), Image.Resampling.BILINEAR), dtype=np.uint8)
+    out = np.asarray(_image(pixels).resize((size_hw[1], size_hw[0]), Image.Resampling.BILINEAR), dtype=np.uint8)
+    return out if out.ndim == 3 else out[:, :, None]
+
+
+def _image(pixels: np.ndarray) -> Image.Image:
+    return Image.fromarray(pixels if pixels.shape[2] == 3 else pixels[:, :, 0])
+
+
+def _centre_crop(pixels: np.ndarray, size_hw: tuple[int, int]) -> np.ndarray:
+    h, w = pixels.shape[:2]
+    top, left = (h - size_hw[0]) // 2, (w - size_hw[1]) // 2
+    return pixels[top:top + size_hw[0], left:left + size_hw[1]]
+
+
+def to_channels(pixels: np.ndarray, channels: int) -> np.ndarray:
+    """Grey, grey+alpha, RGB or RGBA pixels -> `channels` (3: RGB, 1: grey); alpha is dropped."""
+    c = pixels.shape[2]
+    if c == channels:
+        return pixels
+    if c not in (1, 2, 3, 4):
+        raise FrameDecodeError(f"frame has {c} channels; the worker reads 1 (grey), 2 (grey+alpha), 3 (RGB) or 4 "
+                               "(RGBA)")
+    if c in (1, 2):
+        grey = pixels[:, :, :1]
+        return grey if channels == 1 else np.ascontiguousarray(np.repeat(grey, 3, axis=2))
+    rgb = np.ascontiguousarray(pixels[:, :, :3])
+    if channels == 3:
+        return rgb
+    return np.asarray(Image.fromarray(rgb, "RGB").convert("L"), dtype=np.uint8)[:, :, None]
+
+
+def fit_to_input(pixels: np.ndarray, contract: ModelContract) -> tuple[np.ndarray, tuple[int, int]]:
+    """Resize (and crop) a decoded frame as the contract says; returns the pixels and their (top, left) offset
+    in the model input (non-zero only for letterbox, whose border stays at the mean colour)."""
+    size = contract.input_size
+    if size is None:
+        return pixels, (0, 0)
+    h, w = pixels.shape[:2]
+    if contract.resize == "letterbox":
+        scale = min(size[0] / h, size[1] / w)
+        inner = (max(1, min(size[0], round(h * scale))), max(1, min(size[1], round(w * scale))))
+        return _resize(pixels, inner), ((size[0] - inner[0]) // 2, (size[1] - inner[1]) // 2)
+    if contract.resize == "shorter_side_crop":
+        scale = contract.resize_shorter_side / min(h, w)
+        resized = (max(size[0], round(h * scale)), max(size[1], round(w * scale)))
+        return _centre_crop(_resize(pixels, resized), size), (0, 0)
+    if contract.resize == "stretch_crop" and contract.resize_to is not None:
+        return _centre_crop(_resize(pixels, contract.resize_to), size), (0, 0)
+    return _resize(pixels, size), (0, 0)
+
+
+def jpeg_roundtrip(pixels: np.ndarray, quality: int) -> np.ndarray:
+    """Encode and decode as JPEG, as a reference preprocessing that does so (open_nsfw's) would."""
+    buf = io.BytesIO()
+    _image(pixels).save(buf, format="JPEG", quality=quality)
+    buf.seek(0)
+    with Image.open(buf) as img:
+        out = np.asarray(img, dtype=np.uint8)
     return out if out.ndim == 3 else out[:, :, None]
 
 
@@ -44,7 +103,11 @@ class HostBatch:
 
 
 class Preprocessor:
-    """Decodes, pads/resizes and normalises frames into an NCHW float32 tensor; thread-safe, stateless."""
+    """Decodes, resizes and normalises frames into one float32 batch in the model's layout; thread-safe, stateless.
+
+    The whole preprocessing contract (channels, order, scale, mean/std, resize, layout) is applied here, on
+    the host, for every device: the runners receive the finished tensor.
+    """
 
     def __init__(self, contract: ModelContract, pin_memory: bool = False):
         self.contract = contract
@@ -52,54 +115,63 @@ class Preprocessor:
         c = contract.channels
         std = np.asarray(contract.std, dtype=np.float32).reshape(c, 1, 1)
         mean = np.asarray(contract.mean, dtype=np.float32).reshape(c, 1, 1)
-        # (pixel / 255 - mean) / std  ==  pixel * scale - bias
-        self._scale = (1.0 / (255.0 * std)).astype(np.float32)
+        unit = 1.0 / 255.0 if contract.pixel_range == "0-1" else 1.0
+        # (pixel * unit - mean) / std  ==  pixel * scale - bias
+        self._scale = (unit / std).astype(np.float32)
         self._bias = (mean / std).astype(np.float32)
+        self._bgr = contract.channel_order == "BGR" and c == 3
+        self._nhwc = contract.input_layout == "NHWC"
 
     def prepare(self, frames: Sequence[Frame], shape: tuple[int, int, int]) -> HostBatch:
-        """Decode every frame; the tensor is [decodable frames, C, H, W] with H, W the model input size."""
+        """Decode every frame; the tensor is [decodable frames, *input_shape] with H, W the model input size."""
         started_at = time.time()
         t0 = time.perf_counter()
         batch_h, batch_w = shape[0], shape[1]
-        out_h, out_w = self.contract.model_input_hw((batch_h, batch_w))
-        decoded: list[tuple[Frame, np.ndarray]] = []
+        out_hw = self.contract.model_input_hw((batch_h, batch_w))
+        decoded: list[tuple[Frame, np.ndarray, tuple[int, int]]] = []
         failures: list[tuple[Frame, FrameDecodeError]] = []
         for frame in frames:
             try:
-                decoded.append((frame, self._decode_one(frame, batch_h, batch_w)))
+                decoded.append((frame, *self._decode_one(frame, batch_h, batch_w)))
             except FrameDecodeError as exc:
                 failures.append((frame, exc))
         tensor = torch.empty(
-            (len(decoded), self.contract.channels, out_h, out_w), dtype=torch.float32, pin_memory=self.pin_memory
+            (len(decoded), *self.contract.input_shape(out_hw)), dtype=torch.float32, pin_memory=self.pin_memory
         )
         view = tensor.numpy()
-        for row, (_, pixels) in enumerate(decoded):
-            self._write_row(view[row], pixels)
+        for row, (_, pixels, offset) in enumerate(decoded):
+            self._write_row(view[row], pixels, offset)
         return HostBatch(
-            frames=[f for f, _ in decoded],
+            frames=[f for f, _, _ in decoded],
             tensor=tensor,
             failures=failures,
             started_at=started_at,
             preprocess_ms=(time.perf_counter() - t0) * 1000.0,
         )
 
-    def _decode_one(self, frame: Frame, batch_h: int, batch_w: int) -> np.ndarray:
-        pixels = decode_frame(frame, self.contract.channels)
-        if self.contract.input_size is not None:
-            return _resize(pixels, self.contract.input_size)
-        if frame.height > batch_h or frame.width > batch_w:
+    def _decode_one(self, frame: Frame, batch_h: int, batch_w: int) -> tuple[np.ndarray, tuple[int, int]]:
+        # A raw frame decodes with its own channel count and is converted here; a JPEG decodes to the model's.
+        channels = frame.channels if frame.encoding is Encoding.RAW_RGB8 else self.contract.channels
+        pixels = to_channels(decode_frame(frame, channels), self.contract.channels)
+        if self.contract.input_size is None and (frame.height > batch_h or frame.width > batch_w):
             raise FrameDecodeError(
                 f"frame {frame.width}x{frame.height} is larger than its batch shape {batch_w}x{batch_h}"
             )
-        return pixels
+        pixels, offset = fit_to_input(pixels, self.contract)
+        if self.contract.jpeg_roundtrip_quality:
+            pixels = jpeg_roundtrip(pixels, self.contract.jpeg_roundtrip_quality)
+        return pixels, offset
 
-    def _write_row(self, dst: np.ndarray, pixels: np.ndarray) -> None:
+    def _write_row(self, dst: np.ndarray, pixels: np.ndarray, offset: tuple[int, int]) -> None:
+        chw = dst.transpose(2, 0, 1) if self._nhwc else dst  # a view: writing it fills dst in its own layout
         h, w = pixels.shape[:2]
-        region = dst[:, :h, :w]
-        np.multiply(pixels.transpose(2, 0, 1), self._scale, out=region, casting="unsafe")
+        top, left = offset
+        if (h, w) != chw.shape[1:]:
+            chw.fill(0.0)  # padding / letterbox border: the mean colour
+        region = chw[:, top:top + h, left:left + w]
+        src = pixels.transpose(2, 0, 1)
+        np.multiply(src[::-1] if self._bgr else src, self._scale, out=region, casting="unsafe")
         np.subtract(region, self._bias, out=region)
-        dst[:, h:, :] = 0.0
-        dst[:, :h, w:] = 0.0
 
 
 def stage_to_device(batch: HostBatch, device: torch.device, copy_stream: "torch.cuda.Stream | None") -> HostBatch:

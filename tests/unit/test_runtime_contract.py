@@ -1,0 +1,155 @@
+"""The preprocessing and output contract: layout, channel order, pixel range, resize modes, channel
+conversion, labels that never flag, factory options; validated once by the config."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from model_factories import pixels, raw_frame
+
+from worker.config import ConfigError, ModelSettings, load_settings
+from worker.runtime import load_model
+from worker.runtime.models import ModelContract
+from worker.runtime.preprocess import Preprocessor
+
+
+def _contract(**kw: object) -> ModelContract:
+    return ModelContract.from_settings(ModelSettings(**kw))
+
+
+def _prepare(contract: ModelContract, *frames, shape=None) -> np.ndarray:
+    batch = Preprocessor(contract).prepare(list(frames), shape or frames[0].shape)
+    assert not batch.failures, batch.failures
+    return batch.tensor.numpy()
+
+
+def _bilinear(img: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
+    return np.asarray(Image.fromarray(img).resize((hw[1], hw[0]), Image.Resampling.BILINEAR))
+
+
+# --- layout, channel order, pixel range ---
+
+def test_nhwc_layout_holds_the_same_values_as_nchw_transposed():
+    frame = raw_frame(1, 6, 5)
+    nchw = _prepare(_contract(), frame)
+    nhwc = _prepare(_contract(input_layout="NHWC"), frame)
+    assert nhwc.shape == (1, 6, 5, 3)
+    np.testing.assert_array_equal(nhwc, nchw.transpose(0, 2, 3, 1))
+
+
+def test_bgr_order_reverses_the_channels_and_mean_follows_the_model_order():
+    frame = raw_frame(2, 4, 4)
+    out = _prepare(_contract(channel_order="BGR", pixel_range="0-255", mean=(10.0, 20.0, 30.0),
+                             std=(1.0, 1.0, 1.0)), frame)[0]
+    img = pixels(2, 4, 4).astype(np.float32)
+    np.testing.assert_array_equal(out[0], img[:, :, 2] - 10.0)  # blue first, minus the first mean
+    np.testing.assert_array_equal(out[2], img[:, :, 0] - 30.0)
+
+
+def test_pixel_range_0_255_skips_the_division_by_255():
+    frame = raw_frame(3, 4, 4)
+    out = _prepare(_contract(pixel_range="0-255", mean=(0.0, 0.0, 0.0), std=(2.0, 2.0, 2.0)), frame)[0]
+    np.testing.assert_allclose(out, pixels(3, 4, 4).transpose(2, 0, 1) / 2.0)
+
+
+# --- resize modes ---
+
+def test_stretch_ignores_the_aspect_ratio():
+    frame = raw_frame(4, 20, 40)
+    out = _prepare(_contract(input_size=(10, 10), pixel_range="0-255", mean=(0.0,) * 3, std=(1.0,) * 3), frame)[0]
+    np.testing.assert_array_equal(out, _bilinear(pixels(4, 20, 40), (10, 10)).transpose(2, 0, 1))
+
+
+def test_letterbox_keeps_the_aspect_ratio_and_pads_with_the_mean_colour():
+    frame = raw_frame(5, 20, 40)  # 2:1 into 16x16 -> 8x16 content, 4 rows of border above and below
+    out = _prepare(_contract(input_size=(16, 16), resize="letterbox", pixel_range="0-255", mean=(0.0,) * 3,
+                             std=(1.0,) * 3), frame)[0]
+    assert not out[:, :4].any() and not out[:, 12:].any()
+    np.testing.assert_array_equal(out[:, 4:12], _bilinear(pixels(5, 20, 40), (8, 16)).transpose(2, 0, 1))
+
+
+def test_shorter_side_crop_resizes_the_shorter_side_then_crops_the_centre():
+    frame = raw_frame(6, 30, 60)  # shorter side 30 -> 20: 20x40, centre 16x16 starts at row 2, column 12
+    out = _prepare(_contract(input_size=(16, 16), resize="shorter_side_crop", resize_shorter_side=20,
+                             pixel_range="0-255", mean=(0.0,) * 3, std=(1.0,) * 3), frame)[0]
+    want = _bilinear(pixels(6, 30, 60), (20, 40))[2:18, 12:28]
+    np.testing.assert_array_equal(out, want.transpose(2, 0, 1))
+
+
+def test_stretch_crop_stretches_to_resize_to_then_crops_the_centre():
+    frame = raw_frame(7, 30, 50)
+    out = _prepare(_contract(input_size=(16, 16), resize="stretch_crop", resize_to=(20, 24), pixel_range="0-255",
+                             mean=(0.0,) * 3, std=(1.0,) * 3), frame)[0]
+    want = _bilinear(pixels(7, 30, 50), (20, 24))[2:18, 4:20]
+    np.testing.assert_array_equal(out, want.transpose(2, 0, 1))
+
+
+# --- channels ---
+
+def test_grey_and_rgba_frames_are_converted_for_an_rgb_model():
+    grey = pixels(8, 4, 4)[:, :, :1]
+    rgba = np.concatenate([pixels(9, 4, 4), np.full((4, 4, 1), 7, np.uint8)], axis=2)
+    identity = _contract(pixel_range="0-255", mean=(0.0,) * 3, std=(1.0,) * 3)
+    out_grey = _prepare(identity, raw_frame(0, 4, 4, data=grey.tobytes(), channels=1))[0]
+    out_rgba = _prepare(identity, raw_frame(0, 4, 4, data=rgba.tobytes(), channels=4))[0]
+    np.testing.assert_array_equal(out_grey, np.repeat(grey.transpose(2, 0, 1), 3, axis=0))
+    np.testing.assert_array_equal(out_rgba, pixels(9, 4, 4).transpose(2, 0, 1))
+
+
+def test_rgb_frames_become_luma_for_a_greyscale_model():
+    out = _prepare(_contract(pixel_range="0-255", mean=(0.0,), std=(1.0,)), raw_frame(10, 4, 4))[0]
+    want = np.asarray(Image.fromarray(pixels(10, 4, 4)).convert("L"))
+    np.testing.assert_array_equal(out[0], want)
+
+
+# --- output contract ---
+
+def test_a_never_flag_label_is_scored_but_never_flags():
+    contract = _contract(labels=("sfw", "nsfw"), never_flag=("sfw",))
+    verdict = contract.verdict([0.99, 0.01])
+    assert verdict.scores == pytest.approx({"sfw": 0.99, "nsfw": 0.01}) and verdict.flagged_labels == ()
+    assert contract.verdict([0.1, 0.9]).flagged_labels == ("nsfw",)
+
+
+def test_factory_gets_model_options_as_keyword_arguments(tmp_path):
+    cfg = tmp_path / "w.toml"
+    cfg.write_text('[model]\nsource = "model_factories:scaled_model"\nlabels = ["a", "b"]\n'
+                   '[model.options]\nnum_labels = 2\nscale = 0.0\n')
+    loaded = load_model(load_settings(cfg, env={}).model)
+    with torch.inference_mode():
+        out = loaded.module(torch.rand(3, 3, 16, 16))
+    assert out.shape == (3, 2) and torch.equal(out, out[:1].expand(3, 2))  # scale 0: the bias alone
+
+
+def test_factory_options_it_does_not_take_name_the_setting():
+    from worker.runtime import ModelContractError
+
+    with pytest.raises(ModelContractError, match="with model.options") as err:
+        load_model(ModelSettings(source="model_factories:scaled_model", options={"colour": "red"}))
+    assert err.value.setting == "model.options"
+
+
+# --- validation, once, in the config ---
+
+@pytest.mark.parametrize(("env", "field"), [
+    ({"WORKER_MODEL_INPUT_LAYOUT": "CHW"}, "model.input_layout: must be one of 'NCHW', 'NHWC'"),
+    ({"WORKER_MODEL_CHANNEL_ORDER": "GBR"}, "model.channel_order"),
+    ({"WORKER_MODEL_PIXEL_RANGE": "0-65535"}, "model.pixel_range"),
+    ({"WORKER_MODEL_RESIZE": "shorter_side_crop"}, "model.resize: 'shorter_side_crop' needs model.input_size"),
+    ({"WORKER_MODEL_RESIZE": "stretch_crop", "WORKER_MODEL_INPUT_SIZE": "224,224", "WORKER_MODEL_RESIZE_TO": "200,200"},
+     "model.resize_to"),
+    ({"WORKER_MODEL_NEVER_FLAG": "sfw"}, "model.never_flag: unknown labels ['sfw']"),
+    ({"WORKER_MODEL_LABELS": "a", "WORKER_MODEL_NEVER_FLAG": "a"}, "model.never_flag: lists every label"),
+    ({"WORKER_MODEL_JPEG_ROUNDTRIP_QUALITY": "101"}, "model.jpeg_roundtrip_quality"),
+])
+def test_bad_contract_settings_are_named_by_the_config(env, field):
+    with pytest.raises(ConfigError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        load_settings(env=env)

