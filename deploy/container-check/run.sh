@@ -15,6 +15,12 @@ say() { echo "container-check [$(( $(date +%s) - t0 ))s]: $*" >&2; }
 
 command -v docker >/dev/null || { echo "container-check: needs the docker client and engine (apt-get install docker.io)" >&2; exit 1; }
 started_engine=""
+broker_dir=""
+cleanup() {
+  [ -z "$broker_dir" ] || { "$VENV/bin/python" -m worker broker destroy --dir "$broker_dir" >/dev/null 2>&1 || true; rm -rf "$broker_dir"; }
+  [ -z "$started_engine" ] || { kill "$started_engine" 2>/dev/null; wait "$started_engine" 2>/dev/null || true; }
+}
+trap cleanup EXIT
 if [ -z "${DOCKER_HOST:-}" ] && ! docker info >/dev/null 2>&1; then
   command -v dockerd >/dev/null || { echo "container-check: no Docker engine answers and dockerd is missing (apt-get install docker.io)" >&2; exit 1; }
   run=/run/streamfer-docker
@@ -25,7 +31,6 @@ if [ -z "${DOCKER_HOST:-}" ] && ! docker info >/dev/null 2>&1; then
     dockerd -H "$DOCKER_HOST" --pidfile "$run/docker.pid" --bridge=none --iptables=false --ip6tables=false \
       >"$run/dockerd.log" 2>&1 &
     started_engine=$!
-    trap 'kill "$started_engine" 2>/dev/null; wait "$started_engine" 2>/dev/null || true' EXIT
     for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
     docker info >/dev/null 2>&1 || { tail -20 "$run/dockerd.log" >&2; exit 1; }
   fi
@@ -44,5 +49,11 @@ docker build --network host --build-arg CPU_BASE="$CPU_BASE" --build-arg CUDA_BA
   --build-arg TORCH_INDEX_URL="${TORCH_INDEX_URL:-https://pypi.org/simple}" -t "$IMAGE" . >"${TMPDIR:-/tmp}/streamfer-build.log" 2>&1 \
   || { tail -40 "${TMPDIR:-/tmp}/streamfer-build.log" >&2; exit 1; }
 say "built $IMAGE: $(docker image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.1f GB", $1/1e9}')"
+if [ -z "${KAFKA_BOOTSTRAP_SERVERS:-}" ]; then
+  broker_dir=$(mktemp -d "${TMPDIR:-/tmp}/streamfer-check-kafka.XXXXXX")
+  KAFKA_BOOTSTRAP_SERVERS=$("$VENV/bin/python" -m worker broker start --dir "$broker_dir")
+  export KAFKA_BOOTSTRAP_SERVERS
+  say "local broker on $KAFKA_BOOTSTRAP_SERVERS"
+fi
 STREAMFER_CONTAINER_IMAGE=$IMAGE "$VENV/bin/python" -m pytest -p no:cacheprovider tests/container "${@:2}"
 say "done"
