@@ -1,5 +1,3 @@
-# syntax=docker/dockerfile:1
-#
 # The streamfer worker image, in two variants from one file:
 #
 #   CPU (default):  docker build -t streamfer:cpu .
@@ -10,6 +8,10 @@
 # 24.04's Python (3.12) and torch's cu130 wheels; it needs an NVIDIA driver >= 580 on the host and the
 # NVIDIA container toolkit (`docker run --gpus all`, or `nvidia.com/gpu` on Kubernetes).
 # Either variant takes plain PyPI torch instead with `--build-arg TORCH_INDEX_URL=https://pypi.org/simple`.
+#
+# No `# syntax=` line: BuildKit would pull that frontend image from Docker Hub, which fails where only package
+# registries are reachable. The classic builder (no buildx) builds every stage, the CUDA base included: without
+# registry access pass it a local base too (`./dev container-check` does; docs/deploy.md).
 #
 # The image runs `worker run` as an unprivileged user (uid 10001); settings come from WORKER_* env vars
 # or `--config FILE`. Metrics, /healthz and /readyz are served on observability.metrics_port (9400).
@@ -60,8 +62,9 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     HOME=/home/streamfer
-RUN groupadd --system --gid 10001 streamfer \
- && useradd --system --uid 10001 --gid 10001 --home-dir /home/streamfer --create-home --shell /usr/sbin/nologin streamfer
+# A regular (not --system) account: its uid is above the system range, and useradd --system warns about that.
+RUN groupadd --gid 10001 streamfer \
+ && useradd --uid 10001 --gid 10001 --home-dir /home/streamfer --create-home --shell /usr/sbin/nologin streamfer
 COPY --from=build /opt/venv /opt/venv
 WORKDIR /home/streamfer
 # Numeric, so Kubernetes' runAsNonRoot can verify it without resolving a name.

@@ -117,15 +117,10 @@ def run_worker(settings: Settings, exit_when_idle_s: float | None = None, stop: 
 
 
 def _load_executor(settings: Settings) -> Any:
-    """The runtime, or a ConfigError naming the model setting it rejected (exit code 2, no traceback)."""
-    from worker.runtime import InferenceExecutor, ModelContractError
+    """The runtime; an unusable model raises ModelContractError, an OperatorError naming its setting (exit 2)."""
+    from worker.runtime import InferenceExecutor
 
-    try:
-        return InferenceExecutor.from_settings(settings.model, settings.runtime)
-    except ModelContractError as exc:
-        m = settings.model
-        name = "model.state_dict" if m.state_dict and m.state_dict in str(exc) else "model.source"
-        raise ConfigError([f"{name}: {exc}"]) from None
+    return InferenceExecutor.from_settings(settings.model, settings.runtime)
 
 
 def _refresh_scrape_gauges(pipeline: Pipeline, metrics: Metrics) -> None:

@@ -98,6 +98,9 @@ class Metrics:
         self.gpu_memory = Gauge("streamfer_gpu_memory_bytes", "GPU memory allocated by torch, per device.",
                                 ["device"], registry=r)
         self.ready = Gauge("streamfer_ready", "1 when assigned, consuming and warmed up.", registry=r)
+        # /healthz as Prometheus sees it: a number to alert on before the liveness probe gives up.
+        self.loop_stalled = Gauge("streamfer_loop_stalled_seconds",
+                                  "Seconds since the worker loop last turned, read at each scrape.", registry=r)
 
     def tenant_label(self, tenant: str) -> str:
         """The `tenant` label value to count this tenant under: the tenant itself if it is listed in
@@ -176,6 +179,7 @@ class MetricsServer:
             def do_GET(self) -> None:  # noqa: N802 (http.server naming)
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
+                    metrics_ref.loop_stalled.set(health_ref.stalled_for)
                     if hook is not None:
                         hook()
                     self._reply(200, metrics_ref.exposition(), CONTENT_TYPE_LATEST)

@@ -46,3 +46,19 @@ def test_a_stopped_pipeline_is_dead(served: tuple[Health, FakeClock, int]) -> No
     health, _clock, port = served
     health.alive = False
     assert get(port, "/healthz") == (503, "dead\n")
+
+
+def test_metrics_report_seconds_since_the_loop_last_turned(served: tuple[Health, FakeClock, int]) -> None:
+    health, clock, port = served
+
+    def stalled() -> float:
+        lines = get(port, "/metrics")[1].splitlines()
+        (line,) = [ln for ln in lines if ln.startswith("streamfer_loop_stalled_seconds ")]
+        return float(line.split()[1])
+
+    assert stalled() == 0.0  # the loop has not started: nothing is stalled
+    health.beat()
+    clock.now += 42.5
+    assert stalled() == 42.5
+    health.beat()
+    assert stalled() == 0.0
