@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from worker.config import ConfigError, Settings, warmup_frame_shapes
+from worker.config import Settings, warmup_frame_shapes
 from worker.kafka_access import probe_access
 from worker.metrics import Health, Metrics, MetricsServer
 from worker.pipeline import Pipeline, RunSummary, build_pipeline

@@ -9,7 +9,6 @@ scripts both; everything else about the source is tested against the real broker
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -27,7 +26,7 @@ BULK = Settings().topics.bulk
 
 
 def frame_bytes(offset: int) -> bytes:
-    return encode_frame(FrameRecord(stream_id="s", frame_index=offset, capture_ts_ms=int(time.time() * 1000),
+    return encode_frame(FrameRecord(stream_id="s", frame_index=offset, capture_ts_ms=1_800_000_000_000,
                                     tenant="t", priority=Priority.REALTIME, width=2, height=2, channels=3,
                                     encoding=Encoding.RAW_RGB8, data=bytes(12)))
 
@@ -63,7 +62,7 @@ Event = tuple[str, Any]
 
 @dataclass
 class FakeClock:
-    now: float = 1000.0
+    now: float = 1_800_000_000.0  # 2027: the frames' capture times (frame_bytes) are this clock's
 
     def __call__(self) -> float:
         return self.now
@@ -264,8 +263,9 @@ def test_the_look_ups_of_one_poll_stay_within_their_budget(fake: FakeConsumer) -
     so the loop keeps polling and the member stays in the group."""
     source = started(fake, [(REALTIME, 0), (REALTIME, 1), (REALTIME, 2)])
     fake.timing_out = True
+    before = fake.clock.now
     source.seek_to_committed([(REALTIME, 0), (REALTIME, 1), (REALTIME, 2)])
-    assert fake.lookups == [[(REALTIME, 0)]] and fake.clock.now - 1000.0 == COMMITTED_LOOKUP_TIMEOUT_S
+    assert fake.lookups == [[(REALTIME, 0)]] and fake.clock.now - before == COMMITTED_LOOKUP_TIMEOUT_S
     source.poll(10, 0.0)
     assert fake.lookups == [[(REALTIME, 0)], [(REALTIME, 1)]]
 

@@ -10,6 +10,7 @@ on its own, so no batch padding reaches the model.
 
 from __future__ import annotations
 
+import io
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from worker.frames import Frame
+from worker.frames import Encoding, Frame
 from worker.runtime.decode import FrameDecodeError, decode_frame
 from worker.runtime.models import ModelContract
 
