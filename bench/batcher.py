@@ -24,9 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker.batching import Batch, MicroBatcher  # noqa: E402
-from worker.config import BatchingSettings  # noqa: E402
-from worker.frames import Encoding, Frame, Priority, SourceRef  # noqa: E402
+from worker.batching import Batch, MicroBatcher
+from worker.config import BatchingSettings
+from worker.frames import Encoding, Frame, Priority, SourceRef
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "batcher.json"
 # (height, width, channels): share of frames. Some are a few rows/columns apart, as encoders crop.

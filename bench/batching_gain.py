@@ -37,10 +37,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # noqa: E402
-from common import Context, Topics  # noqa: E402
+import common
+from common import Context, Topics
 
-from worker.frames import Priority, SourceRef  # noqa: E402
+from worker.frames import Priority, SourceRef
 
 KEPT_UP_DRAIN_S = 1.5  # a consumer that needs longer after the load ends was falling behind during it
 FIXED_BATCH = 32

@@ -20,22 +20,23 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
 
+from tests.integration.helpers import TestTopics as Topics  # noqa: E402
+from tests.integration.helpers import end_offsets  # noqa: E402 (after the sys.path set-up above)
 from worker.frames import Encoding, Priority  # noqa: E402
 from worker.producer import frame_producer, send_frames, synthetic_frames  # noqa: E402
 from worker.results import read_results  # noqa: E402
 from worker.schemas import FrameRecord  # noqa: E402
 from worker.topics import ensure_topics  # noqa: E402
-
-from tests.integration.helpers import TestTopics as Topics, end_offsets  # noqa: E402
 
 RESULTS_DIR = REPO / "bench" / "results"
 # librdkafka's client logs (start-up retries such as "Coordinator load in progress") stay out of the tables.
@@ -98,7 +99,7 @@ class Broker:
         self.description = f"external broker {self.bootstrap}" if self.bootstrap else ""
         self._local = None
 
-    def __enter__(self) -> "Broker":
+    def __enter__(self) -> Broker:
         if not self.bootstrap:
             from worker.local_kafka import LocalKafka
 
@@ -146,7 +147,7 @@ class CpuWatch:
     """CPU used over a span by: this process, the given child processes, the broker, and everything else on
     the machine ("background": other people's work on a shared machine is what makes timings noisy)."""
 
-    def __init__(self, broker: "Broker | None" = None, pids: Sequence[int] = ()) -> None:
+    def __init__(self, broker: Broker | None = None, pids: Sequence[int] = ()) -> None:
         self.broker = broker
         self.pids = list(pids)
         self._start = self._stamp()
@@ -464,7 +465,7 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "host_cpu": cpu,
         "cpu_cores": os.cpu_count(),
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],

@@ -21,9 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker.config import ModelSettings  # noqa: E402
-from worker.runtime.models import load_model  # noqa: E402
-from worker.runtime.runners import CudaGraphRunner, EagerRunner  # noqa: E402
+from worker.config import ModelSettings
+from worker.runtime.models import load_model
+from worker.runtime.runners import CudaGraphRunner, EagerRunner
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "gpu_runtime.json"
 

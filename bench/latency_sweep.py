@@ -21,10 +21,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # noqa: E402
-from common import Context  # noqa: E402
+import common
+from common import Context
 
-from worker.frames import Priority  # noqa: E402
+from worker.frames import Priority
 
 LEVELS = (0.1, 0.25, 0.5, 0.7, 0.85, 1.0, 1.2)
 QUICK_LEVELS = (0.1, 0.5, 0.85, 1.0, 1.2)

@@ -32,9 +32,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.reliability import configcases, faults  # noqa: E402
-from tests.reliability.harness import MODES, WORKER_IDS, Audit, Lab, RunOutcome, cpu_load  # noqa: E402
-from worker.local_kafka import LocalKafka  # noqa: E402
+from tests.reliability import configcases, faults
+from tests.reliability.harness import MODES, WORKER_IDS, Audit, Lab, RunOutcome, cpu_load
+from worker.local_kafka import LocalKafka
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "reliability.json"
 # Faults that stop the broker run last: with a broker that comes back elsewhere, the rest still runs.
@@ -142,7 +142,7 @@ def _lab(workdir: Path) -> Lab:
 def _run(lab: Lab, fault: str, mode: str, scale: faults.Scale, index: int) -> RunOutcome | None:
     try:
         return faults.FAULTS[fault](lab, mode, scale)
-    except Exception as exc:  # a harness failure is a row, not the end of the suite
+    except Exception as exc:  # noqa: BLE001 ( a harness failure is a row, not the end of the suite)
         _log(f"{fault} [{mode}] run {index + 1}: harness error {type(exc).__name__}: {exc}")
         return RunOutcome(fault, mode, Audit(), [], {}, 0.0, 0, 0, notes={"stuck": f"harness error: {exc}"})
 

@@ -18,17 +18,18 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import batching_gain  # noqa: E402
-import common  # noqa: E402
-import latency_sweep  # noqa: E402
-import model_limit  # noqa: E402
-import scaling  # noqa: E402
-from common import Context  # noqa: E402
+import batching_gain
+import common
+import latency_sweep
+import model_limit
+import scaling
+from common import Context
 
 # The seed's claims, printed beside ours for comparison; this bench did not measure them.
 SEED_FIGURES = {

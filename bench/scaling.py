@@ -21,8 +21,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # noqa: E402
-from common import Context  # noqa: E402
+import common
+from common import Context
 
 PROCESSES = (1, 2, 3)
 

@@ -9,7 +9,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from worker.config import Settings, warmup_frame_shapes
 from worker.kafka_access import probe_access

@@ -76,6 +76,7 @@ def _run_processes(args: argparse.Namespace, settings: Settings) -> int:
 # -- produce -----------------------------------------------------------------------------------------------
 def cmd_produce(args: argparse.Namespace) -> int:
     from worker.frames import Encoding, Priority
+    from worker.kafka_access import probe_reachable, security_properties
     from worker.producer import (
         ProducerInputError,
         VideoOptions,
@@ -88,7 +89,6 @@ def cmd_produce(args: argparse.Namespace) -> int:
         synthetic_frames,
         video_frames,
     )
-    from worker.kafka_access import probe_reachable, security_properties
 
     settings = _settings(args)
     topics = settings.topics
@@ -191,9 +191,9 @@ def cmd_broker(args: argparse.Namespace) -> int:
         broker.destroy()
         print("destroyed")
     else:
-        st = broker.running()
-        print(st.bootstrap_servers if st else "not running")
-        return 0 if st else 1
+        running = broker.running()
+        print(running.bootstrap_servers if running else "not running")
+        return 0 if running else 1
     return 0
 
 

@@ -13,9 +13,10 @@ import socket
 import tomllib
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 from worker.errors import OperatorError
 from worker.frames import Priority
@@ -344,7 +345,8 @@ def _build(cls: type, values: Mapping[str, Any], where: str, problems: list[str]
             problems.append(f"{where}.{key}: {exc} (got {shown})")
     for name, sub_values in nested_values.items():
         default = next(f for f in dataclasses.fields(cls) if f.name == name)
-        base = dataclasses.asdict(default.default_factory()) if default.default_factory is not dataclasses.MISSING else {}
+        factory = default.default_factory
+        base = dataclasses.asdict(factory()) if factory is not dataclasses.MISSING else {}
         base.update(sub_values)
         kwargs[name] = _build(hints[name], base, f"{where}.{name}", problems)
     try:
@@ -462,8 +464,9 @@ def validate(s: Settings) -> list[str]:
          "kafka.session_timeout_ms: must be 6000..1800000 (the broker's default group.min/max.session.timeout.ms)")
     need(k.max_poll_interval_ms >= k.session_timeout_ms,
          "kafka.max_poll_interval_ms: must be >= kafka.session_timeout_ms")
-    for field_name, overrides, protected in (("consumer_overrides", k.consumer_overrides, PROTECTED_CONSUMER_PROPERTIES),
-                                             ("producer_overrides", k.producer_overrides, PROTECTED_PRODUCER_PROPERTIES)):
+    checks = (("consumer_overrides", k.consumer_overrides, PROTECTED_CONSUMER_PROPERTIES),
+              ("producer_overrides", k.producer_overrides, PROTECTED_PRODUCER_PROPERTIES))
+    for field_name, overrides, protected in checks:
         for key in sorted(overrides):
             if key in protected:
                 p.append(f"kafka.{field_name}: {key!r} is managed by the worker ({protected[key]})")
@@ -539,7 +542,8 @@ def validate(s: Settings) -> list[str]:
     need(bool(d.transactional_id_prefix.strip()), "delivery.transactional_id_prefix: must not be empty")
     need(1 <= d.max_inflight_batches <= 64, "delivery.max_inflight_batches: must be 1..64")
     need(d.commit_interval_ms >= 0, "delivery.commit_interval_ms: must be >= 0")
-    need(1_000 <= d.transaction_call_timeout_ms <= 300_000, "delivery.transaction_call_timeout_ms: must be 1000..300000")
+    need(1_000 <= d.transaction_call_timeout_ms <= 300_000,
+         "delivery.transaction_call_timeout_ms: must be 1000..300000")
 
     o = s.observability
     need(0 <= o.metrics_port <= 65535, "observability.metrics_port: must be 0..65535 (0 picks a free port)")

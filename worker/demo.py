@@ -89,7 +89,7 @@ def run_demo(frames_per_topic: int | None = None, keep_broker: bool = False, rat
         # The worker starts first, as in production: frames then flow through a warm, assigned worker.
         health = Health()
         stop = StopFlag()
-        outcome: dict[str, object] = {}
+        outcome: dict[str, Any] = {}
 
         def work() -> None:
             try:
@@ -120,7 +120,7 @@ def run_demo(frames_per_topic: int | None = None, keep_broker: bool = False, rat
               f"topics at {rate_fps:.0f} frames/s each; waiting for the worker to go idle...", flush=True)
         thread.join()
         if "error" in outcome:
-            raise outcome["error"]  # type: ignore[misc]
+            raise outcome["error"]
         summary = outcome["summary"]
         elapsed = time.monotonic() - started
         results = [r for r in read_results(bootstrap, settings.topics.results, idle_timeout_s=1.0)

@@ -12,7 +12,8 @@ import logging
 import os
 import ssl
 import time
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from worker.kafka_errors import AUTHORIZATION, UNKNOWN_TOPIC, BrokerAccessError, Identity, access_error, cause_of
 
@@ -52,7 +53,7 @@ def redact(properties: Mapping[str, Any]) -> dict[str, Any]:
             for k, v in properties.items()}
 
 
-def read_password(k: "KafkaSettings") -> str:
+def read_password(k: KafkaSettings) -> str:
     """The SASL password, from kafka.sasl_password_file or the variable kafka.sasl_password_env names."""
     if k.sasl_password_file:
         return _read_secret(k.sasl_password_file)
@@ -66,7 +67,7 @@ def _read_secret(path: str) -> str:
         return fh.read().strip()
 
 
-def security_properties(k: "KafkaSettings") -> dict[str, str]:
+def security_properties(k: KafkaSettings) -> dict[str, str]:
     """The [kafka] security settings as librdkafka properties (secrets read now, from their files)."""
     protocol = k.security_protocol.upper()
     props: dict[str, str] = {}
@@ -88,12 +89,12 @@ def security_properties(k: "KafkaSettings") -> dict[str, str]:
     return props
 
 
-def client_properties(k: "KafkaSettings") -> dict[str, str]:
+def client_properties(k: KafkaSettings) -> dict[str, str]:
     """bootstrap.servers plus the security properties: what every client of the worker starts from."""
     return {"bootstrap.servers": k.bootstrap_servers, **security_properties(k)}
 
 
-def principal_of(k: "KafkaSettings") -> str:
+def principal_of(k: KafkaSettings) -> str:
     """The principal the cluster will see, as ACLs name it (User:<name>; User:<certificate subject> for TLS
     client certificates; User:ANONYMOUS otherwise)."""
     protocol = k.security_protocol.upper()
@@ -117,7 +118,7 @@ def _certificate_subject(path: str) -> str:
     return ",".join(f"{short.get(p.split('=', 1)[0], p.split('=', 1)[0])}={p.split('=', 1)[1]}" for p in parts)
 
 
-def validate_security(k: "KafkaSettings", environ: Mapping[str, str] | None = None) -> list[str]:
+def validate_security(k: KafkaSettings, environ: Mapping[str, str] | None = None) -> list[str]:
     """Problems with the [kafka] security settings (coherent combination, files present and readable)."""
     env = os.environ if environ is None else environ
     p: list[str] = []
@@ -185,7 +186,7 @@ def _file_problems(setting: str, path: str, secret: bool, allow_dir: bool = Fals
 
 
 # -- ACLs ------------------------------------------------------------------------------------------------------
-def worker_acls(settings: "Settings", principal: str | None = None, host: str = "*") -> list["AclBinding"]:
+def worker_acls(settings: Settings, principal: str | None = None, host: str = "*") -> list[AclBinding]:
     """The ACLs a worker needs, as docs/security.md lists them: READ on the input topics and the group, WRITE on
     the results and dead-letter topics, and for exactly-once WRITE on its transactional ids (by prefix).
     READ and WRITE imply DESCRIBE; WRITE on a topic implies IDEMPOTENT_WRITE (Kafka >= 3.0)."""
@@ -209,23 +210,25 @@ def worker_acls(settings: "Settings", principal: str | None = None, host: str = 
 
 
 # -- the start-up probe --------------------------------------------------------------------------------------------
-def probe_reachable(settings: "Settings", timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+def probe_reachable(settings: Settings, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
     """Connect and log in with the [kafka] settings: BrokerAccessError on a refusal, False when no broker
     answered within the timeout, True otherwise. For the command-line tools and the worker's start-up."""
     return _reach(_probe_admin(settings), settings, time.monotonic() + timeout_s)
 
 
-def _probe_admin(settings: "Settings") -> Any:
+def _probe_admin(settings: Settings) -> Any:
     from confluent_kafka.admin import AdminClient
 
     identity = Identity.of(settings)
-    admin = AdminClient({**client_properties(settings.kafka), "log_level": 3,
-                         "error_cb": lambda err: admin.refusals.append(access_error(err, identity))}, logger=log)
-    admin.refusals = []
+    refusals: list[Any] = []
+    conf: dict[str, Any] = {**client_properties(settings.kafka), "log_level": 3,
+                            "error_cb": lambda err: refusals.append(access_error(err, identity))}
+    admin: Any = AdminClient(conf, logger=log)
+    admin.refusals = refusals
     return admin
 
 
-def _reach(admin: Any, settings: "Settings", deadline: float) -> bool:
+def _reach(admin: Any, settings: Settings, deadline: float) -> bool:
     from confluent_kafka import KafkaException
 
     identity = Identity.of(settings)
@@ -248,7 +251,7 @@ def _reach(admin: Any, settings: "Settings", deadline: float) -> bool:
             return False
 
 
-def probe_access(settings: "Settings", timeout_s: float = PROBE_TIMEOUT_S) -> None:
+def probe_access(settings: Settings, timeout_s: float = PROBE_TIMEOUT_S) -> None:
     """Check, with the worker's own credentials, that the cluster lets it in and that it may read its input
     topics and group and write its output topics. Raises BrokerAccessError on a refusal; an unreachable
     cluster only logs (the worker's clients keep retrying, and /healthz reports it)."""

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
 
@@ -83,7 +84,7 @@ class Identity:
     input_topics: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, settings: Any, transactional_id: str | None = None) -> "Identity":
+    def of(cls, settings: Any, transactional_id: str | None = None) -> Identity:
         """From a worker Settings (duck-typed to keep this module free of the config import)."""
         from worker.kafka_access import principal_of
 

@@ -15,9 +15,10 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from confluent_kafka.admin import AclBinding, AclBindingFilter, AdminClient
@@ -185,7 +186,7 @@ class LocalKafka:
                         "WORKER_KAFKA_SSL_KEY_PASSWORD_FILE": str(self.tls_dir / f"{user}.key.password")})
         return env
 
-    def admin(self) -> "AdminClient":
+    def admin(self) -> AdminClient:
         from confluent_kafka.admin import AdminClient
 
         st = self.state()
@@ -194,7 +195,7 @@ class LocalKafka:
         return AdminClient({"bootstrap.servers": st.bootstrap_servers, "log_level": 0, **self.client_properties()})
 
     # -- ACLs and users ----------------------------------------------------------------------------------
-    def create_acls(self, acls: list["AclBinding"], timeout_s: float = 30.0) -> None:
+    def create_acls(self, acls: list[AclBinding], timeout_s: float = 30.0) -> None:
         """Grant ACLs (as the super user `admin`); they apply on every node within a moment."""
         if not acls:
             return
@@ -202,7 +203,7 @@ class LocalKafka:
         for fut in admin.create_acls(acls, request_timeout=timeout_s).values():
             fut.result(timeout_s)
 
-    def delete_acls(self, filters: list["AclBindingFilter"], timeout_s: float = 30.0) -> int:
+    def delete_acls(self, filters: list[AclBindingFilter], timeout_s: float = 30.0) -> int:
         """Remove the ACLs matching these filters; returns how many were removed."""
         if not filters:
             return 0
@@ -220,7 +221,7 @@ class LocalKafka:
                                                                          8192), password.encode())
                    for m in SCRAM_MECHANISMS]
         admin = self.admin()
-        for fut in admin.alter_user_scram_credentials(upserts, request_timeout=timeout_s).values():
+        for fut in admin.alter_user_scram_credentials(list(upserts), request_timeout=timeout_s).values():
             fut.result(timeout_s)
         _write_secret(self.password_file(name), password)
 
@@ -455,7 +456,7 @@ def wait_until_ready(bootstrap: str, timeout_s: float, alive: Callable[[], bool]
             md = admin.list_topics(timeout=2)
             if len(md.brokers) >= brokers:
                 return
-        except Exception as exc:  # KafkaException while the listener is not up yet
+        except Exception as exc:  # noqa: BLE001 ( KafkaException while the listener is not up yet)
             last_error = exc
         time.sleep(0.2)
     raise LocalKafkaError(f"Kafka at {bootstrap} not ready after {timeout_s:.0f}s ({last_error})")

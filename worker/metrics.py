@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -65,7 +65,8 @@ class Metrics:
         self.inference_latency = Histogram("streamfer_inference_seconds", "Model call per batch.",
                                            buckets=LATENCY_BUCKETS_S, registry=r)
         self.end_to_end_latency = Histogram("streamfer_end_to_end_seconds",
-                                            "From the frame's capture timestamp to its result being built for the producer.",
+                                            "From the frame's capture timestamp to its result being built for the "
+                                            "producer.",
                                             ["priority"], buckets=LATENCY_BUCKETS_S, registry=r)
         self.padding_waste = Histogram("streamfer_padding_waste_ratio",
                                        "Share of padded pixels in each executed batch.", buckets=RATIO_BUCKETS,
@@ -176,7 +177,7 @@ class MetricsServer:
         metrics_ref, health_ref, hook = metrics, health, before_scrape
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server naming)
+            def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
                     metrics_ref.loop_stalled.set(health_ref.stalled_for)
@@ -219,7 +220,7 @@ class MetricsServer:
     def port(self) -> int:
         return int(self._server.server_address[1])
 
-    def start(self) -> "MetricsServer":
+    def start(self) -> MetricsServer:
         self._thread.start()
         return self
 

@@ -20,8 +20,8 @@ from typing import Protocol
 from worker.assignment import TP, Assignments
 from worker.batching import Batch, MicroBatcher
 from worker.config import Settings
-from worker.delivery import AtLeastOnceDelivery, CommitResult, Delivery, ExactlyOnceDelivery
 from worker.dedup import DuplicateFrames, duplicate_reason
+from worker.delivery import AtLeastOnceDelivery, CommitResult, Delivery, ExactlyOnceDelivery
 from worker.frames import DUPLICATE_FRAME, BatchOutcome, DeadLetter, Frame, Output, Priority, Status, Verdict
 from worker.metrics import Health, Metrics
 from worker.offsets import OffsetTracker

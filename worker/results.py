@@ -5,8 +5,9 @@ verifier. Reads committed messages only, from the beginning of every partition, 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
@@ -55,11 +56,12 @@ def iter_messages(bootstrap_servers: str, topic: str, count: int | None = None, 
                 if not follow and len(at_end) >= n_parts and time.monotonic() - last >= idle_timeout_s:
                     return
                 continue
-            if msg.error() is not None:
-                if msg.error().code() == KafkaError._PARTITION_EOF:
-                    at_end.add(msg.partition())
+            err = msg.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    at_end.add(msg.partition() or 0)
                     continue
-                raise RuntimeError(msg.error().str())
+                raise RuntimeError(err.str())
             at_end.discard(msg.partition())
             last = time.monotonic()
             seen += 1

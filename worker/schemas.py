@@ -21,7 +21,8 @@ from worker.frames import Encoding, Frame, Priority, SourceRef, Verdict
 
 def _schema_dir() -> Path:
     """`schemas/` of a source checkout, else the copy a wheel installs under `<prefix>/share/streamfer/`."""
-    candidates = [Path(__file__).resolve().parent.parent / "schemas", Path(sys.prefix) / "share" / "streamfer" / "schemas"]
+    candidates = [Path(__file__).resolve().parent.parent / "schemas",
+                  Path(sys.prefix) / "share" / "streamfer" / "schemas"]
     for candidate in candidates:
         if (candidate / "frame.avsc").is_file():
             return candidate
@@ -134,7 +135,7 @@ def decode_frame(payload: bytes | None, source: SourceRef, priority: Priority, r
         rec = _read(FRAME_READ_SCHEMA, payload)
     except MessageDecodeError:
         raise
-    except Exception as exc:  # fastavro raises EOFError, ValueError, UnicodeDecodeError, IndexError...
+    except Exception as exc:  # noqa: BLE001 ( fastavro raises EOFError, ValueError, UnicodeDecodeError, IndexError...)
         raise MessageDecodeError(f"not a Frame Avro record ({type(exc).__name__}: {exc})") from None
     width, height, channels = rec["width"], rec["height"], rec["channels"]
     if width <= 0 or height <= 0:
@@ -147,7 +148,8 @@ def decode_frame(payload: bytes | None, source: SourceRef, priority: Priority, r
     encoding = Encoding(rec["encoding"])
     if encoding is Encoding.RAW_RGB8 and len(rec["data"]) != width * height * channels:
         raise MessageDecodeError(
-            f"RAW_RGB8 frame {width}x{height}x{channels} needs {width * height * channels} bytes, got {len(rec['data'])}"
+            f"RAW_RGB8 frame {width}x{height}x{channels} needs {width * height * channels} bytes, "
+            f"got {len(rec['data'])}"
         )
     for name in ("stream_id", "tenant"):
         size = len(rec[name].encode())

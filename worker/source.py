@@ -15,7 +15,6 @@ from confluent_kafka import (
     Consumer,
     KafkaError,
     KafkaException,
-    Message,
     TopicPartition,
 )
 
@@ -136,8 +135,6 @@ class FrameSource:
         self.assignments = assignments if assignments is not None else Assignments()
         self._paused_classes: set[Priority] = set()
         self._paused: set[TP] = set()
-        # Partitions revoked or lost while a poll() was consuming: its messages of them are suspect.
-        self._rebalanced_in_poll: set[TP] = set()
         # Per partition: the offset after the last one delivered since it was assigned or sought.
         self._next_offset: dict[TP, int] = {}
         # Partitions to seek to their committed offsets, kept paused while those cannot be read.
@@ -166,13 +163,11 @@ class FrameSource:
             tps = [(p.topic, p.partition) for p in partitions]
             on_revoke(tps)
             self._forget(tps)
-            self._rebalanced_in_poll.update(tps)
 
         def lost(consumer: Consumer, partitions: list[TopicPartition]) -> None:
             tps = [(p.topic, p.partition) for p in partitions]
             on_lost(tps)
             self._forget(tps)
-            self._rebalanced_in_poll.update(tps)
 
         self._consumer.subscribe(list(self._topics), on_assign=assigned, on_revoke=revoked, on_lost=lost)
 
@@ -195,7 +190,6 @@ class FrameSource:
         """Poll up to `max_messages`; also drives rebalance callbacks, so call it even while all is paused."""
         # consume() with a timeout waits for a *full* batch; so take what is queued now, and only block
         # (for the first message) when nothing is, then top up without waiting.
-        self._rebalanced_in_poll = set()
         if self._awaiting:
             self._seek_awaiting()
         messages = self._consumer.consume(num_messages=max_messages, timeout=0)
@@ -203,8 +197,6 @@ class FrameSource:
             messages = self._consumer.consume(num_messages=1, timeout=timeout_s)
             if messages and max_messages > 1:
                 messages += self._consumer.consume(num_messages=max_messages - 1, timeout=0)
-        if self._rebalanced_in_poll:
-            messages = self._drop_rebalanced(messages, self._rebalanced_in_poll)
         now = self._clock()
         polled = Polled(frames=[], dead_letters=[], committed_offset_waits=self._waits_unreported)
         self._waits_unreported = 0
@@ -219,7 +211,11 @@ class FrameSource:
             if epoch is None:
                 continue  # fetched before a rebalance served inside this poll took the partition away
             if tp in self._awaiting:
-                continue  # fetched before the pause: the seek to its committed offset reads it again
+                # Assigned in this poll, or fetched before its pause. A rebalance callback runs inside consume(),
+                # so one call can return messages of a partition from before it was revoked or lost *and* of its
+                # re-assignment (confluent-kafka-python #1013): all are dropped; the seek to its committed offset
+                # reads exactly what the new assignment starts from.
+                continue
             source = SourceRef(tp[0], tp[1], msg.offset() or 0, epoch)
             # librdkafka can rewind a partition it was not asked to (seen once in 18 exactly-once SIGKILL runs,
             # right after an assignment, with pauses and resumes) and deliver offsets it already delivered;
@@ -241,31 +237,6 @@ class FrameSource:
                 continue
             polled.frames.append(frame)
         return polled
-
-    def _drop_rebalanced(self, messages: list[Message], rebalanced: set[TP]) -> list[Message]:
-        """Drop the messages of partitions revoked or lost during this poll, and re-read those we own again.
-
-        A rebalance callback runs inside consume(), so one call can return messages fetched before a
-        partition was revoked (no longer ours) and, when it was assigned back within the same poll, messages
-        of the new assignment as well, in one list we cannot split: the same offset twice, or a frame from
-        before the revocation that the new assignment delivers again. Dropping them all and seeking the
-        partitions still ours to their committed offsets re-reads exactly what the new assignment starts from.
-        """
-        kept: list[Message] = []
-        dropped: dict[TP, int] = {}
-        for msg in messages:
-            tp = (msg.topic(), msg.partition())
-            if msg.error() is None and tp in rebalanced:
-                dropped[tp] = dropped.get(tp, 0) + 1
-                continue
-            kept.append(msg)
-        reread = sorted(tp for tp in dropped if tp in self.assignments)
-        if dropped:
-            log.info("dropped %d messages read across a rebalance of %s; re-reading %s from the committed offsets",
-                     sum(dropped.values()), sorted(dropped), reread)
-        if reread:
-            self.seek_to_committed(reread)
-        return kept
 
     def _handle_error(self, err: KafkaError) -> None:
         if err.code() == KafkaError._PARTITION_EOF:

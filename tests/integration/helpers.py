@@ -22,9 +22,21 @@ from worker.testing import (
     wait_for,
 )
 
-__all__ = ["OFFSETS_TOPIC", "TestTopics", "group_commit_history", "offsets_moved_backwards",
-           "offsets_topic_partition", "committed_offsets", "end_offsets", "http_get", "ledger", "make_topics", "start_worker",
-           "uncommitted", "wait_for"]
+__all__ = [
+    "OFFSETS_TOPIC",
+    "TestTopics",
+    "committed_offsets",
+    "end_offsets",
+    "group_commit_history",
+    "http_get",
+    "ledger",
+    "make_topics",
+    "offsets_moved_backwards",
+    "offsets_topic_partition",
+    "start_worker",
+    "uncommitted",
+    "wait_for",
+]
 
 
 OFFSETS_TOPIC = "__consumer_offsets"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import select
 import subprocess
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
@@ -44,13 +44,13 @@ DEAD_TRANSACTION = """
 import sys, time
 from confluent_kafka import Producer, TopicPartition
 bootstrap, txn_id, topic, offset, metadata = sys.argv[1:6]
-p = Producer({"bootstrap.servers": bootstrap, "transactional.id": txn_id, "transaction.timeout.ms": %d})
+p = Producer({"bootstrap.servers": bootstrap, "transactional.id": txn_id, "transaction.timeout.ms": TIMEOUT_MS})
 p.init_transactions(30)
 p.begin_transaction()
 p.send_offsets_to_transaction([TopicPartition(topic, 0, int(offset))], bytes.fromhex(metadata), 30)
 print("pending", flush=True)
 time.sleep(3600)
-""" % TRANSACTION_TIMEOUT_MS
+""".replace("TIMEOUT_MS", str(TRANSACTION_TIMEOUT_MS))
 
 # An exactly-once member of the group: owns the partition, commits N, adds M in a transaction, and waits to be
 # killed (polling, so it stays in the group until then).
@@ -64,14 +64,14 @@ c.subscribe([topic])
 while not c.assignment():
     c.poll(0.1)
 c.commit(offsets=[TopicPartition(topic, 0, int(committed))], asynchronous=False)
-p = Producer({"bootstrap.servers": bootstrap, "transactional.id": txn_id, "transaction.timeout.ms": %d})
+p = Producer({"bootstrap.servers": bootstrap, "transactional.id": txn_id, "transaction.timeout.ms": TIMEOUT_MS})
 p.init_transactions(30)
 p.begin_transaction()
 p.send_offsets_to_transaction([TopicPartition(topic, 0, int(offset))], c.consumer_group_metadata(), 30)
 print("pending", flush=True)
 while True:
     c.poll(0.1)
-""" % TRANSACTION_TIMEOUT_MS
+""".replace("TIMEOUT_MS", str(TRANSACTION_TIMEOUT_MS))
 
 
 def publish_frames(bootstrap: str, topic: str, count: int) -> None:

@@ -6,8 +6,8 @@ no password ever appears in its output."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from confluent_kafka import Producer

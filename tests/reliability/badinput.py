@@ -129,7 +129,7 @@ def mutations(count: int, seed: int = 0) -> list[BadInput]:
     rng = random.Random(seed)
     bases = [frame_bytes(), frame_bytes(48, 32), frame_bytes(encoding=Encoding.JPEG)]
     out = []
-    for i in range(count):
+    for _ in range(count):
         value = bytearray(rng.choice(bases))
         how = rng.choice(("flip", "cut", "insert"))
         if how == "flip":

@@ -4,7 +4,7 @@ that stop the broker (so no other test sees them)."""
 from __future__ import annotations
 
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 

@@ -12,8 +12,9 @@ import random
 import signal
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from worker.frames import Priority, SourceRef
 
@@ -194,7 +195,7 @@ def group_churn(lab: Lab, mode: str, scale: Scale, static: bool = False) -> RunO
             run.wait(lambda: False, 3.0)  # supervise for a few seconds, then churn
             worker_id = workers[i % len(workers)]
             # A process still loading its model has joined nothing yet: churn only members.
-            run.wait(lambda: run.fleet.is_up(worker_id), 60)
+            run.wait(lambda wid=worker_id: run.fleet.is_up(wid), 60)
             run.fleet.terminate(worker_id)
             start(worker_id)
             run.faults_injected += 1
@@ -338,7 +339,7 @@ CLUSTER_SESSION_MS = 45_000
 CLUSTER_RESUME_BOUND_S = 60.0
 
 
-def _cluster_admin(lab: Lab) -> "AdminClient":
+def _cluster_admin(lab: Lab) -> AdminClient:
     from confluent_kafka.admin import AdminClient
 
     return AdminClient({"bootstrap.servers": lab.bootstrap, **(lab.broker.client_properties() if lab.broker else {})})

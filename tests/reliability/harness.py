@@ -28,14 +28,20 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
-from tests.integration.helpers import (TestTopics, group_commit_history, make_topics, offsets_moved_backwards,
-                                       start_worker)
+from tests.integration.helpers import (
+    TestTopics,
+    group_commit_history,
+    make_topics,
+    offsets_moved_backwards,
+    start_worker,
+)
 from tests.reliability.models import marked_pixels, unmarked_pixels
 from worker.frames import Encoding, Priority, SourceRef
 from worker.local_kafka import LocalKafka
@@ -459,7 +465,7 @@ class Audit:
     misrouted_sample: list[str] = field(default_factory=list)
     error_types: Counter = field(default_factory=Counter)
 
-    def add(self, other: "Audit") -> None:
+    def add(self, other: Audit) -> None:
         for f in dataclasses.fields(self):
             mine = getattr(self, f.name)
             if isinstance(mine, int):
@@ -550,21 +556,21 @@ class Lab:
     # Worker ids of restarted workers (WORKER_IDS): "fixed", or "default" (a new id per process).
     worker_ids: str = "fixed"
 
-    def with_worker_ids(self, worker_ids: str) -> "Lab":
+    def with_worker_ids(self, worker_ids: str) -> Lab:
         """The same lab, its runs naming workers as `worker_ids` says (it does not own the broker a second time)."""
         if worker_ids not in WORKER_IDS:
             raise ValueError(f"worker_ids must be one of {WORKER_IDS}, not {worker_ids!r}")
         return dataclasses.replace(self, worker_ids=worker_ids, owns_broker=False)
 
     @classmethod
-    def with_own_broker(cls, workdir: Path) -> "Lab":
+    def with_own_broker(cls, workdir: Path) -> Lab:
         """A lab on a broker of its own (for faults that stop the broker, so nothing else sees them)."""
         broker = LocalKafka(workdir / f"broker-{uuid.uuid4().hex[:6]}")
         broker.start()
         return cls(workdir, broker=broker, owns_broker=True)
 
     @classmethod
-    def with_own_cluster(cls, workdir: Path, heap_mb: int = 320) -> "Lab":
+    def with_own_cluster(cls, workdir: Path, heap_mb: int = 320) -> Lab:
         """A lab on a three-node KRaft cluster of its own (replication factor 3, min ISR 2), for node faults."""
         broker = LocalKafka(workdir / f"cluster-{uuid.uuid4().hex[:6]}", heap_mb=heap_mb, nodes=3)
         broker.start(timeout_s=180)

@@ -5,7 +5,7 @@ coordinates, and the worker keeps scoring the good frames interleaved with it.""
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings

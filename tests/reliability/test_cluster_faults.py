@@ -6,8 +6,8 @@ run on a cluster of their own (three JVMs; about 40 s to start)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 

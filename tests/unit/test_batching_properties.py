@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from hypothesis import HealthCheck, given, settings as hyp_settings, strategies as st
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hyp_settings
+from hypothesis import strategies as st
 
 from tests.unit.test_batching import BULK, REALTIME, STANDARD, FakeClock, make_frame, make_settings
 from worker.batching import Batch, MicroBatcher

@@ -12,9 +12,10 @@ import json
 import re
 import shlex
 import tomllib
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import yaml

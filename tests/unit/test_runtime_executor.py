@@ -15,14 +15,14 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import model_factories  # noqa: E402
-from model_factories import jpeg_frame, raw_frame  # noqa: E402
+import model_factories
+from model_factories import jpeg_frame, raw_frame
 
-from worker.config import ConfigError, ModelSettings, RuntimeSettings  # noqa: E402
-from worker.frames import DECODE_ERROR, MODEL_ERROR, NON_FINITE_OUTPUT  # noqa: E402
-from worker.runtime import InferenceExecutor, build_builtin_model  # noqa: E402
-from worker.runtime.models import ModelContract  # noqa: E402
-from worker.runtime.runners import EagerRunner  # noqa: E402
+from worker.config import ConfigError, ModelSettings, RuntimeSettings
+from worker.frames import DECODE_ERROR, MODEL_ERROR, NON_FINITE_OUTPUT
+from worker.runtime import InferenceExecutor, build_builtin_model
+from worker.runtime.models import ModelContract
+from worker.runtime.runners import EagerRunner
 
 CPU = RuntimeSettings(device="cpu", warmup_batches=1, graph_batch_sizes=(1, 4))
 WAIT_S = 30

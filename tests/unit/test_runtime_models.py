@@ -11,11 +11,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # makes "model_factories:<fn>" importable, as PYTHONPATH would
 
-import model_factories  # noqa: E402
+import model_factories
 
-from worker.config import ConfigError, ModelSettings, load_settings  # noqa: E402
-from worker.runtime import ModelContractError, build_builtin_model, load_model  # noqa: E402
-from worker.runtime.models import ModelContract  # noqa: E402
+from worker.config import ConfigError, ModelSettings, load_settings
+from worker.runtime import ModelContractError, build_builtin_model, load_model
+from worker.runtime.models import ModelContract
 
 LABELS = ModelSettings().labels
 # TorchScript is deprecated upstream but still a supported model.source form here.

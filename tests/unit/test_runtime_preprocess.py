@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from model_factories import jpeg_frame, pixels, raw_frame  # noqa: E402
+from model_factories import jpeg_frame, pixels, raw_frame
 
-from worker.config import ModelSettings  # noqa: E402
-from worker.runtime import FrameDecodeError  # noqa: E402
-from worker.runtime.models import ModelContract  # noqa: E402
-from worker.runtime.preprocess import Preprocessor, decode_frame  # noqa: E402
+from worker.config import ModelSettings
+from worker.runtime import FrameDecodeError
+from worker.runtime.models import ModelContract
+from worker.runtime.preprocess import Preprocessor, decode_frame
 
 CONTRACT = ModelContract.from_settings(ModelSettings())
 MEAN = np.array(CONTRACT.mean, dtype=np.float32).reshape(3, 1, 1)

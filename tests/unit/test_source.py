@@ -9,8 +9,9 @@ scripts both; everything else about the source is tested against the real broker
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_INVALID, KafkaError, KafkaException, TopicPartition
@@ -309,6 +310,7 @@ def test_a_partition_revoked_and_assigned_back_within_one_call_is_reread_from_it
                     ("msg", (REALTIME, 0, 3)), ("msg", (REALTIME, 0, 4)), ("msg", (REALTIME, 0, 5))]]
     polled = source.poll(10, 0.0)
     assert offsets(polled) == [(BULK, 1, 40)]  # the untouched partition keeps its messages
+    source.poll(10, 0.0)  # the re-assigned partition is sought to its committed offset by the next poll
     assert fake.seeks == [(REALTIME, 0, 3)]
     assert (REALTIME, 0) in source.assignment
     assert [e for e, _ in events] == ["assign", "revoke", "assign"]
@@ -327,17 +329,20 @@ def test_with_nothing_committed_the_partition_is_reread_from_its_beginning(fake:
     fake.script = [[("msg", (REALTIME, 0, 0)), ("revoke", [(REALTIME, 0)]), ("assign", [(REALTIME, 0)]),
                     ("msg", (REALTIME, 0, 0))]]
     assert offsets(source.poll(10, 0.0)) == []
+    source.poll(10, 0.0)
     assert fake.seeks == [(REALTIME, 0, OFFSET_BEGINNING)]
 
 
 def test_a_rebalance_in_the_blocking_call_also_drops_the_earlier_calls_messages(fake: FakeConsumer) -> None:
-    """poll() may call consume() up to three times; a revocation in a later call taints the whole poll."""
+    """poll() may call consume() up to three times; a rebalance in a later call drops the earlier calls' messages
+    of that partition too."""
     fake.committed_offsets = {(REALTIME, 0): 1}
     source = started(fake, [(REALTIME, 0)])
     fake.script = [[],  # nothing queued: poll blocks for one message
                    [("msg", (REALTIME, 0, 1))],
                    [("revoke", [(REALTIME, 0)]), ("assign", [(REALTIME, 0)]), ("msg", (REALTIME, 0, 1))]]
     assert offsets(source.poll(10, 1.0)) == []
+    source.poll(10, 0.0)
     assert fake.seeks == [(REALTIME, 0, 1)]
 
 

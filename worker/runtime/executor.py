@@ -166,10 +166,11 @@ class InferenceExecutor:
         bucket, used_graph = 0, False
         if batch.frames:
             try:
+                assert batch.device_tensor is not None  # staged by _prepare whenever the batch has frames
                 result = runner.run(batch.device_tensor, batch.ready_event)
                 scored = list(zip(batch.frames, result.scores))
                 bucket, used_graph = result.bucket, result.used_graph
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 (any model error: retried frame by frame)
                 log.warning("model failed on a batch; retrying frame by frame size=%d error=%s: %s",
                             len(batch.frames), type(exc).__name__, exc)
                 scored, model_failures, used_graph = _run_one_by_one(runner, batch)
@@ -202,10 +203,11 @@ def _run_one_by_one(runner: EagerRunner, batch: HostBatch) -> tuple[list, list[F
     scored: list[tuple[Frame, np.ndarray]] = []
     failures: list[FrameFailure] = []
     used_graph = False
+    assert batch.device_tensor is not None
     for i, frame in enumerate(batch.frames):
         try:
             result: RunResult = runner.run(batch.device_tensor[i:i + 1])
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 (this frame alone fails: dead-lettered)
             failures.append(FrameFailure(frame, f"model raised on this frame: {type(exc).__name__}: {exc}",
                                          MODEL_ERROR))
             continue

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -99,7 +100,7 @@ class ModelContract:
     def threshold_for(self, label: str) -> float:
         return self.thresholds.get(label, self.default_threshold)
 
-    def verdict(self, scores: Sequence[float]) -> Verdict:
+    def verdict(self, scores: Sequence[float] | np.ndarray) -> Verdict:
         """Scores in label order -> a Verdict flagging every label at or above its threshold (never_flag aside)."""
         by_label = {label: float(s) for label, s in zip(self.labels, scores, strict=False)}
         flagged = tuple(label for label in self.labels
@@ -170,6 +171,7 @@ def build_builtin_model(num_labels: int, channels: int = 3, seed: int = BUILTIN_
                 fan_in = module.weight[0].numel()
                 std = math.sqrt(2.0 / fan_in) if isinstance(module, nn.Conv2d) else math.sqrt(1.0 / fan_in)
                 module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * std)
+                assert module.bias is not None  # every layer of the builtin model has one
                 module.bias.copy_(torch.randn(module.bias.shape, generator=gen) * 0.01)
         # A negative prior keeps the untrained demo model from flagging about half of all frames.
         model.head.bias.add_(-2.0)
@@ -193,6 +195,7 @@ def load_model(settings: ModelSettings, device: torch.device | str = "cpu") -> L
     contract = ModelContract.from_settings(settings)
     source = settings.source.strip()
     t0 = time.perf_counter()
+    module: nn.Module
     if source == BUILTIN_SOURCE:
         module, kind = build_builtin_model(len(contract.labels), contract.channels), "builtin"
     elif source in PRESET_FILES:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import io
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -100,7 +100,7 @@ class HostBatch:
     preprocess_ms: float = 0.0
     # Set once the tensor is on the runner's device: the device tensor and the event its copy completes on.
     device_tensor: torch.Tensor | None = None
-    ready_event: "torch.cuda.Event | None" = field(default=None, repr=False)
+    ready_event: torch.cuda.Event | None = field(default=None, repr=False)
 
 
 class Preprocessor:
@@ -175,7 +175,7 @@ class Preprocessor:
         np.subtract(region, self._bias, out=region)
 
 
-def stage_to_device(batch: HostBatch, device: torch.device, copy_stream: "torch.cuda.Stream | None") -> HostBatch:
+def stage_to_device(batch: HostBatch, device: torch.device, copy_stream: torch.cuda.Stream | None) -> HostBatch:
     """Start the host->device copy of the batch on `copy_stream` (non-blocking from pinned memory).
 
     The runner must make its stream wait on `batch.ready_event` before reading `batch.device_tensor`.

@@ -204,7 +204,9 @@ class CudaGraphRunner(EagerRunner):
                 ) from exc
 
     def run(self, x: torch.Tensor, ready: torch.cuda.Event | None = None) -> RunResult:
-        n, shape = x.shape[0], tuple(x.shape[1:])
+        n = x.shape[0]
+        c, h, w = x.shape[1:]
+        shape = (int(c), int(h), int(w))
         step = self.plan.decide(n, shape)
         if step.action == "capture" and not self._capture_lazily(step.bucket, shape):
             step = GraphStep("eager", n)
@@ -226,7 +228,7 @@ class CudaGraphRunner(EagerRunner):
             log.info("cuda graph captured lazily device=%s bucket=%d shape=%s captures=%d",
                      self.device, bucket, list(shape), self.capture_count)
             return True
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 (reported to the caller)
             self.plan.mark_failed(bucket, shape)
             log.warning("cuda graph capture failed; running eager for this shape device=%s bucket=%d shape=%s "
                         "error=%s", self.device, bucket, list(shape), exc)
