@@ -279,7 +279,7 @@ class ExactlyOnceDelivery(Delivery):
             if not self.assignments.is_current(out.source):
                 continue
             tp = out.source.topic_partition
-            refused = self._refused.pop((tp, out.source.offset), None)
+            refused = self._refused.get((tp, out.source.offset))
             if refused is not None:
                 out = self._replacement(out, refused)
             self._held.setdefault(tp, {})[out.source.offset] = out
@@ -329,6 +329,9 @@ class ExactlyOnceDelivery(Delivery):
             del self._held[out.source.topic_partition][out.source.offset]
             self._count(produced)
         self.tracker.mark_committed(points)
+        # A refused offset is remembered until its reference dead letter is committed (a later transaction may
+        # fail for another reason and read it again).
+        self._refused = {(tp, o): r for (tp, o), r in self._refused.items() if o >= points.get(tp, -1)}
         self.metrics.commits.labels("ok").inc()
         self.metrics.commit_latency.observe(time.monotonic() - started)
         self.commits += 1

@@ -26,7 +26,7 @@ from worker.frames import DUPLICATE_FRAME, BatchOutcome, DeadLetter, Frame, Outp
 from worker.metrics import Health, Metrics
 from worker.offsets import OffsetTracker
 from worker.schemas import ResultContext, build_result, reencode_frame
-from worker.sink import DoneCallback, RejectedCallback, ResultSink
+from worker.sink import DoneCallback, RejectedCallback, ResultSink, output_message_limit
 from worker.source import FrameSource, Polled, RebalanceHandler
 
 log = logging.getLogger(__name__)
@@ -389,16 +389,18 @@ def build_pipeline(settings: Settings, executor: Executor, metrics: Metrics, hea
     tracker = OffsetTracker()
     source = FrameSource(settings, clock, assignments)
     delivery: Delivery
+    limit = output_message_limit(settings)
     if settings.delivery.mode == "exactly_once":
         transactional_id = f"{settings.delivery.transactional_id_prefix}-{settings.observability.worker_id}"
 
         def transactional_sink(on_done: DoneCallback, on_rejected: RejectedCallback) -> ResultSink:
-            return ResultSink(settings, on_done, on_rejected, transactional_id=transactional_id)
+            return ResultSink(settings, on_done, on_rejected, transactional_id=transactional_id,
+                              max_message_bytes=limit)
 
         delivery = ExactlyOnceDelivery(settings, transactional_sink, source, tracker, assignments, metrics)
     else:
         def sink(on_done: DoneCallback, on_rejected: RejectedCallback) -> ResultSink:
-            return ResultSink(settings, on_done, on_rejected)
+            return ResultSink(settings, on_done, on_rejected, max_message_bytes=limit)
 
         at_least_once = AtLeastOnceDelivery(settings, sink, source, tracker, assignments, metrics, clock)
         source.on_commit_done = at_least_once.commit_reported

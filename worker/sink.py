@@ -31,6 +31,8 @@ T = TypeVar("T")
 # A transactional call still blocked this long past its own timeout is stuck (librdkafka issues #5456, #5511:
 # send_offsets_to_transaction can wait for good on a group coordinator that went away with a broker restart).
 STUCK_GRACE_S = 5.0
+# How often the loop thread serves delivery reports while it waits for a transactional call.
+DELIVERY_POLL_S = 0.02
 # How long a new transactional producer keeps retrying init_transactions (the broker may still be coming back).
 INIT_TRANSACTIONS_TIMEOUT_S = 120.0
 
@@ -46,6 +48,9 @@ PER_MESSAGE_ERRORS = frozenset({
 })
 
 
+FENCED_ERRORS = frozenset({KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH})
+
+
 class SinkError(StreamferError):
     """The producer cannot go on (fatal error, fenced transactional id); the worker must stop and restart."""
 
@@ -59,8 +64,37 @@ class TransactionStuckError(SinkError):
     producer with the same transactional id fences it and aborts its open transaction."""
 
 
-def producer_config(settings: Settings, transactional_id: str | None = None) -> dict[str, Any]:
-    """The worker's librdkafka producer configuration (transactional with an id), then the overrides."""
+# librdkafka's range for message.max.bytes.
+LIBRDKAFKA_MIN_MESSAGE_MAX_BYTES = 1_000
+# A record batch's header (61 bytes) plus one record's framing and the dead letters' headers' names, rounded up.
+RECORD_FRAMING_HEADROOM_BYTES = 512
+
+
+def output_message_limit(settings: Settings, timeout_s: float = 10.0) -> int | None:
+    """The smallest max.message.bytes of the results and dead-letter topics, as the broker reports it.
+
+    The producer's own limits are set to it, so that librdkafka never builds a batch the broker refuses as a
+    whole (one oversized output would take its batch-mates down with it) and an output too large for the topic
+    is refused at produce() time, alone. None when the topics cannot be described (then librdkafka's defaults
+    apply, as they match the broker's)."""
+    from worker.kafka_access import security_properties
+    from worker.topics import topic_message_limits
+
+    topics = [settings.topics.results, settings.topics.dead_letter]
+    limits = topic_message_limits(settings.kafka.bootstrap_servers, topics, timeout_s,
+                                  security_properties(settings.kafka))
+    if len(limits) < len(topics):
+        log.warning("could not read max.message.bytes of %s; the producer keeps librdkafka's default limits",
+                    sorted(set(topics) - set(limits)))
+        return None
+    return max(LIBRDKAFKA_MIN_MESSAGE_MAX_BYTES, min(limits.values()))
+
+
+def producer_config(settings: Settings, transactional_id: str | None = None,
+                    max_message_bytes: int | None = None) -> dict[str, Any]:
+    """The worker's librdkafka producer configuration (transactional with an id), then the overrides.
+
+    `max_message_bytes` (output_message_limit) bounds both one message and one batch."""
     conf: dict[str, Any] = {
         **client_properties(settings.kafka),  # bootstrap.servers + the [kafka] security settings
         "enable.idempotence": True,
@@ -81,6 +115,13 @@ def producer_config(settings: Settings, transactional_id: str | None = None) -> 
         txn_timeout_ms = 3 * settings.delivery.transaction_call_timeout_ms
         conf["transaction.timeout.ms"] = txn_timeout_ms
         conf["message.timeout.ms"] = txn_timeout_ms
+    if max_message_bytes is not None:
+        # librdkafka counts key and value against message.max.bytes, the broker the whole record batch: the
+        # headroom keeps a message that passes here from being refused by the broker (which would fail its
+        # transaction, or its whole batch).
+        bound = max(LIBRDKAFKA_MIN_MESSAGE_MAX_BYTES, max_message_bytes - RECORD_FRAMING_HEADROOM_BYTES)
+        conf["message.max.bytes"] = bound
+        conf["batch.size"] = bound
     conf.update(settings.kafka.producer_overrides)
     return conf
 
@@ -89,8 +130,8 @@ class ResultSink:
     """Produces encoded results and dead letters; reports each source offset as done once acknowledged."""
 
     def __init__(self, settings: Settings, on_done: DoneCallback, on_rejected: RejectedCallback,
-                 transactional_id: str | None = None) -> None:
-        conf = producer_config(settings, transactional_id)
+                 transactional_id: str | None = None, max_message_bytes: int | None = None) -> None:
+        conf = producer_config(settings, transactional_id, max_message_bytes)
         self._results_topic = settings.topics.results
         self._dlq_topic = settings.topics.dead_letter
         self._worker_id = settings.observability.worker_id
@@ -110,6 +151,9 @@ class ResultSink:
         self.fatal_error: str | None = None
         # Set when a transactional call got stuck: the producer is abandoned, never flushed or closed.
         self.stuck = False
+        # Set when the broker refused a message of the open transaction: it can only fail, so waiting for it is
+        # pointless, and librdkafka's abort then leaves the producer unusable (a sequence gap): it is replaced.
+        self.transaction_refused = False
         self._calls: queue.SimpleQueue[Any] | None = None  # the transactional call thread's queue
         if self.transactional:
             self._init_transactions()
@@ -144,8 +188,9 @@ class ResultSink:
                 return
             if err.code() in PER_MESSAGE_ERRORS:
                 # Producing it again would fail again: the caller replaces it (in exactly-once, after the
-                # transaction that held it aborts).
+                # transaction that held it is given up).
                 self._on_rejected(source, f"{topic} refused it: {err.str()}")
+                self.transaction_refused = self.transactional
                 return
             if self.transactional:
                 # The transaction's commit fails too; its abort path rewinds the consumer to read it again.
@@ -202,7 +247,10 @@ class ResultSink:
                                 f"{err.str()}") from exc
 
     def begin(self) -> None:
-        self._producer.begin_transaction()
+        try:
+            self._producer.begin_transaction()
+        except KafkaException as exc:
+            raise self._unusable(exc.args[0], "begin_transaction") from exc
 
     def commit_transaction(self, offsets: dict[tuple[str, int], int], group_metadata: object,
                            timeout_s: float = 30.0) -> None:
@@ -217,7 +265,22 @@ class ResultSink:
         self._retrying(lambda: self._producer.commit_transaction(timeout_s), deadline, timeout_s)
 
     def abort(self, timeout_s: float = 30.0) -> None:
-        self._guarded(lambda: self._producer.abort_transaction(timeout_s), timeout_s)
+        try:
+            self._guarded(lambda: self._producer.abort_transaction(timeout_s), timeout_s)
+        except KafkaException as exc:
+            raise self._unusable(exc.args[0], "abort_transaction") from exc
+
+    def _unusable(self, err: KafkaError, call: str) -> SinkError:
+        """A transactional call failed in a way the transaction cannot recover from. Fenced: another producer
+        owns this transactional id now, and this worker must stop. Otherwise (a fatal error such as the
+        out-of-order sequence a broker-refused message leaves behind, or an abort that cannot run) the producer is
+        replaced by a new one with the same id, which aborts whatever this one left open."""
+        if err.code() in FENCED_ERRORS:
+            return SinkError(f"transactional id {self._transactional_id!r} was fenced by a newer producer "
+                             f"({err.str()}): another worker runs with the same observability.worker_id")
+        self.stuck = True
+        return TransactionStuckError(f"{call} of {self._transactional_id!r} failed and the producer cannot go on: "
+                                     f"{err.str()}")
 
     def _retrying(self, call: Callable[[], object], deadline: float, timeout_s: float) -> None:
         while True:
@@ -227,7 +290,7 @@ class ResultSink:
             except KafkaException as exc:
                 err = exc.args[0]
                 if err.fatal():
-                    raise SinkError(f"fatal producer error: {err.str()}") from exc
+                    raise self._unusable(err, "a transactional call") from exc
                 if err.retriable() and not err.txn_requires_abort():
                     if time.monotonic() < deadline:
                         time.sleep(0.1)
@@ -251,7 +314,16 @@ class ResultSink:
         done = threading.Event()
         box: dict[str, Any] = {}
         self._calls.put((call, done, box))
-        if not done.wait(timeout_s + STUCK_GRACE_S):
+        # Serve delivery reports meanwhile: commit_transaction and abort_transaction wait for every outstanding
+        # message, and abort_transaction fails when nobody polls for their reports.
+        deadline = time.monotonic() + timeout_s + STUCK_GRACE_S
+        while not done.wait(DELIVERY_POLL_S) and time.monotonic() < deadline:
+            self._producer.poll(0)
+            if self.transaction_refused:
+                self.stuck = True
+                raise TransactionStuckError(f"the broker refused a message of {self._transactional_id!r}'s "
+                                            "transaction, which can only fail")
+        if not done.is_set():
             self.stuck = True
             raise TransactionStuckError(f"a transactional call of {self._transactional_id!r} is still blocked "
                                         f"{timeout_s + STUCK_GRACE_S:.0f}s after it started (its timeout is "

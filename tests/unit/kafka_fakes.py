@@ -199,6 +199,7 @@ class FakeProducer:
     # Broker-side refusals: a delivery report error for messages matching the predicate.
     refuse: Callable[[Produced], KafkaError | None] = lambda produced: None
     commit_errors: list[KafkaError] = field(default_factory=list)
+    abort_errors: list[KafkaError] = field(default_factory=list)
     block_send_offsets: bool = False
     calls: list[str] = field(default_factory=list)
     _transaction: list[Produced] = field(default_factory=list)
@@ -269,6 +270,8 @@ class FakeProducer:
 
     def abort_transaction(self, timeout: float) -> None:
         self.calls.append("abort")
+        if self.abort_errors:
+            raise KafkaException(self.abort_errors.pop(0))
         self._transaction = []
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError
 
+import worker.pipeline as pipeline_module
 import worker.sink as sink_module
 import worker.source as source_module
 from worker.config import BatchingSettings, DeliverySettings, ObservabilitySettings, Settings
@@ -18,6 +19,7 @@ from worker.frames import OUTPUT_REJECTED
 from worker.metrics import Health, Metrics
 from worker.pipeline import Pipeline, build_pipeline
 from worker.schemas import decode_result
+from worker.sink import SinkError
 
 from .kafka_fakes import FakeConsumer, FakeExecutor, FakeProducer, Produced, abortable, frame_value
 
@@ -61,6 +63,7 @@ class World:
         monkeypatch.setattr(source_module, "Consumer", consumer)
         monkeypatch.setattr(sink_module, "Producer", producer)
         monkeypatch.setattr(sink_module, "STUCK_GRACE_S", 0.05)
+        monkeypatch.setattr(pipeline_module, "output_message_limit", lambda settings: None)  # no admin calls
         self.clock = Clock()
         self.executor = FakeExecutor(hold=hold)
         self.health = Health()
@@ -372,3 +375,28 @@ def test_a_repeated_frame_identity_is_dead_lettered_and_the_first_copy_scored(mo
     [dl] = w.dead_letters()
     assert (dl.headers["streamfer.error_type"], dl.headers["streamfer.source_offset"]) == ("DuplicateFrame", "2")
     assert w.committed(P0) == 3
+
+
+def test_a_producer_that_cannot_abort_is_replaced_and_the_frames_answered_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As after a message the broker refused inside a transaction: the commit fails, then the abort too
+    # (OUT_OF_ORDER_SEQUENCE_NUMBER is fatal for a transactional producer).
+    w = World(monkeypatch, "exactly_once")
+    w.frames(P0, 3)
+    w.kafka.rebalance("assign", [P0])
+    broken = w.producer
+    broken.commit_errors.append(abortable())
+    broken.abort_errors.append(KafkaError(KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER, fatal=True))
+    w.step(6)
+    assert len(w.producers) == 2 and broken.visible == []
+    assert offsets(w.results(), P0) == [0, 1, 2]
+    assert w.committed(P0) == 3
+
+
+def test_a_fenced_producer_stops_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = World(monkeypatch, "exactly_once")
+    w.frames(P0, 3)
+    w.kafka.rebalance("assign", [P0])
+    w.producer.commit_errors.append(KafkaError(KafkaError._FENCED, fatal=True))
+    with pytest.raises(SinkError, match="fenced"):
+        w.step(6)
+    assert len(w.producers) == 1  # never replaced: another worker owns the transactional id

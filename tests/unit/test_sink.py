@@ -47,6 +47,9 @@ class FakeProducer:
         self.calls.append("flush")
         return 0
 
+    def poll(self, timeout: float) -> int:
+        return 0
+
 
 @pytest.fixture
 def producer(monkeypatch: pytest.MonkeyPatch):
