@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from worker.config import Settings, warmup_frame_shapes
+from worker.config import ConfigError, Settings, warmup_frame_shapes
 from worker.kafka_access import probe_access
 from worker.metrics import Health, Metrics, MetricsServer
 from worker.pipeline import Pipeline, RunSummary, build_pipeline
@@ -87,6 +87,8 @@ def run_worker(settings: Settings, exit_when_idle_s: float | None = None, stop: 
     health.stall_limit_s = settings.kafka.max_poll_interval_ms / 1000.0
     server = None
     started = time.monotonic()
+    # Before any broker call: librdkafka refusing a property is a configuration error, reported at once.
+    check_client_configs(settings)
     # Before the model loads: a wrong password or a missing ACL stops start-up in seconds, with exit code 2.
     probe_access(settings)
     executor = _load_executor(settings)
@@ -115,6 +117,25 @@ def run_worker(settings: Settings, exit_when_idle_s: float | None = None, stop: 
         executor.close()
         if server is not None:
             server.stop()
+
+
+def check_client_configs(settings: Settings) -> None:
+    """Build (and drop) a consumer and a producer with the worker's configurations: librdkafka validates every
+    property when a client is made, without connecting; ConfigError names the override it refused."""
+    from confluent_kafka import Consumer, KafkaException, Producer
+
+    from worker.sink import producer_config
+    from worker.source import consumer_config
+
+    for name, make, conf in (("consumer", Consumer, consumer_config(settings)),
+                             ("producer", Producer, producer_config(settings))):
+        try:
+            client = make(conf)
+        except KafkaException as exc:
+            raise ConfigError([f"kafka.{name}_overrides / kafka settings: librdkafka rejected the {name} "
+                               f"configuration: {exc.args[0].str()}"]) from None
+        if isinstance(client, Consumer):
+            client.close()
 
 
 def _load_executor(settings: Settings) -> Any:

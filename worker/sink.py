@@ -70,7 +70,7 @@ LIBRDKAFKA_MIN_MESSAGE_MAX_BYTES = 1_000
 RECORD_FRAMING_HEADROOM_BYTES = 512
 
 
-def output_message_limit(settings: Settings, timeout_s: float = 10.0) -> int | None:
+def output_message_limit(settings: Settings, timeout_s: float = 5.0) -> int | None:
     """The smallest max.message.bytes of the results and dead-letter topics, as the broker reports it.
 
     The producer's own limits are set to it, so that librdkafka never builds a batch the broker refuses as a
