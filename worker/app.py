@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from worker.config import ConfigError, Settings, warmup_frame_shapes
+from worker.config import Settings, warmup_frame_shapes
 from worker.kafka_access import probe_access
 from worker.metrics import Health, Metrics, MetricsServer
 from worker.pipeline import Pipeline, RunSummary, build_pipeline
@@ -122,20 +122,14 @@ def run_worker(settings: Settings, exit_when_idle_s: float | None = None, stop: 
 def check_client_configs(settings: Settings) -> None:
     """Build (and drop) a consumer and a producer with the worker's configurations: librdkafka validates every
     property when a client is made, without connecting; ConfigError names the override it refused."""
-    from confluent_kafka import Consumer, KafkaException, Producer
+    from confluent_kafka import Consumer, Producer
 
+    from worker.kafka_access import new_client
     from worker.sink import producer_config
     from worker.source import consumer_config
 
-    for name, make, conf in (("consumer", Consumer, consumer_config(settings)),
-                             ("producer", Producer, producer_config(settings))):
-        try:
-            client = make(conf)
-        except KafkaException as exc:
-            raise ConfigError([f"kafka.{name}_overrides / kafka settings: librdkafka rejected the {name} "
-                               f"configuration: {exc.args[0].str()}"]) from None
-        if isinstance(client, Consumer):
-            client.close()
+    new_client(Consumer, consumer_config(settings), "consumer").close()
+    new_client(Producer, producer_config(settings), "producer")
 
 
 def _load_executor(settings: Settings) -> Any:

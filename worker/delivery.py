@@ -125,11 +125,13 @@ class Delivery:
             try:
                 self._produce(replacement)
             except MessageRejected as again:
-                raise DeliveryError(f"the dead-letter topic {self.settings.topics.dead_letter} refuses even a "
-                                    f"reference-only dead letter: {again}",
-                                    setting=f"max.message.bytes of topic {self.settings.topics.dead_letter}"
-                                    ) from None
+                raise self._dead_letter_topic_refuses(str(again)) from None
             return replacement
+
+    def _dead_letter_topic_refuses(self, reason: str) -> DeliveryError:
+        topic = self.settings.topics.dead_letter
+        return DeliveryError(f"the dead-letter topic {topic} refuses even a reference-only dead letter: {reason}",
+                             setting=f"max.message.bytes of topic {topic}")
 
     def _produce(self, out: Output) -> None:
         if out.dead_letter is not None:
@@ -192,9 +194,7 @@ class AtLeastOnceDelivery(Delivery):
         if out is None or not self.assignments.is_current(source):
             return
         if out.dead_letter is not None and out.dead_letter.error_type == OUTPUT_REJECTED:
-            raise DeliveryError(f"the dead-letter topic {self.settings.topics.dead_letter} refuses even a "
-                                f"reference-only dead letter: {reason}",
-                                setting=f"max.message.bytes of topic {self.settings.topics.dead_letter}")
+            raise self._dead_letter_topic_refuses(reason)
         self._awaiting_ack[source] = self._send(self._replacement(out, reason))
 
     @property

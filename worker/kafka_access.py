@@ -15,6 +15,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from worker.config import ConfigError
 from worker.kafka_errors import AUTHORIZATION, UNKNOWN_TOPIC, BrokerAccessError, Identity, access_error, cause_of
 
 if TYPE_CHECKING:
@@ -312,3 +313,15 @@ def probe_access(settings: Settings, timeout_s: float = PROBE_TIMEOUT_S) -> None
             acl = f"ACL: READ on group {settings.kafka.group_id} for principal {identity.principal}"
             raise BrokerAccessError(f"Kafka would deny the worker its consumer group; grant {acl}",
                                     AUTHORIZATION, acl)
+
+
+def new_client(factory: Any, conf: Mapping[str, Any], role: str, logger: logging.Logger | None = None) -> Any:
+    """A librdkafka client (`factory`: Consumer or Producer) made from `conf`; librdkafka validates every property
+    here, without connecting, so a refused one is a ConfigError naming kafka.<role>_overrides."""
+    from confluent_kafka import KafkaException
+
+    try:
+        return factory(conf, logger=logger) if logger is not None else factory(conf)
+    except KafkaException as exc:
+        raise ConfigError([f"kafka.{role}_overrides / kafka settings: librdkafka rejected the {role} "
+                           f"configuration: {exc.args[0].str()}"]) from None

@@ -16,10 +16,10 @@ from typing import Any, TypeVar
 
 from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 
-from worker.config import ConfigError, Settings
+from worker.config import Settings
 from worker.errors import StreamferError
 from worker.frames import DeadLetter, SourceRef
-from worker.kafka_access import client_properties
+from worker.kafka_access import client_properties, new_client
 from worker.kafka_errors import BrokerAccessError, Identity, classify_producer_error
 
 log = logging.getLogger(__name__)
@@ -140,11 +140,7 @@ class ResultSink:
         self.identity = Identity.of(settings, transactional_id)
         # Set by a delivery report the cluster refused (ACL, credentials): the pipeline raises it (exit 2).
         self.access_error: BrokerAccessError | None = None
-        try:
-            self._producer = Producer(conf, logger=log)
-        except KafkaException as exc:
-            raise ConfigError([f"kafka.producer_overrides / kafka settings: librdkafka rejected the producer "
-                               f"configuration: {exc.args[0].str()}"]) from None
+        self._producer = new_client(Producer, conf, "producer", log)
         self.transactional = bool(transactional_id)
         self._transactional_id = transactional_id
         # Set by a delivery report that the producer cannot recover from; the pipeline raises it.

@@ -19,10 +19,10 @@ from confluent_kafka import (
 )
 
 from worker.assignment import Assignments
-from worker.config import ConfigError, Settings
+from worker.config import Settings
 from worker.errors import StreamferError
 from worker.frames import MESSAGE_DECODE_ERROR, DeadLetter, Frame, Priority, SourceRef
-from worker.kafka_access import client_properties
+from worker.kafka_access import client_properties, new_client
 from worker.kafka_errors import UNKNOWN_TOPIC, BrokerStatus, Identity, RefusalStreak, classify_consumer_error
 from worker.schemas import MessageDecodeError, decode_frame
 
@@ -126,11 +126,7 @@ class FrameSource:
         self._topics = settings.topics.input_topics()
         self._clock = clock
         self._limits = settings.limits
-        try:
-            self._consumer = Consumer(conf, logger=log)
-        except KafkaException as exc:
-            raise ConfigError([f"kafka.consumer_overrides / kafka settings: librdkafka rejected the consumer "
-                               f"configuration: {exc.args[0].str()}"]) from None
+        self._consumer = new_client(Consumer, conf, "consumer", log)
         # The partitions owned and their epochs, shared with the pipeline and delivery.
         self.assignments = assignments if assignments is not None else Assignments()
         self._paused_classes: set[Priority] = set()

@@ -18,43 +18,13 @@ from confluent_kafka import OFFSET_BEGINNING, OFFSET_INVALID, KafkaError, KafkaE
 
 import worker.source as source_module
 from worker.config import Settings
-from worker.frames import Encoding, Priority
-from worker.schemas import FrameRecord, encode_frame
+from worker.frames import Priority
 from worker.source import COMMITTED_LOOKUP_TIMEOUT_S, COMMITTED_RETRY_FIRST_S, FrameSource
+
+from .kafka_fakes import FakeMessage, frame_value
 
 REALTIME = Settings().topics.realtime
 BULK = Settings().topics.bulk
-
-
-def frame_bytes(offset: int) -> bytes:
-    return encode_frame(FrameRecord(stream_id="s", frame_index=offset, capture_ts_ms=1_800_000_000_000,
-                                    tenant="t", priority=Priority.REALTIME, width=2, height=2, channels=3,
-                                    encoding=Encoding.RAW_RGB8, data=bytes(12)))
-
-
-@dataclass
-class FakeMessage:
-    _topic: str
-    _partition: int
-    _offset: int
-
-    def topic(self) -> str:
-        return self._topic
-
-    def partition(self) -> int:
-        return self._partition
-
-    def offset(self) -> int:
-        return self._offset
-
-    def value(self) -> bytes:
-        return frame_bytes(self._offset)
-
-    def key(self) -> bytes:
-        return b"s"
-
-    def error(self) -> None:
-        return None
 
 
 # One consume() call's script: messages returned, and rebalance callbacks run in between, in order.
@@ -63,7 +33,7 @@ Event = tuple[str, Any]
 
 @dataclass
 class FakeClock:
-    now: float = 1_800_000_000.0  # 2027: the frames' capture times (frame_bytes) are this clock's
+    now: float = 1_800_000_000.0  # 2027: the frames' capture times (kafka_fakes.CAPTURE_TS_MS) are this clock's
 
     def __call__(self) -> float:
         return self.now
@@ -107,7 +77,7 @@ class FakeConsumer:
         out: list[FakeMessage] = []
         for kind, arg in self.script.pop(0):
             if kind == "msg":
-                out.append(FakeMessage(*arg))
+                out.append(FakeMessage(*arg, frame_value("s", arg[2])))
             else:
                 self.callbacks[kind](self, [TopicPartition(t, p) for t, p in arg])
         return out
