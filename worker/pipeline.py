@@ -186,8 +186,14 @@ class Pipeline:
                 timings.cpu[name] += time.thread_time() - c0
                 timings.calls[name] += 1
 
+    def _intake_room(self) -> int:
+        """Frames the loop may read now: the batcher's room, and what is left under the uncommitted cap."""
+        pending_room = self.settings.batching.max_pending_frames - self.batcher.pending_frames
+        uncommitted_room = self.settings.max_uncommitted_frames - self.tracker.uncommitted()
+        return max(0, min(pending_room, uncommitted_room))
+
     def _poll_input(self) -> None:
-        room = max(0, self.settings.batching.max_pending_frames - self.batcher.pending_frames)
+        room = self._intake_room()
         if self._inflight or self._outputs:
             timeout = INFLIGHT_POLL_S
         else:
@@ -220,6 +226,7 @@ class Pipeline:
             self._outputs.append(Output.of_dead_letter(dl))
         self._counts.consumed += len(polled.frames) + len(polled.dead_letters)
         self.metrics.inflight_frames.set(self.tracker.in_flight())
+        self.metrics.uncommitted_frames.set(self.tracker.uncommitted())
         self.metrics.inflight_bytes.set(self.batcher.pending_bytes)
 
     def _idle_for(self) -> float:
@@ -312,7 +319,12 @@ class Pipeline:
 
     # -- flow control -----------------------------------------------------------------------------------------
     def _apply_backpressure(self) -> None:
-        self.source.pause_classes(self.batcher.classes_to_pause())
+        """Pause what the batcher has no room for; pause everything while the uncommitted cap is reached (commits
+        are failing: what more the worker read, a lost session would answer again)."""
+        if self.tracker.uncommitted() >= self.settings.max_uncommitted_frames:
+            self.source.pause_classes(set(Priority))
+        else:
+            self.source.pause_classes(self.batcher.classes_to_pause())
         self.metrics.paused_partitions.set(self.source.paused_partitions)
 
     def _refresh_lag(self) -> None:
