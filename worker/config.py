@@ -188,7 +188,9 @@ class RuntimeSettings:
     # Frame sizes ("WIDTHxHEIGHT") to warm up, and on CUDA capture graphs for, before the worker turns ready;
     # other sizes run eager until they recur, then are captured.
     warmup_shapes: tuple[str, ...] = ("224x224",)
-    preprocess_threads: int = 1
+    # Decode/resize threads; "auto" (or 0) = the CPU cores this process may run on. JPEG decode and resizing
+    # release the GIL, so the frames of one batch are decoded in parallel across them.
+    preprocess_threads: int | Literal["auto"] = "auto"
     # CPU intra-op threads for torch; 0 keeps torch's default.
     torch_threads: int = 0
 
@@ -415,7 +417,14 @@ def _coerce(value: Any, hint: Any) -> Any:
             raise ValueError("expected a table of key = value")
         return {_coerce(k, key_type): _coerce(v, value_type) for k, v in value.items()}
     if origin in (typing.Union, types.UnionType):
-        raise TypeError(f"unsupported setting type {hint}")
+        # The first alternative the value converts to wins (int | Literal["auto"]: "4" is 4, "auto" is "auto").
+        expected = []
+        for alternative in typing.get_args(hint):
+            try:
+                return _coerce(value, alternative)
+            except ValueError as exc:
+                expected.append(str(exc))
+        raise ValueError(" or ".join(expected))
     raise TypeError(f"unsupported setting type {hint}")
 
 
@@ -446,6 +455,7 @@ PROTECTED_PRODUCER_PROPERTIES = {
 # Upper bounds of settings whose cost grows with them: 16384x16384 RGB is 805 MB decoded, 3.2 GB as float32.
 MAX_FRAME_PIXELS_CEILING = 16384 * 16384
 MAX_METRIC_TENANTS = 1000
+MAX_PREPROCESS_THREADS = 256
 
 
 def validate(s: Settings) -> list[str]:
@@ -535,7 +545,8 @@ def validate(s: Settings) -> list[str]:
     need(r.warmup_batches >= 0, "runtime.warmup_batches: must be >= 0")
     need(all(_parse_size(x) is not None for x in r.warmup_shapes),
          "runtime.warmup_shapes: each must be WIDTHxHEIGHT with positive integers, e.g. 1280x720")
-    need(1 <= r.preprocess_threads <= 64, "runtime.preprocess_threads: must be 1..64")
+    need(r.preprocess_threads == "auto" or 0 <= r.preprocess_threads <= MAX_PREPROCESS_THREADS,
+         f"runtime.preprocess_threads: must be \"auto\" or 0..{MAX_PREPROCESS_THREADS} (0 = auto: one per CPU core)")
     need(r.torch_threads >= 0, "runtime.torch_threads: must be >= 0")
 
     d = s.delivery
@@ -569,6 +580,17 @@ def _parse_size(text: str) -> tuple[int, int] | None:
     except ValueError:
         return None
     return (w, h) if w > 0 and h > 0 else None
+
+
+def preprocess_thread_count(runtime: RuntimeSettings) -> int:
+    """runtime.preprocess_threads resolved: "auto" and 0 mean the CPU cores this process may run on."""
+    if runtime.preprocess_threads not in ("auto", 0):
+        return int(runtime.preprocess_threads)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_PREPROCESS_THREADS))
 
 
 def warmup_frame_shapes(s: Settings) -> list[tuple[int, int, int]]:

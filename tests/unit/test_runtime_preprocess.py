@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,6 +23,7 @@ from worker.runtime.models import ModelContract
 from worker.runtime.preprocess import Preprocessor, decode_frame
 
 CONTRACT = ModelContract.from_settings(ModelSettings())
+WAIT_S = 10.0
 MEAN = np.array(CONTRACT.mean, dtype=np.float32).reshape(3, 1, 1)
 STD = np.array(CONTRACT.std, dtype=np.float32).reshape(3, 1, 1)
 
@@ -124,3 +128,33 @@ def test_fixed_input_size_resizes_every_frame_instead_of_padding():
 def test_all_frames_bad_gives_an_empty_batch():
     batch = Preprocessor(CONTRACT).prepare([raw_frame(0, 4, 4, data=b"")], (4, 4, 3))
     assert batch.tensor.shape[0] == 0 and len(batch.failures) == 1
+
+
+# --- decoding the frames of one batch in parallel ---
+
+def test_frames_of_one_batch_are_decoded_on_several_threads_at_once(monkeypatch):
+    """Two chunks must be inside decoding together: a barrier of 2 fails (times out) if they run one by one."""
+    barrier = threading.Barrier(2, timeout=WAIT_S)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        preprocessor = Preprocessor(CONTRACT, pool=pool, workers=2)
+        decode_one = preprocessor._decode_one
+
+        def meeting_decode(frame, batch_h, batch_w):
+            if frame.frame_index in (0, 2):  # the first frame of each chunk
+                barrier.wait()
+            return decode_one(frame, batch_h, batch_w)
+
+        monkeypatch.setattr(preprocessor, "_decode_one", meeting_decode)
+        batch = preprocessor.prepare([raw_frame(i, 8, 8) for i in range(4)], (8, 8, 3))
+    assert [f.frame_index for f in batch.frames] == [0, 1, 2, 3]
+
+
+def test_parallel_decoding_gives_the_serial_batch_failures_included():
+    frames = [raw_frame(0, 8, 8), raw_frame(1, 8, 8, data=b"short"), jpeg_frame(2, 8, 8), raw_frame(3, 6, 8),
+              jpeg_frame(4, 8, 8, data=b"bad"), raw_frame(5, 8, 8)]
+    serial = Preprocessor(CONTRACT).prepare(frames, (8, 8, 3))
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        parallel = Preprocessor(CONTRACT, pool=pool, workers=3).prepare(frames, (8, 8, 3))
+    assert [f.frame_index for f in parallel.frames] == [f.frame_index for f in serial.frames] == [0, 2, 3, 5]
+    assert [(f.frame_index, str(e)) for f, e in parallel.failures] == [(f.frame_index, str(e)) for f, e in serial.failures]
+    torch.testing.assert_close(parallel.tensor, serial.tensor, rtol=0, atol=0)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from worker.config import ConfigError, ModelSettings, RuntimeSettings
+from worker.config import ConfigError, ModelSettings, RuntimeSettings, preprocess_thread_count
 from worker.frames import DECODE_ERROR, MODEL_ERROR, NON_FINITE_OUTPUT, BatchOutcome, Frame, FrameFailure
 from worker.runtime.models import ModelContract, load_model
 from worker.runtime.preprocess import HostBatch, Preprocessor, stage_to_device
@@ -60,8 +60,14 @@ class InferenceExecutor:
         self.preferred_batch_sizes: tuple[int, ...] = tuple(graph_buckets[0]) if graph_buckets else ()
         self._warmup_batches = warmup_batches
         self._warmup_batch_size = warmup_batch_size
+        if preprocess_threads < 1:
+            raise ValueError("InferenceExecutor needs preprocess_threads >= 1")
         pin = any(r.device.type == "cuda" for r in runners)
-        self._preprocessor = Preprocessor(contract, pin_memory=pin)
+        # Two pools, so a batch's preparation never waits on frames queued behind it in its own pool: one
+        # thread per batch being prepared (mostly waiting), and the threads that decode the frames.
+        self._decode_pool = concurrent.futures.ThreadPoolExecutor(preprocess_threads, thread_name_prefix="decode")
+        self._preprocessor = Preprocessor(contract, pin_memory=pin, pool=self._decode_pool,
+                                          workers=preprocess_threads)
         self._slots = [
             _Slot(r, concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"infer-{r.device}"))
             for r in runners
@@ -81,7 +87,7 @@ class InferenceExecutor:
         loaded = [load_model(model, device) for device in plan.devices]
         runners = [make_runner(m.module, m.contract, m.device, plan.precision, plan.cuda_graphs, plan.buckets,
                                runtime.warmup_batches) for m in loaded]
-        return cls(runners, loaded[0].contract, runtime.preprocess_threads, runtime.warmup_batches,
+        return cls(runners, loaded[0].contract, preprocess_thread_count(runtime), runtime.warmup_batches,
                    warmup_batch_size=max(runtime.graph_batch_sizes),
                    device_description=_describe(plan, loaded[0].kind))
 
@@ -132,6 +138,7 @@ class InferenceExecutor:
         for slot in self._slots:
             slot.thread.shutdown(wait=True)
         self._prep_pool.shutdown(wait=True)
+        self._decode_pool.shutdown(wait=True)
 
     def __enter__(self) -> InferenceExecutor:
         return self

@@ -10,6 +10,7 @@ on its own, so no batch padding reaches the model.
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import time
 from collections.abc import Sequence
@@ -107,12 +108,17 @@ class Preprocessor:
     """Decodes, resizes and normalises frames into one float32 batch in the model's layout; thread-safe, stateless.
 
     The whole preprocessing contract (channels, order, scale, mean/std, resize, layout) is applied here, on
-    the host, for every device: the runners receive the finished tensor.
+    the host, for every device: the runners receive the finished tensor. With a `pool` of `workers` threads
+    the frames of one batch are decoded in parallel (JPEG decode and resizing release the GIL); `prepare`
+    must then not itself run on that pool, or it could wait on work queued behind it.
     """
 
-    def __init__(self, contract: ModelContract, pin_memory: bool = False):
+    def __init__(self, contract: ModelContract, pin_memory: bool = False,
+                 pool: concurrent.futures.Executor | None = None, workers: int = 1):
         self.contract = contract
         self.pin_memory = pin_memory
+        self._pool = pool if workers > 1 else None
+        self._workers = workers
         c = contract.channels
         std = np.asarray(contract.std, dtype=np.float32).reshape(c, 1, 1)
         mean = np.asarray(contract.mean, dtype=np.float32).reshape(c, 1, 1)
@@ -127,28 +133,46 @@ class Preprocessor:
         """Decode every frame; the tensor is [decodable frames, *input_shape] with H, W the model input size."""
         started_at = time.time()
         t0 = time.perf_counter()
-        batch_h, batch_w = shape[0], shape[1]
-        out_hw = self.contract.model_input_hw((batch_h, batch_w))
-        decoded: list[tuple[Frame, np.ndarray, tuple[int, int]]] = []
-        failures: list[tuple[Frame, FrameDecodeError]] = []
-        for frame in frames:
-            try:
-                decoded.append((frame, *self._decode_one(frame, batch_h, batch_w)))
-            except FrameDecodeError as exc:
-                failures.append((frame, exc))
+        frames = list(frames)
+        out_hw = self.contract.model_input_hw((shape[0], shape[1]))
         tensor = torch.empty(
-            (len(decoded), *self.contract.input_shape(out_hw)), dtype=torch.float32, pin_memory=self.pin_memory
+            (len(frames), *self.contract.input_shape(out_hw)), dtype=torch.float32, pin_memory=self.pin_memory
         )
-        view = tensor.numpy()
-        for row, (_, pixels, offset) in enumerate(decoded):
-            self._write_row(view[row], pixels, offset)
+        errors = self._fill(tensor.numpy(), frames, (shape[0], shape[1]))
+        failures = [(frame, exc) for frame, exc in zip(frames, errors) if exc is not None]
+        if failures:
+            tensor = _compact(tensor, [exc is None for exc in errors])
         return HostBatch(
-            frames=[f for f, _, _ in decoded],
+            frames=[frame for frame, exc in zip(frames, errors) if exc is None],
             tensor=tensor,
             failures=failures,
             started_at=started_at,
             preprocess_ms=(time.perf_counter() - t0) * 1000.0,
         )
+
+    def _fill(self, rows: np.ndarray, frames: list[Frame], batch_hw: tuple[int, int]) -> list[FrameDecodeError | None]:
+        """Decode frame i into rows[i], in contiguous chunks across the pool; the error of each frame, or None."""
+        chunks = min(len(frames), self._workers) if self._pool is not None else 1
+        if chunks <= 1:
+            return self._fill_range(rows, frames, batch_hw, 0, len(frames))
+        bounds = [len(frames) * k // chunks for k in range(chunks + 1)]
+        assert self._pool is not None
+        futures = [self._pool.submit(self._fill_range, rows, frames, batch_hw, lo, hi)
+                   for lo, hi in zip(bounds, bounds[1:])]
+        return [err for f in futures for err in f.result()]
+
+    def _fill_range(self, rows: np.ndarray, frames: list[Frame], batch_hw: tuple[int, int], lo: int,
+                    hi: int) -> list[FrameDecodeError | None]:
+        errors: list[FrameDecodeError | None] = []
+        for i in range(lo, hi):
+            try:
+                pixels, offset = self._decode_one(frames[i], *batch_hw)
+            except FrameDecodeError as exc:
+                errors.append(exc)
+                continue
+            self._write_row(rows[i], pixels, offset)
+            errors.append(None)
+        return errors
 
     def _decode_one(self, frame: Frame, batch_h: int, batch_w: int) -> tuple[np.ndarray, tuple[int, int]]:
         # A raw frame decodes with its own channel count and is converted here; a JPEG decodes to the model's.
@@ -173,6 +197,15 @@ class Preprocessor:
         src = pixels.transpose(2, 0, 1)
         np.multiply(src[::-1] if self._bgr else src, self._scale, out=region, casting="unsafe")
         np.subtract(region, self._bias, out=region)
+
+
+def _compact(tensor: torch.Tensor, keep: list[bool]) -> torch.Tensor:
+    """The kept rows moved to the front, in order, in place (so a pinned buffer stays pinned); a view of them."""
+    kept = [i for i, k in enumerate(keep) if k]
+    for row, i in enumerate(kept):
+        if row != i:
+            tensor[row].copy_(tensor[i])
+    return tensor[:len(kept)]
 
 
 def stage_to_device(batch: HostBatch, device: torch.device, copy_stream: torch.cuda.Stream | None) -> HostBatch:
