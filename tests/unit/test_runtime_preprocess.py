@@ -156,5 +156,8 @@ def test_parallel_decoding_gives_the_serial_batch_failures_included():
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         parallel = Preprocessor(CONTRACT, pool=pool, workers=3).prepare(frames, (8, 8, 3))
     assert [f.frame_index for f in parallel.frames] == [f.frame_index for f in serial.frames] == [0, 2, 3, 5]
-    assert [(f.frame_index, str(e)) for f, e in parallel.failures] == [(f.frame_index, str(e)) for f, e in serial.failures]
+    def failed(batch):
+        return [(f.frame_index, str(e)) for f, e in batch.failures]
+
+    assert failed(parallel) == failed(serial)
     torch.testing.assert_close(parallel.tensor, serial.tensor, rtol=0, atol=0)

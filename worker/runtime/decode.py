@@ -20,18 +20,22 @@ import simplejpeg
 from PIL import Image
 
 from worker.config import MAX_FRAME_PIXELS_CEILING
+from worker.errors import StreamferError
 from worker.frames import Encoding, Frame
 
 
-class FrameDecodeError(Exception):
+class FrameDecodeError(StreamferError):
     """One frame's pixels are unusable (corrupt JPEG, wrong byte count, zero or mismatched dimensions)."""
 
 
-def decode_frame(frame: Frame, channels: int = 3, max_pixels: int = MAX_FRAME_PIXELS_CEILING) -> np.ndarray:
+def decode_frame(frame: Frame, channels: int = 3, max_pixels: int = MAX_FRAME_PIXELS_CEILING,
+                 min_hw: tuple[int, int] | None = None) -> np.ndarray:
     """The frame's pixels as a (height, width, channels) uint8 array, or FrameDecodeError saying why not.
 
     `max_pixels` is `limits.max_frame_pixels`; the message decoder has already held the frame header to it,
     and a JPEG must match its header, so the default (the setting's ceiling) is only a last line of defence.
+    With `min_hw` a JPEG may come back smaller than the frame, scaled by 1/2, 1/4 or 1/8 (`jpeg_scale`) but
+    never below `min_hw`: libjpeg's scaled IDCT then skips most of the pixel work. Raw frames are full size.
     """
     h, w, c = frame.shape
     if h <= 0 or w <= 0 or c <= 0:
@@ -41,7 +45,7 @@ def decode_frame(frame: Frame, channels: int = 3, max_pixels: int = MAX_FRAME_PI
     if frame.encoding is Encoding.RAW_RGB8:
         return _decode_raw(frame, channels)
     if frame.encoding is Encoding.JPEG:
-        return _decode_jpeg(frame, channels)
+        return _decode_jpeg(frame, channels, jpeg_scale((h, w), min_hw))
     raise FrameDecodeError(f"unsupported encoding {frame.encoding!r}")
 
 
@@ -57,10 +61,20 @@ def _decode_raw(frame: Frame, channels: int) -> np.ndarray:
     return np.frombuffer(frame.data, dtype=np.uint8).reshape(h, w, c)
 
 
-# Pillow modes a JPEG opens in; each decodes to at most 4 bytes per pixel.
+# libjpeg-turbo has SIMD IDCTs for these reductions; other M/8 scales (3/8, 5/8...) run in plain C, often
+# slower than decoding at full size, so they are never used.
+JPEG_SCALES = (8, 4, 2)
 
 
-def _decode_jpeg(frame: Frame, channels: int) -> np.ndarray:
+def jpeg_scale(frame_hw: tuple[int, int], min_hw: tuple[int, int] | None) -> int:
+    """The largest reduction k in 8, 4, 2 whose scaled size ceil(h/k) x ceil(w/k) is still >= `min_hw`; 1 if none."""
+    if min_hw is None:
+        return 1
+    h, w = frame_hw
+    return next((k for k in JPEG_SCALES if -(-h // k) >= min_hw[0] and -(-w // k) >= min_hw[1]), 1)
+
+
+def _decode_jpeg(frame: Frame, channels: int, scale: int = 1) -> np.ndarray:
     info = check_jpeg(frame.data, (frame.width, frame.height))  # raises FrameDecodeError before any pixel work
     if info.components not in (1, 3, 4):
         raise FrameDecodeError(f"JPEG has {info.components} colour components; supported: 1, 3 or 4 (CMYK)")
@@ -68,7 +82,9 @@ def _decode_jpeg(frame: Frame, channels: int) -> np.ndarray:
         # libjpeg-turbo with strict=True: its warnings are errors, so data cut short (even when closed with a
         # new EOI marker, which Pillow decodes as grey padding) never becomes a score.
         if info.components != 4:
-            arr = simplejpeg.decode_jpeg(frame.data, colorspace="RGB" if channels == 3 else "GRAY", strict=True)
+            # min_height/min_width of exactly ceil(size/k) make libjpeg pick the scale 1/k (its sizes round up).
+            arr = simplejpeg.decode_jpeg(frame.data, colorspace="RGB" if channels == 3 else "GRAY", strict=True,
+                                         min_height=-(-frame.height // scale), min_width=-(-frame.width // scale))
             return arr if arr.ndim == 3 else arr[:, :, None]
         # CMYK (print files, never video): libjpeg-turbo checks the data, Pillow converts the colours (it knows
         # Adobe's inverted CMYK); both decode, which only this rare kind pays for.

@@ -60,24 +60,39 @@ def to_channels(pixels: np.ndarray, channels: int) -> np.ndarray:
     return np.asarray(Image.fromarray(rgb, "RGB").convert("L"), dtype=np.uint8)[:, :, None]
 
 
-def fit_to_input(pixels: np.ndarray, contract: ModelContract) -> tuple[np.ndarray, tuple[int, int]]:
-    """Resize (and crop) a decoded frame as the contract says; returns the pixels and their (top, left) offset
-    in the model input (non-zero only for letterbox, whose border stays at the mean colour)."""
+def resize_target(contract: ModelContract, frame_hw: tuple[int, int]) -> tuple[int, int] | None:
+    """The (height, width) a frame of `frame_hw` is resized to before any crop; None when the model takes any
+    size. Computed from the frame's declared size, so a JPEG decoded at a reduced scale lands on the same one."""
     size = contract.input_size
     if size is None:
-        return pixels, (0, 0)
-    h, w = pixels.shape[:2]
+        return None
+    h, w = frame_hw
     if contract.resize == "letterbox":
         scale = min(size[0] / h, size[1] / w)
-        inner = (max(1, min(size[0], round(h * scale))), max(1, min(size[1], round(w * scale))))
-        return _resize(pixels, inner), ((size[0] - inner[0]) // 2, (size[1] - inner[1]) // 2)
+        return max(1, min(size[0], round(h * scale))), max(1, min(size[1], round(w * scale)))
     if contract.resize == "shorter_side_crop":
         scale = contract.resize_shorter_side / min(h, w)
-        resized = (max(size[0], round(h * scale)), max(size[1], round(w * scale)))
-        return _centre_crop(_resize(pixels, resized), size), (0, 0)
+        return max(size[0], round(h * scale)), max(size[1], round(w * scale))
     if contract.resize == "stretch_crop" and contract.resize_to is not None:
-        return _centre_crop(_resize(pixels, contract.resize_to), size), (0, 0)
-    return _resize(pixels, size), (0, 0)
+        return contract.resize_to
+    return size
+
+
+def fit_to_input(pixels: np.ndarray, contract: ModelContract,
+                 frame_hw: tuple[int, int] | None = None) -> tuple[np.ndarray, tuple[int, int]]:
+    """Resize (and crop) a decoded frame as the contract says; returns the pixels and their (top, left) offset
+    in the model input (non-zero only for letterbox, whose border stays at the mean colour). `frame_hw` is the
+    frame's full size when `pixels` were decoded at a reduced scale."""
+    size = contract.input_size
+    target = resize_target(contract, frame_hw or (pixels.shape[0], pixels.shape[1]))
+    if size is None or target is None:
+        return pixels, (0, 0)
+    resized = _resize(pixels, target)
+    if contract.resize == "letterbox":
+        return resized, ((size[0] - target[0]) // 2, (size[1] - target[1]) // 2)
+    if contract.resize in ("shorter_side_crop", "stretch_crop"):
+        return _centre_crop(resized, size), (0, 0)
+    return resized, (0, 0)
 
 
 def jpeg_roundtrip(pixels: np.ndarray, quality: int) -> np.ndarray:
@@ -177,12 +192,14 @@ class Preprocessor:
     def _decode_one(self, frame: Frame, batch_h: int, batch_w: int) -> tuple[np.ndarray, tuple[int, int]]:
         # A raw frame decodes with its own channel count and is converted here; a JPEG decodes to the model's.
         channels = frame.channels if frame.encoding is Encoding.RAW_RGB8 else self.contract.channels
-        pixels = to_channels(decode_frame(frame, channels), self.contract.channels)
         if self.contract.input_size is None and (frame.height > batch_h or frame.width > batch_w):
             raise FrameDecodeError(
                 f"frame {frame.width}x{frame.height} is larger than its batch shape {batch_w}x{batch_h}"
             )
-        pixels, offset = fit_to_input(pixels, self.contract)
+        frame_hw = (frame.height, frame.width)
+        # A JPEG bound for a smaller fixed input is decoded at the smallest DCT scale still >= the resize target.
+        pixels = decode_frame(frame, channels, min_hw=resize_target(self.contract, frame_hw))
+        pixels, offset = fit_to_input(to_channels(pixels, self.contract.channels), self.contract, frame_hw)
         if self.contract.jpeg_roundtrip_quality:
             pixels = jpeg_roundtrip(pixels, self.contract.jpeg_roundtrip_quality)
         return pixels, offset
