@@ -18,7 +18,7 @@ from model_factories import pixels, raw_frame
 from worker.config import ConfigError, ModelSettings, load_settings
 from worker.runtime import load_model
 from worker.runtime.models import ModelContract
-from worker.runtime.preprocess import Preprocessor
+from worker.runtime.preprocess import Normaliser, Preprocessor
 
 
 def _contract(**kw: object) -> ModelContract:
@@ -28,7 +28,7 @@ def _contract(**kw: object) -> ModelContract:
 def _prepare(contract: ModelContract, *frames, shape=None) -> np.ndarray:
     batch = Preprocessor(contract).prepare(list(frames), shape or frames[0].shape)
     assert not batch.failures, batch.failures
-    return batch.tensor.numpy()
+    return Normaliser(contract)(batch.pixels, batch.regions).numpy()
 
 
 def _bilinear(img: np.ndarray, hw: tuple[int, int]) -> np.ndarray:

@@ -20,7 +20,7 @@ import torch
 from worker.config import ConfigError, ModelSettings, RuntimeSettings, preprocess_thread_count
 from worker.frames import DECODE_ERROR, MODEL_ERROR, NON_FINITE_OUTPUT, BatchOutcome, Frame, FrameFailure
 from worker.runtime.models import ModelContract, load_model
-from worker.runtime.preprocess import HostBatch, Preprocessor, stage_to_device
+from worker.runtime.preprocess import HostBatch, HostBuffers, Preprocessor, stage_to_device
 from worker.runtime.runners import EagerRunner, RunResult, make_runner
 
 log = logging.getLogger(__name__)
@@ -62,12 +62,11 @@ class InferenceExecutor:
         self._warmup_batch_size = warmup_batch_size
         if preprocess_threads < 1:
             raise ValueError("InferenceExecutor needs preprocess_threads >= 1")
-        pin = any(r.device.type == "cuda" for r in runners)
+        buffers = HostBuffers(pin_memory=any(r.device.type == "cuda" for r in runners))
         # Two pools, so a batch's preparation never waits on frames queued behind it in its own pool: one
         # thread per batch being prepared (mostly waiting), and the threads that decode the frames.
         self._decode_pool = concurrent.futures.ThreadPoolExecutor(preprocess_threads, thread_name_prefix="decode")
-        self._preprocessor = Preprocessor(contract, pin_memory=pin, pool=self._decode_pool,
-                                          workers=preprocess_threads)
+        self._preprocessor = Preprocessor(contract, buffers, pool=self._decode_pool, workers=preprocess_threads)
         self._slots = [
             _Slot(r, concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"infer-{r.device}"))
             for r in runners
@@ -161,7 +160,10 @@ class InferenceExecutor:
     def _infer(self, prepared: concurrent.futures.Future[HostBatch], slot: _Slot, submitted: int) -> BatchOutcome:
         try:
             batch = prepared.result()
-            return self._run_batch(batch, slot.runner)
+            try:
+                return self._run_batch(batch, slot.runner)
+            finally:
+                batch.release()  # the device copy is done: the runner has read it
         finally:
             with self._lock:
                 slot.load -= submitted
@@ -173,8 +175,8 @@ class InferenceExecutor:
         bucket, used_graph = 0, False
         if batch.frames:
             try:
-                assert batch.device_tensor is not None  # staged by _prepare whenever the batch has frames
-                result = runner.run(batch.device_tensor, batch.ready_event)
+                assert batch.device_pixels is not None  # staged by _prepare whenever the batch has frames
+                result = runner.run(batch.device_pixels, batch.ready_event, batch.device_regions)
                 scored = list(zip(batch.frames, result.scores))
                 bucket, used_graph = result.bucket, result.used_graph
             except Exception as exc:  # noqa: BLE001 (any model error: retried frame by frame)
@@ -202,7 +204,8 @@ class InferenceExecutor:
         )
 
     def _model_shape(self, shape: tuple[int, int, int]) -> tuple[int, int, int]:
-        return self.contract.input_shape(self.contract.model_input_hw((shape[0], shape[1])))
+        """A frame shape (h, w, c) -> the runner's input: the model input's (H, W, C) uint8 pixels."""
+        return (*self.contract.model_input_hw((shape[0], shape[1])), self.contract.channels)
 
 
 def _run_one_by_one(runner: EagerRunner, batch: HostBatch) -> tuple[list, list[FrameFailure], bool]:
@@ -210,10 +213,11 @@ def _run_one_by_one(runner: EagerRunner, batch: HostBatch) -> tuple[list, list[F
     scored: list[tuple[Frame, np.ndarray]] = []
     failures: list[FrameFailure] = []
     used_graph = False
-    assert batch.device_tensor is not None
+    pixels, regions = batch.device_pixels, batch.device_regions
+    assert pixels is not None
     for i, frame in enumerate(batch.frames):
         try:
-            result: RunResult = runner.run(batch.device_tensor[i:i + 1])
+            result: RunResult = runner.run(pixels[i:i + 1], regions=None if regions is None else regions[i:i + 1])
         except Exception as exc:  # noqa: BLE001 (this frame alone fails: dead-lettered)
             failures.append(FrameFailure(frame, f"model raised on this frame: {type(exc).__name__}: {exc}",
                                          MODEL_ERROR))
