@@ -7,7 +7,7 @@ timed from the first submit to the last result. Kafka (consume, Avro, produce, c
 
     python bench/preprocess_cost.py --base /tmp/base_tree [--rounds 5] [--seconds 2]
 
-`--base` is a checkout of the other version (e.g. `git archive <commit> worker | tar -x -C /tmp/base_tree`);
+`--base` is a checkout of the other version (e.g. `git archive <commit> worker schemas | tar -x -C /tmp/base`);
 without it only this tree's variants run. Prints a table (median, min, max over rounds) and writes JSON.
 """
 

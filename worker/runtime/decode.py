@@ -12,6 +12,7 @@ both here and in Pillow.
 from __future__ import annotations
 
 import io
+import re
 import struct
 from dataclasses import dataclass, field
 
@@ -195,27 +196,22 @@ def _next_marker(data: bytes, pos: int) -> tuple[int | None, int]:
     return data[pos], pos + 1
 
 
+# In entropy-coded data: the marker that ends it (a run of 0xFF, then a code other than 00 stuffing or RST0..7)
+# and restart markers. Searched in C (a pattern that starts with a literal byte is scanned for fast): a scan
+# holds an 0xFF every few hundred bytes, too many to step through in Python.
+_SCAN_END = re.compile(rb"\xff\xff*[^\x00\xd0-\xd7\xff]")
+_RESTART = re.compile(rb"\xff[\xd0-\xd7]")
+
+
 def _scan_data_end(data: bytes, pos: int) -> tuple[int, int]:
     """Where the entropy-coded data starting at `pos` ends (the 0xFF of the next marker that is neither a stuffed
-    FF 00 nor a restart marker RST0..7), and how many of its bytes are stuffing or restart markers."""
-    n = len(data)
-    overhead = 0
-    i = pos
-    while True:
-        i = data.find(b"\xff", i)
-        j = i + 1
-        while 0 < j < n and data[j] == 0xFF:  # fill bytes
-            j += 1
-        if i < 0 or j >= n:
-            raise _bad("truncated: a scan's data ends before the EOI marker (FF D9)")
-        code = data[j]
-        if code == 0x00:
-            overhead += 1
-        elif 0xD0 <= code <= 0xD7:
-            overhead += j + 1 - i
-        else:
-            return i, overhead
-        i = j + 1
+    FF 00 nor a restart marker RST0..7), and how many of its bytes are stuffing or restart markers: every 0xFF
+    (a stuffed FF 00 costs one byte, a fill byte one) plus the code byte of each restart marker."""
+    end = _SCAN_END.search(data, pos)
+    if end is None:
+        raise _bad("truncated: a scan's data ends before the EOI marker (FF D9)")
+    stop = end.start()
+    return stop, data.count(b"\xff", pos, stop) + len(_RESTART.findall(data, pos, stop))
 
 
 def _read_sof(segment: bytes, comps: dict[int, _Component]) -> tuple[int, int]:

@@ -277,7 +277,8 @@ class Normaliser:
         x = pixels.flip(-1) if self._bgr else pixels
         if self._nchw:
             x = x.permute(0, 3, 1, 2)
-        out = x.contiguous().float()  # the layout change on uint8, a quarter of the bytes of float32
+        # One pass converts to float32 and lays out (a strided read); then scale and bias in place.
+        out = torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x)
         out.mul_(self._scale).sub_(self._bias)
         if regions is not None:
             inside = _inside(regions, pixels.shape[1], pixels.shape[2])
