@@ -267,8 +267,7 @@ def _read_scan(data: bytes, pos: int, header: bytes, comps: dict[int, _Component
             f"{sum(comps[i].blocks for i in idents)} blocks need: truncated data, or a header claiming a larger image")
     for i in idents:
         lowest = comps[i].lowest_bit
-        for k in range(ss, se + 1):
-            lowest[k] = min(lowest[k], al)
+        lowest[ss:se + 1] = [min(bit, al) for bit in lowest[ss:se + 1]] if al else [0] * (se + 1 - ss)
     return stop
 
 
