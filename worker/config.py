@@ -162,6 +162,9 @@ class ModelSettings:
     # target) instead of full size: 2-4x less decode work, within a grey level or two of the full-size result.
     # Off where scores must match a reference preprocessing that decodes at full size (the opennsfw preset).
     jpeg_scaled_decode: bool = True
+    # The bilinear (antialiased) resize: "torch" (its uint8 kernel: within one grey level of Pillow's, about a
+    # quarter of the CPU) or "pillow" (Pillow's own, to match a reference preprocessing bit for bit).
+    resampler: Literal["torch", "pillow"] = "torch"
 
 
 # model.source presets: a known model's contract (and runtime defaults sized for it), applied beneath
@@ -174,7 +177,7 @@ MODEL_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
                   "never_flag": ["sfw"], "activation": "none", "input_size": [224, 224], "input_layout": "NHWC",
                   "channel_order": "BGR", "pixel_range": "0-255", "mean": [104.0, 117.0, 123.0],
                   "std": [1.0, 1.0, 1.0], "resize": "stretch_crop", "resize_to": [256, 256],
-                  "jpeg_roundtrip_quality": 75, "jpeg_scaled_decode": False},
+                  "jpeg_roundtrip_quality": 75, "jpeg_scaled_decode": False, "resampler": "pillow"},
         # A ResNet-50: two warm-up batches are enough to leave first-call costs behind (8 cost ~10 s on a CPU).
         "runtime": {"warmup_batches": 2},
     },

@@ -67,6 +67,7 @@ class ModelContract:
     resize_to: tuple[int, int] | None = None
     jpeg_roundtrip_quality: int = 0
     jpeg_scaled_decode: bool = True
+    resampler: str = "torch"
     activation: str = "sigmoid"
 
     @classmethod
@@ -92,6 +93,7 @@ class ModelContract:
             resize_to=resize_to,
             jpeg_roundtrip_quality=settings.jpeg_roundtrip_quality,
             jpeg_scaled_decode=settings.jpeg_scaled_decode,
+            resampler=settings.resampler,
             activation=settings.activation,
         )
 

@@ -31,10 +31,16 @@ from worker.runtime.decode import FrameDecodeError, decode_frame
 from worker.runtime.models import ModelContract
 
 
-def _resize(pixels: np.ndarray, size_hw: tuple[int, int]) -> np.ndarray:
-    """Bilinear resize with Pillow (antialiased when shrinking), the resampling reference preprocessing uses."""
+def _resize(pixels: np.ndarray, size_hw: tuple[int, int], resampler: str = "torch") -> np.ndarray:
+    """Bilinear resize, antialiased when shrinking: Pillow's (what reference preprocessing uses), or torch's uint8
+    kernel, which follows Pillow's to within one grey level at about a quarter of its cost here."""
     if pixels.shape[:2] == size_hw:
         return pixels
+    if resampler == "torch":
+        # torch wants writable memory (a raw frame is a read-only view of its message): copied then, only read.
+        x = torch.from_numpy(pixels if pixels.flags.writeable else pixels.copy()).permute(2, 0, 1).unsqueeze(0)
+        y = torch.nn.functional.interpolate(x, size=size_hw, mode="bilinear", antialias=True, align_corners=False)
+        return y[0].permute(1, 2, 0).numpy()
     out = np.asarray(_image(pixels).resize((size_hw[1], size_hw[0]), Image.Resampling.BILINEAR), dtype=np.uint8)
     return out if out.ndim == 3 else out[:, :, None]
 
@@ -93,7 +99,7 @@ def fit_to_input(pixels: np.ndarray, contract: ModelContract,
     target = resize_target(contract, frame_hw or (pixels.shape[0], pixels.shape[1]))
     if size is None or target is None:
         return pixels, (0, 0)
-    resized = _resize(pixels, target)
+    resized = _resize(pixels, target, contract.resampler)
     if contract.resize == "letterbox":
         return resized, ((size[0] - target[0]) // 2, (size[1] - target[1]) // 2)
     if contract.resize in ("shorter_side_crop", "stretch_crop"):
