@@ -26,11 +26,12 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 INFLIGHT = 2  # the worker's delivery.max_inflight_batches default
-# (name, frame width, height, image kind, model input [h, w] or None)
+# name: (frame width, height, image kind, encoding, model input [h, w])
 CASES = {
-    "jpeg224_to_224": (224, 224, "synthetic", (224, 224)),
-    "jpeg720p_to_224": (1280, 720, "synthetic", (224, 224)),
-    "jpeg720p_photo_to_224": (1280, 720, "photo", (224, 224)),
+    "jpeg224_to_224": (224, 224, "synthetic", "JPEG", (224, 224)),
+    "raw224_to_224": (224, 224, "synthetic", "RAW_RGB8", (224, 224)),
+    "jpeg720p_to_224": (1280, 720, "synthetic", "JPEG", (224, 224)),
+    "jpeg720p_photo_to_224": (1280, 720, "photo", "JPEG", (224, 224)),
 }
 
 
@@ -69,14 +70,15 @@ def one_round(case: str, threads: str, batch: int, seconds: float) -> dict[str, 
     from worker.runtime import InferenceExecutor
 
     torch.set_num_threads(1)
-    width, height, kind, input_size = CASES[case]
+    width, height, kind, encoding_name, input_size = CASES[case]
+    encoding = Encoding[encoding_name]
     pixels = (synthetic_pixels(np.random.default_rng(7), width, height) if kind == "synthetic"
               else _photo_like(width, height))
-    data = encode_pixels(pixels, Encoding.JPEG)
+    data = encode_pixels(pixels, encoding)
     frames = [Frame(stream_id="s", frame_index=i, tenant="t", priority=Priority.STANDARD, capture_ts_ms=0,
-                    width=width, height=height, channels=3, encoding=Encoding.JPEG, data=data,
+                    width=width, height=height, channels=3, encoding=encoding, data=data,
                     source=SourceRef("in", 0, i)) for i in range(batch)]
-    model = ModelSettings(source="preprocess_cost:near_zero_model", input_size=input_size or ())
+    model = ModelSettings(source="preprocess_cost:near_zero_model", input_size=input_size)
     runtime = RuntimeSettings(device="cpu", warmup_batches=1, torch_threads=1,
                               **({} if threads == "default" else {"preprocess_threads": int(threads)}))
     shape = (height, width, 3)
@@ -94,7 +96,7 @@ def one_round(case: str, threads: str, batch: int, seconds: float) -> dict[str, 
             done += batch
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     return {"cpu_ms_per_frame": cpu / done * 1000.0, "frames_per_s": done / wall, "frames": done,
-            "jpeg_bytes": len(data)}
+            "frame_bytes": len(data)}
 
 
 def _spawn(tree: Path, case: str, threads: str, batch: int, seconds: float) -> dict[str, Any]:
@@ -139,7 +141,7 @@ def main() -> int:
             summary.append({"case": case, "variant": name, "rounds": len(rows),
                             "cpu_ms_per_frame": {"median": statistics.median(cpu), "min": min(cpu), "max": max(cpu)},
                             "frames_per_s": {"median": statistics.median(fps), "min": min(fps), "max": max(fps)},
-                            "jpeg_bytes": rows[0]["jpeg_bytes"]})
+                            "frame_bytes": rows[0]["frame_bytes"]})
             print(f"{case:24s} {name:34s} {statistics.median(cpu):7.3f} [{min(cpu):.3f}, {max(cpu):.3f}]"
                   f"{'':9s} {statistics.median(fps):6.0f} [{min(fps):.0f}, {max(fps):.0f}]")
     args.out.parent.mkdir(parents=True, exist_ok=True)
