@@ -262,3 +262,17 @@ def test_the_jpeg_scale_is_not_reduced_when_the_contract_says_full_size_decode(m
         contract = ModelContract.from_settings(ModelSettings(input_size=(16, 16), jpeg_scaled_decode=scaled))
         Preprocessor(contract).prepare([jpeg_frame(0, 64, 64)], (64, 64, 3))
     assert seen == [(16, 16), None]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_the_normaliser_on_cuda_equals_the_float32_host_path(variant):
+    """One code path: the same torch operations on the GPU as on the CPU."""
+    contract = ModelContract.from_settings(ModelSettings(**VARIANTS[variant]))
+    frames = [raw_frame(0, 24, 20), raw_frame(1, 9, 24), jpeg_frame(2, 24, 24), raw_frame(3, 5, 7)]
+    batch = Preprocessor(contract).prepare(frames, (24, 24, 3))
+    device = torch.device("cuda", 0)
+    regions = None if batch.regions is None else batch.regions.to(device)
+    ours = Normaliser(contract, device)(batch.pixels.to(device), regions).cpu().numpy()
+    np.testing.assert_allclose(ours, _float_reference(contract, frames, (24, 24, 3)), rtol=0, atol=1e-6)
