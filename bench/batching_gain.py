@@ -102,8 +102,8 @@ class BaselineLoop:
         self.contract = loaded.contract
         self.runner = EagerRunner(loaded.module, loaded.contract, self.device, s.runtime.precision)
         # The worker's warm-up: warmup_batches forward passes of its largest batch at 224x224.
-        self.runner.warm_up((3, 224, 224), s.runtime.warmup_batches, max(s.runtime.graph_batch_sizes))
-        self.preprocessor = Preprocessor(loaded.contract, pin_memory=False)
+        self.runner.warm_up((224, 224, 3), s.runtime.warmup_batches, max(s.runtime.graph_batch_sizes))
+        self.preprocessor = Preprocessor(loaded.contract)
         # The worker's own client settings (worker.source.FrameSource, worker.sink.ResultSink).
         self.consumer = Consumer(consumer_config(s))
         self.producer = Producer(producer_config(s))
@@ -180,7 +180,8 @@ class BaselineLoop:
         t0 = time.perf_counter()
         batch = self.preprocessor.prepare(frames, frames[0].shape)
         stage_to_device(batch, self.device, None)
-        scores = self.runner.run(batch.device_tensor).scores
+        scores = self.runner.run(batch.device_pixels, regions=batch.device_regions).scores
+        batch.release()
         now = time.time()
         took_ms = (time.perf_counter() - t0) * 1000.0
         for frame, row in zip(batch.frames, scores, strict=True):

@@ -108,7 +108,8 @@ def model_only_throughput(executor: Any, cycle: list, batch_size: int, seconds: 
     tensors = []
     for frame, shape in cycle:
         hb = prep.prepare([frame] * batch_size, shape)
-        tensors.append(hb.tensor.to(runner.device))
+        tensors.append(hb.pixels.to(runner.device))  # the runner's input: uint8 pixels it normalises itself
+        hb.release()
     for x in tensors:
         runner.run(x)
     n, t0, i = 0, time.perf_counter(), 0
