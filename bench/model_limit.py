@@ -30,7 +30,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common
+import stats
 from common import Context
+from workloads import Workload
 
 from worker.config import load_settings
 from worker.frames import Frame, SourceRef
@@ -62,12 +64,13 @@ def seed_comparison(ctx: Context) -> dict[str, Any]:
                 "device": executor.device_description}
 
 
-def shape_schedule(run_id: str) -> list[tuple[Frame, tuple[int, int, int]]]:
+def shape_schedule(run_id: str, workload: Workload | None = None) -> list[tuple[Frame, tuple[int, int, int]]]:
     """One frame per (class, shape) of the workload, repeated by share: a cycle of batches whose frame mix
     matches the Kafka runs'."""
-    smallest = min(load.share / len(load.shapes) for load in common.WORKLOAD.values())
+    classes = (workload or common.WORKLOADS["mixed"]).classes
+    smallest = min(load.share / len(load.shapes) for load in classes.values())
     cycle: list[tuple[Frame, tuple[int, int, int]]] = []
-    for priority, load in common.WORKLOAD.items():
+    for priority, load in classes.items():
         records = list(common.synthetic_frames(len(load.shapes), list(load.shapes), load.encoding, priority, run_id))
         for rec in records:
             frame = decode_frame(encode_frame(rec), SourceRef("limit", 0, 0), priority, time.time())
@@ -78,13 +81,19 @@ def shape_schedule(run_id: str) -> list[tuple[Frame, tuple[int, int, int]]]:
 
 def executor_throughput(executor: Any, cycle: list, batch_size: int, seconds: float) -> float:
     """Frames/s of the executor fed batches of `batch_size` frames cycling through the shapes."""
+    return float(executor_round(executor, cycle, batch_size, seconds)["frames_per_s"])
+
+
+def executor_round(executor: Any, cycle: list, batch_size: int, seconds: float) -> dict[str, float]:
+    """Frames/s and CPU-ms per frame (this process, all threads) of the executor fed batches of `batch_size`
+    frames cycling through the shapes, INFLIGHT batches in flight, for at least `seconds` and whole cycles."""
     pending: list[Future] = []
     done_frames = 0
     i = 0
     # One untimed pass over every shape: first-call costs out of the figure.
     for frame, shape in cycle:
         executor.submit([frame] * batch_size, shape).result()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     while True:
         while len(pending) < INFLIGHT:
             frame, shape = cycle[i % len(cycle)]
@@ -95,8 +104,10 @@ def executor_throughput(executor: Any, cycle: list, batch_size: int, seconds: fl
         if time.perf_counter() - t0 >= seconds and i % len(cycle) == 0:
             break
     for f in pending:
-        f.result()
-    return done_frames / (time.perf_counter() - t0)
+        done_frames += f.result().batch_size
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    return {"frames_per_s": done_frames / elapsed, "frames": done_frames, "seconds": elapsed,
+            "cpu_ms_per_frame": stats.cpu_ms_per_frame(cpu, done_frames)}
 
 
 def model_only_throughput(executor: Any, cycle: list, batch_size: int, seconds: float) -> float:
