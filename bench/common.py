@@ -446,6 +446,15 @@ class BacklogRun:
     seconds: float  # consumer start to everything committed (start-up and group join included)
     proc_cpu_s: list[float | None]  # CPU seconds each consumer process used, start-up included
     broker_cpu_s: float | None  # CPU seconds the local broker used meanwhile (None for an external one)
+    cpu_samples: list[list[tuple[float, float]]] = field(default_factory=list)  # per process, CpuSampler's
+
+    def cpu_ms_per_frame(self, tp: dict[str, Any]) -> float:
+        """CPU-ms per frame of all consumer processes together over steady_throughput's window."""
+        if not self.cpu_samples or "window_start_ms" not in tp:
+            return float("nan")
+        t0, t1 = tp["window_start_ms"] / 1000.0, tp["window_end_ms"] / 1000.0
+        return stats.cpu_ms_per_frame(sum(stats.cpu_between(s, t0, t1) for s in self.cpu_samples),
+                                      tp["frames_in_window"])
 
 
 def run_backlog(bootstrap: str, topics: Topics, expected: int, start: Callable[[Topics], Proc | list[Proc]],
@@ -458,10 +467,12 @@ def run_backlog(bootstrap: str, topics: Topics, expected: int, start: Callable[[
     t0 = time.monotonic()
     started = start(consumer_topics)
     procs = started if isinstance(started, list) else [started]
+    samplers = [CpuSampler(p.popen.pid) for p in procs]
     done = wait_committed(bootstrap, consumer_topics.group, ends, timeout_s,
                           alive=lambda: all(p.alive() for p in procs))
     elapsed = time.monotonic() - t0
     proc_cpu = [process_cpu_seconds(p.popen.pid) for p in procs]
+    samples = [s.stop() for s in samplers]
     broker_cpu = broker.cpu_seconds() if broker else None
     for p in procs:
         p.stop()
@@ -470,7 +481,7 @@ def run_backlog(bootstrap: str, topics: Topics, expected: int, start: Callable[[
         raise RuntimeError(f"{tag}: the backlog was not consumed within {timeout_s:.0f}s\n{tails}")
     results = read_run_results(bootstrap, consumer_topics.results, expected)
     return BacklogRun(results, procs, elapsed, proc_cpu,
-                      None if broker_cpu is None or broker_cpu0 is None else broker_cpu - broker_cpu0)
+                      None if broker_cpu is None or broker_cpu0 is None else broker_cpu - broker_cpu0, samples)
 
 
 # -- output ----------------------------------------------------------------------------------------------------
