@@ -26,7 +26,6 @@ import statistics
 import sys
 import threading
 import time
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import stats
 from common import Context
+from executor_load import executor_round, frame_cycle
 from workloads import Workload
 
 from worker.config import load_settings
@@ -42,7 +42,6 @@ from worker.frames import Frame, SourceRef
 from worker.schemas import decode_frame, encode_frame
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
-INFLIGHT = 2  # the worker's delivery.max_inflight_batches default
 GOAL = 0.85
 
 
@@ -68,49 +67,13 @@ def seed_comparison(ctx: Context) -> dict[str, Any]:
 
 
 def shape_schedule(run_id: str, workload: Workload | None = None) -> list[tuple[Frame, tuple[int, int, int]]]:
-    """One frame per (class, shape) of the workload, repeated by share: a cycle of batches whose frame mix
-    matches the Kafka runs'."""
-    classes = (workload or common.WORKLOADS["mixed"]).classes
-    smallest = min(load.share / len(load.shapes) for load in classes.values())
-    cycle: list[tuple[Frame, tuple[int, int, int]]] = []
-    for priority, load in classes.items():
-        records = list(common.synthetic_frames(len(load.shapes), list(load.shapes), load.encoding, priority, run_id))
-        for rec in records:
-            frame = decode_frame(encode_frame(rec), SourceRef("limit", 0, 0), priority, time.time())
-            repeats = round(load.share / len(load.shapes) / smallest)
-            cycle.extend([(frame, frame.shape)] * repeats)
-    return cycle
+    """One frame per (class, shape) of the workload, repeated by share (executor_load.frame_cycle)."""
+    return frame_cycle(workload or common.WORKLOADS["mixed"])
 
 
 def executor_throughput(executor: Any, cycle: list, batch_size: int, seconds: float) -> float:
     """Frames/s of the executor fed batches of `batch_size` frames cycling through the shapes."""
     return float(executor_round(executor, cycle, batch_size, seconds)["frames_per_s"])
-
-
-def executor_round(executor: Any, cycle: list, batch_size: int, seconds: float) -> dict[str, float]:
-    """Frames/s and CPU-ms per frame (this process, all threads) of the executor fed batches of `batch_size`
-    frames cycling through the shapes, INFLIGHT batches in flight, for at least `seconds` and whole cycles."""
-    pending: list[Future] = []
-    done_frames = 0
-    i = 0
-    # One untimed pass over every shape: first-call costs out of the figure.
-    for frame, shape in cycle:
-        executor.submit([frame] * batch_size, shape).result()
-    t0, cpu0 = time.perf_counter(), time.process_time()
-    while True:
-        while len(pending) < INFLIGHT:
-            frame, shape = cycle[i % len(cycle)]
-            i += 1
-            pending.append(executor.submit([frame] * batch_size, shape))
-        outcome = pending.pop(0).result()
-        done_frames += outcome.batch_size
-        if time.perf_counter() - t0 >= seconds and i % len(cycle) == 0:
-            break
-    for f in pending:
-        done_frames += f.result().batch_size
-    elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    return {"frames_per_s": done_frames / elapsed, "frames": done_frames, "seconds": elapsed,
-            "cpu_ms_per_frame": stats.cpu_ms_per_frame(cpu, done_frames)}
 
 
 def model_only_throughput(executor: Any, cycle: list, batch_size: int, seconds: float) -> float:

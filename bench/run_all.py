@@ -139,7 +139,7 @@ def gpu_section(broker: common.Broker, args: argparse.Namespace, log_dir: Path, 
         on, off = per_mode["on"], per_mode["off"]
         rows.append(("graphs on vs off: single 512x512 latency",
                      f"{1 - on['seed']['single_512_ms'] / off['seed']['single_512_ms']:.0%} lower with graphs"))
-        fps_on, fps_off = (m["limit"]["worker_process"]["frames_per_s"] for m in (on, off))
+        fps_on, fps_off = (m["limit"]["worker_fps"]["median"] for m in (on, off))
         rows.append(("graphs on vs off: worker saturated frames/s", f"{fps_on / fps_off:.2f}x"))
     except (KeyError, ZeroDivisionError, TypeError):
         pass
