@@ -80,7 +80,7 @@ def open_loop(executor: Any, frame: Frame, rate_fps: float, seconds: float, poli
     """Frame i is due at start + i / rate (open loop: a late dispatch counts against the executor). Pending
     frames go out as one batch when max_batch_size are waiting or the oldest has waited max_wait_ms, with at
     most max_inflight batches in flight. Batch latency = submit -> outcome; frame latency = due -> outcome.
-    Frames due in the first `warmup_share` of the run are left out of the percentiles."""
+    Frames due in the first `warmup_share` of the run are left out of the percentiles and of sustained_fps."""
     total = max(1, int(rate_fps * seconds))
     pending: collections.deque[float] = collections.deque()
     inflight: collections.deque[tuple[concurrent.futures.Future, float, list[float]]] = collections.deque()
@@ -128,8 +128,16 @@ def open_loop(executor: Any, frame: Frame, rate_fps: float, seconds: float, poli
     batch_ms = sorted((d - s) * 1000.0 for s, d, _ in kept)
     frame_ms = sorted((d - t) * 1000.0 for _, d, dues in kept for t in dues)
     frames_done = sum(len(dues) for _, _, dues in batches)
+    # Sustained: frames finished while the load ran (after the warm-up share) per second of it; equals the
+    # offered rate when the executor keeps up, its capacity when it does not.
+    in_window = sum(len(dues) for _, done, dues in batches if warm_until <= done <= load_end)
+    sustained = in_window / (load_end - warm_until) if load_end > warm_until else float("nan")
+    # Kept up: the last frame was done about one wait and two batches after it was due. An executor that
+    # falls behind builds a queue, and the drain grows with the run's length instead.
+    allowed_drain_s = policy.max_wait_ms / 1000.0 + 2 * percentile(batch_ms, 0.99) / 1000.0 + 0.05
     return {
-        "offered_fps": rate_fps, "seconds": seconds, "frames": frames_done,
+        "offered_fps": rate_fps, "seconds": seconds, "frames": frames_done, "sustained_fps": sustained,
+        "kept_up": bool(last_done - load_end <= allowed_drain_s),
         "achieved_fps": frames_done / (last_done - t0) if last_done > t0 else float("nan"),
         "drain_after_load_s": last_done - load_end,
         "batches": len(batches), "mean_batch": frames_done / len(batches) if batches else float("nan"),
