@@ -247,7 +247,10 @@ def backlog_round(ctx: Context, which: str, topics: Topics, frames: int, cap_s: 
     finished = common.wait_committed(ctx.bootstrap, t.group, ends, cap_s, alive=proc.alive)
     cpu = watch.stop()
     samples = sampler.stop()
+    died = not finished and not proc.alive()
     proc.stop()
+    if died:
+        raise RuntimeError(f"consumer {which} exited before it had consumed the backlog\n{proc.tail()}")
     results = common.read_run_results(ctx.bootstrap, t.results, frames if finished else None)
     if len(results) < 40:
         raise RuntimeError(f"consumer {which} produced {len(results)} results in {cap_s:.0f}s\n{proc.tail()}")
@@ -349,18 +352,24 @@ def throughput(ctx: Context) -> dict[str, Any]:
     limit = Limit(ctx)
     try:
         best_fps = limit.sweep[limit.batch_size]["frames_per_s"]
-        # The backlog lasts about target_s at the runtime's own best (a consumer slower than that takes longer).
-        frames = int(min(ctx.scale(4000, 2500), max(80, best_fps * ctx.scale(8, 4))))
+        # The backlog lasts about 10 s (quick: 5 s) at the runtime's own best, at least 60 frames (a window of 48).
+        frames = int(min(ctx.scale(4000, 2500), max(60, best_fps * ctx.scale(10, 5))))
         topics = common.make_topics(ctx.bootstrap, "bg")
         print(f"{tag} best batch {limit.batch_size} ({best_fps:.0f} frames/s); publishing a backlog of {frames} "
               f"frames", flush=True)
         publish = common.publish_load(ctx.bootstrap, topics, ctx.records(frames, common.new_id("bg")))
         trials: list[dict[str, Any]] = []
         for r, which in stats.interleaved(list(VARIANTS), rounds):
-            if which == "L":
-                trial = limit.round(ctx.scale(3, 1.5))
-            else:
-                trial = backlog_round(ctx, which, topics, frames, ctx.scale(9, 6) if which == "a" else 300)
+            try:
+                if which == "L":
+                    trial = limit.round(ctx.scale(3, 1.5))
+                else:
+                    trial = backlog_round(ctx, which, topics, frames, ctx.scale(9, 6) if which == "a" else 300)
+            except RuntimeError as exc:
+                # A consumer that crashes or stalls is a result too: the round is listed, the medians skip it.
+                trial = {"consumer": which, "failed": str(exc), "frames_per_s": float("nan"),
+                         "cpu_ms_per_frame": float("nan")}
+                print(f"{tag} round {r} ({which}) FAILED: {_last_error_line(str(exc))}", flush=True)
             trial["round"] = r
             trials.append(trial)
             print(f"{tag} round {r} ({which}) {trial['frames_per_s']:.0f} frames/s, "
@@ -373,8 +382,10 @@ def throughput(ctx: Context) -> dict[str, Any]:
     cpu_spread = {w: stats.Spread.of([t["cpu_ms_per_frame"] for t in by[w].values()]) for w in VARIANTS}
     ratios = {"c/L": stats.ratio_spread(fps["c"], fps["L"]), "c/a": stats.ratio_spread(fps["c"], fps["a"]),
               "c/b": stats.ratio_spread(fps["c"], fps["b"])}
-    batch = {w: stats.Spread.of([t["batch_sizes"]["mean_frame_weighted"] if "batch_sizes" in t else t["batch_size"]
-                                 for t in by[w].values()]) for w in VARIANTS}
+    batch = {w: stats.Spread.of([t["batch_sizes"]["mean_frame_weighted"] if "batch_sizes" in t
+                                 else t.get("batch_size", float("nan")) for t in by[w].values()]) for w in VARIANTS}
+    failures = [f"({t['consumer']}) round {t['round']}: {_last_error_line(t['failed'])}" for t in trials
+                if "failed" in t]
     text = [common.table(
         f"saturated throughput, {ctx.model} model, {ctx.workload_name} workload: median (min-max) of {rounds} "
         "interleaved rounds",
@@ -385,7 +396,8 @@ def throughput(ctx: Context) -> dict[str, Any]:
         note=f"worker / (L) = {ratios['c/L'].text(2)}, worker / (b) = {ratios['c/b'].text(2)}, worker / (a) = "
              f"{ratios['c/a'].text(2)}: medians (min-max) of per-round ratios. frames/s and CPU-ms/frame over the "
              f"middle 80% of each consumer's results; (L) in this process, no Kafka, batch {limit.batch_size}. "
-             f"{ctx.torch_threads} torch thread(s) each; backlog {frames} frames.")]
+             f"{ctx.torch_threads} torch thread(s) each; backlog {frames} frames."
+             + ("\nFAILED rounds (left out of the medians): " + "; ".join(failures) if failures else ""))]
     return {
         "benchmark": "batching_gain", "machine": common.machine(), "model": ctx.model,
         "model_settings": ctx.model_overrides(), "workload_name": ctx.workload_name,
@@ -397,8 +409,15 @@ def throughput(ctx: Context) -> dict[str, Any]:
         "cpu_ms_per_frame": {w: s.as_dict() for w, s in cpu_spread.items()},
         "ratios": {k: v.as_dict() for k, v in ratios.items()},
         "ratio_c_over_limit": ratios["c/L"].median, "ratio_c_over_a": ratios["c/a"].median,
-        "ratio_c_over_b": ratios["c/b"].median, "throughput_tables": text,
+        "ratio_c_over_b": ratios["c/b"].median, "failed_rounds": failures, "throughput_tables": text,
     }
+
+
+def _last_error_line(text: str) -> str:
+    """The line of a consumer's log tail that names its error (else the message's first line)."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "Error" in ln or "Exception" in ln]
+    return (errors[-1] if errors else lines[0] if lines else "")[:300]
 
 
 def latency(ctx: Context, fps: dict[str, float]) -> dict[str, Any]:

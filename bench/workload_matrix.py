@@ -47,7 +47,9 @@ def run(ctx: Context) -> dict[str, Any]:
         note="(L) the runtime's own best (InferenceExecutor alone, no Kafka, best batch size); (a) one frame per "
              "inference; (b) consume(num_messages=32) per-shape sub-batches; (c) the worker with defaults. "
              "Ratios: median (min-max) of per-round ratios. CPU-ms/frame: the process's CPU time / frames "
-             "(all its threads), over the same window as frames/s.")
+             "(all its threads), over the same window as frames/s."
+             + "".join(f"\nFAILED round, {c['model']}/{c['workload_name']}: {f}" for c in cells
+                       for f in c["failed_rounds"]))
     result = {"benchmark": "workload_matrix", "machine": common.machine(), "quick": ctx.quick,
               "torch_threads": ctx.torch_threads, "models": models, "workloads": workloads,
               "elapsed_s": round(time.monotonic() - t0, 1), "cells": [_cell_summary(c) for c in cells],
@@ -71,7 +73,7 @@ def row(cell: dict[str, Any]) -> list[str]:
 
 def _cell_summary(cell: dict[str, Any]) -> dict[str, Any]:
     keys = ("model", "workload_name", "rounds", "backlog_frames", "limit_batch_size", "throughput_spread",
-            "cpu_ms_per_frame", "ratios")
+            "cpu_ms_per_frame", "ratios", "failed_rounds")
     return {k: cell[k] for k in keys}
 
 
@@ -83,6 +85,9 @@ def markdown(result: dict[str, Any], rows: list[list[str]]) -> str:
              "Median (min-max) of interleaved rounds; method in bench/README.md.", "",
              "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
+    failed_rounds = [f"{c['model']}/{c['workload_name']} {f}" for c in result["cells"] for f in c["failed_rounds"]]
+    if failed_rounds:
+        lines += ["", "Failed rounds (left out of the medians): " + "; ".join(failed_rounds)]
     if result["failed"]:
         lines += ["", "FAILED: " + "; ".join(result["failed"])]
     return "\n".join(lines) + "\n"
