@@ -5,11 +5,13 @@ table of medians (min-max) with CPU-ms per frame and the per-round ratios; write
 workload_matrix.md, and one batching_gain_<model>_<workload>.json per cell.
 
     python bench/workload_matrix.py [--quick] [--rounds N] [--models toy,opennsfw] [--workloads jpeg224,...]
+    python bench/workload_matrix.py render   # the table again from the per-cell files (cells of several runs)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import time
 from pathlib import Path
@@ -109,7 +111,34 @@ def _names(text: str | None, default: list[str], known: dict[str, Any]) -> list[
     return names
 
 
+def render(out_dir: Path = common.RESULTS_DIR) -> dict[str, Any]:
+    """Rebuild the matrix table from the per-cell JSON files already in out_dir (no run): for cells measured
+    in separate runs (say toy, then open_nsfw). Each cell's own date and machine are in its file."""
+    cells = []
+    for model in MODELS:
+        for workload in WORKLOADS:
+            path = out_dir / f"batching_gain_{model}_{workload}.json"
+            if path.is_file():
+                cells.append(json.loads(path.read_text()))
+    rows = [row(c) for c in cells]
+    text = common.table("workload matrix (from the per-cell files): median (min-max) of interleaved rounds",
+                        HEADERS, rows, note="; ".join(f"{c['model']}/{c['workload_name']}: {c['machine']['date']}"
+                                                      for c in cells))
+    result = {"benchmark": "workload_matrix", "machine": common.machine(), "quick": any(c.get("rounds", 3) < 3
+                                                                                        for c in cells),
+              "torch_threads": cells[0]["torch_threads"] if cells else 0, "rendered_from_files": True,
+              "cells": [_cell_summary({"failed_rounds": [], **c}) for c in cells], "failed": [], "tables": [text]}
+    common.write_json("workload_matrix", result, out_dir)
+    (out_dir / "workload_matrix.md").write_text(markdown(result, rows))
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["render"]:
+        render()
+        return 0
+
     def configure(p: Any) -> None:
         p.add_argument("--models", help=f"comma-separated, of {', '.join(MODELS)} (default: all)")
         p.add_argument("--workloads", help=f"comma-separated, of {', '.join(WORKLOADS)} (default: the JPEG ones)")
