@@ -358,13 +358,15 @@ def throughput(ctx: Context) -> dict[str, Any]:
         print(f"{tag} best batch {limit.batch_size} ({best_fps:.0f} frames/s); publishing a backlog of {frames} "
               f"frames", flush=True)
         publish = common.publish_load(ctx.bootstrap, topics, ctx.records(frames, common.new_id("bg")))
+        # (a) stops after cap_a of consuming: long enough for ~80 frames at (L)'s one-frame-batch speed.
+        cap_a = min(120.0, max(ctx.scale(9, 6), 80 / max(1e-3, limit.sweep[1]["frames_per_s"])))
         trials: list[dict[str, Any]] = []
         for r, which in stats.interleaved(list(VARIANTS), rounds):
             try:
                 if which == "L":
                     trial = limit.round(ctx.scale(3, 1.5))
                 else:
-                    trial = backlog_round(ctx, which, topics, frames, ctx.scale(9, 6) if which == "a" else 300)
+                    trial = backlog_round(ctx, which, topics, frames, cap_a if which == "a" else 300)
             except RuntimeError as exc:
                 # A consumer that crashes or stalls is a result too: the round is listed, the medians skip it.
                 trial = {"consumer": which, "failed": str(exc), "frames_per_s": float("nan"),
