@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -393,7 +394,8 @@ def throughput(ctx: Context) -> dict[str, Any]:
         "interleaved rounds",
         ["variant", "frames/s", "CPU-ms/frame", "mean batch", "x (L)", "rounds frames/s"],
         [[f"({w}) {VARIANTS[w]}", fps_spread[w].text(), cpu_spread[w].text(), batch[w].text(1),
-          stats.ratio_spread(fps[w], fps["L"]).text(2), " ".join(f"{v:.0f}" for v in fps[w].values())]
+          stats.ratio_spread(fps[w], fps["L"]).text(2),
+          " ".join("FAILED" if math.isnan(v) else f"{v:.0f}" for v in fps[w].values())]
          for w in VARIANTS],
         note=f"worker / (L) = {ratios['c/L'].text(2)}, worker / (b) = {ratios['c/b'].text(2)}, worker / (a) = "
              f"{ratios['c/a'].text(2)}: medians (min-max) of per-round ratios. frames/s and CPU-ms/frame over the "
