@@ -10,7 +10,8 @@ Sections:
   env        Python, torch, torchvision, the GPU, the carried packages
   pytest     `pytest -m cuda tests/unit` (the CUDA-graph runner and executor tests)
   graphs     eager vs CUDA-graph latency of runner.run per bucket (1-32), toy and open_nsfw models, 224x224
-  decode     JPEG decode frames/s at 720p and 1080p: simplejpeg (the worker's decoder), torchvision on the CPU,
+  decode     JPEG decode frames/s at 720p and 1080p: simplejpeg (the worker's decoder, 1 thread and every core),
+             torchvision on the CPU,
              nvJPEG (torchvision.io.decode_jpeg(device="cuda")) one at a time and in batches of 32
   limit      InferenceExecutor alone, saturated (the runtime's own best), per model and JPEG workload
   executor   open_nsfw at 224x224 through InferenceExecutor, offered 800 frames/s open loop, batched like the
@@ -21,6 +22,7 @@ A section that would overrun --budget-s is skipped, saying so, so the check ends
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import math
 import os
@@ -236,12 +238,20 @@ def section_decode(check: Check, section: Section) -> None:
     except ImportError:
         tvio = None
     seconds = 0.5 if check.quick else 1.5
+    cores = os.cpu_count() or 1
     rng = np.random.default_rng(7)
     for label, (w, h) in DECODE_SIZES.items():
         data = encode_pixels(synthetic_pixels(rng, w, h), Encoding.JPEG)
         figures: dict[str, Any] = {"jpeg_bytes": len(data)}
-        figures["simplejpeg (worker's decoder), 1 thread"] = _rate(lambda data=data: simplejpeg.decode_jpeg(
-            data, colorspace="RGB", strict=True), seconds)
+        def decode(data: bytes = data) -> Any:
+            return simplejpeg.decode_jpeg(data, colorspace="RGB", strict=True)
+
+        figures["simplejpeg (worker's decoder), 1 thread"] = _rate(decode, seconds)
+        # Every core decoding (simplejpeg releases the GIL): what the machine's CPUs can feed at most.
+        with concurrent.futures.ThreadPoolExecutor(cores) as pool:
+            figures[f"simplejpeg, {cores} threads"] = _rate(
+                lambda pool=pool, decode=decode: list(pool.map(lambda _: decode(), range(4 * cores))), seconds,
+                per_call=4 * cores)
         if tvio is not None:
             tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             figures["torchvision CPU, 1 thread"] = _rate(lambda t=tensor: tvio.decode_jpeg(t), seconds,
