@@ -1,4 +1,5 @@
-"""bench/executor_load.py: the executor's open-loop load (used by the GPU check), against a fake executor."""
+"""bench/executor_load.py (the executor's open-loop load, used by the GPU check) against a fake executor, and how
+bench/workloads.py hands a benchmark model to a worker process."""
 
 from __future__ import annotations
 
@@ -61,3 +62,15 @@ def test_frame_cycle_matches_the_workload() -> None:
     mixed = executor_load.frame_cycle(WORKLOADS["mixed"])
     realtime = sum(1 for f, _ in mixed if f.priority is Priority.REALTIME)
     assert realtime / len(mixed) == pytest.approx(0.2)
+
+
+def test_a_benchmark_model_reaches_a_worker_process_through_its_environment() -> None:
+    from workloads import model_env, model_settings
+
+    from worker.config import load_settings
+
+    toy = model_settings("toy", WORKLOADS["jpeg1080"])
+    settings = load_settings(env=model_env(toy))
+    assert settings.model.source == "builtin" and settings.model.input_size == (224, 224)
+    assert model_settings("toy", WORKLOADS["mixed"]) == {"source": "builtin"}  # any size, batched by shape
+    assert load_settings(env=model_env(model_settings("opennsfw", WORKLOADS["jpeg224"]))).model.name == "open_nsfw"
