@@ -484,8 +484,10 @@ def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
 
 def _spread_text(d: dict[str, Any], digits: int | None = None) -> str:
     """Spread.as_dict() back to its text."""
-    nan = float("nan")
-    return stats.Spread(*(nan if d[k] is None else d[k] for k in ("median", "min", "max")), d["rounds"]).text(digits)
+    def value(key: str) -> float:
+        return float("nan") if d[key] is None else float(d[key])
+
+    return stats.Spread(value("median"), value("min"), value("max"), d["rounds"]).text(digits)
 
 
 def main(argv: list[str] | None = None) -> int:

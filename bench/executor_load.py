@@ -102,7 +102,7 @@ def open_loop(executor: Any, frame: Frame, rate_fps: float, seconds: float, poli
             fut, submitted, dues = inflight.popleft()
             fut.result()
             # The done callback may still be running in the executor's thread: then it finished just now.
-            batches.append((submitted, finished_at.pop(id(fut), None) or time.perf_counter(), dues))
+            batches.append((submitted, finished_at.pop(id(fut), 0.0) or time.perf_counter(), dues))
         full = len(pending) >= policy.max_batch_size
         waited = bool(pending) and (now - pending[0]) * 1000.0 >= policy.max_wait_ms
         if pending and len(inflight) < policy.max_inflight and (full or waited or next_i >= total):

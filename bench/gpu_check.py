@@ -35,6 +35,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -195,7 +196,7 @@ def section_graphs(check: Check, section: Section) -> None:
         t0 = time.perf_counter()
         graphs.warm_up(shape, 3)
         capture_s = time.perf_counter() - t0
-        rows = []
+        rows: list[dict[str, Any]] = []
         for n in BUCKETS:
             x = torch.randn((n, *shape), generator=torch.Generator().manual_seed(n)).to(device)
             e, g = _latency(eager, x, iters), _latency(graphs, x, iters)
@@ -249,19 +250,15 @@ def section_decode(check: Check, section: Section) -> None:
         figures["simplejpeg (worker's decoder), 1 thread"] = _rate(decode, seconds)
         # Every core decoding (simplejpeg releases the GIL): what the machine's CPUs can feed at most.
         with concurrent.futures.ThreadPoolExecutor(cores) as pool:
-            figures[f"simplejpeg, {cores} threads"] = _rate(
-                lambda pool=pool, decode=decode: list(pool.map(lambda _: decode(), range(4 * cores))), seconds,
-                per_call=4 * cores)
+            figures[f"simplejpeg, {cores} threads"] = _rate(partial(_decode_all, pool, decode, 4 * cores), seconds,
+                                                            per_call=4 * cores)
         if tvio is not None:
             tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            figures["torchvision CPU, 1 thread"] = _rate(lambda t=tensor: tvio.decode_jpeg(t), seconds,
-                                                        threads=1)
+            figures["torchvision CPU, 1 thread"] = _rate(partial(tvio.decode_jpeg, tensor), seconds, threads=1)
             if check.cuda:
-                figures["nvJPEG one at a time"] = _rate(lambda t=tensor: _sync(tvio.decode_jpeg(t, device="cuda")),
-                                                        seconds)
-                batch = [tensor] * 32
-                figures["nvJPEG batch of 32"] = _rate(lambda b=batch: _sync(tvio.decode_jpeg(b, device="cuda")),
-                                                      seconds, per_call=32)
+                figures["nvJPEG one at a time"] = _rate(partial(_gpu_decode, tvio, tensor), seconds)
+                figures["nvJPEG batch of 32"] = _rate(partial(_gpu_decode, tvio, [tensor] * 32), seconds,
+                                                      per_call=32)
             else:
                 figures["nvJPEG"] = "skipped: needs CUDA"
         else:
@@ -279,11 +276,16 @@ def section_decode(check: Check, section: Section) -> None:
                             "decoders' output still has to be copied there")
 
 
-def _sync(out: Any) -> None:
+def _decode_all(pool: concurrent.futures.ThreadPoolExecutor, decode: Callable[[], Any], n: int) -> None:
+    list(pool.map(lambda _: decode(), range(n)))
+
+
+def _gpu_decode(tvio: Any, data: Any) -> None:
+    """nvJPEG: one tensor or a list of them decoded on the GPU, waited for."""
     import torch
 
+    tvio.decode_jpeg(data, device="cuda")
     torch.cuda.synchronize()
-    del out
 
 
 def _rate(fn: Callable[[], Any], seconds: float, per_call: int = 1, threads: int = 0) -> dict[str, float]:
@@ -353,10 +355,11 @@ def section_limit(check: Check, section: Section) -> None:
 
     if check.cuda:
         cells = [(m, w) for m in ("toy", "opennsfw") for w in JPEG_WORKLOADS]
-        sizes, seconds = (8, 32), (0.7 if check.quick else 2.0)
+        sizes: tuple[int, ...] = (8, 32)
+        seconds = 0.7 if check.quick else 2.0
     else:  # a CPU is slow with the ResNet-50: its two ends only, one batch size
         cells = [("toy", w) for w in JPEG_WORKLOADS] + [("opennsfw", "jpeg224"), ("opennsfw", "jpeg1080")]
-        sizes, seconds = (8,), (0.3 if check.quick else 1.0)
+        sizes, seconds = (8,), 0.3 if check.quick else 1.0
     for model in sorted({m for m, _ in cells}):
         executor, _settings = _executor(check, model, "jpeg224")
         try:
