@@ -31,11 +31,10 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import stats  # noqa: E402
 from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
-from workloads import WORKLOADS, ClassLoad, Workload, model_env, model_settings  # noqa: E402
+from workloads import WORKLOADS, Workload, model_env, model_settings  # noqa: E402
 
 from tests.integration.helpers import TestTopics as Topics  # noqa: E402
 from tests.integration.helpers import end_offsets  # noqa: E402 (after the sys.path set-up above)
-from worker.frames import Priority  # noqa: E402
 from worker.producer import frame_producer, send_frames, synthetic_frames  # noqa: E402
 from worker.results import read_results  # noqa: E402
 from worker.schemas import FrameRecord  # noqa: E402
@@ -50,7 +49,6 @@ PARTITIONS = 3
 
 
 # -- the workload (definitions in workloads.py) ------------------------------------------------------------
-WORKLOAD: dict[Priority, ClassLoad] = WORKLOADS["mixed"].classes  # the default workload's classes
 STREAMS_PER_SHAPE = 6  # keys per shape: spreads a topic's frames over its partitions
 
 
