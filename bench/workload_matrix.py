@@ -62,14 +62,14 @@ def run(ctx: Context) -> dict[str, Any]:
 
 
 HEADERS = ["model", "workload", "rounds", "(L) fps", "(c) worker fps", "(b) fps", "(a) fps",
-           "CPU-ms/frame L | c | b | a", "c/L", "c/b", "c/a"]
+           "CPU-ms/frame L / c / b / a", "c/L", "c/b", "c/a"]
 
 
 def row(cell: dict[str, Any]) -> list[str]:
     fps, cpu, r = cell["throughput_spread"], cell["cpu_ms_per_frame"], cell["ratios"]
     return [cell["model"], cell["workload_name"], str(cell["rounds"]),
             *(_spread_text(fps[w]) for w in ("L", "c", "b", "a")),
-            " | ".join(_spread_text(cpu[w]) for w in ("L", "c", "b", "a")),
+            " / ".join(_spread_text(cpu[w]) for w in ("L", "c", "b", "a")),
             _spread_text(r["c/L"], 2), _spread_text(r["c/b"], 2), _spread_text(r["c/a"], 2)]
 
 
