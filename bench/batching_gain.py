@@ -482,12 +482,12 @@ def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
-def _spread_text(d: dict[str, Any], digits: int | None = None) -> str:
+def _spread_text(d: dict[str, Any], digits: int | None = None, suffix: str = "") -> str:
     """Spread.as_dict() back to its text."""
     def value(key: str) -> float:
         return float("nan") if d[key] is None else float(d[key])
 
-    return stats.Spread(value("median"), value("min"), value("max"), d["rounds"]).text(digits)
+    return stats.Spread(value("median"), value("min"), value("max"), d["rounds"]).text(digits, suffix)
 
 
 def main(argv: list[str] | None = None) -> int:

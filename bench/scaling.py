@@ -124,7 +124,7 @@ def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
     """Headline rows for bench/results/summary.md."""
     from batching_gain import _spread_text
 
-    cells = "; ".join(f"{n}: {_spread_text(f)} frames/s ({_spread_text(result['speedup'][n], 2)}x)"
+    cells = "; ".join(f"{n}: {_spread_text(f, suffix=' frames/s')}, {_spread_text(result['speedup'][n], 2, 'x')}"
                       for n, f in result["frames_per_s"].items())
     return [("worker processes (1 torch thread each; median (min-max) of rounds)", cells)]
 
