@@ -6,7 +6,9 @@ No Kafka here: the GPU check (bench/gpu_check.py) uses the same definitions on a
     jpeg224 / jpeg360 / jpeg720 / jpeg1080
                one camera-like stream shape as JPEG (224x224, 640x360, 1280x720, 1920x1080) on the standard
                topic, each resized into a 224x224 model input: decode and resize cost grow, the model's does not
-    toy        the builtin CNN: a near-zero model, so what is measured is the pipeline's own cost
+    null       the mean colour through one linear layer (bench/nullmodel.py): microseconds a frame, so what is
+               measured is the pipeline's own cost
+    toy        the builtin CNN: a small model (about 1 CPU-ms a frame at 224x224 here)
     opennsfw   Yahoo's open_nsfw ResNet-50 preset (the `models` extra): a real model's cost
 """
 
@@ -63,15 +65,19 @@ WORKLOADS: dict[str, Workload] = {
 JPEG_WORKLOADS = ("jpeg224", "jpeg360", "jpeg720", "jpeg1080")
 
 MODELS: dict[str, str] = {
-    "toy": "the builtin CNN (near-zero model: the pipeline's own cost)",
+    "null": "mean colour + one linear layer (near-zero model: the pipeline's own cost)",
+    "toy": "the builtin CNN (a small model)",
     "opennsfw": "open_nsfw ResNet-50 preset (a real model)",
 }
 
 
 def model_settings(model: str, workload: Workload) -> dict[str, Any]:
     """The [model] settings of a benchmark model for a workload (as load_settings overrides)."""
+    size = {"input_size": list(workload.toy_input_hw)} if workload.toy_input_hw else {}
+    if model == "null":
+        return {"source": "bench.nullmodel:null_model", **size}
     if model == "toy":
-        return {"source": "builtin", **({"input_size": list(workload.toy_input_hw)} if workload.toy_input_hw else {})}
+        return {"source": "builtin", **size}
     if model == "opennsfw":
         return {"source": "opennsfw"}  # the preset brings its own 224x224 input and preprocessing
     raise ValueError(f"unknown benchmark model {model!r}; known: {', '.join(MODELS)}")
