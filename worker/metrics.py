@@ -19,6 +19,8 @@ LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 
                      2.0, 5.0, 10.0, 30.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 RATIO_BUCKETS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5)
+PREDICTION_RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
+PIXEL_BUCKETS = (64 * 64, 128 * 128, 224 * 224, 320 * 240, 640 * 480, 1280 * 720, 1920 * 1080, 3840 * 2160)
 
 
 class Metrics:
@@ -77,6 +79,16 @@ class Metrics:
         self.gpu_memory = Gauge("streamfer_gpu_memory_bytes", "GPU memory allocated by torch, per device.",
                                 ["device"], registry=r)
         self.ready = Gauge("streamfer_ready", "1 when assigned, consuming and warmed up.", registry=r)
+        # The scheduler: why each batch was released (its size), and how well the learned cost model predicts.
+        self.batch_releases = Counter("streamfer_batch_releases_total",
+                                      "Batches released, by class and reason (full, cost, blocking, preferred, "
+                                      "bytes, deadline, fallback, flush).", ["priority", "reason"], registry=r)
+        self.batch_time_ratio = Histogram("streamfer_batch_time_ratio",
+                                          "Measured / predicted run time (preprocess + inference) per batch.",
+                                          buckets=PREDICTION_RATIO_BUCKETS, registry=r)
+        self.input_pixels = Histogram("streamfer_input_pixels",
+                                      "Pixels (height x width) of each frame run, by the batch's padded shape.",
+                                      ["shape"], buckets=PIXEL_BUCKETS, registry=r)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
