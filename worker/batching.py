@@ -24,12 +24,26 @@ Fallback lane. A frame whose tensor alone exceeds max_batch_bytes runs alone (ne
   lane: due at once, in batches of up to fallback_max_batch_size frames of its class and shape, so an odd
   shape neither waits nor holds a common shape's batch back.
 Classes. Each pop_batch() serves one class among those with a due batch, by smooth weighted round robin on
-  the class weights (realtime first when all are due, since it weighs most), with one ordering rule on top:
-  a less urgent class may go ahead of a more urgent due class only with frames that arrived before that
-  class's oldest pending frame. So a realtime frame is never released after a bulk frame that arrived later
-  while both are due, and a lower class is never starved: its frames wait at most until the higher classes'
-  older frames are out (bounded by their max_age_ms when that is set), and get their weighted share when
-  they are older. Within a class, the due group with the oldest frame goes first.
+  the class weights (realtime first when all are due, since it weighs most), with two rules on top:
+  - ordering: a less urgent class may go ahead of a more urgent due class only with frames that arrived
+    before that class's oldest pending frame, so a realtime frame is never released after a bulk frame that
+    arrived later while both are due;
+  - slack: and only when no more urgent due class with a deadline (latency_budget_ms or max_age_ms) is
+    at risk: backlogged (more than a batch pending, its oldest past its wait), or its oldest due frame would
+    miss its budget or expire if the less urgent batch (predicted time, cost model) ran before its own.
+  So under overload the model serves realtime first, then standard; bulk (no deadline) waits, and standard
+  sheds (expires) before realtime. With slack to spare, weights share the device and nothing starves. Within a
+  class, the due group with the oldest frame goes first. pop_batch(max_priority) considers only classes at
+  least that urgent (the loop's reserved realtime slot).
+Cost model (optional, worker.costmodel, learned from measured batches). Per group:
+  - trigger: with adaptive_batch_size, the measured size with the most frames per device second (reason
+    "cost"), instead of the static trigger above;
+  - cap: for standard and bulk, the largest size predicted to run within max_blocking_ms (reason "blocking"),
+    so a realtime batch waits behind at most one such batch;
+  - budget: a batch of a class with latency_budget_ms takes at most the frames its oldest frame can wait for
+    and still finish within the budget (unless that frame is already past it: then throughput), and a partial
+    group is due by the latest start that still meets the budget, if that comes before its max_wait_ms.
+  Without a cost model or a measurement for the shape, the static sizes and waits apply.
 Tenants. Inside a group, frames are taken overdue-first and, within each of these two tiers, by deficit
   round robin over tenants (quantum = settings.tenant_weights[tenant], default 1; state kept across
   batches). Bound: a tenant of weight w with n frames in a tier, among tenants of total weight W with frames
@@ -38,16 +52,20 @@ Tenants. Inside a group, frames are taken overdue-first and, within each of thes
   Overdue-first means a flood never holds another tenant's frame past its own wait when the caller drains.
 Expiry. A frame whose capture_ts_ms/1000 + class max_age_ms/1000 < clock() (max_age_ms 0: never) is never
   put in a batch: pop_batch() sets it aside and pop_expired() returns it.
-Backpressure (classes_to_pause). All classes pause when pending_frames >= max_pending_frames or
-  pending_bytes >= max_pending_bytes, and stay paused until both are below 75% of their caps. Otherwise,
-  when realtime is backlogged (at least max_batch_size realtime frames pending and its oldest has waited
-  past realtime.max_wait_ms, i.e. the consumer of batches is not keeping up with realtime) bulk pauses,
-  and standard too when more than 2 * max_batch_size realtime frames are pending; they resume only once
-  realtime is drained (no realtime frame pending). The hysteresis matters: librdkafka drops a paused
-  partition's prefetched messages, so pausing on every late realtime frame made all classes slower.
-  A steady realtime stream within capacity pauses nothing. Call it after dispatching what the runtime
-  has room for, so that frames still due are the backlog.
-  add() raises BatcherFullError past twice those caps (except into an empty batcher).
+Backpressure (classes_to_pause). A class pauses when its own pending frames or bytes reach its pending_share
+  of max_pending_frames / max_pending_bytes (defaults: realtime 1, standard 0.5, bulk 0.25) and resumes below
+  75% of that; every class pauses when all classes together reach the caps, until they are below 75% of them
+  or realtime holds nothing (the others are bounded by their shares, so their frames alone never keep realtime
+  paused). Less urgent classes therefore wait in Kafka (bulk has no deadline), never in realtime's room.
+  poll_room() says how many frames the source may read so a still-reading class overshoots by one poll at most.
+  When realtime or standard is backlogged (at least max_batch_size frames pending and its oldest past its
+  max_wait_ms) bulk pauses, and every less urgent class once more than 2 * max_batch_size are pending; they
+  resume only once the backlogged class is drained (no frame pending). The hysteresis matters:
+  librdkafka drops a paused partition's prefetched messages (which also takes them out of the shared fetch
+  queue ahead of realtime), so pausing on every late frame made all classes slower. A steady stream within
+  capacity pauses nothing. Call it after dispatching what the runtime has room for, so that frames still due
+  are the backlog.
+  add() raises BatcherFullError past twice the caps (except into an empty batcher).
 next_due() is the earliest of the groups' release times and the next expiry (a time <= now means now),
   so the caller can sleep until then.
 Cost. add() and a release are O(log n) in the group's pending frames; pop_batch() and next_due() also scan

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
@@ -130,8 +131,9 @@ class MetricsServer:
     """Serves /metrics, /healthz and /readyz on one port, in a daemon thread."""
 
     def __init__(self, metrics: Metrics, health: Health, host: str, port: int,
-                 before_scrape: Callable[[], None] | None = None) -> None:
-        metrics_ref, health_ref, hook = metrics, health, before_scrape
+                 before_scrape: Callable[[], None] | None = None,
+                 profile: Callable[[int], str] | None = None) -> None:
+        metrics_ref, health_ref, hook, profile_hook = metrics, health, before_scrape, profile
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server naming)
@@ -153,8 +155,28 @@ class MetricsServer:
                     body = b"ready\n" if ok else (
                         f"not ready: warmed_up={health_ref.warmed_up} assigned={health_ref.assigned}\n".encode())
                     self._reply(200 if ok else 503, body)
+                elif path == "/debug/profile" and profile_hook is not None:
+                    self._profile(self.path)
                 else:
                     self._reply(404, b"not found\n")
+
+            def _profile(self, raw: str) -> None:
+                """Record the next N batches (?batches=N, default 20) with the torch profiler; answer the trace's
+                path once written."""
+                query = urllib.parse.parse_qs(urllib.parse.urlsplit(raw).query)
+                try:
+                    batches = int(query.get("batches", ["20"])[0])
+                    if not 1 <= batches <= 10_000:
+                        raise ValueError
+                except ValueError:
+                    self._reply(400, b"batches must be an integer 1..10000\n")
+                    return
+                try:
+                    trace = profile_hook(batches)  # type: ignore[misc]
+                except Exception as exc:  # noqa: BLE001 (the requester gets the reason)
+                    self._reply(503, f"profile failed: {type(exc).__name__}: {exc}\n".encode())
+                    return
+                self._reply(200, f"{trace}\n".encode())
 
             def _reply(self, code: int, body: bytes, ctype: str = "text/plain; charset=utf-8") -> None:
                 self.send_response(code)

@@ -132,6 +132,7 @@ class InferenceExecutor:
         self._lock = threading.Lock()
         self._ready = False
         self._closed = False
+        self._profile: _ProfileRequest | None = None
 
     @classmethod
     def from_settings(cls, model: ModelSettings, runtime: RuntimeSettings) -> InferenceExecutor:
@@ -184,6 +185,11 @@ class InferenceExecutor:
                 raise RuntimeError("InferenceExecutor is closed")
             slot = min(self._slots, key=lambda s: s.load)
             slot.load += len(frames)
+            if self._profile is not None and not self._profile.done.done():
+                # The torch profiler records only the thread it runs in: while recording, preprocessing runs on
+                # the runner's thread so both stages are in the trace (those batches lose the overlap).
+                prepared: concurrent.futures.Future[HostBatch] = concurrent.futures.Future()
+                return slot.thread.submit(priority, self._infer, prepared, slot, len(frames), (frames, shape))
             prepared = self._prep_pool.submit(priority, self._prepare, frames, shape, slot.runner)
             # The inference job waits for its own preprocessing; per runner, FIFO within a priority keeps one
             # class's batches in order.
@@ -203,6 +209,16 @@ class InferenceExecutor:
                 best = min(_timed(self.submit(frames, shape).result()) for _ in range(rounds))
                 out.append((shape, n, best))
         return out
+
+    def profile(self, batches: int, directory: str) -> concurrent.futures.Future[str]:
+        """Record the next `batches` batches with the torch profiler (record_function ranges around
+        preprocessing and inference) into a Chrome trace in `directory`; the Future gives its path."""
+        request = _ProfileRequest(max(1, batches), directory)
+        with self._lock:
+            if self._profile is not None and not self._profile.done.done():
+                raise RuntimeError("a profile is already being recorded")
+            self._profile = request
+        return request.done
 
     def close(self) -> None:
         """Finish the batches already submitted, then stop the threads. Idempotent."""
@@ -228,18 +244,29 @@ class InferenceExecutor:
             runner.warm_up(shape, self._warmup_batches, self._warmup_batch_size)
 
     def _prepare(self, frames: list[Frame], shape: tuple[int, int, int], runner: EagerRunner) -> HostBatch:
-        batch = self._preprocessor.prepare(frames, shape)
-        if batch.frames:
-            stage_to_device(batch, runner.device, runner.copy_stream)
+        with torch.profiler.record_function("streamfer.preprocess"):
+            batch = self._preprocessor.prepare(frames, shape)
+            if batch.frames:
+                stage_to_device(batch, runner.device, runner.copy_stream)
         return batch
 
-    def _infer(self, prepared: concurrent.futures.Future[HostBatch], slot: _Slot, submitted: int) -> BatchOutcome:
+    def _infer(self, prepared: concurrent.futures.Future[HostBatch], slot: _Slot, submitted: int,
+               inline: tuple[list[Frame], tuple[int, int, int]] | None = None) -> BatchOutcome:
+        request = self._profile
+        recording = request is not None and request.start()
         try:
-            batch = prepared.result()
-            return self._run_batch(batch, slot.runner)
+            if inline is not None:
+                batch = self._prepare(*inline, slot.runner)
+            else:
+                with torch.profiler.record_function("streamfer.wait_preprocess"):
+                    batch = prepared.result()
+            with torch.profiler.record_function(f"streamfer.inference[n={len(batch.frames)}]"):
+                return self._run_batch(batch, slot.runner)
         finally:
             with self._lock:
                 slot.load -= submitted
+            if recording and request is not None:
+                request.batch_done()
 
     def _run_batch(self, batch: HostBatch, runner: EagerRunner) -> BatchOutcome:
         failures = [FrameFailure(f, str(exc), DECODE_ERROR) for f, exc in batch.failures]
@@ -278,6 +305,54 @@ class InferenceExecutor:
     def _model_shape(self, shape: tuple[int, int, int]) -> tuple[int, int, int]:
         h, w = self.contract.model_input_hw((shape[0], shape[1]))
         return (self.contract.channels, h, w)
+
+
+class _ProfileRequest:
+    """One on-demand profiler capture: started by the first batch after the request, stopped after `batches`.
+    The runner threads share it; only the thread that started the profiler stops it."""
+
+    def __init__(self, batches: int, directory: str) -> None:
+        self.left = batches
+        self.directory = directory
+        self.done: concurrent.futures.Future[str] = concurrent.futures.Future()
+        self._lock = threading.Lock()
+        self._prof: torch.profiler.profile | None = None
+        self._thread: int | None = None
+
+    def start(self) -> bool:
+        """True when this thread records the batch it is about to run (the first runner thread to ask)."""
+        with self._lock:
+            if self.done.done():
+                return False
+            if self._thread is None:
+                self._thread = threading.get_ident()
+                self._prof = torch.profiler.profile(activities=_profiler_activities(), record_shapes=True)
+                self._prof.__enter__()
+            return self._thread == threading.get_ident()
+
+    def batch_done(self) -> None:
+        with self._lock:
+            if self.done.done():
+                return
+            self.left -= 1
+            if self.left > 0 or self._prof is None:
+                return
+            prof, self._prof = self._prof, None
+        try:
+            prof.__exit__(None, None, None)
+            path = f"{self.directory}/streamfer-profile-{time.strftime('%Y%m%d-%H%M%S')}-{id(self):x}.json"
+            prof.export_chrome_trace(path)
+            log.info("profiler trace written: %s", path)
+            self.done.set_result(path)
+        except Exception as exc:  # noqa: BLE001 (reported to the requester, never crashes a runner)
+            self.done.set_exception(exc)
+
+
+def _profiler_activities() -> list[torch.profiler.ProfilerActivity]:
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    return acts
 
 
 def _calibration_frame(shape: tuple[int, int, int]) -> Frame:
