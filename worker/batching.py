@@ -84,6 +84,7 @@ from worker.config import BatchingSettings, ConfigError
 from worker.costmodel import CostModel
 from worker.errors import StreamferError
 from worker.frames import Frame, Priority
+from worker.memorypolicy import MemoryPolicy
 
 LANE_EXACT = "exact"
 LANE_PADDED = "padded"
@@ -226,7 +227,8 @@ class MicroBatcher:
     """Shape-, class- and tenant-aware micro-batcher; see the module docstring for the policy."""
 
     def __init__(self, settings: BatchingSettings, clock: Callable[[], float],
-                 preferred_batch_sizes: Sequence[int] = (), cost: CostModel | None = None) -> None:
+                 preferred_batch_sizes: Sequence[int] = (), cost: CostModel | None = None,
+                 memory: MemoryPolicy | None = None) -> None:
         bad = [s for s in preferred_batch_sizes if s < 1]
         if bad:
             raise ConfigError([f"preferred_batch_sizes: sizes must be >= 1 (got {bad})"])
@@ -242,6 +244,7 @@ class MicroBatcher:
         self._tenant_weights = dict(settings.tenant_weights)
         self._classes = tuple(_ClassState(p, settings) for p in sorted(Priority))
         self._cost = cost
+        self._memory = memory  # device memory peaks measured at warm-up: a cap per shape
         self._cost_version = -1
         self._adaptive = settings.adaptive_batch_size
         self._blocking_s = settings.blocking_limit_ms / 1000.0
@@ -323,6 +326,8 @@ class MicroBatcher:
                    frame_bytes: int) -> _Group:
         s = self._s
         cap = max(1, min(s.max_batch_size, s.max_batch_bytes // frame_bytes))
+        if self._memory is not None:
+            cap = min(cap, self._memory.max_batch(shape, cap) or cap)
         if fallback:
             limit = 1 if frame_bytes > s.max_batch_bytes else min(s.fallback_max_batch_size, cap)
             return _Group(cls, shape, True, frame_bytes, limit, limit, "fallback")

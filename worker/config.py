@@ -160,6 +160,9 @@ class RuntimeSettings:
     instances_per_device: int = 1
     # Warm-up also times batch sizes 1, 2, 4 ... max_batch_size per warm-up shape to seed the learned cost model.
     calibrate_batch_sizes: bool = True
+    # GPUs: the largest batch per shape is the one whose peak device memory, measured at warm-up, stays under
+    # this share of the device's memory.
+    memory_fraction: float = 0.8
 
 
 @dataclass(frozen=True)
@@ -438,6 +441,7 @@ def validate(s: Settings) -> list[str]:
     need(1 <= r.preprocess_threads <= 64, "runtime.preprocess_threads: must be 1..64")
     need(r.torch_threads >= 0, "runtime.torch_threads: must be >= 0")
     need(1 <= r.instances_per_device <= 16, "runtime.instances_per_device: must be 1..16")
+    need(0 < r.memory_fraction <= 1, "runtime.memory_fraction: must be in (0, 1]")
 
     d = s.delivery
     need(d.mode in ("at_least_once", "exactly_once"), "delivery.mode: must be at_least_once or exactly_once")

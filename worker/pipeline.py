@@ -129,7 +129,8 @@ class Pipeline:
         self.tracker = delivery.tracker
         # Batch times measured here teach the batcher what each size costs (seeded at warm-up by seed_costs).
         self.cost = CostModel()
-        self.batcher = MicroBatcher(settings.batching, clock, executor.preferred_batch_sizes, self.cost)
+        self.batcher = MicroBatcher(settings.batching, clock, executor.preferred_batch_sizes, self.cost,
+                                    getattr(executor, "memory_policy", None))
         self._result_context = ResultContext(executor.model_name, executor.model_version,
                                              settings.observability.worker_id)
         self._counts = RunSummary()

@@ -12,6 +12,7 @@ import pytest
 from worker.batching import Batch, BatcherFullError, MicroBatcher
 from worker.config import BatchingSettings, ClassSettings, ConfigError
 from worker.costmodel import CostModel
+from worker.memorypolicy import MemoryPolicy
 from worker.frames import Encoding, Frame, Priority, SourceRef
 
 REALTIME, STANDARD, BULK = Priority.REALTIME, Priority.STANDARD, Priority.BULK
@@ -874,3 +875,14 @@ def test_standard_and_bulk_batches_are_bounded_by_the_blocking_limit():
     batches = drain(batcher)
     assert {b.size for b in batches if b.priority == BULK} == {4}  # 4 x 5 ms: one bounded wait for realtime
     assert [b.size for b in batches if b.priority == REALTIME] == [32]
+
+
+def test_the_device_memory_policy_caps_a_shape_batch_size():
+    clock = FakeClock()
+    memory = MemoryPolicy(total_bytes=1000, memory_fraction=0.5)
+    memory.record_peak(SHAPE, 1, 100)
+    memory.record_peak(SHAPE, 4, 400)  # 100 bytes a frame: 5 frames fit under 500
+    batcher = MicroBatcher(make_settings(max_batch_size=16), clock, memory=memory)
+    add_frames(batcher, clock, 16)
+
+    assert [b.size for b in drain(batcher)] == [5, 5, 5]

@@ -34,6 +34,7 @@ from worker.frames import (
     Priority,
     SourceRef,
 )
+from worker.memorypolicy import MemoryPolicy
 from worker.runtime.models import ModelContract, load_model
 from worker.runtime.preprocess import HostBatch, Preprocessor, stage_to_device
 from worker.runtime.runners import EagerRunner, RunResult, make_runner
@@ -133,6 +134,9 @@ class InferenceExecutor:
         self._ready = False
         self._closed = False
         self._profile: _ProfileRequest | None = None
+        # GPUs: peak device memory per (shape, batch size), measured by calibrate(); None on CPU.
+        self.memory_policy: MemoryPolicy | None = None
+        self._memory_probe: _CudaMemoryProbe | None = None
 
     @classmethod
     def from_settings(cls, model: ModelSettings, runtime: RuntimeSettings) -> InferenceExecutor:
@@ -144,9 +148,15 @@ class InferenceExecutor:
         loaded = [load_model(model, device) for device in plan.devices for _ in range(runtime.instances_per_device)]
         runners = [make_runner(m.module, m.contract, m.device, plan.precision, plan.cuda_graphs, plan.buckets,
                                runtime.warmup_batches) for m in loaded]
-        return cls(runners, loaded[0].contract, runtime.preprocess_threads, runtime.warmup_batches,
-                   warmup_batch_size=max(runtime.graph_batch_sizes),
-                   device_description=_describe(plan, loaded[0].kind))
+        executor = cls(runners, loaded[0].contract, runtime.preprocess_threads, runtime.warmup_batches,
+                       warmup_batch_size=max(runtime.graph_batch_sizes),
+                       device_description=_describe(plan, loaded[0].kind))
+        if plan.devices[0].type == "cuda":
+            # Untested without a GPU: the policy itself is tested with a fake probe (tests/unit/test_memorypolicy.py).
+            probe = _CudaMemoryProbe(plan.devices[0])
+            executor.memory_policy = MemoryPolicy(probe.total_bytes(), runtime.memory_fraction)
+            executor._memory_probe = probe
+        return executor
 
     @property
     def ready(self) -> bool:
@@ -205,7 +215,11 @@ class InferenceExecutor:
             frame = _calibration_frame(shape)
             for n in (n for n in CALIBRATION_SIZES if n <= max_batch_size):
                 frames = [frame] * n
-                self.submit(frames, shape).result()
+                if self.memory_policy is not None and self._memory_probe is not None:
+                    self.memory_policy.measure(self._memory_probe, shape, n,
+                                               lambda frames=frames, shape=shape: self.submit(frames, shape).result())
+                else:
+                    self.submit(frames, shape).result()
                 best = min(_timed(self.submit(frames, shape).result()) for _ in range(rounds))
                 out.append((shape, n, best))
         return out
@@ -305,6 +319,24 @@ class InferenceExecutor:
     def _model_shape(self, shape: tuple[int, int, int]) -> tuple[int, int, int]:
         h, w = self.contract.model_input_hw((shape[0], shape[1]))
         return (self.contract.channels, h, w)
+
+
+class _CudaMemoryProbe:
+    """worker.memorypolicy.MemoryProbe over torch.cuda's allocator statistics for one device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def total_bytes(self) -> int:
+        return int(torch.cuda.get_device_properties(self.device).total_memory)
+
+    def reset_peak(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_bytes(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return int(torch.cuda.max_memory_allocated(self.device))
 
 
 class _ProfileRequest:
