@@ -12,8 +12,8 @@ import pytest
 from worker.batching import Batch, BatcherFullError, MicroBatcher
 from worker.config import BatchingSettings, ClassSettings, ConfigError
 from worker.costmodel import CostModel
-from worker.memorypolicy import MemoryPolicy
 from worker.frames import Encoding, Frame, Priority, SourceRef
+from worker.memorypolicy import MemoryPolicy
 
 REALTIME, STANDARD, BULK = Priority.REALTIME, Priority.STANDARD, Priority.BULK
 MS = 0.001
