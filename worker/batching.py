@@ -197,7 +197,9 @@ class _Group:
             due = e.t + self.cls.wait_s
             start_by = self.cls.start_by
             if start_by is not None:
-                due = min(due, start_by(self, e))
+                latest = start_by(self, e)
+                if latest >= e.t:  # arrived too late to meet the budget anyway: waiting to fill costs nothing more
+                    due = min(due, latest)
             self.due_at = due
 
 

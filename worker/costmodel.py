@@ -8,9 +8,10 @@ batch size seen, and a least-squares line a + b*n through those means:
     measured scales it by n); a shape never measured is scaled from the closest measured shape with the same
     channels by pixel area. None when nothing is known: callers fall back to their static settings.
   - best_size(shape, cap): among the measured sizes <= cap, the one with the most frames per second of device
-    time (n / time); a smaller size within `tolerance` of the best wins (same throughput, lower latency). The
-    line alone always favours the largest size, so the choice uses measurements: on CPUs a large batch is
-    often slower per frame (cache), which only a measurement shows.
+    time (n / its fastest measured time: background load only ever slows a batch); a smaller size within
+    `tolerance` of the best wins (same throughput, lower latency). The line alone always favours the largest
+    size, so the choice uses measurements: on CPUs a large batch is often slower per frame (cache), which
+    only a measurement shows.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ THROUGHPUT_TOLERANCE = 0.03
 @dataclass
 class _ShapeCost:
     mean_s: dict[int, float] = field(default_factory=dict)  # batch size -> EWMA of measured seconds
+    # batch size -> fastest measured seconds: background load only ever slows a batch, so sizes are ranked
+    # on these (a noisy neighbour during one size's measurements must not make a small size look best)
+    best_s: dict[int, float] = field(default_factory=dict)
     count: dict[int, int] = field(default_factory=dict)
     a: float = 0.0
     b: float = 0.0
@@ -73,6 +77,7 @@ class CostModel:
         old = cost.mean_s.get(n)
         cost.mean_s[n] = seconds if old is None else old + self._alpha * (seconds - old)
         cost.count[n] = cost.count.get(n, 0) + 1
+        cost.best_s[n] = min(seconds, cost.best_s.get(n, seconds))
         cost.refit()
         self.version += 1
 
@@ -105,11 +110,11 @@ class CostModel:
             if near is None:
                 return None
             cost = self._shapes[near[0]]  # throughput by size scales with area alike: same argmax
-        sizes = [n for n in cost.mean_s if n <= cap]
+        sizes = [n for n in cost.best_s if n <= cap]
         if not sizes:
             return None
-        best = max(n / cost.mean_s[n] for n in sizes)
-        return min(n for n in sizes if n / cost.mean_s[n] >= best * (1.0 - self._tolerance))
+        best = max(n / cost.best_s[n] for n in sizes)
+        return min(n for n in sizes if n / cost.best_s[n] >= best * (1.0 - self._tolerance))
 
     def largest_within(self, shape: Shape, seconds: float, cap: int) -> int | None:
         """The largest n <= cap predicted to take at most `seconds`; 0 if not even one frame; None if unknown."""
