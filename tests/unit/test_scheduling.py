@@ -5,6 +5,7 @@ bug of issue 16 (realtime frames came back EXPIRED while bulk frames were scored
 from __future__ import annotations
 
 import heapq
+import logging
 import itertools
 from concurrent.futures import Future
 from typing import Any
@@ -166,3 +167,38 @@ def test_under_overload_realtime_is_scored_first_and_bulk_absorbs_the_shortfall(
     during = [(p, n) for end, p, n in executor.scored if end <= overload_end]
     model_s = {p: sum(0.002 + 0.001 * n for q, n in during if q == p) for p in Priority}
     assert model_s[Priority.BULK] <= 0.1 * sum(model_s.values()), model_s
+
+
+# -- p99 tools ------------------------------------------------------------------------------------------------
+def test_with_debug_logging_each_batch_gets_one_line_with_its_class_shape_size_and_times(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    w = World(monkeypatch)
+    w.kafka.append(RT, *(frame_at("r", i, w.clock.now) for i in range(4)))
+    w.kafka.rebalance("assign", [RT])
+    with caplog.at_level(logging.DEBUG, logger="worker.batches"):
+        w.step(3)
+
+    lines = [r.getMessage() for r in caplog.records if r.name == "worker.batches"]
+    assert len(lines) == 1
+    for field in ("class=realtime", "shape=4x4x3", "size=4", "lane=exact", "oldest_wait_ms=", "queued_ms=",
+                  "padding=0.000", "predicted_ms=", "measured_ms=2.0"):
+        assert field in lines[0]
+
+
+def test_batch_log_lines_are_off_by_default(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    w = World(monkeypatch)
+    w.kafka.append(RT, *(frame_at("r", i, w.clock.now) for i in range(4)))
+    w.kafka.rebalance("assign", [RT])
+    with caplog.at_level(logging.INFO):
+        w.step(3)
+    assert not [r for r in caplog.records if r.name == "worker.batches"]
+
+
+def test_the_input_size_distribution_is_kept_per_batch_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = World(monkeypatch)
+    w.kafka.append(RT, *(frame_at("r", i, w.clock.now) for i in range(4)))
+    w.kafka.rebalance("assign", [RT])
+    w.step(3)
+    registry = w.pipeline.metrics.registry
+    assert registry.get_sample_value("streamfer_input_pixels_count", {"shape": "4x4"}) == 4
+    assert registry.get_sample_value("streamfer_input_pixels_sum", {"shape": "4x4"}) == 4 * 16
