@@ -5,8 +5,8 @@ bug of issue 16 (realtime frames came back EXPIRED while bulk frames were scored
 from __future__ import annotations
 
 import heapq
-import logging
 import itertools
+import logging
 from concurrent.futures import Future
 from typing import Any
 
