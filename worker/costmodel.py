@@ -8,10 +8,10 @@ batch size seen, and a least-squares line a + b*n through those means:
     measured scales it by n); a shape never measured is scaled from the closest measured shape with the same
     channels by pixel area. None when nothing is known: callers fall back to their static settings.
   - best_size(shape, cap): among the measured sizes <= cap, the one with the most frames per second of device
-    time (n / its fastest measured time: background load only ever slows a batch); a smaller size within
-    `tolerance` of the best wins (same throughput, lower latency). The line alone always favours the largest
-    size, so the choice uses measurements: on CPUs a large batch is often slower per frame (cache), which
-    only a measurement shows.
+    time (n / its fastest measured time: background load only ever slows a batch); the largest size within
+    `tolerance` of the best wins (per-batch costs outside the measurement favour fewer batches; latency
+    budgets cut batches where needed). The line alone always favours the largest size, so the choice uses
+    measurements: on CPUs a large batch is often slower per frame (cache), which only a measurement shows.
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ Shape = tuple[int, int, int]
 
 # Weight of the newest measurement in a size's running mean ("recent batches").
 EWMA_ALPHA = 0.2
-# A smaller size within this share of the best throughput is preferred (it finishes sooner).
-THROUGHPUT_TOLERANCE = 0.03
+# The largest size within this share of the best measured throughput is chosen: per-batch costs the
+# measurement leaves out (the loop, produce, commit) favour fewer batches, and budgets cut a batch when a
+# class's latency needs it.
+THROUGHPUT_TOLERANCE = 0.05
 
 
 @dataclass
@@ -114,7 +116,7 @@ class CostModel:
         if not sizes:
             return None
         best = max(n / cost.best_s[n] for n in sizes)
-        return min(n for n in sizes if n / cost.best_s[n] >= best * (1.0 - self._tolerance))
+        return max(n for n in sizes if n / cost.best_s[n] >= best * (1.0 - self._tolerance))
 
     def largest_within(self, shape: Shape, seconds: float, cap: int) -> int | None:
         """The largest n <= cap predicted to take at most `seconds`; 0 if not even one frame; None if unknown."""
