@@ -4,11 +4,13 @@ torch; fed with measured batches (warm-up seeds it, every finished batch updates
 
 Per shape (height, width, channels) it keeps an exponentially weighted mean of the measured time of each
 batch size seen, and a least-squares line a + b*n through those means:
-  - predict(shape, n): the size's own mean when it was measured, else the line (a shape with one size
-    measured scales it by n); a shape never measured is scaled from the closest measured shape with the same
-    channels by pixel area. None when nothing is known: callers fall back to their static settings.
+  - profiles: a shape's own measurements are completed with the sizes only a reference shape has (the one
+    with the most sizes measured, the same channels: the warm-up calibration), scaled by the two shapes' time
+    ratio at the sizes both measured (else by pixel area). A shape never measured is the reference, scaled.
+  - predict(shape, n): the size's mean when it was measured (or completed), else the line (one size: scaled
+    by n). None when no shape of its channels is known: callers fall back to their static settings.
   - best_size(shape, cap): among the measured sizes <= cap, the one with the most frames per second of device
-    time (n / its fastest measured time: background load only ever slows a batch); the largest size within
+    time (n / its recent mean time; warm-up measures every size the same number of times); the largest size within
     `tolerance` of the best wins (per-batch costs outside the measurement favour fewer batches; latency
     budgets cut batches where needed). The line alone always favours the largest size, so the choice uses
     measurements: on CPUs a large batch is often slower per frame (cache), which only a measurement shows.
@@ -17,6 +19,7 @@ batch size seen, and a least-squares line a + b*n through those means:
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 
 Shape = tuple[int, int, int]
@@ -32,9 +35,6 @@ THROUGHPUT_TOLERANCE = 0.05
 @dataclass
 class _ShapeCost:
     mean_s: dict[int, float] = field(default_factory=dict)  # batch size -> EWMA of measured seconds
-    # batch size -> fastest measured seconds: background load only ever slows a batch, so sizes are ranked
-    # on these (a noisy neighbour during one size's measurements must not make a small size look best)
-    best_s: dict[int, float] = field(default_factory=dict)
     count: dict[int, int] = field(default_factory=dict)
     a: float = 0.0
     b: float = 0.0
@@ -68,6 +68,7 @@ class CostModel:
         self._alpha = alpha
         self._tolerance = tolerance
         self._shapes: dict[Shape, _ShapeCost] = {}
+        self._profiles: dict[Shape, _ShapeCost | None] = {}  # merged views, dropped on every observation
         # Bumped on every observation, so a caller can tell its cached choices are stale.
         self.version = 0
 
@@ -79,8 +80,8 @@ class CostModel:
         old = cost.mean_s.get(n)
         cost.mean_s[n] = seconds if old is None else old + self._alpha * (seconds - old)
         cost.count[n] = cost.count.get(n, 0) + 1
-        cost.best_s[n] = min(seconds, cost.best_s.get(n, seconds))
         cost.refit()
+        self._profiles.clear()
         self.version += 1
 
     def known(self, shape: Shape) -> bool:
@@ -90,14 +91,8 @@ class CostModel:
         """Predicted seconds for a batch of `n` frames of `shape`; None when no shape of its channels is known."""
         if n < 1:
             return 0.0
-        cost = self._shapes.get(tuple(shape))  # type: ignore[arg-type]
-        if cost is not None:
-            return cost.predict(n)
-        near = self._nearest(shape)
-        if near is None:
-            return None
-        other, ratio = near
-        return self._shapes[other].predict(n) * ratio
+        profile = self._profile(tuple(shape))  # type: ignore[arg-type]
+        return None if profile is None else profile.predict(n)
 
     def line(self, shape: Shape) -> tuple[float, float] | None:
         """The fitted (a seconds, b seconds per frame) of a measured shape."""
@@ -105,18 +100,45 @@ class CostModel:
         return None if cost is None else (cost.a, cost.b)
 
     def best_size(self, shape: Shape, cap: int) -> int | None:
-        """The measured size <= cap with the most frames per second of device time; None if none is measured."""
-        cost = self._shapes.get(tuple(shape))  # type: ignore[arg-type]
-        if cost is None:
-            near = self._nearest(shape)
-            if near is None:
-                return None
-            cost = self._shapes[near[0]]  # throughput by size scales with area alike: same argmax
-        sizes = [n for n in cost.best_s if n <= cap]
+        """The size <= cap with the most frames per second of device time; None if nothing is known."""
+        profile = self._profile(tuple(shape))  # type: ignore[arg-type]
+        if profile is None:
+            return None
+        sizes = [n for n in profile.mean_s if n <= cap]
         if not sizes:
             return None
-        best = max(n / cost.best_s[n] for n in sizes)
-        return max(n for n in sizes if n / cost.best_s[n] >= best * (1.0 - self._tolerance))
+        best = max(n / profile.mean_s[n] for n in sizes)
+        return max(n for n in sizes if n / profile.mean_s[n] >= best * (1.0 - self._tolerance))
+
+    def _profile(self, shape: Shape) -> _ShapeCost | None:
+        """The shape's own measurements, completed with the sizes only a reference shape (the same channels, the
+        most sizes measured: the warm-up calibration) has, scaled to this shape. Without the completion a shape
+        first seen in small batches would only ever know small sizes and keep choosing them."""
+        if shape in self._profiles:
+            return self._profiles[shape]
+        own = self._shapes.get(shape)
+        others = [s for s in self._shapes if s != shape and s[2] == shape[2]]
+        area = shape[0] * shape[1]
+        ref_shape = max(others, key=lambda s: (len(self._shapes[s].mean_s),
+                                               -abs(math.log(max(1, s[0] * s[1]) / max(1, area)))), default=None)
+        ref = None if ref_shape is None else self._shapes[ref_shape]
+        if ref is None or (own is not None and set(ref.mean_s) <= set(own.mean_s)):
+            profile = own
+        else:
+            assert ref_shape is not None
+            shared = [n for n in ref.mean_s if own is not None and n in own.mean_s]
+            if shared and own is not None:
+                ratio = statistics.median(own.mean_s[n] / ref.mean_s[n] for n in shared)
+            else:
+                ratio = area / max(1, ref_shape[0] * ref_shape[1])
+            profile = _ShapeCost()
+            for n in ref.mean_s:
+                profile.mean_s[n] = ref.mean_s[n] * ratio
+            if own is not None:
+                profile.mean_s.update(own.mean_s)
+            profile.refit()
+        self._profiles[shape] = profile
+        return profile
 
     def largest_within(self, shape: Shape, seconds: float, cap: int) -> int | None:
         """The largest n <= cap predicted to take at most `seconds`; 0 if not even one frame; None if unknown."""
@@ -132,14 +154,6 @@ class CostModel:
             else:
                 hi = mid - 1
         return lo
-
-    def _nearest(self, shape: Shape) -> tuple[Shape, float] | None:
-        area = shape[0] * shape[1]
-        candidates = [s for s in self._shapes if s[2] == shape[2]]
-        if not candidates or area <= 0:
-            return None
-        other = min(candidates, key=lambda s: abs(math.log((s[0] * s[1]) / area)))
-        return other, area / (other[0] * other[1])
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """Per shape "HxWxC": the line and the measured means (for logs and benchmarks)."""

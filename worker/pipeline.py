@@ -423,6 +423,8 @@ class Pipeline:
         summary = self.summary
         log.info("drained: %d results, %d dead letters, %d expired", summary.results, summary.dead_lettered,
                  summary.expired)
+        log.debug("batch cost model at exit: %s", {k: {m: round(v, 2) for m, v in d.items()}
+                                                   for k, d in self.cost.snapshot().items()})
 
 
 def build_pipeline(settings: Settings, executor: Executor, metrics: Metrics, health: Health,
