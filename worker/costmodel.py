@@ -29,7 +29,7 @@ EWMA_ALPHA = 0.2
 # The largest size within this share of the best measured throughput is chosen: per-batch costs the
 # measurement leaves out (the loop, produce, commit) favour fewer batches, and budgets cut a batch when a
 # class's latency needs it.
-THROUGHPUT_TOLERANCE = 0.05
+THROUGHPUT_TOLERANCE = 0.15
 
 
 @dataclass
