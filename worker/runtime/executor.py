@@ -10,6 +10,7 @@ come back as `FrameFailure`s beside the verdicts of the rest.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import heapq
 import itertools
 import logging
@@ -216,8 +217,8 @@ class InferenceExecutor:
             for n in (n for n in CALIBRATION_SIZES if n <= max_batch_size):
                 frames = [frame] * n
                 if self.memory_policy is not None and self._memory_probe is not None:
-                    self.memory_policy.measure(self._memory_probe, shape, n,
-                                               lambda frames=frames, shape=shape: self.submit(frames, shape).result())
+                    run = functools.partial(_run_now, self, frames, shape)
+                    self.memory_policy.measure(self._memory_probe, shape, n, run)
                 else:
                     self.submit(frames, shape).result()
                 best = min(_timed(self.submit(frames, shape).result()) for _ in range(rounds))
@@ -391,6 +392,10 @@ def _calibration_frame(shape: tuple[int, int, int]) -> Frame:
     h, w, c = shape
     return Frame(stream_id="calibration", frame_index=0, tenant="", priority=Priority.BULK, capture_ts_ms=0, width=w,
                  height=h, channels=c, encoding=Encoding.RAW_RGB8, data=bytes(h * w * c), source=SourceRef("", 0, 0))
+
+
+def _run_now(ex: InferenceExecutor, frames: list[Frame], shape: tuple[int, int, int]) -> BatchOutcome:
+    return ex.submit(frames, shape).result()
 
 
 def _timed(outcome: BatchOutcome) -> float:
