@@ -86,8 +86,15 @@ class ClassSettings:
     max_wait_ms: float
     # A frame older than this (from capture) is not run but reported EXPIRED; 0 disables expiry.
     max_age_ms: float
-    # Weight of the class when several have ready batches (higher = served more often, never starved).
+    # Weight of the class when several have ready batches and every more urgent one has slack (see batching).
     weight: int
+    # End-to-end target (capture -> result): the batcher sizes and releases the class's batches so its oldest
+    # frame finishes within it (by the learned cost model), and serves the class ahead of less urgent ones when
+    # that is at risk. 0: no budget (a throughput class: it waits, it never forces a release).
+    latency_budget_ms: float = 0.0
+    # Backpressure: this class pauses when its own frames reach this share of max_pending_frames /
+    # max_pending_bytes (all classes pause at the caps), so less urgent classes never fill realtime's room.
+    pending_share: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -107,14 +114,29 @@ class BatchingSettings:
     # Backpressure: the batcher holds at most this many frames / bytes before the source pauses.
     max_pending_frames: int = 2048
     max_pending_bytes: int = 512 * 1024 * 1024
-    realtime: ClassSettings = field(default_factory=lambda: ClassSettings(max_wait_ms=5, max_age_ms=2_000, weight=8))
-    standard: ClassSettings = field(default_factory=lambda: ClassSettings(max_wait_ms=15, max_age_ms=30_000, weight=3))
-    bulk: ClassSettings = field(default_factory=lambda: ClassSettings(max_wait_ms=100, max_age_ms=0, weight=1))
+    realtime: ClassSettings = field(default_factory=lambda: ClassSettings(
+        max_wait_ms=5, max_age_ms=2_000, weight=8, latency_budget_ms=250, pending_share=1.0))
+    standard: ClassSettings = field(default_factory=lambda: ClassSettings(
+        max_wait_ms=15, max_age_ms=30_000, weight=3, latency_budget_ms=1_000, pending_share=0.5))
+    bulk: ClassSettings = field(default_factory=lambda: ClassSettings(
+        max_wait_ms=100, max_age_ms=0, weight=1, latency_budget_ms=0, pending_share=0.25))
+    # Size each batch from the cost model learned online (largest throughput per device second, within the
+    # class's latency budget), up to max_batch_size; false keeps the static sizes (max_batch_size and the
+    # preferred sizes) as the release trigger.
+    adaptive_batch_size: bool = True
+    # The longest a batch of standard or bulk may be predicted to run: a realtime batch cannot preempt a
+    # running one, so this bounds how long it can wait behind one. 0: half of realtime.latency_budget_ms.
+    max_blocking_ms: float = 0.0
     # Per-tenant weights for fair filling within a class; unknown tenants weigh 1.
     tenant_weights: dict[str, int] = field(default_factory=dict)
 
     def for_class(self, priority: Priority) -> ClassSettings:
         return {Priority.REALTIME: self.realtime, Priority.STANDARD: self.standard, Priority.BULK: self.bulk}[priority]
+
+    @property
+    def blocking_limit_ms(self) -> float:
+        """max_blocking_ms, or half the realtime budget when 0; 0 means no bound."""
+        return self.max_blocking_ms or self.realtime.latency_budget_ms / 2.0
 
 
 @dataclass(frozen=True)
@@ -191,6 +213,14 @@ class RuntimeSettings:
     preprocess_threads: int = 1
     # CPU intra-op threads for torch; 0 keeps torch's default.
     torch_threads: int = 0
+    # Runners (model copies, each with its own inference thread) per device; batches go to the least loaded.
+    # More than one can overlap one batch's host work with another's device work.
+    instances_per_device: int = 1
+    # Warm-up also times batch sizes 1, 2, 4 ... max_batch_size per warm-up shape to seed the learned cost model.
+    calibrate_batch_sizes: bool = True
+    # GPUs: the largest batch per shape is the one whose peak device memory, measured at warm-up, stays under
+    # this share of the device's memory.
+    memory_fraction: float = 0.8
 
 
 @dataclass(frozen=True)
@@ -498,6 +528,11 @@ def validate(s: Settings) -> list[str]:
         need(c.max_age_ms == 0 or c.max_age_ms >= c.max_wait_ms,
              f"batching.{prio.label}.max_age_ms: must be 0 (no expiry) or >= its max_wait_ms")
         need(c.weight >= 1, f"batching.{prio.label}.weight: must be >= 1")
+        need(c.latency_budget_ms >= 0, f"batching.{prio.label}.latency_budget_ms: must be >= 0 (0: no budget)")
+        need(0 < c.pending_share <= 1, f"batching.{prio.label}.pending_share: must be in (0, 1]")
+    need(b.standard.pending_share + b.bulk.pending_share < 1,
+         "batching.standard.pending_share + batching.bulk.pending_share: must be < 1, so realtime always has room")
+    need(b.max_blocking_ms >= 0, "batching.max_blocking_ms: must be >= 0 (0: half of realtime.latency_budget_ms)")
     need(all(w >= 1 for w in b.tenant_weights.values()), "batching.tenant_weights: each weight must be >= 1")
 
     m = s.model
@@ -537,6 +572,8 @@ def validate(s: Settings) -> list[str]:
          "runtime.warmup_shapes: each must be WIDTHxHEIGHT with positive integers, e.g. 1280x720")
     need(1 <= r.preprocess_threads <= 64, "runtime.preprocess_threads: must be 1..64")
     need(r.torch_threads >= 0, "runtime.torch_threads: must be >= 0")
+    need(1 <= r.instances_per_device <= 16, "runtime.instances_per_device: must be 1..16")
+    need(0 < r.memory_fraction <= 1, "runtime.memory_fraction: must be in (0, 1]")
 
     d = s.delivery
     need(bool(d.transactional_id_prefix.strip()), "delivery.transactional_id_prefix: must not be empty")

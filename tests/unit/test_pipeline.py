@@ -40,9 +40,10 @@ class Clock:
 class World:
     """A pipeline over fakes; `consumer` is the group's view, `producers` every producer created, in order."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, mode: str = "at_least_once", hold: bool = False) -> None:
-        self.settings = Settings(batching=BatchingSettings(rare_shape_min_count=1, max_batch_size=4),
-                                 delivery=DeliverySettings(mode=mode, max_inflight_batches=4,
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, mode: str = "at_least_once", hold: bool = False,
+                 batching: BatchingSettings | None = None, max_inflight: int = 4, executor: Any = None) -> None:
+        self.settings = Settings(batching=batching or BatchingSettings(rare_shape_min_count=1, max_batch_size=4),
+                                 delivery=DeliverySettings(mode=mode, max_inflight_batches=max_inflight,
                                                            transaction_call_timeout_ms=1_000),
                                  observability=ObservabilitySettings(worker_id="w0", metrics_enabled=False))
         self.consumer: FakeConsumer | None = None
@@ -65,7 +66,7 @@ class World:
         monkeypatch.setattr(sink_module, "STUCK_GRACE_S", 0.05)
         monkeypatch.setattr(pipeline_module, "output_message_limit", lambda settings: None)  # no admin calls
         self.clock = Clock()
-        self.executor = FakeExecutor(hold=hold)
+        self.executor = executor if executor is not None else FakeExecutor(hold=hold)
         self.health = Health()
         self.pipeline: Pipeline = build_pipeline(self.settings, self.executor, Metrics(), self.health, self.clock)
         assert self.consumer is not None
