@@ -232,6 +232,10 @@ class DeliverySettings:
     # Batches dispatched to the runtime but not yet finished.
     max_inflight_batches: int = 2
     commit_interval_ms: float = 0.0
+    # The most offsets read since the last commit the broker confirmed; reading pauses there until a commit
+    # lands. Bounds what a lost session or crash answers again while commits fail (a coordinator away).
+    # 0: batching.max_pending_frames + max_inflight_batches x batching.max_batch_size.
+    max_uncommitted_frames: int = 0
     # Exactly-once: the longest a transaction's offsets + commit may take before the producer is replaced
     # (fencing it) and the frames are read again from the committed offsets.
     transaction_call_timeout_ms: int = 10_000
@@ -283,6 +287,13 @@ class Settings:
     delivery: DeliverySettings = field(default_factory=DeliverySettings)
     observability: ObservabilitySettings = field(default_factory=ObservabilitySettings)
     limits: LimitsSettings = field(default_factory=LimitsSettings)
+
+    @property
+    def max_uncommitted_frames(self) -> int:
+        """`delivery.max_uncommitted_frames`, or by default what one worker holds when nothing is stuck: a full
+        batcher and its batches running (the in-flight limit plus realtime's reserved slot)."""
+        return self.delivery.max_uncommitted_frames or (
+            self.batching.max_pending_frames + (self.delivery.max_inflight_batches + 1) * self.batching.max_batch_size)
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Settings)}
@@ -579,6 +590,8 @@ def validate(s: Settings) -> list[str]:
     need(bool(d.transactional_id_prefix.strip()), "delivery.transactional_id_prefix: must not be empty")
     need(1 <= d.max_inflight_batches <= 64, "delivery.max_inflight_batches: must be 1..64")
     need(d.commit_interval_ms >= 0, "delivery.commit_interval_ms: must be >= 0")
+    need(d.max_uncommitted_frames == 0 or d.max_uncommitted_frames >= b.max_batch_size,
+         "delivery.max_uncommitted_frames: must be 0 (derived) or >= batching.max_batch_size")
     need(1_000 <= d.transaction_call_timeout_ms <= 300_000,
          "delivery.transaction_call_timeout_ms: must be 1000..300000")
 

@@ -211,7 +211,10 @@ class AtLeastOnceDelivery(Delivery):
         """Commit the watermark: asynchronously in the loop (a synchronous commit would stall it for a broker
         round trip per batch), after a flush and synchronously before partitions are given up."""
         now = self.clock()
-        if not final and now - self._last_commit < self.settings.delivery.commit_interval_ms / 1000.0:
+        # Before the interval ends when half the uncommitted cap is used, so the cap pauses reading only while
+        # commits fail, never because the interval is long.
+        if not final and now - self._last_commit < self.settings.delivery.commit_interval_ms / 1000.0 \
+                and self.tracker.uncommitted() < self.settings.max_uncommitted_frames // 2:
             return CommitResult.NOTHING
         if final:
             self.finish()
@@ -230,10 +233,11 @@ class AtLeastOnceDelivery(Delivery):
         self.commits += 1
         return CommitResult.COMMITTED
 
-    def commit_reported(self, failed: list[TP], reason: str | None) -> None:
+    def commit_reported(self, committed: dict[TP, int], failed: list[TP], reason: str | None) -> None:
         """Outcome of a commit, served by a consumer poll; a failed partition's commit point is offered again."""
         if self._commits_in_flight:
             self.metrics.commit_latency.observe(time.monotonic() - self._commits_in_flight.popleft())
+        self.tracker.commit_confirmed(committed)
         if not failed:
             self.metrics.commits.labels("ok").inc()
             return
@@ -329,6 +333,7 @@ class ExactlyOnceDelivery(Delivery):
             del self._held[out.source.topic_partition][out.source.offset]
             self._count(produced)
         self.tracker.mark_committed(points)
+        self.tracker.commit_confirmed(points)
         # A refused offset is remembered until its reference dead letter is committed (a later transaction may
         # fail for another reason and read it again).
         self._refused = {(tp, o): r for (tp, o), r in self._refused.items() if o >= points.get(tp, -1)}

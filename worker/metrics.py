@@ -79,6 +79,9 @@ class Metrics:
                                      registry=r)
         self.inflight_bytes = Gauge("streamfer_inflight_bytes", "Padded tensor bytes held by the batcher.",
                                     registry=r)
+        self.uncommitted_frames = Gauge("streamfer_uncommitted_frames",
+                                        "Offsets read since the last confirmed commit (what a lost session redoes).",
+                                        registry=r)
         self.paused_partitions = Gauge("streamfer_paused_partitions",
                                        "Input partitions paused for priority or backpressure.", registry=r)
         self.consumer_lag = Gauge("streamfer_consumer_lag", "High watermark minus position, per assigned partition.",

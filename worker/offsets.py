@@ -27,6 +27,9 @@ class _PartitionState:
     outstanding_set: set[int] = field(default_factory=set)
     highest_seen: int = -1
     committed: int = -1  # next offset to consume, as last committed (-1: nothing committed by us)
+    # Where a re-reading of this partition would start: the first offset read since it was assigned or sought,
+    # then each commit the broker confirmed.
+    reread_from: int = -1
 
 
 class OffsetTracker:
@@ -48,6 +51,8 @@ class OffsetTracker:
         st.outstanding_set.add(offset)
         heapq.heappush(st.outstanding, offset)
         st.highest_seen = max(st.highest_seen, offset)
+        if st.reread_from < 0:
+            st.reread_from = offset
 
     def mark_done(self, tp: TopicPartition, offset: int) -> None:
         """Record that `offset` needs no more work (result acknowledged, dead-lettered or expired)."""
@@ -79,6 +84,18 @@ class OffsetTracker:
             st = self._parts.get(tp)
             if st is not None and point > st.committed:
                 st.committed = point
+
+    def commit_confirmed(self, points: dict[TopicPartition, int]) -> None:
+        """The broker has these commits: a lost session re-reads from there."""
+        for tp, point in points.items():
+            st = self._parts.get(tp)
+            if st is not None and point > st.reread_from:
+                st.reread_from = point
+
+    def uncommitted(self) -> int:
+        """Offsets read since the last commit the broker confirmed, over all partitions: what a lost session or a
+        crash would answer again (done or not)."""
+        return sum(st.highest_seen + 1 - st.reread_from for st in self._parts.values() if st.reread_from >= 0)
 
     def commit_failed(self, tp: TopicPartition) -> None:
         """An asynchronous commit of `tp` failed: offer its commit point again next time."""

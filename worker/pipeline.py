@@ -195,14 +195,20 @@ class Pipeline:
                 timings.cpu[name] += time.thread_time() - c0
                 timings.calls[name] += 1
 
+    def _intake_room(self) -> int:
+        """Frames the loop may read now: the batcher's room (no class still reading past its share), and what is
+        left under the uncommitted cap."""
+        uncommitted_room = self.settings.max_uncommitted_frames - self.tracker.uncommitted()
+        return max(0, min(self.batcher.poll_room(self._paused_classes), uncommitted_room))
+
     def _poll_input(self) -> None:
-        room = self.batcher.poll_room(self._paused_classes)
+        room = self._intake_room()
         if self._inflight or self._outputs:
             timeout = INFLIGHT_POLL_S
         else:
             due = self.batcher.next_due()
             timeout = IDLE_POLL_S if due is None else min(IDLE_POLL_S, max(0.0, due - self.clock()))
-        polled = self.source.poll(min(POLL_BATCH, room), timeout)
+        polled = self.source.poll(min(POLL_BATCH, max(room, 1)), timeout)
         if polled.redelivered:
             self.metrics.redelivered.inc(polled.redelivered)
         if polled.committed_offset_waits:
@@ -229,6 +235,7 @@ class Pipeline:
             self._outputs.append(Output.of_dead_letter(dl))
         self._counts.consumed += len(polled.frames) + len(polled.dead_letters)
         self.metrics.inflight_frames.set(self.tracker.in_flight())
+        self.metrics.uncommitted_frames.set(self.tracker.uncommitted())
         self.metrics.inflight_bytes.set(self.batcher.pending_bytes)
 
     def _idle_for(self) -> float:
@@ -368,7 +375,12 @@ class Pipeline:
 
     # -- flow control -----------------------------------------------------------------------------------------
     def _apply_backpressure(self) -> None:
-        self._paused_classes = self.batcher.classes_to_pause()
+        """Pause what the batcher has no room for; pause everything while the uncommitted cap is reached (commits
+        are failing: what more the worker read, a lost session would answer again)."""
+        if self.tracker.uncommitted() >= self.settings.max_uncommitted_frames:
+            self._paused_classes = set(Priority)
+        else:
+            self._paused_classes = self.batcher.classes_to_pause()
         self.source.pause_classes(self._paused_classes)
         self.metrics.paused_partitions.set(self.source.paused_partitions)
 

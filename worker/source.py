@@ -121,7 +121,7 @@ class FrameSource:
         conf["stats_cb"] = self._on_stats
         conf["statistics.interval.ms"] = 5000
         # The outcome of every commit (asynchronous ones are served by a later poll) goes to `on_commit_done`.
-        self.on_commit_done: Callable[[list[TP], str | None], None] | None = None
+        self.on_commit_done: Callable[[dict[TP, int], list[TP], str | None], None] | None = None
         conf["on_commit"] = self._commit_reported
         self._topics = settings.topics.input_topics()
         self._clock = clock
@@ -458,10 +458,13 @@ class FrameSource:
             self.on_commit_done(*_commit_outcome(err, partitions))
 
 
-def _commit_outcome(err: KafkaError | None, partitions: list[TopicPartition]) -> tuple[list[TP], str | None]:
-    """Adapt librdkafka's commit callback: the failed partitions and why, or ([], None) on success."""
+def _commit_outcome(err: KafkaError | None,
+                    partitions: list[TopicPartition]) -> tuple[dict[TP, int], list[TP], str | None]:
+    """Adapt librdkafka's commit callback: the offsets the broker now has, the failed partitions and why."""
     failed = [(p.topic, p.partition) for p in partitions if err is not None or p.error is not None]
+    committed = {(p.topic, p.partition): p.offset for p in partitions
+                 if err is None and p.error is None and p.offset >= 0}
     reason = None
     if failed:
         reason = err.str() if err is not None else "; ".join(p.error.str() for p in partitions if p.error)
-    return failed, reason
+    return committed, failed, reason

@@ -76,6 +76,7 @@ class FakeConsumer:
     script: list[tuple[str, Any]] = field(default_factory=list)
     commit_history: list[dict[TP, int]] = field(default_factory=list)
     seeks: list[tuple[TP, int]] = field(default_factory=list)
+    commit_error: KafkaError | None = None  # while set, every commit fails (a coordinator away)
     _commit_reports: list[tuple[KafkaError | None, list[TopicPartition]]] = field(default_factory=list)
 
     # -- test controls --
@@ -135,6 +136,11 @@ class FakeConsumer:
 
     def commit(self, offsets: list[TopicPartition], asynchronous: bool = True) -> list[TopicPartition] | None:
         points = {(o.topic, o.partition): o.offset for o in offsets}
+        if self.commit_error is not None:
+            if asynchronous:
+                self._commit_reports.append((self.commit_error, offsets))
+                return None
+            raise KafkaException(self.commit_error)
         self.commit_history.append(points)
         self.group_committed.update(points)
         if asynchronous:

@@ -101,3 +101,21 @@ def test_commit_point_never_passes_an_unfinished_offset(offsets, rnd):
         pending = [x for x in offsets if x not in done]
         expected = min(pending) if pending else max(offsets) + 1
         assert t.commit_points().get(TP, None) == expected
+
+
+def test_uncommitted_counts_from_the_first_offset_read_then_from_each_confirmed_commit():
+    t = OffsetTracker()
+    for o in range(100, 110):
+        t.track(TP, o)
+    assert t.uncommitted() == 10  # nothing committed yet: a re-reading starts at 100
+    for o in range(100, 106):
+        t.mark_done(TP, o)
+    assert t.uncommitted() == 10  # done is not committed
+    t.mark_committed(t.commit_points())
+    assert t.uncommitted() == 10  # requested is not confirmed either
+    t.commit_confirmed({TP: 106})
+    assert t.uncommitted() == 4
+    t.commit_confirmed({TP: 103})  # an older confirmation, reported late
+    assert t.uncommitted() == 4
+    t.forget(TP)
+    assert t.uncommitted() == 0

@@ -41,10 +41,13 @@ class World:
     """A pipeline over fakes; `consumer` is the group's view, `producers` every producer created, in order."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, mode: str = "at_least_once", hold: bool = False,
-                 batching: BatchingSettings | None = None, max_inflight: int = 4, executor: Any = None) -> None:
+                 batching: BatchingSettings | None = None, max_inflight: int = 4, executor: Any = None,
+                 max_uncommitted_frames: int = 0, commit_interval_ms: float = 0.0) -> None:
         self.settings = Settings(batching=batching or BatchingSettings(rare_shape_min_count=1, max_batch_size=4),
                                  delivery=DeliverySettings(mode=mode, max_inflight_batches=max_inflight,
-                                                           transaction_call_timeout_ms=1_000),
+                                                           transaction_call_timeout_ms=1_000,
+                                                           max_uncommitted_frames=max_uncommitted_frames,
+                                                           commit_interval_ms=commit_interval_ms),
                                  observability=ObservabilitySettings(worker_id="w0", metrics_enabled=False))
         self.consumer: FakeConsumer | None = None
         self.producers: list[FakeProducer] = []
@@ -157,6 +160,34 @@ def test_at_least_once_commit_stays_below_an_unfinished_frame(monkeypatch: pytes
     w.step(2)
     assert offsets(w.results(), P0) == [0, 2]
     assert w.committed(P0) == 3
+
+
+def test_while_commits_fail_reading_stops_at_the_uncommitted_cap_and_goes_on_when_a_commit_lands(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    w = World(monkeypatch, "at_least_once", max_uncommitted_frames=8)
+    w.frames(P0, 40)
+    w.kafka.commit_error = KafkaError(KafkaError.COORDINATOR_NOT_AVAILABLE)
+    w.assign([P0])
+    w.step(20)
+    # Answered, but no commit lands: a lost session would answer these again, so no more is read.
+    assert offsets(w.results(), P0) == list(range(8))
+    assert w.pipeline.tracker.uncommitted() == 8
+    assert P0 in w.kafka.paused
+    w.kafka.commit_error = None
+    w.step(20)
+    assert offsets(w.results(), P0) == list(range(40))
+    assert w.committed(P0) == 40
+    assert w.pipeline.tracker.uncommitted() == 0
+
+
+def test_a_long_commit_interval_commits_early_rather_than_stop_at_the_uncommitted_cap(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    w = World(monkeypatch, "at_least_once", max_uncommitted_frames=8, commit_interval_ms=3_600_000)
+    w.frames(P0, 40)
+    w.assign([P0])
+    w.step(40)
+    assert offsets(w.results(), P0) == list(range(40))
+    assert w.committed(P0) == 40
 
 
 # -- stale work ------------------------------------------------------------------------------------------------
