@@ -39,7 +39,9 @@ Cost model (optional, worker.costmodel, learned from measured batches). Per grou
   - trigger: with adaptive_batch_size, the measured size with the most frames per device second (reason
     "cost"), instead of the static trigger above;
   - cap: for standard and bulk, the largest size predicted to run within max_blocking_ms (reason "blocking"),
-    so a realtime batch waits behind at most one such batch;
+    so a realtime batch waits behind at most one such batch. The bound holds while realtime is present (a
+    realtime frame pending, or one arrived within realtime_quiet_ms; 0: always): with no realtime traffic it
+    would only cost throughput, so lower classes then fill to full size;
   - budget: a batch of a class with latency_budget_ms takes at most the frames its oldest frame can wait for
     and still finish within the budget (unless that frame is already past it: then throughput), and a partial
     group is due by the latest start that still meets the budget, if that comes before its max_wait_ms.
@@ -250,6 +252,9 @@ class MicroBatcher:
         self._cost_version = -1
         self._adaptive = settings.adaptive_batch_size
         self._blocking_s = settings.blocking_limit_ms / 1000.0
+        self._quiet_s = settings.realtime_quiet_ms / 1000.0
+        self._realtime_seen_at = -math.inf  # received_at of the latest realtime frame
+        self._bounded = self._quiet_s == 0  # lower classes' batches bounded by the blocking limit now
         if cost is not None:
             for cls in self._classes:
                 if cls.budget_s > 0:
@@ -283,6 +288,8 @@ class MicroBatcher:
                 f"the classes returned by classes_to_pause() and drain pop_batch() before adding more")
         cls = self._classes[frame.priority]
         t = frame.received_at
+        if frame.priority == Priority.REALTIME and t > self._realtime_seen_at:
+            self._realtime_seen_at = t
         fallback = frame_bytes > s.max_batch_bytes or self._is_rare(shape, t)
         groups = cls.fallback if fallback else cls.groups
         group = groups.get(shape)
@@ -348,23 +355,33 @@ class MicroBatcher:
     # ------------------------------------------------------------------------------------------- cost model
 
     def _sync_cost(self) -> None:
-        """Re-size every group when the cost model learned something since the last look."""
+        """Re-size every group when the cost model learned something since the last look, or realtime came or
+        went (the blocking bound follows it)."""
         cost = self._cost
-        if cost is None or cost.version == self._cost_version:
+        if cost is None:
+            return
+        bounded = self._realtime_present()
+        if cost.version == self._cost_version and bounded == self._bounded:
             return
         self._cost_version = cost.version
+        self._bounded = bounded
         for cls in self._classes:
             for group in cls.groups.values():
                 self._size_from_cost(group)
                 group.refresh_due()
 
+    def _realtime_present(self) -> bool:
+        """Whether a realtime frame is pending or arrived within realtime_quiet_ms (always, with 0)."""
+        return (self._quiet_s == 0 or self._classes[Priority.REALTIME].pending > 0
+                or self._clock() - self._realtime_seen_at <= self._quiet_s)
+
     def _size_from_cost(self, group: _Group) -> None:
-        """cap: bounded so a standard or bulk batch runs at most the blocking limit; trigger: the measured size
-        with the most frames per device second (adaptive), within that cap."""
+        """cap: while realtime is present, bounded so a standard or bulk batch runs at most the blocking limit;
+        trigger: the measured size with the most frames per device second (adaptive), within that cap."""
         cost = self._cost
         assert cost is not None
         cap, trigger, reason = group.cap_static, group.trigger_static, group.reason_static
-        if group.cls.priority != Priority.REALTIME and self._blocking_s > 0:
+        if group.cls.priority != Priority.REALTIME and self._blocking_s > 0 and self._bounded:
             k = cost.largest_within(group.shape, self._blocking_s, cap)
             if k is not None and k < cap:
                 cap, reason = max(1, k), "blocking"

@@ -127,6 +127,10 @@ class BatchingSettings:
     # The longest a batch of standard or bulk may be predicted to run: a realtime batch cannot preempt a
     # running one, so this bounds how long it can wait behind one. 0: half of realtime.latency_budget_ms.
     max_blocking_ms: float = 0.0
+    # The blocking bound holds only while realtime is present: a realtime frame pending, or one arrived within
+    # this long. After a quiet spell standard and bulk fill to full size (the first realtime frame after it may
+    # wait behind one such batch). 0: always bounded.
+    realtime_quiet_ms: float = 2_000.0
     # Per-tenant weights for fair filling within a class; unknown tenants weigh 1.
     tenant_weights: dict[str, int] = field(default_factory=dict)
 
@@ -544,6 +548,7 @@ def validate(s: Settings) -> list[str]:
     need(b.standard.pending_share + b.bulk.pending_share < 1,
          "batching.standard.pending_share + batching.bulk.pending_share: must be < 1, so realtime always has room")
     need(b.max_blocking_ms >= 0, "batching.max_blocking_ms: must be >= 0 (0: half of realtime.latency_budget_ms)")
+    need(b.realtime_quiet_ms >= 0, "batching.realtime_quiet_ms: must be >= 0 (0: standard and bulk always bounded)")
     need(all(w >= 1 for w in b.tenant_weights.values()), "batching.tenant_weights: each weight must be >= 1")
 
     m = s.model

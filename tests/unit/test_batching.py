@@ -877,6 +877,37 @@ def test_standard_and_bulk_batches_are_bounded_by_the_blocking_limit():
     assert [b.size for b in batches if b.priority == REALTIME] == [32]
 
 
+def test_without_realtime_traffic_standard_and_bulk_fill_to_full_size_and_the_bound_returns_with_it():
+    clock = FakeClock()
+    settings = make_settings(max_batch_size=32, adaptive_batch_size=False, max_blocking_ms=20,
+                             realtime_quiet_ms=1_000)
+    cost = cost_model((SHAPE, 1, 0.005), (SHAPE, 32, 0.160))  # 5 ms per frame
+    batcher = MicroBatcher(settings, clock, cost=cost)
+    add_frames(batcher, clock, 64, priority=BULK)
+    assert [b.size for b in drain(batcher)] == [32, 32]  # no realtime ever seen: nothing to protect
+
+    add_frames(batcher, clock, 1, priority=REALTIME)
+    add_frames(batcher, clock, 32, priority=BULK)
+    batches = drain(batcher)
+    assert {b.size for b in batches if b.priority == BULK} == {4}  # realtime present: bounded again
+
+    clock.advance(0.999)
+    add_frames(batcher, clock, 32, priority=BULK)
+    assert {b.size for b in drain(batcher) if b.priority == BULK} == {4}  # within the last realtime frame's window
+    clock.advance(0.002)
+    add_frames(batcher, clock, 32, priority=BULK)
+    assert [b.size for b in drain(batcher)] == [32]
+
+
+def test_a_zero_realtime_quiet_window_keeps_standard_and_bulk_always_bounded():
+    clock = FakeClock()
+    settings = make_settings(max_batch_size=32, adaptive_batch_size=False, max_blocking_ms=20, realtime_quiet_ms=0)
+    batcher = MicroBatcher(settings, clock, cost=cost_model((SHAPE, 1, 0.005), (SHAPE, 32, 0.160)))
+    add_frames(batcher, clock, 32, priority=BULK)
+
+    assert {b.size for b in drain(batcher)} == {4}
+
+
 def test_the_device_memory_policy_caps_a_shape_batch_size():
     clock = FakeClock()
     memory = MemoryPolicy(total_bytes=1000, memory_fraction=0.5)
