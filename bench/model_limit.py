@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import cProfile
 import io
+import math
 import pstats
 import statistics
 import sys
@@ -485,29 +486,61 @@ WHAT_IF = {
 }
 
 
-def what_if(ctx: Context, rounds: int) -> dict[str, Any]:
+# The scheduler's isolation: lower classes bounded by max_blocking_ms always (0) or only while realtime is present.
+WHAT_IF_SCHEDULER = {
+    "defaults": {},
+    "realtime_quiet_ms=0 (always bounded)": {"WORKER_BATCHING_REALTIME_QUIET_MS": "0"},
+}
+VARIANT_SETS = {"settings": WHAT_IF, "scheduler": WHAT_IF_SCHEDULER}
+
+
+def what_if(ctx: Context, rounds: int, variant_set: str = "settings") -> dict[str, Any]:
     """Saturated throughput of the worker process with one setting changed at a time, in interleaved rounds
-    (so background load hits every variant alike); median and best per variant."""
+    (so background load hits every variant alike); median (min-max) per variant, frames/s and the worker's
+    CPU-ms per frame (its start-up included, alike for every variant)."""
+    variants = VARIANT_SETS[variant_set]
     frames = int(ctx.scale(4000, 2000))
     topics = common.make_topics(ctx.bootstrap, "wi")
     common.publish_load(ctx.bootstrap, topics, common.workload_records(frames, common.new_id("wi")))
-    fps: dict[str, list[float]] = {name: [] for name in WHAT_IF}
+    fps: dict[str, list[float]] = {name: [] for name in variants}
+    cpu_ms: dict[str, list[float]] = {name: [] for name in variants}
+    sizes: dict[str, list[dict[str, float]]] = {name: [] for name in variants}  # mean batch size per class
     for r in range(rounds):
-        for name, env in WHAT_IF.items():
+        for name, env in variants.items():
             run = common.run_backlog(ctx.bootstrap, topics, frames,
                                      lambda t, env=env: common.start_worker(
                                          ctx.bootstrap, t, ctx.log_dir, ctx.torch_threads, common.new_id("wi"),
                                          extra_env={**ctx.shared.get("worker_env", {}), **env}),
                                      timeout_s=300, tag="wi", broker=ctx.broker)
             fps[name].append(common.steady_throughput(run.results)["frames_per_s"])
-            print(f"[what-if] round {r + 1} {name}: {fps[name][-1]:.0f} frames/s", flush=True)
+            cpu = run.proc_cpu_s[0]
+            cpu_ms[name].append(math.nan if cpu is None else cpu * 1000.0 / frames)
+            sizes[name].append({label: common.batch_size_distribution(
+                [x for x in run.results if x["source_topic"] == topic])["mean_frame_weighted"]
+                for label, topic in (("realtime", topics.realtime), ("standard", topics.standard),
+                                     ("bulk", topics.bulk))})
+            print(f"[what-if] round {r + 1} {name}: {fps[name][-1]:.0f} frames/s, "
+                  f"{cpu_ms[name][-1]:.2f} worker CPU-ms/frame, mean batch size (frame-weighted) "
+                  + " ".join(f"{k} {v:.1f}" for k, v in sizes[name][-1].items()), flush=True)
     base = statistics.median(fps["defaults"])
-    rows = [[name, statistics.median(v), max(v), f"{statistics.median(v) / base:.2f}x", " ".join(f"{x:.0f}" for x in v)]
-            for name, v in fps.items()]
-    text = common.table("what-if: the worker with one setting changed (saturated frames/s, interleaved rounds)",
-                        ["variant", "median", "best", "median vs defaults", "rounds"], rows)
+
+    def spread(v: list[float]) -> str:
+        return f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})"
+
+    def mean_sizes(name: str) -> str:
+        classes = ("realtime", "standard", "bulk")
+        return " / ".join(f"{statistics.median(x[k] for x in sizes[name]):.1f}" for k in classes)
+
+    rows = [[name, spread(v), f"{statistics.median(v) / base:.2f}x", spread(cpu_ms[name]), mean_sizes(name),
+             " ".join(f"{x:.0f}" for x in v)] for name, v in fps.items()]
+    text = common.table("what-if: the worker with one setting changed (saturated, interleaved rounds)",
+                        ["variant", "frames/s median (min-max)", "median vs defaults",
+                         "worker CPU-ms/frame median (min-max)", "batch size rt/std/bulk (median of means)",
+                         "rounds frames/s"], rows)
     result = {"benchmark": "model_limit_what_if", "machine": common.machine(), "frames": frames, "rounds": rounds,
-              "variants": {n: {"env": WHAT_IF[n], "frames_per_s": v} for n, v in fps.items()}, "tables": [text]}
+              "variants": {n: {"env": variants[n], "frames_per_s": v, "worker_cpu_ms_per_frame": cpu_ms[n],
+                               "mean_batch_size_by_class": sizes[n]}
+                           for n, v in fps.items()}, "tables": [text]}
     common.write_json("model_limit_what_if", result, ctx.out_dir)
     return result
 
@@ -515,7 +548,7 @@ def what_if(ctx: Context, rounds: int) -> dict[str, Any]:
 def _run_standalone(ctx: Context) -> dict[str, Any]:
     args = ctx.shared["args"]
     if args.what_if:
-        return what_if(ctx, args.rounds)
+        return what_if(ctx, args.rounds, args.variants)
     return run(ctx)
 
 
@@ -541,6 +574,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--what-if", action="store_true",
                        help="instead: the worker with single settings changed, in interleaved rounds")
         p.add_argument("--rounds", type=int, default=3, help="rounds for --what-if (default 3)")
+        p.add_argument("--variants", choices=sorted(VARIANT_SETS), default="settings",
+                       help="--what-if variant set: settings (commit interval, in-flight, preprocess threads) or "
+                            "scheduler (the blocking bound always vs only while realtime is present)")
 
     return common.standalone(_run_standalone, argv, __doc__.splitlines()[0], configure)
 
