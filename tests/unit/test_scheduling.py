@@ -202,3 +202,18 @@ def test_the_input_size_distribution_is_kept_per_batch_shape(monkeypatch: pytest
     registry = w.pipeline.metrics.registry
     assert registry.get_sample_value("streamfer_input_pixels_count", {"shape": "4x4"}) == 4
     assert registry.get_sample_value("streamfer_input_pixels_sum", {"shape": "4x4"}) == 4 * 16
+
+
+def test_each_batch_counts_its_release_reason_and_its_measured_over_predicted_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    w = World(monkeypatch)
+    w.pipeline.seed_costs([((4, 4, 3), 4, 0.004)])  # predicted 4 ms; the fake executor's batches take 2 ms
+    w.kafka.append(RT, *(frame_at("r", i, w.clock.now) for i in range(4)))
+    w.assign([RT])
+    w.step(3)
+    registry = w.pipeline.metrics.registry
+    released = {s.labels["reason"]: s.value for m in registry.collect() if m.name == "streamfer_batch_releases"
+                for s in m.samples if s.name.endswith("_total") and s.labels["priority"] == "realtime"}
+    assert sum(released.values()) == 1
+    assert registry.get_sample_value("streamfer_batch_time_ratio_count") == 1
+    assert registry.get_sample_value("streamfer_batch_time_ratio_sum") == pytest.approx(0.5)
