@@ -675,14 +675,17 @@ def test_poll_room_keeps_each_reading_class_within_its_share():
     assert batcher.poll_room({BULK}) == 50
 
 
-def test_a_standard_backlog_pauses_bulk_until_standard_is_drained():
+def test_a_standard_backlog_pauses_nothing_and_bulk_runs_only_once_standard_is_out_of_risk():
     clock = FakeClock()
-    batcher = MicroBatcher(make_settings(max_batch_size=4, standard=(5, 0, 3)), clock)
-    add_frames(batcher, clock, 4, priority=STANDARD)
-    clock.advance(5 * MS)
-    assert batcher.classes_to_pause() == {BULK}
-    drain(batcher)
-    assert batcher.classes_to_pause() == set()
+    settings = make_settings(max_batch_size=4, standard=ClassSettings(5, 0, 3, latency_budget_ms=100))
+    batcher = MicroBatcher(settings, clock, cost=cost_model((SHAPE, 4, 0.010)))
+    add_frames(batcher, clock, 4, priority=BULK)
+    add_frames(batcher, clock, 12, priority=STANDARD)
+    clock.advance(100 * MS)
+    assert batcher.classes_to_pause() == set()  # bulk reads on, within its share
+
+    batches = drain(batcher)
+    assert [b.priority for b in batches] == [STANDARD, STANDARD, STANDARD, BULK]  # backlogged standard first
 
 
 def test_a_realtime_backlog_pauses_bulk_then_standard_too_until_realtime_is_drained():
