@@ -13,14 +13,16 @@ client settings, each in its own process, in one run.
 (c) the worker: `python -m worker run` with its default settings.
 
 Throughput: each consumer starts on the same pre-published backlog (a fresh consumer group each), frames/s
-over the middle 80% of its results; (a) is stopped after a time cap. Consumers run in interleaved rounds
-and the best round counts (noise on a shared machine only ever slows a run down); every round is listed.
+and the process's CPU-ms per frame over the middle 80% of its results; (a) is stopped after a time cap.
+Beside them (L), the runtime's own best: `InferenceExecutor` alone in this process, no Kafka. The four run
+in interleaved rounds (L a b c L a b c ...); each figure is the median over rounds with min and max, and each
+ratio the median of per-round ratios, never the best round.
 Latency: at a fixed offered rate, open loop with intended-send timestamps, on fresh topics, after each
 consumer is warm: "low" = half of the slowest consumer's throughput (every loop keeps up), "high" = half
 of the worker's (the simple loops may fall behind; a loop that cannot keep up shows latency growing with
 the run's length, which is what an overloaded consumer does).
 
-    python bench/batching_gain.py [--quick]
+    python bench/batching_gain.py [--quick] [--rounds N] [--model toy|opennsfw] [--workload mixed|jpeg224|...]
     python bench/batching_gain.py consume --mode one|fixed ...   (the baseline loops; started by the bench)
 """
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -38,6 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common
+import stats
 from common import Context, Topics
 
 from worker.frames import Priority, SourceRef
@@ -50,6 +54,7 @@ CONSUMERS = {
     "b": f"fixed consume(num_messages={FIXED_BATCH}), per-shape sub-batches",
     "c": "streamfer worker (defaults)",
 }
+VARIANTS = {"L": "the runtime's own best (executor alone, no Kafka)", **CONSUMERS}
 
 
 # -- the baseline loops (run in their own process) ----------------------------------------------------------------
@@ -61,11 +66,12 @@ def consume_main(argv: list[str]) -> int:
     p.add_argument("--worker-id", required=True)
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--idle-exit-s", type=float, default=None)
+    p.add_argument("--model-json", default="{}", help="[model] settings (JSON) of the benchmark's model")
     args = p.parse_args(argv)
     topics = Topics(**json.loads(args.topics))
     stopping = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stopping.__setitem__("now", True))
-    loop = BaselineLoop(args.bootstrap, topics, args.worker_id, args.torch_threads)
+    loop = BaselineLoop(args.bootstrap, topics, args.worker_id, args.torch_threads, json.loads(args.model_json))
     try:
         loop.run(args.mode, lambda: stopping["now"], args.idle_exit_s)
     finally:
@@ -78,7 +84,8 @@ class BaselineLoop:
     """The simple consumer loops, built from the worker's own pieces: the consumer and producer settings of
     worker.source / worker.sink, worker.schemas decode/encode, the runtime's Preprocessor and EagerRunner."""
 
-    def __init__(self, bootstrap: str, topics: Topics, worker_id: str, torch_threads: int) -> None:
+    def __init__(self, bootstrap: str, topics: Topics, worker_id: str, torch_threads: int,
+                 model: dict[str, Any] | None = None) -> None:
         import torch
         from confluent_kafka import Consumer, Producer
 
@@ -93,6 +100,7 @@ class BaselineLoop:
         overrides = topics.overrides()
         overrides["kafka"]["bootstrap_servers"] = bootstrap
         overrides["observability"] = {"worker_id": worker_id}
+        overrides["model"] = dict(model or {})
         self.settings = s = load_settings(env={}, overrides=overrides)
         self.topics = topics
         self.priority_of = topics.priority_of()
@@ -102,8 +110,9 @@ class BaselineLoop:
         self.contract = loaded.contract
         self.runner = EagerRunner(loaded.module, loaded.contract, self.device, s.runtime.precision)
         # The worker's warm-up: warmup_batches forward passes of its largest batch at 224x224.
-        self.runner.warm_up((3, 224, 224), s.runtime.warmup_batches, max(s.runtime.graph_batch_sizes))
-        self.preprocessor = Preprocessor(loaded.contract, pin_memory=False)
+        hw = self.contract.model_input_hw((224, 224))
+        self.runner.warm_up((*hw, self.contract.channels), s.runtime.warmup_batches, max(s.runtime.graph_batch_sizes))
+        self.preprocessor = Preprocessor(loaded.contract)
         # The worker's own client settings (worker.source.FrameSource, worker.sink.ResultSink).
         self.consumer = Consumer(consumer_config(s))
         self.producer = Producer(producer_config(s))
@@ -180,7 +189,8 @@ class BaselineLoop:
         t0 = time.perf_counter()
         batch = self.preprocessor.prepare(frames, frames[0].shape)
         stage_to_device(batch, self.device, None)
-        scores = self.runner.run(batch.device_tensor).scores
+        scores = self.runner.run(batch.device_pixels, regions=batch.device_regions).scores
+        batch.release()
         now = time.time()
         took_ms = (time.perf_counter() - t0) * 1000.0
         for frame, row in zip(batch.frames, scores, strict=True):
@@ -216,10 +226,10 @@ def start_consumer(ctx: Context, which: str, topics: Topics, worker_id: str,
                    exit_when_idle_s: float | None = None, expiry: bool = False) -> common.Proc:
     if which == "c":
         return common.start_worker(ctx.bootstrap, topics, ctx.log_dir, ctx.torch_threads, worker_id,
-                                   exit_when_idle_s, expiry=expiry, extra_env=ctx.shared.get("worker_env"))
+                                   exit_when_idle_s, expiry=expiry, extra_env=ctx.worker_env())
     argv = [sys.executable, str(Path(__file__).resolve()), "consume", "--mode", {"a": "one", "b": "fixed"}[which],
             "--bootstrap", ctx.bootstrap, "--topics", json.dumps(topics.__dict__), "--worker-id", worker_id,
-            "--torch-threads", str(ctx.torch_threads)]
+            "--torch-threads", str(ctx.torch_threads), "--model-json", json.dumps(ctx.model_overrides())]
     if exit_when_idle_s is not None:
         argv += ["--idle-exit-s", str(exit_when_idle_s)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -227,20 +237,60 @@ def start_consumer(ctx: Context, which: str, topics: Topics, worker_id: str,
 
 
 def backlog_round(ctx: Context, which: str, topics: Topics, frames: int, cap_s: float) -> dict[str, Any]:
-    """One consumer on the backlog, stopped once it has committed everything or after cap_s of consuming."""
+    """One consumer on the backlog, stopped once it has committed everything or after cap_s from its first commit.
+    Frames/s and the consumer process's CPU-ms per frame, both over the middle 80% of its results."""
     t = common.fresh_consumer(ctx.bootstrap, topics, f"bg{which}")
     ends = common.end_offsets(ctx.bootstrap, topics.inputs)
     proc = start_consumer(ctx, which, t, common.new_id(f"bg{which}"))
+    sampler = common.CpuSampler(proc.popen.pid)
     watch = common.CpuWatch(ctx.broker, [proc.popen.pid])
+    # The cap counts from the first commit: start-up (imports, model load, group join) is not consuming time.
+    common.wait_started(ctx.bootstrap, t.group, ends, 120, alive=proc.alive)
     finished = common.wait_committed(ctx.bootstrap, t.group, ends, cap_s, alive=proc.alive)
     cpu = watch.stop()
+    samples = sampler.stop()
+    died = not finished and not proc.alive()
     proc.stop()
+    if died:
+        raise RuntimeError(f"consumer {which} exited before it had consumed the backlog\n{proc.tail()}")
     results = common.read_run_results(ctx.bootstrap, t.results, frames if finished else None)
-    if len(results) < 50:
+    if len(results) < 40:
         raise RuntimeError(f"consumer {which} produced {len(results)} results in {cap_s:.0f}s\n{proc.tail()}")
     tp = common.steady_throughput(results)
     return {"consumer": which, "finished_backlog": finished, "results": len(results), **tp,
+            "cpu_ms_per_frame": common.window_cpu_ms_per_frame(samples, tp),
             "background_cores": cpu["background_cores"], "batch_sizes": common.batch_size_distribution(results)}
+
+
+class Limit:
+    """The runtime's own best, variant (L): `InferenceExecutor` in this process (no Kafka) fed the workload's
+    frames, 2 batches in flight like the worker, at the batch size that was best in a short sweep and at the
+    consumers' torch thread count. Decode and preprocessing included."""
+
+    SWEEP = (1, 4, 8, 16, 32)
+
+    def __init__(self, ctx: Context) -> None:
+        from model_limit import executor_round, runtime_overrides, shape_schedule
+
+        from worker.config import load_settings
+        from worker.runtime import InferenceExecutor
+
+        self._round = executor_round
+        settings = load_settings(env={}, overrides={"model": ctx.model_overrides(), "runtime": {
+            "torch_threads": ctx.torch_threads, **runtime_overrides(ctx)}})
+        self.executor = InferenceExecutor.from_settings(settings.model, settings.runtime)
+        self.executor.warm_up()
+        self.device = self.executor.device_description
+        self.cycle = shape_schedule(common.new_id("L"), ctx.workload)
+        self.sweep = {b: executor_round(self.executor, self.cycle, b, ctx.scale(1.0, 0.5)) for b in self.SWEEP}
+        self.batch_size = max(self.sweep, key=lambda b: self.sweep[b]["frames_per_s"])
+
+    def round(self, seconds: float) -> dict[str, Any]:
+        return {"consumer": "L", "batch_size": self.batch_size,
+                **self._round(self.executor, self.cycle, self.batch_size, seconds)}
+
+    def close(self) -> None:
+        self.executor.close()
 
 
 def latency_run(ctx: Context, which: str, rate: float, seconds: float) -> dict[str, Any]:
@@ -248,13 +298,13 @@ def latency_run(ctx: Context, which: str, rate: float, seconds: float) -> dict[s
     topics = common.make_topics(ctx.bootstrap, f"lat{which}")
     proc = start_consumer(ctx, which, topics, common.new_id(f"lat{which}"), expiry=False)
     try:
-        warm = common.workload_records(30, common.new_id("warm"))
+        warm = ctx.records(30, common.new_id("warm"))
         common.publish_load(ctx.bootstrap, topics, warm)
         if not common.wait_committed(ctx.bootstrap, topics.group, common.end_offsets(ctx.bootstrap, topics.inputs),
                                      120, alive=proc.alive):
             raise RuntimeError(f"consumer {which} did not get warm\n{proc.tail()}")
         run_id = common.new_id("lat")
-        records = common.workload_records(int(rate * seconds), run_id)
+        records = ctx.records(int(rate * seconds), run_id)
         watch = common.CpuWatch(ctx.broker, [proc.popen.pid])
         load = common.publish_load(ctx.bootstrap, topics, records, rate_fps=rate)
         t_load_end = time.monotonic()
@@ -281,28 +331,107 @@ def latency_run(ctx: Context, which: str, rate: float, seconds: float) -> dict[s
 
 
 def run(ctx: Context) -> dict[str, Any]:
-    frames = int(ctx.scale(4000, 2500))
-    rounds = int(ctx.scale(2, 1))
-    cap_s = ctx.scale(9, 6)
-    topics = common.make_topics(ctx.bootstrap, "bg")
-    print(f"\n[gain] publishing a backlog of {frames} frames", flush=True)
-    publish = common.publish_load(ctx.bootstrap, topics, common.workload_records(frames, common.new_id("bg")))
-    trials: list[dict[str, Any]] = []
-    for r in range(rounds):
-        for which in CONSUMERS:
-            trial = backlog_round(ctx, which, topics, frames, cap_s if which == "a" else 120)
-            trial["round"] = r + 1
-            trials.append(trial)
-            print(f"[gain] round {r + 1} ({which}) {trial['frames_per_s']:.0f} frames/s, background load "
-                  f"{trial['background_cores']:.2f} cores", flush=True)
-    best = {w: max((t for t in trials if t["consumer"] == w), key=lambda t: t["frames_per_s"]) for w in CONSUMERS}
-    fps = {w: best[w]["frames_per_s"] for w in CONSUMERS}
+    """Throughput rounds of (L), (a), (b), (c) interleaved; on the mixed workload also latency at fixed rates."""
+    result = throughput(ctx)
+    if ctx.workload_name == "mixed" and not ctx.shared.get("throughput_only"):
+        result.update(latency(ctx, result["throughput_fps"]))
+    result["tables"] = result.pop("throughput_tables") + result.get("latency_tables", [])
+    common.write_json(result_name(ctx), result, ctx.out_dir)
+    return result
 
+
+def result_name(ctx: Context) -> str:
+    default = ctx.workload_name == "mixed" and ctx.model == "toy"
+    return "batching_gain" if default else f"batching_gain_{ctx.model}_{ctx.workload_name}"
+
+
+def throughput(ctx: Context) -> dict[str, Any]:
+    """Saturated frames/s and CPU-ms per frame of every variant in interleaved rounds (L a b c L a b c ...);
+    every ratio is the median of the per-round ratios, with min and max."""
+    rounds = ctx.round_count(3, 2)
+    tag = f"[gain {ctx.model}/{ctx.workload_name}]"
+    print(f"\n{tag} the runtime's own best: batch-size sweep {list(Limit.SWEEP)}", flush=True)
+    limit = Limit(ctx)
+    try:
+        best_fps = limit.sweep[limit.batch_size]["frames_per_s"]
+        # The backlog lasts about 10 s (quick: 5 s) at the runtime's own best, at least 60 frames (a window of 48).
+        frames = int(min(ctx.scale(4000, 2500), max(60, best_fps * ctx.scale(10, 5))))
+        topics = common.make_topics(ctx.bootstrap, "bg")
+        print(f"{tag} best batch {limit.batch_size} ({best_fps:.0f} frames/s); publishing a backlog of {frames} "
+              f"frames", flush=True)
+        publish = common.publish_load(ctx.bootstrap, topics, ctx.records(frames, common.new_id("bg")))
+        # (a) stops after cap_a of consuming: long enough for ~80 frames at (L)'s one-frame-batch speed.
+        cap_a = min(120.0, max(ctx.scale(9, 6), 80 / max(1e-3, limit.sweep[1]["frames_per_s"])))
+        trials: list[dict[str, Any]] = []
+        for r, which in stats.interleaved(list(VARIANTS), rounds):
+            try:
+                if which == "L":
+                    trial = limit.round(ctx.scale(3, 1.5))
+                else:
+                    trial = backlog_round(ctx, which, topics, frames, cap_a if which == "a" else 300)
+            except RuntimeError as exc:
+                # A consumer that crashes or stalls is a result too: the round is listed, the medians skip it.
+                trial = {"consumer": which, "failed": str(exc), "frames_per_s": float("nan"),
+                         "cpu_ms_per_frame": float("nan")}
+                print(f"{tag} round {r} ({which}) FAILED: {_last_error_line(str(exc))}", flush=True)
+            trial["round"] = r
+            trials.append(trial)
+            print(f"{tag} round {r} ({which}) {trial['frames_per_s']:.0f} frames/s, "
+                  f"{trial['cpu_ms_per_frame']:.2f} CPU-ms/frame", flush=True)
+    finally:
+        limit.close()
+    by = {w: {t["round"]: t for t in trials if t["consumer"] == w} for w in VARIANTS}
+    fps = {w: {r: t["frames_per_s"] for r, t in by[w].items()} for w in VARIANTS}
+    fps_spread = {w: stats.Spread.of(list(fps[w].values())) for w in VARIANTS}
+    cpu_spread = {w: stats.Spread.of([t["cpu_ms_per_frame"] for t in by[w].values()]) for w in VARIANTS}
+    ratios = {"c/L": stats.ratio_spread(fps["c"], fps["L"]), "c/a": stats.ratio_spread(fps["c"], fps["a"]),
+              "c/b": stats.ratio_spread(fps["c"], fps["b"])}
+    batch = {w: stats.Spread.of([t["batch_sizes"]["mean_frame_weighted"] if "batch_sizes" in t
+                                 else t.get("batch_size", float("nan")) for t in by[w].values()]) for w in VARIANTS}
+    failures = [f"({t['consumer']}) round {t['round']}: {_last_error_line(t['failed'])}" for t in trials
+                if "failed" in t]
+    text = [common.table(
+        f"saturated throughput, {ctx.model} model, {ctx.workload_name} workload: median (min-max) of {rounds} "
+        "interleaved rounds",
+        ["variant", "frames/s", "CPU-ms/frame", "mean batch", "x (L)", "rounds frames/s"],
+        [[f"({w}) {VARIANTS[w]}", fps_spread[w].text(), cpu_spread[w].text(), batch[w].text(1),
+          stats.ratio_spread(fps[w], fps["L"]).text(2),
+          " ".join("FAILED" if math.isnan(v) else f"{v:.0f}" for v in fps[w].values())]
+         for w in VARIANTS],
+        note=f"worker / (L) = {ratios['c/L'].text(2)}, worker / (b) = {ratios['c/b'].text(2)}, worker / (a) = "
+             f"{ratios['c/a'].text(2)}: medians (min-max) of per-round ratios. frames/s and CPU-ms/frame over the "
+             f"middle 80% of each consumer's results; (L) in this process, no Kafka, batch {limit.batch_size}. "
+             f"{ctx.torch_threads} torch thread(s) each; backlog {frames} frames."
+             + ("\nFAILED rounds (left out of the medians): " + "; ".join(failures) if failures else ""))]
+    return {
+        "benchmark": "batching_gain", "machine": common.machine(), "model": ctx.model,
+        "model_settings": ctx.model_overrides(), "workload_name": ctx.workload_name,
+        "workload": ctx.workload.describe(), "variants": VARIANTS, "torch_threads": ctx.torch_threads,
+        "rounds": rounds, "backlog_frames": frames, "backlog_publish": publish, "limit_device": limit.device,
+        "limit_batch_size": limit.batch_size, "limit_sweep": limit.sweep, "throughput_trials": trials,
+        "throughput_fps": {w: s.median for w, s in fps_spread.items()},
+        "throughput_spread": {w: s.as_dict() for w, s in fps_spread.items()},
+        "cpu_ms_per_frame": {w: s.as_dict() for w, s in cpu_spread.items()},
+        "ratios": {k: v.as_dict() for k, v in ratios.items()},
+        "ratio_c_over_limit": ratios["c/L"].median, "ratio_c_over_a": ratios["c/a"].median,
+        "ratio_c_over_b": ratios["c/b"].median, "failed_rounds": failures, "throughput_tables": text,
+    }
+
+
+def _last_error_line(text: str) -> str:
+    """The line of a consumer's log tail that names its error (else the message's first line)."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "Error" in ln or "Exception" in ln]
+    return (errors[-1] if errors else lines[0] if lines else "")[:300]
+
+
+def latency(ctx: Context, fps: dict[str, float]) -> dict[str, Any]:
+    """End-to-end latency of (a), (b), (c) at fixed offered rates (median saturated frames/s from the rounds)."""
     seconds = ctx.scale(6, 4)
-    rates = {"low": 0.5 * min(fps.values())}
+    rates = {"low": 0.5 * min(fps[w] for w in CONSUMERS)}
     if not ctx.quick:
         rates["high"] = 0.5 * fps["c"]
-    latency: dict[str, dict[str, Any]] = {}
+    lat: dict[str, dict[str, Any]] = {}
     skipped: dict[str, list[str]] = {}
     for level, rate in rates.items():
         for which in CONSUMERS:
@@ -312,21 +441,15 @@ def run(ctx: Context) -> dict[str, Any]:
                 skipped.setdefault(level, []).append(which)
                 continue
             print(f"[gain] latency: {which} at {rate:.0f} frames/s ({level})", flush=True)
-            latency.setdefault(level, {})[which] = latency_run(ctx, which, rate, seconds)
+            lat.setdefault(level, {})[which] = latency_run(ctx, which, rate, seconds)
 
-    text = [common.table(
-        "batching gain: throughput on a saturating backlog (best of rounds; frames/s over the middle 80%)",
-        ["consumer", "frames/s", "rounds", "mean batch", "vs (a)"],
-        [[f"({w}) {CONSUMERS[w]}", fps[w], " ".join(f"{t['frames_per_s']:.0f}" for t in trials if t["consumer"] == w),
-          best[w]["batch_sizes"]["mean_frame_weighted"], f"{fps[w] / fps['a']:.2f}x"] for w in CONSUMERS],
-        note=f"c/a = {fps['c'] / fps['a']:.2f}x, c/b = {fps['c'] / fps['b']:.2f}x (same frames, model and client "
-             f"settings; {ctx.torch_threads} torch thread(s) each).")]
-    for level, by in latency.items():
+    text = []
+    for level, by in lat.items():
         rows = []
         for w, lr in by.items():
-            lat = lr["latency"]
+            e2e = lr["latency"]
             cls = lr["latency_by_class"]
-            rows.append([f"({w})", lr["offered_fps"], lat["p50_ms"], lat["p99_ms"], lat["max_ms"],
+            rows.append([f"({w})", lr["offered_fps"], e2e["p50_ms"], e2e["p99_ms"], e2e["max_ms"],
                          cls["realtime"]["p99_ms"], cls["standard"]["p99_ms"], cls["bulk"]["p99_ms"],
                          lr["batch_sizes"]["mean_frame_weighted"],
                          "yes" if lr["kept_up"] else f"NO ({lr['drain_after_load_s']:.1f}s)"])
@@ -337,24 +460,19 @@ def run(ctx: Context) -> dict[str, Any]:
             rows, note=f"kept up: done within {KEPT_UP_DRAIN_S:.1f}s of the load's end (else: how long it needed). "
             + (("not run (capacity below the offered rate, so latency grows without bound): "
                         + ", ".join(f"({w})" for w in skipped[level])) if skipped.get(level) else "")))
-    result = {
-        "benchmark": "batching_gain", "machine": common.machine(), "workload": common.describe_workload(),
-        "consumers": CONSUMERS, "torch_threads": ctx.torch_threads, "backlog_frames": frames,
-        "backlog_publish": publish, "throughput_trials": trials, "throughput_fps": fps,
-        "ratio_c_over_a": fps["c"] / fps["a"], "ratio_c_over_b": fps["c"] / fps["b"],
-        "latency_rates": rates, "latency": latency, "latency_skipped_overloaded": skipped,
-        "latency_seconds": seconds, "tables": text,
-    }
-    common.write_json("batching_gain", result, ctx.out_dir)
-    return result
+    return {"latency_rates": rates, "latency": lat, "latency_skipped_overloaded": skipped,
+            "latency_seconds": seconds, "latency_tables": text}
 
 
 def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
-    """Headline rows for bench/results/summary.md."""
-    fps = result["throughput_fps"]
-    rows = [(f"({w}) {CONSUMERS[w]}", f"{fps[w]:.0f} frames/s") for w in CONSUMERS]
-    rows.append(("worker vs (a), vs (b)", f"**{result['ratio_c_over_a']:.1f}x**, **{result['ratio_c_over_b']:.2f}x**"))
-    for level, by in result["latency"].items():
+    """Headline rows for bench/results/summary.md: medians (min-max) of interleaved rounds."""
+    fps, cpu = result["throughput_spread"], result["cpu_ms_per_frame"]
+    rows = [(f"({w}) {VARIANTS[w]}", f"{_spread_text(fps[w])} frames/s, {_spread_text(cpu[w])} CPU-ms/frame")
+            for w in VARIANTS]
+    r = result["ratios"]
+    rows.append(("worker vs (L), vs (b), vs (a) (median (min-max) of per-round ratios)",
+                 f"**{_spread_text(r['c/L'], 2)}**, **{_spread_text(r['c/b'], 2)}**, **{_spread_text(r['c/a'], 1)}**"))
+    for level, by in result.get("latency", {}).items():
         rate = result["latency_rates"][level]
         cells = "; ".join(f"({w}) {lr['latency']['p50_ms']:.0f} / {lr['latency']['p99_ms']:.0f}"
                           for w, lr in by.items())
@@ -363,6 +481,14 @@ def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
             cells += "; " + ", ".join(f"({w}) overloaded" for w in skipped)
         rows.append((f"latency p50 / p99 ms at {rate:.0f} frames/s offered ({level})", cells))
     return rows
+
+
+def _spread_text(d: dict[str, Any], digits: int | None = None, suffix: str = "") -> str:
+    """Spread.as_dict() back to its text."""
+    def value(key: str) -> float:
+        return float("nan") if d[key] is None else float(d[key])
+
+    return stats.Spread(value("median"), value("min"), value("max"), d["rounds"]).text(digits, suffix)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,12 +27,14 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 
+import stats  # noqa: E402
 from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
+from workloads import WORKLOADS, Workload, model_env, model_settings  # noqa: E402
 
 from tests.integration.helpers import TestTopics as Topics  # noqa: E402
 from tests.integration.helpers import end_offsets  # noqa: E402 (after the sys.path set-up above)
-from worker.frames import Encoding, Priority  # noqa: E402
 from worker.producer import frame_producer, send_frames, synthetic_frames  # noqa: E402
 from worker.results import read_results  # noqa: E402
 from worker.schemas import FrameRecord  # noqa: E402
@@ -46,33 +48,18 @@ _KAFKA_LOG.propagate = False
 PARTITIONS = 3
 
 
-# -- the workload ----------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ClassLoad:
-    share: float  # of all frames
-    encoding: Encoding
-    shapes: tuple[tuple[int, int], ...]  # (width, height), cycled
-
-
-# Mixed shapes on three priorities, sized like downscaled video frames. Standard frames arrive as JPEG
-# (decoded in the worker's preprocessing pool), the others as raw RGB.
-WORKLOAD: dict[Priority, ClassLoad] = {
-    Priority.REALTIME: ClassLoad(0.2, Encoding.RAW_RGB8, ((160, 120), (128, 96))),
-    Priority.STANDARD: ClassLoad(0.4, Encoding.JPEG, ((320, 240), (224, 224))),
-    Priority.BULK: ClassLoad(0.4, Encoding.RAW_RGB8, ((320, 240), (224, 224))),
-}
+# -- the workload (definitions in workloads.py) ------------------------------------------------------------
 STREAMS_PER_SHAPE = 6  # keys per shape: spreads a topic's frames over its partitions
 
 
-def describe_workload() -> dict[str, Any]:
-    return {p.label: {"share": c.share, "encoding": c.encoding.value,
-                      "shapes_wxh": [f"{w}x{h}" for w, h in c.shapes]} for p, c in WORKLOAD.items()}
+def describe_workload(workload: Workload | None = None) -> dict[str, Any]:
+    return (workload or WORKLOADS["mixed"]).describe()
 
 
-def workload_records(count: int, run_id: str) -> list[FrameRecord]:
+def workload_records(count: int, run_id: str, workload: Workload | None = None) -> list[FrameRecord]:
     """`count` frames of the workload, the classes interleaved evenly by share (deterministic)."""
     per_class: list[tuple[float, FrameRecord]] = []
-    for priority, load in WORKLOAD.items():
+    for priority, load in (workload or WORKLOADS["mixed"]).classes.items():
         n = max(1, round(count * load.share))
         records = synthetic_frames(n, list(load.shapes), load.encoding, priority, run_id,
                                    streams_per_shape=STREAMS_PER_SHAPE)
@@ -259,6 +246,22 @@ def wait_committed(bootstrap: str, group: str, ends: dict[tuple[str, int], int],
         probe.close()
 
 
+def wait_started(bootstrap: str, group: str, ends: dict[tuple[str, int], int], timeout_s: float,
+                 alive: Callable[[], bool] = lambda: True) -> bool:
+    """Wait until the group has committed anything of `ends` (the consumer is past start-up and group join)."""
+    probe = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
+    tps = [TopicPartition(t, p) for (t, p), end in ends.items() if end > 0]
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline and alive():
+            if any(tp.offset > 0 for tp in probe.committed(tps, timeout=10)):
+                return True
+            time.sleep(0.2)
+        return False
+    finally:
+        probe.close()
+
+
 def read_run_results(bootstrap: str, results_topic: str, expected: int | None = None,
                      timeout_s: float = 120.0) -> list[dict[str, Any]]:
     """Every result on a results topic (committed ones), stopping at `expected` when given."""
@@ -278,7 +281,46 @@ def steady_throughput(results: Sequence[dict[str, Any]], trim: float = 0.1) -> d
     lo, hi = int(trim * (len(times) - 1)), int((1 - trim) * (len(times) - 1))
     span_s = (times[hi] - times[lo]) / 1000.0
     n = hi - lo
-    return {"frames_per_s": n / span_s if span_s > 0 else float("nan"), "window_s": span_s, "frames_in_window": n}
+    return {"frames_per_s": n / span_s if span_s > 0 else float("nan"), "window_s": span_s, "frames_in_window": n,
+            "window_start_ms": times[lo], "window_end_ms": times[hi]}
+
+
+class CpuSampler:
+    """Samples a process's cumulative CPU seconds against wall time (time.time(), the clock results are
+    stamped with) in a thread, so CPU can be counted over the same window as the throughput."""
+
+    def __init__(self, pid: int, interval_s: float = 0.1) -> None:
+        self.pid = pid
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="bench-cpu-sampler", daemon=True)
+        self._thread.start()
+
+    def _take(self) -> None:
+        cpu = process_cpu_seconds(self.pid)
+        if cpu is not None:
+            self.samples.append((time.time(), cpu))
+
+    def _loop(self) -> None:
+        self._take()
+        while not self._stop.wait(self.interval_s):
+            self._take()
+
+    def stop(self) -> list[tuple[float, float]]:
+        """Stop sampling (one last sample first) and return the samples."""
+        self._take()
+        self._stop.set()
+        self._thread.join()
+        return self.samples
+
+
+def window_cpu_ms_per_frame(samples: Sequence[tuple[float, float]], tp: dict[str, Any]) -> float:
+    """CPU-ms per frame of a process over steady_throughput's window (NaN if the samples do not cover it)."""
+    if "window_start_ms" not in tp:
+        return float("nan")
+    cpu = stats.cpu_between(samples, tp["window_start_ms"] / 1000.0, tp["window_end_ms"] / 1000.0)
+    return stats.cpu_ms_per_frame(cpu, tp["frames_in_window"])
 
 
 def all_active_throughput(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -402,6 +444,15 @@ class BacklogRun:
     seconds: float  # consumer start to everything committed (start-up and group join included)
     proc_cpu_s: list[float | None]  # CPU seconds each consumer process used, start-up included
     broker_cpu_s: float | None  # CPU seconds the local broker used meanwhile (None for an external one)
+    cpu_samples: list[list[tuple[float, float]]] = field(default_factory=list)  # per process, CpuSampler's
+
+    def cpu_ms_per_frame(self, tp: dict[str, Any]) -> float:
+        """CPU-ms per frame of all consumer processes together over steady_throughput's window."""
+        if not self.cpu_samples or "window_start_ms" not in tp:
+            return float("nan")
+        t0, t1 = tp["window_start_ms"] / 1000.0, tp["window_end_ms"] / 1000.0
+        return stats.cpu_ms_per_frame(sum(stats.cpu_between(s, t0, t1) for s in self.cpu_samples),
+                                      tp["frames_in_window"])
 
 
 def run_backlog(bootstrap: str, topics: Topics, expected: int, start: Callable[[Topics], Proc | list[Proc]],
@@ -414,10 +465,12 @@ def run_backlog(bootstrap: str, topics: Topics, expected: int, start: Callable[[
     t0 = time.monotonic()
     started = start(consumer_topics)
     procs = started if isinstance(started, list) else [started]
+    samplers = [CpuSampler(p.popen.pid) for p in procs]
     done = wait_committed(bootstrap, consumer_topics.group, ends, timeout_s,
                           alive=lambda: all(p.alive() for p in procs))
     elapsed = time.monotonic() - t0
     proc_cpu = [process_cpu_seconds(p.popen.pid) for p in procs]
+    samples = [s.stop() for s in samplers]
     broker_cpu = broker.cpu_seconds() if broker else None
     for p in procs:
         p.stop()
@@ -426,7 +479,7 @@ def run_backlog(bootstrap: str, topics: Topics, expected: int, start: Callable[[
         raise RuntimeError(f"{tag}: the backlog was not consumed within {timeout_s:.0f}s\n{tails}")
     results = read_run_results(bootstrap, consumer_topics.results, expected)
     return BacklogRun(results, procs, elapsed, proc_cpu,
-                      None if broker_cpu is None or broker_cpu0 is None else broker_cpu - broker_cpu0)
+                      None if broker_cpu is None or broker_cpu0 is None else broker_cpu - broker_cpu0, samples)
 
 
 # -- output ----------------------------------------------------------------------------------------------------
@@ -510,9 +563,30 @@ class Context:
     log_dir: Path
     out_dir: Path = RESULTS_DIR
     shared: dict[str, Any] = field(default_factory=dict)  # figures one benchmark hands to the next
+    workload_name: str = "mixed"  # a key of workloads.WORKLOADS
+    model: str = "toy"  # a key of workloads.MODELS
+    rounds: int = 0  # interleaved rounds; 0: the benchmark's default (fewer with --quick)
 
     def scale(self, full: float, quick: float) -> float:
         return quick if self.quick else full
+
+    @property
+    def workload(self) -> Workload:
+        return WORKLOADS[self.workload_name]
+
+    def model_overrides(self) -> dict[str, Any]:
+        """The [model] settings of this run's model and workload (load_settings overrides)."""
+        return model_settings(self.model, self.workload)
+
+    def worker_env(self) -> dict[str, str]:
+        """Extra environment of a worker process: the model, then whatever run_all varies (CUDA graphs)."""
+        return {**model_env(self.model_overrides()), **self.shared.get("worker_env", {})}
+
+    def records(self, count: int, run_id: str) -> list[FrameRecord]:
+        return workload_records(count, run_id, self.workload)
+
+    def round_count(self, full: int, quick: int) -> int:
+        return self.rounds or (quick if self.quick else full)
 
 
 def standalone(run: Callable[[Context], dict[str, Any]], argv: list[str] | None, description: str,
@@ -524,15 +598,25 @@ def standalone(run: Callable[[Context], dict[str, Any]], argv: list[str] | None,
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--quick", action="store_true", help="short run (noisier figures)")
     p.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads per process (default 1)")
+    add_workload_args(p)
     if configure:
         configure(p)
     args = p.parse_args(argv)
     log_dir = Path(tempfile.mkdtemp(prefix="streamfer-bench-logs-"))
     with Broker() as broker:
         ctx = Context(bootstrap=broker.bootstrap, broker=broker, quick=args.quick,
-                      torch_threads=args.torch_threads, log_dir=log_dir, shared={"args": args})
+                      torch_threads=args.torch_threads, log_dir=log_dir, shared={"args": args},
+                      workload_name=args.workload, model=args.model, rounds=args.rounds)
         run(ctx)
     return 0
+
+
+def add_workload_args(p: Any) -> None:
+    from workloads import MODELS, WORKLOADS
+
+    p.add_argument("--workload", choices=list(WORKLOADS), default="mixed", help="frames fed (bench/workloads.py)")
+    p.add_argument("--model", choices=list(MODELS), default="toy", help="toy (builtin CNN) or opennsfw (ResNet-50)")
+    p.add_argument("--rounds", type=int, default=0, help="interleaved rounds (default: each benchmark's own)")
 
 
 class Timer:

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.torch_threads)
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     h, w = args.shape
-    shape = (3, h, w)
+    shape = (h, w, 3)  # the runner's input: uint8 NHWC pixels, normalised on the device
     settings = ModelSettings(source=args.model)
     loaded = load_model(settings, device)
     eager = EagerRunner(loaded.module, loaded.contract, device, args.precision)
@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(_header(graphs is not None), flush=True)
     for n in args.batch_sizes:
-        x = torch.randn((n, *shape), generator=torch.Generator().manual_seed(n)).to(device)
+        x = torch.randint(0, 256, (n, *shape), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(n)).to(device)
         row = {"batch_size": n, "eager": _measure(eager, x, args.warmup, args.iters)}
         if graphs is not None:
             row["graph"] = _measure(graphs, x, args.warmup, args.iters)

@@ -38,11 +38,11 @@ def capacity(ctx: Context) -> float:
         return float(ctx.shared["capacity_fps"])
     frames = int(ctx.scale(4000, 2000))
     topics = common.make_topics(ctx.bootstrap, "swc")
-    common.publish_load(ctx.bootstrap, topics, common.workload_records(frames, common.new_id("swc")))
+    common.publish_load(ctx.bootstrap, topics, ctx.records(frames, common.new_id("swc")))
     run = common.run_backlog(ctx.bootstrap, topics, frames,
                              lambda t: common.start_worker(ctx.bootstrap, t, ctx.log_dir, ctx.torch_threads,
                                                            common.new_id("swc"),
-                                                           extra_env=ctx.shared.get("worker_env")),
+                                                           extra_env=ctx.worker_env()),
                              timeout_s=300, tag="swc", broker=ctx.broker)
     return common.steady_throughput(run.results)["frames_per_s"]
 
@@ -70,13 +70,12 @@ def run(ctx: Context) -> dict[str, Any]:
           f"{seconds:.0f}s each", flush=True)
     topics = common.make_topics(ctx.bootstrap, "sw")
     # The scheduler is told the standard budget the sweep judges it by (it sizes and releases batches for it).
-    env = {"WORKER_BATCHING_STANDARD_LATENCY_BUDGET_MS": f"{budget['budget_ms']:.0f}",
-           **(ctx.shared.get("worker_env") or {})}
+    env = {"WORKER_BATCHING_STANDARD_LATENCY_BUDGET_MS": f"{budget['budget_ms']:.0f}", **ctx.worker_env()}
     proc = common.start_worker(ctx.bootstrap, topics, ctx.log_dir, ctx.torch_threads, common.new_id("sw"),
                                expiry=True, extra_env=env)
     runs: list[dict[str, Any]] = []
     try:
-        common.publish_load(ctx.bootstrap, topics, common.workload_records(30, common.new_id("warm")))
+        common.publish_load(ctx.bootstrap, topics, ctx.records(30, common.new_id("warm")))
         if not common.wait_committed(ctx.bootstrap, topics.group, common.end_offsets(ctx.bootstrap, topics.inputs),
                                      120, alive=proc.alive):
             raise RuntimeError(f"the worker did not get warm\n{proc.tail()}")
@@ -84,7 +83,7 @@ def run(ctx: Context) -> dict[str, Any]:
             rate = share * cap
             run_id = common.new_id("lv")
             watch = common.CpuWatch(ctx.broker, [proc.popen.pid])
-            records = common.workload_records(max(20, int(rate * seconds)), run_id)
+            records = ctx.records(max(20, int(rate * seconds)), run_id)
             load = common.publish_load(ctx.bootstrap, topics, records, rate_fps=rate)
             t0 = time.monotonic()
             drained = common.wait_committed(ctx.bootstrap, topics.group,
@@ -94,7 +93,8 @@ def run(ctx: Context) -> dict[str, Any]:
             runs.append({"share_of_capacity": share, "offered_fps": rate, "run_id": run_id, "load": load.as_dict(),
                          "drain_after_load_s": time.monotonic() - t0, "drained": drained,
                          "background_cores": cpu["background_cores"], "generator_cores": cpu["bench_process_cores"],
-                         "worker_cores": cpu["watched_processes_cores"], "broker_cores": cpu["broker_cores"]})
+                         "worker_cores": cpu["watched_processes_cores"], "broker_cores": cpu["broker_cores"],
+                         "wall_s": cpu["wall_s"]})
             print(f"[sweep] {share:>4.0%} = {rate:.0f} frames/s: sent {load.sent}, send delay p99 "
                   f"{load.send_delay_p99_ms:.1f} ms, drained {time.monotonic() - t0:.1f}s after the load", flush=True)
             if not drained:
@@ -120,6 +120,9 @@ def run(ctx: Context) -> dict[str, Any]:
                                                                    topics.for_priority(p)]) for p in Priority}
         lv["batch_sizes"] = common.batch_size_distribution(ok)
         lv["achieved_fps"] = common.steady_throughput(results, trim=0.05)["frames_per_s"]
+        # Worker process CPU over the level (its drain included) per frame it finished.
+        lv["worker_cpu_ms_per_frame"] = (lv["worker_cores"] * lv["wall_s"] * 1000.0 / len(results)
+                                         if results else float("nan"))
         std_p99 = common.latency_summary([r for r in ok if r["source_topic"] == standard_topic])["p99_ms"]
         lv["standard_p99_within_budget"] = bool(std_p99 <= budget["budget_ms"])
         if knee is None and not lv["standard_p99_within_budget"]:
@@ -146,7 +149,8 @@ def run(ctx: Context) -> dict[str, Any]:
                      cls["bulk"]["p99_ms"], "ok" if lv["standard_p99_within_budget"] else "OVER", lv["expired"],
                      lv["batch_sizes"]["mean_frame_weighted"],
                      " ".join(f"{int(round(100 * v))}" for v in bs.values()),
-                     lv["load"]["send_delay_p99_ms"], lv["worker_cores"], lv["generator_cores"], lv["broker_cores"],
+                     lv["load"]["send_delay_p99_ms"], lv["worker_cores"], lv["worker_cpu_ms_per_frame"],
+                     lv["generator_cores"], lv["broker_cores"],
                      lv["background_cores"]])
     text = common.table(
         f"latency under load (open loop, {seconds:.0f}s per level, first {WARMUP_SHARE:.0%} discarded; capacity "
@@ -154,7 +158,7 @@ def run(ctx: Context) -> dict[str, Any]:
         f"{budget['model_ms']:.1f} ms model), ms",
         ["load", "offered", "achieved", "p50", "p95", "p99", "rt p99", "std p99", "bulk p99", "std budget",
          "expired", "mean batch", "% frames in batch 1|2-3|4-7|8-15|16-31|32", "send delay p99", "worker cores",
-         "generator cores", "broker cores", "bg cores"],
+         "worker CPU-ms/frame", "generator cores", "broker cores", "bg cores"],
         rows, note=knee_text + ". Latency over OK results; expired = frames past their class's max_age_ms.\n"
                    "Capacity was measured on a backlog with no load generator running; here the generator (this "
                    "process: Avro encode + lz4) shares the same CPUs, so the worker saturates below 100%.")
@@ -165,7 +169,8 @@ def run(ctx: Context) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 (a plot must never lose the numbers)
         print(f"[sweep] plot failed: {exc}", flush=True)
         plot = None
-    result = {"benchmark": "latency_sweep", "machine": common.machine(), "workload": common.describe_workload(),
+    result = {"benchmark": "latency_sweep", "machine": common.machine(), "model": ctx.model,
+              "workload_name": ctx.workload_name, "workload": ctx.workload.describe(),
               "capacity_fps": cap, "budget": budget, "seconds_per_level": seconds, "levels": runs,
               "knee": knee_text, "knee_share": knee["share_of_capacity"] if knee else None,
               "last_within_budget_share": last_ok["share_of_capacity"] if last_ok else None,

@@ -3,14 +3,17 @@ fraction of it, in one run; then where the worker's time goes.
 
 1. Executor only (no Kafka): the workload's frames (same shapes, encodings and shares as the Kafka runs)
    submitted to `InferenceExecutor` in batches of one shape, 2 batches in flight as in the worker
-   (decode + preprocess of the next batch overlap the model), for each batch size and torch thread count;
-   the best is "the limit". Model only (prepared tensors, `runner.run`) is listed beside it.
-2. The worker, a `python -m worker run` process with default settings, on a pre-published backlog of the
-   same workload: frames/s over the middle 80% of its results (start-up and tail excluded).
+   (decode + preprocess of the next batch overlap the model), for each batch size and torch thread count,
+   once (a sweep). Model only (prepared tensors, `runner.run`) is listed beside it.
+2. Interleaved rounds (L c L c ...): (L) the executor at the sweep's best batch size and the worker's thread
+   count = "the limit"; (c) the worker, a `python -m worker run` process with default settings, on a
+   pre-published backlog of the same workload, frames/s and CPU-ms/frame over the middle 80% of its
+   results. The worker's fraction of the limit is the median (min-max) of the per-round ratios.
 3. The same worker in this process with timers around each stage of its loop (and the preprocessing and
    inference threads), counted while the backlog drains; with --profile also a cProfile of the loop thread.
 
-    python bench/model_limit.py [--quick] [--torch-threads 1]
+    python bench/model_limit.py [--quick] [--torch-threads 1] [--rounds N] [--model M] [--workload W]
+    python bench/model_limit.py --what-if [--rounds N]   # single settings changed, interleaved rounds
 """
 
 from __future__ import annotations
@@ -18,27 +21,27 @@ from __future__ import annotations
 import contextlib
 import cProfile
 import io
-import math
 import pstats
 import statistics
 import sys
 import threading
 import time
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common
+import stats
 from common import Context
+from executor_load import executor_round, frame_cycle
+from workloads import Workload
 
 from worker.config import load_settings
 from worker.frames import Frame, SourceRef
 from worker.schemas import decode_frame, encode_frame
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
-INFLIGHT = 2  # the worker's delivery.max_inflight_batches default
 GOAL = 0.85
 
 
@@ -52,8 +55,8 @@ def seed_comparison(ctx: Context) -> dict[str, Any]:
     from worker.frames import Encoding, Priority
     from worker.runtime import InferenceExecutor
 
-    settings = load_settings(env={}, overrides={"runtime": {"torch_threads": ctx.torch_threads,
-                                                            **runtime_overrides(ctx)}})
+    settings = load_settings(env={}, overrides={"model": ctx.model_overrides(), "runtime": {
+        "torch_threads": ctx.torch_threads, **runtime_overrides(ctx)}})
     rec = next(common.synthetic_frames(1, [(512, 512)], Encoding.RAW_RGB8, Priority.STANDARD, "seed"))
     frame = decode_frame(encode_frame(rec), SourceRef("seed", 0, 0), Priority.STANDARD, time.time())
     with InferenceExecutor.from_settings(settings.model, settings.runtime) as executor:
@@ -63,41 +66,14 @@ def seed_comparison(ctx: Context) -> dict[str, Any]:
                 "device": executor.device_description}
 
 
-def shape_schedule(run_id: str) -> list[tuple[Frame, tuple[int, int, int]]]:
-    """One frame per (class, shape) of the workload, repeated by share: a cycle of batches whose frame mix
-    matches the Kafka runs'."""
-    smallest = min(load.share / len(load.shapes) for load in common.WORKLOAD.values())
-    cycle: list[tuple[Frame, tuple[int, int, int]]] = []
-    for priority, load in common.WORKLOAD.items():
-        records = list(common.synthetic_frames(len(load.shapes), list(load.shapes), load.encoding, priority, run_id))
-        for rec in records:
-            frame = decode_frame(encode_frame(rec), SourceRef("limit", 0, 0), priority, time.time())
-            repeats = round(load.share / len(load.shapes) / smallest)
-            cycle.extend([(frame, frame.shape)] * repeats)
-    return cycle
+def shape_schedule(run_id: str, workload: Workload | None = None) -> list[tuple[Frame, tuple[int, int, int]]]:
+    """One frame per (class, shape) of the workload, repeated by share (executor_load.frame_cycle)."""
+    return frame_cycle(workload or common.WORKLOADS["mixed"])
 
 
 def executor_throughput(executor: Any, cycle: list, batch_size: int, seconds: float) -> float:
     """Frames/s of the executor fed batches of `batch_size` frames cycling through the shapes."""
-    pending: list[Future] = []
-    done_frames = 0
-    i = 0
-    # One untimed pass over every shape: first-call costs out of the figure.
-    for frame, shape in cycle:
-        executor.submit([frame] * batch_size, shape).result()
-    t0 = time.perf_counter()
-    while True:
-        while len(pending) < INFLIGHT:
-            frame, shape = cycle[i % len(cycle)]
-            i += 1
-            pending.append(executor.submit([frame] * batch_size, shape))
-        outcome = pending.pop(0).result()
-        done_frames += outcome.batch_size
-        if time.perf_counter() - t0 >= seconds and i % len(cycle) == 0:
-            break
-    for f in pending:
-        f.result()
-    return done_frames / (time.perf_counter() - t0)
+    return float(executor_round(executor, cycle, batch_size, seconds)["frames_per_s"])
 
 
 def model_only_throughput(executor: Any, cycle: list, batch_size: int, seconds: float) -> float:
@@ -109,7 +85,8 @@ def model_only_throughput(executor: Any, cycle: list, batch_size: int, seconds: 
     tensors = []
     for frame, shape in cycle:
         hb = prep.prepare([frame] * batch_size, shape)
-        tensors.append(hb.tensor.to(runner.device))
+        tensors.append(hb.pixels.to(runner.device))  # the runner's input: uint8 pixels it normalises itself
+        hb.release()
     for x in tensors:
         runner.run(x)
     n, t0, i = 0, time.perf_counter(), 0
@@ -136,16 +113,18 @@ def measure_executor(ctx: Context, thread_counts: list[int], seconds: float) -> 
 
     from worker.runtime import InferenceExecutor
 
-    cycle = shape_schedule(common.new_id("lim"))
+    cycle = shape_schedule(common.new_id("lim"), ctx.workload)
     rows = []
     for threads in thread_counts:
-        settings = load_settings(env={}, overrides={"runtime": {"torch_threads": threads, **runtime_overrides(ctx)}})
+        settings = load_settings(env={}, overrides={"model": ctx.model_overrides(),
+                                                    "runtime": {"torch_threads": threads, **runtime_overrides(ctx)}})
         executor = InferenceExecutor.from_settings(settings.model, settings.runtime)
         try:
             executor.warm_up()
             for b in BATCH_SIZES:
-                rows.append({"torch_threads": threads, "batch_size": b,
-                             "executor_fps": executor_throughput(executor, cycle, b, seconds),
+                measured = executor_round(executor, cycle, b, seconds)
+                rows.append({"torch_threads": threads, "batch_size": b, "executor_fps": measured["frames_per_s"],
+                             "executor_cpu_ms_per_frame": measured["cpu_ms_per_frame"],
                              "model_only_fps": model_only_throughput(executor, cycle, b, seconds / 2)})
                 print(f"[limit] threads={threads} batch={b:>2}: executor {rows[-1]['executor_fps']:.0f} frames/s, "
                       f"model only {rows[-1]['model_only_fps']:.0f} frames/s", flush=True)
@@ -161,9 +140,10 @@ def standard_batch_ms(ctx: Context) -> dict[str, Any]:
     from worker.frames import Priority
     from worker.runtime import InferenceExecutor
 
-    settings = load_settings(env={}, overrides={"runtime": {"torch_threads": ctx.torch_threads,
+    settings = load_settings(env={}, overrides={"model": ctx.model_overrides(), "runtime": {
+        "torch_threads": ctx.torch_threads,
                                                             **runtime_overrides(ctx)}})
-    load = common.WORKLOAD[Priority.STANDARD]
+    load = ctx.workload.classes.get(Priority.STANDARD) or next(iter(ctx.workload.classes.values()))
     w, h = max(load.shapes, key=lambda s: s[0] * s[1])
     rec = next(common.synthetic_frames(1, [(w, h)], load.encoding, Priority.STANDARD, "budget"))
     frame = decode_frame(encode_frame(rec), SourceRef("budget", 0, 0), Priority.STANDARD, time.time())
@@ -180,12 +160,42 @@ def standard_batch_ms(ctx: Context) -> dict[str, Any]:
 def worker_saturated(ctx: Context, topics: common.Topics, frames: int) -> dict[str, Any]:
     run = common.run_backlog(ctx.bootstrap, topics, frames,
                              lambda t: common.start_worker(ctx.bootstrap, t, ctx.log_dir, ctx.torch_threads,
-                                                           common.new_id("limw")),
+                                                           common.new_id("limw"), extra_env=ctx.worker_env()),
                              timeout_s=300, tag="limw", broker=ctx.broker)
     tp = common.steady_throughput(run.results)
     return {**tp, "results": len(run.results), "seconds_total": run.seconds,
+            "cpu_ms_per_frame": run.cpu_ms_per_frame(tp),
             "worker_cpu_s": run.proc_cpu_s[0], "broker_cpu_s": run.broker_cpu_s,
             "batch_sizes": common.batch_size_distribution(run.results)}
+
+
+def limit_vs_worker(ctx: Context, topics: common.Topics, frames: int, limit: dict[str, Any]) -> dict[str, Any]:
+    """The executor at its best batch size (at the worker's thread count) and the worker process on the
+    backlog, in interleaved rounds (L c L c ...): the worker's fraction of the limit as the median of the
+    per-round ratios, with min and max."""
+    from worker.runtime import InferenceExecutor
+
+    rounds = ctx.round_count(3, 2)
+    settings = load_settings(env={}, overrides={"model": ctx.model_overrides(), "runtime": {
+        "torch_threads": ctx.torch_threads, **runtime_overrides(ctx)}})
+    cycle = shape_schedule(common.new_id("lim"), ctx.workload)
+    trials: dict[str, dict[int, dict[str, Any]]] = {"L": {}, "c": {}}
+    with InferenceExecutor.from_settings(settings.model, settings.runtime) as executor:
+        executor.warm_up()
+        for r, which in stats.interleaved(["L", "c"], rounds):
+            if which == "L":
+                trials["L"][r] = executor_round(executor, cycle, limit["batch_size"], ctx.scale(3, 1.5))
+            else:
+                trials["c"][r] = worker_saturated(ctx, topics, frames)
+            print(f"[limit] round {r} ({which}) {trials[which][r]['frames_per_s']:.0f} frames/s, "
+                  f"{trials[which][r]['cpu_ms_per_frame']:.2f} CPU-ms/frame", flush=True)
+    fps = {w: {r: t["frames_per_s"] for r, t in by.items()} for w, by in trials.items()}
+    return {"rounds": rounds, "trials": trials,
+            "limit_fps": stats.Spread.of(list(fps["L"].values())),
+            "worker_fps": stats.Spread.of(list(fps["c"].values())),
+            "limit_cpu_ms_per_frame": stats.Spread.of([t["cpu_ms_per_frame"] for t in trials["L"].values()]),
+            "worker_cpu_ms_per_frame": stats.Spread.of([t["cpu_ms_per_frame"] for t in trials["c"].values()]),
+            "fraction": stats.ratio_spread(fps["c"], fps["L"])}
 
 
 # -- the worker, in this process, with timers ----------------------------------------------------------------------
@@ -348,7 +358,8 @@ def worker_in_process(ctx: Context, topics: common.Topics, frames: int, profile:
     t = common.fresh_consumer(ctx.bootstrap, topics, "limi")
     overrides = t.overrides()
     overrides["kafka"]["bootstrap_servers"] = ctx.bootstrap
-    overrides.update({"observability": {"metrics_enabled": False, "worker_id": common.new_id("limi")},
+    overrides.update({"model": ctx.model_overrides(),
+                      "observability": {"metrics_enabled": False, "worker_id": common.new_id("limi")},
                       "runtime": {"torch_threads": ctx.torch_threads, **runtime_overrides(ctx)},
                       "batching": {"realtime": {"max_age_ms": 0}, "standard": {"max_age_ms": 0}}})
     settings = load_settings(env={}, overrides=overrides)
@@ -407,40 +418,41 @@ def run(ctx: Context, profile: bool | None = None) -> dict[str, Any]:
     frames = int(ctx.scale(6000, 2500))
     topics = common.make_topics(ctx.bootstrap, "lim")
     print(f"[limit] publishing a backlog of {frames} frames", flush=True)
-    load = common.publish_load(ctx.bootstrap, topics, common.workload_records(frames, common.new_id("r")))
-    print(f"[limit] worker process on the backlog ({ctx.torch_threads} torch thread(s))", flush=True)
-    worker = worker_saturated(ctx, topics, frames)
+    load = common.publish_load(ctx.bootstrap, topics, ctx.records(frames, common.new_id("r")))
+    print(f"[limit] executor (batch {best_same['batch_size']}) and worker process ({ctx.torch_threads} torch "
+          "thread(s)) in interleaved rounds", flush=True)
+    lw = limit_vs_worker(ctx, topics, frames, best_same)
+    worker = lw["trials"]["c"][max(lw["trials"]["c"])]  # the last round: for the CPU note below
     print("[limit] the same worker in this process, with stage timers", flush=True)
     inproc = worker_in_process(ctx, topics, frames, profile=False)
     prof_text = None
     if profile:
         print("[limit] once more under cProfile (loop thread only), on a smaller backlog", flush=True)
         small = common.make_topics(ctx.bootstrap, "limp")
-        common.publish_load(ctx.bootstrap, small, common.workload_records(2000, common.new_id("r")))
+        common.publish_load(ctx.bootstrap, small, ctx.records(2000, common.new_id("r")))
         prof_text = worker_in_process(ctx, small, 2000, profile=True).get("cprofile_loop_thread_top25_tottime")
 
-    fraction = worker["frames_per_s"] / best["executor_fps"]
-    fraction_same = worker["frames_per_s"] / best_same["executor_fps"]
+    fraction: stats.Spread = lw["fraction"]
     text = [common.table(
-        "model limit: executor only (decode + preprocess + model, 2 batches in flight), frames/s",
-        ["torch threads", "batch", "executor fps", "model-only fps"],
-        [[r["torch_threads"], r["batch_size"], r["executor_fps"], r["model_only_fps"]] for r in rows])]
+        "model limit: executor only (decode + preprocess + model, 2 batches in flight), one sweep",
+        ["torch threads", "batch", "executor fps", "CPU-ms/frame", "model-only fps"],
+        [[r["torch_threads"], r["batch_size"], r["executor_fps"], r["executor_cpu_ms_per_frame"],
+          r["model_only_fps"]] for r in rows])]
     summary_rows = [
-        ["model only, best (prepared tensors)", best_model["model_only_fps"],
+        ["model only, best in the sweep (prepared tensors)", f"{best_model['model_only_fps']:.0f}", "",
          f"batch {best_model['batch_size']}, {best_model['torch_threads']} thr", ""],
-        ["executor, best = the limit", best["executor_fps"],
-         f"batch {best['batch_size']}, {best['torch_threads']} thr", "1.00"],
-        [f"executor, best at {ctx.torch_threads} thread(s)", best_same["executor_fps"],
-         f"batch {best_same['batch_size']}", f"{best_same['executor_fps'] / best['executor_fps']:.2f}"],
-        ["worker process, saturated", worker["frames_per_s"], f"{ctx.torch_threads} thr, mean batch "
-         f"{worker['batch_sizes']['mean_frame_weighted']:.1f}", f"{fraction:.2f}"],
-        ["worker in-process + timers", inproc["throughput"]["frames_per_s"], "",
-         f"{inproc['throughput']['frames_per_s'] / best['executor_fps']:.2f}"],
+        ["executor, best in the sweep (any thread count)", f"{best['executor_fps']:.0f}",
+         f"{best['executor_cpu_ms_per_frame']:.2f}", f"batch {best['batch_size']}, {best['torch_threads']} thr", ""],
+        [f"(L) executor at batch {best_same['batch_size']}, {ctx.torch_threads} thr = the limit",
+         lw["limit_fps"].text(), lw["limit_cpu_ms_per_frame"].text(), f"{lw['rounds']} rounds", "1.00"],
+        ["(c) worker process, saturated", lw["worker_fps"].text(), lw["worker_cpu_ms_per_frame"].text(),
+         f"{lw['rounds']} rounds, {ctx.torch_threads} thr", fraction.text(2)],
+        ["worker in-process + timers (1 run)", f"{inproc['throughput']['frames_per_s']:.0f}", "", "", ""],
     ]
-    text.append(common.table("the limit and the worker (same run)", ["what", "frames/s", "how", "of limit"],
-                             summary_rows,
-                             note=f"worker / limit = {fraction:.2f} (goal >= {GOAL}); at the worker's own thread "
-                                  f"count: {fraction_same:.2f}. Worker process CPU {worker['worker_cpu_s']:.1f}s, "
+    text.append(common.table("the limit and the worker (same run; median (min-max) of interleaved rounds)",
+                             ["what", "frames/s", "CPU-ms/frame", "how", "of limit"], summary_rows,
+                             note=f"worker / limit = {fraction.text(2)}: median (min-max) of per-round ratios "
+                                  f"(goal >= {GOAL}). Last worker round: process CPU {worker['worker_cpu_s']:.1f}s, "
                                   f"broker CPU {worker['broker_cpu_s'] or float('nan'):.1f}s over "
                                   f"{worker['seconds_total']:.1f}s (incl. start-up)."))
     window = inproc["window_s"]
@@ -462,14 +474,19 @@ def run(ctx: Context, profile: bool | None = None) -> dict[str, Any]:
     if prof_text:
         print(prof_text)
     result = {
-        "benchmark": "model_limit", "machine": common.machine(), "workload": common.describe_workload(),
+        "benchmark": "model_limit", "machine": common.machine(), "model": ctx.model,
+        "workload_name": ctx.workload_name, "workload": ctx.workload.describe(),
         "torch_threads_worker": ctx.torch_threads, "device": ex["device"],
         "executor_rows": rows, "limit": best, "limit_same_threads": best_same, "model_only_best": best_model,
-        "worker_process": worker, "worker_in_process": inproc, "backlog_publish": load,
-        "fraction_of_limit": fraction, "fraction_of_limit_same_threads": fraction_same, "goal": GOAL,
+        "rounds": lw["rounds"], "limit_vs_worker_trials": lw["trials"],
+        "limit_fps": lw["limit_fps"].as_dict(), "worker_fps": lw["worker_fps"].as_dict(),
+        "limit_cpu_ms_per_frame": lw["limit_cpu_ms_per_frame"].as_dict(),
+        "worker_cpu_ms_per_frame": lw["worker_cpu_ms_per_frame"].as_dict(),
+        "worker_in_process": inproc, "backlog_publish": load,
+        "fraction_of_limit": fraction.as_dict(), "goal": GOAL,
         "standard_full_batch": budget, "cprofile": prof_text, "tables": text,
     }
-    ctx.shared["capacity_fps"] = worker["frames_per_s"]
+    ctx.shared["capacity_fps"] = lw["worker_fps"].median
     ctx.shared["standard_full_batch_ms"] = budget["median_ms"]
     common.write_json("model_limit", result, ctx.out_dir)
     return result
@@ -496,49 +513,46 @@ VARIANT_SETS = {"settings": WHAT_IF, "scheduler": WHAT_IF_SCHEDULER}
 
 def what_if(ctx: Context, rounds: int, variant_set: str = "settings") -> dict[str, Any]:
     """Saturated throughput of the worker process with one setting changed at a time, in interleaved rounds
-    (so background load hits every variant alike); median (min-max) per variant, frames/s and the worker's
-    CPU-ms per frame (its start-up included, alike for every variant)."""
+    (so background load hits every variant alike); median (min-max) per variant of frames/s, of the per-round
+    ratio to the defaults and of the worker's CPU-ms per frame over the throughput window, and each class's
+    mean batch size."""
     variants = VARIANT_SETS[variant_set]
     frames = int(ctx.scale(4000, 2000))
     topics = common.make_topics(ctx.bootstrap, "wi")
-    common.publish_load(ctx.bootstrap, topics, common.workload_records(frames, common.new_id("wi")))
+    common.publish_load(ctx.bootstrap, topics, ctx.records(frames, common.new_id("wi")))
     fps: dict[str, list[float]] = {name: [] for name in variants}
     cpu_ms: dict[str, list[float]] = {name: [] for name in variants}
     sizes: dict[str, list[dict[str, float]]] = {name: [] for name in variants}  # mean batch size per class
+    classes = (("realtime", topics.realtime), ("standard", topics.standard), ("bulk", topics.bulk))
     for r in range(rounds):
         for name, env in variants.items():
             run = common.run_backlog(ctx.bootstrap, topics, frames,
                                      lambda t, env=env: common.start_worker(
                                          ctx.bootstrap, t, ctx.log_dir, ctx.torch_threads, common.new_id("wi"),
-                                         extra_env={**ctx.shared.get("worker_env", {}), **env}),
+                                         extra_env={**ctx.worker_env(), **env}),
                                      timeout_s=300, tag="wi", broker=ctx.broker)
-            fps[name].append(common.steady_throughput(run.results)["frames_per_s"])
-            cpu = run.proc_cpu_s[0]
-            cpu_ms[name].append(math.nan if cpu is None else cpu * 1000.0 / frames)
+            tp = common.steady_throughput(run.results)
+            fps[name].append(tp["frames_per_s"])
+            cpu_ms[name].append(run.cpu_ms_per_frame(tp))
             sizes[name].append({label: common.batch_size_distribution(
                 [x for x in run.results if x["source_topic"] == topic])["mean_frame_weighted"]
-                for label, topic in (("realtime", topics.realtime), ("standard", topics.standard),
-                                     ("bulk", topics.bulk))})
-            print(f"[what-if] round {r + 1} {name}: {fps[name][-1]:.0f} frames/s, "
-                  f"{cpu_ms[name][-1]:.2f} worker CPU-ms/frame, mean batch size (frame-weighted) "
-                  + " ".join(f"{k} {v:.1f}" for k, v in sizes[name][-1].items()), flush=True)
-    base = statistics.median(fps["defaults"])
-
-    def spread(v: list[float]) -> str:
-        return f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})"
+                for label, topic in classes})
+            print(f"[what-if] round {r + 1} {name}: {fps[name][-1]:.0f} frames/s, {cpu_ms[name][-1]:.2f} "
+                  "CPU-ms/frame, mean batch size " + " ".join(f"{k} {v:.1f}" for k, v in sizes[name][-1].items()),
+                  flush=True)
+    per_round = {name: dict(enumerate(v, 1)) for name, v in fps.items()}
 
     def mean_sizes(name: str) -> str:
-        classes = ("realtime", "standard", "bulk")
-        return " / ".join(f"{statistics.median(x[k] for x in sizes[name]):.1f}" for k in classes)
+        return " / ".join(f"{statistics.median(x[k] for x in sizes[name]):.1f}" for k, _ in classes)
 
-    rows = [[name, spread(v), f"{statistics.median(v) / base:.2f}x", spread(cpu_ms[name]), mean_sizes(name),
-             " ".join(f"{x:.0f}" for x in v)] for name, v in fps.items()]
-    text = common.table("what-if: the worker with one setting changed (saturated, interleaved rounds)",
-                        ["variant", "frames/s median (min-max)", "median vs defaults",
-                         "worker CPU-ms/frame median (min-max)", "batch size rt/std/bulk (median of means)",
-                         "rounds frames/s"], rows)
+    rows = [[name, stats.Spread.of(v).text(), stats.ratio_spread(per_round[name], per_round["defaults"]).text(2),
+             stats.Spread.of(cpu_ms[name]).text(), mean_sizes(name), " ".join(f"{x:.0f}" for x in v)]
+            for name, v in fps.items()]
+    text = common.table("what-if: the worker with one setting changed (saturated frames/s, interleaved rounds)",
+                        ["variant", "frames/s median (min-max)", "vs defaults (per-round ratios)",
+                         "CPU-ms/frame median (min-max)", "batch size rt/std/bulk (median of means)", "rounds"], rows)
     result = {"benchmark": "model_limit_what_if", "machine": common.machine(), "frames": frames, "rounds": rounds,
-              "variants": {n: {"env": variants[n], "frames_per_s": v, "worker_cpu_ms_per_frame": cpu_ms[n],
+              "variants": {n: {"env": variants[n], "frames_per_s": v, "cpu_ms_per_frame": cpu_ms[n],
                                "mean_batch_size_by_class": sizes[n]}
                            for n, v in fps.items()}, "tables": [text]}
     common.write_json("model_limit_what_if", result, ctx.out_dir)
@@ -548,22 +562,24 @@ def what_if(ctx: Context, rounds: int, variant_set: str = "settings") -> dict[st
 def _run_standalone(ctx: Context) -> dict[str, Any]:
     args = ctx.shared["args"]
     if args.what_if:
-        return what_if(ctx, args.rounds, args.variants)
+        return what_if(ctx, args.rounds or 3, args.variants)
     return run(ctx)
 
 
 def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
-    """Headline rows for bench/results/summary.md."""
-    lim, w, model = result["limit"], result["worker_process"], result["model_only_best"]
+    """Headline rows for bench/results/summary.md: medians (min-max) of interleaved rounds."""
+    from batching_gain import _spread_text
+
+    lim, model = result["limit_same_threads"], result["model_only_best"]
     return [
-        ("model only, best (prepared tensors, no decode)",
+        ("model only, best in the sweep (prepared tensors, no decode)",
          f"{model['model_only_fps']:.0f} frames/s (batch {model['batch_size']}, {model['torch_threads']} torch thr)"),
-        ("the limit: InferenceExecutor, best (decode + preprocess + model)",
-         f"{lim['executor_fps']:.0f} frames/s (batch {lim['batch_size']}, {lim['torch_threads']} torch thr)"),
+        ("the limit: InferenceExecutor (decode + preprocess + model)",
+         f"{_spread_text(result['limit_fps'])} frames/s, {_spread_text(result['limit_cpu_ms_per_frame'])} "
+         f"CPU-ms/frame (batch {lim['batch_size']}, {result['torch_threads_worker']} torch thr)"),
         (f"worker saturated ({result['torch_threads_worker']} torch thr)",
-         f"{w['frames_per_s']:.0f} frames/s = **{result['fraction_of_limit']:.2f} of the limit** "
-         f"(goal >= {result['goal']}); {result['fraction_of_limit_same_threads']:.2f} of the limit at "
-         f"{result['torch_threads_worker']} thr"),
+         f"{_spread_text(result['worker_fps'])} frames/s, {_spread_text(result['worker_cpu_ms_per_frame'])} "
+         f"CPU-ms/frame = **{_spread_text(result['fraction_of_limit'], 2)} of the limit** (goal >= {result['goal']})"),
         ("CPU while the worker drained a backlog (cores)",
          ", ".join(f"{c['who'].split(' (')[0]} {c['cores']:.2f}" for c in result["worker_in_process"]["cpu_budget"])),
     ]
@@ -573,7 +589,6 @@ def main(argv: list[str] | None = None) -> int:
     def configure(p: Any) -> None:
         p.add_argument("--what-if", action="store_true",
                        help="instead: the worker with single settings changed, in interleaved rounds")
-        p.add_argument("--rounds", type=int, default=3, help="rounds for --what-if (default 3)")
         p.add_argument("--variants", choices=sorted(VARIANT_SETS), default="settings",
                        help="--what-if variant set: settings (commit interval, in-flight, preprocess threads) or "
                             "scheduler (the blocking bound always vs only while realtime is present)")

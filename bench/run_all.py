@@ -2,9 +2,10 @@
 and (where CUDA is available) the first three again with CUDA graphs on and off. Prints every table and
 writes bench/results/<name>.json, bench/results/latency_sweep.png, summary.json and summary.md.
 
-    python bench/run_all.py              # ~6 minutes on a 2-core machine
-    python bench/run_all.py --quick      # ~3 minutes, noisier
-    python bench/run_all.py --only gain  # limit | gain | sweep | scaling | gpu
+    python bench/run_all.py              # everything (bench/README.md gives the time on a 2-core machine)
+    python bench/run_all.py --quick      # fewer rounds, shorter runs, noisier
+    python bench/run_all.py --only gain  # limit | gain | sweep | scaling | matrix | gpu
+    python bench/run_all.py --skip matrix --rounds 5
 
 The broker is KAFKA_BOOTSTRAP_SERVERS when set, else a local single-node Kafka started for the run.
 Figures are compared only within a run (ratios); on a shared machine absolute numbers drift between runs.
@@ -29,6 +30,7 @@ import common
 import latency_sweep
 import model_limit
 import scaling
+import workload_matrix
 from common import Context
 
 # The seed's claims, printed beside ours for comparison; this bench did not measure them.
@@ -45,6 +47,8 @@ BENCHES: dict[str, tuple[str, Callable[[Context], dict[str, Any]], Callable[[dic
     "gain": ("Batching gain", batching_gain.run, batching_gain.summary),
     "sweep": ("Latency under load", latency_sweep.run, latency_sweep.summary),
     "scaling": ("Scaling (processes)", scaling.run, scaling.summary),
+    "matrix": ("Workloads x models (JPEG 224x224-1080p into a 224x224 model)", workload_matrix.run,
+               workload_matrix.summary),
 }
 
 
@@ -52,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="short runs (about half the time, noisier)")
     p.add_argument("--only", choices=[*BENCHES, "gpu"], help="run one benchmark")
+    p.add_argument("--skip", action="append", default=[], choices=[*BENCHES, "gpu"], help="leave one out")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="interleaved rounds of every benchmark (default: each one's own, fewer with --quick)")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch intra-op threads per worker process (default 1: the broker needs the other core)")
     args = p.parse_args(argv)
@@ -64,19 +71,20 @@ def main(argv: list[str] | None = None) -> int:
     failed: list[str] = []
     with common.Broker() as broker:
         ctx = Context(bootstrap=broker.bootstrap, broker=broker, quick=args.quick, torch_threads=args.torch_threads,
-                      log_dir=log_dir)
+                      log_dir=log_dir, rounds=args.rounds)
         for name, (title, run, summarize) in BENCHES.items():
-            if args.only and args.only != name:
+            if (args.only and args.only != name) or name in args.skip:
                 continue
             sections.append(_section(name, title, lambda run=run: run(ctx), summarize, failed))
-        if args.only in (None, "gpu"):
+        if args.only in (None, "gpu") and "gpu" not in args.skip:
             sections.append(gpu_section(broker, args, log_dir, failed))
         broker_text = broker.description
     elapsed = time.monotonic() - t0
     summary = {"machine": machine, "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
                "broker": broker_text, "quick": args.quick, "torch_threads": args.torch_threads,
                "workload": common.describe_workload(), "elapsed_s": round(elapsed, 1), "sections": sections,
-               "seed_figures": SEED_FIGURES, "failed": failed}
+               "seed_figures": SEED_FIGURES, "failed": failed,
+               "skipped": args.skip, "rounds": args.rounds}
     if not args.only:
         common.write_json("summary", summary)
         md = markdown(summary)
@@ -116,7 +124,7 @@ def gpu_section(broker: common.Broker, args: argparse.Namespace, log_dir: Path, 
     for graphs in (True, False):
         mode = "on" if graphs else "off"
         ctx = Context(bootstrap=broker.bootstrap, broker=broker, quick=args.quick, torch_threads=args.torch_threads,
-                      log_dir=log_dir, out_dir=common.RESULTS_DIR / f"cuda_graphs_{mode}",
+                      log_dir=log_dir, out_dir=common.RESULTS_DIR / f"cuda_graphs_{mode}", rounds=args.rounds,
                       shared={"worker_env": {"WORKER_RUNTIME_CUDA_GRAPHS": str(graphs).lower()},
                               "runtime_overrides": {"cuda_graphs": graphs}})
         results: dict[str, Any] = {}
@@ -139,7 +147,7 @@ def gpu_section(broker: common.Broker, args: argparse.Namespace, log_dir: Path, 
         on, off = per_mode["on"], per_mode["off"]
         rows.append(("graphs on vs off: single 512x512 latency",
                      f"{1 - on['seed']['single_512_ms'] / off['seed']['single_512_ms']:.0%} lower with graphs"))
-        fps_on, fps_off = (m["limit"]["worker_process"]["frames_per_s"] for m in (on, off))
+        fps_on, fps_off = (m["limit"]["worker_fps"]["median"] for m in (on, off))
         rows.append(("graphs on vs off: worker saturated frames/s", f"{fps_on / fps_off:.2f}x"))
     except (KeyError, ZeroDivisionError, TypeError):
         pass
@@ -162,7 +170,9 @@ def markdown(summary: dict[str, Any]) -> str:
         "",
         "Workload: " + "; ".join(f"{cls} {v['share']:.0%} {v['encoding']} {'/'.join(v['shapes_wxh'])}"
                                  for cls, v in summary["workload"].items())
-        + ". Model: the builtin CNN. Details and method: bench/README.md; raw figures: bench/results/*.json.",
+        + ". Model: the builtin CNN (the matrix: also open_nsfw). Every figure is the median (min-max) of "
+        "interleaved rounds, every ratio the median of per-round ratios. Details and method: bench/README.md; "
+        "raw figures: bench/results/*.json.",
         "",
         "| benchmark | figure | value |",
         "|---|---|---|",
@@ -176,6 +186,8 @@ def markdown(summary: dict[str, Any]) -> str:
                       section["markdown_table"]]
     if summary["failed"]:
         lines += ["", f"FAILED: {', '.join(summary['failed'])}"]
+    if summary.get("skipped"):
+        lines += ["", f"Not run (--skip): {', '.join(summary['skipped'])}"]
     return "\n".join(lines) + "\n"
 
 

@@ -22,6 +22,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common
+import stats
 from common import Context
 
 PROCESSES = (1, 2, 3)
@@ -56,14 +57,14 @@ def wait_group_stable(bootstrap: str, group: str, members: int, timeout_s: float
 def scaling_run(ctx: Context, n: int, frames: int) -> dict[str, Any]:
     topics = common.make_topics(ctx.bootstrap, f"sc{n}")
     procs = [common.start_worker(ctx.bootstrap, topics, ctx.log_dir, 1, common.new_id(f"sc{n}p{i}"),
-                                 extra_env=ctx.shared.get("worker_env")) for i in range(n)]
+                                 extra_env=ctx.worker_env()) for i in range(n)]
     try:
         if not wait_group_stable(ctx.bootstrap, topics.group, n, 180):
             raise RuntimeError(f"{n} workers did not form a stable group\n" + "\n".join(p.tail() for p in procs))
         for p in procs:
             p.popen.send_signal(signal.SIGSTOP)
         try:
-            load = common.publish_load(ctx.bootstrap, topics, common.workload_records(frames, common.new_id("sc")))
+            load = common.publish_load(ctx.bootstrap, topics, ctx.records(frames, common.new_id("sc")))
         finally:
             for p in procs:
                 p.popen.send_signal(signal.SIGCONT)
@@ -86,7 +87,7 @@ def scaling_run(ctx: Context, n: int, frames: int) -> dict[str, Any]:
 
 def run(ctx: Context) -> dict[str, Any]:
     frames = int(ctx.scale(5000, 3000))
-    rounds = int(ctx.scale(2, 1))
+    rounds = ctx.round_count(2, 1)
     print(f"\n[scaling] 1, 2, 3 processes on a backlog of {frames} frames each, {rounds} interleaved round(s)",
           flush=True)
     trials = []
@@ -97,32 +98,35 @@ def run(ctx: Context) -> dict[str, Any]:
             print(f"[scaling] round {r + 1}, {n} process(es): {t['frames_per_s']:.0f} frames/s over "
                   f"{t['window_s']:.1f}s with all active; background load {t['background_cores']:.2f} cores",
                   flush=True)
-    # Best round per process count: background load on a shared machine only ever slows a run down.
-    rows = [max((t for t in trials if t["processes"] == n), key=lambda t: t["frames_per_s"]) for n in PROCESSES]
-    base = rows[0]["frames_per_s"]
+    fps = {n: {t["round"]: t["frames_per_s"] for t in trials if t["processes"] == n} for n in PROCESSES}
+    spread = {n: stats.Spread.of(list(fps[n].values())) for n in PROCESSES}
+    speedup = {n: stats.ratio_spread(fps[n], fps[PROCESSES[0]]) for n in PROCESSES}
+    last = {n: [t for t in trials if t["processes"] == n][-1] for n in PROCESSES}
     text = common.table(
         "scaling: worker processes in one group, 1 torch thread each, saturated (frames/s while all were active; "
-        "best of rounds)",
-        ["processes", "frames/s", "vs 1", "rounds", "window s", "results per process", "mean batch", "worker cores",
-         "broker cores", "bg cores"],
-        [[r["processes"], r["frames_per_s"], f"{r['frames_per_s'] / base:.2f}x",
-          " ".join(f"{t['frames_per_s']:.0f}" for t in trials if t["processes"] == r["processes"]), r["window_s"],
+        f"median (min-max) of {rounds} interleaved round(s); per-process columns from the last round)",
+        ["processes", "frames/s", "vs 1 (per-round ratios)", "rounds", "window s", "results per process",
+         "mean batch", "worker cores", "broker cores", "bg cores"],
+        [[n, spread[n].text(), speedup[n].text(2), " ".join(f"{v:.0f}" for v in fps[n].values()), r["window_s"],
           " ".join(str(v) for v in r["per_worker_results"].values()), r["mean_batch"], r["cores_used_by_workers"],
-          r["broker_cores"], r["background_cores"]] for r in rows],
+          r["broker_cores"], r["background_cores"]] for n, r in last.items()],
         note="Expectation: " + expectation(os.cpu_count() or 1))
-    result = {"benchmark": "scaling", "machine": common.machine(), "workload": common.describe_workload(),
-              "backlog_frames": frames, "rounds": rounds, "trials": trials, "rows": rows,
+    result = {"benchmark": "scaling", "machine": common.machine(), "workload": ctx.workload.describe(),
+              "model": ctx.model, "backlog_frames": frames, "rounds": rounds, "trials": trials,
+              "frames_per_s": {n: s.as_dict() for n, s in spread.items()},
               "expectation": expectation(os.cpu_count() or 1),
-              "speedup": {r["processes"]: r["frames_per_s"] / base for r in rows}, "tables": [text]}
+              "speedup": {n: s.as_dict() for n, s in speedup.items()}, "tables": [text]}
     common.write_json("scaling", result, ctx.out_dir)
     return result
 
 
 def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
     """Headline rows for bench/results/summary.md."""
-    cells = "; ".join(f"{r['processes']}: {r['frames_per_s']:.0f} frames/s ({result['speedup'][r['processes']]:.2f}x, "
-                      f"background {r['background_cores']:.2f} cores)" for r in result["rows"])
-    return [("worker processes (1 torch thread each)", cells)]
+    from batching_gain import _spread_text
+
+    cells = "; ".join(f"{n}: {_spread_text(f, suffix=' frames/s')}, {_spread_text(result['speedup'][n], 2, 'x')}"
+                      for n, f in result["frames_per_s"].items())
+    return [("worker processes (1 torch thread each; median (min-max) of rounds)", cells)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -184,6 +184,13 @@ class ModelSettings:
     # JPEG-encode and decode the resized image at this quality before normalising (a reference preprocessing
     # that does so, e.g. open_nsfw's, is matched exactly); 0 = off.
     jpeg_roundtrip_quality: int = 0
+    # With input_size smaller than a JPEG frame, decode it at 1/2, 1/4 or 1/8 scale (still >= the resize
+    # target) instead of full size: 2-4x less decode work, within a grey level or two of the full-size result.
+    # Off where scores must match a reference preprocessing that decodes at full size (the opennsfw preset).
+    jpeg_scaled_decode: bool = True
+    # The bilinear (antialiased) resize: "torch" (its uint8 kernel: within one grey level of Pillow's, about a
+    # quarter of the CPU) or "pillow" (Pillow's own, to match a reference preprocessing bit for bit).
+    resampler: Literal["torch", "pillow"] = "torch"
 
 
 # model.source presets: a known model's contract (and runtime defaults sized for it), applied beneath
@@ -196,7 +203,7 @@ MODEL_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
                   "never_flag": ["sfw"], "activation": "none", "input_size": [224, 224], "input_layout": "NHWC",
                   "channel_order": "BGR", "pixel_range": "0-255", "mean": [104.0, 117.0, 123.0],
                   "std": [1.0, 1.0, 1.0], "resize": "stretch_crop", "resize_to": [256, 256],
-                  "jpeg_roundtrip_quality": 75},
+                  "jpeg_roundtrip_quality": 75, "jpeg_scaled_decode": False, "resampler": "pillow"},
         # A ResNet-50: two warm-up batches are enough to leave first-call costs behind (8 cost ~10 s on a CPU).
         "runtime": {"warmup_batches": 2},
     },
@@ -214,7 +221,9 @@ class RuntimeSettings:
     # Frame sizes ("WIDTHxHEIGHT") to warm up, and on CUDA capture graphs for, before the worker turns ready;
     # other sizes run eager until they recur, then are captured.
     warmup_shapes: tuple[str, ...] = ("224x224",)
-    preprocess_threads: int = 1
+    # Decode/resize threads; "auto" (or 0) = the CPU cores this process may run on. JPEG decode and resizing
+    # release the GIL, so the frames of one batch are decoded in parallel across them.
+    preprocess_threads: int | Literal["auto"] = "auto"
     # CPU intra-op threads for torch; 0 keeps torch's default.
     torch_threads: int = 0
     # Runners (model copies, each with its own inference thread) per device; batches go to the least loaded.
@@ -460,7 +469,14 @@ def _coerce(value: Any, hint: Any) -> Any:
             raise ValueError("expected a table of key = value")
         return {_coerce(k, key_type): _coerce(v, value_type) for k, v in value.items()}
     if origin in (typing.Union, types.UnionType):
-        raise TypeError(f"unsupported setting type {hint}")
+        # The first alternative the value converts to wins (int | Literal["auto"]: "4" is 4, "auto" is "auto").
+        expected = []
+        for alternative in typing.get_args(hint):
+            try:
+                return _coerce(value, alternative)
+            except ValueError as exc:
+                expected.append(str(exc))
+        raise ValueError(" or ".join(expected))
     raise TypeError(f"unsupported setting type {hint}")
 
 
@@ -491,6 +507,7 @@ PROTECTED_PRODUCER_PROPERTIES = {
 # Upper bounds of settings whose cost grows with them: 16384x16384 RGB is 805 MB decoded, 3.2 GB as float32.
 MAX_FRAME_PIXELS_CEILING = 16384 * 16384
 MAX_METRIC_TENANTS = 1000
+MAX_PREPROCESS_THREADS = 256
 
 
 def validate(s: Settings) -> list[str]:
@@ -586,7 +603,8 @@ def validate(s: Settings) -> list[str]:
     need(r.warmup_batches >= 0, "runtime.warmup_batches: must be >= 0")
     need(all(_parse_size(x) is not None for x in r.warmup_shapes),
          "runtime.warmup_shapes: each must be WIDTHxHEIGHT with positive integers, e.g. 1280x720")
-    need(1 <= r.preprocess_threads <= 64, "runtime.preprocess_threads: must be 1..64")
+    need(r.preprocess_threads == "auto" or 0 <= r.preprocess_threads <= MAX_PREPROCESS_THREADS,
+         f"runtime.preprocess_threads: must be \"auto\" or 0..{MAX_PREPROCESS_THREADS} (0 = auto: one per CPU core)")
     need(r.torch_threads >= 0, "runtime.torch_threads: must be >= 0")
     need(1 <= r.instances_per_device <= 16, "runtime.instances_per_device: must be 1..16")
     need(0 < r.memory_fraction <= 1, "runtime.memory_fraction: must be in (0, 1]")
@@ -624,6 +642,17 @@ def _parse_size(text: str) -> tuple[int, int] | None:
     except ValueError:
         return None
     return (w, h) if w > 0 and h > 0 else None
+
+
+def preprocess_thread_count(runtime: RuntimeSettings) -> int:
+    """runtime.preprocess_threads resolved: "auto" and 0 mean the CPU cores this process may run on."""
+    if runtime.preprocess_threads not in ("auto", 0):
+        return int(runtime.preprocess_threads)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_PREPROCESS_THREADS))
 
 
 def warmup_frame_shapes(s: Settings) -> list[tuple[int, int, int]]:

@@ -63,9 +63,10 @@ class Metrics:
         self.queue_wait = Histogram("streamfer_queue_wait_seconds",
                                     "From a frame being read to its batch starting to run.", ["priority"],
                                     buckets=LATENCY_BUCKETS_S, registry=r)
-        self.preprocess_latency = Histogram("streamfer_preprocess_seconds", "Decode, pad and normalise per batch.",
+        self.preprocess_latency = Histogram("streamfer_preprocess_seconds",
+                                            "Decode, resize and pad per batch (normalising runs with the model).",
                                             buckets=LATENCY_BUCKETS_S, registry=r)
-        self.inference_latency = Histogram("streamfer_inference_seconds", "Model call per batch.",
+        self.inference_latency = Histogram("streamfer_inference_seconds", "Normalising and the model call, per batch.",
                                            buckets=LATENCY_BUCKETS_S, registry=r)
         self.end_to_end_latency = Histogram("streamfer_end_to_end_seconds",
                                             "From the frame's capture timestamp to its result being built for the "

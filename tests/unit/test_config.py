@@ -2,7 +2,7 @@
 
 import pytest
 
-from worker.config import ConfigError, Settings, load_settings
+from worker.config import ConfigError, Settings, load_settings, preprocess_thread_count
 
 
 def test_defaults_are_valid():
@@ -120,3 +120,21 @@ def test_limits_out_of_range_are_named(env, field):
     with pytest.raises(ConfigError) as err:
         load_settings(env=env)
     assert err.value.setting == field
+
+
+@pytest.mark.parametrize("value", ["auto", "0"])
+def test_preprocess_threads_auto_or_zero_is_one_per_usable_core(value, monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2})
+    runtime = load_settings(env={"WORKER_RUNTIME_PREPROCESS_THREADS": value}).runtime
+    assert preprocess_thread_count(runtime) == 3
+
+
+def test_preprocess_threads_default_to_auto_and_a_number_is_kept():
+    assert Settings().runtime.preprocess_threads == "auto"
+    assert preprocess_thread_count(load_settings(env={"WORKER_RUNTIME_PREPROCESS_THREADS": "5"}).runtime) == 5
+
+
+@pytest.mark.parametrize("value", ["-1", "257", "many", "2.5"])
+def test_preprocess_threads_other_than_auto_or_0_to_256_are_refused(value):
+    with pytest.raises(ConfigError, match="runtime.preprocess_threads"):
+        load_settings(env={"WORKER_RUNTIME_PREPROCESS_THREADS": value})

@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -18,7 +20,7 @@ from model_factories import pixels, raw_frame
 from worker.config import ConfigError, ModelSettings, load_settings
 from worker.runtime import load_model
 from worker.runtime.models import ModelContract
-from worker.runtime.preprocess import Preprocessor
+from worker.runtime.preprocess import Normaliser, Preprocessor, _resize
 
 
 def _contract(**kw: object) -> ModelContract:
@@ -28,7 +30,7 @@ def _contract(**kw: object) -> ModelContract:
 def _prepare(contract: ModelContract, *frames, shape=None) -> np.ndarray:
     batch = Preprocessor(contract).prepare(list(frames), shape or frames[0].shape)
     assert not batch.failures, batch.failures
-    return batch.tensor.numpy()
+    return Normaliser(contract)(batch.pixels, batch.regions).numpy()
 
 
 def _bilinear(img: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
@@ -61,35 +63,60 @@ def test_pixel_range_0_255_skips_the_division_by_255():
 
 
 # --- resize modes ---
+# Pillow's resize is the reference (exact); torch's uint8 kernel, the default, stays within one grey level of it.
+RESAMPLERS = pytest.mark.parametrize("resampler, tolerance", [("pillow", 0), ("torch", 1)])
 
-def test_stretch_ignores_the_aspect_ratio():
+
+def _assert_resized(out: np.ndarray, want: np.ndarray, tolerance: int) -> None:
+    np.testing.assert_allclose(out, want.astype(np.float32), rtol=0, atol=tolerance)
+
+
+@RESAMPLERS
+def test_stretch_ignores_the_aspect_ratio(resampler, tolerance):
     frame = raw_frame(4, 20, 40)
-    out = _prepare(_contract(input_size=(10, 10), pixel_range="0-255", mean=(0.0,) * 3, std=(1.0,) * 3), frame)[0]
-    np.testing.assert_array_equal(out, _bilinear(pixels(4, 20, 40), (10, 10)).transpose(2, 0, 1))
+    out = _prepare(_contract(input_size=(10, 10), pixel_range="0-255", mean=(0.0,) * 3, std=(1.0,) * 3,
+                             resampler=resampler), frame)[0]
+    _assert_resized(out, _bilinear(pixels(4, 20, 40), (10, 10)).transpose(2, 0, 1), tolerance)
 
 
-def test_letterbox_keeps_the_aspect_ratio_and_pads_with_the_mean_colour():
+@RESAMPLERS
+def test_letterbox_keeps_the_aspect_ratio_and_pads_with_the_mean_colour(resampler, tolerance):
     frame = raw_frame(5, 20, 40)  # 2:1 into 16x16 -> 8x16 content, 4 rows of border above and below
     out = _prepare(_contract(input_size=(16, 16), resize="letterbox", pixel_range="0-255", mean=(0.0,) * 3,
-                             std=(1.0,) * 3), frame)[0]
+                             std=(1.0,) * 3, resampler=resampler), frame)[0]
     assert not out[:, :4].any() and not out[:, 12:].any()
-    np.testing.assert_array_equal(out[:, 4:12], _bilinear(pixels(5, 20, 40), (8, 16)).transpose(2, 0, 1))
+    _assert_resized(out[:, 4:12], _bilinear(pixels(5, 20, 40), (8, 16)).transpose(2, 0, 1), tolerance)
 
 
-def test_shorter_side_crop_resizes_the_shorter_side_then_crops_the_centre():
+@RESAMPLERS
+def test_shorter_side_crop_resizes_the_shorter_side_then_crops_the_centre(resampler, tolerance):
     frame = raw_frame(6, 30, 60)  # shorter side 30 -> 20: 20x40, centre 16x16 starts at row 2, column 12
     out = _prepare(_contract(input_size=(16, 16), resize="shorter_side_crop", resize_shorter_side=20,
-                             pixel_range="0-255", mean=(0.0,) * 3, std=(1.0,) * 3), frame)[0]
+                             pixel_range="0-255", mean=(0.0,) * 3, std=(1.0,) * 3, resampler=resampler), frame)[0]
     want = _bilinear(pixels(6, 30, 60), (20, 40))[2:18, 12:28]
-    np.testing.assert_array_equal(out, want.transpose(2, 0, 1))
+    _assert_resized(out, want.transpose(2, 0, 1), tolerance)
 
 
-def test_stretch_crop_stretches_to_resize_to_then_crops_the_centre():
+@RESAMPLERS
+def test_stretch_crop_stretches_to_resize_to_then_crops_the_centre(resampler, tolerance):
     frame = raw_frame(7, 30, 50)
     out = _prepare(_contract(input_size=(16, 16), resize="stretch_crop", resize_to=(20, 24), pixel_range="0-255",
-                             mean=(0.0,) * 3, std=(1.0,) * 3), frame)[0]
+                             mean=(0.0,) * 3, std=(1.0,) * 3, resampler=resampler), frame)[0]
     want = _bilinear(pixels(7, 30, 50), (20, 24))[2:18, 4:20]
-    np.testing.assert_array_equal(out, want.transpose(2, 0, 1))
+    _assert_resized(out, want.transpose(2, 0, 1), tolerance)
+
+
+@settings(max_examples=60, deadline=None)
+@given(src=st.tuples(st.integers(1, 80), st.integers(1, 80), st.sampled_from([1, 3])),
+       dst=st.tuples(st.integers(1, 80), st.integers(1, 80)), seed=st.integers(0, 2**16))
+def test_torch_resize_follows_pillows_within_one_grey_level(src, dst, seed):
+    """Noise (the hardest case for a resampler), shrinking and enlarging, grey and RGB."""
+    h, w, c = src
+    img = np.random.default_rng(seed).integers(0, 256, (h, w, c), dtype=np.uint8)
+    ours = _resize(img, dst, "torch").astype(int)
+    reference = _resize(img, dst, "pillow").astype(int)
+    assert ours.shape == reference.shape == (*dst, c)
+    assert np.abs(ours - reference).max() <= 1
 
 
 # --- channels ---

@@ -12,12 +12,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import simplejpeg
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image, ImageFile
 
 from worker.frames import Encoding, Frame, Priority, SourceRef
-from worker.runtime.decode import FrameDecodeError, check_jpeg, decode_frame
+from worker.runtime.decode import FrameDecodeError, check_jpeg, decode_frame, jpeg_scale
+from worker.runtime.models import ModelContract
+from worker.runtime.preprocess import fit_to_input, resize_target
 
 ROOT = Path(__file__).resolve().parents[2]
 SOF_MARKERS = (0xC0, 0xC1, 0xC2)
@@ -275,3 +278,69 @@ def test_stray_bytes_between_segments_are_corrupt_data_and_refused():
     padded = data[:after_app0] + b"\x00\x00" + data[after_app0:]
     with pytest.raises(FrameDecodeError, match="extraneous bytes"):
         decode_frame(frame(padded, 16, 16))
+
+
+# -- decoding at a reduced DCT scale ----------------------------------------------------------------------------------
+def photo_like(width: int, height: int) -> np.ndarray:
+    """Smooth gradients, a few hard-edged patches and mild sensor noise: what a video frame holds."""
+    rng = np.random.default_rng(5)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    img = np.stack([128 + 90 * np.sin(x / 60), 128 + 90 * np.cos(y / 45), 128 + 70 * np.sin((x + y) / 80)], -1)
+    for _ in range(12):
+        top, left, size = rng.integers(0, height), rng.integers(0, width), rng.integers(20, 150)
+        img[top:top + size, left:left + size] = rng.integers(0, 256, 3)
+    return np.clip(img + rng.normal(0, 4, img.shape), 0, 255).astype(np.uint8)
+
+
+@pytest.mark.parametrize("frame_hw, min_hw, scale", [
+    ((720, 1280), (224, 224), 2), ((1080, 1920), (224, 224), 4), ((1080, 1920), (126, 224), 8),
+    ((720, 1280), (361, 100), 1), ((224, 224), (224, 224), 1), ((720, 1280), None, 1),
+    ((9, 9), (2, 2), 8), ((9, 9), (3, 3), 4)])
+def test_the_jpeg_scale_is_the_largest_reduction_still_at_least_the_size_needed(frame_hw, min_hw, scale):
+    assert jpeg_scale(frame_hw, min_hw) == scale
+
+
+def test_a_jpeg_is_decoded_at_the_reduced_scale_libjpeg_rounds_up_to():
+    data = jpeg_bytes(1000, 563)
+    assert decode_frame(frame(data, 1000, 563), min_hw=(140, 200)).shape == (141, 250, 3)  # 1/4
+    assert decode_frame(frame(data, 1000, 563), min_hw=(70, 125)).shape == (71, 125, 3)  # 1/8
+
+
+@pytest.mark.parametrize("resize, extra", [("stretch", {}), ("letterbox", {}),
+                                           ("shorter_side_crop", {"resize_shorter_side": 256}),
+                                           ("stretch_crop", {"resize_to": (256, 256)})])
+def test_scaled_decode_then_resize_stays_close_to_full_decode_then_the_same_resize(resize, extra):
+    """Both are low-pass downsamplings of the same JPEG (libjpeg's scaled IDCT, then Pillow's antialiased
+    bilinear over fewer pixels); they differ only where the frame has detail finer than the model input keeps,
+    so on a photo-like 1280x720 frame the mean difference stays under 1.5 of 255 levels and 99% of pixels within
+    10 (hard edges can differ more, in a pixel or two beside them)."""
+    contract = ModelContract(name="m", version="1", labels=("a",), input_size=(224, 224), resize=resize, **extra)
+    data = Image.fromarray(photo_like(1280, 720))
+    buf = io.BytesIO()
+    data.save(buf, format="JPEG", quality=90)
+    jpeg = frame(buf.getvalue(), 1280, 720)
+    target = resize_target(contract, (720, 1280))
+    scaled_pixels = decode_frame(jpeg, min_hw=target)
+    assert scaled_pixels.shape[0] < 720  # the test is about a reduced decode
+    scaled, scaled_offset = fit_to_input(scaled_pixels, contract, (720, 1280))
+    full, full_offset = fit_to_input(decode_frame(jpeg), contract)
+    assert scaled.shape == full.shape and scaled_offset == full_offset
+    diff = np.abs(scaled.astype(int) - full.astype(int))
+    assert diff.mean() < 1.5 and np.percentile(diff, 99) <= 10
+
+
+def test_a_scaled_decode_still_checks_the_jpeg_before_libjpeg_sees_it(monkeypatch):
+    monkeypatch.setattr(simplejpeg, "decode_jpeg", lambda *a, **k: pytest.fail("libjpeg was asked to decode"))
+    with pytest.raises(FrameDecodeError, match="JPEG decodes to 12000x12000, but the frame declares 64x64"):
+        decode_frame(frame(bomb(12000), 64, 64), min_hw=(8, 8))
+
+
+def test_a_scaled_decode_of_corrupt_scan_data_is_a_decode_error_strict_libjpeg_reports():
+    """The structure walk cannot see bad Huffman data; libjpeg's warning about it is an error (strict)."""
+    data = jpeg_bytes(512, 512)
+    middle = (scan_starts(data)[0] + len(data)) // 2
+    corrupt = data[:middle] + b"\x55" * 300 + data[middle + 300:]
+    check_jpeg(corrupt)
+    simplejpeg.decode_jpeg(corrupt, strict=False, min_height=64, min_width=64)  # lenient libjpeg: grey blocks
+    with pytest.raises(FrameDecodeError, match="Corrupt JPEG data"):
+        decode_frame(frame(corrupt, 512, 512), min_hw=(64, 64))

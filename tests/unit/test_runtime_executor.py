@@ -22,6 +22,7 @@ from worker.config import ConfigError, ModelSettings, RuntimeSettings
 from worker.frames import DECODE_ERROR, MODEL_ERROR, NON_FINITE_OUTPUT, Priority
 from worker.runtime import InferenceExecutor, build_builtin_model
 from worker.runtime.models import ModelContract
+from worker.runtime.preprocess import Normaliser
 from worker.runtime.runners import EagerRunner
 
 CPU = RuntimeSettings(device="cpu", warmup_batches=1, graph_batch_sizes=(1, 4))
@@ -180,6 +181,20 @@ def test_a_frame_with_non_finite_scores_is_a_failure(executor_for):
     assert [(f.frame.frame_index, f.error_type) for f in outcome.failures] == [(1, NON_FINITE_OUTPUT)]
 
 
+def test_every_batch_gives_its_host_buffer_back_once_run_including_retried_and_all_bad_ones(executor_for,
+                                                                                             monkeypatch):
+    ex = executor_for(ModelSettings(source="model_factories:poison_model"))
+    buffers = ex._preprocessor.buffers
+    given_back = []
+    give_back = buffers.give_back
+    monkeypatch.setattr(buffers, "give_back", lambda buf: given_back.append(buf) or give_back(buf))
+    _run(ex, [raw_frame(0, 16, 16), raw_frame(1, 16, 16)], (16, 16, 3))
+    _run(ex, [raw_frame(2, 16, 16, marker=True), raw_frame(3, 16, 16)], (16, 16, 3))  # retried one by one
+    _run(ex, [raw_frame(4, 16, 16, data=b"")], (16, 16, 3))  # no decodable frame
+    assert len(given_back) == 3
+    assert buffers.take(2, (16, 16, 3)) is given_back[-1]  # reused, not reallocated
+
+
 @pytest.fixture(scope="module")
 def poison_executor():
     ex = InferenceExecutor.from_settings(ModelSettings(source="model_factories:poison_model"), CPU)
@@ -326,7 +341,8 @@ def test_builtin_executor_scores_match_the_builtin_model(executor_for):
     ex = executor_for()
     frame = raw_frame(0, 24, 24)
     outcome = _run(ex, [frame], (24, 24, 3))
-    x = ex._preprocessor.prepare([frame], (24, 24, 3)).tensor
+    batch = ex._preprocessor.prepare([frame], (24, 24, 3))
+    x = Normaliser(ex.contract)(batch.pixels, batch.regions)
     with torch.inference_mode():
         expected = torch.sigmoid(build_builtin_model(5)(x))[0].numpy()
     np.testing.assert_allclose(_scores(outcome)[0], expected, rtol=1e-5, atol=1e-6)

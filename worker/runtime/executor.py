@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker.config import ConfigError, ModelSettings, RuntimeSettings
+from worker.config import ConfigError, ModelSettings, RuntimeSettings, preprocess_thread_count
 from worker.frames import (
     DECODE_ERROR,
     MODEL_ERROR,
@@ -37,7 +37,7 @@ from worker.frames import (
 )
 from worker.memorypolicy import MemoryPolicy
 from worker.runtime.models import ModelContract, load_model
-from worker.runtime.preprocess import HostBatch, Preprocessor, stage_to_device
+from worker.runtime.preprocess import HostBatch, HostBuffers, Preprocessor, stage_to_device
 from worker.runtime.runners import EagerRunner, RunResult, make_runner
 
 log = logging.getLogger(__name__)
@@ -127,8 +127,14 @@ class InferenceExecutor:
         self.preferred_batch_sizes: tuple[int, ...] = tuple(graph_buckets[0]) if graph_buckets else ()
         self._warmup_batches = warmup_batches
         self._warmup_batch_size = warmup_batch_size
-        pin = any(r.device.type == "cuda" for r in runners)
-        self._preprocessor = Preprocessor(contract, pin_memory=pin)
+        if preprocess_threads < 1:
+            raise ValueError("InferenceExecutor needs preprocess_threads >= 1")
+        buffers = HostBuffers(pin_memory=any(r.device.type == "cuda" for r in runners))
+        # Two pools, so a batch's preparation never waits on frames queued behind it in its own pool: one
+        # thread per batch being prepared (mostly waiting; the most urgent batch first), and the threads that
+        # decode the frames.
+        self._decode_pool = concurrent.futures.ThreadPoolExecutor(preprocess_threads, thread_name_prefix="decode")
+        self._preprocessor = Preprocessor(contract, buffers, pool=self._decode_pool, workers=preprocess_threads)
         self._slots = [_Slot(r, PriorityPool(1, f"infer-{r.device}-{i}")) for i, r in enumerate(runners)]
         self._prep_pool = PriorityPool(preprocess_threads, "preprocess")
         self._lock = threading.Lock()
@@ -149,7 +155,7 @@ class InferenceExecutor:
         loaded = [load_model(model, device) for device in plan.devices for _ in range(runtime.instances_per_device)]
         runners = [make_runner(m.module, m.contract, m.device, plan.precision, plan.cuda_graphs, plan.buckets,
                                runtime.warmup_batches) for m in loaded]
-        executor = cls(runners, loaded[0].contract, runtime.preprocess_threads, runtime.warmup_batches,
+        executor = cls(runners, loaded[0].contract, preprocess_thread_count(runtime), runtime.warmup_batches,
                        warmup_batch_size=max(runtime.graph_batch_sizes),
                        device_description=_describe(plan, loaded[0].kind))
         if plan.devices[0].type == "cuda":
@@ -245,6 +251,7 @@ class InferenceExecutor:
         self._prep_pool.shutdown()
         for slot in self._slots:
             slot.thread.shutdown()
+        self._decode_pool.shutdown(wait=True)  # last: preparation waits on it
 
     def __enter__(self) -> InferenceExecutor:
         return self
@@ -275,8 +282,11 @@ class InferenceExecutor:
             else:
                 with torch.profiler.record_function("streamfer.wait_preprocess"):
                     batch = prepared.result()
-            with torch.profiler.record_function(f"streamfer.inference[n={len(batch.frames)}]"):
-                return self._run_batch(batch, slot.runner)
+            try:
+                with torch.profiler.record_function(f"streamfer.inference[n={len(batch.frames)}]"):
+                    return self._run_batch(batch, slot.runner)
+            finally:
+                batch.release()  # the device copy is done: the runner has read it
         finally:
             with self._lock:
                 slot.load -= submitted
@@ -290,8 +300,8 @@ class InferenceExecutor:
         bucket, used_graph = 0, False
         if batch.frames:
             try:
-                assert batch.device_tensor is not None  # staged by _prepare whenever the batch has frames
-                result = runner.run(batch.device_tensor, batch.ready_event)
+                assert batch.device_pixels is not None  # staged by _prepare whenever the batch has frames
+                result = runner.run(batch.device_pixels, batch.ready_event, batch.device_regions)
                 scored = list(zip(batch.frames, result.scores))
                 bucket, used_graph = result.bucket, result.used_graph
             except Exception as exc:  # noqa: BLE001 (any model error: retried frame by frame)
@@ -319,7 +329,8 @@ class InferenceExecutor:
         )
 
     def _model_shape(self, shape: tuple[int, int, int]) -> tuple[int, int, int]:
-        return self.contract.input_shape(self.contract.model_input_hw((shape[0], shape[1])))
+        """A frame shape (h, w, c) -> the runner's input: the model input's (H, W, C) uint8 pixels."""
+        return (*self.contract.model_input_hw((shape[0], shape[1])), self.contract.channels)
 
 
 class _CudaMemoryProbe:
@@ -407,10 +418,11 @@ def _run_one_by_one(runner: EagerRunner, batch: HostBatch) -> tuple[list, list[F
     scored: list[tuple[Frame, np.ndarray]] = []
     failures: list[FrameFailure] = []
     used_graph = False
-    assert batch.device_tensor is not None
+    pixels, regions = batch.device_pixels, batch.device_regions
+    assert pixels is not None
     for i, frame in enumerate(batch.frames):
         try:
-            result: RunResult = runner.run(batch.device_tensor[i:i + 1])
+            result: RunResult = runner.run(pixels[i:i + 1], regions=None if regions is None else regions[i:i + 1])
         except Exception as exc:  # noqa: BLE001 (this frame alone fails: dead-lettered)
             failures.append(FrameFailure(frame, f"model raised on this frame: {type(exc).__name__}: {exc}",
                                          MODEL_ERROR))

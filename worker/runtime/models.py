@@ -66,6 +66,8 @@ class ModelContract:
     resize_shorter_side: int = 0
     resize_to: tuple[int, int] | None = None
     jpeg_roundtrip_quality: int = 0
+    jpeg_scaled_decode: bool = True
+    resampler: str = "torch"
     activation: str = "sigmoid"
 
     @classmethod
@@ -90,6 +92,8 @@ class ModelContract:
             resize_shorter_side=settings.resize_shorter_side or (max(input_size) if input_size else 0),
             resize_to=resize_to,
             jpeg_roundtrip_quality=settings.jpeg_roundtrip_quality,
+            jpeg_scaled_decode=settings.jpeg_scaled_decode,
+            resampler=settings.resampler,
             activation=settings.activation,
         )
 

@@ -1,18 +1,25 @@
-"""Frame bytes -> one normalised float32 batch tensor in the model's layout (NCHW or NHWC), staged on the
-runner's device. The model's preprocessing contract (`ModelContract`) is applied here and nowhere else.
+"""Frame bytes -> one normalised float32 batch tensor in the model's layout (NCHW or NHWC) on the runner's
+device. The model's preprocessing contract (`ModelContract`) is applied here and nowhere else.
 
 A frame whose pixels are unusable is reported as a `FrameDecodeError` beside the batch, never raised: the
 other frames of the batch still run. Frames smaller than the batch shape are padded bottom/right with zeros
 *in the normalised tensor* (the mean colour in pixel terms), the value the convolutions' own border padding
 uses. With a fixed `input_size` each frame is resized (stretched, letterboxed or resized and centre-cropped)
 on its own, so no batch padding reaches the model.
+
+Two halves: `Preprocessor` (host threads) decodes and resizes into a uint8 NHWC batch in a reused buffer,
+which travels to the device as uint8 (a quarter of float32's bytes); `Normaliser` (torch, on the runner's
+device, inside its CUDA graph where it captures one) turns it into the model's input.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
+import threading
 import time
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,10 +31,16 @@ from worker.runtime.decode import FrameDecodeError, decode_frame
 from worker.runtime.models import ModelContract
 
 
-def _resize(pixels: np.ndarray, size_hw: tuple[int, int]) -> np.ndarray:
-    """Bilinear resize with Pillow (antialiased when shrinking), the resampling reference preprocessing uses."""
+def _resize(pixels: np.ndarray, size_hw: tuple[int, int], resampler: str = "torch") -> np.ndarray:
+    """Bilinear resize, antialiased when shrinking: Pillow's (what reference preprocessing uses), or torch's uint8
+    kernel, which follows Pillow's to within one grey level at about a quarter of its cost here."""
     if pixels.shape[:2] == size_hw:
         return pixels
+    if resampler == "torch":
+        # torch wants writable memory (a raw frame is a read-only view of its message): copied then, only read.
+        x = torch.from_numpy(pixels if pixels.flags.writeable else pixels.copy()).permute(2, 0, 1).unsqueeze(0)
+        y = torch.nn.functional.interpolate(x, size=size_hw, mode="bilinear", antialias=True, align_corners=False)
+        return y[0].permute(1, 2, 0).numpy()
     out = np.asarray(_image(pixels).resize((size_hw[1], size_hw[0]), Image.Resampling.BILINEAR), dtype=np.uint8)
     return out if out.ndim == 3 else out[:, :, None]
 
@@ -59,24 +72,39 @@ def to_channels(pixels: np.ndarray, channels: int) -> np.ndarray:
     return np.asarray(Image.fromarray(rgb, "RGB").convert("L"), dtype=np.uint8)[:, :, None]
 
 
-def fit_to_input(pixels: np.ndarray, contract: ModelContract) -> tuple[np.ndarray, tuple[int, int]]:
-    """Resize (and crop) a decoded frame as the contract says; returns the pixels and their (top, left) offset
-    in the model input (non-zero only for letterbox, whose border stays at the mean colour)."""
+def resize_target(contract: ModelContract, frame_hw: tuple[int, int]) -> tuple[int, int] | None:
+    """The (height, width) a frame of `frame_hw` is resized to before any crop; None when the model takes any
+    size. Computed from the frame's declared size, so a JPEG decoded at a reduced scale lands on the same one."""
     size = contract.input_size
     if size is None:
-        return pixels, (0, 0)
-    h, w = pixels.shape[:2]
+        return None
+    h, w = frame_hw
     if contract.resize == "letterbox":
         scale = min(size[0] / h, size[1] / w)
-        inner = (max(1, min(size[0], round(h * scale))), max(1, min(size[1], round(w * scale))))
-        return _resize(pixels, inner), ((size[0] - inner[0]) // 2, (size[1] - inner[1]) // 2)
+        return max(1, min(size[0], round(h * scale))), max(1, min(size[1], round(w * scale)))
     if contract.resize == "shorter_side_crop":
         scale = contract.resize_shorter_side / min(h, w)
-        resized = (max(size[0], round(h * scale)), max(size[1], round(w * scale)))
-        return _centre_crop(_resize(pixels, resized), size), (0, 0)
+        return max(size[0], round(h * scale)), max(size[1], round(w * scale))
     if contract.resize == "stretch_crop" and contract.resize_to is not None:
-        return _centre_crop(_resize(pixels, contract.resize_to), size), (0, 0)
-    return _resize(pixels, size), (0, 0)
+        return contract.resize_to
+    return size
+
+
+def fit_to_input(pixels: np.ndarray, contract: ModelContract,
+                 frame_hw: tuple[int, int] | None = None) -> tuple[np.ndarray, tuple[int, int]]:
+    """Resize (and crop) a decoded frame as the contract says; returns the pixels and their (top, left) offset
+    in the model input (non-zero only for letterbox, whose border stays at the mean colour). `frame_hw` is the
+    frame's full size when `pixels` were decoded at a reduced scale."""
+    size = contract.input_size
+    target = resize_target(contract, frame_hw or (pixels.shape[0], pixels.shape[1]))
+    if size is None or target is None:
+        return pixels, (0, 0)
+    resized = _resize(pixels, target, contract.resampler)
+    if contract.resize == "letterbox":
+        return resized, ((size[0] - target[0]) // 2, (size[1] - target[1]) // 2)
+    if contract.resize in ("shorter_side_crop", "stretch_crop"):
+        return _centre_crop(resized, size), (0, 0)
+    return resized, (0, 0)
 
 
 def jpeg_roundtrip(pixels: np.ndarray, quality: int) -> np.ndarray:
@@ -89,102 +117,213 @@ def jpeg_roundtrip(pixels: np.ndarray, quality: int) -> np.ndarray:
     return out if out.ndim == 3 else out[:, :, None]
 
 
+def _no_buffer_to_return() -> None:
+    pass
+
+
 @dataclass
 class HostBatch:
-    """The decodable frames of a batch as one host tensor (row i is frames[i]) plus the ones that were not."""
+    """The decodable frames of a batch as uint8 pixels (row i is frames[i]) plus the ones that were not.
+
+    `pixels` is [n, H, W, C] uint8 (H, W the model input), a view of a reused host buffer: call `release`
+    once the device copy is done. `regions` holds each row's (top, left, height, width) of real pixels, the
+    rest being padding; None when every row fills the input."""
 
     frames: list[Frame]
-    tensor: torch.Tensor
+    pixels: torch.Tensor
+    regions: torch.Tensor | None
     failures: list[tuple[Frame, FrameDecodeError]]
     started_at: float
     preprocess_ms: float = 0.0
-    # Set once the tensor is on the runner's device: the device tensor and the event its copy completes on.
-    device_tensor: torch.Tensor | None = None
+    # Set once staged on the runner's device: the device tensors and the event their copy completes on.
+    device_pixels: torch.Tensor | None = None
+    device_regions: torch.Tensor | None = None
     ready_event: torch.cuda.Event | None = field(default=None, repr=False)
+    release: Callable[[], None] = field(default=_no_buffer_to_return, repr=False)
+
+
+class HostBuffers:
+    """uint8 batch buffers reused across batches (pinned when the runner is on CUDA, where allocating pinned
+    memory costs more than copying into it). Thread-safe; holds at most `max_bytes` of idle buffers."""
+
+    def __init__(self, pin_memory: bool = False, max_bytes: int = 256 << 20):
+        self.pin_memory = pin_memory
+        self.max_bytes = max_bytes
+        self._idle: OrderedDict[tuple[int, int, int], list[torch.Tensor]] = OrderedDict()
+        self._idle_bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, rows: int, hwc: tuple[int, int, int]) -> torch.Tensor:
+        """A buffer of at least `rows` rows of `hwc` pixels (contents undefined)."""
+        with self._lock:
+            idle = self._idle.get(hwc, [])
+            for i, buf in enumerate(idle):
+                if buf.shape[0] >= rows:
+                    del idle[i]
+                    self._idle_bytes -= buf.nbytes
+                    return buf
+        capacity = 1 << max(0, rows - 1).bit_length()  # powers of two: few distinct buffers per shape
+        return torch.empty((capacity, *hwc), dtype=torch.uint8, pin_memory=self.pin_memory)
+
+    def give_back(self, buf: torch.Tensor) -> None:
+        hwc = (int(buf.shape[1]), int(buf.shape[2]), int(buf.shape[3]))
+        with self._lock:
+            self._idle.setdefault(hwc, []).append(buf)
+            self._idle.move_to_end(hwc)
+            self._idle_bytes += buf.nbytes
+            while self._idle_bytes > self.max_bytes:  # drop the least recently used shape's buffers first
+                oldest = next(iter(self._idle.values()))
+                self._idle_bytes -= oldest.pop(0).nbytes
+                if not oldest:
+                    self._idle.popitem(last=False)
 
 
 class Preprocessor:
-    """Decodes, resizes and normalises frames into one float32 batch in the model's layout; thread-safe, stateless.
+    """Decodes and resizes frames into one uint8 NHWC host batch; thread-safe.
 
-    The whole preprocessing contract (channels, order, scale, mean/std, resize, layout) is applied here, on
-    the host, for every device: the runners receive the finished tensor.
+    Channels, resize, crop and letterbox are applied here (the `Normaliser` does the rest, on the device).
+    With a `pool` of `workers` threads the frames of one batch are decoded in parallel (JPEG decode and
+    resizing release the GIL); `prepare` must then not itself run on that pool, or it could wait on work
+    queued behind it.
     """
 
-    def __init__(self, contract: ModelContract, pin_memory: bool = False):
+    def __init__(self, contract: ModelContract, buffers: HostBuffers | None = None,
+                 pool: concurrent.futures.Executor | None = None, workers: int = 1):
         self.contract = contract
-        self.pin_memory = pin_memory
-        c = contract.channels
-        std = np.asarray(contract.std, dtype=np.float32).reshape(c, 1, 1)
-        mean = np.asarray(contract.mean, dtype=np.float32).reshape(c, 1, 1)
-        unit = 1.0 / 255.0 if contract.pixel_range == "0-1" else 1.0
-        # (pixel * unit - mean) / std  ==  pixel * scale - bias
-        self._scale = (unit / std).astype(np.float32)
-        self._bias = (mean / std).astype(np.float32)
-        self._bgr = contract.channel_order == "BGR" and c == 3
-        self._nhwc = contract.input_layout == "NHWC"
+        self.buffers = buffers or HostBuffers()
+        self._pool = pool if workers > 1 else None
+        self._workers = workers
 
     def prepare(self, frames: Sequence[Frame], shape: tuple[int, int, int]) -> HostBatch:
-        """Decode every frame; the tensor is [decodable frames, *input_shape] with H, W the model input size."""
+        """Decode every frame; pixels are [decodable frames, H, W, C] with H, W the model input size."""
         started_at = time.time()
         t0 = time.perf_counter()
-        batch_h, batch_w = shape[0], shape[1]
-        out_hw = self.contract.model_input_hw((batch_h, batch_w))
-        decoded: list[tuple[Frame, np.ndarray, tuple[int, int]]] = []
-        failures: list[tuple[Frame, FrameDecodeError]] = []
-        for frame in frames:
-            try:
-                decoded.append((frame, *self._decode_one(frame, batch_h, batch_w)))
-            except FrameDecodeError as exc:
-                failures.append((frame, exc))
-        tensor = torch.empty(
-            (len(decoded), *self.contract.input_shape(out_hw)), dtype=torch.float32, pin_memory=self.pin_memory
-        )
-        view = tensor.numpy()
-        for row, (_, pixels, offset) in enumerate(decoded):
-            self._write_row(view[row], pixels, offset)
+        frames = list(frames)
+        hwc = (*self.contract.model_input_hw((shape[0], shape[1])), self.contract.channels)
+        buffer = self.buffers.take(len(frames), hwc)
+        placed = self._fill(buffer.numpy(), frames, (shape[0], shape[1]))
+        ok = [not isinstance(p, FrameDecodeError) for p in placed]
+        pixels = _compact(buffer, ok) if not all(ok) else buffer[:len(frames)]
+        regions = [p for p in placed if not isinstance(p, FrameDecodeError)]
+        full = (0, 0, hwc[0], hwc[1])
         return HostBatch(
-            frames=[f for f, _, _ in decoded],
-            tensor=tensor,
-            failures=failures,
+            frames=[frame for frame, good in zip(frames, ok) if good],
+            pixels=pixels,
+            regions=None if all(r == full for r in regions) else torch.tensor(regions, dtype=torch.int32),
+            failures=[(frame, p) for frame, p in zip(frames, placed) if isinstance(p, FrameDecodeError)],
             started_at=started_at,
             preprocess_ms=(time.perf_counter() - t0) * 1000.0,
+            release=lambda: self.buffers.give_back(buffer),
         )
+
+    def _fill(self, rows: np.ndarray, frames: list[Frame],
+              batch_hw: tuple[int, int]) -> list[tuple[int, int, int, int] | FrameDecodeError]:
+        """Decode frame i into rows[i], in contiguous chunks across the pool; each frame's region or error."""
+        chunks = min(len(frames), self._workers) if self._pool is not None else 1
+        if chunks <= 1:
+            return self._fill_range(rows, frames, batch_hw, 0, len(frames))
+        bounds = [len(frames) * k // chunks for k in range(chunks + 1)]
+        assert self._pool is not None
+        futures = [self._pool.submit(self._fill_range, rows, frames, batch_hw, lo, hi)
+                   for lo, hi in zip(bounds, bounds[1:])]
+        return [placed for f in futures for placed in f.result()]
+
+    def _fill_range(self, rows: np.ndarray, frames: list[Frame], batch_hw: tuple[int, int], lo: int,
+                    hi: int) -> list[tuple[int, int, int, int] | FrameDecodeError]:
+        placed: list[tuple[int, int, int, int] | FrameDecodeError] = []
+        for i in range(lo, hi):
+            try:
+                pixels, (top, left) = self._decode_one(frames[i], *batch_hw)
+            except FrameDecodeError as exc:
+                placed.append(exc)
+                continue
+            h, w = pixels.shape[:2]
+            dst = rows[i]
+            if (h, w) != dst.shape[:2]:
+                dst.fill(0)  # never read (the Normaliser zeroes padding), but a reused buffer holds old frames
+            dst[top:top + h, left:left + w] = pixels
+            placed.append((top, left, h, w))
+        return placed
 
     def _decode_one(self, frame: Frame, batch_h: int, batch_w: int) -> tuple[np.ndarray, tuple[int, int]]:
         # A raw frame decodes with its own channel count and is converted here; a JPEG decodes to the model's.
         channels = frame.channels if frame.encoding is Encoding.RAW_RGB8 else self.contract.channels
-        pixels = to_channels(decode_frame(frame, channels), self.contract.channels)
         if self.contract.input_size is None and (frame.height > batch_h or frame.width > batch_w):
             raise FrameDecodeError(
                 f"frame {frame.width}x{frame.height} is larger than its batch shape {batch_w}x{batch_h}"
             )
-        pixels, offset = fit_to_input(pixels, self.contract)
+        frame_hw = (frame.height, frame.width)
+        # A JPEG bound for a smaller fixed input is decoded at the smallest DCT scale still >= the resize target.
+        min_hw = resize_target(self.contract, frame_hw) if self.contract.jpeg_scaled_decode else None
+        pixels = decode_frame(frame, channels, min_hw=min_hw)
+        pixels, offset = fit_to_input(to_channels(pixels, self.contract.channels), self.contract, frame_hw)
         if self.contract.jpeg_roundtrip_quality:
             pixels = jpeg_roundtrip(pixels, self.contract.jpeg_roundtrip_quality)
         return pixels, offset
 
-    def _write_row(self, dst: np.ndarray, pixels: np.ndarray, offset: tuple[int, int]) -> None:
-        chw = dst.transpose(2, 0, 1) if self._nhwc else dst  # a view: writing it fills dst in its own layout
-        h, w = pixels.shape[:2]
-        top, left = offset
-        if (h, w) != chw.shape[1:]:
-            chw.fill(0.0)  # padding / letterbox border: the mean colour
-        region = chw[:, top:top + h, left:left + w]
-        src = pixels.transpose(2, 0, 1)
-        np.multiply(src[::-1] if self._bgr else src, self._scale, out=region, casting="unsafe")
-        np.subtract(region, self._bias, out=region)
+
+class Normaliser:
+    """uint8 NHWC pixels -> the model's float32 input (channel order, scale, mean/std, layout), in torch on the
+    pixels' device; zero outside each row's region. Computes pixel * (unit / std) - mean / std in float32,
+    the same two roundings the reference preprocessing makes. Build one per device before any graph capture."""
+
+    def __init__(self, contract: ModelContract, device: torch.device | str = "cpu"):
+        c = contract.channels
+        unit = 1.0 / 255.0 if contract.pixel_range == "0-1" else 1.0
+        std = np.asarray(contract.std, dtype=np.float32)
+        mean = np.asarray(contract.mean, dtype=np.float32)
+        self._nchw = contract.input_layout == "NCHW"
+        per_channel = (c, 1, 1) if self._nchw else (c,)
+        # (pixel * unit - mean) / std  ==  pixel * scale - bias, with scale and bias rounded to float32 once.
+        self._scale = torch.from_numpy((unit / std).astype(np.float32)).reshape(per_channel).to(device)
+        self._bias = torch.from_numpy((mean / std).astype(np.float32)).reshape(per_channel).to(device)
+        self._bgr = contract.channel_order == "BGR" and c == 3
+
+    def __call__(self, pixels: torch.Tensor, regions: torch.Tensor | None = None) -> torch.Tensor:
+        x = pixels.flip(-1) if self._bgr else pixels
+        if self._nchw:
+            x = x.permute(0, 3, 1, 2)
+        # One pass converts to float32 and lays out (a strided read); then scale and bias in place.
+        out = torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x)
+        out.mul_(self._scale).sub_(self._bias)
+        if regions is not None:
+            inside = _inside(regions, pixels.shape[1], pixels.shape[2])
+            out.masked_fill_(~(inside.unsqueeze(1) if self._nchw else inside.unsqueeze(3)), 0.0)
+        return out
+
+
+def _inside(regions: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """[n, H, W] bool: True inside each row's (top, left, height, width) region. Shape-static (graph-safe)."""
+    top, left, h, w = (regions[:, i:i + 1] for i in range(4))
+    ys = torch.arange(height, device=regions.device)
+    xs = torch.arange(width, device=regions.device)
+    rows = (ys >= top) & (ys < top + h)
+    cols = (xs >= left) & (xs < left + w)
+    return rows.unsqueeze(2) & cols.unsqueeze(1)
+
+
+def _compact(buffer: torch.Tensor, keep: list[bool]) -> torch.Tensor:
+    """The kept rows moved to the front, in order, in place (a pinned buffer stays pinned); a view of them."""
+    kept = [i for i, k in enumerate(keep) if k]
+    for row, i in enumerate(kept):
+        if row != i:
+            buffer[row].copy_(buffer[i])
+    return buffer[:len(kept)]
 
 
 def stage_to_device(batch: HostBatch, device: torch.device, copy_stream: torch.cuda.Stream | None) -> HostBatch:
-    """Start the host->device copy of the batch on `copy_stream` (non-blocking from pinned memory).
+    """Start the host->device copy of the batch's uint8 pixels on `copy_stream` (non-blocking from pinned memory).
 
-    The runner must make its stream wait on `batch.ready_event` before reading `batch.device_tensor`.
+    The runner must make its stream wait on `batch.ready_event` before reading `batch.device_pixels`.
     """
     if device.type != "cuda" or copy_stream is None:
-        batch.device_tensor = batch.tensor if device.type == "cpu" else batch.tensor.to(device)
+        batch.device_pixels = batch.pixels.to(device)
+        batch.device_regions = None if batch.regions is None else batch.regions.to(device)
         return batch
     with torch.cuda.device(device), torch.cuda.stream(copy_stream):
-        batch.device_tensor = batch.tensor.to(device, non_blocking=True)
+        batch.device_pixels = batch.pixels.to(device, non_blocking=True)
+        # regions are a few bytes in pageable memory: this copy is synchronous, and done before the event.
+        batch.device_regions = None if batch.regions is None else batch.regions.to(device, non_blocking=True)
         event = torch.cuda.Event()
         event.record(copy_stream)
     batch.ready_event = event

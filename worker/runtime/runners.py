@@ -1,5 +1,8 @@
 """Execute a batch on one device: eagerly, or by replaying a CUDA graph captured for its (bucket, shape).
 
+A runner takes the batch as uint8 NHWC pixels on its device and normalises them itself (`Normaliser`), inside
+the captured graph where it has one, so the host never touches float32 and the copy to the device is small.
+
 `GraphPlan` decides (which bucket, replay / capture now / run eager) and is pure; the runners execute.
 A runner is used from one thread at a time (the executor gives each its own inference thread).
 """
@@ -17,6 +20,7 @@ import numpy as np
 import torch
 
 from worker.runtime.models import ModelContract, ModelContractError, apply_activation
+from worker.runtime.preprocess import Normaliser
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +34,7 @@ _CAPTURE_LOCK = threading.Lock()
 # so warm-up batches larger than this only cost start-up time (32 frames of a ResNet-50: seconds each).
 CPU_WARMUP_BATCH_MAX = 2
 
-Shape = tuple[int, int, int]  # one sample of the model input in its layout: (C, H, W) or (H, W, C)
+Shape = tuple[int, int, int]  # one sample of the runner's input: uint8 pixels (H, W, C), whatever the model layout
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,7 @@ class EagerRunner:
         # Host->device copies of upcoming batches go on this stream, overlapping the current batch's compute.
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.capture_count = 0
+        self.normaliser = Normaliser(contract, self.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Model + activation -> float32 scores on the device. The caller holds inference_mode."""
@@ -116,22 +121,28 @@ class EagerRunner:
             logits = self.module(x)
         return apply_activation(logits, self.contract.activation)
 
+    def infer(self, pixels: torch.Tensor, regions: torch.Tensor | None = None) -> torch.Tensor:
+        """uint8 NHWC pixels (and padding regions) -> float32 scores on the device. The caller holds inference_mode."""
+        return self.forward(self.normaliser(pixels, regions))
+
     def warm_up(self, shape: Shape, batches: int, batch_size: int) -> None:
-        """Run `batches` forward passes so first-call costs (allocations, kernel selection) leave the hot path."""
+        """Run `batches` passes so first-call costs (allocations, kernel selection) leave the hot path."""
         if self.device.type == "cpu":
             batch_size = max(1, min(batch_size, CPU_WARMUP_BATCH_MAX))
         with self._on_device():
-            x = torch.zeros((batch_size, *shape), device=self.device)
+            x = torch.zeros((batch_size, *shape), dtype=torch.uint8, device=self.device)
             for _ in range(batches):
-                self.forward(x)
+                self.infer(x)
             self._sync()
 
-    def run(self, x: torch.Tensor, ready: torch.cuda.Event | None = None) -> RunResult:
-        """Scores for every row of x (already on this runner's device)."""
+    def run(self, pixels: torch.Tensor, ready: torch.cuda.Event | None = None,
+            regions: torch.Tensor | None = None) -> RunResult:
+        """Scores for every row of `pixels` ([n, H, W, C] uint8, already on this runner's device); `regions`
+        ([n, 4] int32 top, left, height, width) marks padding, None when every row is all pixels."""
         with self._on_device():
-            self._wait_for_input(x, ready)
-            scores = self.forward(x)
-            return RunResult(scores=scores.to("cpu").numpy(), bucket=x.shape[0], used_graph=False)
+            self._wait_for_input(ready, pixels, regions)
+            scores = self.infer(pixels, regions)
+            return RunResult(scores=scores.to("cpu").numpy(), bucket=pixels.shape[0], used_graph=False)
 
     @contextlib.contextmanager
     def _on_device(self):
@@ -142,11 +153,13 @@ class EagerRunner:
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream), torch.inference_mode():
                 yield
 
-    def _wait_for_input(self, x: torch.Tensor, ready: torch.cuda.Event | None) -> None:
+    def _wait_for_input(self, ready: torch.cuda.Event | None, *inputs: torch.Tensor | None) -> None:
         if self.stream is not None and ready is not None:
             self.stream.wait_event(ready)
-            # x was allocated on the copy stream; keep its memory alive until this stream is done with it.
-            x.record_stream(self.stream)
+            # The inputs were allocated on the copy stream; keep their memory alive until this stream is done.
+            for x in inputs:
+                if x is not None:
+                    x.record_stream(self.stream)
 
     def _sync(self) -> None:
         if self.stream is not None:
@@ -156,7 +169,9 @@ class EagerRunner:
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    static_in: torch.Tensor
+    static_in: torch.Tensor  # [bucket, H, W, C] uint8
+    static_regions: torch.Tensor  # [bucket, 4] int32; padding rows get an empty region, so they normalise to 0
+    full: torch.Tensor  # [bucket, 4] int32: every row all pixels
     static_out: torch.Tensor
 
 
@@ -203,21 +218,24 @@ class CudaGraphRunner(EagerRunner):
                     "Python branches on tensor values) from forward, or set runtime.cuda_graphs = false"
                 ) from exc
 
-    def run(self, x: torch.Tensor, ready: torch.cuda.Event | None = None) -> RunResult:
-        n = x.shape[0]
-        c, h, w = x.shape[1:]
-        shape = (int(c), int(h), int(w))
+    def run(self, pixels: torch.Tensor, ready: torch.cuda.Event | None = None,
+            regions: torch.Tensor | None = None) -> RunResult:
+        n = pixels.shape[0]
+        h, w, c = pixels.shape[1:]
+        shape = (int(h), int(w), int(c))
         step = self.plan.decide(n, shape)
         if step.action == "capture" and not self._capture_lazily(step.bucket, shape):
             step = GraphStep("eager", n)
         if step.action == "eager":
-            return super().run(x, ready)
+            return super().run(pixels, ready, regions)
         graph = self._graphs[(step.bucket, shape)]
         with self._on_device():
-            self._wait_for_input(x, ready)
-            graph.static_in[:n].copy_(x)
+            self._wait_for_input(ready, pixels, regions)
+            graph.static_in[:n].copy_(pixels)
+            graph.static_regions[:n].copy_(graph.full[:n] if regions is None else regions)
             if n < step.bucket:
-                graph.static_in[n:].zero_()  # padding rows: deterministic, and rows never mix in eval mode
+                # Padding rows: an empty region normalises them to zeros (deterministic; rows never mix in eval).
+                graph.static_regions[n:].zero_()
             graph.graph.replay()
             scores = graph.static_out[:n].to("cpu").numpy()
         return RunResult(scores=scores, bucket=step.bucket, used_graph=True)
@@ -236,20 +254,22 @@ class CudaGraphRunner(EagerRunner):
 
     def _capture(self, bucket: int, shape: Shape) -> None:
         with _CAPTURE_LOCK, torch.cuda.device(self.device), torch.inference_mode():
-            static_in = torch.zeros((bucket, *shape), device=self.device)
+            static_in = torch.zeros((bucket, *shape), dtype=torch.uint8, device=self.device)
+            full = torch.tensor([[0, 0, shape[0], shape[1]]] * bucket, dtype=torch.int32, device=self.device)
+            static_regions = full.clone()
             # Warm-up on a side stream before capture, as the PyTorch CUDA-graph docs prescribe: lazy
             # initialisation (cuBLAS/cuDNN handles, autotuning) must not happen inside the capture.
             self._side_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._side_stream):
                 for _ in range(max(1, self.warmup_batches)):
-                    self.forward(static_in)
+                    self.infer(static_in, static_regions)
             torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
             graph = torch.cuda.CUDAGraph()
             # thread_local: preprocessing threads keep copying to the device while this thread captures.
             with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream,
                                   capture_error_mode="thread_local"):
-                static_out = self.forward(static_in)
-            self._graphs[(bucket, shape)] = _Graph(graph, static_in, static_out)
+                static_out = self.infer(static_in, static_regions)
+            self._graphs[(bucket, shape)] = _Graph(graph, static_in, static_regions, full, static_out)
             self.plan.mark_captured(bucket, shape)
             self.capture_count += 1
 

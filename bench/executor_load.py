@@ -1,0 +1,158 @@
+"""Load for `InferenceExecutor` alone (no Kafka): a workload's frames as a cycle of batches, a saturating
+closed loop (the runtime's own best), and an open loop at a fixed offered rate that batches like the worker.
+
+Used by model_limit / batching_gain (variant L) and by the GPU check, which runs where no broker is.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import stats
+from workloads import Workload
+
+from worker.frames import Frame, SourceRef
+from worker.producer import encode_pixels, synthetic_pixels
+
+INFLIGHT = 2  # the worker's delivery.max_inflight_batches default
+
+
+def frame_cycle(workload: Workload, seed: int = 7) -> list[tuple[Frame, tuple[int, int, int]]]:
+    """One frame per (class, shape) of the workload, repeated by share: a cycle of batches whose frame mix
+    matches the Kafka runs' (the same synthetic pixels worker.producer sends)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    smallest = min(load.share / len(load.shapes) for load in workload.classes.values())
+    cycle: list[tuple[Frame, tuple[int, int, int]]] = []
+    for priority, load in workload.classes.items():
+        for w, h in load.shapes:
+            frame = Frame(stream_id=f"bench-{w}x{h}", frame_index=0, tenant="bench", priority=priority,
+                          capture_ts_ms=int(time.time() * 1000), width=w, height=h, channels=3,
+                          encoding=load.encoding, data=encode_pixels(synthetic_pixels(rng, w, h), load.encoding),
+                          source=SourceRef("bench", 0, 0), received_at=time.time())
+            cycle.extend([(frame, frame.shape)] * round(load.share / len(load.shapes) / smallest))
+    return cycle
+
+
+def executor_round(executor: Any, cycle: list, batch_size: int, seconds: float) -> dict[str, float]:
+    """Frames/s and CPU-ms per frame (this process, all threads) of the executor fed batches of `batch_size`
+    frames cycling through the shapes, INFLIGHT batches in flight, for at least `seconds` and whole cycles."""
+    pending: list[concurrent.futures.Future] = []
+    done_frames = 0
+    i = 0
+    # One untimed pass over every shape: first-call costs out of the figure.
+    for frame, shape in cycle:
+        executor.submit([frame] * batch_size, shape).result()
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    while True:
+        while len(pending) < INFLIGHT:
+            frame, shape = cycle[i % len(cycle)]
+            i += 1
+            pending.append(executor.submit([frame] * batch_size, shape))
+        outcome = pending.pop(0).result()
+        done_frames += outcome.batch_size
+        if time.perf_counter() - t0 >= seconds and i % len(cycle) == 0:
+            break
+    for f in pending:
+        done_frames += f.result().batch_size
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    return {"frames_per_s": done_frames / elapsed, "frames": done_frames, "seconds": elapsed,
+            "cpu_ms_per_frame": stats.cpu_ms_per_frame(cpu, done_frames)}
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """How the open loop forms batches: the worker's defaults for one priority class."""
+
+    max_batch_size: int = 32
+    max_wait_ms: float = 15.0
+    max_inflight: int = INFLIGHT
+
+
+def open_loop(executor: Any, frame: Frame, rate_fps: float, seconds: float, policy: BatchPolicy,
+              warmup_share: float = 0.1) -> dict[str, Any]:
+    """Frame i is due at start + i / rate (open loop: a late dispatch counts against the executor). Pending
+    frames go out as one batch when max_batch_size are waiting or the oldest has waited max_wait_ms, with at
+    most max_inflight batches in flight. Batch latency = submit -> outcome; frame latency = due -> outcome.
+    Frames due in the first `warmup_share` of the run are left out of the percentiles and of sustained_fps."""
+    total = max(1, int(rate_fps * seconds))
+    pending: collections.deque[float] = collections.deque()
+    inflight: collections.deque[tuple[concurrent.futures.Future, float, list[float]]] = collections.deque()
+    finished_at: dict[int, float] = {}
+    batches: list[tuple[float, float, list[float]]] = []  # (submit, done, due times)
+    cpu0 = time.process_time()
+    t0 = time.perf_counter() + 0.05
+    next_i = 0
+
+    def due(i: int) -> float:
+        return t0 + i / rate_fps
+
+    while next_i < total or pending or inflight:
+        now = time.perf_counter()
+        while next_i < total and due(next_i) <= now:
+            pending.append(due(next_i))
+            next_i += 1
+        while inflight and inflight[0][0].done():
+            fut, submitted, dues = inflight.popleft()
+            fut.result()
+            # The done callback may still be running in the executor's thread: then it finished just now.
+            batches.append((submitted, finished_at.pop(id(fut), 0.0) or time.perf_counter(), dues))
+        full = len(pending) >= policy.max_batch_size
+        waited = bool(pending) and (now - pending[0]) * 1000.0 >= policy.max_wait_ms
+        if pending and len(inflight) < policy.max_inflight and (full or waited or next_i >= total):
+            take = [pending.popleft() for _ in range(min(policy.max_batch_size, len(pending)))]
+            fut = executor.submit([frame] * len(take), frame.shape)
+            fut.add_done_callback(lambda f: finished_at.__setitem__(id(f), time.perf_counter()))
+            inflight.append((fut, time.perf_counter(), take))
+            continue
+        # Sleep until the next arrival, the oldest frame's deadline or a batch finishing, whichever is first.
+        wake = [due(next_i)] if next_i < total else []
+        if pending:
+            wake.append(pending[0] + policy.max_wait_ms / 1000.0)
+        timeout = max(0.0, min(wake) - time.perf_counter()) if wake else 0.05
+        if inflight:
+            concurrent.futures.wait([inflight[0][0]], timeout=min(timeout, 0.05))
+        elif timeout > 0:
+            time.sleep(min(timeout, 0.05))
+    cpu = time.process_time() - cpu0
+    load_end = due(total - 1)
+    last_done = max(done for _, done, _ in batches)
+    warm_until = t0 + warmup_share * seconds
+    kept = [(s, d, dues) for s, d, dues in batches if dues[0] >= warm_until]
+    batch_ms = sorted((d - s) * 1000.0 for s, d, _ in kept)
+    frame_ms = sorted((d - t) * 1000.0 for _, d, dues in kept for t in dues)
+    frames_done = sum(len(dues) for _, _, dues in batches)
+    # Sustained: frames finished while the load ran (after the warm-up share) per second of it; equals the
+    # offered rate when the executor keeps up, its capacity when it does not.
+    in_window = sum(len(dues) for _, done, dues in batches if warm_until <= done <= load_end)
+    sustained = in_window / (load_end - warm_until) if load_end > warm_until else float("nan")
+    # Kept up: the last frame was done about one wait and two batches after it was due. An executor that
+    # falls behind builds a queue, and the drain grows with the run's length instead.
+    allowed_drain_s = policy.max_wait_ms / 1000.0 + 2 * percentile(batch_ms, 0.99) / 1000.0 + 0.05
+    return {
+        "offered_fps": rate_fps, "seconds": seconds, "frames": frames_done, "sustained_fps": sustained,
+        "kept_up": bool(last_done - load_end <= allowed_drain_s),
+        "achieved_fps": frames_done / (last_done - t0) if last_done > t0 else float("nan"),
+        "drain_after_load_s": last_done - load_end,
+        "batches": len(batches), "mean_batch": frames_done / len(batches) if batches else float("nan"),
+        "batch_ms": {"p50": percentile(batch_ms, 0.5), "p99": percentile(batch_ms, 0.99),
+                     "max": batch_ms[-1] if batch_ms else float("nan")},
+        "frame_ms": {"p50": percentile(frame_ms, 0.5), "p99": percentile(frame_ms, 0.99),
+                     "max": frame_ms[-1] if frame_ms else float("nan")},
+        "cpu_ms_per_frame": stats.cpu_ms_per_frame(cpu, frames_done),
+        "policy": {"max_batch_size": policy.max_batch_size, "max_wait_ms": policy.max_wait_ms,
+                   "max_inflight": policy.max_inflight},
+    }
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of an already sorted list."""
+    if not sorted_values:
+        return float("nan")
+    return float(sorted_values[max(0, min(len(sorted_values) - 1, math.ceil(q * len(sorted_values)) - 1))])

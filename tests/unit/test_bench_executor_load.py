@@ -1,0 +1,76 @@
+"""bench/executor_load.py (the executor's open-loop load, used by the GPU check) against a fake executor, and how
+bench/workloads.py hands a benchmark model to a worker process."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))  # appended: never shadows a real module
+
+import executor_load
+from workloads import WORKLOADS
+
+from worker.frames import Encoding, Priority
+
+
+class FakeExecutor:
+    """Takes `batch_s` per batch on one thread, whatever its size (a GPU-like cost)."""
+
+    def __init__(self, batch_s: float) -> None:
+        self.batch_s = batch_s
+        self.sizes: list[int] = []
+        self._pool = concurrent.futures.ThreadPoolExecutor(1)
+
+    def submit(self, frames: list, shape: tuple[int, int, int]) -> concurrent.futures.Future[SimpleNamespace]:
+        self.sizes.append(len(frames))
+        return self._pool.submit(self._run, len(frames))
+
+    def _run(self, n: int) -> SimpleNamespace:
+        time.sleep(self.batch_s)
+        return SimpleNamespace(batch_size=n)  # the only field the load reads of a BatchOutcome
+
+
+@pytest.fixture
+def frame():
+    return executor_load.frame_cycle(WORKLOADS["jpeg224"])[0][0]
+
+
+def test_every_offered_frame_runs_once_in_batches_within_the_cap(frame) -> None:
+    ex = FakeExecutor(0.02)
+    r = executor_load.open_loop(ex, frame, rate_fps=200, seconds=1.0, policy=executor_load.BatchPolicy(8, 15, 2))
+    assert r["frames"] == 200 == sum(ex.sizes)
+    assert max(ex.sizes) <= 8
+    assert r["kept_up"] and r["frame_ms"]["p99"] < 500
+
+
+def test_an_executor_slower_than_the_offer_is_reported_as_not_keeping_up(frame) -> None:
+    ex = FakeExecutor(0.1)  # at most 2 frames per 0.1 s: 20 frames/s
+    r = executor_load.open_loop(ex, frame, rate_fps=100, seconds=1.0, policy=executor_load.BatchPolicy(2, 5, 1))
+    assert not r["kept_up"]
+    assert r["sustained_fps"] < 40 and r["drain_after_load_s"] > 1.0
+
+
+def test_frame_cycle_matches_the_workload() -> None:
+    (frame, shape), = executor_load.frame_cycle(WORKLOADS["jpeg1080"])
+    assert shape == (1080, 1920, 3) and frame.encoding is Encoding.JPEG and frame.priority is Priority.STANDARD
+    mixed = executor_load.frame_cycle(WORKLOADS["mixed"])
+    realtime = sum(1 for f, _ in mixed if f.priority is Priority.REALTIME)
+    assert realtime / len(mixed) == pytest.approx(0.2)
+
+
+def test_a_benchmark_model_reaches_a_worker_process_through_its_environment() -> None:
+    from workloads import model_env, model_settings
+
+    from worker.config import load_settings
+
+    toy = model_settings("toy", WORKLOADS["jpeg1080"])
+    settings = load_settings(env=model_env(toy))
+    assert settings.model.source == "builtin" and settings.model.input_size == (224, 224)
+    assert model_settings("toy", WORKLOADS["mixed"]) == {"source": "builtin"}  # any size, batched by shape
+    assert load_settings(env=model_env(model_settings("opennsfw", WORKLOADS["jpeg224"]))).model.name == "open_nsfw"

@@ -1,0 +1,71 @@
+"""bench/stats.py: how rounds become the figures the benchmarks print (medians of per-round ratios)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[2] / "bench" / "stats.py"
+_spec = importlib.util.spec_from_file_location("bench_stats", _PATH)
+assert _spec and _spec.loader
+stats = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = stats  # dataclasses look their module up while the class is built
+_spec.loader.exec_module(stats)
+
+
+def test_spread_is_median_min_max_of_the_rounds() -> None:
+    s = stats.Spread.of([0.87, 0.44, 0.55, 0.6, 0.5])
+    assert (s.median, s.low, s.high, s.n) == (0.55, 0.44, 0.87, 5)
+    assert s.text() == "0.55 (0.44-0.87)"
+
+
+def test_spread_leaves_out_nan_rounds_and_says_when_there_are_none() -> None:
+    assert stats.Spread.of([1.0, float("nan"), 3.0]).n == 2
+    empty = stats.Spread.of([float("nan")])
+    assert empty.n == 0 and empty.text() == "n/a" and empty.as_dict()["median"] is None
+
+
+def test_a_single_round_is_labelled_as_such() -> None:
+    assert stats.Spread.of([724.0]).text(suffix=" f/s") == "724 f/s (1 round)"
+
+
+def test_interleaved_order_alternates_variants_within_each_round() -> None:
+    assert stats.interleaved(["A", "B"], 3) == [(1, "A"), (1, "B"), (2, "A"), (2, "B"), (3, "A"), (3, "B")]
+    with pytest.raises(ValueError):
+        stats.interleaved(["A"], 0)
+
+
+def test_ratio_is_the_median_of_per_round_ratios_not_a_ratio_of_bests() -> None:
+    worker = {1: 600.0, 2: 700.0, 3: 500.0}
+    baseline = {1: 500.0, 2: 800.0, 3: 500.0}
+    # Per round: 1.2, 0.875, 1.0 -> median 1.0; the best-of-rounds ratio would be 700/800 = 0.875.
+    spread = stats.ratio_spread(worker, baseline)
+    assert (spread.median, spread.low, spread.high) == (1.0, 0.875, 1.2)
+
+
+def test_ratios_use_only_rounds_both_sides_ran_in() -> None:
+    assert stats.round_ratios({1: 2.0, 2: 4.0, 3: 9.0}, {2: 2.0, 3: 3.0}) == [2.0, 3.0]
+    assert math.isnan(stats.round_ratios({1: 1.0}, {1: 0.0})[0])
+
+
+def test_cpu_ms_per_frame() -> None:
+    assert stats.cpu_ms_per_frame(1.5, 500) == 3.0
+    assert math.isnan(stats.cpu_ms_per_frame(None, 10))
+    assert math.isnan(stats.cpu_ms_per_frame(1.0, 0))
+
+
+def test_cpu_between_interpolates_the_samples() -> None:
+    samples = [(10.0, 1.0), (11.0, 2.0), (12.0, 2.5)]
+    assert stats.cpu_between(samples, 10.5, 11.5) == pytest.approx(0.75)
+    assert stats.cpu_between(samples, 11.0, 12.0) == pytest.approx(0.5)
+
+
+def test_cpu_between_refuses_a_window_outside_the_samples() -> None:
+    samples = [(10.0, 1.0), (11.0, 2.0)]
+    assert math.isnan(stats.cpu_between(samples, 9.0, 10.5))
+    assert math.isnan(stats.cpu_between(samples, 10.2, 11.5))
+    assert math.isnan(stats.cpu_between(samples[:1], 10.0, 10.0))
