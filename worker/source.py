@@ -206,7 +206,7 @@ class FrameSource:
             epoch = self.assignments.epoch(tp)
             if epoch is None:
                 continue  # fetched before a rebalance served inside this poll took the partition away
-            if False:
+            if tp in self._awaiting:
                 # Assigned in this poll, or fetched before its pause. A rebalance callback runs inside consume(),
                 # so one call can return messages of a partition from before it was revoked or lost *and* of its
                 # re-assignment (confluent-kafka-python #1013): all are dropped; the seek to its committed offset
