@@ -6,7 +6,8 @@ budget (the knee). Prints a table, writes JSON and a PNG plot.
 
 Budget (standard class) = batching.standard.max_wait_ms + the executor's median time for a full batch
 (max_batch_size frames of the standard class's largest shape, decode included), measured in the same run.
-Kafka transit (producer linger, fetch) is not in it, so the knee is conservative.
+Kafka transit (producer linger, fetch) is not in it, so the knee is conservative. The worker gets the same
+budget as its batching.standard.latency_budget_ms.
 
     python bench/latency_sweep.py [--quick]
 """
@@ -68,8 +69,10 @@ def run(ctx: Context) -> dict[str, Any]:
     print(f"\n[sweep] capacity {cap:.0f} frames/s, budget {budget['budget_ms']:.1f} ms, levels {levels}, "
           f"{seconds:.0f}s each", flush=True)
     topics = common.make_topics(ctx.bootstrap, "sw")
+    # The scheduler is told the standard budget the sweep judges it by (it sizes and releases batches for it).
+    env = {"WORKER_BATCHING_STANDARD_LATENCY_BUDGET_MS": f"{budget['budget_ms']:.0f}", **ctx.worker_env()}
     proc = common.start_worker(ctx.bootstrap, topics, ctx.log_dir, ctx.torch_threads, common.new_id("sw"),
-                               expiry=True, extra_env=ctx.worker_env())
+                               expiry=True, extra_env=env)
     runs: list[dict[str, Any]] = []
     try:
         common.publish_load(ctx.bootstrap, topics, ctx.records(30, common.new_id("warm")))

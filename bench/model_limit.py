@@ -503,29 +503,58 @@ WHAT_IF = {
 }
 
 
-def what_if(ctx: Context, rounds: int) -> dict[str, Any]:
+# The scheduler's isolation: lower classes bounded by max_blocking_ms always (0) or only while realtime is present.
+WHAT_IF_SCHEDULER = {
+    "defaults": {},
+    "realtime_quiet_ms=0 (always bounded)": {"WORKER_BATCHING_REALTIME_QUIET_MS": "0"},
+}
+VARIANT_SETS = {"settings": WHAT_IF, "scheduler": WHAT_IF_SCHEDULER}
+
+
+def what_if(ctx: Context, rounds: int, variant_set: str = "settings") -> dict[str, Any]:
     """Saturated throughput of the worker process with one setting changed at a time, in interleaved rounds
-    (so background load hits every variant alike); median (min-max) per variant."""
+    (so background load hits every variant alike); median (min-max) per variant of frames/s, of the per-round
+    ratio to the defaults and of the worker's CPU-ms per frame over the throughput window, and each class's
+    mean batch size."""
+    variants = VARIANT_SETS[variant_set]
     frames = int(ctx.scale(4000, 2000))
     topics = common.make_topics(ctx.bootstrap, "wi")
     common.publish_load(ctx.bootstrap, topics, ctx.records(frames, common.new_id("wi")))
-    fps: dict[str, list[float]] = {name: [] for name in WHAT_IF}
+    fps: dict[str, list[float]] = {name: [] for name in variants}
+    cpu_ms: dict[str, list[float]] = {name: [] for name in variants}
+    sizes: dict[str, list[dict[str, float]]] = {name: [] for name in variants}  # mean batch size per class
+    classes = (("realtime", topics.realtime), ("standard", topics.standard), ("bulk", topics.bulk))
     for r in range(rounds):
-        for name, env in WHAT_IF.items():
+        for name, env in variants.items():
             run = common.run_backlog(ctx.bootstrap, topics, frames,
                                      lambda t, env=env: common.start_worker(
                                          ctx.bootstrap, t, ctx.log_dir, ctx.torch_threads, common.new_id("wi"),
                                          extra_env={**ctx.worker_env(), **env}),
                                      timeout_s=300, tag="wi", broker=ctx.broker)
-            fps[name].append(common.steady_throughput(run.results)["frames_per_s"])
-            print(f"[what-if] round {r + 1} {name}: {fps[name][-1]:.0f} frames/s", flush=True)
+            tp = common.steady_throughput(run.results)
+            fps[name].append(tp["frames_per_s"])
+            cpu_ms[name].append(run.cpu_ms_per_frame(tp))
+            sizes[name].append({label: common.batch_size_distribution(
+                [x for x in run.results if x["source_topic"] == topic])["mean_frame_weighted"]
+                for label, topic in classes})
+            print(f"[what-if] round {r + 1} {name}: {fps[name][-1]:.0f} frames/s, {cpu_ms[name][-1]:.2f} "
+                  "CPU-ms/frame, mean batch size " + " ".join(f"{k} {v:.1f}" for k, v in sizes[name][-1].items()),
+                  flush=True)
     per_round = {name: dict(enumerate(v, 1)) for name, v in fps.items()}
+
+    def mean_sizes(name: str) -> str:
+        return " / ".join(f"{statistics.median(x[k] for x in sizes[name]):.1f}" for k, _ in classes)
+
     rows = [[name, stats.Spread.of(v).text(), stats.ratio_spread(per_round[name], per_round["defaults"]).text(2),
-             " ".join(f"{x:.0f}" for x in v)] for name, v in fps.items()]
+             stats.Spread.of(cpu_ms[name]).text(), mean_sizes(name), " ".join(f"{x:.0f}" for x in v)]
+            for name, v in fps.items()]
     text = common.table("what-if: the worker with one setting changed (saturated frames/s, interleaved rounds)",
-                        ["variant", "frames/s median (min-max)", "vs defaults (per-round ratios)", "rounds"], rows)
+                        ["variant", "frames/s median (min-max)", "vs defaults (per-round ratios)",
+                         "CPU-ms/frame median (min-max)", "batch size rt/std/bulk (median of means)", "rounds"], rows)
     result = {"benchmark": "model_limit_what_if", "machine": common.machine(), "frames": frames, "rounds": rounds,
-              "variants": {n: {"env": WHAT_IF[n], "frames_per_s": v} for n, v in fps.items()}, "tables": [text]}
+              "variants": {n: {"env": variants[n], "frames_per_s": v, "cpu_ms_per_frame": cpu_ms[n],
+                               "mean_batch_size_by_class": sizes[n]}
+                           for n, v in fps.items()}, "tables": [text]}
     common.write_json("model_limit_what_if", result, ctx.out_dir)
     return result
 
@@ -533,7 +562,7 @@ def what_if(ctx: Context, rounds: int) -> dict[str, Any]:
 def _run_standalone(ctx: Context) -> dict[str, Any]:
     args = ctx.shared["args"]
     if args.what_if:
-        return what_if(ctx, args.rounds or 3)
+        return what_if(ctx, args.rounds or 3, args.variants)
     return run(ctx)
 
 
@@ -560,6 +589,9 @@ def main(argv: list[str] | None = None) -> int:
     def configure(p: Any) -> None:
         p.add_argument("--what-if", action="store_true",
                        help="instead: the worker with single settings changed, in interleaved rounds")
+        p.add_argument("--variants", choices=sorted(VARIANT_SETS), default="settings",
+                       help="--what-if variant set: settings (commit interval, in-flight, preprocess threads) or "
+                            "scheduler (the blocking bound always vs only while realtime is present)")
 
     return common.standalone(_run_standalone, argv, __doc__.splitlines()[0], configure)
 

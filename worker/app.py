@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -18,6 +19,8 @@ from worker.metrics import Health, Metrics, MetricsServer
 from worker.pipeline import Pipeline, RunSummary, build_pipeline
 
 log = logging.getLogger("worker")
+# /debug/profile waits at most this long for its batches to run.
+PROFILE_TIMEOUT_S = 120.0
 
 
 class JsonFormatter(logging.Formatter):
@@ -105,9 +108,14 @@ def run_worker(settings: Settings, exit_when_idle_s: float | None = None, stop: 
         if settings.observability.metrics_enabled:
             server = MetricsServer(metrics, health, settings.observability.metrics_host,
                                    settings.observability.metrics_port,
-                                   before_scrape=lambda: _refresh_scrape_gauges(pipeline, metrics)).start()
+                                   before_scrape=lambda: _refresh_scrape_gauges(pipeline, metrics),
+                                   profile=lambda n: executor.profile(n, tempfile.gettempdir()).result(
+                                       PROFILE_TIMEOUT_S)).start()
             log.info("metrics on http://%s:%d/metrics", settings.observability.metrics_host, server.port)
-        executor.warm_up(warmup_frame_shapes(settings))
+        shapes = warmup_frame_shapes(settings)
+        executor.warm_up(shapes)
+        if settings.runtime.calibrate_batch_sizes:
+            pipeline.seed_costs(executor.calibrate(shapes, settings.batching.max_batch_size))
         health.warmed_up = True
         log.info("model %s:%s warmed up on %s in %.1fs", executor.model_name, executor.model_version,
                  executor.device_description, time.monotonic() - started)

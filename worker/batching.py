@@ -24,12 +24,28 @@ Fallback lane. A frame whose tensor alone exceeds max_batch_bytes runs alone (ne
   lane: due at once, in batches of up to fallback_max_batch_size frames of its class and shape, so an odd
   shape neither waits nor holds a common shape's batch back.
 Classes. Each pop_batch() serves one class among those with a due batch, by smooth weighted round robin on
-  the class weights (realtime first when all are due, since it weighs most), with one ordering rule on top:
-  a less urgent class may go ahead of a more urgent due class only with frames that arrived before that
-  class's oldest pending frame. So a realtime frame is never released after a bulk frame that arrived later
-  while both are due, and a lower class is never starved: its frames wait at most until the higher classes'
-  older frames are out (bounded by their max_age_ms when that is set), and get their weighted share when
-  they are older. Within a class, the due group with the oldest frame goes first.
+  the class weights (realtime first when all are due, since it weighs most), with two rules on top:
+  - ordering: a less urgent class may go ahead of a more urgent due class only with frames that arrived
+    before that class's oldest pending frame, so a realtime frame is never released after a bulk frame that
+    arrived later while both are due;
+  - slack: and only when no more urgent due class with a deadline (latency_budget_ms or max_age_ms) is
+    at risk: backlogged (more than a batch pending, its oldest past its wait), or its oldest due frame would
+    miss its budget or expire if the less urgent batch (predicted time, cost model) ran before its own.
+  So under overload the model serves realtime first, then standard; bulk (no deadline) waits, and standard
+  sheds (expires) before realtime. With slack to spare, weights share the device and nothing starves. Within a
+  class, the due group with the oldest frame goes first. pop_batch(max_priority) considers only classes at
+  least that urgent (the loop's reserved realtime slot).
+Cost model (optional, worker.costmodel, learned from measured batches). Per group:
+  - trigger: with adaptive_batch_size, the measured size with the most frames per device second (reason
+    "cost"), instead of the static trigger above;
+  - cap: for standard and bulk, the largest size predicted to run within max_blocking_ms (reason "blocking"),
+    so a realtime batch waits behind at most one such batch. The bound holds while realtime is present (a
+    realtime frame pending, or one arrived within realtime_quiet_ms; 0: always): with no realtime traffic it
+    would only cost throughput, so lower classes then fill to full size;
+  - budget: a batch of a class with latency_budget_ms takes at most the frames its oldest frame can wait for
+    and still finish within the budget (unless that frame is already past it: then throughput), and a partial
+    group is due by the latest start that still meets the budget, if that comes before its max_wait_ms.
+  Without a cost model or a measurement for the shape, the static sizes and waits apply.
 Tenants. Inside a group, frames are taken overdue-first and, within each of these two tiers, by deficit
   round robin over tenants (quantum = settings.tenant_weights[tenant], default 1; state kept across
   batches). Bound: a tenant of weight w with n frames in a tier, among tenants of total weight W with frames
@@ -38,16 +54,21 @@ Tenants. Inside a group, frames are taken overdue-first and, within each of thes
   Overdue-first means a flood never holds another tenant's frame past its own wait when the caller drains.
 Expiry. A frame whose capture_ts_ms/1000 + class max_age_ms/1000 < clock() (max_age_ms 0: never) is never
   put in a batch: pop_batch() sets it aside and pop_expired() returns it.
-Backpressure (classes_to_pause). All classes pause when pending_frames >= max_pending_frames or
-  pending_bytes >= max_pending_bytes, and stay paused until both are below 75% of their caps. Otherwise,
-  when realtime is backlogged (at least max_batch_size realtime frames pending and its oldest has waited
-  past realtime.max_wait_ms, i.e. the consumer of batches is not keeping up with realtime) bulk pauses,
-  and standard too when more than 2 * max_batch_size realtime frames are pending; they resume only once
-  realtime is drained (no realtime frame pending). The hysteresis matters: librdkafka drops a paused
-  partition's prefetched messages, so pausing on every late realtime frame made all classes slower.
-  A steady realtime stream within capacity pauses nothing. Call it after dispatching what the runtime
-  has room for, so that frames still due are the backlog.
-  add() raises BatcherFullError past twice those caps (except into an empty batcher).
+Backpressure (classes_to_pause). A class pauses when its own pending frames or bytes reach its pending_share
+  of max_pending_frames / max_pending_bytes (defaults: realtime 1, standard 0.5, bulk 0.25) and resumes below
+  75% of that; every class pauses when all classes together reach the caps, until they are below 75% of them
+  or realtime holds nothing (the others are bounded by their shares, so their frames alone never keep realtime
+  paused). Less urgent classes therefore wait in Kafka (bulk has no deadline), never in realtime's room.
+  poll_room() says how many frames the source may read so a still-reading class overshoots by one poll at most.
+  When realtime is backlogged (at least max_batch_size frames pending and its oldest past its max_wait_ms)
+  bulk pauses, and standard too once more than 2 * max_batch_size are pending; they resume only once
+  realtime is drained (no frame pending). A standard backlog pauses nothing: bulk gets no model time while
+  standard is at risk (the slack rule) and holds at most its share. The hysteresis matters:
+  librdkafka drops a paused partition's prefetched messages (which also takes them out of the shared fetch
+  queue ahead of realtime), so pausing on every late frame made all classes slower. A steady stream within
+  capacity pauses nothing. Call it after dispatching what the runtime has room for, so that frames still due
+  are the backlog.
+  add() raises BatcherFullError past twice the caps (except into an empty batcher).
 next_due() is the earliest of the groups' release times and the next expiry (a time <= now means now),
   so the caller can sleep until then.
 Cost. add() and a release are O(log n) in the group's pending frames; pop_batch() and next_due() also scan
@@ -63,8 +84,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from worker.config import BatchingSettings, ConfigError
+from worker.costmodel import CostModel
 from worker.errors import StreamferError
 from worker.frames import Frame, Priority
+from worker.memorypolicy import MemoryPolicy
 
 LANE_EXACT = "exact"
 LANE_PADDED = "padded"
@@ -93,6 +116,8 @@ class Batch:
     padding_waste: float
     released_at: float
     reason: str
+    # The cost model's predicted run time (preprocess + inference) for this size and shape; None if unknown.
+    predicted_s: float | None = None
 
     @property
     def size(self) -> int:
@@ -119,6 +144,7 @@ class _Group:
     __slots__ = (
         "area",
         "cap",
+        "cap_static",
         "cls",
         "credit",
         "due_at",
@@ -128,9 +154,11 @@ class _Group:
         "heap",
         "n",
         "queues",
+        "reason_static",
         "ring",
         "shape",
         "trigger",
+        "trigger_static",
     )
 
     def __init__(self, cls: _ClassState, shape: tuple[int, int, int], fallback: bool, frame_bytes: int,
@@ -143,6 +171,8 @@ class _Group:
         self.cap = cap
         self.trigger = trigger
         self.full_reason = full_reason
+        # The sizes from settings alone; the cost model may lower cap (blocking bound) and move the trigger.
+        self.cap_static, self.trigger_static, self.reason_static = cap, trigger, full_reason
         self.n = 0
         self.due_at = math.inf  # when this group has a batch due (full, overdue or fallback)
         self.heap: list[tuple[float, int, _Entry]] = []
@@ -167,29 +197,43 @@ class _Group:
         elif self.fallback or self.n >= self.trigger:
             self.due_at = e.t
         else:
-            self.due_at = e.t + self.cls.wait_s
+            due = e.t + self.cls.wait_s
+            start_by = self.cls.start_by
+            if start_by is not None:
+                latest = start_by(self, e)
+                if latest >= e.t:  # arrived too late to meet the budget anyway: waiting to fill costs nothing more
+                    due = min(due, latest)
+            self.due_at = due
 
 
 class _ClassState:
-    __slots__ = ("credit", "fallback", "groups", "max_age_s", "pending", "priority", "wait_s", "weight")
+    __slots__ = ("budget_s", "credit", "fallback", "groups", "max_age_s", "mem_paused", "pending", "pending_bytes",
+                 "priority", "share", "start_by", "wait_s", "weight")
 
     def __init__(self, priority: Priority, settings: BatchingSettings):
         c = settings.for_class(priority)
         self.priority = priority
         self.wait_s = c.max_wait_ms / 1000.0
         self.max_age_s = c.max_age_ms / 1000.0
+        self.budget_s = c.latency_budget_ms / 1000.0
+        self.share = c.pending_share
         self.weight = c.weight
         self.groups: dict[tuple[int, int, int], _Group] = {}
         self.fallback: dict[tuple[int, int, int], _Group] = {}
         self.pending = 0
+        self.pending_bytes = 0
         self.credit = 0  # smooth weighted round robin among classes
+        self.mem_paused = False  # this class and the less urgent ones hold their share of the caps
+        # With a budget and a cost model: the latest start for a group's batch to finish within the budget.
+        self.start_by: Callable[[_Group, _Entry], float] | None = None
 
 
 class MicroBatcher:
     """Shape-, class- and tenant-aware micro-batcher; see the module docstring for the policy."""
 
     def __init__(self, settings: BatchingSettings, clock: Callable[[], float],
-                 preferred_batch_sizes: Sequence[int] = ()) -> None:
+                 preferred_batch_sizes: Sequence[int] = (), cost: CostModel | None = None,
+                 memory: MemoryPolicy | None = None) -> None:
         bad = [s for s in preferred_batch_sizes if s < 1]
         if bad:
             raise ConfigError([f"preferred_batch_sizes: sizes must be >= 1 (got {bad})"])
@@ -204,6 +248,18 @@ class MicroBatcher:
         self._rare_min = settings.rare_shape_min_count
         self._tenant_weights = dict(settings.tenant_weights)
         self._classes = tuple(_ClassState(p, settings) for p in sorted(Priority))
+        self._cost = cost
+        self._memory = memory  # device memory peaks measured at warm-up: a cap per shape
+        self._cost_version = -1
+        self._adaptive = settings.adaptive_batch_size
+        self._blocking_s = settings.blocking_limit_ms / 1000.0
+        self._quiet_s = settings.realtime_quiet_ms / 1000.0
+        self._realtime_seen_at = -math.inf  # received_at of the latest realtime frame
+        self._bounded = self._quiet_s == 0  # lower classes' batches bounded by the blocking limit now
+        if cost is not None:
+            for cls in self._classes:
+                if cls.budget_s > 0:
+                    cls.start_by = self._start_by
         self._shape_seen: dict[tuple[int, int, int], deque[float]] = {}
         self._shape_sweep_at = 1024
         self._expiry: list[tuple[float, int, _Entry]] = []
@@ -211,10 +267,11 @@ class MicroBatcher:
         self._seq = 0
         self._pending_frames = 0
         self._pending_bytes = 0
-        self._paused_all = False
-        # Classes paused for a realtime backlog; they stay paused until realtime is drained (hysteresis:
+        self._paused_all = False  # every class together at the caps
+        # Classes paused for a backlog of a more urgent class; they stay paused until it is drained (hysteresis:
         # librdkafka drops a paused partition's fetched messages, so flapping pauses costs refetches).
         self._priority_pause: set[Priority] = set()
+        self._backlog_pauses: dict[Priority, set[Priority]] = {}
 
     # ----------------------------------------------------------------------------------------------- intake
 
@@ -232,6 +289,8 @@ class MicroBatcher:
                 f"the classes returned by classes_to_pause() and drain pop_batch() before adding more")
         cls = self._classes[frame.priority]
         t = frame.received_at
+        if frame.priority == Priority.REALTIME and t > self._realtime_seen_at:
+            self._realtime_seen_at = t
         fallback = frame_bytes > s.max_batch_bytes or self._is_rare(shape, t)
         groups = cls.fallback if fallback else cls.groups
         group = groups.get(shape)
@@ -247,11 +306,11 @@ class MicroBatcher:
         queue.append(entry)
         group.n += 1
         cls.pending += 1
+        cls.pending_bytes += frame_bytes
         self._pending_frames += 1
         self._pending_bytes += frame_bytes
-        if self._pending_frames >= s.max_pending_frames or self._pending_bytes >= s.max_pending_bytes:
-            self._paused_all = True
-        if group.n >= group.trigger or fallback:
+        self._latch_memory_pauses(frame.priority)
+        if group.n >= group.trigger or fallback or cls.start_by is not None:
             group.refresh_due()
         elif t + cls.wait_s < group.due_at:
             group.due_at = t + cls.wait_s
@@ -277,6 +336,8 @@ class MicroBatcher:
                    frame_bytes: int) -> _Group:
         s = self._s
         cap = max(1, min(s.max_batch_size, s.max_batch_bytes // frame_bytes))
+        if self._memory is not None:
+            cap = min(cap, self._memory.max_batch(shape, cap) or cap)
         if fallback:
             limit = 1 if frame_bytes > s.max_batch_bytes else min(s.fallback_max_batch_size, cap)
             return _Group(cls, shape, True, frame_bytes, limit, limit, "fallback")
@@ -287,19 +348,110 @@ class MicroBatcher:
             reason = "bytes"
         else:
             reason = "preferred"
-        return _Group(cls, shape, False, frame_bytes, cap, trigger, reason)
+        group = _Group(cls, shape, False, frame_bytes, cap, trigger, reason)
+        if self._cost is not None:
+            self._size_from_cost(group)
+        return group
+
+    # ------------------------------------------------------------------------------------------- cost model
+
+    def _sync_cost(self) -> None:
+        """Re-size every group when the cost model learned something since the last look, or realtime came or
+        went (the blocking bound follows it)."""
+        cost = self._cost
+        if cost is None:
+            return
+        bounded = self._realtime_present()
+        if cost.version == self._cost_version and bounded == self._bounded:
+            return
+        self._cost_version = cost.version
+        self._bounded = bounded
+        for cls in self._classes:
+            for group in cls.groups.values():
+                self._size_from_cost(group)
+                group.refresh_due()
+
+    def _realtime_present(self) -> bool:
+        """Whether a realtime frame is pending or arrived within realtime_quiet_ms (always, with 0)."""
+        return (self._quiet_s == 0 or self._classes[Priority.REALTIME].pending > 0
+                or self._clock() - self._realtime_seen_at <= self._quiet_s)
+
+    def _size_from_cost(self, group: _Group) -> None:
+        """cap: while realtime is present, bounded so a standard or bulk batch runs at most the blocking limit;
+        trigger: the measured size with the most frames per device second (adaptive), within that cap."""
+        cost = self._cost
+        assert cost is not None
+        cap, trigger, reason = group.cap_static, group.trigger_static, group.reason_static
+        if group.cls.priority != Priority.REALTIME and self._blocking_s > 0 and self._bounded:
+            k = cost.largest_within(group.shape, self._blocking_s, cap)
+            if k is not None and k < cap:
+                cap, reason = max(1, k), "blocking"
+        if self._adaptive:
+            best = cost.best_size(group.shape, cap)
+            if best is not None:
+                trigger, reason = best, "cost"
+        if trigger > cap:
+            trigger = cap
+        group.cap, group.trigger, group.full_reason = cap, trigger, reason
+
+    def _predict(self, group: _Group, n: int) -> float:
+        """Predicted seconds for n frames of the group's shape; 0 when unknown (no model, nothing measured)."""
+        if self._cost is None:
+            return 0.0
+        t = self._cost.predict(group.shape, n)
+        return 0.0 if t is None else t
+
+    def _start_by(self, group: _Group, e: _Entry) -> float:
+        """Latest release of the group's next batch for its oldest frame to finish within the class budget."""
+        return (e.frame.capture_ts_ms / 1000.0 + group.cls.budget_s
+                - self._predict(group, min(group.n, group.trigger)))
+
+    def _budget_limit(self, group: _Group, now: float) -> int:
+        """Most frames the group's next batch may take so that its oldest frame finishes within the budget. A
+        frame already past it gets throughput instead (smaller batches would only make more frames late)."""
+        cls = group.cls
+        if self._cost is None or cls.budget_s <= 0 or group.fallback:
+            return group.cap
+        e = group.oldest()
+        if e is None:
+            return group.cap
+        remaining = e.frame.capture_ts_ms / 1000.0 + cls.budget_s - now
+        k = self._cost.largest_within(group.shape, remaining, group.cap)
+        return group.cap if k is None or k < 1 else k
+
+    def _at_risk(self, cls: _ClassState, groups: list[_Group], now: float, extra_s: float) -> bool:
+        """Whether a class with a deadline (budget or max age) must not give way: it is backlogged (more than a
+        batch pending, its oldest past its wait), or its oldest due frame would miss its budget or expire if a
+        batch of `extra_s` ran before the class's own next batch."""
+        e = min((g.oldest() for g in groups), key=lambda x: (x.t, x.seq) if x is not None else _NO_CUTOFF)
+        if e is None:
+            return False
+        captured = e.frame.capture_ts_ms / 1000.0
+        deadline = math.inf
+        if cls.budget_s > 0:
+            deadline = captured + cls.budget_s
+        if cls.max_age_s > 0:
+            deadline = min(deadline, captured + cls.max_age_s)
+        if deadline == math.inf:
+            return False
+        if cls.pending > e.group.trigger and e.t + cls.wait_s <= now:
+            return True  # backlogged: it is not keeping up, so any time given away now is shed from it later
+        own = self._predict(e.group, min(e.group.n, e.group.trigger))
+        return now + extra_s + own > deadline
 
     # ---------------------------------------------------------------------------------------------- release
 
-    def pop_batch(self) -> Batch | None:
-        """The next batch due now, by class weights and the ordering rule; None when nothing is due."""
+    def pop_batch(self, max_priority: Priority = Priority.BULK) -> Batch | None:
+        """The next batch due now of a class at most as low as `max_priority`, by urgency, class weights and the
+        ordering rule; None when nothing is due."""
         now = self._clock()
         self._collect_expired(now)
         if not self._pending_frames:
             return None
+        self._sync_cost()
         due: list[tuple[_ClassState, list[_Group]]] = []
         for cls in self._classes:
-            if cls.pending:
+            if cls.pending and cls.priority <= max_priority:
                 groups = [g for g in cls.fallback.values()]
                 groups += [g for g in cls.groups.values() if g.due_at <= now]
                 if groups:
@@ -327,12 +479,25 @@ class MicroBatcher:
                 total += cls.weight
             eligible.sort(key=lambda d: (-d[0].credit, d[0].priority))
         for cls, groups, cls_cutoff in eligible:
+            if cls is not due[0][0] and self._blocks_urgent(cls, groups[0], due, now):
+                continue
             for group in groups:
-                batch = self._release(group, now, now, cls_cutoff, flush=False)
+                batch = self._release(group, now, now, cls_cutoff, flush=False, limit=self._budget_limit(group, now))
                 if batch is not None:
                     cls.credit -= total
                     return batch
         raise AssertionError("unreachable: the most urgent due class always yields a batch")
+
+    def _blocks_urgent(self, cls: _ClassState, group: _Group, due: list[tuple[_ClassState, list[_Group]]],
+                       now: float) -> bool:
+        """Whether running this class's next batch first would put a more urgent due class at risk (slack rule)."""
+        extra = self._predict(group, min(group.n, group.trigger))
+        for other, groups in due:
+            if other.priority >= cls.priority:
+                return False
+            if self._at_risk(other, groups, now, extra):
+                return True
+        return False
 
     @staticmethod
     def _oldest_key(cls: _ClassState) -> tuple[float, int]:
@@ -340,12 +505,14 @@ class MicroBatcher:
         return min(keys, default=_NO_CUTOFF)
 
     def _release(self, group: _Group, now: float, age_now: float, cutoff: tuple[float, int] | None,
-                 flush: bool) -> Batch | None:
-        """Take one batch from `group` (and padding partners); None if the cutoff left nothing to take."""
+                 flush: bool, limit: int | None = None) -> Batch | None:
+        """Take one batch of at most `limit` frames from `group` (and padding partners); None if the cutoff left
+        nothing to take."""
         cls = group.cls
         out: list[_Entry] = []
+        limit = group.cap if limit is None else limit
         if group.fallback or group.n >= group.trigger:
-            size = min(group.n, group.cap if group.fallback else group.trigger)
+            size = min(group.n, group.cap if group.fallback else group.trigger, limit)
             self._take_two_tier(group, size, out, age_now, cutoff)
             if not out:
                 return None
@@ -353,13 +520,14 @@ class MicroBatcher:
             lane = LANE_FALLBACK if group.fallback else LANE_EXACT
             return self._batch(out, group.shape, cls.priority, lane, 0.0, now, reason)
 
-        n_lead = min(group.n, group.cap)
+        n_lead = min(group.n, group.cap, limit)
+        target = min(group.trigger, limit)
         overdue = self._take(group, n_lead, out, age_now, cls.wait_s, cutoff)
         # Padding partners change the batch's shape, so they are only used with no ordering cutoff (whose
         # partial takes could break the waste bound).
         plan: list[tuple[_Group, int]] = []
-        if cutoff is None and self._waste_max > 0 and n_lead < group.trigger:
-            plan = self._plan_partners(group, n_lead, group.trigger)
+        if cutoff is None and self._waste_max > 0 and n_lead < target:
+            plan = self._plan_partners(group, n_lead, target)
         available = n_lead + sum(k for _, k in plan)
         size = self._size_for(overdue, available)
         if size <= n_lead:
@@ -502,6 +670,7 @@ class MicroBatcher:
         """Bookkeeping for `count` entries of `group` that just stopped being live."""
         group.n -= count
         group.cls.pending -= count
+        group.cls.pending_bytes -= count * group.frame_bytes
         self._pending_frames -= count
         self._pending_bytes -= count * group.frame_bytes
         if group.n:
@@ -518,7 +687,8 @@ class MicroBatcher:
 
     def _batch(self, entries: list[_Entry], shape: tuple[int, int, int], priority: Priority, lane: str,
                waste: float, now: float, reason: str) -> Batch:
-        return Batch(tuple(e.frame for e in entries), shape, priority, lane, waste, now, reason)
+        predicted = self._cost.predict(shape, len(entries)) if self._cost is not None else None
+        return Batch(tuple(e.frame for e in entries), shape, priority, lane, waste, now, reason, predicted)
 
     # ------------------------------------------------------------------------------------- expiry, flush, etc.
 
@@ -542,6 +712,7 @@ class MicroBatcher:
         None when the batcher holds nothing."""
         if self._expired:
             return self._clock()
+        self._sync_cost()
         best = math.inf
         heap = self._expiry
         while heap and not heap[0][2].live:
@@ -605,27 +776,66 @@ class MicroBatcher:
 
     def classes_to_pause(self) -> set[Priority]:
         """Classes whose partitions the source should pause now (rules in the module docstring)."""
-        s = self._s
-        if self._paused_all and (self._pending_frames < RESUME_WATERMARK * s.max_pending_frames
-                                 and self._pending_bytes < RESUME_WATERMARK * s.max_pending_bytes):
-            self._paused_all = False
+        self._release_memory_pauses()
         if self._paused_all:
             return set(Priority)
-        realtime = self._classes[Priority.REALTIME]
-        if not realtime.pending:
-            self._priority_pause = set()  # drained: resume everything
-            return set()
-        if realtime.pending < s.max_batch_size:
-            return set(self._priority_pause)
+        paused = {cls.priority for cls in self._classes if cls.mem_paused}
+        s = self._s
         now = self._clock()
-        backlogged = any(
-            (e := g.oldest()) is not None and e.t + realtime.wait_s <= now
-            for groups in (realtime.groups, realtime.fallback) for g in groups.values())
-        if backlogged:
-            self._priority_pause.add(Priority.BULK)
-            if realtime.pending > 2 * s.max_batch_size:
-                self._priority_pause.add(Priority.STANDARD)
-        return set(self._priority_pause)
+        # Only realtime's backlog pauses the others. A standard backlog leaves bulk reading: bulk gets no model time
+        # while standard is at risk anyway (the slack rule) and its share bounds what it holds, while pausing it on
+        # every standard backlog dropped and refetched its prefetched messages over and over on a saturated
+        # backlog (0.6x the throughput, no gain under overload: tests/integration/test_overload.py).
+        for cls in self._classes[:1]:
+            if not cls.pending:
+                self._backlog_pauses.pop(cls.priority, None)  # drained: what it paused may resume
+                continue
+            if cls.pending < s.max_batch_size or not self._overdue(cls, now):
+                continue
+            # Backlogged: this class's batches are not keeping up. The least urgent class pauses, and every
+            # less urgent one once more than two batches wait.
+            lower = [c.priority for c in self._classes if c.priority > cls.priority]
+            hit = set(lower) if cls.pending > 2 * s.max_batch_size else {lower[-1]}
+            self._backlog_pauses.setdefault(cls.priority, set()).update(hit)
+        # A class paused for several backlogs stays paused until every one of them is drained.
+        self._priority_pause = set().union(*self._backlog_pauses.values())
+        return paused | self._priority_pause
+
+    def _overdue(self, cls: _ClassState, now: float) -> bool:
+        return any((e := g.oldest()) is not None and e.t + cls.wait_s <= now
+                   for groups in (cls.groups, cls.fallback) for g in groups.values())
+
+    def _latch_memory_pauses(self, priority: Priority) -> None:
+        """After an add of `priority`: its class pauses at its own share of the caps, every class at the caps."""
+        s = self._s
+        cls = self._classes[priority]
+        if not cls.mem_paused and (cls.pending >= cls.share * s.max_pending_frames
+                                   or cls.pending_bytes >= cls.share * s.max_pending_bytes):
+            cls.mem_paused = True
+        if self._pending_frames >= s.max_pending_frames or self._pending_bytes >= s.max_pending_bytes:
+            self._paused_all = True
+
+    def _release_memory_pauses(self) -> None:
+        s = self._s
+        for cls in self._classes:
+            if cls.mem_paused and (cls.pending < RESUME_WATERMARK * cls.share * s.max_pending_frames
+                                   and cls.pending_bytes < RESUME_WATERMARK * cls.share * s.max_pending_bytes):
+                cls.mem_paused = False
+        # Less urgent classes are bounded by their own shares, so their frames alone never keep realtime paused.
+        if self._paused_all and (not self._classes[Priority.REALTIME].pending or (
+                self._pending_frames < RESUME_WATERMARK * s.max_pending_frames
+                and self._pending_bytes < RESUME_WATERMARK * s.max_pending_bytes)):
+            self._paused_all = False
+
+    def poll_room(self, paused: set[Priority]) -> int:
+        """How many frames the source may read now without a class that is still reading overshooting its share
+        (or all classes the caps) by more than one poll: at least 1."""
+        s = self._s
+        room = s.max_pending_frames - self._pending_frames
+        for cls in self._classes:
+            if cls.priority not in paused:
+                room = min(room, math.ceil(cls.share * s.max_pending_frames) - cls.pending)
+        return max(1, room)
 
 
 def _waste(n: int, real_pixels: int, padded_pixels: int) -> float:

@@ -86,8 +86,15 @@ class ClassSettings:
     max_wait_ms: float
     # A frame older than this (from capture) is not run but reported EXPIRED; 0 disables expiry.
     max_age_ms: float
-    # Weight of the class when several have ready batches (higher = served more often, never starved).
+    # Weight of the class when several have ready batches and every more urgent one has slack (see batching).
     weight: int
+    # End-to-end target (capture -> result): the batcher sizes and releases the class's batches so its oldest
+    # frame finishes within it (by the learned cost model), and serves the class ahead of less urgent ones when
+    # that is at risk. 0: no budget (a throughput class: it waits, it never forces a release).
+    latency_budget_ms: float = 0.0
+    # Backpressure: this class pauses when its own frames reach this share of max_pending_frames /
+    # max_pending_bytes (all classes pause at the caps), so less urgent classes never fill realtime's room.
+    pending_share: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -107,14 +114,33 @@ class BatchingSettings:
     # Backpressure: the batcher holds at most this many frames / bytes before the source pauses.
     max_pending_frames: int = 2048
     max_pending_bytes: int = 512 * 1024 * 1024
-    realtime: ClassSettings = field(default_factory=lambda: ClassSettings(max_wait_ms=5, max_age_ms=2_000, weight=8))
-    standard: ClassSettings = field(default_factory=lambda: ClassSettings(max_wait_ms=15, max_age_ms=30_000, weight=3))
-    bulk: ClassSettings = field(default_factory=lambda: ClassSettings(max_wait_ms=100, max_age_ms=0, weight=1))
+    realtime: ClassSettings = field(default_factory=lambda: ClassSettings(
+        max_wait_ms=5, max_age_ms=2_000, weight=8, latency_budget_ms=250, pending_share=1.0))
+    standard: ClassSettings = field(default_factory=lambda: ClassSettings(
+        max_wait_ms=15, max_age_ms=30_000, weight=3, latency_budget_ms=1_000, pending_share=0.5))
+    bulk: ClassSettings = field(default_factory=lambda: ClassSettings(
+        max_wait_ms=100, max_age_ms=0, weight=1, latency_budget_ms=0, pending_share=0.25))
+    # Size each batch from the cost model learned online (largest throughput per device second, within the
+    # class's latency budget), up to max_batch_size; false keeps the static sizes (max_batch_size and the
+    # preferred sizes) as the release trigger.
+    adaptive_batch_size: bool = True
+    # The longest a batch of standard or bulk may be predicted to run: a realtime batch cannot preempt a
+    # running one, so this bounds how long it can wait behind one. 0: half of realtime.latency_budget_ms.
+    max_blocking_ms: float = 0.0
+    # The blocking bound holds only while realtime is present: a realtime frame pending, or one arrived within
+    # this long. After a quiet spell standard and bulk fill to full size (the first realtime frame after it may
+    # wait behind one such batch). 0: always bounded.
+    realtime_quiet_ms: float = 2_000.0
     # Per-tenant weights for fair filling within a class; unknown tenants weigh 1.
     tenant_weights: dict[str, int] = field(default_factory=dict)
 
     def for_class(self, priority: Priority) -> ClassSettings:
         return {Priority.REALTIME: self.realtime, Priority.STANDARD: self.standard, Priority.BULK: self.bulk}[priority]
+
+    @property
+    def blocking_limit_ms(self) -> float:
+        """max_blocking_ms, or half the realtime budget when 0; 0 means no bound."""
+        return self.max_blocking_ms or self.realtime.latency_budget_ms / 2.0
 
 
 @dataclass(frozen=True)
@@ -200,6 +226,14 @@ class RuntimeSettings:
     preprocess_threads: int | Literal["auto"] = "auto"
     # CPU intra-op threads for torch; 0 keeps torch's default.
     torch_threads: int = 0
+    # Runners (model copies, each with its own inference thread) per device; batches go to the least loaded.
+    # More than one can overlap one batch's host work with another's device work.
+    instances_per_device: int = 1
+    # Warm-up also times batch sizes 1, 2, 4 ... max_batch_size per warm-up shape to seed the learned cost model.
+    calibrate_batch_sizes: bool = True
+    # GPUs: the largest batch per shape is the one whose peak device memory, measured at warm-up, stays under
+    # this share of the device's memory.
+    memory_fraction: float = 0.8
 
 
 @dataclass(frozen=True)
@@ -270,9 +304,9 @@ class Settings:
     @property
     def max_uncommitted_frames(self) -> int:
         """`delivery.max_uncommitted_frames`, or by default what one worker holds when nothing is stuck: a full
-        batcher and its batches running."""
+        batcher and its batches running (the in-flight limit plus realtime's reserved slot)."""
         return self.delivery.max_uncommitted_frames or (
-            self.batching.max_pending_frames + self.delivery.max_inflight_batches * self.batching.max_batch_size)
+            self.batching.max_pending_frames + (self.delivery.max_inflight_batches + 1) * self.batching.max_batch_size)
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Settings)}
@@ -526,6 +560,12 @@ def validate(s: Settings) -> list[str]:
         need(c.max_age_ms == 0 or c.max_age_ms >= c.max_wait_ms,
              f"batching.{prio.label}.max_age_ms: must be 0 (no expiry) or >= its max_wait_ms")
         need(c.weight >= 1, f"batching.{prio.label}.weight: must be >= 1")
+        need(c.latency_budget_ms >= 0, f"batching.{prio.label}.latency_budget_ms: must be >= 0 (0: no budget)")
+        need(0 < c.pending_share <= 1, f"batching.{prio.label}.pending_share: must be in (0, 1]")
+    need(b.standard.pending_share + b.bulk.pending_share < 1,
+         "batching.standard.pending_share + batching.bulk.pending_share: must be < 1, so realtime always has room")
+    need(b.max_blocking_ms >= 0, "batching.max_blocking_ms: must be >= 0 (0: half of realtime.latency_budget_ms)")
+    need(b.realtime_quiet_ms >= 0, "batching.realtime_quiet_ms: must be >= 0 (0: standard and bulk always bounded)")
     need(all(w >= 1 for w in b.tenant_weights.values()), "batching.tenant_weights: each weight must be >= 1")
 
     m = s.model
@@ -566,6 +606,8 @@ def validate(s: Settings) -> list[str]:
     need(r.preprocess_threads == "auto" or 0 <= r.preprocess_threads <= MAX_PREPROCESS_THREADS,
          f"runtime.preprocess_threads: must be \"auto\" or 0..{MAX_PREPROCESS_THREADS} (0 = auto: one per CPU core)")
     need(r.torch_threads >= 0, "runtime.torch_threads: must be >= 0")
+    need(1 <= r.instances_per_device <= 16, "runtime.instances_per_device: must be 1..16")
+    need(0 < r.memory_fraction <= 1, "runtime.memory_fraction: must be in (0, 1]")
 
     d = s.delivery
     need(bool(d.transactional_id_prefix.strip()), "delivery.transactional_id_prefix: must not be empty")

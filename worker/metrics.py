@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,6 +23,8 @@ LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 
                      2.0, 5.0, 10.0, 30.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 RATIO_BUCKETS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5)
+PREDICTION_RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
+PIXEL_BUCKETS = (64 * 64, 128 * 128, 224 * 224, 320 * 240, 640 * 480, 1280 * 720, 1920 * 1080, 3840 * 2160)
 
 # The label value of every tenant without a label of its own, and of every error_type not listed below.
 OTHER = "other"
@@ -106,6 +109,16 @@ class Metrics:
         # /healthz as Prometheus sees it: a number to alert on before the liveness probe gives up.
         self.loop_stalled = Gauge("streamfer_loop_stalled_seconds",
                                   "Seconds since the worker loop last turned, read at each scrape.", registry=r)
+        # The scheduler: why each batch was released (its size), and how well the learned cost model predicts.
+        self.batch_releases = Counter("streamfer_batch_releases_total",
+                                      "Batches released, by class and reason (full, cost, blocking, preferred, "
+                                      "bytes, deadline, fallback, flush).", ["priority", "reason"], registry=r)
+        self.batch_time_ratio = Histogram("streamfer_batch_time_ratio",
+                                          "Measured / predicted run time (preprocess + inference) per batch.",
+                                          buckets=PREDICTION_RATIO_BUCKETS, registry=r)
+        self.input_pixels = Histogram("streamfer_input_pixels",
+                                      "Pixels (height x width) of each frame run, by the batch's padded shape.",
+                                      ["shape"], buckets=PIXEL_BUCKETS, registry=r)
 
     def tenant_label(self, tenant: str) -> str:
         """The `tenant` label value to count this tenant under: the tenant itself if it is listed in
@@ -177,8 +190,9 @@ class MetricsServer:
     """Serves /metrics, /healthz and /readyz on one port, in a daemon thread."""
 
     def __init__(self, metrics: Metrics, health: Health, host: str, port: int,
-                 before_scrape: Callable[[], None] | None = None) -> None:
-        metrics_ref, health_ref, hook = metrics, health, before_scrape
+                 before_scrape: Callable[[], None] | None = None,
+                 profile: Callable[[int], str] | None = None) -> None:
+        metrics_ref, health_ref, hook, profile_hook = metrics, health, before_scrape, profile
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
@@ -203,8 +217,28 @@ class MetricsServer:
                     body = b"ready\n" if ok else (
                         f"not ready: warmed_up={health_ref.warmed_up} assigned={health_ref.assigned}\n".encode())
                     self._reply(200 if ok else 503, body)
+                elif path == "/debug/profile" and profile_hook is not None:
+                    self._profile(self.path)
                 else:
                     self._reply(404, b"not found\n")
+
+            def _profile(self, raw: str) -> None:
+                """Record the next N batches (?batches=N, default 20) with the torch profiler; answer the trace's
+                path once written."""
+                query = urllib.parse.parse_qs(urllib.parse.urlsplit(raw).query)
+                try:
+                    batches = int(query.get("batches", ["20"])[0])
+                    if not 1 <= batches <= 10_000:
+                        raise ValueError
+                except ValueError:
+                    self._reply(400, b"batches must be an integer 1..10000\n")
+                    return
+                try:
+                    trace = profile_hook(batches)  # type: ignore[misc]
+                except Exception as exc:  # noqa: BLE001 (the requester gets the reason)
+                    self._reply(503, f"profile failed: {type(exc).__name__}: {exc}\n".encode())
+                    return
+                self._reply(200, f"{trace}\n".encode())
 
             def _reply(self, code: int, body: bytes, ctype: str = "text/plain; charset=utf-8") -> None:
                 self.send_response(code)

@@ -20,6 +20,7 @@ from typing import Protocol
 from worker.assignment import TP, Assignments
 from worker.batching import Batch, MicroBatcher
 from worker.config import Settings
+from worker.costmodel import CostModel
 from worker.dedup import DuplicateFrames, duplicate_reason
 from worker.delivery import AtLeastOnceDelivery, CommitResult, Delivery, ExactlyOnceDelivery
 from worker.frames import DUPLICATE_FRAME, BatchOutcome, DeadLetter, Frame, Output, Priority, Status, Verdict
@@ -30,6 +31,9 @@ from worker.sink import DoneCallback, RejectedCallback, ResultSink, output_messa
 from worker.source import FrameSource, Polled, RebalanceHandler
 
 log = logging.getLogger(__name__)
+# One DEBUG line per finished batch (class, shape, size, waits, padding, predicted and measured time): enable
+# with observability.log_level = "DEBUG", or this logger alone, when chasing a p99.
+batch_log = logging.getLogger("worker.batches")
 
 POLL_BATCH = 500
 # How long the loop blocks in poll while batches run: bounds the delay between a batch finishing and
@@ -46,7 +50,8 @@ class Executor(Protocol):
     model_name: str
     model_version: str
 
-    def submit(self, frames: Sequence[Frame], shape: tuple[int, int, int]) -> Future[BatchOutcome]: ...
+    def submit(self, frames: Sequence[Frame], shape: tuple[int, int, int],
+               priority: Priority = Priority.BULK) -> Future[BatchOutcome]: ...
 
 
 class Source(Protocol):
@@ -123,13 +128,17 @@ class Pipeline:
         self.clock = clock
         self.assignments = source.assignments
         self.tracker = delivery.tracker
-        self.batcher = MicroBatcher(settings.batching, clock, executor.preferred_batch_sizes)
+        # Batch times measured here teach the batcher what each size costs (seeded at warm-up by seed_costs).
+        self.cost = CostModel()
+        self.batcher = MicroBatcher(settings.batching, clock, executor.preferred_batch_sizes, self.cost,
+                                    getattr(executor, "memory_policy", None))
         self.duplicates = DuplicateFrames(settings.limits.duplicate_window_frames)
         self._result_context = ResultContext(executor.model_name, executor.model_version,
                                              settings.observability.worker_id)
         self._counts = RunSummary()
         self._inflight: deque[tuple[Batch, Future[BatchOutcome]]] = deque()
         self._outputs: list[Output] = []
+        self._paused_classes: set[Priority] = set()
         # Idle time counts from the first assignment: a worker still joining the group is not idle.
         self._last_activity: float | None = None
         self._last_lag_update = float("-inf")
@@ -187,10 +196,10 @@ class Pipeline:
                 timings.calls[name] += 1
 
     def _intake_room(self) -> int:
-        """Frames the loop may read now: the batcher's room, and what is left under the uncommitted cap."""
-        pending_room = self.settings.batching.max_pending_frames - self.batcher.pending_frames
+        """Frames the loop may read now: the batcher's room (no class still reading past its share), and what is
+        left under the uncommitted cap."""
         uncommitted_room = self.settings.max_uncommitted_frames - self.tracker.uncommitted()
-        return max(0, min(pending_room, uncommitted_room))
+        return max(0, min(self.batcher.poll_room(self._paused_classes), uncommitted_room))
 
     def _poll_input(self) -> None:
         room = self._intake_room()
@@ -238,27 +247,74 @@ class Pipeline:
             return 0.0
         return self.clock() - self._last_activity
 
+    def seed_costs(self, measured: Sequence[tuple[tuple[int, int, int], int, float]]) -> None:
+        """Warm-up timings (shape, batch size, seconds) for the cost model, before the first real batch."""
+        for shape, n, seconds in measured:
+            self.cost.observe(shape, n, seconds)
+        if measured:
+            log.info("batch cost model seeded: %s", {k: {m: round(v, 2) for m, v in d.items()}
+                                                      for k, d in self.cost.snapshot().items()})
+
     # -- batches -------------------------------------------------------------------------------------------
     def _dispatch_due(self) -> None:
-        while len(self._inflight) < self.settings.delivery.max_inflight_batches:
+        limit = self.settings.delivery.max_inflight_batches
+        while len(self._inflight) < limit:
             batch = self.batcher.pop_batch()
             if batch is None:
-                return
+                break
             self._dispatch(batch)
+        # One slot beyond the limit is realtime's alone: a due realtime batch never waits for a lower class's
+        # batch to free a slot (the executor then runs it before their queued batches).
+        if len(self._inflight) >= limit and not any(b.priority == Priority.REALTIME for b, _ in self._inflight):
+            batch = self.batcher.pop_batch(max_priority=Priority.REALTIME)
+            if batch is not None:
+                self._dispatch(batch)
 
     def _dispatch(self, batch: Batch) -> None:
         self.metrics.batch_size.labels(batch.priority.label, batch.lane).observe(batch.size)
+        self.metrics.batch_releases.labels(batch.priority.label, batch.reason).inc()
         self.metrics.padding_waste.observe(batch.padding_waste)
-        self._inflight.append((batch, self.executor.submit(batch.frames, batch.shape)))
+        self._inflight.append((batch, self.executor.submit(batch.frames, batch.shape, batch.priority)))
 
     def _collect_finished(self, wait: bool = False) -> None:
-        while self._inflight and (wait or self._inflight[0][1].done()):
-            _batch, future = self._inflight.popleft()
-            # The executor isolates bad frames; an exception here is a bug: crash.
-            self._batch_done(future.result())
+        """Collect finished batches: any class's as soon as it is done, one class's in submission order (so a
+        stream's results keep their order), so a realtime batch never waits behind a running bulk batch."""
+        if wait:
+            while self._inflight:
+                batch, future = self._inflight.popleft()
+                self._batch_done(batch, future.result())
+            return
+        if not any(future.done() for _, future in self._inflight):
+            return
+        blocked: set[Priority] = set()
+        kept: deque[tuple[Batch, Future[BatchOutcome]]] = deque()
+        for batch, future in self._inflight:
+            if batch.priority not in blocked and future.done():
+                # The executor isolates bad frames; an exception here is a bug: crash.
+                self._batch_done(batch, future.result())
+            else:
+                blocked.add(batch.priority)
+                kept.append((batch, future))
+        self._inflight = kept
 
-    def _batch_done(self, outcome: BatchOutcome) -> None:
+    def _batch_done(self, batch: Batch, outcome: BatchOutcome) -> None:
         now = self.clock()
+        run_s = (outcome.preprocess_ms + outcome.inference_ms) / 1000.0
+        if outcome.batch_size:
+            self.cost.observe(batch.shape, outcome.batch_size, run_s)
+        if batch.predicted_s:
+            self.metrics.batch_time_ratio.observe(run_s / batch.predicted_s)
+        if batch_log.isEnabledFor(logging.DEBUG):
+            oldest = min((f.received_at for f in batch.frames), default=now)
+            batch_log.debug("batch class=%s shape=%dx%dx%d size=%d lane=%s reason=%s oldest_wait_ms=%.1f "
+                            "queued_ms=%.1f padding=%.3f predicted_ms=%s measured_ms=%.1f", batch.priority.label,
+                            *batch.shape, batch.size, batch.lane, batch.reason,
+                            (batch.released_at - oldest) * 1000.0, (outcome.started_at - batch.released_at) * 1000.0,
+                            batch.padding_waste,
+                            "-" if batch.predicted_s is None else f"{batch.predicted_s * 1000.0:.1f}", run_s * 1000.0)
+        pixels = self.metrics.input_pixels.labels(f"{batch.shape[0]}x{batch.shape[1]}")
+        for frame in batch.frames:
+            pixels.observe(frame.height * frame.width)
         self._counts.batches += 1
         self._counts.frames_batched += outcome.batch_size
         self.metrics.preprocess_latency.observe(outcome.preprocess_ms / 1000.0)
@@ -322,9 +378,10 @@ class Pipeline:
         """Pause what the batcher has no room for; pause everything while the uncommitted cap is reached (commits
         are failing: what more the worker read, a lost session would answer again)."""
         if self.tracker.uncommitted() >= self.settings.max_uncommitted_frames:
-            self.source.pause_classes(set(Priority))
+            self._paused_classes = set(Priority)
         else:
-            self.source.pause_classes(self.batcher.classes_to_pause())
+            self._paused_classes = self.batcher.classes_to_pause()
+        self.source.pause_classes(self._paused_classes)
         self.metrics.paused_partitions.set(self.source.paused_partitions)
 
     def _refresh_lag(self) -> None:
@@ -392,6 +449,8 @@ class Pipeline:
         summary = self.summary
         log.info("drained: %d results, %d dead letters, %d expired", summary.results, summary.dead_lettered,
                  summary.expired)
+        log.debug("batch cost model at exit: %s", {k: {m: round(v, 2) for m, v in d.items()}
+                                                   for k, d in self.cost.snapshot().items()})
 
 
 def build_pipeline(settings: Settings, executor: Executor, metrics: Metrics, health: Health,

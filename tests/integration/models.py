@@ -27,3 +27,26 @@ class _SlowOnHeight(nn.Module):
 def slow_on_40px_frames() -> nn.Module:
     torch.manual_seed(0)
     return _SlowOnHeight().eval()
+
+
+class _Paced(nn.Module):
+    """A model whose batch time is set by construction (sleep, GIL released), so an overload test offers a
+    known multiple of capacity whatever else the machine runs."""
+
+    def __init__(self, fixed_s: float, per_frame_s: float) -> None:
+        super().__init__()
+        self.fixed_s, self.per_frame_s = fixed_s, per_frame_s
+        self.head = nn.Linear(3, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.fixed_s + self.per_frame_s * x.shape[0])
+        return self.head(x.mean(dim=(2, 3)))
+
+
+PACED_FIXED_S = 0.020
+PACED_PER_FRAME_S = 0.004
+
+
+def paced_model() -> nn.Module:
+    torch.manual_seed(0)
+    return _Paced(PACED_FIXED_S, PACED_PER_FRAME_S).eval()

@@ -296,10 +296,13 @@ class FakeExecutor:
         self.hold = hold
         self.held: list[tuple[list[Frame], Future[BatchOutcome]]] = []
         self.batches: list[list[Frame]] = []
+        self.priorities: list[Priority] = []
 
-    def submit(self, frames: Any, shape: tuple[int, int, int]) -> Future[BatchOutcome]:
+    def submit(self, frames: Any, shape: tuple[int, int, int],
+               priority: Priority = Priority.BULK) -> Future[BatchOutcome]:
         frames = list(frames)
         self.batches.append(frames)
+        self.priorities.append(priority)
         future: Future[BatchOutcome] = Future()
         if self.hold:
             self.held.append((frames, future))

@@ -11,7 +11,9 @@ import pytest
 
 from worker.batching import Batch, BatcherFullError, MicroBatcher
 from worker.config import BatchingSettings, ClassSettings, ConfigError
+from worker.costmodel import CostModel
 from worker.frames import Encoding, Frame, Priority, SourceRef
+from worker.memorypolicy import MemoryPolicy
 
 REALTIME, STANDARD, BULK = Priority.REALTIME, Priority.STANDARD, Priority.BULK
 MS = 0.001
@@ -52,6 +54,15 @@ def make_settings(**overrides) -> BatchingSettings:
         if isinstance(values.get(name), tuple):
             values[name] = ClassSettings(*values[name])
     return dataclasses.replace(BatchingSettings(), **values)
+
+
+def shares(realtime: float, standard: float, bulk: float, bulk_wait_ms: float = 100) -> dict[str, ClassSettings]:
+    """The three default classes with these pending_share values (and bulk's max_wait_ms)."""
+    d = BatchingSettings()
+    out = {name: dataclasses.replace(getattr(d, name), pending_share=v)
+           for name, v in (("realtime", realtime), ("standard", standard), ("bulk", bulk))}
+    out["bulk"] = dataclasses.replace(out["bulk"], max_wait_ms=bulk_wait_ms)
+    return out
 
 
 def add_frames(batcher: MicroBatcher, clock: FakeClock, count: int, **frame_kw) -> list[Frame]:
@@ -597,12 +608,12 @@ def test_pending_counts_use_each_frame_tensor_bytes():
     assert (batcher.pending_frames, batcher.pending_bytes) == (3, 2 * 10 * 20 * 3 * 2 + 5 * 5 * 2)
 
 
-def test_all_classes_pause_at_the_frame_cap_and_resume_below_75_percent():
+def test_every_class_pauses_at_the_frame_cap_and_resumes_below_75_percent():
     clock = FakeClock()
-    batcher = MicroBatcher(make_settings(max_batch_size=4, max_pending_frames=8, bulk=(100, 0, 1)), clock)
-    add_frames(batcher, clock, 7, priority=BULK, shape=(64, 64, 3))
+    batcher = MicroBatcher(make_settings(max_batch_size=4, max_pending_frames=8), clock)
+    add_frames(batcher, clock, 7, priority=REALTIME)
     assert batcher.classes_to_pause() == set()
-    add_frames(batcher, clock, 1, priority=BULK, shape=(64, 64, 3))
+    add_frames(batcher, clock, 1, priority=REALTIME)
     assert batcher.classes_to_pause() == {REALTIME, STANDARD, BULK}
 
     batcher.pop_batch()  # 4 left: at 50%, below the 75% watermark
@@ -611,8 +622,8 @@ def test_all_classes_pause_at_the_frame_cap_and_resume_below_75_percent():
 
 def test_pause_has_hysteresis_between_the_watermarks():
     clock = FakeClock()
-    batcher = MicroBatcher(make_settings(max_batch_size=1, max_pending_frames=8, bulk=(100, 0, 1)), clock)
-    add_frames(batcher, clock, 8, priority=BULK)
+    batcher = MicroBatcher(make_settings(max_batch_size=1, max_pending_frames=8), clock)
+    add_frames(batcher, clock, 8, priority=REALTIME)
     batcher.pop_batch()  # 7 pending: below the cap, above 6 (75%)
     assert batcher.classes_to_pause() == {REALTIME, STANDARD, BULK}
     batcher.pop_batch()
@@ -620,13 +631,61 @@ def test_pause_has_hysteresis_between_the_watermarks():
     assert batcher.classes_to_pause() == set()
 
 
-def test_all_classes_pause_at_the_byte_cap():
+def test_every_class_pauses_at_the_byte_cap():
     clock = FakeClock()
     frame_bytes = 64 * 64 * 3 * 4
     batcher = MicroBatcher(make_settings(max_pending_bytes=3 * frame_bytes), clock)
-    add_frames(batcher, clock, 3)
+    add_frames(batcher, clock, 3, priority=REALTIME)
 
     assert batcher.classes_to_pause() == {REALTIME, STANDARD, BULK}
+
+
+def test_less_urgent_classes_pause_at_their_own_share_and_never_fill_realtime_room():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(max_batch_size=4, max_pending_frames=100, **shares(1.0, 0.5, 0.25)), clock)
+    add_frames(batcher, clock, 25, priority=BULK)
+    assert batcher.classes_to_pause() == {BULK}  # bulk holds its 25%: it waits in Kafka (no deadline)
+    add_frames(batcher, clock, 49, priority=STANDARD)
+    assert batcher.classes_to_pause() == {BULK}  # bulk's frames do not take standard's room
+    add_frames(batcher, clock, 1, priority=STANDARD)
+    assert batcher.classes_to_pause() == {STANDARD, BULK}
+    add_frames(batcher, clock, 24, priority=REALTIME)
+    assert REALTIME not in batcher.classes_to_pause()  # the rest is realtime's
+    add_frames(batcher, clock, 1, priority=REALTIME)
+    assert batcher.classes_to_pause() == {REALTIME, STANDARD, BULK}  # the whole cap
+
+
+def test_frames_of_less_urgent_classes_alone_never_keep_realtime_paused():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(max_batch_size=4, max_pending_frames=100, **shares(1.0, 0.5, 0.25)), clock)
+    add_frames(batcher, clock, 60, priority=STANDARD)  # one poll overshot standard's share
+    add_frames(batcher, clock, 40, priority=REALTIME)
+    assert batcher.classes_to_pause() == {REALTIME, STANDARD, BULK}
+    while batcher.pop_batch(max_priority=REALTIME) is not None:
+        pass
+
+    assert REALTIME not in batcher.classes_to_pause()  # 60 standard frames held, realtime reads again
+
+
+def test_poll_room_keeps_each_reading_class_within_its_share():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(max_pending_frames=100, **shares(1.0, 0.5, 0.25)), clock)
+    add_frames(batcher, clock, 20, priority=BULK)
+    assert batcher.poll_room(set()) == 5
+    assert batcher.poll_room({BULK}) == 50
+
+
+def test_a_standard_backlog_pauses_nothing_and_bulk_runs_only_once_standard_is_out_of_risk():
+    clock = FakeClock()
+    settings = make_settings(max_batch_size=4, standard=ClassSettings(5, 0, 3, latency_budget_ms=100))
+    batcher = MicroBatcher(settings, clock, cost=cost_model((SHAPE, 4, 0.010)))
+    add_frames(batcher, clock, 4, priority=BULK)
+    add_frames(batcher, clock, 12, priority=STANDARD)
+    clock.advance(100 * MS)
+    assert batcher.classes_to_pause() == set()  # bulk reads on, within its share
+
+    batches = drain(batcher)
+    assert [b.priority for b in batches] == [STANDARD, STANDARD, STANDARD, BULK]  # backlogged standard first
 
 
 def test_a_realtime_backlog_pauses_bulk_then_standard_too_until_realtime_is_drained():
@@ -688,3 +747,176 @@ def test_the_batcher_imports_neither_kafka_nor_torch_nor_numpy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
 
     assert out.strip() == "[]"
+
+
+# ------------------------------------------------------------------------------------------- urgency and cost
+
+def cost_model(*points: tuple[tuple[int, int, int], int, float]) -> CostModel:
+    """A cost model that measured these (shape, batch size, seconds) batches."""
+    cost = CostModel()
+    for shape, n, seconds in points:
+        cost.observe(shape, n, seconds)
+    return cost
+
+
+SHAPE = (64, 64, 3)
+
+
+def test_a_less_urgent_class_waits_when_running_first_would_put_realtime_past_its_budget():
+    clock = FakeClock()
+    settings = make_settings(realtime=ClassSettings(5, 0, 1, latency_budget_ms=50), bulk=(5, 0, 50))
+    cost = cost_model((SHAPE, 8, 0.030))
+    batcher = MicroBatcher(settings, clock, cost=cost)
+    add_frames(batcher, clock, 8, priority=BULK)
+    clock.advance(1 * MS)
+    add_frames(batcher, clock, 8, priority=REALTIME, captured_s_ago=0.010)
+
+    # Bulk is older and weighs 50x more, but 30 ms of bulk + 30 ms of realtime would end 70 ms after capture.
+    assert [b.priority for b in drain(batcher)] == [REALTIME, BULK]
+
+
+def test_with_slack_the_weights_still_let_older_bulk_go_first():
+    clock = FakeClock()
+    settings = make_settings(realtime=ClassSettings(5, 0, 1, latency_budget_ms=500), bulk=(5, 0, 50))
+    batcher = MicroBatcher(settings, clock, cost=cost_model((SHAPE, 8, 0.030)))
+    add_frames(batcher, clock, 8, priority=BULK)
+    clock.advance(1 * MS)
+    add_frames(batcher, clock, 8, priority=REALTIME)
+
+    assert [b.priority for b in drain(batcher)] == [BULK, REALTIME]
+
+
+def test_a_class_past_its_budget_goes_before_bulk_whatever_the_weights():
+    clock = FakeClock()
+    settings = make_settings(standard=ClassSettings(5, 30_000, 1, latency_budget_ms=1_000), bulk=(5, 0, 50))
+    batcher = MicroBatcher(settings, clock)  # no cost model: at risk means past the budget already
+    add_frames(batcher, clock, 8, priority=BULK)
+    clock.advance(1 * MS)
+    add_frames(batcher, clock, 8, priority=STANDARD, captured_s_ago=2.0)
+
+    assert [b.priority for b in drain(batcher)] == [STANDARD, BULK]
+
+
+def test_under_overload_bulk_gets_no_turn_while_realtime_is_at_risk():
+    clock = FakeClock()
+    settings = make_settings(realtime=ClassSettings(5, 2_000, 8, latency_budget_ms=100), bulk=(100, 0, 1))
+    batcher = MicroBatcher(settings, clock, cost=cost_model((SHAPE, 8, 0.040)))
+    add_frames(batcher, clock, 64, priority=BULK)  # older than every realtime frame below
+    clock.advance(100 * MS)
+    served = []
+    for _ in range(20):  # one 40 ms batch per tick; realtime arrives faster than that
+        add_frames(batcher, clock, 10, priority=REALTIME, captured_s_ago=0.020)
+        served.append(batcher.pop_batch().priority)
+        clock.advance(40 * MS)
+
+    assert BULK not in served  # the old weighted round robin gave bulk 1 turn in 9 here
+
+
+def test_pop_batch_can_be_limited_to_realtime():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(), clock)
+    add_frames(batcher, clock, 8, priority=BULK)
+    assert batcher.pop_batch(max_priority=REALTIME) is None
+    add_frames(batcher, clock, 8, priority=REALTIME)
+    assert batcher.pop_batch(max_priority=REALTIME).priority == REALTIME
+
+
+def test_adaptive_sizing_releases_at_the_measured_most_efficient_size():
+    clock = FakeClock()
+    # 8 frames in 10 ms (800/s) beat 32 in 80 ms (400/s): a CPU whose large batches fall out of cache.
+    cost = cost_model((SHAPE, 8, 0.010), (SHAPE, 32, 0.080), (SHAPE, 16, 0.030))
+    batcher = MicroBatcher(make_settings(max_batch_size=32), clock, cost=cost)
+    add_frames(batcher, clock, 8)
+
+    batch = batcher.pop_batch()
+    assert batch is not None and (batch.size, batch.reason) == (8, "cost")
+    assert batch.predicted_s == pytest.approx(0.010)
+
+
+def test_fixed_sizes_win_when_adaptive_sizing_is_off():
+    clock = FakeClock()
+    cost = cost_model((SHAPE, 8, 0.010), (SHAPE, 32, 0.080))
+    batcher = MicroBatcher(make_settings(max_batch_size=32, adaptive_batch_size=False), clock, cost=cost)
+    add_frames(batcher, clock, 8)
+    assert batcher.pop_batch() is None
+    add_frames(batcher, clock, 24)
+    assert batcher.pop_batch().size == 32
+
+
+def test_a_batch_is_cut_so_its_oldest_frame_finishes_within_the_class_budget():
+    clock = FakeClock()
+    settings = make_settings(max_batch_size=32, adaptive_batch_size=False,
+                             standard=ClassSettings(15, 0, 3, latency_budget_ms=100))
+    cost = cost_model((SHAPE, 1, 0.012), (SHAPE, 32, 0.320))  # ~ 2 ms + 10 ms per frame
+    batcher = MicroBatcher(settings, clock, cost=cost)
+    add_frames(batcher, clock, 32, captured_s_ago=0.030)  # 70 ms left: at most 6 frames
+
+    assert drain(batcher)[0].size == 6
+
+
+def test_a_budgeted_partial_batch_is_released_before_its_wait_when_the_budget_demands_it():
+    clock = FakeClock()
+    settings = make_settings(max_batch_size=32, adaptive_batch_size=False,
+                             standard=ClassSettings(500, 0, 3, latency_budget_ms=100))
+    batcher = MicroBatcher(settings, clock, cost=cost_model((SHAPE, 4, 0.040)))
+    add_frames(batcher, clock, 4, captured_s_ago=0.020)
+
+    # Captured 20 ms ago, 100 ms budget, 40 ms to run: due in 40 ms, not after the 500 ms wait.
+    assert batcher.next_due() == pytest.approx(clock.now + 0.040)
+    clock.now = batcher.next_due()
+    assert batcher.pop_batch().size == 4
+
+
+def test_standard_and_bulk_batches_are_bounded_by_the_blocking_limit():
+    clock = FakeClock()
+    settings = make_settings(max_batch_size=32, adaptive_batch_size=False, max_blocking_ms=20)
+    cost = cost_model((SHAPE, 1, 0.005), (SHAPE, 32, 0.160))  # 5 ms per frame
+    batcher = MicroBatcher(settings, clock, cost=cost)
+    add_frames(batcher, clock, 32, priority=BULK)
+    add_frames(batcher, clock, 32, priority=REALTIME)
+
+    batches = drain(batcher)
+    assert {b.size for b in batches if b.priority == BULK} == {4}  # 4 x 5 ms: one bounded wait for realtime
+    assert [b.size for b in batches if b.priority == REALTIME] == [32]
+
+
+def test_without_realtime_traffic_standard_and_bulk_fill_to_full_size_and_the_bound_returns_with_it():
+    clock = FakeClock()
+    settings = make_settings(max_batch_size=32, adaptive_batch_size=False, max_blocking_ms=20,
+                             realtime_quiet_ms=1_000)
+    cost = cost_model((SHAPE, 1, 0.005), (SHAPE, 32, 0.160))  # 5 ms per frame
+    batcher = MicroBatcher(settings, clock, cost=cost)
+    add_frames(batcher, clock, 64, priority=BULK)
+    assert [b.size for b in drain(batcher)] == [32, 32]  # no realtime ever seen: nothing to protect
+
+    add_frames(batcher, clock, 1, priority=REALTIME)
+    add_frames(batcher, clock, 32, priority=BULK)
+    batches = drain(batcher)
+    assert {b.size for b in batches if b.priority == BULK} == {4}  # realtime present: bounded again
+
+    clock.advance(0.999)
+    add_frames(batcher, clock, 32, priority=BULK)
+    assert {b.size for b in drain(batcher) if b.priority == BULK} == {4}  # within the last realtime frame's window
+    clock.advance(0.002)
+    add_frames(batcher, clock, 32, priority=BULK)
+    assert [b.size for b in drain(batcher)] == [32]
+
+
+def test_a_zero_realtime_quiet_window_keeps_standard_and_bulk_always_bounded():
+    clock = FakeClock()
+    settings = make_settings(max_batch_size=32, adaptive_batch_size=False, max_blocking_ms=20, realtime_quiet_ms=0)
+    batcher = MicroBatcher(settings, clock, cost=cost_model((SHAPE, 1, 0.005), (SHAPE, 32, 0.160)))
+    add_frames(batcher, clock, 32, priority=BULK)
+
+    assert {b.size for b in drain(batcher)} == {4}
+
+
+def test_the_device_memory_policy_caps_a_shape_batch_size():
+    clock = FakeClock()
+    memory = MemoryPolicy(total_bytes=1000, memory_fraction=0.5)
+    memory.record_peak(SHAPE, 1, 100)
+    memory.record_peak(SHAPE, 4, 400)  # 100 bytes a frame: 5 frames fit under 500
+    batcher = MicroBatcher(make_settings(max_batch_size=16), clock, memory=memory)
+    add_frames(batcher, clock, 16)
+
+    assert [b.size for b in drain(batcher)] == [5, 5, 5]

@@ -62,3 +62,23 @@ def test_metrics_report_seconds_since_the_loop_last_turned(served: tuple[Health,
     assert stalled() == 42.5
     health.beat()
     assert stalled() == 0.0
+
+
+def test_debug_profile_returns_the_trace_of_the_requested_batches() -> None:
+    asked: list[int] = []
+
+    def profile(batches: int) -> str:
+        asked.append(batches)
+        return "/tmp/trace.json"
+
+    server = MetricsServer(Metrics(), Health(), "127.0.0.1", 0, profile=profile).start()
+    try:
+        assert get(server.port, "/debug/profile?batches=5") == (200, "/tmp/trace.json\n")
+        assert get(server.port, "/debug/profile?batches=x")[0] == 400
+        assert asked == [5]
+    finally:
+        server.stop()
+
+
+def test_debug_profile_is_absent_without_a_runtime(served: tuple[Health, FakeClock, int]) -> None:
+    assert get(served[2], "/debug/profile")[0] == 404

@@ -41,9 +41,10 @@ class World:
     """A pipeline over fakes; `consumer` is the group's view, `producers` every producer created, in order."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, mode: str = "at_least_once", hold: bool = False,
+                 batching: BatchingSettings | None = None, max_inflight: int = 4, executor: Any = None,
                  max_uncommitted_frames: int = 0, commit_interval_ms: float = 0.0) -> None:
-        self.settings = Settings(batching=BatchingSettings(rare_shape_min_count=1, max_batch_size=4),
-                                 delivery=DeliverySettings(mode=mode, max_inflight_batches=4,
+        self.settings = Settings(batching=batching or BatchingSettings(rare_shape_min_count=1, max_batch_size=4),
+                                 delivery=DeliverySettings(mode=mode, max_inflight_batches=max_inflight,
                                                            transaction_call_timeout_ms=1_000,
                                                            max_uncommitted_frames=max_uncommitted_frames,
                                                            commit_interval_ms=commit_interval_ms),
@@ -68,7 +69,7 @@ class World:
         monkeypatch.setattr(sink_module, "STUCK_GRACE_S", 0.05)
         monkeypatch.setattr(pipeline_module, "output_message_limit", lambda settings: None)  # no admin calls
         self.clock = Clock()
-        self.executor = FakeExecutor(hold=hold)
+        self.executor = executor if executor is not None else FakeExecutor(hold=hold)
         self.health = Health()
         self.pipeline: Pipeline = build_pipeline(self.settings, self.executor, Metrics(), self.health, self.clock)
         assert self.consumer is not None

@@ -19,7 +19,7 @@ import model_factories
 from model_factories import jpeg_frame, raw_frame
 
 from worker.config import ConfigError, ModelSettings, RuntimeSettings
-from worker.frames import DECODE_ERROR, MODEL_ERROR, NON_FINITE_OUTPUT
+from worker.frames import DECODE_ERROR, MODEL_ERROR, NON_FINITE_OUTPUT, Priority
 from worker.runtime import InferenceExecutor, build_builtin_model
 from worker.runtime.models import ModelContract
 from worker.runtime.preprocess import Normaliser
@@ -276,6 +276,53 @@ def test_batches_go_to_the_least_loaded_runner():
             gate.release()
         assert first.result(WAIT_S).batch_size == 8
         assert [s.load for s in ex._slots] == [0, 0]
+
+
+def test_a_realtime_batch_submitted_while_bulk_batches_wait_for_the_runner_runs_next(executor_for):
+    gate = model_factories.GATE
+    ex = executor_for(ModelSettings(source="model_factories:gated_model"))
+    finished: list[str] = []
+    lock = threading.Lock()
+
+    def submit(tag: str, priority: Priority, first: int):
+        future = ex.submit([raw_frame(first + i, 16, 16) for i in range(2)], (16, 16, 3), priority)
+        future.add_done_callback(lambda _f: (lock.acquire(), finished.append(tag), lock.release()))
+        return future
+
+    gate.arm()
+    try:
+        running = submit("bulk-a", Priority.BULK, 0)
+        assert gate.entered.wait(WAIT_S), "the first bulk batch never started"
+        waiting = [submit("bulk-b", Priority.BULK, 10), submit("bulk-c", Priority.BULK, 20)]
+        realtime = submit("realtime", Priority.REALTIME, 30)
+    finally:
+        gate.release()
+    for f in (running, *waiting, realtime):
+        f.result(WAIT_S)
+    assert finished == ["bulk-a", "realtime", "bulk-b", "bulk-c"]
+
+
+def test_several_instances_per_device_each_get_a_runner(executor_for):
+    ex = executor_for(runtime=RuntimeSettings(device="cpu", warmup_batches=1, instances_per_device=2))
+    assert len(ex.runners) == 2 and ex.runners[0].module is not ex.runners[1].module
+    assert _run(ex, [raw_frame(0, 16, 16)], (16, 16, 3)).batch_size == 1
+
+
+def test_calibrate_times_each_batch_size_up_to_the_limit(executor_for):
+    ex = executor_for()
+    measured = ex.calibrate([(16, 16, 3)], max_batch_size=4, rounds=1)
+    assert [(shape, n) for shape, n, _ in measured] == [((16, 16, 3), 1), ((16, 16, 3), 2), ((16, 16, 3), 4)]
+    assert all(seconds > 0 for _, _, seconds in measured)
+
+
+def test_profile_records_the_next_batches_with_stage_ranges(executor_for, tmp_path):
+    ex = executor_for()
+    trace = ex.profile(2, str(tmp_path))
+    for i in range(3):
+        _run(ex, [raw_frame(i, 16, 16)], (16, 16, 3))
+    path = trace.result(WAIT_S)
+    text = Path(path).read_text()
+    assert "streamfer.preprocess" in text and "streamfer.inference[n=1]" in text
 
 
 # --- lifecycle ---

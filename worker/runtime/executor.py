@@ -1,6 +1,8 @@
 """The pipeline's only entry point into torch: submit a batch of frames, get a Future of its outcome.
 
 A preprocessing pool decodes and stages batch N+1 while a runner's inference thread executes batch N.
+Both take the most urgent waiting batch first (by `Priority`, FIFO within one), so a realtime batch submitted
+while bulk batches wait for a runner runs next: it waits for at most the batch already running.
 Bad frames never raise: undecodable ones, ones the model fails on alone, and ones with non-finite scores
 come back as `FrameFailure`s beside the verdicts of the rest.
 """
@@ -8,29 +10,94 @@ come back as `FrameFailure`s beside the verdicts of the rest.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
+import heapq
+import itertools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from worker.config import ConfigError, ModelSettings, RuntimeSettings, preprocess_thread_count
-from worker.frames import DECODE_ERROR, MODEL_ERROR, NON_FINITE_OUTPUT, BatchOutcome, Frame, FrameFailure
+from worker.frames import (
+    DECODE_ERROR,
+    MODEL_ERROR,
+    NON_FINITE_OUTPUT,
+    BatchOutcome,
+    Encoding,
+    Frame,
+    FrameFailure,
+    Priority,
+    SourceRef,
+)
+from worker.memorypolicy import MemoryPolicy
 from worker.runtime.models import ModelContract, load_model
 from worker.runtime.preprocess import HostBatch, HostBuffers, Preprocessor, stage_to_device
 from worker.runtime.runners import EagerRunner, RunResult, make_runner
 
 log = logging.getLogger(__name__)
 
+# Batch sizes timed per warm-up shape by `calibrate` (up to max_batch_size), seeding the cost model.
+CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+class PriorityPool:
+    """Threads that run the most urgent job first (lowest priority value), FIFO within a priority.
+
+    close() lets the jobs already queued finish (like ThreadPoolExecutor.shutdown(wait=True))."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._heap: list[tuple[int, int, concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...]]] = []
+        self._cv = threading.Condition()
+        self._seq = itertools.count()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, priority: int, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("cannot submit to a closed pool")
+            heapq.heappush(self._heap, (int(priority), next(self._seq), future, fn, args))
+            self._cv.notify()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._heap and not self._closed:
+                    self._cv.wait()
+                if not self._heap:
+                    return
+                _, _, future, fn, args = heapq.heappop(self._heap)
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 (handed to the caller through the future)
+                future.set_exception(exc)
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join()
+
+
 @dataclass
 class _Slot:
     """One runner with its inference thread and the number of frames submitted to it and not yet done."""
 
     runner: EagerRunner
-    thread: concurrent.futures.ThreadPoolExecutor
+    thread: PriorityPool
     load: int = 0
 
 
@@ -64,17 +131,19 @@ class InferenceExecutor:
             raise ValueError("InferenceExecutor needs preprocess_threads >= 1")
         buffers = HostBuffers(pin_memory=any(r.device.type == "cuda" for r in runners))
         # Two pools, so a batch's preparation never waits on frames queued behind it in its own pool: one
-        # thread per batch being prepared (mostly waiting), and the threads that decode the frames.
+        # thread per batch being prepared (mostly waiting; the most urgent batch first), and the threads that
+        # decode the frames.
         self._decode_pool = concurrent.futures.ThreadPoolExecutor(preprocess_threads, thread_name_prefix="decode")
         self._preprocessor = Preprocessor(contract, buffers, pool=self._decode_pool, workers=preprocess_threads)
-        self._slots = [
-            _Slot(r, concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"infer-{r.device}"))
-            for r in runners
-        ]
-        self._prep_pool = concurrent.futures.ThreadPoolExecutor(preprocess_threads, thread_name_prefix="preprocess")
+        self._slots = [_Slot(r, PriorityPool(1, f"infer-{r.device}-{i}")) for i, r in enumerate(runners)]
+        self._prep_pool = PriorityPool(preprocess_threads, "preprocess")
         self._lock = threading.Lock()
         self._ready = False
         self._closed = False
+        self._profile: _ProfileRequest | None = None
+        # GPUs: peak device memory per (shape, batch size), measured by calibrate(); None on CPU.
+        self.memory_policy: MemoryPolicy | None = None
+        self._memory_probe: _CudaMemoryProbe | None = None
 
     @classmethod
     def from_settings(cls, model: ModelSettings, runtime: RuntimeSettings) -> InferenceExecutor:
@@ -82,13 +151,19 @@ class InferenceExecutor:
         plan = _resolve(runtime)
         if runtime.torch_threads > 0:
             torch.set_num_threads(runtime.torch_threads)
-        # Each device gets its own copy of the model, loaded and validated there.
-        loaded = [load_model(model, device) for device in plan.devices]
+        # Each runner gets its own copy of the model, loaded and validated on its device.
+        loaded = [load_model(model, device) for device in plan.devices for _ in range(runtime.instances_per_device)]
         runners = [make_runner(m.module, m.contract, m.device, plan.precision, plan.cuda_graphs, plan.buckets,
                                runtime.warmup_batches) for m in loaded]
-        return cls(runners, loaded[0].contract, preprocess_thread_count(runtime), runtime.warmup_batches,
-                   warmup_batch_size=max(runtime.graph_batch_sizes),
-                   device_description=_describe(plan, loaded[0].kind))
+        executor = cls(runners, loaded[0].contract, preprocess_thread_count(runtime), runtime.warmup_batches,
+                       warmup_batch_size=max(runtime.graph_batch_sizes),
+                       device_description=_describe(plan, loaded[0].kind))
+        if plan.devices[0].type == "cuda":
+            # Untested without a GPU: the policy itself is tested with a fake probe (tests/unit/test_memorypolicy.py).
+            probe = _CudaMemoryProbe(plan.devices[0])
+            executor.memory_policy = MemoryPolicy(probe.total_bytes(), runtime.memory_fraction)
+            executor._memory_probe = probe
+        return executor
 
     @property
     def ready(self) -> bool:
@@ -107,7 +182,8 @@ class InferenceExecutor:
         """Run warm-up batches for each (h, w, c) shape on every runner, capturing CUDA graphs where enabled."""
         t0 = time.perf_counter()
         model_shapes = [self._model_shape(s) for s in shapes]
-        futures = [s.thread.submit(self._warm_up_runner, s.runner, model_shapes) for s in self._slots]
+        futures = [s.thread.submit(Priority.REALTIME, self._warm_up_runner, s.runner, model_shapes)
+                   for s in self._slots]
         for f in futures:
             f.result()
         self._ready = True
@@ -116,17 +192,54 @@ class InferenceExecutor:
                  self.model_name, self.model_version, self.device_description, [list(s) for s in shapes],
                  self.capture_count, (time.perf_counter() - t0) * 1000.0)
 
-    def submit(self, frames: Sequence[Frame], shape: tuple[int, int, int]) -> concurrent.futures.Future[BatchOutcome]:
-        """Queue a batch padded to `shape` = (h, w, c); the Future resolves to its BatchOutcome."""
+    def submit(self, frames: Sequence[Frame], shape: tuple[int, int, int],
+               priority: Priority = Priority.BULK) -> concurrent.futures.Future[BatchOutcome]:
+        """Queue a batch padded to `shape` = (h, w, c); the Future resolves to its BatchOutcome. A more urgent
+        batch overtakes less urgent ones still waiting for preprocessing or for the runner."""
         frames = list(frames)
         with self._lock:
             if self._closed:
                 raise RuntimeError("InferenceExecutor is closed")
             slot = min(self._slots, key=lambda s: s.load)
             slot.load += len(frames)
-            prepared = self._prep_pool.submit(self._prepare, frames, shape, slot.runner)
-            # The inference job waits for its own preprocessing; FIFO per runner keeps batches in order.
-            return slot.thread.submit(self._infer, prepared, slot, len(frames))
+            if self._profile is not None and not self._profile.done.done():
+                # The torch profiler records only the thread it runs in: while recording, preprocessing runs on
+                # the runner's thread so both stages are in the trace (those batches lose the overlap).
+                prepared: concurrent.futures.Future[HostBatch] = concurrent.futures.Future()
+                return slot.thread.submit(priority, self._infer, prepared, slot, len(frames), (frames, shape))
+            prepared = self._prep_pool.submit(priority, self._prepare, frames, shape, slot.runner)
+            # The inference job waits for its own preprocessing; per runner, FIFO within a priority keeps one
+            # class's batches in order.
+            return slot.thread.submit(priority, self._infer, prepared, slot, len(frames))
+
+    def calibrate(self, shapes: Sequence[tuple[int, int, int]], max_batch_size: int,
+                  rounds: int = 2) -> list[tuple[tuple[int, int, int], int, float]]:
+        """Time batches of CALIBRATION_SIZES (<= max_batch_size) of raw frames per (h, w, c) shape through
+        submit, preprocessing included: (shape, size, seconds) to seed the cost model before the first real
+        batch. The best of `rounds` after one untimed run per size (background load only ever slows a run)."""
+        out = []
+        for shape in shapes:
+            frame = _calibration_frame(shape)
+            for n in (n for n in CALIBRATION_SIZES if n <= max_batch_size):
+                frames = [frame] * n
+                if self.memory_policy is not None and self._memory_probe is not None:
+                    run = functools.partial(_run_now, self, frames, shape)
+                    self.memory_policy.measure(self._memory_probe, shape, n, run)
+                else:
+                    self.submit(frames, shape).result()
+                best = min(_timed(self.submit(frames, shape).result()) for _ in range(rounds))
+                out.append((shape, n, best))
+        return out
+
+    def profile(self, batches: int, directory: str) -> concurrent.futures.Future[str]:
+        """Record the next `batches` batches with the torch profiler (record_function ranges around
+        preprocessing and inference) into a Chrome trace in `directory`; the Future gives its path."""
+        request = _ProfileRequest(max(1, batches), directory)
+        with self._lock:
+            if self._profile is not None and not self._profile.done.done():
+                raise RuntimeError("a profile is already being recorded")
+            self._profile = request
+        return request.done
 
     def close(self) -> None:
         """Finish the batches already submitted, then stop the threads. Idempotent."""
@@ -134,10 +247,11 @@ class InferenceExecutor:
             if self._closed:
                 return
             self._closed = True
+        # Preprocessing first: the inference jobs wait on it.
+        self._prep_pool.shutdown()
         for slot in self._slots:
-            slot.thread.shutdown(wait=True)
-        self._prep_pool.shutdown(wait=True)
-        self._decode_pool.shutdown(wait=True)
+            slot.thread.shutdown()
+        self._decode_pool.shutdown(wait=True)  # last: preparation waits on it
 
     def __enter__(self) -> InferenceExecutor:
         return self
@@ -152,21 +266,32 @@ class InferenceExecutor:
             runner.warm_up(shape, self._warmup_batches, self._warmup_batch_size)
 
     def _prepare(self, frames: list[Frame], shape: tuple[int, int, int], runner: EagerRunner) -> HostBatch:
-        batch = self._preprocessor.prepare(frames, shape)
-        if batch.frames:
-            stage_to_device(batch, runner.device, runner.copy_stream)
+        with torch.profiler.record_function("streamfer.preprocess"):
+            batch = self._preprocessor.prepare(frames, shape)
+            if batch.frames:
+                stage_to_device(batch, runner.device, runner.copy_stream)
         return batch
 
-    def _infer(self, prepared: concurrent.futures.Future[HostBatch], slot: _Slot, submitted: int) -> BatchOutcome:
+    def _infer(self, prepared: concurrent.futures.Future[HostBatch], slot: _Slot, submitted: int,
+               inline: tuple[list[Frame], tuple[int, int, int]] | None = None) -> BatchOutcome:
+        request = self._profile
+        recording = request is not None and request.start()
         try:
-            batch = prepared.result()
+            if inline is not None:
+                batch = self._prepare(*inline, slot.runner)
+            else:
+                with torch.profiler.record_function("streamfer.wait_preprocess"):
+                    batch = prepared.result()
             try:
-                return self._run_batch(batch, slot.runner)
+                with torch.profiler.record_function(f"streamfer.inference[n={len(batch.frames)}]"):
+                    return self._run_batch(batch, slot.runner)
             finally:
                 batch.release()  # the device copy is done: the runner has read it
         finally:
             with self._lock:
                 slot.load -= submitted
+            if recording and request is not None:
+                request.batch_done()
 
     def _run_batch(self, batch: HostBatch, runner: EagerRunner) -> BatchOutcome:
         failures = [FrameFailure(f, str(exc), DECODE_ERROR) for f, exc in batch.failures]
@@ -206,6 +331,86 @@ class InferenceExecutor:
     def _model_shape(self, shape: tuple[int, int, int]) -> tuple[int, int, int]:
         """A frame shape (h, w, c) -> the runner's input: the model input's (H, W, C) uint8 pixels."""
         return (*self.contract.model_input_hw((shape[0], shape[1])), self.contract.channels)
+
+
+class _CudaMemoryProbe:
+    """worker.memorypolicy.MemoryProbe over torch.cuda's allocator statistics for one device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def total_bytes(self) -> int:
+        return int(torch.cuda.get_device_properties(self.device).total_memory)
+
+    def reset_peak(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_bytes(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+
+class _ProfileRequest:
+    """One on-demand profiler capture: started by the first batch after the request, stopped after `batches`.
+    The runner threads share it; only the thread that started the profiler stops it."""
+
+    def __init__(self, batches: int, directory: str) -> None:
+        self.left = batches
+        self.directory = directory
+        self.done: concurrent.futures.Future[str] = concurrent.futures.Future()
+        self._lock = threading.Lock()
+        self._prof: torch.profiler.profile | None = None
+        self._thread: int | None = None
+
+    def start(self) -> bool:
+        """True when this thread records the batch it is about to run (the first runner thread to ask)."""
+        with self._lock:
+            if self.done.done():
+                return False
+            if self._thread is None:
+                self._thread = threading.get_ident()
+                self._prof = torch.profiler.profile(activities=_profiler_activities(), record_shapes=True)
+                self._prof.__enter__()
+            return self._thread == threading.get_ident()
+
+    def batch_done(self) -> None:
+        with self._lock:
+            if self.done.done():
+                return
+            self.left -= 1
+            if self.left > 0 or self._prof is None:
+                return
+            prof, self._prof = self._prof, None
+        try:
+            prof.__exit__(None, None, None)
+            path = f"{self.directory}/streamfer-profile-{time.strftime('%Y%m%d-%H%M%S')}-{id(self):x}.json"
+            prof.export_chrome_trace(path)
+            log.info("profiler trace written: %s", path)
+            self.done.set_result(path)
+        except Exception as exc:  # noqa: BLE001 (reported to the requester, never crashes a runner)
+            self.done.set_exception(exc)
+
+
+def _profiler_activities() -> list[torch.profiler.ProfilerActivity]:
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    return acts
+
+
+def _calibration_frame(shape: tuple[int, int, int]) -> Frame:
+    h, w, c = shape
+    return Frame(stream_id="calibration", frame_index=0, tenant="", priority=Priority.BULK, capture_ts_ms=0, width=w,
+                 height=h, channels=c, encoding=Encoding.RAW_RGB8, data=bytes(h * w * c), source=SourceRef("", 0, 0))
+
+
+def _run_now(ex: InferenceExecutor, frames: list[Frame], shape: tuple[int, int, int]) -> BatchOutcome:
+    return ex.submit(frames, shape).result()
+
+
+def _timed(outcome: BatchOutcome) -> float:
+    return (outcome.preprocess_ms + outcome.inference_ms) / 1000.0
 
 
 def _run_one_by_one(runner: EagerRunner, batch: HostBatch) -> tuple[list, list[FrameFailure], bool]:

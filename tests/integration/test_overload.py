@@ -1,0 +1,89 @@
+"""Priority under overload against the real broker (issue 16): a bulk backlog, then frames offered at 2.5x
+the worker's measured capacity on all three topics. Realtime must be scored first; the shortfall falls on bulk
+(it waits, no deadline), then standard (it expires); nothing is lost.
+
+The model sleeps a fixed time per batch (tests/integration/models.py: paced_model), so capacity is set by
+construction rather than by the (shared, noisy) CPU; it is measured from the worker's first results anyway
+and the offered rate is set from that measurement."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+from worker.frames import Encoding, Priority
+from worker.producer import frame_producer, publish, send_frames, synthetic_frames
+from worker.results import read_results
+
+from .helpers import ledger, make_topics, start_worker
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+OVERLOAD = 2.5
+SECONDS = 12.0
+SHARES = {Priority.REALTIME: 1, Priority.STANDARD: 2, Priority.BULK: 2}  # 20% / 40% / 40%, interleaved
+SHAPES = [(32, 32)]
+
+
+def produced_at_ms(r: dict[str, Any]) -> float:
+    return r["capture_ts_ms"] + r["end_to_end_ms"]
+
+
+def measured_capacity(results: list[dict[str, Any]]) -> float:
+    """Frames/s from the production times of a saturated backlog's results (the first tenth left out)."""
+    times = sorted(produced_at_ms(r) for r in results)[len(results) // 10:]
+    return (len(times) - 1) / ((times[-1] - times[0]) / 1000.0)
+
+
+@pytest.mark.parametrize("mode", ["at_least_once", "exactly_once"])
+def test_under_overload_realtime_is_scored_and_bulk_then_standard_absorb_the_shortfall(
+        kafka_bootstrap, unique, tmp_path, mode):
+    topics = make_topics(kafka_bootstrap, unique)
+    backlog = list(synthetic_frames(600, SHAPES, Encoding.RAW_RGB8, Priority.BULK, f"{unique}b"))
+    publish(kafka_bootstrap, topics.bulk, iter(backlog))
+    log = tmp_path / "worker.log"
+    env = {"WORKER_MODEL_SOURCE": "tests.integration.models:paced_model", "WORKER_BATCHING_MAX_BATCH_SIZE": "16",
+           "WORKER_BATCHING_REALTIME_MAX_AGE_MS": "2000", "WORKER_BATCHING_STANDARD_MAX_AGE_MS": "4000",
+           "WORKER_RUNTIME_WARMUP_SHAPES": "32x32", "WORKER_DELIVERY_MODE": mode}
+    worker = start_worker(kafka_bootstrap, topics, extra_env=env, exit_when_idle=3.0, log_path=str(log))
+    try:
+        first = read_results(kafka_bootstrap, topics.results, until=lambda rs: len(rs) >= 250, timeout_s=180)
+        capacity = measured_capacity(first)
+        rate = OVERLOAD * capacity
+        per_class = {p: list(synthetic_frames(int(rate * SECONDS * n / 5), SHAPES, Encoding.RAW_RGB8, p, unique))
+                     for p, n in SHARES.items()}
+        order = [p for p, n in SHARES.items() for _ in range(n)]
+        iters = {p: iter(frames) for p, frames in per_class.items()}
+        interleaved = [f for p in itertools.islice(itertools.cycle(order), sum(map(len, per_class.values())))
+                       if (f := next(iters[p], None)) is not None]
+        report = send_frames(frame_producer(kafka_bootstrap), interleaved,
+                             lambda rec: topics.for_priority(rec.priority), rate_fps=rate)
+        assert worker.wait(timeout=300) == 0, log.read_text()[-3000:]
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+
+    results = read_results(kafka_bootstrap, topics.results, idle_timeout_s=2.0)
+    counts = ledger(results)
+    published = len(backlog) + len(interleaved)
+    assert len(counts) == published, f"lost {published - len(counts)} frames"  # every frame got a result
+    by_class = {p: [r for r in results if r["source_topic"] == topics.for_priority(p)] for p in Priority}
+    expired = {p: sum(r["status"] == "EXPIRED" for r in rs) / len(rs) for p, rs in by_class.items()}
+    start_ms = min(r["capture_ts_ms"] for r in by_class[Priority.REALTIME])
+    end_ms = start_ms + report.seconds * 1000.0
+    # The second half of the overload: standard is backlogged by then; who got the model?
+    late = [r for r in results if r["status"] == "OK" and start_ms + (end_ms - start_ms) / 2 <= produced_at_ms(r)
+            <= end_ms]
+    late_bulk_share = sum(r["source_topic"] == topics.bulk for r in late) / max(1, len(late))
+    summary = (f"{mode}: published {published}, results {len(results)}, duplicated {len(results) - len(counts)}, "
+               f"capacity {capacity:.0f}/s, offered {rate:.0f}/s for {report.seconds:.1f}s; expired "
+               f"{ {p.label: round(v, 3) for p, v in expired.items()} }; bulk share of frames scored in the second "
+               f"half of the overload {late_bulk_share:.3f}")
+    print(summary)
+    assert report.sent / report.seconds >= 2.0 * capacity, f"the load did not overload the worker: {summary}"
+    assert expired[Priority.REALTIME] <= 0.05, summary
+    assert expired[Priority.BULK] == 0.0, summary
+    assert expired[Priority.STANDARD] >= expired[Priority.REALTIME], summary
+    assert late_bulk_share <= 0.10, summary

@@ -1,0 +1,90 @@
+"""The learned batch-cost model: pure, fed measured batches."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from worker.costmodel import CostModel
+
+SHAPE = (224, 224, 3)
+
+
+def test_nothing_measured_predicts_nothing():
+    cost = CostModel()
+    assert cost.predict(SHAPE, 8) is None and cost.best_size(SHAPE, 32) is None
+
+
+def test_a_line_is_fitted_through_the_measured_sizes():
+    cost = CostModel()
+    for n in (1, 2, 4, 8):
+        cost.observe(SHAPE, n, 0.002 + 0.001 * n)
+
+    a, b = cost.line(SHAPE)
+    assert (a, b) == (pytest.approx(0.002), pytest.approx(0.001))
+    assert cost.predict(SHAPE, 16) == pytest.approx(0.018)
+
+
+def test_a_measured_size_predicts_its_own_recent_mean():
+    cost = CostModel(alpha=0.5)
+    cost.observe(SHAPE, 8, 0.010)
+    cost.observe(SHAPE, 8, 0.020)
+    assert cost.predict(SHAPE, 8) == pytest.approx(0.015)
+
+
+def test_one_measured_size_scales_by_frames():
+    cost = CostModel()
+    cost.observe(SHAPE, 8, 0.016)
+    assert cost.predict(SHAPE, 4) == pytest.approx(0.008)
+
+
+def test_an_unmeasured_shape_is_scaled_from_the_closest_by_area():
+    cost = CostModel()
+    cost.observe((100, 100, 3), 4, 0.010)
+    assert cost.predict((200, 100, 3), 4) == pytest.approx(0.020)
+    assert cost.predict((100, 100, 1), 4) is None  # other channels: nothing to scale from
+
+
+def test_best_size_is_the_most_frames_per_device_second_preferring_the_larger_on_a_tie():
+    cost = CostModel()
+    cost.observe(SHAPE, 4, 0.0050)   # 800/s
+    cost.observe(SHAPE, 8, 0.0104)   # 769/s: within 15%, and fewer batches cost less outside the measurement
+    cost.observe(SHAPE, 32, 0.080)   # 400/s: half the best
+    assert cost.best_size(SHAPE, 32) == 8
+    assert cost.best_size(SHAPE, 2) is None
+
+
+def test_largest_within_a_time_budget():
+    cost = CostModel()
+    cost.observe(SHAPE, 1, 0.012)
+    cost.observe(SHAPE, 32, 0.322)
+    assert cost.largest_within(SHAPE, 0.070, 32) == 6
+    assert cost.largest_within(SHAPE, 0.001, 32) == 0
+    assert cost.largest_within((1, 1, 1), 1.0, 32) is None
+
+
+def test_bad_measurements_are_ignored():
+    cost = CostModel()
+    cost.observe(SHAPE, 0, 0.01)
+    cost.observe(SHAPE, 4, float("nan"))
+    cost.observe(SHAPE, 4, 0.0)
+    assert not cost.known(SHAPE) and cost.version == 0
+
+
+def test_the_cost_model_imports_neither_kafka_nor_torch():
+    code = "import sys, worker.costmodel; print(any(m in sys.modules for m in ('confluent_kafka', 'torch')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_a_shape_seen_only_in_small_batches_still_chooses_among_the_calibrated_sizes():
+    cost = CostModel()
+    for n, t in ((1, 0.004), (4, 0.008), (16, 0.020)):  # warm-up calibration of 224x224
+        cost.observe(SHAPE, n, t)
+    small = (112, 112, 3)
+    cost.observe(small, 1, 0.001)  # its first batches ran alone (rare-shape lane): a quarter of 224's time
+
+    assert cost.best_size(small, 32) == 16
+    assert cost.predict(small, 16) == pytest.approx(0.005)

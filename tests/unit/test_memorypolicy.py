@@ -1,0 +1,91 @@
+"""Memory-aware caps, driven by a fake device memory probe (no GPU needed)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from worker.memorypolicy import MemoryPolicy
+
+SHAPE = (224, 224, 3)
+GIB = 1 << 30
+
+
+class FakeProbe:
+    """A device whose batches peak at base + per_frame * n bytes."""
+
+    def __init__(self, total: int, base: int, per_frame: int) -> None:
+        self.total, self.base, self.per_frame = total, base, per_frame
+        self.peak = 0
+
+    def total_bytes(self) -> int:
+        return self.total
+
+    def reset_peak(self) -> None:
+        self.peak = 0
+
+    def peak_bytes(self) -> int:
+        return self.peak
+
+    def run(self, n: int) -> None:
+        self.peak = max(self.peak, self.base + self.per_frame * n)
+
+
+def test_the_largest_batch_keeps_the_measured_peak_under_the_memory_fraction():
+    probe = FakeProbe(total=10 * GIB, base=2 * GIB, per_frame=GIB // 4)
+    policy = MemoryPolicy(probe.total_bytes(), memory_fraction=0.8)
+    for n in (1, 8):  # warm-up measures two sizes
+        policy.measure(probe, SHAPE, n, lambda n=n: probe.run(n))
+
+    # 8 GiB allowed: 2 GiB + 0.25 GiB * n <= 8 GiB  ->  n <= 24
+    assert policy.max_batch(SHAPE, cap=64) == 24
+    assert policy.max_batch(SHAPE, cap=16) == 16
+    assert policy.max_batch((1, 1, 3), cap=64) is None  # never measured: no memory cap
+
+
+def test_buckets_the_memory_cap_makes_unreachable_are_never_captured():
+    probe = FakeProbe(total=10 * GIB, base=2 * GIB, per_frame=GIB // 4)
+    policy = MemoryPolicy(probe.total_bytes(), memory_fraction=0.8)
+    policy.measure(probe, SHAPE, 1, lambda: probe.run(1))
+    policy.measure(probe, SHAPE, 8, lambda: probe.run(8))
+
+    # 24 fits: 32 is kept as the bucket a batch of 17..24 pads to; 64 is never reached.
+    assert policy.reachable(SHAPE, (1, 2, 4, 8, 16, 32, 64), cap=64) == (1, 2, 4, 8, 16, 32)
+    assert policy.reachable(SHAPE, (1, 2, 4, 8, 16, 32, 64), cap=16) == (1, 2, 4, 8, 16)
+
+
+def test_one_measurement_scales_up_by_frames_and_never_down():
+    policy = MemoryPolicy(8 * GIB, memory_fraction=1.0)
+    policy.record_peak(SHAPE, 4, GIB)
+    assert policy.predict_peak(SHAPE, 8) == 2 * GIB
+    assert policy.predict_peak(SHAPE, 2) == GIB
+
+
+def test_captured_graphs_stay_under_their_budget_least_recently_used_out_first():
+    policy = MemoryPolicy(100, memory_fraction=1.0, graph_budget_bytes=30)
+    assert policy.admit_graph("a", 10) == []
+    assert policy.admit_graph("b", 10) == []
+    assert policy.admit_graph("c", 10) == []
+    policy.touch("a")  # replayed: now the most recent
+    assert policy.admit_graph("d", 10) == ["b"]
+    assert policy.graphs == ("c", "a", "d") and policy.graph_bytes == 30
+
+
+def test_a_graph_larger_than_the_budget_alone_is_kept_and_the_rest_go():
+    policy = MemoryPolicy(100, memory_fraction=1.0, graph_budget_bytes=30)
+    policy.admit_graph("a", 10)
+    assert policy.admit_graph("big", 50) == ["a"]
+    assert policy.graphs == ("big",)
+
+
+def test_memory_fraction_must_be_a_share():
+    with pytest.raises(ValueError):
+        MemoryPolicy(100, memory_fraction=0)
+
+
+def test_the_memory_policy_imports_neither_kafka_nor_torch():
+    code = "import sys, worker.memorypolicy; print(any(m in sys.modules for m in ('confluent_kafka', 'torch')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

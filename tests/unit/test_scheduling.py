@@ -1,0 +1,219 @@
+"""The scheduler in the real loop (batcher, pipeline, delivery over Kafka fakes, fake clock): realtime
+isolation (a reserved in-flight slot, out-of-order collection by class) and priority under overload, the
+bug of issue 16 (realtime frames came back EXPIRED while bulk frames were scored)."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+
+from worker.config import BatchingSettings, ClassSettings, Settings
+from worker.frames import BatchOutcome, Encoding, Frame, Priority
+from worker.schemas import FrameRecord, decode_result, encode_frame
+
+from .kafka_fakes import outcome
+from .test_pipeline import World
+
+TOPICS = Settings().topics
+RT, STD, BULK = (TOPICS.realtime, 0), (TOPICS.standard, 0), (TOPICS.bulk, 0)
+
+
+def frame_at(stream: str, index: int, capture_s: float, side: int = 4) -> bytes:
+    return encode_frame(FrameRecord(stream_id=stream, frame_index=index, capture_ts_ms=round(capture_s * 1000),
+                                    tenant="t", priority=Priority.REALTIME, width=side, height=side, channels=3,
+                                    encoding=Encoding.RAW_RGB8, data=bytes(side * side * 3)))
+
+
+def results_by_topic(w: World) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for p in w.producers:
+        for m in p.visible:
+            if m.topic == w.settings.topics.results:
+                r = decode_result(m.value)
+                out.setdefault(r["source_topic"], []).append(r)
+    return out
+
+
+# -- realtime isolation ---------------------------------------------------------------------------------------
+def test_a_realtime_batch_is_dispatched_while_two_bulk_batches_are_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = World(monkeypatch, hold=True, max_inflight=2)
+    w.kafka.append(BULK, *(frame_at("b", i, w.clock.now) for i in range(12)))
+    w.assign([RT, STD, BULK])
+    w.step(2)
+    assert w.executor.priorities == [Priority.BULK, Priority.BULK]  # the limit: the third bulk batch waits
+
+    w.kafka.append(RT, *(frame_at("r", i, w.clock.now) for i in range(4)))
+    w.step(2)
+
+    assert w.executor.priorities == [Priority.BULK, Priority.BULK, Priority.REALTIME]
+    assert w.pipeline.inflight_batches == 3
+
+
+def test_a_finished_realtime_batch_is_delivered_while_an_older_bulk_batch_still_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    w = World(monkeypatch, hold=True, max_inflight=2)
+    w.kafka.append(BULK, *(frame_at("b", i, w.clock.now) for i in range(4)))
+    w.assign([RT, STD, BULK])
+    w.step(2)
+    w.kafka.append(RT, *(frame_at("r", i, w.clock.now) for i in range(4)))
+    w.step(2)
+
+    w.executor.release(lambda f: f.priority == Priority.REALTIME)
+    w.step(2)
+
+    got = results_by_topic(w)
+    assert len(got.get(TOPICS.realtime, [])) == 4 and TOPICS.bulk not in got
+
+
+# -- priority under overload -----------------------------------------------------------------------------------
+class TimedExecutor:
+    """One runner on the fake clock: a batch takes `fixed_s + per_frame_s * n`; the most urgent queued batch runs
+    next (like InferenceExecutor). `tick()` finishes what the clock has reached."""
+
+    preferred_batch_sizes: tuple[int, ...] = ()
+    model_name = "timed"
+    model_version = "1"
+
+    def __init__(self, fixed_s: float, per_frame_s: float) -> None:
+        self.fixed_s, self.per_frame_s = fixed_s, per_frame_s
+        self.clock: Any = None
+        self.queue: list[tuple[int, int, list[Frame], Future[BatchOutcome]]] = []
+        self.running: tuple[float, list[Frame], Future[BatchOutcome]] | None = None
+        self.seq = itertools.count()
+        self.scored: list[tuple[float, Priority, int]] = []  # (finish time, class, frames)
+
+    def submit(self, frames: Any, shape: tuple[int, int, int], priority: Priority = Priority.BULK) -> Future:
+        future: Future[BatchOutcome] = Future()
+        heapq.heappush(self.queue, (int(priority), next(self.seq), list(frames), future))
+        self.tick()
+        return future
+
+    def tick(self) -> None:
+        now = self.clock.now
+        while True:
+            if self.running is not None:
+                end, frames, future = self.running
+                if end > now:
+                    return
+                self.running = None
+                self.scored.append((end, frames[0].priority, len(frames)))
+                done = outcome(frames)
+                future.set_result(BatchOutcome(done.verdicts, [], len(frames), 0.0,
+                                               (self.fixed_s + self.per_frame_s * len(frames)) * 1000.0, end,
+                                               len(frames), False))
+                start = end
+            else:
+                start = now
+            if not self.queue:
+                return
+            _, _, frames, future = heapq.heappop(self.queue)
+            self.running = (start + self.fixed_s + self.per_frame_s * len(frames), frames, future)
+
+
+def overload_world(monkeypatch: pytest.MonkeyPatch) -> tuple[World, TimedExecutor]:
+    batching = BatchingSettings(
+        max_batch_size=16, rare_shape_min_count=1, max_pending_frames=512,
+        realtime=ClassSettings(5, 2_000, 8, latency_budget_ms=250, pending_share=1.0),
+        standard=ClassSettings(15, 3_000, 3, latency_budget_ms=1_000, pending_share=0.5),
+        bulk=ClassSettings(100, 0, 1, latency_budget_ms=0, pending_share=0.25))
+    executor = TimedExecutor(fixed_s=0.002, per_frame_s=0.001)  # ~890 frames/s in batches of 16
+    w = World(monkeypatch, batching=batching, max_inflight=2, executor=executor)
+    executor.clock = w.clock
+    return w, executor
+
+
+def test_under_overload_realtime_is_scored_first_and_bulk_absorbs_the_shortfall(monkeypatch: pytest.MonkeyPatch):
+    """A bulk backlog, then 2.5x capacity for 8 s on all three topics (20% realtime, 40% standard, 40% bulk; the
+    fake consumer hands out bulk first, as librdkafka's shared queue can). Realtime (0.5x capacity) must be
+    scored; the shortfall falls on bulk (no deadline), then standard; nothing is lost."""
+    w, executor = overload_world(monkeypatch)
+    start = w.clock.now
+    w.kafka.append(BULK, *(frame_at("bb", i, start - 5.0) for i in range(2000)))
+    w.assign([RT, STD, BULK])
+    offered_fps, seconds, dt = 2.5 * 890, 8.0, 0.005
+    counters = dict.fromkeys((RT, STD, BULK), 0)
+    shares = {RT: 0.2, STD: 0.4, BULK: 0.4}
+    sent = dict.fromkeys((RT, STD, BULK), 0.0)
+    while w.clock.now < start + seconds:
+        w.clock.now += dt
+        for tp, share in shares.items():
+            sent[tp] += offered_fps * share * dt
+            while counters[tp] < int(sent[tp]):
+                w.kafka.append(tp, frame_at(tp[0], counters[tp], w.clock.now))
+                counters[tp] += 1
+        executor.tick()
+        w.pipeline.step()
+    overload_end = w.clock.now
+    for _ in range(40_000):  # the rest drains (bulk has no deadline)
+        if sum(len(w.kafka.log[tp]) for tp in counters) == sum(len(p.visible) for p in w.producers):
+            break
+        w.clock.now += dt
+        executor.tick()
+        w.pipeline.step()
+
+    got = results_by_topic(w)
+    lost = {tp: len(w.kafka.log[tp]) - len(got.get(tp[0], [])) for tp in counters}
+    assert lost == dict.fromkeys(counters, 0)
+    expired = {tp: sum(r["status"] == "EXPIRED" for r in got[tp[0]]) / len(got[tp[0]]) for tp in counters}
+    assert expired[RT] <= 0.05, expired
+    assert expired[BULK] == 0.0
+    assert expired[STD] >= expired[RT]
+    # Model time during the overload went to realtime and standard, not to bulk.
+    during = [(p, n) for end, p, n in executor.scored if end <= overload_end]
+    model_s = {p: sum(0.002 + 0.001 * n for q, n in during if q == p) for p in Priority}
+    assert model_s[Priority.BULK] <= 0.1 * sum(model_s.values()), model_s
+
+
+# -- p99 tools ------------------------------------------------------------------------------------------------
+def test_with_debug_logging_each_batch_gets_one_line_with_its_class_shape_size_and_times(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    w = World(monkeypatch)
+    w.kafka.append(RT, *(frame_at("r", i, w.clock.now) for i in range(4)))
+    w.assign([RT])
+    with caplog.at_level(logging.DEBUG, logger="worker.batches"):
+        w.step(3)
+
+    lines = [r.getMessage() for r in caplog.records if r.name == "worker.batches"]
+    assert len(lines) == 1
+    for field in ("class=realtime", "shape=4x4x3", "size=4", "lane=exact", "oldest_wait_ms=", "queued_ms=",
+                  "padding=0.000", "predicted_ms=", "measured_ms=2.0"):
+        assert field in lines[0]
+
+
+def test_batch_log_lines_are_off_by_default(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    w = World(monkeypatch)
+    w.kafka.append(RT, *(frame_at("r", i, w.clock.now) for i in range(4)))
+    w.assign([RT])
+    with caplog.at_level(logging.INFO):
+        w.step(3)
+    assert not [r for r in caplog.records if r.name == "worker.batches"]
+
+
+def test_the_input_size_distribution_is_kept_per_batch_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = World(monkeypatch)
+    w.kafka.append(RT, *(frame_at("r", i, w.clock.now) for i in range(4)))
+    w.assign([RT])
+    w.step(3)
+    registry = w.pipeline.metrics.registry
+    assert registry.get_sample_value("streamfer_input_pixels_count", {"shape": "4x4"}) == 4
+    assert registry.get_sample_value("streamfer_input_pixels_sum", {"shape": "4x4"}) == 4 * 16
+
+
+def test_each_batch_counts_its_release_reason_and_its_measured_over_predicted_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    w = World(monkeypatch)
+    w.pipeline.seed_costs([((4, 4, 3), 4, 0.004)])  # predicted 4 ms; the fake executor's batches take 2 ms
+    w.kafka.append(RT, *(frame_at("r", i, w.clock.now) for i in range(4)))
+    w.assign([RT])
+    w.step(3)
+    registry = w.pipeline.metrics.registry
+    released = {s.labels["reason"]: s.value for m in registry.collect() if m.name == "streamfer_batch_releases"
+                for s in m.samples if s.name.endswith("_total") and s.labels["priority"] == "realtime"}
+    assert sum(released.values()) == 1
+    assert registry.get_sample_value("streamfer_batch_time_ratio_count") == 1
+    assert registry.get_sample_value("streamfer_batch_time_ratio_sum") == pytest.approx(0.5)

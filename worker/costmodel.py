@@ -1,0 +1,162 @@
+"""Batch cost, learned online: how long a batch of n frames of one shape takes to run (preprocessing +
+inference), so the batcher can size batches for a latency budget and for throughput. Pure: no Kafka, no
+torch; fed with measured batches (warm-up seeds it, every finished batch updates it).
+
+Per shape (height, width, channels) it keeps an exponentially weighted mean of the measured time of each
+batch size seen, and a least-squares line a + b*n through those means:
+  - profiles: a shape's own measurements are completed with the sizes only a reference shape has (the one
+    with the most sizes measured, the same channels: the warm-up calibration), scaled by the two shapes' time
+    ratio at the sizes both measured (else by pixel area). A shape never measured is the reference, scaled.
+  - predict(shape, n): the size's mean when it was measured (or completed), else the line (one size: scaled
+    by n). None when no shape of its channels is known: callers fall back to their static settings.
+  - best_size(shape, cap): among the measured sizes <= cap, the one with the most frames per second of device
+    time (n / its recent mean time; warm-up measures every size the same number of times); the largest size within
+    `tolerance` of the best wins (per-batch costs outside the measurement favour fewer batches; latency
+    budgets cut batches where needed). The line alone always favours the largest size, so the choice uses
+    measurements: on CPUs a large batch is often slower per frame (cache), which only a measurement shows.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+
+Shape = tuple[int, int, int]
+
+# Weight of the newest measurement in a size's running mean ("recent batches").
+EWMA_ALPHA = 0.2
+# The largest size within this share of the best measured throughput is chosen: per-batch costs the
+# measurement leaves out (the loop, produce, commit) favour fewer batches, and budgets cut a batch when a
+# class's latency needs it.
+THROUGHPUT_TOLERANCE = 0.15
+
+
+@dataclass
+class _ShapeCost:
+    mean_s: dict[int, float] = field(default_factory=dict)  # batch size -> EWMA of measured seconds
+    count: dict[int, int] = field(default_factory=dict)
+    a: float = 0.0
+    b: float = 0.0
+
+    def refit(self) -> None:
+        """Least squares of mean_s over sizes; a >= 0 and b >= 0 (time never shrinks with more frames)."""
+        points = sorted(self.mean_s.items())
+        if len(points) == 1:
+            n, t = points[0]
+            self.a, self.b = 0.0, t / n
+            return
+        mx = sum(n for n, _ in points) / len(points)
+        my = sum(t for _, t in points) / len(points)
+        sxx = sum((n - mx) ** 2 for n, _ in points)
+        b = sum((n - mx) * (t - my) for n, t in points) / sxx
+        b = max(b, 0.0)
+        a = my - b * mx
+        if a < 0:  # through the origin instead
+            a, b = 0.0, sum(n * t for n, t in points) / sum(n * n for n, _ in points)
+        self.a, self.b = a, b
+
+    def predict(self, n: int) -> float:
+        measured = self.mean_s.get(n)
+        return measured if measured is not None else self.a + self.b * n
+
+
+class CostModel:
+    """Learned batch times per shape; see the module docstring. Not thread-safe: the loop owns it."""
+
+    def __init__(self, alpha: float = EWMA_ALPHA, tolerance: float = THROUGHPUT_TOLERANCE) -> None:
+        self._alpha = alpha
+        self._tolerance = tolerance
+        self._shapes: dict[Shape, _ShapeCost] = {}
+        self._profiles: dict[Shape, _ShapeCost | None] = {}  # merged views, dropped on every observation
+        # Bumped on every observation, so a caller can tell its cached choices are stale.
+        self.version = 0
+
+    def observe(self, shape: Shape, n: int, seconds: float) -> None:
+        """Record one measured batch of `n` frames of `shape` that took `seconds` (preprocess + inference)."""
+        if n < 1 or not math.isfinite(seconds) or seconds <= 0:
+            return
+        cost = self._shapes.setdefault(tuple(shape), _ShapeCost())  # type: ignore[arg-type]
+        old = cost.mean_s.get(n)
+        cost.mean_s[n] = seconds if old is None else old + self._alpha * (seconds - old)
+        cost.count[n] = cost.count.get(n, 0) + 1
+        cost.refit()
+        self._profiles.clear()
+        self.version += 1
+
+    def known(self, shape: Shape) -> bool:
+        return tuple(shape) in self._shapes
+
+    def predict(self, shape: Shape, n: int) -> float | None:
+        """Predicted seconds for a batch of `n` frames of `shape`; None when no shape of its channels is known."""
+        if n < 1:
+            return 0.0
+        profile = self._profile(tuple(shape))  # type: ignore[arg-type]
+        return None if profile is None else profile.predict(n)
+
+    def line(self, shape: Shape) -> tuple[float, float] | None:
+        """The fitted (a seconds, b seconds per frame) of a measured shape."""
+        cost = self._shapes.get(tuple(shape))  # type: ignore[arg-type]
+        return None if cost is None else (cost.a, cost.b)
+
+    def best_size(self, shape: Shape, cap: int) -> int | None:
+        """The size <= cap with the most frames per second of device time; None if nothing is known."""
+        profile = self._profile(tuple(shape))  # type: ignore[arg-type]
+        if profile is None:
+            return None
+        sizes = [n for n in profile.mean_s if n <= cap]
+        if not sizes:
+            return None
+        best = max(n / profile.mean_s[n] for n in sizes)
+        return max(n for n in sizes if n / profile.mean_s[n] >= best * (1.0 - self._tolerance))
+
+    def _profile(self, shape: Shape) -> _ShapeCost | None:
+        """The shape's own measurements, completed with the sizes only a reference shape (the same channels, the
+        most sizes measured: the warm-up calibration) has, scaled to this shape. Without the completion a shape
+        first seen in small batches would only ever know small sizes and keep choosing them."""
+        if shape in self._profiles:
+            return self._profiles[shape]
+        own = self._shapes.get(shape)
+        others = [s for s in self._shapes if s != shape and s[2] == shape[2]]
+        area = shape[0] * shape[1]
+        ref_shape = max(others, key=lambda s: (len(self._shapes[s].mean_s),
+                                               -abs(math.log(max(1, s[0] * s[1]) / max(1, area)))), default=None)
+        ref = None if ref_shape is None else self._shapes[ref_shape]
+        if ref is None or (own is not None and set(ref.mean_s) <= set(own.mean_s)):
+            profile = own
+        else:
+            assert ref_shape is not None
+            shared = [n for n in ref.mean_s if own is not None and n in own.mean_s]
+            if shared and own is not None:
+                ratio = statistics.median(own.mean_s[n] / ref.mean_s[n] for n in shared)
+            else:
+                ratio = area / max(1, ref_shape[0] * ref_shape[1])
+            profile = _ShapeCost()
+            for n in ref.mean_s:
+                profile.mean_s[n] = ref.mean_s[n] * ratio
+            if own is not None:
+                profile.mean_s.update(own.mean_s)
+            profile.refit()
+        self._profiles[shape] = profile
+        return profile
+
+    def largest_within(self, shape: Shape, seconds: float, cap: int) -> int | None:
+        """The largest n <= cap predicted to take at most `seconds`; 0 if not even one frame; None if unknown."""
+        one = self.predict(shape, 1)
+        if one is None:
+            return None
+        lo, hi = 0, cap
+        while lo < hi:  # predictions grow with n (b >= 0, means of larger sizes are larger in practice)
+            mid = (lo + hi + 1) // 2
+            t = self.predict(shape, mid)
+            if t is not None and t <= seconds + 1e-9:  # clock rounding must not cost a frame
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """Per shape "HxWxC": the line and the measured means (for logs and benchmarks)."""
+        return {f"{h}x{w}x{c}": {"a_ms": cost.a * 1000.0, "b_ms": cost.b * 1000.0,
+                                 **{f"n{n}_ms": t * 1000.0 for n, t in sorted(cost.mean_s.items())}}
+                for (h, w, c), cost in self._shapes.items()}
