@@ -68,7 +68,12 @@ Backpressure (classes_to_pause). A class pauses when its own pending frames or b
   queue ahead of realtime), so pausing on every late frame made all classes slower. A steady stream within
   capacity pauses nothing. Call it after dispatching what the runtime has room for, so that frames still due
   are the backlog.
-  add() raises BatcherFullError past twice the caps (except into an empty batcher).
+  A frame's bytes are its batch tensor's share: at the model's fixed input size when it has one (a 1080p
+  frame bound for 224x224 holds a 224x224 row), else at the frame's own size. poll_room() also bounds the
+  frames read by the bytes left, at the largest frame seen so far; a frame's size is only known once read,
+  so max_pending_bytes pauses reading but may be passed by one poll of frames larger than any before.
+  add() raises BatcherFullError past twice max_pending_frames (except into an empty batcher): the source
+  did not pause.
 next_due() is the earliest of the groups' release times and the next expiry (a time <= now means now),
   so the caller can sleep until then.
 Cost. add() and a release are O(log n) in the group's pending frames; pop_batch() and next_due() also scan
@@ -95,7 +100,7 @@ LANE_FALLBACK = "fallback"
 
 # Backpressure resumes below this share of max_pending_frames / max_pending_bytes.
 RESUME_WATERMARK = 0.75
-# add() refuses frames beyond this multiple of the pending caps: the caller ignored classes_to_pause().
+# add() refuses frames beyond this multiple of max_pending_frames: the caller ignored classes_to_pause().
 HARD_CAP_FACTOR = 2
 
 _NO_CUTOFF: tuple[float, int] = (math.inf, 2**63)
@@ -233,7 +238,7 @@ class MicroBatcher:
 
     def __init__(self, settings: BatchingSettings, clock: Callable[[], float],
                  preferred_batch_sizes: Sequence[int] = (), cost: CostModel | None = None,
-                 memory: MemoryPolicy | None = None) -> None:
+                 memory: MemoryPolicy | None = None, input_hw: tuple[int, int] | None = None) -> None:
         bad = [s for s in preferred_batch_sizes if s < 1]
         if bad:
             raise ConfigError([f"preferred_batch_sizes: sizes must be >= 1 (got {bad})"])
@@ -243,6 +248,8 @@ class MicroBatcher:
         self._preferred = tuple(sorted({s for s in (*settings.preferred_batch_sizes, *preferred_batch_sizes)
                                         if 1 <= s <= settings.max_batch_size}))
         self._dtype_bytes = settings.tensor_dtype_bytes
+        self._input_hw = input_hw  # the model's fixed input (height, width): every row of a batch has that size
+        self._largest_frame_bytes = 0
         self._waste_max = settings.padding_waste_max
         self._rare_window_s = settings.rare_shape_window_ms / 1000.0
         self._rare_min = settings.rare_shape_min_count
@@ -279,14 +286,14 @@ class MicroBatcher:
         """Enqueue a frame at frame.received_at; raises BatcherFullError past the hard cap."""
         s = self._s
         shape = (frame.height, frame.width, frame.channels)
-        frame_bytes = shape[0] * shape[1] * shape[2] * self._dtype_bytes
-        if self._pending_frames and (
-                self._pending_frames >= HARD_CAP_FACTOR * s.max_pending_frames
-                or self._pending_bytes + frame_bytes > HARD_CAP_FACTOR * s.max_pending_bytes):
+        rows_hw = self._input_hw or (shape[0], shape[1])
+        frame_bytes = rows_hw[0] * rows_hw[1] * shape[2] * self._dtype_bytes
+        if self._pending_frames and self._pending_frames >= HARD_CAP_FACTOR * s.max_pending_frames:
             raise BatcherFullError(
-                f"batcher holds {self._pending_frames} frames / {self._pending_bytes} bytes, past "
-                f"{HARD_CAP_FACTOR}x batching.max_pending_frames / max_pending_bytes: the source must pause "
-                f"the classes returned by classes_to_pause() and drain pop_batch() before adding more")
+                f"batcher holds {self._pending_frames} frames, past {HARD_CAP_FACTOR}x batching.max_pending_frames: "
+                f"the source must pause the classes returned by classes_to_pause() and drain pop_batch() before "
+                f"adding more")
+        self._largest_frame_bytes = max(self._largest_frame_bytes, frame_bytes)
         cls = self._classes[frame.priority]
         t = frame.received_at
         if frame.priority == Priority.REALTIME and t > self._realtime_seen_at:
@@ -832,6 +839,8 @@ class MicroBatcher:
         (or all classes the caps) by more than one poll: at least 1."""
         s = self._s
         room = s.max_pending_frames - self._pending_frames
+        if self._largest_frame_bytes:
+            room = min(room, (s.max_pending_bytes - self._pending_bytes) // self._largest_frame_bytes)
         for cls in self._classes:
             if cls.priority not in paused:
                 room = min(room, math.ceil(cls.share * s.max_pending_frames) - cls.pending)

@@ -47,6 +47,8 @@ class Executor(Protocol):
     """What the pipeline needs from the runtime (worker.runtime.InferenceExecutor)."""
 
     preferred_batch_sizes: tuple[int, ...]
+    # The model's fixed input (height, width), or None when it takes each batch's own size.
+    model_input_hw: tuple[int, int] | None
     model_name: str
     model_version: str
 
@@ -131,7 +133,7 @@ class Pipeline:
         # Batch times measured here teach the batcher what each size costs (seeded at warm-up by seed_costs).
         self.cost = CostModel()
         self.batcher = MicroBatcher(settings.batching, clock, executor.preferred_batch_sizes, self.cost,
-                                    getattr(executor, "memory_policy", None))
+                                    getattr(executor, "memory_policy", None), executor.model_input_hw)
         self.duplicates = DuplicateFrames(settings.limits.duplicate_window_frames)
         self._result_context = ResultContext(executor.model_name, executor.model_version,
                                              settings.observability.worker_id)

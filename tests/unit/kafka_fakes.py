@@ -289,6 +289,7 @@ class FakeExecutor:
     """Scores every frame `scores` at once, or holds batches until `release()` when `hold` is set."""
 
     preferred_batch_sizes: tuple[int, ...] = ()
+    model_input_hw: tuple[int, int] | None = None
     model_name = "fake"
     model_version = "1"
 

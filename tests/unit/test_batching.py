@@ -726,6 +726,36 @@ def test_add_past_twice_the_pending_cap_raises_batcher_full_error():
     assert batcher.pending_frames == 8
 
 
+def test_frames_bound_for_a_fixed_model_input_count_that_input_s_bytes_not_their_own():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(max_batch_bytes=8 * 224 * 224 * 3 * 4), clock, input_hw=(224, 224))
+    add_frames(batcher, clock, 8, shape=(1080, 1920, 3))
+
+    assert batcher.pending_bytes == 8 * 224 * 224 * 3 * 4
+    assert [(b.lane, b.size) for b in drain(batcher)] == [("exact", 8)]  # one batch: its tensor is 224x224 rows
+
+
+def test_poll_room_is_bounded_by_the_bytes_left_at_the_largest_frame_seen():
+    clock = FakeClock()
+    frame_bytes = 720 * 1280 * 3 * 4
+    batcher = MicroBatcher(make_settings(max_pending_frames=2048, max_pending_bytes=10 * frame_bytes), clock)
+    add_frames(batcher, clock, 4, shape=(720, 1280, 3))
+
+    assert batcher.poll_room(set()) == 6
+
+
+def test_one_poll_of_frames_larger_than_any_before_passes_the_byte_cap_without_an_error():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(max_pending_frames=2048, max_pending_bytes=1 << 20), clock)
+    add_frames(batcher, clock, 1, shape=(64, 64, 3))
+    room = batcher.poll_room(set())
+    add_frames(batcher, clock, room, shape=(1080, 1920, 3))  # sizes are known only once read
+
+    assert batcher.pending_bytes > 2 * (1 << 20)
+    assert STANDARD in batcher.classes_to_pause()  # the class holding the bytes reads no more
+    assert batcher.poll_room({STANDARD}) == 1  # the others, one frame a poll until it drains
+
+
 def test_an_empty_batcher_accepts_a_frame_bigger_than_its_byte_caps():
     clock = FakeClock()
     batcher = MicroBatcher(make_settings(max_batch_bytes=1024, max_pending_bytes=1024), clock)

@@ -76,6 +76,7 @@ class TimedExecutor:
     next (like InferenceExecutor). `tick()` finishes what the clock has reached."""
 
     preferred_batch_sizes: tuple[int, ...] = ()
+    model_input_hw: tuple[int, int] | None = None
     model_name = "timed"
     model_version = "1"
 

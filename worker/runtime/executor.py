@@ -125,6 +125,7 @@ class InferenceExecutor:
         self.device_description = device_description or ", ".join(str(r.device) for r in runners)
         graph_buckets = [getattr(r, "buckets", ()) for r in runners if r.uses_graphs]
         self.preferred_batch_sizes: tuple[int, ...] = tuple(graph_buckets[0]) if graph_buckets else ()
+        self.model_input_hw: tuple[int, int] | None = contract.input_size
         self._warmup_batches = warmup_batches
         self._warmup_batch_size = warmup_batch_size
         if preprocess_threads < 1:
