@@ -106,11 +106,13 @@ def run_worker(settings: Settings, exit_when_idle_s: float | None = None, stop: 
         if status is not None:
             health.broker_problem = status.unhealthy_reason
         if settings.observability.metrics_enabled:
+            def profile(batches: int) -> str:
+                return executor.profile(batches, tempfile.gettempdir()).result(PROFILE_TIMEOUT_S)
+
             server = MetricsServer(metrics, health, settings.observability.metrics_host,
                                    settings.observability.metrics_port,
                                    before_scrape=lambda: _refresh_scrape_gauges(pipeline, metrics),
-                                   profile=lambda n: executor.profile(n, tempfile.gettempdir()).result(
-                                       PROFILE_TIMEOUT_S)).start()
+                                   profile=profile if settings.observability.profile_endpoint else None).start()
             log.info("metrics on http://%s:%d/metrics", settings.observability.metrics_host, server.port)
         shapes = warmup_frame_shapes(settings)
         executor.warm_up(shapes)

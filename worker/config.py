@@ -260,6 +260,9 @@ class ObservabilitySettings:
     # 0 picks a free port (logged at start-up); useful when several workers share a host.
     metrics_port: int = 9400
     metrics_host: str = "0.0.0.0"
+    # Serve /debug/profile on the metrics port (unauthenticated, like /metrics): anyone who reaches the port
+    # can then make the worker record batches with the torch profiler. Off unless asked for.
+    profile_endpoint: bool = False
     log_format: LogFormat = "text"
     log_level: LogLevel = "INFO"
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")

@@ -94,6 +94,11 @@ def check_query(expr: str, scraped: dict[str, set[str]]) -> list[str]:
     return problems
 
 
+def test_the_profiler_endpoint_is_off_unless_asked_for(busy_worker: RunningWorker) -> None:
+    assert busy_worker.get("/debug/profile?batches=1")[0] == 404  # observability.profile_endpoint = false
+    assert busy_worker.get("/healthz")[0] == 200
+
+
 def test_the_label_check_catches_a_wrong_label() -> None:
     scraped = {"streamfer_frames_consumed_total": {"topic", "tenant"}}
     assert check_query('sum by (topic) (rate(streamfer_frames_consumed_total{instance=~"$i"}[5m]))', scraped) == []
