@@ -24,6 +24,7 @@ from worker.costmodel import CostModel
 from worker.dedup import DuplicateFrames, duplicate_reason
 from worker.delivery import AtLeastOnceDelivery, CommitResult, Delivery, ExactlyOnceDelivery
 from worker.frames import DUPLICATE_FRAME, BatchOutcome, DeadLetter, Frame, Output, Priority, Status, Verdict
+from worker.memorypolicy import MemoryPolicy
 from worker.metrics import Health, Metrics
 from worker.offsets import OffsetTracker
 from worker.schemas import ResultContext, build_result, reencode_frame
@@ -49,6 +50,8 @@ class Executor(Protocol):
     preferred_batch_sizes: tuple[int, ...]
     # The model's fixed input (height, width), or None when it takes each batch's own size.
     model_input_hw: tuple[int, int] | None
+    # Device memory peaks per shape measured at warm-up (CUDA), or None: a cap on each shape's batch size.
+    memory_policy: MemoryPolicy | None
     model_name: str
     model_version: str
 
@@ -133,7 +136,7 @@ class Pipeline:
         # Batch times measured here teach the batcher what each size costs (seeded at warm-up by seed_costs).
         self.cost = CostModel()
         self.batcher = MicroBatcher(settings.batching, clock, executor.preferred_batch_sizes, self.cost,
-                                    getattr(executor, "memory_policy", None), executor.model_input_hw)
+                                    executor.memory_policy, executor.model_input_hw)
         self.duplicates = DuplicateFrames(settings.limits.duplicate_window_frames)
         self._result_context = ResultContext(executor.model_name, executor.model_version,
                                              settings.observability.worker_id)

@@ -290,6 +290,7 @@ class FakeExecutor:
 
     preferred_batch_sizes: tuple[int, ...] = ()
     model_input_hw: tuple[int, int] | None = None
+    memory_policy = None
     model_name = "fake"
     model_version = "1"
 

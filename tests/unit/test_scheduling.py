@@ -77,6 +77,7 @@ class TimedExecutor:
 
     preferred_batch_sizes: tuple[int, ...] = ()
     model_input_hw: tuple[int, int] | None = None
+    memory_policy = None
     model_name = "timed"
     model_version = "1"
 
