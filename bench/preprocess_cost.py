@@ -25,6 +25,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+# For tests.pixels; appended, so a round's own tree (first on PYTHONPATH) provides `worker`.
+sys.path.append(str(ROOT))
 INFLIGHT = 2  # the worker's delivery.max_inflight_batches default
 # name: (frame width, height, image kind, encoding, model input [h, w])
 CASES = {
@@ -35,35 +37,12 @@ CASES = {
 }
 
 
-def near_zero_model() -> Any:
-    """A 'model' whose forward is a slice of its input: the runtime's cost around any model."""
-    import torch
-    from torch import nn
-
-    class NearZero(nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x.flatten(1)[:, :5]
-
-    return NearZero()
-
-
-def _photo_like(width: int, height: int) -> Any:
-    import numpy as np
-
-    rng = np.random.default_rng(5)
-    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
-    img = np.stack([128 + 90 * np.sin(x / 60), 128 + 90 * np.cos(y / 45), 128 + 70 * np.sin((x + y) / 80)], -1)
-    for _ in range(12):
-        top, left, size = rng.integers(0, height), rng.integers(0, width), rng.integers(20, 150)
-        img[top:top + size, left:left + size] = rng.integers(0, 256, 3)
-    return np.clip(img + rng.normal(0, 4, img.shape), 0, 255).astype(np.uint8)
-
-
 def one_round(case: str, threads: str, batch: int, seconds: float) -> dict[str, Any]:
     """Runs in the child process, against whichever `worker` package is first on sys.path."""
     import numpy as np
     import torch
 
+    from tests.pixels import photo_like
     from worker.config import ModelSettings, RuntimeSettings
     from worker.frames import Encoding, Frame, Priority, SourceRef
     from worker.producer import encode_pixels, synthetic_pixels
@@ -73,12 +52,12 @@ def one_round(case: str, threads: str, batch: int, seconds: float) -> dict[str, 
     width, height, kind, encoding_name, input_size = CASES[case]
     encoding = Encoding[encoding_name]
     pixels = (synthetic_pixels(np.random.default_rng(7), width, height) if kind == "synthetic"
-              else _photo_like(width, height))
+              else photo_like(width, height))
     data = encode_pixels(pixels, encoding)
     frames = [Frame(stream_id="s", frame_index=i, tenant="t", priority=Priority.STANDARD, capture_ts_ms=0,
                     width=width, height=height, channels=3, encoding=encoding, data=data,
                     source=SourceRef("in", 0, i)) for i in range(batch)]
-    model = ModelSettings(source="preprocess_cost:near_zero_model", input_size=input_size)
+    model = ModelSettings(source="nullmodel:null_model", input_size=input_size)
     runtime = RuntimeSettings(device="cpu", warmup_batches=1, torch_threads=1,
                               **({} if threads == "default" else {"preprocess_threads": int(threads)}))
     shape = (height, width, 3)

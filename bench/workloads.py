@@ -6,8 +6,8 @@ No Kafka here: the GPU check (bench/gpu_check.py) uses the same definitions on a
     jpeg224 / jpeg360 / jpeg720 / jpeg1080
                one camera-like stream shape as JPEG (224x224, 640x360, 1280x720, 1920x1080) on the standard
                topic, each resized into a 224x224 model input: decode and resize cost grow, the model's does not
-    null       the mean colour through one linear layer (bench/nullmodel.py): microseconds a frame, so what is
-               measured is the pipeline's own cost
+    null       a slice of the input as scores (bench/nullmodel.py): next to nothing, so what is measured is the
+               pipeline's own cost
     toy        the builtin CNN: a small model (about 1 CPU-ms a frame at 224x224 here)
     opennsfw   Yahoo's open_nsfw ResNet-50 preset (the `models` extra): a real model's cost
 """
@@ -65,7 +65,7 @@ WORKLOADS: dict[str, Workload] = {
 JPEG_WORKLOADS = ("jpeg224", "jpeg360", "jpeg720", "jpeg1080")
 
 MODELS: dict[str, str] = {
-    "null": "mean colour + one linear layer (near-zero model: the pipeline's own cost)",
+    "null": "a slice of the input as scores (near-zero model: the pipeline's own cost)",
     "toy": "the builtin CNN (a small model)",
     "opennsfw": "open_nsfw ResNet-50 preset (a real model)",
 }

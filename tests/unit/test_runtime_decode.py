@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image, ImageFile
 
+from tests.pixels import photo_like
 from worker.frames import Encoding, Frame, Priority, SourceRef
 from worker.runtime.decode import FrameDecodeError, check_jpeg, decode_frame, jpeg_scale
 from worker.runtime.models import ModelContract
@@ -281,17 +282,6 @@ def test_stray_bytes_between_segments_are_corrupt_data_and_refused():
 
 
 # -- decoding at a reduced DCT scale ----------------------------------------------------------------------------------
-def photo_like(width: int, height: int) -> np.ndarray:
-    """Smooth gradients, a few hard-edged patches and mild sensor noise: what a video frame holds."""
-    rng = np.random.default_rng(5)
-    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
-    img = np.stack([128 + 90 * np.sin(x / 60), 128 + 90 * np.cos(y / 45), 128 + 70 * np.sin((x + y) / 80)], -1)
-    for _ in range(12):
-        top, left, size = rng.integers(0, height), rng.integers(0, width), rng.integers(20, 150)
-        img[top:top + size, left:left + size] = rng.integers(0, 256, 3)
-    return np.clip(img + rng.normal(0, 4, img.shape), 0, 255).astype(np.uint8)
-
-
 @pytest.mark.parametrize("frame_hw, min_hw, scale", [
     ((720, 1280), (224, 224), 2), ((1080, 1920), (224, 224), 4), ((1080, 1920), (126, 224), 8),
     ((720, 1280), (361, 100), 1), ((224, 224), (224, 224), 1), ((720, 1280), None, 1),
