@@ -172,6 +172,20 @@ class _FixedSize(torch.nn.Module):
         return x.reshape(x.shape[0], 3 * 8 * 8)[:, :5]
 
 
+class _NeedsContiguousNCHW(torch.nn.Module):
+    """Flattens with view(): needs contiguous NCHW memory, which the Normaliser does not hand over."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view(x.shape[0], -1)[:, :5]
+
+
+def test_a_model_that_needs_contiguous_nchw_memory_fails_at_load_naming_channels_last(tmp_path):
+    path = tmp_path / "view.pt"
+    torch.jit.script(_NeedsContiguousNCHW()).save(str(path))
+    with pytest.raises(ModelContractError, match="channels_last memory"):
+        load_model(_settings(source=str(path), input_size=(8, 8)))
+
+
 def test_model_failing_on_the_dummy_input_suggests_input_size(tmp_path):
     path = tmp_path / "fixed.pt"
     torch.jit.script(_FixedSize()).save(str(path))

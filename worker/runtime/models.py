@@ -237,8 +237,12 @@ def preset_model_file(preset: str) -> Path:
 def validate_output(module: Callable[[torch.Tensor], torch.Tensor], contract: ModelContract,
                     device: torch.device) -> None:
     """Run one dummy batch and check the output is a tensor of shape [N, len(labels)]."""
-    dummy = torch.zeros(VALIDATION_BATCH, *contract.input_shape(contract.input_size or VALIDATION_HW),
-                        device=device)
+    h, w = contract.input_size or VALIDATION_HW
+    # In the memory format the Normaliser hands the model: NHWC memory, an NCHW model seeing it permuted
+    # (torch.channels_last).
+    dummy = torch.zeros(VALIDATION_BATCH, h, w, contract.channels, device=device)
+    if contract.input_layout == "NCHW":
+        dummy = dummy.permute(0, 3, 1, 2)
     try:
         with torch.inference_mode():
             out = module(dummy)
@@ -246,7 +250,8 @@ def validate_output(module: Callable[[torch.Tensor], torch.Tensor], contract: Mo
         hint = "" if contract.input_size else (
             "; if the model only takes a fixed size, set model.input_size = [height, width]")
         raise ModelContractError(
-            f"model failed on a dummy input of shape {list(dummy.shape)} (float32 {contract.input_layout}): "
+            f"model failed on a dummy input of shape {list(dummy.shape)} (float32 {contract.input_layout}"
+            f"{', channels_last memory' if contract.input_layout == 'NCHW' else ''}): "
             f"{type(exc).__name__}: {_first_line(exc)}{hint}; a model must accept any batch size "
             "(export with a dynamic batch dimension), and model.input_layout must match its input"
         ) from exc

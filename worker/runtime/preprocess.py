@@ -265,7 +265,13 @@ class Preprocessor:
 class Normaliser:
     """uint8 NHWC pixels -> the model's float32 input (channel order, scale, mean/std, layout), in torch on the
     pixels' device; zero outside each row's region. Computes pixel * (unit / std) - mean / std in float32,
-    the same two roundings the reference preprocessing makes. Build one per device before any graph capture."""
+    the same two roundings the reference preprocessing makes. Build one per device before any graph capture.
+
+    The arithmetic runs on the contiguous NHWC tensor, each image row as one vector with scale and bias tiled
+    along it: on CPU a per-channel broadcast over an innermost dimension of 3, or a strided NHWC -> NCHW copy,
+    costs two to four times as much. An NCHW model therefore gets an NCHW-shaped tensor in channels_last memory
+    format (torch.channels_last: the layout convolutions prefer on CPU and GPU); `validate_output` feeds the
+    same at load, so a model that needs contiguous NCHW memory fails there, not on the first batch."""
 
     def __init__(self, contract: ModelContract, device: torch.device | str = "cpu"):
         c = contract.channels
@@ -273,33 +279,51 @@ class Normaliser:
         std = np.asarray(contract.std, dtype=np.float32)
         mean = np.asarray(contract.mean, dtype=np.float32)
         self._nchw = contract.input_layout == "NCHW"
-        per_channel = (c, 1, 1) if self._nchw else (c,)
         # (pixel * unit - mean) / std  ==  pixel * scale - bias, with scale and bias rounded to float32 once.
-        self._scale = torch.from_numpy((unit / std).astype(np.float32)).reshape(per_channel).to(device)
-        self._bias = torch.from_numpy((mean / std).astype(np.float32)).reshape(per_channel).to(device)
+        self._scale = torch.from_numpy((unit / std).astype(np.float32)).to(device)
+        self._bias = torch.from_numpy((mean / std).astype(np.float32)).to(device)
         self._bgr = contract.channel_order == "BGR" and c == 3
+        self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # width -> scale and bias tiled along a row
 
     def __call__(self, pixels: torch.Tensor, regions: torch.Tensor | None = None) -> torch.Tensor:
-        x = pixels.flip(-1) if self._bgr else pixels
-        if self._nchw:
-            x = x.permute(0, 3, 1, 2)
-        # One pass converts to float32 and lays out (a strided read); then scale and bias in place.
-        out = torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x)
-        out.mul_(self._scale).sub_(self._bias)
+        n, h, w, c = pixels.shape
+        out = torch.empty((n, h, w, c), dtype=torch.float32, device=pixels.device)
+        if self._bgr:
+            for i in range(3):  # channel by channel: half the cost of pixels.flip(-1) on CPU
+                out[..., i].copy_(pixels[..., 2 - i])
+        else:
+            out.copy_(pixels)
+        scale, bias = self._tiled(w)
+        rows = out.view(n * h, w * c)
+        rows.mul_(scale).sub_(bias)
         if regions is not None:
-            inside = _inside(regions, pixels.shape[1], pixels.shape[2])
-            out.masked_fill_(~(inside.unsqueeze(1) if self._nchw else inside.unsqueeze(3)), 0.0)
-        return out
+            # A region is a rectangle: multiply the image rows by 1 inside it and 0 outside, then the columns
+            # (each widened to its c values first: a broadcast over an innermost dimension of c is slow); adding
+            # 0.0 turns the -0.0 of negative values times 0 into 0.0 and changes nothing else. Four times
+            # cheaper on CPU than masked_fill_.
+            rows_in, cols_in = _inside(regions, h, w)
+            image = out.view(n, h, w * c)
+            image.mul_(rows_in.to(out.dtype).unsqueeze(2))
+            image.mul_(cols_in.to(out.dtype).unsqueeze(2).expand(n, w, c).reshape(n, 1, w * c))
+            image.add_(0.0)
+        return out.permute(0, 3, 1, 2) if self._nchw else out
+
+    def _tiled(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scale and bias repeated for one image row of `width` pixels (made once per width; a graph's warm-up
+        makes its widths' before capture)."""
+        tiled = self._rows.get(width)
+        if tiled is None:
+            tiled = self._rows[width] = (self._scale.repeat(width), self._bias.repeat(width))
+        return tiled
 
 
-def _inside(regions: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """[n, H, W] bool: True inside each row's (top, left, height, width) region. Shape-static (graph-safe)."""
+def _inside(regions: torch.Tensor, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, H] and [n, W] bool: the rows and the columns inside each row's (top, left, height, width) region.
+    Shape-static (graph-safe)."""
     top, left, h, w = (regions[:, i:i + 1] for i in range(4))
     ys = torch.arange(height, device=regions.device)
     xs = torch.arange(width, device=regions.device)
-    rows = (ys >= top) & (ys < top + h)
-    cols = (xs >= left) & (xs < left + w)
-    return rows.unsqueeze(2) & cols.unsqueeze(1)
+    return (ys >= top) & (ys < top + h), (xs >= left) & (xs < left + w)
 
 
 def _compact(buffer: torch.Tensor, keep: list[bool]) -> torch.Tensor:
