@@ -9,6 +9,7 @@ and the offered rate is set from that measurement."""
 from __future__ import annotations
 
 import itertools
+import os
 from typing import Any
 
 import pytest
@@ -22,7 +23,8 @@ from .helpers import ledger, make_topics, start_worker
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 OVERLOAD = 2.5
-SECONDS = 12.0
+# 12 s in the suite; STREAMFER_OVERLOAD_SECONDS=60 for the issue's full minute (docs/reliability.md).
+SECONDS = float(os.environ.get("STREAMFER_OVERLOAD_SECONDS", "12"))
 SHARES = {Priority.REALTIME: 1, Priority.STANDARD: 2, Priority.BULK: 2}  # 20% / 40% / 40%, interleaved
 SHAPES = [(32, 32)]
 
