@@ -14,6 +14,8 @@ fraction of it, in one run; then where the worker's time goes.
 
     python bench/model_limit.py [--quick] [--torch-threads 1] [--rounds N] [--model M] [--workload W]
     python bench/model_limit.py --what-if [--rounds N]   # single settings changed, interleaved rounds
+    python bench/model_limit.py --what-if --variants batch --workload jpeg224 --model opennsfw
+        # no batch settings (adaptive sizes) against fixed max_batch_size 4/8/16/32
 """
 
 from __future__ import annotations
@@ -508,7 +510,37 @@ WHAT_IF_SCHEDULER = {
     "defaults": {},
     "realtime_quiet_ms=0 (always bounded)": {"WORKER_BATCHING_REALTIME_QUIET_MS": "0"},
 }
-VARIANT_SETS = {"settings": WHAT_IF, "scheduler": WHAT_IF_SCHEDULER}
+# Batch sizing: no batch settings (the defaults: sizes from the learned cost model, seeded by the warm-up
+# calibration) against a fixed max_batch_size with adaptive sizing off.
+FIXED_BATCH_SIZES = (4, 8, 16, 32)
+ADAPTIVE = "no batch settings (adaptive)"
+WHAT_IF_BATCH = {ADAPTIVE: {}, **{f"fixed {n}": {"WORKER_BATCHING_MAX_BATCH_SIZE": str(n),
+                                                 "WORKER_BATCHING_ADAPTIVE_BATCH_SIZE": "false"}
+                              for n in FIXED_BATCH_SIZES}}
+# Issue #16: adaptive reaches this share of the best fixed size, and this multiple of the default 32.
+GOAL_OF_BEST_FIXED = 0.95
+GOAL_OVER_FIXED_32 = 1.3
+VARIANT_SETS = {"settings": WHAT_IF, "scheduler": WHAT_IF_SCHEDULER, "batch": WHAT_IF_BATCH}
+
+
+def what_if_frames(ctx: Context) -> int:
+    """Frames per worker run. open_nsfw runs ~13-40 frames/s on a 2-core CPU (fixed batches of 32 the slowest):
+    800 frames keep >= 15 s in the middle 80% the figures come from up to 42 frames/s (quick: 500, up to 26),
+    and the batch set's 15 runs (quick: 10) fit in ~14 minutes (quick: ~6), start-up and calibration included."""
+    if ctx.model == "opennsfw":
+        return int(ctx.scale(800, 500))
+    return int(ctx.scale(4000, 2000))
+
+
+def _what_if_run(ctx: Context, topics: common.Topics, frames: int,
+                 env: dict[str, str]) -> tuple[common.BacklogRun, dict[str, Any]]:
+    """One worker process with `env` added on the published backlog: the run and its steady throughput."""
+    run = common.run_backlog(ctx.bootstrap, topics, frames,
+                             lambda t: common.start_worker(ctx.bootstrap, t, ctx.log_dir, ctx.torch_threads,
+                                                           common.new_id("wi"),
+                                                           extra_env={**ctx.worker_env(), **env}),
+                             timeout_s=300, tag="wi", broker=ctx.broker)
+    return run, common.steady_throughput(run.results)
 
 
 def what_if(ctx: Context, rounds: int, variant_set: str = "settings") -> dict[str, Any]:
@@ -516,8 +548,10 @@ def what_if(ctx: Context, rounds: int, variant_set: str = "settings") -> dict[st
     (so background load hits every variant alike); median (min-max) per variant of frames/s, of the per-round
     ratio to the defaults and of the worker's CPU-ms per frame over the throughput window, and each class's
     mean batch size."""
+    if variant_set == "batch":
+        return what_if_batch(ctx, rounds)
     variants = VARIANT_SETS[variant_set]
-    frames = int(ctx.scale(4000, 2000))
+    frames = what_if_frames(ctx)
     topics = common.make_topics(ctx.bootstrap, "wi")
     common.publish_load(ctx.bootstrap, topics, ctx.records(frames, common.new_id("wi")))
     fps: dict[str, list[float]] = {name: [] for name in variants}
@@ -526,12 +560,7 @@ def what_if(ctx: Context, rounds: int, variant_set: str = "settings") -> dict[st
     classes = (("realtime", topics.realtime), ("standard", topics.standard), ("bulk", topics.bulk))
     for r in range(rounds):
         for name, env in variants.items():
-            run = common.run_backlog(ctx.bootstrap, topics, frames,
-                                     lambda t, env=env: common.start_worker(
-                                         ctx.bootstrap, t, ctx.log_dir, ctx.torch_threads, common.new_id("wi"),
-                                         extra_env={**ctx.worker_env(), **env}),
-                                     timeout_s=300, tag="wi", broker=ctx.broker)
-            tp = common.steady_throughput(run.results)
+            run, tp = _what_if_run(ctx, topics, frames, env)
             fps[name].append(tp["frames_per_s"])
             cpu_ms[name].append(run.cpu_ms_per_frame(tp))
             sizes[name].append({label: common.batch_size_distribution(
@@ -559,10 +588,109 @@ def what_if(ctx: Context, rounds: int, variant_set: str = "settings") -> dict[st
     return result
 
 
+def sizes_used(results: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """Per batch size the worker ran: frames and batches (every frame of a batch of n reports n) and the
+    share of frames."""
+    frames: dict[int, int] = {}
+    for x in results:
+        if x.get("status", "OK") == "OK":
+            frames[x["batch_size"]] = frames.get(x["batch_size"], 0) + 1
+    total = sum(frames.values()) or 1
+    return {n: {"frames": k, "batches": k / n, "share_of_frames": k / total} for n, k in sorted(frames.items())}
+
+
+def seeded_line(log_path: Path) -> str:
+    """The worker's "batch cost model seeded" log line (its warm-up calibration), or "" if absent."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return next((line for line in lines if "batch cost model seeded" in line), "")
+
+
+def what_if_batch(ctx: Context, rounds: int) -> dict[str, Any]:
+    """The worker with no batch settings (adaptive sizes from the learned cost model) against fixed
+    max_batch_size 4/8/16/32 with adaptive sizing off, each once per round on the same backlog: frames/s and
+    CPU-ms per frame per variant, per-round ratios adaptive / best fixed (highest median frames/s) and
+    adaptive / fixed 32, and the batch sizes the adaptive worker ran."""
+    frames = what_if_frames(ctx)
+    topics = common.make_topics(ctx.bootstrap, "wib")
+    common.publish_load(ctx.bootstrap, topics, ctx.records(frames, common.new_id("wib")))
+    print(f"[what-if batch] {ctx.model} on {ctx.workload_name}: backlog of {frames} frames, {rounds} rounds of "
+          f"{', '.join(WHAT_IF_BATCH)}; worker logs in {ctx.log_dir}", flush=True)
+    runs: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in WHAT_IF_BATCH}
+    failed: list[str] = []
+    for r, name in stats.interleaved(list(WHAT_IF_BATCH), rounds):
+        try:
+            run, tp = _what_if_run(ctx, topics, frames, WHAT_IF_BATCH[name])
+        except RuntimeError as exc:  # a stalled or crashed worker: a finding, left out of the medians
+            failed.append(f"round {r} {name}: {str(exc)[-1500:]}")
+            print(f"[what-if batch] FAILED {failed[-1]}", flush=True)
+            continue
+        used = sizes_used(run.results)
+        runs[name][r] = {"frames_per_s": tp["frames_per_s"], "cpu_ms_per_frame": run.cpu_ms_per_frame(tp),
+                         "window_s": tp["window_s"], "seconds_total": run.seconds,
+                         "mean_batch_size": common.batch_size_distribution(run.results)["mean_frame_weighted"],
+                         "sizes_used": used, "calibration_log": seeded_line(run.procs[0].log_path),
+                         "log": str(run.procs[0].log_path)}
+        t = runs[name][r]
+        print(f"[what-if batch] round {r} {name}: {t['frames_per_s']:.1f} frames/s, {t['cpu_ms_per_frame']:.1f} "
+              f"CPU-ms/frame, steady {t['window_s']:.0f}s of {t['seconds_total']:.0f}s, sizes "
+              + " ".join(f"{n}x{u['batches']:.0f}" for n, u in used.items()), flush=True)
+    fps = {name: {r: t["frames_per_s"] for r, t in by.items()} for name, by in runs.items()}
+    fixed = [name for name in WHAT_IF_BATCH if name != ADAPTIVE]
+    best = max(fixed, key=lambda name: stats.Spread.of(list(fps[name].values())).median)
+    of_best = stats.ratio_spread(fps[ADAPTIVE], fps[best])
+    over_32 = stats.ratio_spread(fps[ADAPTIVE], fps["fixed 32"])
+
+    rows = [[name, stats.Spread.of(list(fps[name].values())).text(1),
+             stats.Spread.of([t["cpu_ms_per_frame"] for t in by.values()]).text(1),
+             stats.Spread.of([t["mean_batch_size"] for t in by.values()]).text(1),
+             " ".join(f"{v:.1f}" for v in fps[name].values())]
+            for name, by in runs.items()]
+    text = [common.table(f"what-if batch: {ctx.model} on {ctx.workload_name}, no batch settings vs fixed "
+                         f"max_batch_size (saturated, {frames}-frame backlog, {rounds} interleaved rounds)",
+                         ["variant", "frames/s median (min-max)", "CPU-ms/frame median (min-max)",
+                          "mean batch size", "frames/s per round"], rows,
+                         note="".join(f"\nFAILED {f}" for f in failed))]
+    text.append(common.table(
+        "adaptive against fixed sizes (median (min-max) of per-round ratios of frames/s)",
+        ["ratio", "per-round ratios", "goal", "met (median)"],
+        [[f"adaptive / best fixed ({best})", of_best.text(2), f">= {GOAL_OF_BEST_FIXED}",
+          "yes" if of_best.median >= GOAL_OF_BEST_FIXED else "no"],
+         ["adaptive / fixed 32 (the default size)", over_32.text(2), f">= {GOAL_OVER_FIXED_32}",
+          "yes" if over_32.median >= GOAL_OVER_FIXED_32 else "no"]]))
+    adaptive = runs[ADAPTIVE]
+    all_sizes = sorted({n for t in adaptive.values() for n in t["sizes_used"]})
+    frames_all = sum(u["frames"] for t in adaptive.values() for u in t["sizes_used"].values()) or 1
+    text.append(common.table(
+        "batch sizes the adaptive worker ran (whole runs, start-up included)",
+        ["batch size", "share of frames (all rounds)", "batches per round"],
+        [[n, f"{sum(t['sizes_used'].get(n, {}).get('frames', 0) for t in adaptive.values()) / frames_all:.1%}",
+          " ".join(f"{t['sizes_used'].get(n, {}).get('batches', 0):.0f}" for t in adaptive.values())]
+         for n in all_sizes],
+        note="Calibration (round 1's log): " + (adaptive[min(adaptive)]["calibration_log"] or "not found")))
+    result = {"benchmark": "model_limit_what_if_batch", "machine": common.machine(), "model": ctx.model,
+              "workload_name": ctx.workload_name, "workload": ctx.workload.describe(),
+              "torch_threads_worker": ctx.torch_threads, "frames": frames, "rounds": rounds,
+              "variants": {name: {"env": WHAT_IF_BATCH[name], "rounds": by,
+                                  "frames_per_s": stats.Spread.of(list(fps[name].values())).as_dict(),
+                                  "cpu_ms_per_frame": stats.Spread.of(
+                                      [t["cpu_ms_per_frame"] for t in by.values()]).as_dict()}
+                           for name, by in runs.items()},
+              "failed": failed, "best_fixed": best, "adaptive_of_best_fixed": of_best.as_dict(),
+              "adaptive_over_fixed_32": over_32.as_dict(),
+              "goals": {"of_best_fixed": GOAL_OF_BEST_FIXED, "over_fixed_32": GOAL_OVER_FIXED_32},
+              "tables": text}
+    common.write_json("model_limit_what_if_batch", result, ctx.out_dir)
+    return result
+
+
 def _run_standalone(ctx: Context) -> dict[str, Any]:
     args = ctx.shared["args"]
     if args.what_if:
-        return what_if(ctx, args.rounds or 3, args.variants)
+        # The batch set is long with a real model: --quick runs 2 rounds of it, like the other benchmarks.
+        return what_if(ctx, ctx.round_count(3, 2) if args.variants == "batch" else args.rounds or 3, args.variants)
     return run(ctx)
 
 
@@ -590,8 +718,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--what-if", action="store_true",
                        help="instead: the worker with single settings changed, in interleaved rounds")
         p.add_argument("--variants", choices=sorted(VARIANT_SETS), default="settings",
-                       help="--what-if variant set: settings (commit interval, in-flight, preprocess threads) or "
-                            "scheduler (the blocking bound always vs only while realtime is present)")
+                       help="--what-if variant set: settings (commit interval, in-flight, preprocess threads), "
+                            "scheduler (the blocking bound always vs only while realtime is present) or batch "
+                            "(no batch settings vs fixed max_batch_size 4/8/16/32)")
 
     return common.standalone(_run_standalone, argv, __doc__.splitlines()[0], configure)
 
