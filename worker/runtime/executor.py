@@ -225,7 +225,8 @@ class InferenceExecutor:
                 frames = [frame] * n
                 if self.memory_policy is not None and self._memory_probe is not None:
                     run = functools.partial(_run_now, self, frames, shape)
-                    self.memory_policy.measure(self._memory_probe, shape, n, run)
+                    # Keyed by what the device runs (the model's input), as the runners and the batcher look it up.
+                    self.memory_policy.measure(self._memory_probe, self._model_shape(shape), n, run)
                 else:
                     self.submit(frames, shape).result()
                 best = min(_timed(self.submit(frames, shape).result()) for _ in range(rounds))
