@@ -10,6 +10,9 @@ Sections:
   env        Python, torch, torchvision, the GPU, the carried packages
   pytest     `pytest -m cuda tests/unit` (the CUDA-graph runner and executor tests)
   graphs     eager vs CUDA-graph latency of runner.run per bucket (1-32), toy and open_nsfw models, 224x224
+  memory     per bucket: the peak device memory measured at capture and the graph's bytes (open_nsfw 224x224, and
+             the any-size toy model at 1080p, where the batcher's byte cap leaves the largest bucket uncaptured);
+             then LRU eviction under a graph budget of ~2.5 graphs: evictions, bytes held, memory given back
   decode     JPEG decode frames/s at 720p and 1080p: simplejpeg (the worker's decoder, 1 thread and every core),
              torchvision on the CPU,
              nvJPEG (torchvision.io.decode_jpeg(device="cuda")) one at a time and in batches of 32
@@ -49,6 +52,7 @@ from workloads import JPEG_WORKLOADS, WORKLOADS, model_settings  # noqa: E402
 BUCKETS = (1, 2, 4, 8, 16, 32)
 DECODE_SIZES = {"720p": (1280, 720), "1080p": (1920, 1080)}
 OFFERED_FPS = 800.0
+MIB = 1 << 20
 
 
 @dataclass
@@ -107,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         ("env", "environment", section_env, 5, False),
         ("pytest", "pytest -m cuda", section_pytest, 150, True),
         ("graphs", "eager vs CUDA graphs, runner.run latency per bucket", section_graphs, 60, True),
+        ("memory", "CUDA-graph memory: peak per bucket, graph bytes, LRU eviction", section_memory, 40, True),
         ("decode", "JPEG decode frames/s (CPU decoders vs nvJPEG)", section_decode, 40, False),
         ("executor", f"executor, open_nsfw 224x224, offered {offered:.0f} frames/s", lambda c, s: section_executor(
             c, s, offered), 90, False),
@@ -214,6 +219,91 @@ def section_graphs(check: Check, section: Section) -> None:
                              f"{rows[0]['eager']['p99_ms']:.2f}/{rows[0]['graph']['p99_ms']:.2f}, "
                              f"{rows[-1]['eager']['p99_ms']:.2f}/{rows[-1]['graph']['p99_ms']:.2f}; "
                              f"capture {capture_s:.1f}s"))
+
+
+def section_memory(check: Check, section: Section) -> None:
+    import torch
+
+    from worker.config import BatchingSettings, RuntimeSettings, load_settings
+    from worker.graphplan import BatchCaps
+    from worker.memorypolicy import MemoryPolicy
+    from worker.runtime.models import load_model
+    from worker.runtime.runners import CudaGraphRunner
+
+    device = torch.device("cuda", 0)
+    total = torch.cuda.get_device_properties(device).total_memory
+    caps = BatchCaps.from_settings(BatchingSettings())  # the worker's defaults: 32 frames, 256 MiB a batch
+
+    def figure(row: dict[str, Any]) -> str:
+        if row["graph_bytes"] is None:
+            return "not captured"
+        return f"{row['peak_bytes'] / MIB:.0f}/{row['graph_bytes'] / MIB:.1f}"
+
+    # As in the worker: the runner measures each bucket's peak as it captures it, under the default budget.
+    for model, workload, hw in (("opennsfw", "jpeg224", (224, 224)), ("toy", "mixed", (1080, 1920))):
+        settings = load_settings(env={}, overrides={"model": model_settings(model, WORKLOADS[workload])})
+        loaded = load_model(settings.model, device)
+        shape = (*loaded.contract.model_input_hw(hw), loaded.contract.channels)
+        memory = MemoryPolicy(total, RuntimeSettings().memory_fraction)
+        runner = CudaGraphRunner(loaded.module, loaded.contract, device, buckets=BUCKETS, warmup_batches=2, caps=caps,
+                                 memory=memory, graph_budget_bytes=memory.graph_budget_bytes)
+        runner.warm_up(shape, 2)
+        graphs = {b: n for (b, _), n in runner.plan.budget.graphs.items()}
+        rows = [{"bucket": b, "peak_bytes": memory.predict_peak(shape, b) if b in graphs else None,
+                 "graph_bytes": graphs.get(b)} for b in BUCKETS]
+        largest = runner.plan.largest_batch(shape)
+        label = f"{model} {shape[0]}x{shape[1]}"
+        section.data[label] = {"shape": shape, "largest_batch": largest, "budget_bytes": memory.graph_budget_bytes,
+                               "total_bytes": total, "rows": rows}
+        for r in rows:
+            print(f"  {label} bucket {r['bucket']:>2}: peak MiB / graph MiB {figure(r)}", flush=True)
+        section.rows.append((f"{label}: peak MiB / graph MiB per bucket (largest batch {largest})",
+                             "; ".join(f"{r['bucket']}: {figure(r)}" for r in rows)))
+        del runner
+        torch.cuda.empty_cache()
+    section_memory_eviction(section, device, shape=(224, 224, 3))
+
+
+def section_memory_eviction(section: Section, device: Any, shape: tuple[int, int, int]) -> None:
+    """The toy model with five buckets used in turn under a graph budget of half their bytes: graphs released
+    least recently used first, the bytes held within the budget, reserved memory flat, replay equal to eager."""
+    import torch
+
+    from worker.config import load_settings
+    from worker.runtime.models import load_model
+    from worker.runtime.runners import CudaGraphRunner, EagerRunner
+
+    settings = load_settings(env={}, overrides={"model": model_settings("toy", WORKLOADS["mixed"])})
+    loaded = load_model(settings.model, device)
+    sizes = (1, 4, 8, 16, 2)
+    sizer = CudaGraphRunner(loaded.module, loaded.contract, device, buckets=sizes, warmup_batches=2)
+    sizer.warm_up(shape, 1)
+    budget = sizer.plan.budget.used_bytes // 2  # the graphs of all five never fit: used in turn, each evicts
+    del sizer
+    torch.cuda.empty_cache()
+    evicted: list[int] = []
+    runner = CudaGraphRunner(loaded.module, loaded.contract, device, buckets=sizes, warmup_batches=2,
+                             capture_after=1, graph_budget_bytes=budget, on_evicted=evicted.append)
+    eager = EagerRunner(loaded.module, loaded.contract, device)
+    held, reserved, worst = 0, [], 0.0
+    for _ in range(4):
+        for n in sizes:
+            x = torch.randint(0, 256, (n, *shape), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+            got, want = runner.run(x.to(device)), eager.run(x.to(device))
+            worst = max(worst, float(abs(got.scores - want.scores).max()))
+            held = max(held, runner.plan.budget.used_bytes)
+        reserved.append(torch.cuda.memory_reserved(device))
+    data = {"budget_bytes": budget, "batches": 4 * len(sizes), "captures": runner.capture_count,
+            "evictions": runner.graph_evictions, "on_evicted_total": sum(evicted), "max_held_bytes": held,
+            "reserved_bytes_per_round": reserved, "max_abs_diff_vs_eager": worst}
+    section.data["eviction"] = data
+    value = (f"{data['evictions']} evictions, {data['captures']} captures over {data['batches']} batches; held at "
+             f"most {held / MIB:.1f} of {budget / MIB:.1f} MiB; reserved MiB after each round "
+             f"{', '.join(f'{r / MIB:.0f}' for r in reserved)}; max |graph - eager| {worst:.2g}")
+    print(f"  eviction: {value}", flush=True)
+    section.rows.append(("toy 224x224, buckets 1/4/8/16/2 in turn, budget half their graphs' bytes", value))
+    if data["evictions"] == 0 or data["evictions"] != data["on_evicted_total"] or worst > 1e-3:
+        section.status, section.reason = "failed", f"eviction: {value}"
 
 
 def _latency(runner: Any, x: Any, iters: int) -> dict[str, float]:

@@ -94,7 +94,7 @@ def run_worker(settings: Settings, exit_when_idle_s: float | None = None, stop: 
     check_client_configs(settings)
     # Before the model loads: a wrong password or a missing ACL stops start-up in seconds, with exit code 2.
     probe_access(settings)
-    executor = _load_executor(settings)
+    executor = _load_executor(settings, metrics.cuda_graph_evictions.inc)
     try:
         metrics.model_info.info({"name": executor.model_name, "version": executor.model_version,
                                  "device": executor.device_description,
@@ -142,11 +142,12 @@ def check_client_configs(settings: Settings) -> None:
     new_client(Producer, producer_config(settings), "producer")
 
 
-def _load_executor(settings: Settings) -> Any:
-    """The runtime; an unusable model raises ModelContractError, an OperatorError naming its setting (exit 2)."""
+def _load_executor(settings: Settings, on_graph_evicted: Callable[[int], None]) -> Any:
+    """The runtime; an unusable model raises ModelContractError, an OperatorError naming its setting (exit 2).
+    Its CUDA-graph runners capture only the batch sizes the batcher can send (settings.batching)."""
     from worker.runtime import InferenceExecutor
 
-    return InferenceExecutor.from_settings(settings.model, settings.runtime)
+    return InferenceExecutor.from_settings(settings.model, settings.runtime, settings.batching, on_graph_evicted)
 
 
 def _refresh_scrape_gauges(pipeline: Pipeline, metrics: Metrics) -> None:

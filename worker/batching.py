@@ -6,7 +6,8 @@ Guarantees and decisions, in the order the batcher applies them:
 Groups and lanes. A frame joins the group of its (class, height, width, channels). A group is released
   - full: when it holds its *trigger* size: the largest preferred size (settings.preferred_batch_sizes plus the
     runner's CUDA-graph buckets, those <= max_batch_size) that fits its cap, else the cap itself; the cap is
-    min(max_batch_size, max_batch_bytes // frame tensor bytes). Reason "full" when the trigger is
+    min(max_batch_size, max_batch_bytes // frame tensor bytes), and on a GPU at most the memory policy's
+    largest batch for the input the device runs (worker.memorypolicy). Reason "full" when the trigger is
     max_batch_size, "bytes" when the memory cap is what bounds it, else "preferred" (Triton: a batch of the
     largest preferred size goes at once);
   - deadline: when its oldest frame has waited its class's max_wait_ms. The batch takes every overdue frame
@@ -17,7 +18,8 @@ Groups and lanes. A frame joins the group of its (class, height, width, channels
     pop_batch() gets every overdue frame in that same call sequence.
   Padding ("padded" lane): a deadline batch short of its trigger may take frames of other shapes of the same
   class and channel count, closest pixel area first, padded to the largest height and width, while
-  padded pixels / batch padded pixels <= padding_waste_max and the padded tensor stays <= max_batch_bytes.
+  padded pixels / batch padded pixels <= padding_waste_max and the padded tensor stays <= max_batch_bytes (and,
+  on a GPU, the batch within the memory policy's largest for the padded shape).
   Channels are never mixed. Partner frames leave before their own wait is up, which only shortens it.
 Fallback lane. A frame whose tensor alone exceeds max_batch_bytes runs alone (never dropped). A shape seen
   fewer than rare_shape_min_count times (this frame included) within rare_shape_window_ms goes to the fallback
@@ -343,8 +345,7 @@ class MicroBatcher:
                    frame_bytes: int) -> _Group:
         s = self._s
         cap = max(1, min(s.max_batch_size, s.max_batch_bytes // frame_bytes))
-        if self._memory is not None:
-            cap = min(cap, self._memory.max_batch(shape, cap) or cap)
+        cap = self._memory_cap(shape, cap)
         if fallback:
             limit = 1 if frame_bytes > s.max_batch_bytes else min(s.fallback_max_batch_size, cap)
             return _Group(cls, shape, True, frame_bytes, limit, limit, "fallback")
@@ -560,6 +561,14 @@ class MicroBatcher:
             return self._batch(out, shape, cls.priority, LANE_PADDED, waste, now, "flush" if flush else "deadline")
         return self._batch(out, group.shape, cls.priority, LANE_EXACT, 0.0, now, "flush" if flush else "deadline")
 
+    def _memory_cap(self, shape: tuple[int, int, int], cap: int) -> int:
+        """At most `cap` frames, and on a GPU at most the memory policy's largest batch for the input the device
+        runs for a batch of `shape` (peaks are measured per that input: the model's fixed size when it has one)."""
+        if self._memory is None:
+            return cap
+        device_shape = (*self._input_hw, shape[2]) if self._input_hw else shape
+        return min(cap, self._memory.max_batch(device_shape, cap) or cap)
+
     def _size_for(self, must: int, available: int) -> int:
         """Largest preferred size in [must, available]; else all available (the runner pads to its bucket)."""
         for p in reversed(self._preferred):
@@ -585,7 +594,8 @@ class MicroBatcher:
                 break
             h2, w2 = max(height, g.shape[0]), max(width, g.shape[1])
             padded = h2 * w2
-            room = min(target, self._s.max_batch_bytes // (padded * per_pixel_bytes)) - n
+            room = min(self._memory_cap((h2, w2, channels), target),
+                       self._s.max_batch_bytes // (padded * per_pixel_bytes)) - n
             if room <= 0 or _waste(n, real, padded) > self._waste_max:
                 continue
             k = min(room, g.n)

@@ -1,22 +1,24 @@
 """Memory-aware caps for a GPU runner: pure policy (no torch), fed by a probe that reads device memory.
 
-- Peaks: the peak device memory of a batch of n frames of a shape is measured at warm-up / capture
-  (`record_peak`); between measurements it is a line base + per_frame * n through them (one measurement:
-  through the origin's slope, conservatively scaled), so a size never measured is still predicted.
+- Peaks: the peak device memory of a batch of n frames of a shape (the runner's input: the model's (H, W, C))
+  is measured at graph capture and at warm-up calibration (`measure`, which also records what was allocated
+  before the batch as its 0-frame point); between measurements it is a line base + per_frame * n through
+  them (one point alone: through the origin, conservatively scaled), so a size never measured is predicted.
 - Largest batch: `max_batch(shape, cap)` is the largest n <= cap whose predicted peak stays under
-  `memory_fraction` of the device's total memory; `reachable(shape, buckets, cap)` the buckets below it (a
-  bucket the byte cap makes unreachable is never worth capturing).
-- Captured graphs: `admit_graph(key, bytes)` keeps the graphs' memory under `graph_budget_bytes`, evicting the
-  least recently used (`touch` on every replay); the caller releases what it returns.
+  `memory_fraction` of the device's total memory (worker.graphplan decides from it which CUDA-graph buckets
+  are worth capturing).
+- Captured graphs: a `GraphBudget` per runner keeps its graphs' measured memory under a share of
+  `graph_budget_bytes`, evicting the least recently replayed; the runner releases what it returns.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
-from typing import Protocol
+from collections.abc import Callable, Hashable
+from typing import Generic, Protocol, TypeVar
 
 Shape = tuple[int, int, int]
+K = TypeVar("K", bound=Hashable)
 
 
 class MemoryProbe(Protocol):
@@ -24,23 +26,22 @@ class MemoryProbe(Protocol):
 
     def total_bytes(self) -> int: ...
 
-    def reset_peak(self) -> None: ...
+    def reset_peak(self) -> None:
+        """Start a measurement: from now the peak is what is allocated now."""
 
     def peak_bytes(self) -> int: ...
 
 
 class MemoryPolicy:
-    """Largest batch per shape under a device memory fraction, and an LRU budget for captured graphs."""
+    """Largest batch per shape under a device memory fraction, and the device's byte budget for captured graphs."""
 
     def __init__(self, total_bytes: int, memory_fraction: float = 0.8, graph_budget_bytes: int | None = None):
         if not 0 < memory_fraction <= 1:
             raise ValueError("memory_fraction must be in (0, 1]")
         self.limit_bytes = int(total_bytes * memory_fraction)
-        # Graphs share the limit with the batches themselves unless given a budget of their own.
+        # Captured graphs' memory on one device (its runners share it), unless given a budget of its own.
         self.graph_budget_bytes = self.limit_bytes // 4 if graph_budget_bytes is None else graph_budget_bytes
         self._peaks: dict[Shape, dict[int, int]] = {}
-        self._graphs: OrderedDict[Hashable, int] = OrderedDict()
-        self.graph_bytes = 0
 
     # -- batch sizes -----------------------------------------------------------------------------------------
     def record_peak(self, shape: Shape, n: int, peak_bytes: int) -> None:
@@ -49,10 +50,14 @@ class MemoryPolicy:
         seen[n] = max(peak_bytes, seen.get(n, 0))
 
     def measure(self, probe: MemoryProbe, shape: Shape, n: int, run: Callable[[], object]) -> int:
-        """Run one batch under the probe and record its peak."""
+        """Run one batch under the probe and record its peak, and what was allocated before it as the 0-frame
+        point: one measured size then already predicts the next from the model's own size, not through 0 (a
+        model taking half the device would otherwise make a batch of 2 look as if it could never fit)."""
         probe.reset_peak()
+        before = probe.peak_bytes()
         run()
         peak = probe.peak_bytes()
+        self.record_peak(shape, 0, before)
         self.record_peak(shape, n, peak)
         return peak
 
@@ -65,7 +70,7 @@ class MemoryPolicy:
         sizes = sorted(seen)
         if len(sizes) == 1:
             m = sizes[0]
-            return seen[m] * n // m if n > m else seen[m]  # never predict less than a measured smaller batch
+            return seen[m] * n // m if n > m > 0 else seen[m]  # never less than a measured smaller batch
         if n < sizes[0]:
             lo, hi = sizes[0], sizes[1]
         elif n > sizes[-1]:
@@ -86,39 +91,42 @@ class MemoryPolicy:
                 best = n
         return max(1, best)  # one frame must run (alone) even if it does not fit: the model decides then
 
-    def reachable(self, shape: Shape, buckets: Sequence[int], cap: int) -> tuple[int, ...]:
-        """The buckets worth capturing for `shape`: those at most the memory and byte caps allow (and the
-        smallest one above them, since a batch of the largest allowed size is padded up to it)."""
-        limit = self.max_batch(shape, cap)
-        limit = cap if limit is None else min(limit, cap)
-        ordered = sorted(buckets)
-        kept = [b for b in ordered if b <= limit]
-        above = [b for b in ordered if b > limit]
-        if above and (not kept or kept[-1] < limit):
-            kept.append(above[0])
-        return tuple(kept)
 
-    # -- captured graphs -------------------------------------------------------------------------------------
-    def admit_graph(self, key: Hashable, nbytes: int) -> list[Hashable]:
+class GraphBudget(Generic[K]):
+    """Captured graphs' measured device memory under a byte budget, least recently used out first (None: no
+    budget). One per runner: only the thread that replays a graph may release it."""
+
+    def __init__(self, budget_bytes: int | None = None) -> None:
+        self.budget_bytes = budget_bytes
+        self._graphs: OrderedDict[K, int] = OrderedDict()
+        self.used_bytes = 0
+        self.evictions = 0
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether a graph of nbytes fits beside the graphs held now, evicting none."""
+        return self.budget_bytes is None or self.used_bytes + nbytes <= self.budget_bytes
+
+    def admit(self, key: K, nbytes: int) -> list[K]:
         """Account a newly captured graph; the least recently used graphs to release so the total stays within
-        the budget (never the new one)."""
+        the budget (never the new one, which is kept even alone over it)."""
         if key in self._graphs:
-            self.graph_bytes -= self._graphs.pop(key)
+            self.used_bytes -= self._graphs.pop(key)
         self._graphs[key] = nbytes
-        self.graph_bytes += nbytes
-        evicted: list[Hashable] = []
-        while self.graph_bytes > self.graph_budget_bytes and len(self._graphs) > 1:
+        self.used_bytes += nbytes
+        evicted: list[K] = []
+        while self.budget_bytes is not None and self.used_bytes > self.budget_bytes and len(self._graphs) > 1:
             old, size = self._graphs.popitem(last=False)
-            self.graph_bytes -= size
+            self.used_bytes -= size
             evicted.append(old)
+        self.evictions += len(evicted)
         return evicted
 
-    def touch(self, key: Hashable) -> None:
+    def touch(self, key: K) -> None:
         """A replay: the graph becomes the most recently used."""
         if key in self._graphs:
             self._graphs.move_to_end(key)
 
     @property
-    def graphs(self) -> tuple[Hashable, ...]:
-        """Captured graphs, least recently used first."""
-        return tuple(self._graphs)
+    def graphs(self) -> dict[K, int]:
+        """Held graphs and their bytes, least recently used first."""
+        return dict(self._graphs)

@@ -105,6 +105,9 @@ class Metrics:
         self.model_info = Info("streamfer_model", "The loaded model and device.", registry=r)
         self.gpu_memory = Gauge("streamfer_gpu_memory_bytes", "GPU memory allocated by torch, per device.",
                                 ["device"], registry=r)
+        self.cuda_graph_evictions = Counter("streamfer_cuda_graph_evictions_total",
+                                            "CUDA graphs released to keep captured graphs under their device "
+                                            "memory budget.", registry=r)
         self.ready = Gauge("streamfer_ready", "1 when assigned, consuming and warmed up.", registry=r)
         # /healthz as Prometheus sees it: a number to alert on before the liveness probe gives up.
         self.loop_stalled = Gauge("streamfer_loop_stalled_seconds",

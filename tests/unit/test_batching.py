@@ -950,3 +950,27 @@ def test_the_device_memory_policy_caps_a_shape_batch_size():
     add_frames(batcher, clock, 16)
 
     assert [b.size for b in drain(batcher)] == [5, 5, 5]
+
+
+def test_a_padded_batch_stays_within_the_memory_cap_of_its_padded_shape():
+    clock = FakeClock()
+    memory = MemoryPolicy(total_bytes=1000, memory_fraction=0.5)
+    memory.record_peak((8, 8, 3), 1, 100)
+    memory.record_peak((8, 8, 3), 4, 400)  # 5 frames of 8x8 fit; 8x6 was never measured
+    batcher = MicroBatcher(make_settings(max_batch_size=16, padding_waste_max=0.35), clock, memory=memory)
+    add_frames(batcher, clock, 3, shape=(8, 6, 3))
+    add_frames(batcher, clock, 4, shape=(8, 8, 3))
+    clock.advance(1.0)
+
+    assert [(b.lane, b.shape, b.size) for b in drain(batcher)] == [("padded", (8, 8, 3), 5), ("exact", (8, 8, 3), 2)]
+
+
+def test_with_a_fixed_model_input_the_memory_cap_is_the_model_inputs_whatever_the_frame_size():
+    clock = FakeClock()
+    memory = MemoryPolicy(total_bytes=1000, memory_fraction=0.5)
+    memory.record_peak((224, 224, 3), 1, 100)
+    memory.record_peak((224, 224, 3), 4, 400)  # measured on what the device runs: 224x224 rows
+    batcher = MicroBatcher(make_settings(max_batch_size=16), clock, memory=memory, input_hw=(224, 224))
+    add_frames(batcher, clock, 15, shape=(1080, 1920, 3))
+
+    assert [b.size for b in drain(batcher)] == [5, 5, 5]

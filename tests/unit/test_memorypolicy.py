@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-from worker.memorypolicy import MemoryPolicy
+from worker.memorypolicy import GraphBudget, MemoryPolicy
 
 SHAPE = (224, 224, 3)
 GIB = 1 << 30
 
 
 class FakeProbe:
-    """A device whose batches peak at base + per_frame * n bytes."""
+    """A device holding `base` bytes (the model) whose batches peak at base + per_frame * n bytes."""
 
     def __init__(self, total: int, base: int, per_frame: int) -> None:
         self.total, self.base, self.per_frame = total, base, per_frame
@@ -24,7 +24,7 @@ class FakeProbe:
         return self.total
 
     def reset_peak(self) -> None:
-        self.peak = 0
+        self.peak = self.base  # what is allocated when no batch runs
 
     def peak_bytes(self) -> int:
         return self.peak
@@ -45,15 +45,14 @@ def test_the_largest_batch_keeps_the_measured_peak_under_the_memory_fraction():
     assert policy.max_batch((1, 1, 3), cap=64) is None  # never measured: no memory cap
 
 
-def test_buckets_the_memory_cap_makes_unreachable_are_never_captured():
-    probe = FakeProbe(total=10 * GIB, base=2 * GIB, per_frame=GIB // 4)
+def test_one_measured_size_predicts_the_next_from_what_was_allocated_before_it():
+    # A model taking half the device: through the origin, a batch of 2 would look like the whole device.
+    probe = FakeProbe(total=10 * GIB, base=5 * GIB, per_frame=GIB // 8)
     policy = MemoryPolicy(probe.total_bytes(), memory_fraction=0.8)
     policy.measure(probe, SHAPE, 1, lambda: probe.run(1))
-    policy.measure(probe, SHAPE, 8, lambda: probe.run(8))
 
-    # 24 fits: 32 is kept as the bucket a batch of 17..24 pads to; 64 is never reached.
-    assert policy.reachable(SHAPE, (1, 2, 4, 8, 16, 32, 64), cap=64) == (1, 2, 4, 8, 16, 32)
-    assert policy.reachable(SHAPE, (1, 2, 4, 8, 16, 32, 64), cap=16) == (1, 2, 4, 8, 16)
+    assert policy.predict_peak(SHAPE, 2) == 5 * GIB + GIB // 4
+    assert policy.max_batch(SHAPE, cap=64) == 24  # 5 GiB + n / 8 GiB <= 8 GiB
 
 
 def test_one_measurement_scales_up_by_frames_and_never_down():
@@ -64,20 +63,27 @@ def test_one_measurement_scales_up_by_frames_and_never_down():
 
 
 def test_captured_graphs_stay_under_their_budget_least_recently_used_out_first():
-    policy = MemoryPolicy(100, memory_fraction=1.0, graph_budget_bytes=30)
-    assert policy.admit_graph("a", 10) == []
-    assert policy.admit_graph("b", 10) == []
-    assert policy.admit_graph("c", 10) == []
-    policy.touch("a")  # replayed: now the most recent
-    assert policy.admit_graph("d", 10) == ["b"]
-    assert policy.graphs == ("c", "a", "d") and policy.graph_bytes == 30
+    budget: GraphBudget[str] = GraphBudget(30)
+    assert budget.admit("a", 10) == []
+    assert budget.admit("b", 10) == []
+    assert budget.admit("c", 10) == []
+    budget.touch("a")  # replayed: now the most recent
+    assert budget.admit("d", 10) == ["b"]
+    assert list(budget.graphs) == ["c", "a", "d"] and budget.used_bytes == 30 and budget.evictions == 1
 
 
 def test_a_graph_larger_than_the_budget_alone_is_kept_and_the_rest_go():
-    policy = MemoryPolicy(100, memory_fraction=1.0, graph_budget_bytes=30)
-    policy.admit_graph("a", 10)
-    assert policy.admit_graph("big", 50) == ["a"]
-    assert policy.graphs == ("big",)
+    budget: GraphBudget[str] = GraphBudget(30)
+    budget.admit("a", 10)
+    assert budget.admit("big", 50) == ["a"]
+    assert budget.graphs == {"big": 50}
+
+
+def test_fits_says_whether_a_graph_needs_no_eviction():
+    budget: GraphBudget[str] = GraphBudget(30)
+    budget.admit("a", 20)
+    assert budget.fits(10) and not budget.fits(11)
+    assert GraphBudget(None).fits(1 << 50)
 
 
 def test_memory_fraction_must_be_a_share():

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import model_factories
 from model_factories import jpeg_frame, raw_frame
 
-from worker.config import ConfigError, ModelSettings, RuntimeSettings
+from worker.config import BatchingSettings, ConfigError, ModelSettings, RuntimeSettings
 from worker.frames import DECODE_ERROR, MODEL_ERROR, NON_FINITE_OUTPUT, Priority
 from worker.runtime import InferenceExecutor, build_builtin_model
 from worker.runtime.models import ModelContract
@@ -35,8 +35,9 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an N
 def executor_for():
     made: list[InferenceExecutor] = []
 
-    def make(model: ModelSettings = ModelSettings(), runtime: RuntimeSettings = CPU) -> InferenceExecutor:
-        ex = InferenceExecutor.from_settings(model, runtime)
+    def make(model: ModelSettings = ModelSettings(), runtime: RuntimeSettings = CPU,
+             batching: BatchingSettings | None = None) -> InferenceExecutor:
+        ex = InferenceExecutor.from_settings(model, runtime, batching)
         made.append(ex)
         return ex
 
@@ -376,3 +377,20 @@ def test_cuda_graph_scores_match_cpu_eager_scores(executor_for):
     on_gpu, on_cpu = _scores(_run(gpu, frames, (32, 32, 3))), _scores(_run(cpu, frames, (32, 32, 3)))
     for index, scores in on_cpu.items():
         np.testing.assert_allclose(on_gpu[index], scores, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.cuda
+@cuda_only
+def test_on_cuda_only_buckets_the_batcher_can_send_are_captured_and_peaks_are_keyed_by_the_model_input(
+        executor_for):
+    batching = BatchingSettings(max_batch_size=2)
+    ex = executor_for(model=ModelSettings(input_size=(32, 32)), batching=batching,
+                      runtime=RuntimeSettings(device="cuda:0", warmup_batches=1, graph_batch_sizes=(1, 2, 4, 8)))
+    ex.warm_up([(48, 64, 3)])
+    assert ex.capture_count == 2  # buckets 1 and 2: no batch of more than 2 frames comes
+    ex.calibrate([(48, 64, 3)], max_batch_size=2, rounds=1)
+    assert ex.memory_policy is not None
+    assert ex.memory_policy.max_batch((32, 32, 3), 2) == 2  # what the device runs, as the batcher looks it up
+    assert ex.memory_policy.predict_peak((48, 64, 3), 1) is None
+    assert ex.graph_evictions == 0 and ex.capture_count == 2
+

@@ -1,17 +1,17 @@
-"""The graph plan (pure policy), the eager runner on CPU, and the CUDA-graph runner where a GPU exists."""
+"""The eager runner on CPU, and the CUDA-graph runner where a GPU exists (its plan: tests/unit/test_graphplan.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
 
 from worker.config import ModelSettings
+from worker.graphplan import BatchCaps
+from worker.memorypolicy import MemoryPolicy
 from worker.runtime import build_builtin_model
 from worker.runtime.models import ModelContract, apply_activation
 from worker.runtime.preprocess import Normaliser
-from worker.runtime.runners import CudaGraphRunner, EagerRunner, GraphPlan
+from worker.runtime.runners import CudaGraphRunner, EagerRunner
 
 CONTRACT = ModelContract.from_settings(ModelSettings())
 SHAPE = (32, 48, 3)  # a runner's input: uint8 pixels, H x W x C
@@ -27,42 +27,6 @@ def _reference(pixels: torch.Tensor, regions: torch.Tensor | None = None) -> tor
     with torch.inference_mode():
         x = Normaliser(CONTRACT, pixels.device)(pixels, regions)
         return apply_activation(build_builtin_model(5).to(pixels.device)(x), "sigmoid").cpu()
-
-
-# --- GraphPlan ---
-
-@given(buckets=st.lists(st.integers(1, 64), min_size=1, max_size=6), n=st.integers(1, 100))
-def test_bucket_is_the_smallest_that_holds_the_batch_or_none(buckets, n):
-    bucket = GraphPlan(buckets).bucket_for(n)
-    fitting = [b for b in buckets if b >= n]
-    assert bucket == (min(fitting) if fitting else None)
-
-
-def test_batch_larger_than_every_bucket_runs_eager():
-    step = GraphPlan((1, 2, 4)).decide(5, SHAPE)
-    assert (step.action, step.bucket) == ("eager", 5)
-
-
-def test_captured_shape_replays_in_its_bucket():
-    plan = GraphPlan((1, 2, 4, 8))
-    plan.mark_captured(8, SHAPE)
-    step = plan.decide(5, SHAPE)
-    assert (step.action, step.bucket) == ("replay", 8)
-
-
-def test_unseen_shape_runs_eager_first_and_is_captured_when_it_recurs():
-    plan = GraphPlan((4,), capture_after=2)
-    assert plan.decide(3, SHAPE).action == "eager"
-    assert plan.decide(4, SHAPE).action == "capture"
-    plan.mark_captured(4, SHAPE)
-    assert plan.decide(2, SHAPE).action == "replay"
-
-
-def test_shape_whose_capture_failed_stays_eager():
-    plan = GraphPlan((4,), capture_after=1)
-    assert plan.decide(3, SHAPE).action == "capture"
-    plan.mark_failed(4, SHAPE)
-    assert all(plan.decide(3, SHAPE).action == "eager" for _ in range(3))
 
 
 # --- EagerRunner (the CPU path) ---
@@ -111,9 +75,10 @@ def test_graph_runner_refuses_a_cpu_device():
 
 # --- CudaGraphRunner (GPU only) ---
 
-def _graph_runner(buckets=(1, 2, 4, 8), precision="fp32") -> CudaGraphRunner:
+def _graph_runner(buckets=(1, 2, 4, 8), precision="fp32", **kw) -> CudaGraphRunner:
     device = torch.device("cuda", 0)
-    return CudaGraphRunner(build_builtin_model(5).to(device), CONTRACT, device, precision, buckets, warmup_batches=2)
+    return CudaGraphRunner(build_builtin_model(5).to(device), CONTRACT, device, precision, buckets, warmup_batches=2,
+                           **kw)
 
 
 @pytest.mark.cuda
@@ -181,3 +146,54 @@ def test_fp16_graph_replay_is_close_to_fp32_eager():
     runner.warm_up(SHAPE, batches=1)
     x = _batch(4, device=runner.device)
     torch.testing.assert_close(torch.from_numpy(runner.run(x).scores), _reference(x), atol=0.02, rtol=0.02)
+
+
+@pytest.mark.cuda
+@cuda_only
+def test_buckets_above_the_largest_batch_are_not_captured_and_such_a_batch_runs_eager(caplog):
+    runner = _graph_runner(caps=BatchCaps(max_batch_size=2))
+    runner.warm_up(SHAPE, batches=1)
+    assert [b for b in runner.buckets if runner.plan.is_captured(b, SHAPE)] == [1, 2]
+    with caplog.at_level("INFO", logger="worker.runtime.runners"):
+        results = [runner.run(_batch(3, device=runner.device)) for _ in range(3)]
+    assert [(r.used_graph, r.bucket) for r in results] == [(False, 3)] * 3
+    assert runner.capture_count == 2
+    assert sum("bucket not captured" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.cuda
+@cuda_only
+def test_each_capture_records_its_buckets_peak_memory_and_its_graphs_bytes():
+    device = torch.device("cuda", 0)
+    memory = MemoryPolicy(torch.cuda.get_device_properties(device).total_memory)
+    runner = _graph_runner(memory=memory)
+    runner.warm_up(SHAPE, batches=1)
+    assert all((memory.predict_peak(SHAPE, b) or 0) > 0 for b in (0, *runner.buckets))
+    assert memory.predict_peak(SHAPE, 8) >= memory.predict_peak(SHAPE, 1)
+    # Each graph's bytes: its static inputs (uint8 rows, int32 regions twice) and the pool its capture grew.
+    static = {b: b * (SHAPE[0] * SHAPE[1] * SHAPE[2] + 2 * 4 * 4) for b in runner.buckets}
+    graphs = {b: n for (b, _), n in runner.plan.budget.graphs.items()}
+    assert sorted(graphs) == list(runner.buckets) and all(graphs[b] > static[b] for b in graphs)
+    assert runner.plan.budget.used_bytes == sum(graphs.values())
+
+
+@pytest.mark.cuda
+@cuda_only
+def test_graphs_past_the_budget_are_released_least_recently_used_and_their_memory_goes_back():
+    evicted = []
+    runner = _graph_runner(capture_after=1, graph_budget_bytes=1, on_evicted=evicted.append)
+    eager = EagerRunner(runner.module, CONTRACT, runner.device)
+    runner.warm_up(SHAPE, batches=1)  # no graph fits a 1-byte budget beside another: none kept at warm-up
+    assert runner.capture_count == 1 and not runner.plan.budget.graphs
+    reserved = []
+    for i in range(12):  # buckets 1 and 4 alternately: each capture releases the other
+        x = _batch(1 if i % 2 == 0 else 4, device=runner.device)
+        result = runner.run(x)
+        assert result.used_graph
+        torch.testing.assert_close(torch.from_numpy(result.scores), torch.from_numpy(eager.run(x).scores),
+                                   rtol=1e-4, atol=1e-5)
+        reserved.append(torch.cuda.memory_reserved(runner.device))
+    assert runner.graph_evictions == 11 and sum(evicted) == 11 and len(runner.plan.budget.graphs) == 1
+    # Released graphs give their pools back: twelve captures hold no more than the first two did.
+    assert max(reserved[2:]) <= reserved[1] + (2 << 20)
+

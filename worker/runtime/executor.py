@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker.config import ConfigError, ModelSettings, RuntimeSettings, preprocess_thread_count
+from worker.config import BatchingSettings, ConfigError, ModelSettings, RuntimeSettings, preprocess_thread_count
 from worker.frames import (
     DECODE_ERROR,
     MODEL_ERROR,
@@ -35,10 +35,11 @@ from worker.frames import (
     Priority,
     SourceRef,
 )
+from worker.graphplan import BatchCaps
 from worker.memorypolicy import MemoryPolicy
 from worker.runtime.models import ModelContract, load_model
 from worker.runtime.preprocess import HostBatch, HostBuffers, Preprocessor, stage_to_device
-from worker.runtime.runners import EagerRunner, RunResult, make_runner
+from worker.runtime.runners import CudaMemoryProbe, EagerRunner, RunResult, make_runner
 
 log = logging.getLogger(__name__)
 
@@ -142,28 +143,37 @@ class InferenceExecutor:
         self._ready = False
         self._closed = False
         self._profile: _ProfileRequest | None = None
-        # GPUs: peak device memory per (shape, batch size), measured by calibrate(); None on CPU.
+        # GPUs: peak device memory per (runner input shape, batch size), measured at graph capture and by
+        # calibrate(); None on CPU.
         self.memory_policy: MemoryPolicy | None = None
-        self._memory_probe: _CudaMemoryProbe | None = None
+        self._memory_probe: CudaMemoryProbe | None = None
 
     @classmethod
-    def from_settings(cls, model: ModelSettings, runtime: RuntimeSettings) -> InferenceExecutor:
-        """Resolve devices, load and validate the model on each, and build one runner per device."""
+    def from_settings(cls, model: ModelSettings, runtime: RuntimeSettings, batching: BatchingSettings | None = None,
+                      on_graph_evicted: Callable[[int], None] | None = None) -> InferenceExecutor:
+        """Resolve devices, load and validate the model on each, and build one runner per device. `batching`
+        tells the CUDA-graph runners which batch sizes can reach them (none: memory alone bounds them);
+        `on_graph_evicted` is called with the number of graphs a runner released for its memory budget."""
         plan = _resolve(runtime)
         if runtime.torch_threads > 0:
             torch.set_num_threads(runtime.torch_threads)
+        memory, probe = None, None
+        if plan.devices[0].type == "cuda":
+            # Untested without a GPU: the policy is tested with a fake probe (tests/unit/test_memorypolicy.py,
+            # test_graphplan.py).
+            probe = CudaMemoryProbe(plan.devices[0])
+            memory = MemoryPolicy(probe.total_bytes(), runtime.memory_fraction)
+        caps = BatchCaps.from_settings(batching) if batching is not None else BatchCaps()
+        # The graph budget is per device; each runner on it keeps its own graphs, so each gets an equal share.
+        budget = memory.graph_budget_bytes // runtime.instances_per_device if memory is not None else None
         # Each runner gets its own copy of the model, loaded and validated on its device.
         loaded = [load_model(model, device) for device in plan.devices for _ in range(runtime.instances_per_device)]
         runners = [make_runner(m.module, m.contract, m.device, plan.precision, plan.cuda_graphs, plan.buckets,
-                               runtime.warmup_batches) for m in loaded]
+                               runtime.warmup_batches, caps, memory, budget, on_graph_evicted) for m in loaded]
         executor = cls(runners, loaded[0].contract, preprocess_thread_count(runtime), runtime.warmup_batches,
                        warmup_batch_size=max(runtime.graph_batch_sizes),
                        device_description=_describe(plan, loaded[0].kind))
-        if plan.devices[0].type == "cuda":
-            # Untested without a GPU: the policy itself is tested with a fake probe (tests/unit/test_memorypolicy.py).
-            probe = _CudaMemoryProbe(plan.devices[0])
-            executor.memory_policy = MemoryPolicy(probe.total_bytes(), runtime.memory_fraction)
-            executor._memory_probe = probe
+        executor.memory_policy, executor._memory_probe = memory, probe
         return executor
 
     @property
@@ -174,6 +184,11 @@ class InferenceExecutor:
     def capture_count(self) -> int:
         """CUDA graphs captured so far, over all runners (0 on CPU)."""
         return sum(s.runner.capture_count for s in self._slots)
+
+    @property
+    def graph_evictions(self) -> int:
+        """CUDA graphs released to keep captured graphs under their memory budget, over all runners."""
+        return sum(s.runner.graph_evictions for s in self._slots)
 
     @property
     def runners(self) -> tuple[EagerRunner, ...]:
@@ -225,7 +240,8 @@ class InferenceExecutor:
                 frames = [frame] * n
                 if self.memory_policy is not None and self._memory_probe is not None:
                     run = functools.partial(_run_now, self, frames, shape)
-                    self.memory_policy.measure(self._memory_probe, shape, n, run)
+                    # Keyed by what the device runs (the model's input), as the runners and the batcher look it up.
+                    self.memory_policy.measure(self._memory_probe, self._model_shape(shape), n, run)
                 else:
                     self.submit(frames, shape).result()
                 best = min(_timed(self.submit(frames, shape).result()) for _ in range(rounds))
@@ -332,24 +348,6 @@ class InferenceExecutor:
     def _model_shape(self, shape: tuple[int, int, int]) -> tuple[int, int, int]:
         """A frame shape (h, w, c) -> the runner's input: the model input's (H, W, C) uint8 pixels."""
         return (*self.contract.model_input_hw((shape[0], shape[1])), self.contract.channels)
-
-
-class _CudaMemoryProbe:
-    """worker.memorypolicy.MemoryProbe over torch.cuda's allocator statistics for one device."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def total_bytes(self) -> int:
-        return int(torch.cuda.get_device_properties(self.device).total_memory)
-
-    def reset_peak(self) -> None:
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-
-    def peak_bytes(self) -> int:
-        torch.cuda.synchronize(self.device)
-        return int(torch.cuda.max_memory_allocated(self.device))
 
 
 class _ProfileRequest:

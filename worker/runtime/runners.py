@@ -3,7 +3,8 @@
 A runner takes the batch as uint8 NHWC pixels on its device and normalises them itself (`Normaliser`), inside
 the captured graph where it has one, so the host never touches float32 and the copy to the device is small.
 
-`GraphPlan` decides (which bucket, replay / capture now / run eager) and is pure; the runners execute.
+`worker.graphplan.GraphPlan` decides (which bucket, replay / capture now / run eager, which buckets are worth
+capturing, which graphs to release for the memory budget) and is pure; the runners execute.
 A runner is used from one thread at a time (the executor gives each its own inference thread).
 """
 
@@ -12,21 +13,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from worker.graphplan import LAZY_CAPTURE_AFTER, BatchCaps, GraphKey, GraphPlan, GraphStep
+from worker.memorypolicy import MemoryPolicy
 from worker.runtime.models import ModelContract, ModelContractError, apply_activation
 from worker.runtime.preprocess import Normaliser
 
 log = logging.getLogger(__name__)
 
 PRECISION_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
-# A shape without a graph is captured lazily the n-th time it is seen, so one-off shapes never pay a capture.
-LAZY_CAPTURE_AFTER = 2
 # PyTorch allows one CUDA graph capture at a time per process, so runners of several GPUs take turns.
 _CAPTURE_LOCK = threading.Lock()
 
@@ -44,52 +44,6 @@ class RunResult:
     scores: np.ndarray
     bucket: int
     used_graph: bool
-
-
-@dataclass(frozen=True)
-class GraphStep:
-    action: str  # "replay", "capture" (then replay) or "eager"
-    bucket: int  # padded batch size executed; == n for eager
-
-
-class GraphPlan:
-    """Which CUDA graph serves a batch of n frames of a shape; counts shapes to capture recurring ones lazily."""
-
-    def __init__(self, buckets: Sequence[int], capture_after: int = LAZY_CAPTURE_AFTER):
-        if not buckets or min(buckets) < 1:
-            raise ValueError("CUDA graph buckets must be a non-empty list of sizes >= 1")
-        self.buckets = tuple(sorted(set(buckets)))
-        self.capture_after = capture_after
-        self._captured: set[tuple[int, Shape]] = set()
-        self._failed: set[tuple[int, Shape]] = set()
-        self._seen: Counter[tuple[int, Shape]] = Counter()
-
-    def bucket_for(self, n: int) -> int | None:
-        """The smallest bucket holding n frames; None when n exceeds the largest."""
-        return next((b for b in self.buckets if b >= n), None)
-
-    def decide(self, n: int, shape: Shape) -> GraphStep:
-        bucket = self.bucket_for(n)
-        if bucket is None:
-            return GraphStep("eager", n)
-        key = (bucket, shape)
-        if key in self._captured:
-            return GraphStep("replay", bucket)
-        if key in self._failed:
-            return GraphStep("eager", n)
-        self._seen[key] += 1
-        if self._seen[key] >= self.capture_after:
-            return GraphStep("capture", bucket)
-        return GraphStep("eager", n)
-
-    def mark_captured(self, bucket: int, shape: Shape) -> None:
-        self._captured.add((bucket, shape))
-
-    def mark_failed(self, bucket: int, shape: Shape) -> None:
-        self._failed.add((bucket, shape))
-
-    def is_captured(self, bucket: int, shape: Shape) -> bool:
-        return (bucket, shape) in self._captured
 
 
 class EagerRunner:
@@ -110,6 +64,11 @@ class EagerRunner:
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.capture_count = 0
         self.normaliser = Normaliser(contract, self.device)
+
+    @property
+    def graph_evictions(self) -> int:
+        """CUDA graphs released for their memory budget (a CudaGraphRunner's; none here)."""
+        return 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Model + activation -> float32 scores on the device. The caller holds inference_mode."""
@@ -166,6 +125,28 @@ class EagerRunner:
             self.stream.synchronize()
 
 
+class CudaMemoryProbe:
+    """worker.memorypolicy.MemoryProbe over torch.cuda's allocator statistics for one device, and the memory it
+    holds from the device (a captured graph's pool grows it)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def total_bytes(self) -> int:
+        return int(torch.cuda.get_device_properties(self.device).total_memory)
+
+    def reset_peak(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_bytes(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+    def reserved_bytes(self) -> int:
+        return int(torch.cuda.memory_reserved(self.device))
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -173,29 +154,33 @@ class _Graph:
     static_regions: torch.Tensor  # [bucket, 4] int32; padding rows get an empty region, so they normalise to 0
     full: torch.Tensor  # [bucket, 4] int32: every row all pixels
     static_out: torch.Tensor
+    nbytes: int  # device memory it holds: its pool (static_out included) and the static inputs
 
 
 class CudaGraphRunner(EagerRunner):
     """One CUDA graph per (bucket, input shape) on static buffers; a batch is padded to its bucket.
 
-    Captured at warm-up for the configured shapes, and lazily for a shape that recurs; batches larger than
-    the largest bucket, and shapes not (yet) captured, run eagerly. `capture_count` counts every capture.
+    Captured at warm-up for the configured shapes, and lazily for a shape that recurs, for the buckets a batch
+    can reach (`GraphPlan.worth_capturing`); each capture's peak memory feeds `memory` and its bytes the graph
+    budget, least recently replayed graphs released past it. Batches larger than the largest bucket, buckets
+    not worth capturing, and shapes not (yet) captured run eagerly. `capture_count` counts every capture.
     """
 
     uses_graphs = True
 
     def __init__(self, module: Callable[[torch.Tensor], torch.Tensor], contract: ModelContract,
                  device: torch.device, precision: str = "fp32", buckets: Sequence[int] = (1, 2, 4, 8, 16, 32),
-                 warmup_batches: int = 8, capture_after: int = LAZY_CAPTURE_AFTER):
+                 warmup_batches: int = 8, capture_after: int = LAZY_CAPTURE_AFTER, caps: BatchCaps = BatchCaps(),
+                 memory: MemoryPolicy | None = None, graph_budget_bytes: int | None = None,
+                 on_evicted: Callable[[int], None] | None = None):
         if torch.device(device).type != "cuda":
             raise ValueError("CudaGraphRunner needs a CUDA device; use EagerRunner on cpu")
         super().__init__(module, contract, device, precision)
-        self.plan = GraphPlan(buckets, capture_after)
+        self.plan = GraphPlan(buckets, capture_after, caps, memory, graph_budget_bytes)
         self.warmup_batches = warmup_batches
-        self._graphs: dict[tuple[int, Shape], _Graph] = {}
-        # Graphs share one memory pool: they are replayed one at a time on one stream, and each replay's
-        # output is copied out before the next replay, so their intermediates may reuse the same memory.
-        self._pool = torch.cuda.graph_pool_handle()
+        self.probe = CudaMemoryProbe(self.device)
+        self._on_evicted = on_evicted  # called with the number of graphs released for the budget
+        self._graphs: dict[GraphKey, _Graph] = {}
         self._side_stream = torch.cuda.Stream(self.device)
         # torch.cuda.graph's default capture stream belongs to whichever GPU was current when first used.
         self._capture_stream = torch.cuda.Stream(self.device)
@@ -204,19 +189,32 @@ class CudaGraphRunner(EagerRunner):
     def buckets(self) -> tuple[int, ...]:
         return self.plan.buckets
 
+    @property
+    def graph_evictions(self) -> int:
+        return self.plan.evictions
+
     def warm_up(self, shape: Shape, batches: int, batch_size: int = 0) -> None:
-        """Capture a graph for every bucket of this shape (largest first, so smaller ones reuse its memory)."""
-        for bucket in reversed(self.plan.buckets):
-            if self.plan.is_captured(bucket, shape):
-                continue
+        """Capture a graph for every bucket worth it for this shape, smallest first (`GraphPlan.next_warm_up`)."""
+        while (bucket := self.plan.next_warm_up(shape)) is not None:
             try:
-                self._capture(bucket, shape)
+                graph = self._capture(bucket, shape)
             except Exception as exc:
                 raise ModelContractError(
                     f"the model cannot be captured in a CUDA graph for batch {bucket} x {list(shape)} "
                     f"({type(exc).__name__}: {exc}); remove data-dependent host syncs (.item(), .cpu(), "
                     "Python branches on tensor values) from forward, or set runtime.cuda_graphs = false"
                 ) from exc
+            if self.plan.admit_warm_up(bucket, shape, graph.nbytes):
+                self._graphs[(bucket, shape)] = graph
+            else:
+                del graph  # the only reference: its memory goes back with the next line
+                self._return_memory()
+                log.info("cuda graph budget full at warm-up; larger buckets are captured when batches need them "
+                         "device=%s bucket=%d shape=%s graph_bytes=%d budget_bytes=%s", self.device, bucket,
+                         list(shape), self.plan.budget.used_bytes, self.plan.budget.budget_bytes)
+        captured = [b for b in self.plan.buckets if self.plan.is_captured(b, shape)]
+        log.info("cuda graphs warmed up device=%s shape=%s captured=%s largest_batch=%s graph_bytes=%d",
+                 self.device, list(shape), captured, self.plan.largest_batch(shape), self.plan.budget.used_bytes)
 
     def run(self, pixels: torch.Tensor, ready: torch.cuda.Event | None = None,
             regions: torch.Tensor | None = None) -> RunResult:
@@ -224,6 +222,10 @@ class CudaGraphRunner(EagerRunner):
         h, w, c = pixels.shape[1:]
         shape = (int(h), int(w), int(c))
         step = self.plan.decide(n, shape)
+        if step.skipped:
+            log.info("cuda graph bucket not captured: it is above the largest batch for this shape; such batches "
+                     "run eager device=%s bucket=%d shape=%s largest_batch=%s", self.device,
+                     self.plan.bucket_for(n), list(shape), self.plan.largest_batch(shape))
         if step.action == "capture" and not self._capture_lazily(step.bucket, shape):
             step = GraphStep("eager", n)
         if step.action == "eager":
@@ -242,41 +244,77 @@ class CudaGraphRunner(EagerRunner):
 
     def _capture_lazily(self, bucket: int, shape: Shape) -> bool:
         try:
-            self._capture(bucket, shape)
-            log.info("cuda graph captured lazily device=%s bucket=%d shape=%s captures=%d",
-                     self.device, bucket, list(shape), self.capture_count)
-            return True
+            graph = self._capture(bucket, shape)
         except Exception as exc:  # noqa: BLE001 (reported to the caller)
             self.plan.mark_failed(bucket, shape)
             log.warning("cuda graph capture failed; running eager for this shape device=%s bucket=%d shape=%s "
                         "error=%s", self.device, bucket, list(shape), exc)
             return False
+        evicted = self.plan.admit(bucket, shape, graph.nbytes)
+        self._graphs[(bucket, shape)] = graph
+        self._release(evicted)
+        log.info("cuda graph captured lazily device=%s bucket=%d shape=%s bytes=%d captures=%d graph_bytes=%d "
+                 "evicted=%s", self.device, bucket, list(shape), graph.nbytes, self.capture_count,
+                 self.plan.budget.used_bytes, [(b, list(s)) for b, s in evicted])
+        return True
 
-    def _capture(self, bucket: int, shape: Shape) -> None:
+    def _release(self, evicted: list[GraphKey]) -> None:
+        """Drop the graphs released for the budget and give their memory back to the device."""
+        if not evicted:
+            return
+        for key in evicted:
+            del self._graphs[key]
+        self._return_memory()
+        if self._on_evicted is not None:
+            self._on_evicted(len(evicted))
+
+    def _return_memory(self) -> None:
+        # A graph's private pool goes back to the device only once the graph and its tensors are gone, and then
+        # only through empty_cache.
+        with torch.cuda.device(self.device):
+            torch.cuda.empty_cache()
+
+    def _capture(self, bucket: int, shape: Shape) -> _Graph:
+        """Capture (bucket, shape) on new static buffers; its eager warm-up runs record the batch's peak memory."""
         with _CAPTURE_LOCK, torch.cuda.device(self.device), torch.inference_mode():
             static_in = torch.zeros((bucket, *shape), dtype=torch.uint8, device=self.device)
             full = torch.tensor([[0, 0, shape[0], shape[1]]] * bucket, dtype=torch.int32, device=self.device)
             static_regions = full.clone()
+
+            def warm() -> None:
+                with torch.cuda.stream(self._side_stream):
+                    for _ in range(max(1, self.warmup_batches)):
+                        self.infer(static_in, static_regions)
+
             # Warm-up on a side stream before capture, as the PyTorch CUDA-graph docs prescribe: lazy
             # initialisation (cuBLAS/cuDNN handles, autotuning) must not happen inside the capture.
             self._side_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._side_stream):
-                for _ in range(max(1, self.warmup_batches)):
-                    self.infer(static_in, static_regions)
+            if self.plan.memory is not None:
+                self.plan.memory.measure(self.probe, shape, bucket, warm)
+            else:
+                warm()
             torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
             graph = torch.cuda.CUDAGraph()
-            # thread_local: preprocessing threads keep copying to the device while this thread captures.
-            with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream,
-                                  capture_error_mode="thread_local"):
+            # Each graph has its own memory pool (no pool= shared with the others), so a released graph's memory
+            # really returns to the device. thread_local: preprocessing threads keep copying to the device while
+            # this thread captures.
+            with torch.cuda.graph(graph, stream=self._capture_stream, capture_error_mode="thread_local"):
+                # Read inside: entering torch.cuda.graph empties the allocator's cache, which is not this graph's.
+                before = self.probe.reserved_bytes()
                 static_out = self.infer(static_in, static_regions)
-            self._graphs[(bucket, shape)] = _Graph(graph, static_in, static_regions, full, static_out)
-            self.plan.mark_captured(bucket, shape)
+            pool = max(0, self.probe.reserved_bytes() - before)
             self.capture_count += 1
+            nbytes = pool + static_in.nbytes + static_regions.nbytes + full.nbytes
+            return _Graph(graph, static_in, static_regions, full, static_out, nbytes)
 
 
 def make_runner(module: Callable[[torch.Tensor], torch.Tensor], contract: ModelContract, device: torch.device,
-                precision: str, cuda_graphs: bool, buckets: Sequence[int], warmup_batches: int) -> EagerRunner:
+                precision: str, cuda_graphs: bool, buckets: Sequence[int], warmup_batches: int,
+                caps: BatchCaps = BatchCaps(), memory: MemoryPolicy | None = None,
+                graph_budget_bytes: int | None = None,
+                on_evicted: Callable[[int], None] | None = None) -> EagerRunner:
     """CudaGraphRunner on CUDA with graphs enabled, else EagerRunner (the CPU path)."""
     if device.type == "cuda" and cuda_graphs:
-        return CudaGraphRunner(module, contract, device, precision, buckets, warmup_batches)
+        return CudaGraphRunner(module, contract, device, precision, buckets, warmup_batches, caps=caps,
+                               memory=memory, graph_budget_bytes=graph_budget_bytes, on_evicted=on_evicted)
     return EagerRunner(module, contract, device, precision)
