@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 Shape = tuple[int, int, int]
 
@@ -39,6 +39,10 @@ class MemoryPolicy:
         # Graphs share the limit with the batches themselves unless given a budget of their own.
         self.graph_budget_bytes = self.limit_bytes // 4 if graph_budget_bytes is None else graph_budget_bytes
         self._peaks: dict[Shape, dict[int, int]] = {}
+        # max_batch answers for measured shapes, each with the count of peaks recorded when it was computed: the
+        # batcher asks every time it makes a group (a scan of every size up to the cap), peaks change at warm-up.
+        self._recorded = 0
+        self._max_batch: dict[tuple[Shape, int], tuple[int, int]] = {}
         self._graphs: OrderedDict[Hashable, int] = OrderedDict()
         self.graph_bytes = 0
 
@@ -47,6 +51,7 @@ class MemoryPolicy:
         """The measured peak device memory of one batch of n frames of `shape` (the largest seen is kept)."""
         seen = self._peaks.setdefault(tuple(shape), {})  # type: ignore[arg-type]
         seen[n] = max(peak_bytes, seen.get(n, 0))
+        self._recorded += 1
 
     def measure(self, probe: MemoryProbe, shape: Shape, n: int, run: Callable[[], object]) -> int:
         """Run one batch under the probe and record its peak."""
@@ -79,12 +84,19 @@ class MemoryPolicy:
         """Largest n <= cap predicted to peak under the limit; None when the shape was never measured."""
         if self.predict_peak(shape, 1) is None:
             return None
+        key = (cast(Shape, tuple(shape)), cap)
+        recorded = self._recorded
+        known = self._max_batch.get(key)
+        if known is not None and known[0] == recorded:
+            return known[1]
         best = 0
         for n in range(1, cap + 1):
             peak = self.predict_peak(shape, n)
             if peak is not None and peak <= self.limit_bytes:
                 best = n
-        return max(1, best)  # one frame must run (alone) even if it does not fit: the model decides then
+        best = max(1, best)  # one frame must run (alone) even if it does not fit: the model decides then
+        self._max_batch[key] = (recorded, best)
+        return best
 
     def reachable(self, shape: Shape, buckets: Sequence[int], cap: int) -> tuple[int, ...]:
         """The buckets worth capturing for `shape`: those at most the memory and byte caps allow (and the
