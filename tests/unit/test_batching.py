@@ -863,6 +863,20 @@ def test_adaptive_sizing_releases_at_the_measured_most_efficient_size():
     assert batch.predicted_s == pytest.approx(0.010)
 
 
+def test_a_group_made_again_after_the_cost_model_learned_something_is_sized_by_what_it_learned():
+    clock = FakeClock()
+    cost = cost_model((SHAPE, 8, 0.010), (SHAPE, 16, 0.030))
+    batcher = MicroBatcher(make_settings(max_batch_size=32), clock, cost=cost)
+    add_frames(batcher, clock, 8)
+    assert batcher.pop_batch().size == 8  # the group is empty now, and gone
+    for _ in range(10):
+        cost.observe(SHAPE, 16, 0.012)  # 16 frames are now the most per device second
+    add_frames(batcher, clock, 16)
+
+    batch = batcher.pop_batch()
+    assert batch is not None and (batch.size, batch.reason) == (16, "cost")
+
+
 def test_fixed_sizes_win_when_adaptive_sizing_is_off():
     clock = FakeClock()
     cost = cost_model((SHAPE, 8, 0.010), (SHAPE, 32, 0.080))
