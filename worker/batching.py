@@ -102,6 +102,8 @@ LANE_FALLBACK = "fallback"
 RESUME_WATERMARK = 0.75
 # add() refuses frames beyond this multiple of max_pending_frames: the caller ignored classes_to_pause().
 HARD_CAP_FACTOR = 2
+# The expiry heap is rebuilt from the frames still pending once it holds this many more than twice as many.
+EXPIRY_HEAP_SLACK = 64
 
 _NO_CUTOFF: tuple[float, int] = (math.inf, 2**63)
 
@@ -727,6 +729,11 @@ class MicroBatcher:
                 entry.live = False
                 self._forget(entry.group, 1)
                 self._expired.append(entry.frame)
+        # A frame that left in a batch stays in the heap until its deadline (max_age_ms after capture: 30 s for
+        # standard), and with it its bytes: rebuilt from the pending ones when those are the smaller part.
+        if len(heap) > 2 * self._pending_frames + EXPIRY_HEAP_SLACK:
+            self._expiry = [item for item in heap if item[2].live]
+            heapq.heapify(self._expiry)
 
     def next_due(self) -> float | None:
         """Earliest clock time at which pop_batch()/pop_expired() could return something new (<= now: now).

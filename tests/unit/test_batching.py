@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import subprocess
 import sys
+import weakref
 
 import pytest
 
@@ -371,6 +372,21 @@ def test_max_age_zero_means_a_frame_never_expires():
 
     assert batcher.pop_expired() == []
     assert [b.size for b in drain(batcher)] == [1]
+
+
+def test_a_batched_frame_is_not_kept_until_its_max_age_passes():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(max_batch_size=4, standard=(5, 30_000, 3)), clock)
+    [first] = add_frames(batcher, clock, 1)
+    gone = weakref.ref(first)
+    clock.advance(10 * MS)
+    assert batcher.pop_batch().frames == (first,)
+    del first
+    for _ in range(50):  # 200 frames more, each batch run long before its 30 s max age
+        add_frames(batcher, clock, 4)
+        assert batcher.pop_batch().size == 4
+        assert batcher.pop_expired() == []
+    assert gone() is None  # nothing holds it (or its bytes) any more
 
 
 def test_tenants_left_with_only_expired_frames_do_not_stall_a_release():
