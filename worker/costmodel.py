@@ -91,7 +91,10 @@ class CostModel:
         """Record one measured batch of `n` frames of `shape` that took `seconds` (preprocess + inference)."""
         if n < 1 or not math.isfinite(seconds) or seconds <= 0:
             return
-        cost = self._shapes.setdefault(tuple(shape), _ShapeCost())  # type: ignore[arg-type]
+        key: Shape = tuple(shape)  # type: ignore[assignment]
+        cost = self._shapes.get(key)
+        if cost is None:
+            cost = self._shapes[key] = _ShapeCost()
         cost.measured(n, seconds, self._alpha)
         self._profiles.clear()
         self.version += 1

@@ -51,7 +51,9 @@ class OffsetTracker:
         Kafka delivers a partition's offsets in increasing order until a seek, and every seek (a rewind, a
         new assignment) starts from a forgotten partition: an offset at or below the highest one read is a
         re-delivery the pipeline failed to drop."""
-        st = self._parts.setdefault(tp, _PartitionState())
+        st = self._parts.get(tp)
+        if st is None:
+            st = self._parts[tp] = _PartitionState()
         if offset <= st.highest_seen:
             raise OffsetTrackingError(f"offset {offset} of {tp} read again (highest read {st.highest_seen}) "
                                       f"without a rewind")
