@@ -104,6 +104,8 @@ LANE_FALLBACK = "fallback"
 RESUME_WATERMARK = 0.75
 # add() refuses frames beyond this multiple of max_pending_frames: the caller ignored classes_to_pause().
 HARD_CAP_FACTOR = 2
+# The expiry heap is rebuilt from the frames still pending once it holds this many more than twice as many.
+EXPIRY_HEAP_SLACK = 64
 
 _NO_CUTOFF: tuple[float, int] = (math.inf, 2**63)
 
@@ -265,6 +267,10 @@ class MicroBatcher:
         self._quiet_s = settings.realtime_quiet_ms / 1000.0
         self._realtime_seen_at = -math.inf  # received_at of the latest realtime frame
         self._bounded = self._quiet_s == 0  # lower classes' batches bounded by the blocking limit now
+        # Groups are emptied and made again all the time: a new one takes the sizes last worked out for its class
+        # and shape, while the cost model has learned nothing since and the blocking bound is unchanged.
+        self._sized: dict[tuple[Priority, tuple[int, int, int], int, int, str], tuple[int, int, str]] = {}
+        self._sized_at = (-1, self._bounded)
         if cost is not None:
             for cls in self._classes:
                 if cls.budget_s > 0:
@@ -385,10 +391,22 @@ class MicroBatcher:
                 or self._clock() - self._realtime_seen_at <= self._quiet_s)
 
     def _size_from_cost(self, group: _Group) -> None:
-        """cap: while realtime is present, bounded so a standard or bulk batch runs at most the blocking limit;
-        trigger: the measured size with the most frames per device second (adaptive), within that cap."""
+        """The group's cap, trigger and full reason from the cost model, worked out once per class and shape until
+        the model learns something or the blocking bound comes or goes."""
         cost = self._cost
         assert cost is not None
+        if self._sized_at != (cost.version, self._bounded):
+            self._sized.clear()
+            self._sized_at = (cost.version, self._bounded)
+        key = (group.cls.priority, group.shape, group.cap_static, group.trigger_static, group.reason_static)
+        sized = self._sized.get(key)
+        if sized is None:
+            sized = self._sized[key] = self._sizes_from_cost(cost, group)
+        group.cap, group.trigger, group.full_reason = sized
+
+    def _sizes_from_cost(self, cost: CostModel, group: _Group) -> tuple[int, int, str]:
+        """cap: while realtime is present, bounded so a standard or bulk batch runs at most the blocking limit;
+        trigger: the measured size with the most frames per device second (adaptive), within that cap."""
         cap, trigger, reason = group.cap_static, group.trigger_static, group.reason_static
         if group.cls.priority != Priority.REALTIME and self._blocking_s > 0 and self._bounded:
             k = cost.largest_within(group.shape, self._blocking_s, cap)
@@ -398,9 +416,7 @@ class MicroBatcher:
             best = cost.best_size(group.shape, cap)
             if best is not None:
                 trigger, reason = best, "cost"
-        if trigger > cap:
-            trigger = cap
-        group.cap, group.trigger, group.full_reason = cap, trigger, reason
+        return cap, min(trigger, cap), reason
 
     def _predict(self, group: _Group, n: int) -> float:
         """Predicted seconds for n frames of the group's shape; 0 when unknown (no model, nothing measured)."""
@@ -723,6 +739,11 @@ class MicroBatcher:
                 entry.live = False
                 self._forget(entry.group, 1)
                 self._expired.append(entry.frame)
+        # A frame that left in a batch stays in the heap until its deadline (max_age_ms after capture: 30 s for
+        # standard), and with it its bytes: rebuilt from the pending ones when those are the smaller part.
+        if len(heap) > 2 * self._pending_frames + EXPIRY_HEAP_SLACK:
+            self._expiry = [item for item in heap if item[2].live]
+            heapq.heapify(self._expiry)
 
     def next_due(self) -> float | None:
         """Earliest clock time at which pop_batch()/pop_expired() could return something new (<= now: now).

@@ -36,29 +36,44 @@ THROUGHPUT_TOLERANCE = 0.15
 class _ShapeCost:
     mean_s: dict[int, float] = field(default_factory=dict)  # batch size -> EWMA of measured seconds
     count: dict[int, int] = field(default_factory=dict)
-    a: float = 0.0
-    b: float = 0.0
+    # The fitted (a, b), or None until it is next needed: fitted lazily, as every batch changes mean_s and most
+    # predictions are of measured sizes.
+    _fit: tuple[float, float] | None = field(default=None, repr=False, compare=False)
 
-    def refit(self) -> None:
-        """Least squares of mean_s over sizes; a >= 0 and b >= 0 (time never shrinks with more frames)."""
-        points = sorted(self.mean_s.items())
-        if len(points) == 1:
-            n, t = points[0]
-            self.a, self.b = 0.0, t / n
-            return
-        mx = sum(n for n, _ in points) / len(points)
-        my = sum(t for _, t in points) / len(points)
-        sxx = sum((n - mx) ** 2 for n, _ in points)
-        b = sum((n - mx) * (t - my) for n, t in points) / sxx
-        b = max(b, 0.0)
-        a = my - b * mx
-        if a < 0:  # through the origin instead
-            a, b = 0.0, sum(n * t for n, t in points) / sum(n * n for n, _ in points)
-        self.a, self.b = a, b
+    def measured(self, n: int, seconds: float, alpha: float) -> None:
+        old = self.mean_s.get(n)
+        self.mean_s[n] = seconds if old is None else old + alpha * (seconds - old)
+        self.count[n] = self.count.get(n, 0) + 1
+        self._fit = None
+
+    @property
+    def line(self) -> tuple[float, float]:
+        """Least squares (a, b) of mean_s over sizes; a >= 0 and b >= 0 (time never shrinks with more frames)."""
+        if self._fit is None:
+            self._fit = _least_squares(sorted(self.mean_s.items()))
+        return self._fit
 
     def predict(self, n: int) -> float:
         measured = self.mean_s.get(n)
-        return measured if measured is not None else self.a + self.b * n
+        if measured is not None:
+            return measured
+        a, b = self.line
+        return a + b * n
+
+
+def _least_squares(points: list[tuple[int, float]]) -> tuple[float, float]:
+    if len(points) == 1:
+        n, t = points[0]
+        return 0.0, t / n
+    mx = sum(n for n, _ in points) / len(points)
+    my = sum(t for _, t in points) / len(points)
+    sxx = sum((n - mx) ** 2 for n, _ in points)
+    b = sum((n - mx) * (t - my) for n, t in points) / sxx
+    b = max(b, 0.0)
+    a = my - b * mx
+    if a < 0:  # through the origin instead
+        a, b = 0.0, sum(n * t for n, t in points) / sum(n * n for n, _ in points)
+    return a, b
 
 
 class CostModel:
@@ -76,11 +91,11 @@ class CostModel:
         """Record one measured batch of `n` frames of `shape` that took `seconds` (preprocess + inference)."""
         if n < 1 or not math.isfinite(seconds) or seconds <= 0:
             return
-        cost = self._shapes.setdefault(tuple(shape), _ShapeCost())  # type: ignore[arg-type]
-        old = cost.mean_s.get(n)
-        cost.mean_s[n] = seconds if old is None else old + self._alpha * (seconds - old)
-        cost.count[n] = cost.count.get(n, 0) + 1
-        cost.refit()
+        key: Shape = tuple(shape)  # type: ignore[assignment]
+        cost = self._shapes.get(key)
+        if cost is None:
+            cost = self._shapes[key] = _ShapeCost()
+        cost.measured(n, seconds, self._alpha)
         self._profiles.clear()
         self.version += 1
 
@@ -97,7 +112,7 @@ class CostModel:
     def line(self, shape: Shape) -> tuple[float, float] | None:
         """The fitted (a seconds, b seconds per frame) of a measured shape."""
         cost = self._shapes.get(tuple(shape))  # type: ignore[arg-type]
-        return None if cost is None else (cost.a, cost.b)
+        return None if cost is None else cost.line
 
     def best_size(self, shape: Shape, cap: int) -> int | None:
         """The size <= cap with the most frames per second of device time; None if nothing is known."""
@@ -136,20 +151,18 @@ class CostModel:
                 profile.mean_s[n] = ref.mean_s[n] * ratio
             if own is not None:
                 profile.mean_s.update(own.mean_s)
-            profile.refit()
         self._profiles[shape] = profile
         return profile
 
     def largest_within(self, shape: Shape, seconds: float, cap: int) -> int | None:
         """The largest n <= cap predicted to take at most `seconds`; 0 if not even one frame; None if unknown."""
-        one = self.predict(shape, 1)
-        if one is None:
+        profile = self._profile(tuple(shape))  # type: ignore[arg-type]
+        if profile is None:
             return None
         lo, hi = 0, cap
         while lo < hi:  # predictions grow with n (b >= 0, means of larger sizes are larger in practice)
             mid = (lo + hi + 1) // 2
-            t = self.predict(shape, mid)
-            if t is not None and t <= seconds + 1e-9:  # clock rounding must not cost a frame
+            if profile.predict(mid) <= seconds + 1e-9:  # clock rounding must not cost a frame
                 lo = mid
             else:
                 hi = mid - 1
@@ -157,6 +170,6 @@ class CostModel:
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """Per shape "HxWxC": the line and the measured means (for logs and benchmarks)."""
-        return {f"{h}x{w}x{c}": {"a_ms": cost.a * 1000.0, "b_ms": cost.b * 1000.0,
+        return {f"{h}x{w}x{c}": {"a_ms": cost.line[0] * 1000.0, "b_ms": cost.line[1] * 1000.0,
                                  **{f"n{n}_ms": t * 1000.0 for n, t in sorted(cost.mean_s.items())}}
                 for (h, w, c), cost in self._shapes.items()}

@@ -29,7 +29,7 @@ from worker.config import Settings
 from worker.errors import OperatorError
 from worker.frames import OUTPUT_REJECTED, DeadLetter, Output, SourceRef
 from worker.kafka_errors import classify_producer_error
-from worker.metrics import Metrics
+from worker.metrics import Children, Metrics
 from worker.offsets import OffsetTracker
 from worker.sink import DoneCallback, MessageRejected, RejectedCallback, ResultSink, SinkError, TransactionStuckError
 
@@ -71,6 +71,9 @@ class Delivery:
         self.tracker = tracker
         self.assignments = assignments
         self.metrics = metrics
+        # Counted per acknowledged output: each label set looked up once.
+        self._produced = Children(metrics.results_produced)
+        self._dead_lettered = Children(metrics.frames_dead_lettered)
         self.results = 0
         self.dead_lettered = 0
         self.commits = 0
@@ -153,12 +156,12 @@ class Delivery:
     def _count(self, out: Output) -> None:
         if out.dead_letter is not None:
             self.dead_lettered += 1
-            self.metrics.frames_dead_lettered.labels(out.source.topic,
-                                                     self.metrics.error_type_label(out.dead_letter.error_type)).inc()
+            error_type = self.metrics.error_type_label(out.dead_letter.error_type)
+            self._dead_lettered.labels(out.source.topic, error_type).inc()
         else:
             self.results += 1
-            self.metrics.results_produced.labels(self.settings.topics.results, self.metrics.tenant_label(out.tenant),
-                                                 out.status.value).inc()
+            self._produced.labels(self.settings.topics.results, self.metrics.tenant_label(out.tenant),
+                                  out.status.value).inc()
 
 
 class AtLeastOnceDelivery(Delivery):

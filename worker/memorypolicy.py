@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar, cast
 
 Shape = tuple[int, int, int]
 K = TypeVar("K", bound=Hashable)
@@ -42,12 +42,17 @@ class MemoryPolicy:
         # Captured graphs' memory on one device (its runners share it), unless given a budget of its own.
         self.graph_budget_bytes = self.limit_bytes // 4 if graph_budget_bytes is None else graph_budget_bytes
         self._peaks: dict[Shape, dict[int, int]] = {}
+        # max_batch answers for measured shapes, each with the count of peaks recorded when it was computed: the
+        # batcher asks every time it makes a group (a scan of every size up to the cap), peaks change at warm-up.
+        self._recorded = 0
+        self._max_batch: dict[tuple[Shape, int], tuple[int, int]] = {}
 
     # -- batch sizes -----------------------------------------------------------------------------------------
     def record_peak(self, shape: Shape, n: int, peak_bytes: int) -> None:
         """The measured peak device memory of one batch of n frames of `shape` (the largest seen is kept)."""
         seen = self._peaks.setdefault(tuple(shape), {})  # type: ignore[arg-type]
         seen[n] = max(peak_bytes, seen.get(n, 0))
+        self._recorded += 1
 
     def measure(self, probe: MemoryProbe, shape: Shape, n: int, run: Callable[[], object]) -> int:
         """Run one batch under the probe and record its peak, and what was allocated before it as the 0-frame
@@ -84,12 +89,19 @@ class MemoryPolicy:
         """Largest n <= cap predicted to peak under the limit; None when the shape was never measured."""
         if self.predict_peak(shape, 1) is None:
             return None
+        key = (cast(Shape, tuple(shape)), cap)
+        recorded = self._recorded
+        known = self._max_batch.get(key)
+        if known is not None and known[0] == recorded:
+            return known[1]
         best = 0
         for n in range(1, cap + 1):
             peak = self.predict_peak(shape, n)
             if peak is not None and peak <= self.limit_bytes:
                 best = n
-        return max(1, best)  # one frame must run (alone) even if it does not fit: the model decides then
+        best = max(1, best)  # one frame must run (alone) even if it does not fit: the model decides then
+        self._max_batch[key] = (recorded, best)
+        return best
 
 
 class GraphBudget(Generic[K]):

@@ -12,9 +12,11 @@ import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 from worker.config import Settings
 from worker.frames import DEAD_LETTER_ERROR_TYPES
@@ -25,6 +27,25 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 RATIO_BUCKETS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5)
 PREDICTION_RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 PIXEL_BUCKETS = (64 * 64, 128 * 128, 224 * 224, 320 * 240, 640 * 480, 1280 * 720, 1920 * 1080, 3840 * 2160)
+
+MetricT = TypeVar("MetricT", bound=MetricWrapperBase)
+
+
+class Children(Generic[MetricT]):
+    """One labelled metric's children, each looked up once: `labels()` checks its values and takes a lock on every
+    call, which the loop paid per frame. A label set still has no series until it is first used. Not for a
+    metric whose children are removed (consumer_lag): a removed child would live on here."""
+
+    def __init__(self, metric: MetricT) -> None:
+        self._metric = metric
+        self._children: dict[tuple[str, ...], MetricT] = {}
+
+    def labels(self, *values: str) -> MetricT:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._metric.labels(*values)
+        return child
+
 
 # The label value of every tenant without a label of its own, and of every error_type not listed below.
 OTHER = "other"

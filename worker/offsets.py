@@ -31,12 +31,19 @@ class _PartitionState:
     # then each commit the broker confirmed.
     reread_from: int = -1
 
+    @property
+    def uncommitted(self) -> int:
+        return self.highest_seen + 1 - self.reread_from if self.reread_from >= 0 else 0
+
 
 class OffsetTracker:
     """Tracks read and done offsets per partition; `commit_points` gives the offsets to commit."""
 
     def __init__(self) -> None:
         self._parts: dict[TopicPartition, _PartitionState] = {}
+        # Totals over all partitions, kept as they change: the loop reads both several times a turn.
+        self._in_flight = 0
+        self._uncommitted = 0
 
     def track(self, tp: TopicPartition, offset: int) -> None:
         """Record that `offset` was read and is now in flight.
@@ -44,15 +51,20 @@ class OffsetTracker:
         Kafka delivers a partition's offsets in increasing order until a seek, and every seek (a rewind, a
         new assignment) starts from a forgotten partition: an offset at or below the highest one read is a
         re-delivery the pipeline failed to drop."""
-        st = self._parts.setdefault(tp, _PartitionState())
+        st = self._parts.get(tp)
+        if st is None:
+            st = self._parts[tp] = _PartitionState()
         if offset <= st.highest_seen:
             raise OffsetTrackingError(f"offset {offset} of {tp} read again (highest read {st.highest_seen}) "
                                       f"without a rewind")
+        before = st.uncommitted
         st.outstanding_set.add(offset)
         heapq.heappush(st.outstanding, offset)
         st.highest_seen = max(st.highest_seen, offset)
         if st.reread_from < 0:
             st.reread_from = offset
+        self._in_flight += 1
+        self._uncommitted += st.uncommitted - before
 
     def mark_done(self, tp: TopicPartition, offset: int) -> None:
         """Record that `offset` needs no more work (result acknowledged, dead-lettered or expired)."""
@@ -60,6 +72,7 @@ class OffsetTracker:
         if st is None or offset not in st.outstanding_set:
             raise OffsetTrackingError(f"offset {offset} of {tp} marked done but not in flight")
         st.outstanding_set.remove(offset)
+        self._in_flight -= 1
         # Lazy deletion: pop finished offsets off the top of the heap only.
         while st.outstanding and st.outstanding[0] not in st.outstanding_set:
             heapq.heappop(st.outstanding)
@@ -68,7 +81,7 @@ class OffsetTracker:
         if tp is not None:
             st = self._parts.get(tp)
             return len(st.outstanding_set) if st else 0
-        return sum(len(st.outstanding_set) for st in self._parts.values())
+        return self._in_flight
 
     def commit_points(self) -> dict[TopicPartition, int]:
         """Offsets to commit (Kafka's "next offset to read") for partitions whose watermark moved."""
@@ -90,12 +103,14 @@ class OffsetTracker:
         for tp, point in points.items():
             st = self._parts.get(tp)
             if st is not None and point > st.reread_from:
+                before = st.uncommitted
                 st.reread_from = point
+                self._uncommitted += st.uncommitted - before
 
     def uncommitted(self) -> int:
         """Offsets read since the last commit the broker confirmed, over all partitions: what a lost session or a
         crash would answer again (done or not)."""
-        return sum(st.highest_seen + 1 - st.reread_from for st in self._parts.values() if st.reread_from >= 0)
+        return self._uncommitted
 
     def commit_failed(self, tp: TopicPartition) -> None:
         """An asynchronous commit of `tp` failed: offer its commit point again next time."""
@@ -106,7 +121,11 @@ class OffsetTracker:
     def forget(self, tp: TopicPartition) -> int:
         """Stop tracking a revoked or lost partition; returns how many offsets were still in flight."""
         st = self._parts.pop(tp, None)
-        return len(st.outstanding_set) if st else 0
+        if st is None:
+            return 0
+        self._in_flight -= len(st.outstanding_set)
+        self._uncommitted -= st.uncommitted
+        return len(st.outstanding_set)
 
     @staticmethod
     def _watermark(st: _PartitionState) -> int | None:

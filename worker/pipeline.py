@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from worker.assignment import TP, Assignments
 from worker.batching import Batch, MicroBatcher
@@ -25,11 +25,14 @@ from worker.dedup import DuplicateFrames, duplicate_reason
 from worker.delivery import AtLeastOnceDelivery, CommitResult, Delivery, ExactlyOnceDelivery
 from worker.frames import DUPLICATE_FRAME, BatchOutcome, DeadLetter, Frame, Output, Priority, Status, Verdict
 from worker.memorypolicy import MemoryPolicy
-from worker.metrics import Health, Metrics
+from worker.metrics import Children, Health, Metrics
 from worker.offsets import OffsetTracker
 from worker.schemas import ResultContext, build_result, reencode_frame
 from worker.sink import DoneCallback, RejectedCallback, ResultSink, output_message_limit
 from worker.source import FrameSource, Polled, RebalanceHandler
+
+if TYPE_CHECKING:
+    from prometheus_client import Counter as PromCounter
 
 log = logging.getLogger(__name__)
 # One DEBUG line per finished batch (class, shape, size, waits, padding, predicted and measured time): enable
@@ -140,6 +143,15 @@ class Pipeline:
         self.duplicates = DuplicateFrames(settings.limits.duplicate_window_frames)
         self._result_context = ResultContext(executor.model_name, executor.model_version,
                                              settings.observability.worker_id)
+        # The labelled metrics the loop touches per frame or per batch, each label set looked up once.
+        self._consumed = Children(metrics.frames_consumed)
+        self._expired = Children(metrics.frames_expired)
+        self._flagged = Children(metrics.frames_flagged)
+        self._queue_wait = Children(metrics.queue_wait)
+        self._end_to_end = Children(metrics.end_to_end_latency)
+        self._input_pixels = Children(metrics.input_pixels)
+        self._batch_size = Children(metrics.batch_size)
+        self._releases = Children(metrics.batch_releases)
         self._counts = RunSummary()
         self._inflight: deque[tuple[Batch, Future[BatchOutcome]]] = deque()
         self._outputs: list[Output] = []
@@ -226,8 +238,9 @@ class Pipeline:
             read = sorted(read + [d.source for d in polled.dead_letters])
         for ref in read:
             self.tracker.track(ref.topic_partition, ref.offset)
+        if polled.frames:
+            self._count_by_tenant(self._consumed, polled.frames)
         for frame in polled.frames:
-            self.metrics.frames_consumed.labels(frame.source.topic, self.metrics.tenant_label(frame.tenant)).inc()
             first = self.duplicates.first_offset(frame.source.topic_partition, (frame.stream_id, frame.frame_index),
                                                  frame.source.offset)
             if first is None:
@@ -235,13 +248,20 @@ class Pipeline:
             else:
                 self._outputs.append(self._dead_letter(frame, DUPLICATE_FRAME,
                                                        duplicate_reason((frame.stream_id, frame.frame_index), first)))
-        for dl in polled.dead_letters:
-            self.metrics.frames_consumed.labels(dl.source.topic, "unknown").inc()
-            self._outputs.append(Output.of_dead_letter(dl))
+        if polled.dead_letters:
+            for topic, n in Counter(dl.source.topic for dl in polled.dead_letters).items():
+                self._consumed.labels(topic, "unknown").inc(n)
+            self._outputs.extend(Output.of_dead_letter(dl) for dl in polled.dead_letters)
         self._counts.consumed += len(polled.frames) + len(polled.dead_letters)
         self.metrics.inflight_frames.set(self.tracker.in_flight())
         self.metrics.uncommitted_frames.set(self.tracker.uncommitted())
         self.metrics.inflight_bytes.set(self.batcher.pending_bytes)
+
+    def _count_by_tenant(self, counter: Children[PromCounter], frames: Sequence[Frame]) -> None:
+        """One increment per (topic, tenant label) of `frames`; tenants are labelled in the order first seen, as
+        frame by frame."""
+        for (topic, tenant), n in Counter((f.source.topic, f.tenant) for f in frames).items():
+            counter.labels(topic, self.metrics.tenant_label(tenant)).inc(n)
 
     def _idle_for(self) -> float:
         if self._last_activity is None:
@@ -276,8 +296,8 @@ class Pipeline:
                 self._dispatch(batch)
 
     def _dispatch(self, batch: Batch) -> None:
-        self.metrics.batch_size.labels(batch.priority.label, batch.lane).observe(batch.size)
-        self.metrics.batch_releases.labels(batch.priority.label, batch.reason).inc()
+        self._batch_size.labels(batch.priority.label, batch.lane).observe(batch.size)
+        self._releases.labels(batch.priority.label, batch.reason).inc()
         self.metrics.padding_waste.observe(batch.padding_waste)
         self._inflight.append((batch, self.executor.submit(batch.frames, batch.shape, batch.priority)))
 
@@ -317,7 +337,7 @@ class Pipeline:
                             (batch.released_at - oldest) * 1000.0, (outcome.started_at - batch.released_at) * 1000.0,
                             batch.padding_waste,
                             "-" if batch.predicted_s is None else f"{batch.predicted_s * 1000.0:.1f}", run_s * 1000.0)
-        pixels = self.metrics.input_pixels.labels(f"{batch.shape[0]}x{batch.shape[1]}")
+        pixels = self._input_pixels.labels(f"{batch.shape[0]}x{batch.shape[1]}")
         for frame in batch.frames:
             pixels.observe(frame.height * frame.width)
         self._counts.batches += 1
@@ -325,15 +345,20 @@ class Pipeline:
         self.metrics.preprocess_latency.observe(outcome.preprocess_ms / 1000.0)
         self.metrics.inference_latency.observe(outcome.inference_ms / 1000.0)
         run_ms = outcome.preprocess_ms + outcome.inference_ms
+        # A batch's frames are of its class.
+        queue_wait = self._queue_wait.labels(batch.priority.label)
+        end_to_end = self._end_to_end.labels(batch.priority.label)
+        flagged: Counter[str] = Counter()
         for frame, verdict in outcome.verdicts:
             queued_s = max(0.0, outcome.started_at - frame.received_at)
-            self.metrics.queue_wait.labels(frame.priority.label).observe(queued_s)
-            self.metrics.end_to_end_latency.labels(frame.priority.label).observe(
-                max(0.0, now - frame.capture_ts_ms / 1000.0))
-            for label in verdict.flagged_labels:
-                self.metrics.frames_flagged.labels(label).inc()
+            queue_wait.observe(queued_s)
+            end_to_end.observe(max(0.0, now - frame.capture_ts_ms / 1000.0))
+            if verdict.flagged_labels:
+                flagged.update(verdict.flagged_labels)
             self._outputs.append(self._result(frame, verdict, Status.OK, queued_s * 1000.0, outcome.batch_size,
                                               run_ms, now))
+        for label, n in flagged.items():
+            self._flagged.labels(label).inc(n)
         for failure in outcome.failures:
             self._outputs.append(self._dead_letter(failure.frame, failure.error_type, failure.reason))
 
@@ -345,9 +370,12 @@ class Pipeline:
 
     def _expire(self) -> None:
         now = self.clock()
-        for frame in self.batcher.pop_expired():
-            self.metrics.frames_expired.labels(frame.source.topic, self.metrics.tenant_label(frame.tenant)).inc()
-            self._counts.expired += 1
+        expired = self.batcher.pop_expired()
+        if not expired:
+            return
+        self._count_by_tenant(self._expired, expired)
+        self._counts.expired += len(expired)
+        for frame in expired:
             self._outputs.append(self._result(frame, None, Status.EXPIRED, (now - frame.received_at) * 1000.0,
                                               0, 0.0, now))
 

@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import subprocess
 import sys
+import weakref
 
 import pytest
 
@@ -371,6 +372,21 @@ def test_max_age_zero_means_a_frame_never_expires():
 
     assert batcher.pop_expired() == []
     assert [b.size for b in drain(batcher)] == [1]
+
+
+def test_a_batched_frame_is_not_kept_until_its_max_age_passes():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(max_batch_size=4, standard=(5, 30_000, 3)), clock)
+    [first] = add_frames(batcher, clock, 1)
+    gone = weakref.ref(first)
+    clock.advance(10 * MS)
+    assert batcher.pop_batch().frames == (first,)
+    del first
+    for _ in range(50):  # 200 frames more, each batch run long before its 30 s max age
+        add_frames(batcher, clock, 4)
+        assert batcher.pop_batch().size == 4
+        assert batcher.pop_expired() == []
+    assert gone() is None  # nothing holds it (or its bytes) any more
 
 
 def test_tenants_left_with_only_expired_frames_do_not_stall_a_release():
@@ -861,6 +877,20 @@ def test_adaptive_sizing_releases_at_the_measured_most_efficient_size():
     batch = batcher.pop_batch()
     assert batch is not None and (batch.size, batch.reason) == (8, "cost")
     assert batch.predicted_s == pytest.approx(0.010)
+
+
+def test_a_group_made_again_after_the_cost_model_learned_something_is_sized_by_what_it_learned():
+    clock = FakeClock()
+    cost = cost_model((SHAPE, 8, 0.010), (SHAPE, 16, 0.030))
+    batcher = MicroBatcher(make_settings(max_batch_size=32), clock, cost=cost)
+    add_frames(batcher, clock, 8)
+    assert batcher.pop_batch().size == 8  # the group is empty now, and gone
+    for _ in range(10):
+        cost.observe(SHAPE, 16, 0.012)  # 16 frames are now the most per device second
+    add_frames(batcher, clock, 16)
+
+    batch = batcher.pop_batch()
+    assert batch is not None and (batch.size, batch.reason) == (16, "cost")
 
 
 def test_fixed_sizes_win_when_adaptive_sizing_is_off():

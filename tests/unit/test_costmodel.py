@@ -27,6 +27,18 @@ def test_a_line_is_fitted_through_the_measured_sizes():
     assert cost.predict(SHAPE, 16) == pytest.approx(0.018)
 
 
+def test_the_line_follows_every_observation_made_since_it_was_last_used():
+    cost = CostModel(alpha=1.0)  # the mean is the latest measurement
+    for n in (1, 2, 4, 8):
+        cost.observe(SHAPE, n, 0.002 + 0.001 * n)
+    assert cost.predict(SHAPE, 16) == pytest.approx(0.018)
+    for n in (1, 2, 4, 8):  # twice as slow now
+        cost.observe(SHAPE, n, 0.004 + 0.002 * n)
+    assert cost.line(SHAPE) == (pytest.approx(0.004), pytest.approx(0.002))
+    assert cost.predict(SHAPE, 16) == pytest.approx(0.036)
+    assert cost.largest_within(SHAPE, 0.036, 32) == 16
+
+
 def test_a_measured_size_predicts_its_own_recent_mean():
     cost = CostModel(alpha=0.5)
     cost.observe(SHAPE, 8, 0.010)

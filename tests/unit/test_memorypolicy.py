@@ -45,6 +45,15 @@ def test_the_largest_batch_keeps_the_measured_peak_under_the_memory_fraction():
     assert policy.max_batch((1, 1, 3), cap=64) is None  # never measured: no memory cap
 
 
+def test_the_largest_batch_follows_a_peak_recorded_after_it_was_asked():
+    policy = MemoryPolicy(10 * GIB, memory_fraction=0.8)
+    policy.record_peak(SHAPE, 1, 2 * GIB + GIB // 4)
+    policy.record_peak(SHAPE, 8, 4 * GIB)
+    assert policy.max_batch(SHAPE, cap=64) == 24
+    policy.record_peak(SHAPE, 16, 8 * GIB)  # larger batches cost more than the first two sizes said
+    assert policy.max_batch(SHAPE, cap=64) == 16
+
+
 def test_one_measured_size_predicts_the_next_from_what_was_allocated_before_it():
     # A model taking half the device: through the origin, a batch of 2 would look like the whole device.
     probe = FakeProbe(total=10 * GIB, base=5 * GIB, per_frame=GIB // 8)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from prometheus_client.exposition import generate_latest
 
 from worker.config import Settings
-from worker.metrics import DEAD_LETTER_ERROR_TYPES, OTHER, Metrics
+from worker.metrics import DEAD_LETTER_ERROR_TYPES, OTHER, Children, Metrics
 
 
 def metrics_with(**observability) -> Metrics:
@@ -91,3 +91,13 @@ def test_every_error_type_the_worker_dead_letters_has_a_label_of_its_own():
 
     assert {DECODE_ERROR, MODEL_ERROR, NON_FINITE_OUTPUT, "MessageDecodeError", DUPLICATE_FRAME,
             OUTPUT_REJECTED} <= DEAD_LETTER_ERROR_TYPES
+
+
+def test_cached_children_are_the_metrics_own_and_a_label_set_has_no_series_until_used():
+    m = Metrics()
+    consumed = Children(m.frames_consumed)
+    assert "tenant=" not in generate_latest(m.registry).decode()
+    consumed.labels("frames.bulk", "a").inc(2)
+    m.frames_consumed.labels("frames.bulk", "a").inc()
+    assert consumed.labels("frames.bulk", "a") is m.frames_consumed.labels("frames.bulk", "a")
+    assert m.registry.get_sample_value("streamfer_frames_consumed_total", {"topic": "frames.bulk", "tenant": "a"}) == 3

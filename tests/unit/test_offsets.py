@@ -119,3 +119,33 @@ def test_uncommitted_counts_from_the_first_offset_read_then_from_each_confirmed_
     assert t.uncommitted() == 4
     t.forget(TP)
     assert t.uncommitted() == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["track", "done", "confirm", "forget"]), st.sampled_from([TP, ("x", 1)]),
+                          st.integers(0, 4)), max_size=80))
+def test_in_flight_and_uncommitted_totals_stay_the_sums_over_partitions(ops):
+    """Property: kept as running totals, both still equal what the partitions hold, whatever happens in between."""
+    t = OffsetTracker()
+    reread: dict[tuple[str, int], int] = {}
+    highest: dict[tuple[str, int], int] = {}
+    flying: dict[tuple[str, int], list[int]] = {}
+    for op, tp, k in ops:
+        if op == "track":
+            offset = highest.get(tp, -1) + 1 + k  # gaps: offsets of transaction markers, compacted records
+            t.track(tp, offset)
+            reread.setdefault(tp, offset)
+            highest[tp] = offset
+            flying.setdefault(tp, []).append(offset)
+        elif op == "done" and flying.get(tp):
+            t.mark_done(tp, flying[tp].pop(k % len(flying[tp])))
+        elif op == "confirm" and tp in reread:
+            point = reread[tp] + k - 1  # sometimes an older confirmation, reported late
+            t.commit_confirmed({tp: point})
+            reread[tp] = max(reread[tp], point)
+        elif op == "forget":
+            assert t.forget(tp) == len(flying.pop(tp, []))
+            reread.pop(tp, None)
+            highest.pop(tp, None)
+        assert t.in_flight() == sum(len(f) for f in flying.values())
+        assert t.uncommitted() == sum(highest[p] + 1 - reread[p] for p in reread)

@@ -6,6 +6,9 @@ Several guard a bug the fault suite once found only in a few SIGKILL runs of man
 
 from __future__ import annotations
 
+import dataclasses
+from collections import Counter
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -15,15 +18,16 @@ import worker.pipeline as pipeline_module
 import worker.sink as sink_module
 import worker.source as source_module
 from worker.config import BatchingSettings, DeliverySettings, ObservabilitySettings, Settings
-from worker.frames import OUTPUT_REJECTED
+from worker.frames import OUTPUT_REJECTED, BatchOutcome, Priority, Verdict
 from worker.metrics import Health, Metrics
 from worker.pipeline import Pipeline, build_pipeline
 from worker.schemas import decode_result
 from worker.sink import SinkError
 
-from .kafka_fakes import FakeConsumer, FakeExecutor, FakeProducer, Produced, abortable, frame_value
+from .kafka_fakes import FakeConsumer, FakeExecutor, FakeProducer, Produced, abortable, frame_value, outcome
 
 BULK = Settings().topics.bulk
+REALTIME = Settings().topics.realtime
 P0 = (BULK, 0)
 P1 = (BULK, 1)
 STEP_S = 0.2  # past bulk's max_wait_ms: every step releases what is pending
@@ -42,7 +46,8 @@ class World:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, mode: str = "at_least_once", hold: bool = False,
                  batching: BatchingSettings | None = None, max_inflight: int = 4, executor: Any = None,
-                 max_uncommitted_frames: int = 0, commit_interval_ms: float = 0.0) -> None:
+                 max_uncommitted_frames: int = 0, commit_interval_ms: float = 0.0,
+                 metrics: Metrics | None = None) -> None:
         self.settings = Settings(batching=batching or BatchingSettings(rare_shape_min_count=1, max_batch_size=4),
                                  delivery=DeliverySettings(mode=mode, max_inflight_batches=max_inflight,
                                                            transaction_call_timeout_ms=1_000,
@@ -71,7 +76,8 @@ class World:
         self.clock = Clock()
         self.executor = executor if executor is not None else FakeExecutor(hold=hold)
         self.health = Health()
-        self.pipeline: Pipeline = build_pipeline(self.settings, self.executor, Metrics(), self.health, self.clock)
+        self.metrics = metrics or Metrics()
+        self.pipeline: Pipeline = build_pipeline(self.settings, self.executor, self.metrics, self.health, self.clock)
         assert self.consumer is not None
         self.pipeline.source.subscribe(self.pipeline._on_assign, self.pipeline._on_revoke, self.pipeline._on_lost)
 
@@ -432,3 +438,72 @@ def test_a_fenced_producer_stops_the_worker(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(SinkError, match="fenced"):
         w.step(6)
     assert len(w.producers) == 1  # never replaced: another worker owns the transactional id
+
+
+# -- metrics: counted once per label set per poll or batch, the counts as exact as frame by frame ----------------
+def sample(w: World, name: str, **labels: str) -> float:
+    return w.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_frames_consumed_in_one_poll_are_counted_per_topic_and_tenant_label_in_the_order_tenants_came(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    s = Settings()
+    metrics = Metrics(settings=dataclasses.replace(s, observability=dataclasses.replace(s.observability,
+                                                                                          max_metric_tenants=2)))
+    w = World(monkeypatch, metrics=metrics)
+    # First seen: zed, then amy; bob comes third (although the most frequent, and first in name order): "other".
+    tenants = ["zed", "amy", "zed", "bob", "amy", "bob", "bob"]
+    w.kafka.append(P0, *(frame_value("s", i, tenant=t) for i, t in enumerate(tenants)), b"not a frame")
+    w.kafka.append((REALTIME, 0), frame_value("r", 0, tenant="bob"), frame_value("r", 1, tenant="amy"))
+    w.assign([P0, (REALTIME, 0)])
+    w.step()
+    assert w.pipeline.summary.consumed == 10  # all read in one poll
+    consumed = {(labels["topic"], labels["tenant"]): value for metric in w.metrics.registry.collect()
+                for name, labels, value, *_ in metric.samples if name == "streamfer_frames_consumed_total"}
+    assert consumed == {(BULK, "zed"): 2, (BULK, "amy"): 2, (BULK, "other"): 3, (BULK, "unknown"): 1,
+                        (REALTIME, "other"): 1, (REALTIME, "amy"): 1}
+
+
+def test_expired_frames_are_counted_per_topic_and_tenant(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = World(monkeypatch, hold=True, max_inflight=1)
+    tenants = ["a", "b", "b", "c"] * 4
+    w.kafka.append((REALTIME, 0), *(frame_value("r", i, tenant=t) for i, t in enumerate(tenants)))
+    w.assign([(REALTIME, 0)])
+    w.step(10)  # realtime's max_age_ms (2 s) passes while two batches hold the model
+    ran = Counter(f.tenant for batch in w.executor.batches for f in batch)
+    expired = Counter(tenants) - ran
+    assert w.pipeline.summary.expired == sum(expired.values()) > 0
+    for tenant in "abc":
+        assert sample(w, "streamfer_frames_expired_total", topic=REALTIME, tenant=tenant) == expired[tenant]
+
+
+class FlaggingExecutor(FakeExecutor):
+    """Flags frame i with nothing, "nudity", or "nudity" and "violence", by i % 3."""
+
+    LABELS: tuple[tuple[str, ...], ...] = ((), ("nudity",), ("nudity", "violence"))
+
+    def submit(self, frames: Any, shape: tuple[int, int, int],
+               priority: Priority = Priority.BULK) -> Future[BatchOutcome]:
+        frames = list(frames)
+        future: Future[BatchOutcome] = Future()
+        future.set_result(dataclasses.replace(outcome(frames), verdicts=[
+            (f, Verdict({"nudity": 0.9}, self.LABELS[f.frame_index % 3])) for f in frames]))
+        return future
+
+
+def test_flags_latencies_and_results_are_counted_per_label_class_and_tenant(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = World(monkeypatch, executor=FlaggingExecutor())
+    w.kafka.append(P0, *(frame_value("s", i, tenant="ab"[i % 2]) for i in range(9)))
+    w.kafka.append((REALTIME, 0), *(frame_value("r", i, tenant="a") for i in range(5)))
+    w.assign([P0, (REALTIME, 0)])
+    w.step(6)
+    assert len(w.results()) == 14
+    indices = list(range(9)) + list(range(5))
+    assert sample(w, "streamfer_frames_flagged_total", label="nudity") == sum(i % 3 > 0 for i in indices)
+    assert sample(w, "streamfer_frames_flagged_total", label="violence") == sum(i % 3 == 2 for i in indices)
+    for metric in ("streamfer_queue_wait_seconds_count", "streamfer_end_to_end_seconds_count"):
+        assert sample(w, metric, priority="bulk") == 9
+        assert sample(w, metric, priority="realtime") == 5
+    results = w.settings.topics.results
+    assert sample(w, "streamfer_results_produced_total", topic=results, tenant="a", status="OK") == 5 + 5
+    assert sample(w, "streamfer_results_produced_total", topic=results, tenant="b", status="OK") == 4

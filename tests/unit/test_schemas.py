@@ -34,6 +34,15 @@ def record(**kw):
     return FrameRecord(**base)
 
 
+@pytest.mark.parametrize("encoding", list(Encoding))
+def test_every_encoding_the_frame_schema_allows_decodes_to_its_own(encoding):
+    symbols = next(f["type"]["symbols"] for f in json.loads((SCHEMA_DIR / "frame.avsc").read_text())["fields"]
+                   if f["name"] == "encoding")
+    assert sorted(symbols) == sorted(e.value for e in Encoding)
+    frame = decode_frame(encode_frame(record(encoding=encoding, data=bytes(24))), SRC, Priority.BULK, received_at=NOW)
+    assert frame.encoding is encoding
+
+
 def test_frame_round_trip_takes_priority_from_topic():
     frame = decode_frame(encode_frame(record()), SRC, Priority.REALTIME, received_at=NOW)
     assert (frame.stream_id, frame.frame_index, frame.tenant) == ("cam-1", 7, "acme")
