@@ -9,11 +9,18 @@ batch size seen, and a least-squares line a + b*n through those means:
     ratio at the sizes both measured (else by pixel area). A shape never measured is the reference, scaled.
   - predict(shape, n): the size's mean when it was measured (or completed), else the line (one size: scaled
     by n). None when no shape of its channels is known: callers fall back to their static settings.
-  - best_size(shape, cap): among the measured sizes <= cap, the one with the most frames per second of device
-    time (n / its recent mean time; warm-up measures every size the same number of times); the largest size within
-    `tolerance` of the best wins (per-batch costs outside the measurement favour fewer batches; latency
-    budgets cut batches where needed). The line alone always favours the largest size, so the choice uses
-    measurements: on CPUs a large batch is often slower per frame (cache), which only a measurement shows.
+  - calibration vs live: warm-up times each size alone, on blank frames, best of a few runs; a live batch decodes
+    real frames while the next one is prepared, and runs slower (1.2-2x on a 2-core CPU with open_nsfw). So a
+    size known only from calibration is estimated as its calibrated time times the median live/calibrated
+    ratio of the sizes measured both ways: otherwise every size not yet tried looks better than the one in use,
+    and the choice walks through all of them, the worst included.
+  - best_size(shape, cap): among the sizes <= cap, the one with the most frames per second of device time
+    (n / its estimated time); the largest size within `tolerance` of the best wins (per-batch costs outside the
+    measurement favour fewer batches), and the size chosen last time for this shape and cap is kept while it is
+    within `tolerance` of the best (measurements of the size in use follow background load, the others' do
+    not: without this the choice would chase noise). The line alone always favours the largest size, so the
+    choice uses measurements: on CPUs a large batch is often slower per frame (cache), which only a
+    measurement shows.
 """
 
 from __future__ import annotations
@@ -26,24 +33,34 @@ Shape = tuple[int, int, int]
 
 # Weight of the newest measurement in a size's running mean ("recent batches").
 EWMA_ALPHA = 0.2
-# The largest size within this share of the best measured throughput is chosen: per-batch costs the
-# measurement leaves out (the loop, produce, commit) favour fewer batches, and budgets cut a batch when a
-# class's latency needs it.
-THROUGHPUT_TOLERANCE = 0.15
+# Sizes within this share of the best estimated throughput count as equal: the one in use is kept, else the
+# largest (per-batch costs the measurement leaves out, the loop, produce and commit, favour fewer batches).
+# Small: a wider band trades real throughput (open_nsfw on CPU: batch 32 costs 1.2x the CPU per frame of 8).
+THROUGHPUT_TOLERANCE = 0.05
 
 
 @dataclass
 class _ShapeCost:
-    mean_s: dict[int, float] = field(default_factory=dict)  # batch size -> EWMA of measured seconds
+    # Batch size -> estimated seconds: the live mean where measured live, else calibrated x live/calibrated.
+    mean_s: dict[int, float] = field(default_factory=dict)
     count: dict[int, int] = field(default_factory=dict)
+    live_s: dict[int, float] = field(default_factory=dict)  # batch size -> EWMA of live batches' seconds
+    calibrated_s: dict[int, float] = field(default_factory=dict)  # batch size -> warm-up calibration's seconds
     # The fitted (a, b), or None until it is next needed: fitted lazily, as every batch changes mean_s and most
     # predictions are of measured sizes.
     _fit: tuple[float, float] | None = field(default=None, repr=False, compare=False)
 
-    def measured(self, n: int, seconds: float, alpha: float) -> None:
-        old = self.mean_s.get(n)
-        self.mean_s[n] = seconds if old is None else old + alpha * (seconds - old)
+    def measured(self, n: int, seconds: float, alpha: float, calibration: bool = False) -> None:
+        if calibration:
+            self.calibrated_s[n] = min(seconds, self.calibrated_s.get(n, seconds))
+        else:
+            old = self.live_s.get(n)
+            self.live_s[n] = seconds if old is None else old + alpha * (seconds - old)
         self.count[n] = self.count.get(n, 0) + 1
+        shared = [n for n in self.live_s if n in self.calibrated_s]
+        ratio = statistics.median(self.live_s[n] / self.calibrated_s[n] for n in shared) if shared else 1.0
+        self.mean_s = {n: t * ratio for n, t in self.calibrated_s.items()}
+        self.mean_s.update(self.live_s)
         self._fit = None
 
     @property
@@ -86,16 +103,18 @@ class CostModel:
         self._profiles: dict[Shape, _ShapeCost | None] = {}  # merged views, dropped on every observation
         # Bumped on every observation, so a caller can tell its cached choices are stale.
         self.version = 0
+        self._chosen: dict[tuple[Shape, int], int] = {}  # (shape, cap) -> the size best_size chose last
 
-    def observe(self, shape: Shape, n: int, seconds: float) -> None:
-        """Record one measured batch of `n` frames of `shape` that took `seconds` (preprocess + inference)."""
+    def observe(self, shape: Shape, n: int, seconds: float, calibration: bool = False) -> None:
+        """Record one measured batch of `n` frames of `shape` that took `seconds` (preprocess + inference); with
+        `calibration`, a warm-up timing (see the module docstring)."""
         if n < 1 or not math.isfinite(seconds) or seconds <= 0:
             return
         key: Shape = tuple(shape)  # type: ignore[assignment]
         cost = self._shapes.get(key)
         if cost is None:
             cost = self._shapes[key] = _ShapeCost()
-        cost.measured(n, seconds, self._alpha)
+        cost.measured(n, seconds, self._alpha, calibration)
         self._profiles.clear()
         self.version += 1
 
@@ -123,7 +142,12 @@ class CostModel:
         if not sizes:
             return None
         best = max(n / profile.mean_s[n] for n in sizes)
-        return max(n for n in sizes if n / profile.mean_s[n] >= best * (1.0 - self._tolerance))
+        near = [n for n in sizes if n / profile.mean_s[n] >= best * (1.0 - self._tolerance)]
+        key = (tuple(shape), cap)
+        last = self._chosen.get(key)  # type: ignore[arg-type]
+        chosen = last if last in near else max(near)
+        self._chosen[key] = chosen  # type: ignore[index]
+        return chosen
 
     def _profile(self, shape: Shape) -> _ShapeCost | None:
         """The shape's own measurements, completed with the sizes only a reference shape (the same channels, the

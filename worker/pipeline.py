@@ -275,7 +275,7 @@ class Pipeline:
     def seed_costs(self, measured: Sequence[tuple[tuple[int, int, int], int, float]]) -> None:
         """Warm-up timings (shape, batch size, seconds) for the cost model, before the first real batch."""
         for shape, n, seconds in measured:
-            self.cost.observe(shape, n, seconds)
+            self.cost.observe(shape, n, seconds, calibration=True)
         if measured:
             log.info("batch cost model seeded: %s", {k: {m: round(v, 2) for m, v in d.items()}
                                                       for k, d in self.cost.snapshot().items()})

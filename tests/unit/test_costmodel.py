@@ -100,3 +100,39 @@ def test_a_shape_seen_only_in_small_batches_still_chooses_among_the_calibrated_s
 
     assert cost.best_size(small, 32) == 16
     assert cost.predict(small, 16) == pytest.approx(0.005)
+
+
+def _calibrated(cost: CostModel, times: dict[int, float]) -> None:
+    for n, t in times.items():
+        cost.observe(SHAPE, n, t, calibration=True)
+
+
+def test_a_size_known_only_from_calibration_is_scaled_by_how_much_slower_live_batches_run():
+    cost = CostModel()
+    _calibrated(cost, {4: 0.100, 8: 0.160, 16: 0.400})  # 40, 50, 40 frames/s: 8 is best
+    assert cost.best_size(SHAPE, 32) == 8
+    cost.observe(SHAPE, 8, 0.240)  # live batches run 1.5x their calibration (real frames, overlap, load)
+    assert cost.predict(SHAPE, 4) == pytest.approx(0.150) and cost.predict(SHAPE, 16) == pytest.approx(0.600)
+    # Unscaled, 4 (40/s) and 16 (40/s) would now beat 8 (33/s), and the choice would walk off to an untried size.
+    assert cost.best_size(SHAPE, 32) == 8
+
+
+def test_the_size_in_use_is_kept_while_near_the_best_and_left_when_another_is_clearly_better():
+    cost = CostModel(alpha=1.0)
+    _calibrated(cost, {8: 0.100, 16: 0.210})  # 80/s and 76/s: 8 is best, 16 within 5%
+    assert cost.best_size(SHAPE, 32) == 16  # the larger of two near-equal sizes: fewer batches
+    cost.observe(SHAPE, 16, 0.205)  # 78/s now, 8 (scaled by 0.976) 82/s: still within 5%, kept
+    assert cost.best_size(SHAPE, 32) == 16
+    cost.observe(SHAPE, 16, 0.300)  # background load on the size in use: 53/s; 8 scaled the same way: 53/s too
+    assert cost.best_size(SHAPE, 32) == 16
+    cost.observe(SHAPE, 8, 0.080)  # measured live: 100/s, clearly better than 16's 53/s
+    assert cost.best_size(SHAPE, 32) == 8
+    cost.observe(SHAPE, 16, 0.165)  # 97/s: within 5% of 8's 100/s, but 8 is in use now: kept
+    assert cost.best_size(SHAPE, 32) == 8
+
+
+def test_a_larger_size_clearly_slower_per_frame_is_not_chosen_for_being_larger():
+    cost = CostModel()
+    cost.observe(SHAPE, 8, 0.080)    # 100/s
+    cost.observe(SHAPE, 32, 0.360)   # 89/s: fewer batches, but 11% less throughput
+    assert cost.best_size(SHAPE, 32) == 8
