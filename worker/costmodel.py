@@ -18,7 +18,9 @@ batch size seen, and a least-squares line a + b*n through those means:
     (n / its estimated time); the largest size within `tolerance` of the best wins (per-batch costs outside the
     measurement favour fewer batches), and the size chosen last time for this shape and cap is kept while it is
     within `tolerance` of the best (measurements of the size in use follow background load, the others' do
-    not: without this the choice would chase noise). The line alone always favours the largest size, so the
+    not: without this the choice would chase noise). Once the size in use is well measured, its neighbours
+    are tried live a few times (EXPLORE_*), so the choice climbs to the best size instead of staying where a
+    noisy warm-up put it. The line alone always favours the largest size, so the
     choice uses measurements: on CPUs a large batch is often slower per frame (cache), which only a
     measurement shows.
 """
@@ -37,6 +39,13 @@ EWMA_ALPHA = 0.2
 # largest (per-batch costs the measurement leaves out, the loop, produce and commit, favour fewer batches).
 # Small: a wider band trades real throughput (open_nsfw on CPU: batch 32 costs 1.2x the CPU per frame of 8).
 THROUGHPUT_TOLERANCE = 0.05
+# Exploration: once the size in use has EXPLORE_AFTER live batches, a neighbouring size (the next smaller and
+# larger one known) with fewer than EXPLORE_SAMPLES live batches is tried, if its estimate is within
+# EXPLORE_BAND of the best. Scaling keeps the warm-up ranking, and warm-up timings are noisy (best of two runs
+# on a shared machine): without live trials a size that only looked best at warm-up is kept for good.
+EXPLORE_AFTER = 5
+EXPLORE_SAMPLES = 3
+EXPLORE_BAND = 0.3
 
 
 @dataclass
@@ -44,6 +53,7 @@ class _ShapeCost:
     # Batch size -> estimated seconds: the live mean where measured live, else calibrated x live/calibrated.
     mean_s: dict[int, float] = field(default_factory=dict)
     count: dict[int, int] = field(default_factory=dict)
+    live_count: dict[int, int] = field(default_factory=dict)  # batch size -> live batches measured
     live_s: dict[int, float] = field(default_factory=dict)  # batch size -> EWMA of live batches' seconds
     calibrated_s: dict[int, float] = field(default_factory=dict)  # batch size -> warm-up calibration's seconds
     # The fitted (a, b), or None until it is next needed: fitted lazily, as every batch changes mean_s and most
@@ -56,6 +66,7 @@ class _ShapeCost:
         else:
             old = self.live_s.get(n)
             self.live_s[n] = seconds if old is None else old + alpha * (seconds - old)
+            self.live_count[n] = self.live_count.get(n, 0) + 1
         self.count[n] = self.count.get(n, 0) + 1
         shared = [n for n in self.live_s if n in self.calibrated_s]
         ratio = statistics.median(self.live_s[n] / self.calibrated_s[n] for n in shared) if shared else 1.0
@@ -147,6 +158,14 @@ class CostModel:
         last = self._chosen.get(key)  # type: ignore[arg-type]
         chosen = last if last in near else max(near)
         self._chosen[key] = chosen  # type: ignore[index]
+        own = self._shapes.get(tuple(shape))  # type: ignore[arg-type]
+        if own is not None and own.live_count.get(chosen, 0) >= EXPLORE_AFTER:
+            ordered = sorted(sizes)
+            i = ordered.index(chosen)
+            for n in ordered[i + 1:i + 2] + ordered[max(0, i - 1):i]:  # the larger neighbour first
+                if (own.live_count.get(n, 0) < EXPLORE_SAMPLES
+                        and n / profile.mean_s[n] >= best * (1.0 - EXPLORE_BAND)):
+                    return n  # a trial: the choice stays until the trial's measurements say otherwise
         return chosen
 
     def _profile(self, shape: Shape) -> _ShapeCost | None:
