@@ -14,15 +14,14 @@ batch size seen, and a least-squares line a + b*n through those means:
     size known only from calibration is estimated as its calibrated time times the median live/calibrated
     ratio of the sizes measured both ways: otherwise every size not yet tried looks better than the one in use,
     and the choice walks through all of them, the worst included.
-  - best_size(shape, cap): among the sizes <= cap, the one with the most frames per second of device time
-    (n / its estimated time); the largest size within `tolerance` of the best wins (per-batch costs outside the
-    measurement favour fewer batches), and the size chosen last time for this shape and cap is kept while it is
-    within `tolerance` of the best (measurements of the size in use follow background load, the others' do
-    not: without this the choice would chase noise). Once the size in use is well measured, its neighbours
-    are tried live a few times (EXPLORE_*), so the choice climbs to the best size instead of staying where a
-    noisy warm-up put it. The line alone always favours the largest size, so the
-    choice uses measurements: on CPUs a large batch is often slower per frame (cache), which only a
-    measurement shows.
+  - best_size(shape, cap): among the sizes <= cap, the one with the most frames per second of device time,
+    n / (its estimated time + BATCH_OVERHEAD_S, the per-batch work outside the measurement). Sizes within
+    `tolerance` of the best count as equal: the size chosen last time for this shape and cap is kept among
+    them (measurements of the size in use follow background load, the others' do not: without this the
+    choice would chase noise), else the largest. Once the size in use is well measured, its neighbours are
+    tried live a few times (EXPLORE_*), so the choice climbs to the best size instead of staying where a
+    noisy warm-up put it. The line alone always favours the largest size, so the choice uses measurements:
+    on CPUs a large batch is often slower per frame (cache), which only a measurement shows.
 """
 
 from __future__ import annotations
@@ -44,6 +43,11 @@ THROUGHPUT_TOLERANCE = 0.05
 # EXPLORE_BAND of the best. Scaling keeps the warm-up ranking, and warm-up timings are noisy (best of two runs
 # on a shared machine): without live trials a size that only looked best at warm-up is kept for good.
 EXPLORE_AFTER = 5
+# Per-batch work the measurement leaves out (the loop building results, dispatch, produce, commit, thread
+# hand-offs): ~0.6 ms of loop CPU a batch by bench/model_limit.py's phase timers on the 2-core VM, rounded up.
+# Added to every size's time when ranking throughput: negligible for a real model (tens of ms a batch), but it
+# keeps a near-zero model from choosing small batches whose loop costs exceed their model time.
+BATCH_OVERHEAD_S = 0.001
 EXPLORE_SAMPLES = 3
 EXPLORE_BAND = 0.3
 
@@ -152,8 +156,9 @@ class CostModel:
         sizes = [n for n in profile.mean_s if n <= cap]
         if not sizes:
             return None
-        best = max(n / profile.mean_s[n] for n in sizes)
-        near = [n for n in sizes if n / profile.mean_s[n] >= best * (1.0 - self._tolerance)]
+        rate = {n: n / (profile.mean_s[n] + BATCH_OVERHEAD_S) for n in sizes}
+        best = max(rate.values())
+        near = [n for n in sizes if rate[n] >= best * (1.0 - self._tolerance)]
         key = (tuple(shape), cap)
         last = self._chosen.get(key)  # type: ignore[arg-type]
         chosen = last if last in near else max(near)
@@ -164,7 +169,7 @@ class CostModel:
             i = ordered.index(chosen)
             for n in ordered[i + 1:i + 2] + ordered[max(0, i - 1):i]:  # the larger neighbour first
                 if (own.live_count.get(n, 0) < EXPLORE_SAMPLES
-                        and n / profile.mean_s[n] >= best * (1.0 - EXPLORE_BAND)):
+                        and rate[n] >= best * (1.0 - EXPLORE_BAND)):
                     return n  # a trial: the choice stays until the trial's measurements say otherwise
         return chosen
 
