@@ -38,18 +38,18 @@ EWMA_ALPHA = 0.2
 # largest (per-batch costs the measurement leaves out, the loop, produce and commit, favour fewer batches).
 # Small: a wider band trades real throughput (open_nsfw on CPU: batch 32 costs 1.2x the CPU per frame of 8).
 THROUGHPUT_TOLERANCE = 0.05
-# Exploration: once the size in use has EXPLORE_AFTER live batches, a neighbouring size (the next smaller and
-# larger one known) with fewer than EXPLORE_SAMPLES live batches is tried, if its estimate is within
-# EXPLORE_BAND of the best. Scaling keeps the warm-up ranking, and warm-up timings are noisy (best of two runs
-# on a shared machine): without live trials a size that only looked best at warm-up is kept for good.
-EXPLORE_AFTER = 5
 # Per-batch work the measurement leaves out (the loop building results, dispatch, produce, commit, thread
 # hand-offs): ~0.6 ms of loop CPU a batch by bench/model_limit.py's phase timers on the 2-core VM, rounded up.
 # Added to every size's time when ranking throughput: negligible for a real model (tens of ms a batch), but it
 # keeps a near-zero model from choosing small batches whose loop costs exceed their model time.
 BATCH_OVERHEAD_S = 0.001
+# Exploration: once the size in use has EXPLORE_AFTER live batches, each neighbouring size (the next smaller
+# and larger one known) with fewer than EXPLORE_SAMPLES live batches is tried. Scaling keeps the warm-up
+# ranking, and warm-up timings are noisy (best of two runs on a shared machine, 30% and more apart between
+# runs): without live trials a size that only looked best at warm-up is kept for good (open_nsfw ran a whole
+# run at batch 2, 24 frames/s against 33 at 4). Its cost is bounded: a few batches of two sizes.
+EXPLORE_AFTER = 5
 EXPLORE_SAMPLES = 3
-EXPLORE_BAND = 0.3
 
 
 @dataclass
@@ -168,8 +168,7 @@ class CostModel:
             ordered = sorted(sizes)
             i = ordered.index(chosen)
             for n in ordered[i + 1:i + 2] + ordered[max(0, i - 1):i]:  # the larger neighbour first
-                if (own.live_count.get(n, 0) < EXPLORE_SAMPLES
-                        and rate[n] >= best * (1.0 - EXPLORE_BAND)):
+                if own.live_count.get(n, 0) < EXPLORE_SAMPLES:
                     return n  # a trial: the choice stays until the trial's measurements say otherwise
         return chosen
 
