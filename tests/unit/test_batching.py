@@ -881,7 +881,8 @@ def test_adaptive_sizing_releases_at_the_measured_most_efficient_size():
 
 def test_a_group_made_again_after_the_cost_model_learned_something_is_sized_by_what_it_learned():
     clock = FakeClock()
-    cost = cost_model((SHAPE, 8, 0.010), (SHAPE, 16, 0.030))
+    # 8 measured live often enough that the cost model does not try it again as a neighbour of 16.
+    cost = cost_model(*[(SHAPE, 8, 0.010)] * 3, (SHAPE, 16, 0.030))
     batcher = MicroBatcher(make_settings(max_batch_size=32), clock, cost=cost)
     add_frames(batcher, clock, 8)
     assert batcher.pop_batch().size == 8  # the group is empty now, and gone
