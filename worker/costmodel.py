@@ -56,7 +56,6 @@ EXPLORE_SAMPLES = 3
 class _ShapeCost:
     # Batch size -> estimated seconds: the live mean where measured live, else calibrated x live/calibrated.
     mean_s: dict[int, float] = field(default_factory=dict)
-    count: dict[int, int] = field(default_factory=dict)
     live_count: dict[int, int] = field(default_factory=dict)  # batch size -> live batches measured
     live_s: dict[int, float] = field(default_factory=dict)  # batch size -> EWMA of live batches' seconds
     calibrated_s: dict[int, float] = field(default_factory=dict)  # batch size -> warm-up calibration's seconds
@@ -71,10 +70,9 @@ class _ShapeCost:
             old = self.live_s.get(n)
             self.live_s[n] = seconds if old is None else old + alpha * (seconds - old)
             self.live_count[n] = self.live_count.get(n, 0) + 1
-        self.count[n] = self.count.get(n, 0) + 1
-        shared = [n for n in self.live_s if n in self.calibrated_s]
-        ratio = statistics.median(self.live_s[n] / self.calibrated_s[n] for n in shared) if shared else 1.0
-        self.mean_s = {n: t * ratio for n, t in self.calibrated_s.items()}
+        shared = [m for m in self.live_s if m in self.calibrated_s]
+        ratio = statistics.median(self.live_s[m] / self.calibrated_s[m] for m in shared) if shared else 1.0
+        self.mean_s = {m: t * ratio for m, t in self.calibrated_s.items()}
         self.mean_s.update(self.live_s)
         self._fit = None
 
