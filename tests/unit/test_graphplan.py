@@ -11,6 +11,7 @@ from hypothesis import settings as hyp_settings
 from hypothesis import strategies as st
 
 from tests.unit.test_batching import FakeClock, make_frame, make_settings
+from tests.unit.test_memorypolicy import FakeProbe
 from worker.batching import MicroBatcher
 from worker.graphplan import BatchCaps, GraphPlan
 from worker.memorypolicy import MemoryPolicy
@@ -19,26 +20,6 @@ SHAPE = (32, 48, 3)  # a runner's input: uint8 pixels, H x W x C
 HD = (1080, 1920, 3)
 BUCKETS = (1, 2, 4, 8, 16, 32)
 GIB = 1 << 30
-
-
-class FakeProbe:
-    """A device holding `resident` bytes (the model) whose batches of n frames peak at resident + per_frame * n."""
-
-    def __init__(self, total: int, resident: int, per_frame: int) -> None:
-        self.total, self.resident, self.per_frame = total, resident, per_frame
-        self.peak = 0
-
-    def total_bytes(self) -> int:
-        return self.total
-
-    def reset_peak(self) -> None:
-        self.peak = self.resident
-
-    def peak_bytes(self) -> int:
-        return self.peak
-
-    def run(self, n: int) -> None:
-        self.peak = max(self.peak, self.resident + self.per_frame * n)
 
 
 def warm_up(plan: GraphPlan, probe: FakeProbe, shape=SHAPE, graph_bytes=lambda bucket: 10) -> list[int]:
@@ -116,7 +97,7 @@ def test_buckets_above_max_batch_size_are_not_captured_but_the_one_it_pads_to_is
 def test_buckets_over_the_memory_fraction_are_not_captured_not_even_to_pad():
     # 10 GiB device, 80%: 2 GiB of model + 0.25 GiB a frame fits 24 frames; a batch of 17..24 padded to 32 would
     # not fit, so it runs eager instead.
-    probe = FakeProbe(total=10 * GIB, resident=2 * GIB, per_frame=GIB // 4)
+    probe = FakeProbe(total=10 * GIB, base=2 * GIB, per_frame=GIB // 4)
     memory = MemoryPolicy(probe.total_bytes(), memory_fraction=0.8)
     memory.measure(probe, SHAPE, 8, lambda: probe.run(8))
     plan = GraphPlan(BUCKETS, caps=BatchCaps(max_batch_size=64), memory=memory)
@@ -126,7 +107,7 @@ def test_buckets_over_the_memory_fraction_are_not_captured_not_even_to_pad():
 
 
 def test_the_bucket_the_byte_cap_pads_to_is_captured_when_it_fits_memory():
-    probe = FakeProbe(total=100 * GIB, resident=2 * GIB, per_frame=GIB // 4)
+    probe = FakeProbe(total=100 * GIB, base=2 * GIB, per_frame=GIB // 4)
     memory = MemoryPolicy(probe.total_bytes(), memory_fraction=0.8)
     memory.measure(probe, HD, 4, lambda: probe.run(4))
     plan = GraphPlan(BUCKETS, caps=BatchCaps(max_batch_size=32, max_batch_bytes=256 << 20), memory=memory)
@@ -202,7 +183,7 @@ def test_the_plans_largest_batch_is_the_batchers_cap():
 
 def test_warm_up_captures_smallest_first_and_stops_where_the_measured_peaks_say_memory_ends():
     # 2 GiB model + 1 GiB a frame on a 10 GiB device at 80%: 6 frames fit, so 8 (to pad 5..6) does not.
-    probe = FakeProbe(total=10 * GIB, resident=2 * GIB, per_frame=GIB)
+    probe = FakeProbe(total=10 * GIB, base=2 * GIB, per_frame=GIB)
     memory = MemoryPolicy(probe.total_bytes(), memory_fraction=0.8)
     plan = GraphPlan(BUCKETS, memory=memory)
 
@@ -213,14 +194,14 @@ def test_warm_up_captures_smallest_first_and_stops_where_the_measured_peaks_say_
 
 def test_a_model_taking_half_the_device_still_warms_up_more_than_one_bucket():
     # One measured size predicts the next from the model's own size (the 0-frame point), not through zero.
-    probe = FakeProbe(total=10 * GIB, resident=5 * GIB, per_frame=GIB // 16)
+    probe = FakeProbe(total=10 * GIB, base=5 * GIB, per_frame=GIB // 16)
     plan = GraphPlan(BUCKETS, memory=MemoryPolicy(probe.total_bytes(), memory_fraction=0.8))
 
     assert warm_up(plan, probe) == [1, 2, 4, 8, 16, 32]
 
 
 def test_warm_up_stops_at_the_graph_budget_and_releases_nothing():
-    probe = FakeProbe(total=10 * GIB, resident=0, per_frame=1)
+    probe = FakeProbe(total=10 * GIB, base=0, per_frame=1)
     plan = GraphPlan(BUCKETS, memory=MemoryPolicy(probe.total_bytes()), budget_bytes=35)
 
     assert warm_up(plan, probe, graph_bytes=lambda bucket: 10) == [1, 2, 4]
