@@ -33,6 +33,8 @@ T = TypeVar("T")
 STUCK_GRACE_S = 5.0
 # How often the loop thread serves delivery reports while it waits for a transactional call.
 DELIVERY_POLL_S = 0.02
+# How long a transactional call that failed on a refused message waits for that message's delivery report.
+REFUSAL_REPORT_WAIT_S = 1.0
 # How long a new transactional producer keeps retrying init_transactions (the broker may still be coming back).
 INIT_TRANSACTIONS_TIMEOUT_S = 120.0
 
@@ -287,6 +289,9 @@ class ResultSink:
                 err = exc.args[0]
                 if err.fatal():
                     raise self._unusable(err, "a transactional call") from exc
+                if err.txn_requires_abort():
+                    self._await_refusal_report(err)
+                    self._give_up_if_refused()
                 if err.retriable() and not err.txn_requires_abort():
                     if time.monotonic() < deadline:
                         time.sleep(0.1)
@@ -315,10 +320,7 @@ class ResultSink:
         deadline = time.monotonic() + timeout_s + STUCK_GRACE_S
         while not done.wait(DELIVERY_POLL_S) and time.monotonic() < deadline:
             self._producer.poll(0)
-            if self.transaction_refused:
-                self.stuck = True
-                raise TransactionStuckError(f"the broker refused a message of {self._transactional_id!r}'s "
-                                            "transaction, which can only fail")
+            self._give_up_if_refused()
         if not done.is_set():
             self.stuck = True
             raise TransactionStuckError(f"a transactional call of {self._transactional_id!r} is still blocked "
@@ -327,6 +329,24 @@ class ResultSink:
         if "error" in box:
             raise box["error"]
         return box.get("result")  # type: ignore[return-value]
+
+    def _await_refusal_report(self, err: KafkaError) -> None:
+        """A transactional call can fail on a refused message before `_guarded` served that message's delivery
+        report, which says which offset it was (so that it is dead-lettered by reference when read again)."""
+        deadline = time.monotonic() + REFUSAL_REPORT_WAIT_S
+        self._producer.poll(0)
+        while err.code() in PER_MESSAGE_ERRORS and not self.transaction_refused and time.monotonic() < deadline:
+            self._producer.poll(DELIVERY_POLL_S)
+        self.transaction_refused = self.transaction_refused or err.code() in PER_MESSAGE_ERRORS
+
+    def _give_up_if_refused(self) -> None:
+        """A transaction the broker refused a message of is never aborted (see `transaction_refused`): aborting
+        it makes librdkafka bump the producer's epoch in the background, and a bump still under way when the
+        producer is replaced can fence the replacement."""
+        if self.transaction_refused:
+            self.stuck = True
+            raise TransactionStuckError(f"the broker refused a message of {self._transactional_id!r}'s "
+                                        "transaction, which can only fail")
 
     @staticmethod
     def _serve_calls(calls: queue.SimpleQueue[Any]) -> None:

@@ -53,10 +53,12 @@ def busy_worker(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) 
 
         def counted() -> bool:
             families = scrape(worker)
+            # The lag gauge is refreshed once a second from watermarks the consumer caches from its fetches.
             return all(families.get(n) for n in ("streamfer_frames_dead_lettered_total",
-                                                 "streamfer_frames_expired_total", "streamfer_frames_flagged_total"))
+                                                 "streamfer_frames_expired_total", "streamfer_frames_flagged_total",
+                                                 "streamfer_consumer_lag"))
 
-        wait_for(counted, 60, "dead-letter, expiry and flag counters on /metrics")
+        wait_for(counted, 60, "dead-letter, expiry and flag counters and the lag gauge on /metrics")
         yield worker
     finally:
         worker.stop()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -14,6 +15,7 @@ from confluent_kafka import KafkaError, KafkaException
 
 import worker.sink as sink_module
 from worker.config import Settings
+from worker.frames import SourceRef
 from worker.sink import ResultSink, SinkError, TransactionStuckError
 
 
@@ -24,6 +26,13 @@ class FakeProducer:
     commit_errors: list[KafkaError] = field(default_factory=list)
     init_errors: list[KafkaError] = field(default_factory=list)
     calls: list[str] = field(default_factory=list)
+    # Delivery reports poll() serves: each produced message's callback with the next of these errors (None: ok).
+    report_errors: list[KafkaError | None] = field(default_factory=list)
+    _unreported: list[Callable[[KafkaError | None, object], None]] = field(default_factory=list)
+
+    def produce(self, topic: str, value: bytes, key: bytes | None, headers: object,
+                on_delivery: Callable[[KafkaError | None, object], None]) -> None:
+        self._unreported.append(on_delivery)
 
     def init_transactions(self, timeout: float) -> None:
         self.calls.append("init")
@@ -48,7 +57,13 @@ class FakeProducer:
         return 0
 
     def poll(self, timeout: float) -> int:
-        return 0
+        served, self._unreported = self._unreported, []
+        for on_delivery in served:
+            on_delivery(self.report_errors.pop(0) if self.report_errors else None, None)
+        return len(served)
+
+    def abort_transaction(self, timeout: float) -> None:
+        self.calls.append("abort")
 
 
 @pytest.fixture
@@ -102,6 +117,26 @@ def test_an_abortable_error_is_left_to_the_caller_to_abort(producer: FakeProduce
     with pytest.raises(KafkaException) as info:
         sink.commit_transaction({}, object(), timeout_s=5.0)
     assert info.value.args[0].txn_requires_abort() and not sink.stuck
+
+
+def test_a_transaction_with_a_refused_message_is_given_up_not_aborted_even_when_its_report_comes_late(
+        producer: FakeProducer) -> None:
+    """commit_transaction can fail before the refused message's delivery report is served; aborting then makes
+    librdkafka bump the epoch in the background, which can fence the producer that replaces this one."""
+    refused = KafkaError(KafkaError.MSG_SIZE_TOO_LARGE)
+    producer.report_errors = [None, refused]
+    producer.commit_errors = [KafkaError(KafkaError.MSG_SIZE_TOO_LARGE, txn_requires_abort=True)]
+    rejected: list[SourceRef] = []
+    sink = ResultSink(Settings(), on_done=lambda source: None,
+                      on_rejected=lambda source, reason: rejected.append(source), transactional_id="streamfer-w0")
+    sink.begin()
+    for offset in (1, 2):
+        sink.send_result(SourceRef("frames.standard", 0, offset), b"k", b"v")
+    with pytest.raises(TransactionStuckError, match="refused a message"):
+        sink.commit_transaction({}, object(), timeout_s=5.0)
+    assert sink.stuck and rejected == [SourceRef("frames.standard", 0, 2)]
+    sink.close()
+    assert "abort" not in producer.calls and "flush" not in producer.calls
 
 
 def test_init_transactions_waits_for_the_broker_then_gives_a_named_error(producer: FakeProducer,
