@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image, ImageFile
 
+import worker.runtime.decode as decode_module
 from tests.pixels import photo_like
 from worker.frames import Encoding, Frame, Priority, SourceRef
 from worker.runtime.decode import FrameDecodeError, check_jpeg, decode_frame, jpeg_scale
@@ -334,3 +335,51 @@ def test_a_scaled_decode_of_corrupt_scan_data_is_a_decode_error_strict_libjpeg_r
     simplejpeg.decode_jpeg(corrupt, strict=False, min_height=64, min_width=64)  # lenient libjpeg: grey blocks
     with pytest.raises(FrameDecodeError, match="Corrupt JPEG data"):
         decode_frame(frame(corrupt, 512, 512), min_hw=(64, 64))
+
+
+# -- the walk over entropy-coded data ------------------------------------------------------------------------------
+RESTART_CODES = range(0xD0, 0xD8)
+
+
+def scan_end_byte_by_byte(data: bytes, pos: int, restarts: bool) -> tuple[int, int] | None:
+    """The definition, read byte by byte: the first 0xFF of the first run of 0xFFs after `pos` that is followed by
+    a marker code (not 00 stuffing, not RST0..7); and the 0xFFs (plus restart codes, with `restarts`) before it."""
+    i = pos
+    while True:
+        i = data.find(b"\xff", i)
+        if i < 0:
+            return None
+        j = i
+        while j < len(data) and data[j] == 0xFF:
+            j += 1
+        if j == len(data):
+            return None
+        if data[j] != 0x00 and data[j] not in RESTART_CODES:
+            codes = sum(1 for k in range(pos, i) if data[k] == 0xFF and data[k + 1] in RESTART_CODES)
+            return i, data.count(b"\xff", pos, i) + (codes if restarts else 0)
+        i = j
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from([0x00, 0x12, 0xFF, 0xFF, 0xD0, 0xD7, 0xD9, 0xDA, 0xC4]), max_size=40),
+       st.integers(0, 40), st.booleans())
+def test_scan_data_ends_where_a_byte_by_byte_reading_says(content, pos, restarts):
+    data = bytes(content)
+    pos = min(pos, len(data))
+    expected = scan_end_byte_by_byte(data, pos, restarts)
+    if expected is None:
+        with pytest.raises(FrameDecodeError, match="truncated"):
+            decode_module._scan_data_end(data, pos, restarts)
+    else:
+        assert decode_module._scan_data_end(data, pos, restarts) == expected
+
+
+@pytest.mark.timeout(60)
+def test_a_scan_padded_with_megabytes_of_ff_bytes_is_walked_in_linear_time():
+    """A run of 0xFF fill bytes ending in 00 stuffing is no marker; a regular expression for "a run of 0xFF, then
+    a marker code" took 9 s on 30 KB of them (quadratic), hours on the 2 MB here."""
+    good = jpeg_bytes(64, 64)
+    start = scan_starts(good)[0]
+    data_at = start + 2 + struct.unpack_from(">H", good, start + 2)[0]
+    padded = good[:data_at] + b"\xff" * 2_000_000 + b"\x00" + good[data_at:]
+    assert check_jpeg(padded, (64, 64)).scans == 1  # the structure holds: libjpeg judges the data itself

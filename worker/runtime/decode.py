@@ -110,7 +110,7 @@ class JpegInfo:
     scans: int
 
 
-_SOI, _EOI, _SOS, _DNL = 0xD8, 0xD9, 0xDA, 0xDC
+_SOI, _EOI, _SOS, _DNL, _DRI = 0xD8, 0xD9, 0xDA, 0xDC, 0xDD
 _SUPPORTED_SOF = {0xC0: False, 0xC1: False, 0xC2: True}  # baseline, extended sequential, progressive (Huffman)
 _OTHER_SOF = {0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
 # Codes that have no length and may not stand between segments: TEM, RST0..7, a second SOI, and 00 (stuffing).
@@ -143,6 +143,7 @@ def check_jpeg(data: bytes, expected_size: tuple[int, int] | None = None) -> Jpe
     size: tuple[int, int] | None = None
     progressive = False
     scans = 0
+    restart_interval = 0
     while True:
         marker, pos = _next_marker(data, pos)
         if marker is None:
@@ -172,8 +173,12 @@ def check_jpeg(data: bytes, expected_size: tuple[int, int] | None = None) -> Jpe
         elif marker == _SOS:
             if size is None:
                 raise _bad("a scan (SOS) before the frame header (SOF)")
-            pos = _read_scan(data, pos, segment, comps, progressive)
+            pos = _read_scan(data, pos, segment, comps, progressive, restart_interval > 0)
             scans += 1
+        elif marker == _DRI:
+            if len(segment) < 2:
+                raise _bad("restart interval segment (DRI) too short")
+            (restart_interval,) = struct.unpack_from(">H", segment, 0)
         elif marker == _DNL:
             raise _bad("a DNL marker (height defined after the scan): unsupported")
     if size is None or scans == 0:
@@ -196,22 +201,27 @@ def _next_marker(data: bytes, pos: int) -> tuple[int | None, int]:
     return data[pos], pos + 1
 
 
-# In entropy-coded data: the marker that ends it (a run of 0xFF, then a code other than 00 stuffing or RST0..7)
-# and restart markers. Searched in C (a pattern that starts with a literal byte is scanned for fast): a scan
-# holds an 0xFF every few hundred bytes, too many to step through in Python.
-_SCAN_END = re.compile(rb"\xff\xff*[^\x00\xd0-\xd7\xff]")
+# In entropy-coded data, the 0xFF that a marker code follows (not 00 stuffing, not RST0..7, not one more 0xFF of a
+# run of fill bytes): the data ends at the first 0xFF of its run. A pattern of one byte and a one-byte lookahead,
+# searched in C in linear time; "a run of 0xFF, then a marker code" as a pattern is quadratic on a long run of 0xFF
+# fill bytes that ends in stuffing (30 KB of them: 9 s), which a frame can be made of.
+_ENDING_FF = re.compile(rb"\xff(?=[^\x00\xd0-\xd7\xff])")
 _RESTART = re.compile(rb"\xff[\xd0-\xd7]")
 
 
-def _scan_data_end(data: bytes, pos: int) -> tuple[int, int]:
-    """Where the entropy-coded data starting at `pos` ends (the 0xFF of the next marker that is neither a stuffed
-    FF 00 nor a restart marker RST0..7), and how many of its bytes are stuffing or restart markers: every 0xFF
-    (a stuffed FF 00 costs one byte, a fill byte one) plus the code byte of each restart marker."""
-    end = _SCAN_END.search(data, pos)
-    if end is None:
+def _scan_data_end(data: bytes, pos: int, restarts: bool) -> tuple[int, int]:
+    """Where the entropy-coded data starting at `pos` ends (the first 0xFF of the run before the next marker that
+    is neither a stuffed FF 00 nor a restart marker RST0..7), and how many of its bytes are stuffing or restart
+    markers: every 0xFF (a stuffed FF 00 costs one byte, a fill byte one) plus the code byte of each restart marker
+    (`restarts`: only a JPEG with a restart interval (DRI) has any; in one without, libjpeg refuses them)."""
+    found = _ENDING_FF.search(data, pos)
+    if found is None:
         raise _bad("truncated: a scan's data ends before the EOI marker (FF D9)")
-    stop = end.start()
-    return stop, data.count(b"\xff", pos, stop) + len(_RESTART.findall(data, pos, stop))
+    stop = found.start()
+    if stop > pos and data[stop - 1] == 0xFF:  # fill bytes before the marker: back to the first of them
+        stop = pos + len(data[pos:stop].rstrip(b"\xff"))
+    overhead = data.count(b"\xff", pos, stop)
+    return stop, overhead + (len(_RESTART.findall(data, pos, stop)) if restarts else 0)
 
 
 def _read_sof(segment: bytes, comps: dict[int, _Component]) -> tuple[int, int]:
@@ -239,7 +249,8 @@ def _read_sof(segment: bytes, comps: dict[int, _Component]) -> tuple[int, int]:
     return width, height
 
 
-def _read_scan(data: bytes, pos: int, header: bytes, comps: dict[int, _Component], progressive: bool) -> int:
+def _read_scan(data: bytes, pos: int, header: bytes, comps: dict[int, _Component], progressive: bool,
+               restarts: bool) -> int:
     """Check one scan's header and that its entropy-coded data can hold its blocks; returns the position of the
     marker that ends the data."""
     if len(header) < 1 or len(header) < 1 + 2 * header[0] + 3:
@@ -254,7 +265,7 @@ def _read_scan(data: bytes, pos: int, header: bytes, comps: dict[int, _Component
         raise _bad("a sequential scan does not cover all 64 coefficients")
     if progressive and not (ss <= se <= 63 and al <= 13 and (ss == 0 or count == 1) and (ss > 0 or se == 0)):
         raise _bad(f"progressive scan with an invalid spectral range {ss}..{se} / bits {ah},{al}")
-    stop, overhead = _scan_data_end(data, pos)
+    stop, overhead = _scan_data_end(data, pos, restarts)
     available_bits = 8 * (stop - pos - overhead)
     # Every block of a scan that codes the DC coefficient takes at least one bit (a Huffman code is >= 1 bit;
     # a refinement scan sends exactly one); a sequential scan adds at least one more (EOB or an AC code).
@@ -275,6 +286,8 @@ def _check_complete(comps: dict[int, _Component], progressive: bool) -> None:
     """Every coefficient of every component must be coded down to its last bit, else libjpeg leaves the rest
     at zero (grey, or a blurred image) without an error."""
     for c in comps.values():
+        if not any(c.lowest_bit):
+            continue
         missing = [k for k, bit in enumerate(c.lowest_bit) if bit != 0]
         if missing:
             what = "is in no scan" if not progressive else \
