@@ -101,8 +101,9 @@ def main() -> int:
         print(json.dumps(one_round(case, threads, int(batch), float(seconds))))
         return 0
 
-    variants = ([("base", args.base, "default")] if args.base else []) + [
-        (f"this, preprocess_threads={t}", ROOT, t) for t in args.threads.split(",")]
+    # The base tree runs with the same thread settings as this one: a ratio compares code, not thread counts.
+    variants = [(f"{name}, preprocess_threads={t}", tree, t) for t in args.threads.split(",")
+                for name, tree in ([("base", args.base)] if args.base else []) + [("this", ROOT)]]
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for case in args.cases.split(","):
         for r in range(args.rounds):
@@ -123,10 +124,22 @@ def main() -> int:
                             "frame_bytes": rows[0]["frame_bytes"]})
             print(f"{case:24s} {name:34s} {statistics.median(cpu):7.3f} [{min(cpu):.3f}, {max(cpu):.3f}]"
                   f"{'':9s} {statistics.median(fps):6.0f} [{min(fps):.0f}, {max(fps):.0f}]")
+    ratios = []
+    if args.base:  # per round (background load hits both trees of a round alike), then median (min-max)
+        for case, by_variant in results.items():
+            for t in args.threads.split(","):
+                base_rows = by_variant[f"base, preprocess_threads={t}"]
+                this_rows = by_variant[f"this, preprocess_threads={t}"]
+                per_round = [b["cpu_ms_per_frame"] / a["cpu_ms_per_frame"] for a, b in zip(base_rows, this_rows)]
+                ratios.append({"case": case, "preprocess_threads": t, "this_over_base_cpu_ms_per_frame": {
+                    "median": statistics.median(per_round), "min": min(per_round), "max": max(per_round)}})
+                print(f"{case:24s} this/base CPU ms/frame, preprocess_threads={t}: {statistics.median(per_round):.3f} "
+                      f"[{min(per_round):.3f}, {max(per_round):.3f}]")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"benchmark": "preprocess_cost", "batch": args.batch, "inflight": INFLIGHT,
                                     "seconds_per_round": args.seconds, "cpus": os.cpu_count(),
-                                    "load_average": os.getloadavg(), "summary": summary, "rounds": results},
+                                    "load_average": os.getloadavg(), "summary": summary, "ratios": ratios,
+                                    "rounds": results},
                                    indent=2))
     print(f"wrote {args.out}")
     return 0
