@@ -19,9 +19,10 @@ batch size seen, and a least-squares line a + b*n through those means:
     `tolerance` of the best count as equal: the size chosen last time for this shape and cap is kept among
     them (measurements of the size in use follow background load, the others' do not: without this the
     choice would chase noise), else the largest. Once the size in use is well measured, its neighbours are
-    tried live a few times (EXPLORE_*), so the choice climbs to the best size instead of staying where a
-    noisy warm-up put it. The line alone always favours the largest size, so the choice uses measurements:
-    on CPUs a large batch is often slower per frame (cache), which only a measurement shows.
+    tried live a few times, and again now and then (EXPLORE_*, RETRY_AFTER), so the choice climbs to the best
+    size instead of staying where a noisy warm-up or a noisy trial put it. The line alone always favours the
+    largest size, so the choice uses measurements: on CPUs a large batch is often slower per frame (cache),
+    which only a measurement shows.
 """
 
 from __future__ import annotations
@@ -44,12 +45,17 @@ THROUGHPUT_TOLERANCE = 0.05
 # keeps a near-zero model from choosing small batches whose loop costs exceed their model time.
 BATCH_OVERHEAD_S = 0.001
 # Exploration: once the size in use has EXPLORE_AFTER live batches, each neighbouring size (the next smaller
-# and larger one known) with fewer than EXPLORE_SAMPLES live batches is tried. Scaling keeps the warm-up
-# ranking, and warm-up timings are noisy (best of two runs on a shared machine, 30% and more apart between
-# runs): without live trials a size that only looked best at warm-up is kept for good (open_nsfw ran a whole
-# run at batch 2, 24 frames/s against 33 at 4). Its cost is bounded: a few batches of two sizes.
+# and larger one known) is tried for EXPLORE_SAMPLES batches, and again whenever its measurement is older than
+# RETRY_AFTER batches of the shape (then it starts afresh: the mean of the new trial's batches). Scaling keeps
+# the warm-up ranking, and warm-up timings are noisy (best of two runs on a shared machine, 30% and more apart
+# between runs): without live trials a size that only looked best at warm-up is kept for good (open_nsfw ran a
+# whole run at batch 2, 24 frames/s against 33 at 4); without the retries, so is a neighbour whose three trial
+# batches met a burst of load (open_nsfw: a run at batch 4, 29 frames/s against 32 at 8). Its cost is bounded:
+# 2 x EXPLORE_SAMPLES batches of RETRY_AFTER + 6 are at a neighbouring size, ~9% (1-2% of throughput when
+# the neighbours are 10-20% slower per frame).
 EXPLORE_AFTER = 5
 EXPLORE_SAMPLES = 3
+RETRY_AFTER = 64
 
 
 @dataclass
@@ -58,6 +64,9 @@ class _ShapeCost:
     mean_s: dict[int, float] = field(default_factory=dict)
     live_count: dict[int, int] = field(default_factory=dict)  # batch size -> live batches measured
     live_s: dict[int, float] = field(default_factory=dict)  # batch size -> EWMA of live batches' seconds
+    batches: int = 0  # live batches of this shape, all sizes
+    last_at: dict[int, int] = field(default_factory=dict)  # batch size -> `batches` at its last live batch
+    run: dict[int, int] = field(default_factory=dict)  # batch size -> live batches since its mean started afresh
     calibrated_s: dict[int, float] = field(default_factory=dict)  # batch size -> warm-up calibration's seconds
     # The fitted (a, b), or None until it is next needed: fitted lazily, as every batch changes mean_s and most
     # predictions are of measured sizes.
@@ -67,14 +76,28 @@ class _ShapeCost:
         if calibration:
             self.calibrated_s[n] = min(seconds, self.calibrated_s.get(n, seconds))
         else:
-            old = self.live_s.get(n)
-            self.live_s[n] = seconds if old is None else old + alpha * (seconds - old)
+            if self.stale(n):  # no history, or too old to mean anything now: start afresh
+                self.run[n] = 0
+            self.batches += 1
+            self.run[n] += 1
+            self.last_at[n] = self.batches
+            old = self.live_s.get(n) if self.run[n] > 1 else None
+            # A plain mean until the EWMA's own weight is smaller: a first batch alone decides nothing.
+            self.live_s[n] = seconds if old is None else old + max(alpha, 1.0 / self.run[n]) * (seconds - old)
             self.live_count[n] = self.live_count.get(n, 0) + 1
         shared = [m for m in self.live_s if m in self.calibrated_s]
         ratio = statistics.median(self.live_s[m] / self.calibrated_s[m] for m in shared) if shared else 1.0
         self.mean_s = {m: t * ratio for m, t in self.calibrated_s.items()}
         self.mean_s.update(self.live_s)
         self._fit = None
+
+    def stale(self, n: int) -> bool:
+        """No live measurement of size n, or none in the last RETRY_AFTER live batches of the shape."""
+        return n not in self.last_at or self.batches - self.last_at[n] >= RETRY_AFTER
+
+    def wants_trial(self, n: int) -> bool:
+        """Size n, next to the one in use, is tried: never measured live, mid-trial, or measured too long ago."""
+        return self.stale(n) or self.run.get(n, 0) < EXPLORE_SAMPLES
 
     @property
     def line(self) -> tuple[float, float]:
@@ -166,7 +189,7 @@ class CostModel:
             ordered = sorted(sizes)
             i = ordered.index(chosen)
             for n in ordered[i + 1:i + 2] + ordered[max(0, i - 1):i]:  # the larger neighbour first
-                if own.live_count.get(n, 0) < EXPLORE_SAMPLES:
+                if own.wants_trial(n):
                     return n  # a trial: the choice stays until the trial's measurements say otherwise
         return chosen
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from worker.costmodel import CostModel
+from worker.costmodel import EXPLORE_AFTER, EXPLORE_SAMPLES, RETRY_AFTER, CostModel
 
 SHAPE = (224, 224, 3)
 
@@ -152,6 +152,36 @@ def test_a_size_that_only_looked_best_at_warm_up_is_left_by_trying_its_neighbour
     assert chosen[0] == 1
     assert chosen[-60:].count(4) >= 50  # settled on the best size, trying a neighbour now and then
     assert set(chosen) <= {1, 2, 4, 8}  # never strayed two sizes from the one in use
+
+
+def test_a_neighbour_whose_trial_met_a_burst_of_load_is_tried_again_and_chosen_when_it_measures_better():
+    true_s = {4: 0.120, 8: 0.200}  # per frame 30 and 25 ms: 8 is best
+    cost = CostModel()
+    _calibrated(cost, {4: 0.100, 8: 0.240})  # warm-up ranks 4 best
+    chosen: list[int] = []
+    for _ in range(300):
+        n = cost.best_size(SHAPE, 8)
+        assert n is not None
+        first_trial = n == 8 and chosen.count(8) < EXPLORE_SAMPLES
+        chosen.append(n)
+        cost.observe(SHAPE, n, 0.400 if first_trial else true_s[n])  # the first trial of 8 meets a burst of load
+    assert chosen[:EXPLORE_AFTER] == [4] * EXPLORE_AFTER and chosen[EXPLORE_AFTER:EXPLORE_AFTER + 3] == [8, 8, 8]
+    assert chosen[EXPLORE_AFTER + 3:EXPLORE_AFTER + 3 + 50] == [4] * 50  # the trial said 8 is worse: back to 4
+    assert chosen[-100:].count(8) >= 90  # tried again later, measured at its true time, and kept
+
+
+def test_trying_the_neighbours_again_costs_a_bounded_share_of_batches():
+    true_s = {4: 0.150, 8: 0.200, 16: 0.480}  # per frame 37.5, 25 and 30 ms: 8 is best, both neighbours worse
+    cost = CostModel()
+    _calibrated(cost, true_s)
+    chosen = []
+    for _ in range(1000):
+        n = cost.best_size(SHAPE, 16)
+        assert n is not None
+        chosen.append(n)
+        cost.observe(SHAPE, n, true_s[n])
+    tried = sum(n != 8 for n in chosen[-640:]) / 640
+    assert 0 < tried <= 2 * EXPLORE_SAMPLES / RETRY_AFTER
 
 
 def test_per_batch_work_outside_the_measurement_keeps_a_near_zero_model_off_small_batches():
