@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 
@@ -107,6 +108,18 @@ def _calibrated(cost: CostModel, times: dict[int, float]) -> None:
         cost.observe(SHAPE, n, t, calibration=True)
 
 
+def _choose_and_run(cost: CostModel, cap: int, batches: int, seconds: Callable[[int, list[int]], float]) -> list[int]:
+    """Run `batches` batches at the sizes the cost model chooses, each measured at seconds(size, sizes chosen
+    before it); the sizes chosen."""
+    chosen: list[int] = []
+    for _ in range(batches):
+        n = cost.best_size(SHAPE, cap)
+        assert n is not None
+        cost.observe(SHAPE, n, seconds(n, chosen))
+        chosen.append(n)
+    return chosen
+
+
 def test_a_size_known_only_from_calibration_is_scaled_by_how_much_slower_live_batches_run():
     cost = CostModel()
     _calibrated(cost, {4: 0.100, 8: 0.160, 16: 0.400})  # 40, 50, 40 frames/s: 8 is best
@@ -143,12 +156,7 @@ def test_a_size_that_only_looked_best_at_warm_up_is_left_by_trying_its_neighbour
     true_s = {1: 0.040, 2: 0.070, 4: 0.120, 8: 0.264, 16: 0.592}  # per frame: 40, 35, 30, 33, 37 ms
     cost = CostModel()
     _calibrated(cost, {1: 0.030, 2: 0.090, 4: 0.150, 8: 0.300, 16: 0.650})  # 1 looks 50% better than 2
-    chosen = []
-    for _ in range(120):
-        n = cost.best_size(SHAPE, 16)
-        assert n is not None
-        chosen.append(n)
-        cost.observe(SHAPE, n, true_s[n])
+    chosen = _choose_and_run(cost, 16, 120, lambda n, _chosen: true_s[n])
     assert chosen[0] == 1
     assert chosen[-60:].count(4) >= 50  # settled on the best size, trying a neighbour now and then
     assert set(chosen) <= {1, 2, 4, 8}  # never strayed two sizes from the one in use
@@ -158,13 +166,11 @@ def test_a_neighbour_whose_trial_met_a_burst_of_load_is_tried_again_and_chosen_w
     true_s = {4: 0.120, 8: 0.200}  # per frame 30 and 25 ms: 8 is best
     cost = CostModel()
     _calibrated(cost, {4: 0.100, 8: 0.240})  # warm-up ranks 4 best
-    chosen: list[int] = []
-    for _ in range(300):
-        n = cost.best_size(SHAPE, 8)
-        assert n is not None
-        first_trial = n == 8 and chosen.count(8) < EXPLORE_SAMPLES
-        chosen.append(n)
-        cost.observe(SHAPE, n, 0.400 if first_trial else true_s[n])  # the first trial of 8 meets a burst of load
+
+    def seconds(n: int, before: list[int]) -> float:  # the first trial of 8 meets a burst of load
+        return 0.400 if n == 8 and before.count(8) < EXPLORE_SAMPLES else true_s[n]
+
+    chosen = _choose_and_run(cost, 8, 300, seconds)
     assert chosen[:EXPLORE_AFTER] == [4] * EXPLORE_AFTER and chosen[EXPLORE_AFTER:EXPLORE_AFTER + 3] == [8, 8, 8]
     assert chosen[EXPLORE_AFTER + 3:EXPLORE_AFTER + 3 + 50] == [4] * 50  # the trial said 8 is worse: back to 4
     assert chosen[-100:].count(8) >= 90  # tried again later, measured at its true time, and kept
@@ -174,12 +180,7 @@ def test_trying_the_neighbours_again_costs_a_bounded_share_of_batches():
     true_s = {4: 0.150, 8: 0.200, 16: 0.480}  # per frame 37.5, 25 and 30 ms: 8 is best, both neighbours worse
     cost = CostModel()
     _calibrated(cost, true_s)
-    chosen = []
-    for _ in range(1000):
-        n = cost.best_size(SHAPE, 16)
-        assert n is not None
-        chosen.append(n)
-        cost.observe(SHAPE, n, true_s[n])
+    chosen = _choose_and_run(cost, 16, 1000, lambda n, _chosen: true_s[n])
     tried = sum(n != 8 for n in chosen[-640:]) / 640
     assert 0 < tried <= 2 * EXPLORE_SAMPLES / RETRY_AFTER
 
