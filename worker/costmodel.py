@@ -81,9 +81,10 @@ class _ShapeCost:
             self.batches += 1
             self.run[n] += 1
             self.last_at[n] = self.batches
-            old = self.live_s.get(n) if self.run[n] > 1 else None
-            # A plain mean until the EWMA's own weight is smaller: a first batch alone decides nothing.
-            self.live_s[n] = seconds if old is None else old + max(alpha, 1.0 / self.run[n]) * (seconds - old)
+            if self.run[n] == 1:
+                self.live_s[n] = seconds
+            else:  # a plain mean until the EWMA's own weight is smaller: a first batch alone decides nothing
+                self.live_s[n] += max(alpha, 1.0 / self.run[n]) * (seconds - self.live_s[n])
             self.live_count[n] = self.live_count.get(n, 0) + 1
         shared = [m for m in self.live_s if m in self.calibrated_s]
         ratio = statistics.median(self.live_s[m] / self.calibrated_s[m] for m in shared) if shared else 1.0

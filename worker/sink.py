@@ -333,11 +333,12 @@ class ResultSink:
     def _await_refusal_report(self, err: KafkaError) -> None:
         """A transactional call can fail on a refused message before `_guarded` served that message's delivery
         report, which says which offset it was (so that it is dead-lettered by reference when read again)."""
+        per_message = err.code() in PER_MESSAGE_ERRORS
         deadline = time.monotonic() + REFUSAL_REPORT_WAIT_S
         self._producer.poll(0)
-        while err.code() in PER_MESSAGE_ERRORS and not self.transaction_refused and time.monotonic() < deadline:
+        while per_message and not self.transaction_refused and time.monotonic() < deadline:
             self._producer.poll(DELIVERY_POLL_S)
-        self.transaction_refused = self.transaction_refused or err.code() in PER_MESSAGE_ERRORS
+        self.transaction_refused = self.transaction_refused or per_message
 
     def _give_up_if_refused(self) -> None:
         """A transaction the broker refused a message of is never aborted (see `transaction_refused`): aborting
