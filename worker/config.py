@@ -188,8 +188,8 @@ class ModelSettings:
     # target) instead of full size: 2-4x less decode work, within a grey level or two of the full-size result.
     # Off where scores must match a reference preprocessing that decodes at full size (the opennsfw preset).
     jpeg_scaled_decode: bool = True
-    # The bilinear (antialiased) resize: "torch" (its uint8 kernel: within one grey level of Pillow's, about a
-    # quarter of the CPU) or "pillow" (Pillow's own, to match a reference preprocessing bit for bit).
+    # The bilinear (antialiased) resize: "torch" (its uint8 kernel: like Pillow's, within one grey level of the
+    # exact filter, about a quarter of the CPU) or "pillow" (Pillow's own, to match a reference bit for bit).
     resampler: Literal["torch", "pillow"] = "torch"
 
 

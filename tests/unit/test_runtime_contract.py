@@ -63,7 +63,8 @@ def test_pixel_range_0_255_skips_the_division_by_255():
 
 
 # --- resize modes ---
-# Pillow's resize is the reference (exact); torch's uint8 kernel, the default, stays within one grey level of it.
+# Pillow's resize is the reference preprocessing's (matched exactly); torch's uint8 kernel, the default, is within
+# one grey level of the exact filter, as Pillow's is (the property tests below), so of Pillow's on these images.
 RESAMPLERS = pytest.mark.parametrize("resampler, tolerance", [("pillow", 0), ("torch", 1)])
 
 
@@ -106,17 +107,51 @@ def test_stretch_crop_stretches_to_resize_to_then_crops_the_centre(resampler, to
     _assert_resized(out, want.transpose(2, 0, 1), tolerance)
 
 
+def _bilinear_weights(n_in: int, n_out: int) -> np.ndarray:
+    """Pillow's antialiased bilinear filter as a matrix, in float64 (its `precompute_coeffs`, written out): a
+    triangle centred on each output pixel, widened by the scale when shrinking, normalised to sum 1."""
+    scale = n_in / n_out
+    width = max(scale, 1.0)
+    weights = np.zeros((n_out, n_in))
+    for out in range(n_out):
+        centre = (out + 0.5) * scale
+        first, stop = max(int(centre - width + 0.5), 0), min(int(centre + width + 0.5), n_in)
+        for i in range(first, stop):
+            weights[out, i] = max(0.0, 1.0 - abs((i - centre + 0.5) / width))
+        weights[out] /= weights[out].sum()
+    return weights
+
+
+def _exact_bilinear(img: np.ndarray, dst: tuple[int, int]) -> np.ndarray:
+    """The filter without rounding: what both uint8 resamplers approximate (each rounds after each pass)."""
+    rows, cols = _bilinear_weights(img.shape[0], dst[0]), _bilinear_weights(img.shape[1], dst[1])
+    return np.einsum("oh,hwc,pw->opc", rows, img.astype(np.float64), cols)
+
+
+SIZES = st.tuples(st.integers(1, 80), st.integers(1, 80))
+ROUNDING = 1e-6  # float64 noise in the reference, far below a grey level
+
+
+@settings(max_examples=40, deadline=None)
+@given(src=SIZES, width=st.integers(1, 80), seed=st.integers(0, 2**16))
+def test_the_exact_filter_is_pillows_rounded_once(src, width, seed):
+    """Resizing one dimension, Pillow rounds once: it must equal the reference rounded, which checks the reference."""
+    img = np.random.default_rng(seed).integers(0, 256, (*src, 3), dtype=np.uint8)
+    dst = (src[0], width)
+    assert np.abs(_resize(img, dst, "pillow") - _exact_bilinear(img, dst)).max() <= 0.5 + ROUNDING
+
+
 @settings(max_examples=60, deadline=None)
-@given(src=st.tuples(st.integers(1, 80), st.integers(1, 80), st.sampled_from([1, 3])),
-       dst=st.tuples(st.integers(1, 80), st.integers(1, 80)), seed=st.integers(0, 2**16))
-def test_torch_resize_follows_pillows_within_one_grey_level(src, dst, seed):
-    """Noise (the hardest case for a resampler), shrinking and enlarging, grey and RGB."""
-    h, w, c = src
-    img = np.random.default_rng(seed).integers(0, 256, (h, w, c), dtype=np.uint8)
-    ours = _resize(img, dst, "torch").astype(int)
-    reference = _resize(img, dst, "pillow").astype(int)
-    assert ours.shape == reference.shape == (*dst, c)
-    assert np.abs(ours - reference).max() <= 1
+@given(src=SIZES, channels=st.sampled_from([1, 3]), dst=SIZES, seed=st.integers(0, 2**16))
+@pytest.mark.parametrize("resampler", ["torch", "pillow"])
+def test_both_resamplers_stay_within_one_grey_level_of_the_exact_filter(resampler, src, channels, dst, seed):
+    """Noise (the hardest case for a resampler), shrinking and enlarging, grey and RGB. Each pass rounds to uint8,
+    so each resampler is off by under one level; torch's and Pillow's can then differ by two, in opposite
+    directions (measured: 1 pixel in 10^7 on noise)."""
+    img = np.random.default_rng(seed).integers(0, 256, (*src, channels), dtype=np.uint8)
+    ours = _resize(img, dst, resampler)
+    assert ours.shape == (*dst, channels) and ours.dtype == np.uint8
+    assert np.abs(ours - _exact_bilinear(img, dst)).max() <= 1 + ROUNDING
 
 
 # --- channels ---

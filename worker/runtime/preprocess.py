@@ -33,7 +33,8 @@ from worker.runtime.models import ModelContract
 
 def _resize(pixels: np.ndarray, size_hw: tuple[int, int], resampler: str = "torch") -> np.ndarray:
     """Bilinear resize, antialiased when shrinking: Pillow's (what reference preprocessing uses), or torch's uint8
-    kernel, which follows Pillow's to within one grey level at about a quarter of its cost here."""
+    kernel at about a quarter of its cost here. Both round after each pass, so each is within one grey level of the
+    exact filter; the two differ by two at rare pixels (1 in 10^7 on noise), by one at 6%."""
     if pixels.shape[:2] == size_hw:
         return pixels
     if resampler == "torch":
