@@ -83,6 +83,12 @@ class _Awaiting:
 RebalanceHandler = Callable[[list[TP]], None]
 
 
+# Consumer fetch timing (see consumer_config): a resumed partition's frames arrive within ~0.1 s, not 0.5-1 s;
+# the cost is an idle worker's fetch request to each broker 10 times a second instead of twice.
+FETCH_WAIT_MAX_MS = 100
+FETCH_QUEUE_BACKOFF_MS = 20
+
+
 def consumer_config(settings: Settings) -> dict[str, object]:
     """The worker's librdkafka consumer configuration: what its delivery guarantees rest on, then the overrides."""
     k = settings.kafka
@@ -98,6 +104,13 @@ def consumer_config(settings: Settings) -> dict[str, object]:
         # Producers may write frames transactionally; never feed aborted frames to the model.
         "isolation.level": "read_committed",
         "client.id": settings.observability.worker_id,
+        # The loop applies backpressure by pausing partitions, and each resume waits for the consumer's next fetch.
+        # librdkafka's defaults suit a consumer that never pauses: an outstanding fetch for the partitions still
+        # reading may wait at the broker for new data up to fetch.wait.max.ms (500 ms), and a partition whose
+        # prefetch queue filled up is not fetched again for fetch.queue.backoff.ms (1 s). On a mixed backlog these
+        # left the model with no batch 22-29% of the time (bench/batching_gain.py, docs/architecture.md).
+        "fetch.wait.max.ms": FETCH_WAIT_MAX_MS,
+        "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS,
     }
     if k.group_instance_id:
         conf["group.instance.id"] = k.group_instance_id

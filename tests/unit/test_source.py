@@ -17,7 +17,7 @@ import pytest
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_INVALID, KafkaError, KafkaException, TopicPartition
 
 import worker.source as source_module
-from worker.config import Settings
+from worker.config import Settings, load_settings
 from worker.frames import Priority
 from worker.source import COMMITTED_LOOKUP_TIMEOUT_S, COMMITTED_RETRY_FIRST_S, FrameSource
 
@@ -344,3 +344,13 @@ def test_a_seek_or_a_new_assignment_accepts_lower_offsets_again(fake: FakeConsum
     fake.committed_offsets = {(BULK, 2): 11}
     source.poll(10, 0.0)
     assert offsets(source.poll(10, 0.0)) == [(BULK, 2, 11)]
+
+
+def test_fetches_wait_briefly_so_a_resumed_class_is_read_again_soon_and_overrides_still_apply() -> None:
+    """Backpressure pauses and resumes partitions; with librdkafka's defaults (a fetch waits at the broker up to
+    500 ms, a full prefetch queue postpones the next fetch by 1 s) each resume left the model idle that long."""
+    conf = source_module.consumer_config(Settings())
+    assert conf["fetch.wait.max.ms"] == source_module.FETCH_WAIT_MAX_MS <= 100
+    assert conf["fetch.queue.backoff.ms"] == source_module.FETCH_QUEUE_BACKOFF_MS <= 50
+    tuned = load_settings(env={}, overrides={"kafka": {"consumer_overrides": {"fetch.wait.max.ms": 500}}})
+    assert source_module.consumer_config(tuned)["fetch.wait.max.ms"] == "500"
