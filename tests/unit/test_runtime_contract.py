@@ -154,6 +154,34 @@ def test_both_resamplers_stay_within_one_grey_level_of_the_exact_filter(resample
     assert np.abs(ours - _exact_bilinear(img, dst)).max() <= 1 + ROUNDING
 
 
+@settings(max_examples=40, deadline=None)
+@given(src=SIZES, channels=st.sampled_from([1, 3]), dst=SIZES, seed=st.integers(0, 2**16))
+def test_torch_resize_into_a_batch_row_is_torchs_interpolate_exactly(src, channels, dst, seed):
+    """The resize writes HWC memory through the kernel's out= form: the values of F.interpolate, in the row given
+    (no copy), or in a new C-contiguous array when there is none (so placing it in a row is a plain copy)."""
+    img = np.random.default_rng(seed).integers(0, 256, (*src, channels), dtype=np.uint8)
+    x = torch.from_numpy(img).permute(2, 0, 1).unsqueeze(0)
+    want = torch.nn.functional.interpolate(x, size=dst, mode="bilinear", antialias=True, align_corners=False)
+    want_hwc = want[0].permute(1, 2, 0).numpy()
+    fresh = _resize(img, dst, "torch")
+    if dst != src:
+        assert fresh.flags.c_contiguous
+    np.testing.assert_array_equal(fresh, want_hwc)
+    rows = np.full((2, *dst, channels), 99, dtype=np.uint8)
+    written = _resize(img, dst, "torch", out=rows[1])
+    if dst != src:
+        assert written is rows[1] or np.shares_memory(written, rows[1])
+    np.testing.assert_array_equal(written, want_hwc)
+    assert (rows[0] == 99).all()  # nothing written outside the row given
+
+
+def test_a_row_of_another_size_is_not_written():
+    img = np.random.default_rng(3).integers(0, 256, (40, 60, 3), dtype=np.uint8)
+    wrong = np.full((20, 21, 3), 7, dtype=np.uint8)
+    out = _resize(img, (20, 20), "torch", out=wrong)
+    assert out.shape == (20, 20, 3) and not np.shares_memory(out, wrong) and (wrong == 7).all()
+
+
 # --- channels ---
 
 def test_grey_and_rgba_frames_are_converted_for_an_rgb_model():

@@ -146,10 +146,10 @@ def test_frames_of_one_batch_are_decoded_on_several_threads_at_once(monkeypatch)
         preprocessor = Preprocessor(CONTRACT, pool=pool, workers=2)
         decode_one = preprocessor._decode_one
 
-        def meeting_decode(frame, batch_h, batch_w):
+        def meeting_decode(frame, batch_h, batch_w, out=None):
             if frame.frame_index in (0, 2):  # the first frame of each chunk
                 barrier.wait()
-            return decode_one(frame, batch_h, batch_w)
+            return decode_one(frame, batch_h, batch_w, out)
 
         monkeypatch.setattr(preprocessor, "_decode_one", meeting_decode)
         batch = preprocessor.prepare([raw_frame(i, 8, 8) for i in range(4)], (8, 8, 3))
