@@ -30,6 +30,30 @@ from worker.frames import Priority
 LEVELS = (0.1, 0.25, 0.5, 0.7, 0.85, 1.0, 1.2)
 QUICK_LEVELS = (0.1, 0.5, 0.85, 1.0, 1.2)
 WARMUP_SHARE = 0.1  # of each level, by intended send time, discarded
+# A level lasts until it has offered this many standard frames (the knee's class), within its time limit: a p99
+# over ~100 frames is their maximum, and one hiccup of a shared machine then decides the knee.
+STANDARD_SAMPLES = {"full": 1000, "quick": 400}
+LEVEL_SECONDS = {"full": (6.0, 30.0), "quick": (4.0, 15.0)}  # (at least, at most)
+
+
+def level_seconds(rate: float, standard_share: float, quick: bool) -> float:
+    """How long a level offers frames: enough standard frames for its p99, within LEVEL_SECONDS."""
+    low, high = LEVEL_SECONDS["quick" if quick else "full"]
+    wanted = STANDARD_SAMPLES["quick" if quick else "full"] / max(rate * standard_share, 1e-9)
+    return max(low, min(high, wanted))
+
+
+def standard_parts(ok: list[dict[str, Any]]) -> dict[str, float]:
+    """p50/p99 of where a standard frame's latency went: in (capture -> the worker read it: producer, broker,
+    fetch, the worker's own poll), queued (read -> its batch started) and run (preprocessing + model)."""
+    parts = {"in": [r["end_to_end_ms"] - r["queued_ms"] - r["inference_ms"] for r in ok],
+             "queued": [float(r["queued_ms"]) for r in ok], "run": [float(r["inference_ms"]) for r in ok]}
+    out: dict[str, float] = {}
+    for name, values in parts.items():
+        values.sort()
+        out[f"{name}_p50_ms"] = common.percentile(values, 0.5) if values else float("nan")
+        out[f"{name}_p99_ms"] = common.percentile(values, 0.99) if values else float("nan")
+    return out
 
 
 def capacity(ctx: Context) -> float:
@@ -65,9 +89,8 @@ def run(ctx: Context) -> dict[str, Any]:
     cap = capacity(ctx)
     budget = budget_ms(ctx)
     levels = QUICK_LEVELS if ctx.quick else LEVELS
-    seconds = ctx.scale(6, 4)
-    print(f"\n[sweep] capacity {cap:.0f} frames/s, budget {budget['budget_ms']:.1f} ms, levels {levels}, "
-          f"{seconds:.0f}s each", flush=True)
+    standard_share = ctx.workload.classes[Priority.STANDARD].share
+    print(f"\n[sweep] capacity {cap:.0f} frames/s, budget {budget['budget_ms']:.1f} ms, levels {levels}", flush=True)
     topics = common.make_topics(ctx.bootstrap, "sw")
     # The scheduler is told the standard budget the sweep judges it by (it sizes and releases batches for it).
     env = {"WORKER_BATCHING_STANDARD_LATENCY_BUDGET_MS": f"{budget['budget_ms']:.0f}", **ctx.worker_env()}
@@ -81,6 +104,7 @@ def run(ctx: Context) -> dict[str, Any]:
             raise RuntimeError(f"the worker did not get warm\n{proc.tail()}")
         for share in levels:
             rate = share * cap
+            seconds = level_seconds(rate, standard_share, ctx.quick)
             run_id = common.new_id("lv")
             watch = common.CpuWatch(ctx.broker, [proc.popen.pid])
             records = ctx.records(max(20, int(rate * seconds)), run_id)
@@ -90,12 +114,13 @@ def run(ctx: Context) -> dict[str, Any]:
                                             common.end_offsets(ctx.bootstrap, topics.inputs), seconds * 3 + 30,
                                             alive=proc.alive)
             cpu = watch.stop()
-            runs.append({"share_of_capacity": share, "offered_fps": rate, "run_id": run_id, "load": load.as_dict(),
+            runs.append({"share_of_capacity": share, "offered_fps": rate, "seconds": seconds, "run_id": run_id,
+                         "load": load.as_dict(),
                          "drain_after_load_s": time.monotonic() - t0, "drained": drained,
                          "background_cores": cpu["background_cores"], "generator_cores": cpu["bench_process_cores"],
                          "worker_cores": cpu["watched_processes_cores"], "broker_cores": cpu["broker_cores"],
                          "wall_s": cpu["wall_s"]})
-            print(f"[sweep] {share:>4.0%} = {rate:.0f} frames/s: sent {load.sent}, send delay p99 "
+            print(f"[sweep] {share:>4.0%} = {rate:.0f} frames/s for {seconds:.0f}s: sent {load.sent}, send delay p99 "
                   f"{load.send_delay_p99_ms:.1f} ms, drained {time.monotonic() - t0:.1f}s after the load", flush=True)
             if not drained:
                 break
@@ -111,7 +136,7 @@ def run(ctx: Context) -> dict[str, Any]:
     for lv in runs:
         results = by_run.get(lv["run_id"], [])
         first = min((r["capture_ts_ms"] for r in results), default=0)
-        kept = [r for r in results if r["capture_ts_ms"] >= first + WARMUP_SHARE * seconds * 1000.0]
+        kept = [r for r in results if r["capture_ts_ms"] >= first + WARMUP_SHARE * lv["seconds"] * 1000.0]
         ok = [r for r in kept if r["status"] == "OK"]
         lv["results"] = len(results)
         lv["expired"] = sum(1 for r in kept if r["status"] == "EXPIRED")
@@ -123,7 +148,9 @@ def run(ctx: Context) -> dict[str, Any]:
         # Worker process CPU over the level (its drain included) per frame it finished.
         lv["worker_cpu_ms_per_frame"] = (lv["worker_cores"] * lv["wall_s"] * 1000.0 / len(results)
                                          if results else float("nan"))
-        std_p99 = common.latency_summary([r for r in ok if r["source_topic"] == standard_topic])["p99_ms"]
+        standard_ok = [r for r in ok if r["source_topic"] == standard_topic]
+        lv["standard_parts"] = standard_parts(standard_ok)
+        std_p99 = common.latency_summary(standard_ok)["p99_ms"]
         lv["standard_p99_within_budget"] = bool(std_p99 <= budget["budget_ms"])
         if knee is None and not lv["standard_p99_within_budget"]:
             knee = lv
@@ -146,20 +173,28 @@ def run(ctx: Context) -> dict[str, Any]:
         bs = lv["batch_sizes"]["share_of_frames"]
         rows.append([f"{lv['share_of_capacity']:.0%}", lv["offered_fps"], lv["achieved_fps"], lat["p50_ms"],
                      lat["p95_ms"], lat["p99_ms"], cls["realtime"]["p99_ms"], cls["standard"]["p99_ms"],
-                     cls["bulk"]["p99_ms"], "ok" if lv["standard_p99_within_budget"] else "OVER", lv["expired"],
+                     cls["bulk"]["p99_ms"], "ok" if lv["standard_p99_within_budget"] else "OVER",
+                     cls["standard"].get("n", 0),
+                     "/".join(f"{lv['standard_parts'][f'{k}_p99_ms']:.0f}" for k in ("in", "queued", "run")),
+                     lv["expired"],
                      lv["batch_sizes"]["mean_frame_weighted"],
                      " ".join(f"{int(round(100 * v))}" for v in bs.values()),
                      lv["load"]["send_delay_p99_ms"], lv["worker_cores"], lv["worker_cpu_ms_per_frame"],
                      lv["generator_cores"], lv["broker_cores"],
                      lv["background_cores"]])
     text = common.table(
-        f"latency under load (open loop, {seconds:.0f}s per level, first {WARMUP_SHARE:.0%} discarded; capacity "
+        f"latency under load (open loop, {min((lv['seconds'] for lv in runs), default=0):.0f}-"
+        f"{max((lv['seconds'] for lv in runs), default=0):.0f}s per level for >= "
+        f"{STANDARD_SAMPLES['quick' if ctx.quick else 'full']} standard frames, first {WARMUP_SHARE:.0%} "
+        f"discarded; capacity "
         f"{cap:.0f} frames/s; budget {budget['budget_ms']:.1f} ms = {budget['max_wait_ms']:.0f} ms wait + "
         f"{budget['model_ms']:.1f} ms model), ms",
         ["load", "offered", "achieved", "p50", "p95", "p99", "rt p99", "std p99", "bulk p99", "std budget",
-         "expired", "mean batch", "% frames in batch 1|2-3|4-7|8-15|16-31|32", "send delay p99", "worker cores",
-         "worker CPU-ms/frame", "generator cores", "broker cores", "bg cores"],
+         "std n", "std p99 in/queued/run", "expired", "mean batch", "% frames in batch 1|2-3|4-7|8-15|16-31|32",
+         "send delay p99", "worker cores", "worker CPU-ms/frame", "generator cores", "broker cores", "bg cores"],
         rows, note=knee_text + ". Latency over OK results; expired = frames past their class's max_age_ms.\n"
+                   "std p99 in/queued/run: each part's own p99 for standard frames (in: capture -> read by the "
+                   "worker; queued: read -> batch start; run: preprocessing + model).\n"
                    "Capacity was measured on a backlog with no load generator running; here the generator (this "
                    "process: Avro encode + lz4) shares the same CPUs, so the worker saturates below 100%.")
     plot: Path | None = ctx.out_dir / "latency_sweep.png"
@@ -171,7 +206,8 @@ def run(ctx: Context) -> dict[str, Any]:
         plot = None
     result = {"benchmark": "latency_sweep", "machine": common.machine(), "model": ctx.model,
               "workload_name": ctx.workload_name, "workload": ctx.workload.describe(),
-              "capacity_fps": cap, "budget": budget, "seconds_per_level": seconds, "levels": runs,
+              "capacity_fps": cap, "budget": budget, "standard_samples_per_level": STANDARD_SAMPLES,
+              "level_seconds": LEVEL_SECONDS, "broker_warm_up": ctx.shared.get("broker_warm_up"), "levels": runs,
               "knee": knee_text, "knee_share": knee["share_of_capacity"] if knee else None,
               "last_within_budget_share": last_ok["share_of_capacity"] if last_ok else None,
               "plot": str(plot) if plot else None, "tables": [text]}

@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     sections: list[dict[str, Any]] = []
     failed: list[str] = []
     with common.Broker() as broker:
+        warm_up = broker.warm_up(log_dir)
         ctx = Context(bootstrap=broker.bootstrap, broker=broker, quick=args.quick, torch_threads=args.torch_threads,
                       log_dir=log_dir, rounds=args.rounds)
         for name, (title, run, summarize) in BENCHES.items():
@@ -81,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         broker_text = broker.description
     elapsed = time.monotonic() - t0
     summary = {"machine": machine, "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
-               "broker": broker_text, "quick": args.quick, "torch_threads": args.torch_threads,
+               "broker": broker_text, "broker_warm_up": warm_up, "quick": args.quick,
+               "torch_threads": args.torch_threads,
                "workload": common.describe_workload(), "elapsed_s": round(elapsed, 1), "sections": sections,
                "seed_figures": SEED_FIGURES, "failed": failed,
                "skipped": args.skip, "rounds": args.rounds}
