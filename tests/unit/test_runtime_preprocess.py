@@ -20,7 +20,7 @@ from model_factories import jpeg_frame, pixels, raw_frame
 from worker.config import ModelSettings
 from worker.runtime import FrameDecodeError
 from worker.runtime.models import ModelContract
-from worker.runtime.preprocess import HostBuffers, Normaliser, Preprocessor, decode_frame
+from worker.runtime.preprocess import HostBuffers, Normaliser, Preprocessor, decode_frame, fit_to_input
 
 CONTRACT = ModelContract.from_settings(ModelSettings())
 WAIT_S = 10.0
@@ -272,7 +272,7 @@ def test_idle_host_buffers_are_bounded_least_recently_used_shape_first():
 def test_the_jpeg_scale_is_not_reduced_when_the_contract_says_full_size_decode(monkeypatch):
     seen = []
     monkeypatch.setattr("worker.runtime.preprocess.decode_frame",
-                        lambda frame, channels, min_hw=None: seen.append(min_hw) or pixels(0, 64, 64))
+                        lambda frame, channels, min_hw=None, out=None: seen.append(min_hw) or pixels(0, 64, 64))
     for scaled in (True, False):
         contract = ModelContract.from_settings(ModelSettings(input_size=(16, 16), jpeg_scaled_decode=scaled))
         Preprocessor(contract).prepare([jpeg_frame(0, 64, 64)], (64, 64, 3))
@@ -291,3 +291,43 @@ def test_the_normaliser_on_cuda_equals_the_float32_host_path(variant):
     regions = None if batch.regions is None else batch.regions.to(device)
     ours = Normaliser(contract, device)(batch.pixels.to(device), regions).cpu().numpy()
     np.testing.assert_allclose(ours, _float_reference(contract, frames, (24, 24, 3)), rtol=0, atol=1e-6)
+
+
+def test_a_jpeg_of_the_rows_size_is_decoded_into_its_row_with_the_same_pixels(monkeypatch):
+    """The decoder writes the batch row itself (no array of its own, no copy) when the decoded pixels are the row's
+    size (at full or a reduced DCT scale), giving what a plain decode gives; else it decodes as before."""
+    import worker.runtime.preprocess as preprocess_module
+
+    frames = [jpeg_frame(i, 24, 32) for i in range(3)]  # 24 high, 32 wide
+    identity = {"pixel_range": "0-255", "mean": (0.0,) * 3, "std": (1.0,) * 3}
+    real = preprocess_module.decode_frame
+    into_row: list[bool] = []
+
+    def spying_decode(frame, channels, min_hw=None, out=None):
+        pixels_ = real(frame, channels, min_hw=min_hw, out=out)
+        into_row.append(out is not None and pixels_ is out)
+        return pixels_
+
+    monkeypatch.setattr(preprocess_module, "decode_frame", spying_decode)
+    for input_hw, expect_into_row in (((24, 32), True), ((12, 16), True), ((20, 20), False)):
+        contract = ModelContract.from_settings(ModelSettings(input_size=input_hw, **identity))
+        buffers = HostBuffers()
+        stale = buffers.take(3, (*input_hw, 3))
+        stale.fill_(77)  # a reused buffer holds an older batch's pixels
+        buffers.give_back(stale)
+        into_row.clear()
+        batch = Preprocessor(contract, buffers).prepare(frames, (24, 32, 3))
+        want = np.stack([fit_to_input(real(f, min_hw=input_hw), contract, (24, 32))[0] for f in frames])
+        np.testing.assert_array_equal(batch.pixels.numpy(), want)
+        assert into_row == [expect_into_row] * 3, input_hw
+
+
+def test_decode_into_a_row_of_another_shape_leaves_it_alone():
+    frame = jpeg_frame(0, 24, 32)
+    wrong = np.full((24, 31, 3), 5, dtype=np.uint8)
+    pixels_ = decode_frame(frame, out=wrong)
+    assert pixels_.shape == (24, 32, 3) and not np.shares_memory(pixels_, wrong) and (wrong == 5).all()
+    grey_row = np.zeros((24, 32, 1), dtype=np.uint8)
+    grey = decode_frame(frame, channels=1, out=grey_row)
+    assert grey is grey_row
+    np.testing.assert_array_equal(grey, decode_frame(frame, channels=1))

@@ -30,13 +30,15 @@ class FrameDecodeError(StreamferError):
 
 
 def decode_frame(frame: Frame, channels: int = 3, max_pixels: int = MAX_FRAME_PIXELS_CEILING,
-                 min_hw: tuple[int, int] | None = None) -> np.ndarray:
+                 min_hw: tuple[int, int] | None = None, out: np.ndarray | None = None) -> np.ndarray:
     """The frame's pixels as a (height, width, channels) uint8 array, or FrameDecodeError saying why not.
 
     `max_pixels` is `limits.max_frame_pixels`; the message decoder has already held the frame header to it,
     and a JPEG must match its header, so the default (the setting's ceiling) is only a last line of defence.
     With `min_hw` a JPEG may come back smaller than the frame, scaled by 1/2, 1/4 or 1/8 (`jpeg_scale`) but
     never below `min_hw`: libjpeg's scaled IDCT then skips most of the pixel work. Raw frames are full size.
+    A JPEG whose decoded pixels are exactly the shape of `out` (a C-contiguous uint8 batch row) is decoded into
+    it, which is then returned: no array of its own, no copy. On an error `out` may hold part of the frame.
     """
     h, w, c = frame.shape
     if h <= 0 or w <= 0 or c <= 0:
@@ -46,7 +48,7 @@ def decode_frame(frame: Frame, channels: int = 3, max_pixels: int = MAX_FRAME_PI
     if frame.encoding is Encoding.RAW_RGB8:
         return _decode_raw(frame, channels)
     if frame.encoding is Encoding.JPEG:
-        return _decode_jpeg(frame, channels, jpeg_scale((h, w), min_hw))
+        return _decode_jpeg(frame, channels, jpeg_scale((h, w), min_hw), out)
     raise FrameDecodeError(f"unsupported encoding {frame.encoding!r}")
 
 
@@ -75,7 +77,7 @@ def jpeg_scale(frame_hw: tuple[int, int], min_hw: tuple[int, int] | None) -> int
     return next((k for k in JPEG_SCALES if -(-h // k) >= min_hw[0] and -(-w // k) >= min_hw[1]), 1)
 
 
-def _decode_jpeg(frame: Frame, channels: int, scale: int = 1) -> np.ndarray:
+def _decode_jpeg(frame: Frame, channels: int, scale: int = 1, out: np.ndarray | None = None) -> np.ndarray:
     info = check_jpeg(frame.data, (frame.width, frame.height))  # raises FrameDecodeError before any pixel work
     if info.components not in (1, 3, 4):
         raise FrameDecodeError(f"JPEG has {info.components} colour components; supported: 1, 3 or 4 (CMYK)")
@@ -84,8 +86,15 @@ def _decode_jpeg(frame: Frame, channels: int, scale: int = 1) -> np.ndarray:
         # new EOI marker, which Pillow decodes as grey padding) never becomes a score.
         if info.components != 4:
             # min_height/min_width of exactly ceil(size/k) make libjpeg pick the scale 1/k (its sizes round up).
+            hw = (-(-frame.height // scale), -(-frame.width // scale))
+            into = out is not None and out.shape == (*hw, channels) and out.dtype == np.uint8 and out.flags.c_contiguous
             arr = simplejpeg.decode_jpeg(frame.data, colorspace="RGB" if channels == 3 else "GRAY", strict=True,
-                                         min_height=-(-frame.height // scale), min_width=-(-frame.width // scale))
+                                         min_height=hw[0], min_width=hw[1], buffer=out if into else None)
+            if out is not None and into:  # arr is a view of out
+                if arr.shape[:2] != hw:
+                    raise FrameDecodeError(f"JPEG decoded to {arr.shape[1]}x{arr.shape[0]} pixels at scale 1/{scale}, "
+                                           f"not the {hw[1]}x{hw[0]} its header gives")
+                return out
             return arr if arr.ndim == 3 else arr[:, :, None]
         # CMYK (print files, never video): libjpeg-turbo checks the data, Pillow converts the colours (it knows
         # Adobe's inverted CMYK); both decode, which only this rare kind pays for.

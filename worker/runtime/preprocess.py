@@ -270,7 +270,7 @@ class Preprocessor:
         frame_hw = (frame.height, frame.width)
         # A JPEG bound for a smaller fixed input is decoded at the smallest DCT scale still >= the resize target.
         min_hw = resize_target(self.contract, frame_hw) if self.contract.jpeg_scaled_decode else None
-        pixels = decode_frame(frame, channels, min_hw=min_hw)
+        pixels = decode_frame(frame, channels, min_hw=min_hw, out=out)
         pixels, offset = fit_to_input(to_channels(pixels, self.contract.channels), self.contract, frame_hw, out)
         if self.contract.jpeg_roundtrip_quality:
             pixels = jpeg_roundtrip(pixels, self.contract.jpeg_roundtrip_quality)
