@@ -156,18 +156,21 @@ def compiler_cpu_seconds(pid: int) -> float:
         try:
             if not (task / "comm").read_text().startswith("C2 Compiler"):
                 continue
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        total += _stat_cpu_seconds(task / "stat") or 0.0
     return total
 
 
 def process_cpu_seconds(pid: int) -> float | None:
     """user + system CPU seconds of a process (Linux /proc), or None."""
+    return _stat_cpu_seconds(Path(f"/proc/{pid}/stat"))
+
+
+def _stat_cpu_seconds(stat: Path) -> float | None:
+    """user + system CPU seconds from a /proc stat file (a process's or one thread's), or None."""
     try:
-        with open(f"/proc/{pid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
+        fields = stat.read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return None

@@ -77,6 +77,13 @@ def jpeg_scale(frame_hw: tuple[int, int], min_hw: tuple[int, int] | None) -> int
     return next((k for k in JPEG_SCALES if -(-h // k) >= min_hw[0] and -(-w // k) >= min_hw[1]), 1)
 
 
+def fitting_row(out: np.ndarray | None, hwc: tuple[int, ...]) -> np.ndarray | None:
+    """`out` when it is a C-contiguous uint8 array of shape `hwc` (a batch row to write into), else None."""
+    if out is not None and out.shape == hwc and out.dtype == np.uint8 and out.flags.c_contiguous:
+        return out
+    return None
+
+
 def _decode_jpeg(frame: Frame, channels: int, scale: int = 1, out: np.ndarray | None = None) -> np.ndarray:
     info = check_jpeg(frame.data, (frame.width, frame.height))  # raises FrameDecodeError before any pixel work
     if info.components not in (1, 3, 4):
@@ -87,14 +94,14 @@ def _decode_jpeg(frame: Frame, channels: int, scale: int = 1, out: np.ndarray | 
         if info.components != 4:
             # min_height/min_width of exactly ceil(size/k) make libjpeg pick the scale 1/k (its sizes round up).
             hw = (-(-frame.height // scale), -(-frame.width // scale))
-            into = out is not None and out.shape == (*hw, channels) and out.dtype == np.uint8 and out.flags.c_contiguous
+            row = fitting_row(out, (*hw, channels))
             arr = simplejpeg.decode_jpeg(frame.data, colorspace="RGB" if channels == 3 else "GRAY", strict=True,
-                                         min_height=hw[0], min_width=hw[1], buffer=out if into else None)
-            if out is not None and into:  # arr is a view of out
+                                         min_height=hw[0], min_width=hw[1], buffer=row)
+            if row is not None:  # arr is a view of row
                 if arr.shape[:2] != hw:
                     raise FrameDecodeError(f"JPEG decoded to {arr.shape[1]}x{arr.shape[0]} pixels at scale 1/{scale}, "
                                            f"not the {hw[1]}x{hw[0]} its header gives")
-                return out
+                return row
             return arr if arr.ndim == 3 else arr[:, :, None]
         # CMYK (print files, never video): libjpeg-turbo checks the data, Pillow converts the colours (it knows
         # Adobe's inverted CMYK); both decode, which only this rare kind pays for.

@@ -27,7 +27,7 @@ import torch
 from PIL import Image
 
 from worker.frames import Encoding, Frame
-from worker.runtime.decode import FrameDecodeError, decode_frame
+from worker.runtime.decode import FrameDecodeError, decode_frame, fitting_row
 from worker.runtime.models import ModelContract
 
 
@@ -45,7 +45,8 @@ def _resize(pixels: np.ndarray, size_hw: tuple[int, int], resampler: str = "torc
         # torch wants writable memory (a raw frame is a read-only view of its message): copied then, only read.
         x = torch.from_numpy(pixels if pixels.flags.writeable else pixels.copy()).permute(2, 0, 1).unsqueeze(0)
         hwc = (*size_hw, pixels.shape[2])
-        if out is None or out.shape != hwc or out.dtype != np.uint8 or not out.flags.c_contiguous:
+        out = fitting_row(out, hwc)
+        if out is None:
             out = np.empty(hwc, dtype=np.uint8)
         # F.interpolate returns contiguous NCHW whatever the input's layout, and copying that into an HWC row is a
         # transposing copy that cost as much as the resize itself (0.12-0.3 ms per 224x224 frame here). The same
