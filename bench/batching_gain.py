@@ -18,11 +18,13 @@ Beside them (L), the runtime's own best: `InferenceExecutor` alone in this proce
 in interleaved rounds (L a b c L a b c ...); each figure is the median over rounds with min and max, and each
 ratio the median of per-round ratios, never the best round.
 Latency: at a fixed offered rate, open loop with intended-send timestamps, on fresh topics, after each
-consumer is warm: "low" = half of the slowest consumer's throughput (every loop keeps up), "high" = half
-of the worker's (the simple loops may fall behind; a loop that cannot keep up shows latency growing with
-the run's length, which is what an overloaded consumer does).
+consumer is warm, in interleaved rounds (which consumer goes first rotates): "low" = half of the slowest
+consumer's throughput (every loop keeps up), "high" = half of the worker's (the simple loops may fall
+behind; a loop that cannot keep up shows latency growing with the run's length, which is what an overloaded
+consumer does).
 
     python bench/batching_gain.py [--quick] [--rounds N] [--model toy|opennsfw] [--workload mixed|jpeg224|...]
+    python bench/batching_gain.py --latency-at FPS [--rounds N]   (latency rounds of (b) and (c) only)
     python bench/batching_gain.py consume --mode one|fixed ...   (the baseline loops; started by the bench)
 """
 
@@ -332,6 +334,16 @@ def latency_run(ctx: Context, which: str, rate: float, seconds: float) -> dict[s
 
 def run(ctx: Context) -> dict[str, Any]:
     """Throughput rounds of (L), (a), (b), (c) interleaved; on the mixed workload also latency at fixed rates."""
+    args = ctx.shared.get("args")
+    at = getattr(args, "latency_at", None)
+    if at is not None:
+        result = {"benchmark": "batching_gain", "machine": common.machine(), "model": ctx.model,
+                  "model_settings": ctx.model_overrides(), "workload_name": ctx.workload_name,
+                  "workload": ctx.workload.describe(), "variants": VARIANTS, "torch_threads": ctx.torch_threads,
+                  "throughput_tables": [], **latency(ctx, None, at)}
+        result["tables"] = result.pop("throughput_tables") + result["latency_tables"]
+        common.write_json(f"{result_name(ctx)}_latency_at_{at:.0f}", result, ctx.out_dir)
+        return result
     result = throughput(ctx)
     if ctx.workload_name == "mixed" and not ctx.shared.get("throughput_only"):
         result.update(latency(ctx, result["throughput_fps"]))
@@ -425,43 +437,80 @@ def _last_error_line(text: str) -> str:
     return (errors[-1] if errors else lines[0] if lines else "")[:300]
 
 
-def latency(ctx: Context, fps: dict[str, float]) -> dict[str, Any]:
-    """End-to-end latency of (a), (b), (c) at fixed offered rates (median saturated frames/s from the rounds)."""
+def latency(ctx: Context, fps: dict[str, float] | None, at: float | None = None) -> dict[str, Any]:
+    """End-to-end latency of (a), (b), (c) at fixed offered rates (from the median saturated frames/s of the
+    rounds, or `at` frames/s for (b) and (c) alone), in interleaved rounds: each round runs every consumer once,
+    which goes first rotating, so each figure is a median (min-max) over rounds and the worker/(b) ratio a median of
+    per-round ratios."""
     seconds = ctx.scale(6, 4)
-    rates = {"low": 0.5 * min(fps[w] for w in CONSUMERS)}
-    if not ctx.quick:
-        rates["high"] = 0.5 * fps["c"]
-    lat: dict[str, dict[str, Any]] = {}
+    rounds = ctx.round_count(3, 2)
+    if at is not None:
+        rates, consumers = {"fixed": at}, ["b", "c"]
+    else:
+        assert fps is not None
+        rates, consumers = {"low": 0.5 * min(fps[w] for w in CONSUMERS)}, list(CONSUMERS)
+        if not ctx.quick:
+            rates["high"] = 0.5 * fps["c"]
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
     skipped: dict[str, list[str]] = {}
     for level, rate in rates.items():
-        for which in CONSUMERS:
-            if fps[which] < rate:
-                # Its measured capacity is below the offered rate: its queue (and latency) would grow for as
-                # long as the run lasts; that says nothing more than the throughput row already does.
-                skipped.setdefault(level, []).append(which)
-                continue
-            print(f"[gain] latency: {which} at {rate:.0f} frames/s ({level})", flush=True)
-            lat.setdefault(level, {})[which] = latency_run(ctx, which, rate, seconds)
-
+        # Its measured capacity is below the offered rate: its queue (and latency) would grow for as long as the
+        # run lasts; that says nothing more than the throughput row already does.
+        skipped[level] = [w for w in consumers if fps is not None and fps[w] < rate]
+        running = [w for w in consumers if w not in skipped[level]]
+        for r, which in rotating(running, rounds):
+            print(f"[gain] latency round {r}: {which} at {rate:.0f} frames/s ({level})", flush=True)
+            runs.setdefault(level, {}).setdefault(which, []).append(latency_run(ctx, which, rate, seconds))
+    lat = {level: {w: latency_spread(rs) for w, rs in by.items()} for level, by in runs.items()}
     text = []
     for level, by in lat.items():
-        rows = []
-        for w, lr in by.items():
-            e2e = lr["latency"]
-            cls = lr["latency_by_class"]
-            rows.append([f"({w})", lr["offered_fps"], e2e["p50_ms"], e2e["p99_ms"], e2e["max_ms"],
-                         cls["realtime"]["p99_ms"], cls["standard"]["p99_ms"], cls["bulk"]["p99_ms"],
-                         lr["batch_sizes"]["mean_frame_weighted"],
-                         "yes" if lr["kept_up"] else f"NO ({lr['drain_after_load_s']:.1f}s)"])
+        rows = [[f"({w})", rates[level], sp["p50_ms"]["text"], sp["p99_ms"]["text"], sp["realtime_p99_ms"]["text"],
+                 sp["standard_p99_ms"]["text"], sp["bulk_p99_ms"]["text"], sp["mean_batch"]["text"],
+                 f"{sp['kept_up_rounds']}/{sp['rounds']}"] for w, sp in by.items()]
+        if "b" in by and "c" in by:
+            ratio = worker_over_fixed_p99(runs[level])
+            rows.append(["(c)/(b) per round", "", "", ratio["text"], "", "", "", "", ""])
         text.append(common.table(
             f"end-to-end latency at a fixed offered rate ({level}: {rates[level]:.0f} frames/s, open loop, "
-            f"{seconds:.0f}s, first 10% discarded), ms",
-            ["consumer", "offered", "p50", "p99", "max", "rt p99", "std p99", "bulk p99", "mean batch", "kept up"],
-            rows, note=f"kept up: done within {KEPT_UP_DRAIN_S:.1f}s of the load's end (else: how long it needed). "
+            f"{seconds:.0f}s, first 10% discarded), ms: median (min-max) of {rounds} interleaved rounds",
+            ["consumer", "offered", "p50", "p99", "rt p99", "std p99", "bulk p99", "mean batch", "kept up"],
+            rows, note=f"kept up: rounds done within {KEPT_UP_DRAIN_S:.1f}s of the load's end. "
             + (("not run (capacity below the offered rate, so latency grows without bound): "
-                        + ", ".join(f"({w})" for w in skipped[level])) if skipped.get(level) else "")))
-    return {"latency_rates": rates, "latency": lat, "latency_skipped_overloaded": skipped,
+                + ", ".join(f"({w})" for w in skipped[level])) if skipped.get(level) else "")))
+    return {"latency_rates": rates, "latency_rounds": rounds, "latency": lat, "latency_runs": runs,
+            "latency_p99_worker_over_fixed": {level: worker_over_fixed_p99(by) for level, by in runs.items()
+                                              if "b" in by and "c" in by},
+            "latency_skipped_overloaded": {k: v for k, v in skipped.items() if v},
             "latency_seconds": seconds, "latency_tables": text}
+
+
+def rotating(consumers: list[str], rounds: int) -> list[tuple[int, str]]:
+    """(round, consumer) in run order; round r starts r-1 places further along, so each goes first as often."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    k = len(consumers)
+    return [(r, consumers[(r - 1 + i) % k]) for r in range(1, rounds + 1) for i in range(k)]
+
+
+def latency_spread(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One consumer's latency rounds as medians (min-max): p50, p99, each class's p99, mean batch size."""
+    def spread(values: list[float], digits: int = 0) -> dict[str, Any]:
+        sp = stats.Spread.of(values)
+        return {**sp.as_dict(), "text": sp.text(digits)}
+
+    return {"rounds": len(runs), "kept_up_rounds": sum(1 for lr in runs if lr["kept_up"]),
+            "p50_ms": spread([lr["latency"]["p50_ms"] for lr in runs]),
+            "p99_ms": spread([lr["latency"]["p99_ms"] for lr in runs]),
+            **{f"{p.label}_p99_ms": spread([lr["latency_by_class"][p.label]["p99_ms"] for lr in runs])
+               for p in Priority},
+            "mean_batch": spread([lr["batch_sizes"]["mean_frame_weighted"] for lr in runs], 1)}
+
+
+def worker_over_fixed_p99(by: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The worker's p99 over (b)'s, round by round (rounds both ran), as a median (min-max)."""
+    ratio = stats.ratio_spread({i: lr["latency"]["p99_ms"] for i, lr in enumerate(by["c"])},
+                               {i: lr["latency"]["p99_ms"] for i, lr in enumerate(by["b"])})
+    return {**ratio.as_dict(), "text": ratio.text(2)}
 
 
 def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
@@ -474,12 +523,15 @@ def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
                  f"**{_spread_text(r['c/L'], 2)}**, **{_spread_text(r['c/b'], 2)}**, **{_spread_text(r['c/a'], 1)}**"))
     for level, by in result.get("latency", {}).items():
         rate = result["latency_rates"][level]
-        cells = "; ".join(f"({w}) {lr['latency']['p50_ms']:.0f} / {lr['latency']['p99_ms']:.0f}"
-                          for w, lr in by.items())
+        cells = "; ".join(f"({w}) {sp['p50_ms']['text']} / {sp['p99_ms']['text']}" for w, sp in by.items())
+        ratio = result.get("latency_p99_worker_over_fixed", {}).get(level)
+        if ratio:
+            cells += f"; p99 (c)/(b) per round {ratio['text']}"
         skipped = result.get("latency_skipped_overloaded", {}).get(level)
         if skipped:
             cells += "; " + ", ".join(f"({w}) overloaded" for w in skipped)
-        rows.append((f"latency p50 / p99 ms at {rate:.0f} frames/s offered ({level})", cells))
+        rows.append((f"latency p50 / p99 ms at {rate:.0f} frames/s offered ({level}), median (min-max) of "
+                     f"{result['latency_rounds']} rounds", cells))
     return rows
 
 
@@ -495,7 +547,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["consume"]:
         return consume_main(argv[1:])
-    return common.standalone(run, argv, __doc__.splitlines()[0])
+    return common.standalone(run, argv, __doc__.splitlines()[0], configure=configure)
+
+
+def configure(p: Any) -> None:
+    p.add_argument("--latency-at", type=float, default=None, metavar="FPS",
+                   help="only latency, of (b) and (c), at this offered rate (no throughput rounds)")
 
 
 if __name__ == "__main__":

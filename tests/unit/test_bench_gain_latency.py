@@ -1,0 +1,44 @@
+"""bench/batching_gain.py's latency rounds: the run order, and how rounds become medians and per-round ratios."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))  # appended: never shadows a real module
+
+import batching_gain
+
+
+def _run(p50: float, p99: float, kept_up: bool = True, rt: float = 1.0, std: float = 2.0, bulk: float = 3.0,
+         batch: float = 4.0) -> dict[str, Any]:
+    return {"latency": {"p50_ms": p50, "p99_ms": p99}, "kept_up": kept_up,
+            "batch_sizes": {"mean_frame_weighted": batch},
+            "latency_by_class": {"realtime": {"p99_ms": rt}, "standard": {"p99_ms": std}, "bulk": {"p99_ms": bulk}}}
+
+
+def test_each_consumer_goes_first_in_turn_and_runs_once_a_round() -> None:
+    order = batching_gain.rotating(["a", "b", "c"], 3)
+    assert order == [(1, "a"), (1, "b"), (1, "c"), (2, "b"), (2, "c"), (2, "a"), (3, "c"), (3, "a"), (3, "b")]
+    assert batching_gain.rotating(["b", "c"], 2) == [(1, "b"), (1, "c"), (2, "c"), (2, "b")]
+    with pytest.raises(ValueError):
+        batching_gain.rotating(["b"], 0)
+
+
+def test_rounds_become_medians_with_min_and_max_and_kept_up_counts() -> None:
+    sp = batching_gain.latency_spread([_run(10, 300, bulk=900), _run(30, 100, kept_up=False, bulk=100),
+                                       _run(20, 200, bulk=500)])
+    assert (sp["p50_ms"]["median"], sp["p50_ms"]["min"], sp["p50_ms"]["max"]) == (20, 10, 30)
+    assert sp["p99_ms"]["text"] == "200 (100-300)"
+    assert sp["bulk_p99_ms"]["median"] == 500
+    assert (sp["rounds"], sp["kept_up_rounds"]) == (3, 2)
+
+
+def test_the_worker_over_fixed_ratio_is_the_median_of_per_round_ratios_not_a_ratio_of_medians() -> None:
+    # Per round: 100/200 = 0.5, 400/100 = 4, 300/300 = 1 -> median 1.0; the medians' ratio would be 300/200 = 1.5.
+    ratio = batching_gain.worker_over_fixed_p99({"c": [_run(1, 100), _run(1, 400), _run(1, 300)],
+                                                 "b": [_run(1, 200), _run(1, 100), _run(1, 300)]})
+    assert (ratio["median"], ratio["min"], ratio["max"], ratio["rounds"]) == (1.0, 0.5, 4.0, 3)
