@@ -329,7 +329,11 @@ def latency_run(ctx: Context, which: str, rate: float, seconds: float) -> dict[s
             "kept_up": drained and len(results) >= load.sent and drain_s <= KEPT_UP_DRAIN_S, "load": load.as_dict(),
             "latency": common.latency_summary(kept), "latency_by_class": per_class,
             "background_cores": cpu["background_cores"], "generator_cores": cpu["bench_process_cores"],
-            "consumer_cores": cpu["watched_processes_cores"], "batch_sizes": common.batch_size_distribution(kept)}
+            "consumer_cores": cpu["watched_processes_cores"], "broker_cores": cpu["broker_cores"],
+            # The consumer's CPU from the load's start until it had committed everything, per frame sent.
+            "consumer_cpu_ms_per_frame": stats.cpu_ms_per_frame(cpu["watched_processes_cores"] * cpu["wall_s"],
+                                                                load.sent),
+            "batch_sizes": common.batch_size_distribution(kept)}
 
 
 def run(ctx: Context) -> dict[str, Any]:
@@ -466,15 +470,17 @@ def latency(ctx: Context, fps: dict[str, float] | None, at: float | None = None)
     for level, by in lat.items():
         rows = [[f"({w})", rates[level], sp["p50_ms"]["text"], sp["p99_ms"]["text"], sp["realtime_p99_ms"]["text"],
                  sp["standard_p99_ms"]["text"], sp["bulk_p99_ms"]["text"], sp["mean_batch"]["text"],
-                 f"{sp['kept_up_rounds']}/{sp['rounds']}"] for w, sp in by.items()]
+                 sp["cpu_ms_per_frame"]["text"], f"{sp['kept_up_rounds']}/{sp['rounds']}"] for w, sp in by.items()]
         if "b" in by and "c" in by:
             ratio = worker_over_fixed_p99(runs[level])
-            rows.append(["(c)/(b) per round", "", "", ratio["text"], "", "", "", "", ""])
+            rows.append(["(c)/(b) per round", "", "", ratio["text"], "", "", "", "", "", ""])
         text.append(common.table(
             f"end-to-end latency at a fixed offered rate ({level}: {rates[level]:.0f} frames/s, open loop, "
             f"{seconds:.0f}s, first 10% discarded), ms: median (min-max) of {rounds} interleaved rounds",
-            ["consumer", "offered", "p50", "p99", "rt p99", "std p99", "bulk p99", "mean batch", "kept up"],
-            rows, note=f"kept up: rounds done within {KEPT_UP_DRAIN_S:.1f}s of the load's end. "
+            ["consumer", "offered", "p50", "p99", "rt p99", "std p99", "bulk p99", "mean batch", "CPU-ms/frame",
+             "kept up"],
+            rows, note="CPU-ms/frame: the consumer process's CPU from the load's start until it had committed "
+            f"everything, per frame sent. kept up: rounds done within {KEPT_UP_DRAIN_S:.1f}s of the load's end. "
             + (("not run (capacity below the offered rate, so latency grows without bound): "
                 + ", ".join(f"({w})" for w in skipped[level])) if skipped.get(level) else "")))
     return {"latency_rates": rates, "latency_rounds": rounds, "latency": lat, "latency_runs": runs,
@@ -503,7 +509,8 @@ def latency_spread(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "p99_ms": spread([lr["latency"]["p99_ms"] for lr in runs]),
             **{f"{p.label}_p99_ms": spread([lr["latency_by_class"][p.label]["p99_ms"] for lr in runs])
                for p in Priority},
-            "mean_batch": spread([lr["batch_sizes"]["mean_frame_weighted"] for lr in runs], 1)}
+            "mean_batch": spread([lr["batch_sizes"]["mean_frame_weighted"] for lr in runs], 1),
+            "cpu_ms_per_frame": spread([lr.get("consumer_cpu_ms_per_frame", float("nan")) for lr in runs], 2)}
 
 
 def worker_over_fixed_p99(by: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -523,7 +530,8 @@ def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
                  f"**{_spread_text(r['c/L'], 2)}**, **{_spread_text(r['c/b'], 2)}**, **{_spread_text(r['c/a'], 1)}**"))
     for level, by in result.get("latency", {}).items():
         rate = result["latency_rates"][level]
-        cells = "; ".join(f"({w}) {sp['p50_ms']['text']} / {sp['p99_ms']['text']}" for w, sp in by.items())
+        cells = "; ".join(f"({w}) {sp['p50_ms']['text']} / {sp['p99_ms']['text']}, "
+                          f"{sp.get('cpu_ms_per_frame', {}).get('text', 'n/a')} CPU-ms/frame" for w, sp in by.items())
         ratio = result.get("latency_p99_worker_over_fixed", {}).get(level)
         if ratio:
             cells += f"; p99 (c)/(b) per round {ratio['text']}"
