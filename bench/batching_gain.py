@@ -341,11 +341,8 @@ def run(ctx: Context) -> dict[str, Any]:
     args = ctx.shared.get("args")
     at = getattr(args, "latency_at", None)
     if at is not None:
-        result = {"benchmark": "batching_gain", "machine": common.machine(), "model": ctx.model,
-                  "model_settings": ctx.model_overrides(), "workload_name": ctx.workload_name,
-                  "workload": ctx.workload.describe(), "variants": VARIANTS, "torch_threads": ctx.torch_threads,
-                  "throughput_tables": [], **latency(ctx, None, at)}
-        result["tables"] = result.pop("throughput_tables") + result["latency_tables"]
+        result = {**header(ctx), **latency(ctx, None, at)}
+        result["tables"] = result["latency_tables"]
         common.write_json(f"{result_name(ctx)}_latency_at_{at:.0f}", result, ctx.out_dir)
         return result
     result = throughput(ctx)
@@ -354,6 +351,13 @@ def run(ctx: Context) -> dict[str, Any]:
     result["tables"] = result.pop("throughput_tables") + result.get("latency_tables", [])
     common.write_json(result_name(ctx), result, ctx.out_dir)
     return result
+
+
+def header(ctx: Context) -> dict[str, Any]:
+    """What every batching_gain result file starts with: the machine, model, workload and variants."""
+    return {"benchmark": "batching_gain", "machine": common.machine(), "model": ctx.model,
+            "model_settings": ctx.model_overrides(), "workload_name": ctx.workload_name,
+            "workload": ctx.workload.describe(), "variants": VARIANTS, "torch_threads": ctx.torch_threads}
 
 
 def result_name(ctx: Context) -> str:
@@ -420,11 +424,9 @@ def throughput(ctx: Context) -> dict[str, Any]:
              f"{ctx.torch_threads} torch thread(s) each; backlog {frames} frames."
              + ("\nFAILED rounds (left out of the medians): " + "; ".join(failures) if failures else ""))]
     return {
-        "benchmark": "batching_gain", "machine": common.machine(), "model": ctx.model,
-        "model_settings": ctx.model_overrides(), "workload_name": ctx.workload_name,
-        "workload": ctx.workload.describe(), "variants": VARIANTS, "torch_threads": ctx.torch_threads,
-        "rounds": rounds, "backlog_frames": frames, "backlog_publish": publish, "limit_device": limit.device,
-        "limit_batch_size": limit.batch_size, "limit_sweep": limit.sweep, "throughput_trials": trials,
+        **header(ctx), "rounds": rounds, "backlog_frames": frames, "backlog_publish": publish,
+        "limit_device": limit.device, "limit_batch_size": limit.batch_size, "limit_sweep": limit.sweep,
+        "throughput_trials": trials,
         "throughput_fps": {w: s.median for w, s in fps_spread.items()},
         "throughput_spread": {w: s.as_dict() for w, s in fps_spread.items()},
         "cpu_ms_per_frame": {w: s.as_dict() for w, s in cpu_spread.items()},
@@ -462,18 +464,18 @@ def latency(ctx: Context, fps: dict[str, float] | None, at: float | None = None)
         # run lasts; that says nothing more than the throughput row already does.
         skipped[level] = [w for w in consumers if fps is not None and fps[w] < rate]
         running = [w for w in consumers if w not in skipped[level]]
-        for r, which in rotating(running, rounds):
+        for r, which in stats.rotating(running, rounds):
             print(f"[gain] latency round {r}: {which} at {rate:.0f} frames/s ({level})", flush=True)
             runs.setdefault(level, {}).setdefault(which, []).append(latency_run(ctx, which, rate, seconds))
     lat = {level: {w: latency_spread(rs) for w, rs in by.items()} for level, by in runs.items()}
+    ratios = {level: worker_over_fixed_p99(by) for level, by in runs.items() if "b" in by and "c" in by}
     text = []
     for level, by in lat.items():
         rows = [[f"({w})", rates[level], sp["p50_ms"]["text"], sp["p99_ms"]["text"], sp["realtime_p99_ms"]["text"],
                  sp["standard_p99_ms"]["text"], sp["bulk_p99_ms"]["text"], sp["mean_batch"]["text"],
                  sp["cpu_ms_per_frame"]["text"], f"{sp['kept_up_rounds']}/{sp['rounds']}"] for w, sp in by.items()]
-        if "b" in by and "c" in by:
-            ratio = worker_over_fixed_p99(runs[level])
-            rows.append(["(c)/(b) per round", "", "", ratio["text"], "", "", "", "", "", ""])
+        if level in ratios:
+            rows.append(["(c)/(b) per round", "", "", ratios[level]["text"], "", "", "", "", "", ""])
         text.append(common.table(
             f"end-to-end latency at a fixed offered rate ({level}: {rates[level]:.0f} frames/s, open loop, "
             f"{seconds:.0f}s, first 10% discarded), ms: median (min-max) of {rounds} interleaved rounds",
@@ -484,18 +486,9 @@ def latency(ctx: Context, fps: dict[str, float] | None, at: float | None = None)
             + (("not run (capacity below the offered rate, so latency grows without bound): "
                 + ", ".join(f"({w})" for w in skipped[level])) if skipped.get(level) else "")))
     return {"latency_rates": rates, "latency_rounds": rounds, "latency": lat, "latency_runs": runs,
-            "latency_p99_worker_over_fixed": {level: worker_over_fixed_p99(by) for level, by in runs.items()
-                                              if "b" in by and "c" in by},
+            "latency_p99_worker_over_fixed": ratios,
             "latency_skipped_overloaded": {k: v for k, v in skipped.items() if v},
             "latency_seconds": seconds, "latency_tables": text}
-
-
-def rotating(consumers: list[str], rounds: int) -> list[tuple[int, str]]:
-    """(round, consumer) in run order; round r starts r-1 places further along, so each goes first as often."""
-    if rounds < 1:
-        raise ValueError(f"rounds must be >= 1, got {rounds}")
-    k = len(consumers)
-    return [(r, consumers[(r - 1 + i) % k]) for r in range(1, rounds + 1) for i in range(k)]
 
 
 def latency_spread(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -39,29 +39,21 @@ def parse_assignments(items: list[str]) -> dict[str, str]:
     return env
 
 
-def alternating(rounds: int) -> list[tuple[int, str]]:
-    """(round, variant) in run order: A B in odd rounds, B A in even ones, rounds from 1."""
-    if rounds < 1:
-        raise ValueError(f"rounds must be >= 1, got {rounds}")
-    return [(r, v) for r in range(1, rounds + 1) for v in (("A", "B") if r % 2 else ("B", "A"))]
-
-
 def configure(p: Any) -> None:
     p.add_argument("--a", action="append", default=[], metavar="KEY=VALUE", help="variant A's worker settings")
     p.add_argument("--b", action="append", default=[], metavar="KEY=VALUE", help="variant B's worker settings")
     p.add_argument("--frames", type=int, default=DEFAULT_FRAMES, help="backlog frames each round consumes")
 
 
-def run(ctx: Context) -> dict[str, Any]:
-    args = ctx.shared["args"]
-    variants = {"A": parse_assignments(args.a), "B": parse_assignments(args.b)}
+def run(ctx: Context, variants: dict[str, dict[str, str]]) -> dict[str, Any]:
+    """Rounds of the two variants (`variants_of`'s) on one backlog; the table, and the JSON with every round."""
     rounds = ctx.rounds or DEFAULT_ROUNDS
-    frames = args.frames
+    frames = ctx.shared["args"].frames
     topics = common.make_topics(ctx.bootstrap, "ab")
     publish = common.publish_load(ctx.bootstrap, topics, ctx.records(frames, common.new_id("ab")))
     fps: dict[str, dict[int, float]] = {"A": {}, "B": {}}
     cpu: dict[str, dict[int, float]] = {"A": {}, "B": {}}
-    for r, v in alternating(rounds):
+    for r, v in stats.rotating(list(variants), rounds):
         env = {**ctx.worker_env(), **variants[v]}
         backlog = common.run_backlog(
             ctx.bootstrap, topics, frames,
@@ -113,9 +105,9 @@ def variants_of(argv: list[str]) -> dict[str, dict[str, str]]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "-h" not in argv and "--help" not in argv:
-        variants_of(argv)
-    return common.standalone(run, argv, __doc__.splitlines()[0], configure=configure)
+    # Read (and refused when bad) before standalone starts the broker; --help reaches standalone's parser.
+    variants = {} if "-h" in argv or "--help" in argv else variants_of(argv)
+    return common.standalone(lambda ctx: run(ctx, variants), argv, __doc__.splitlines()[0], configure=configure)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,16 @@ def interleaved(variants: Sequence[str], rounds: int) -> list[tuple[int, str]]:
     return [(r, v) for r in range(1, rounds + 1) for v in variants]
 
 
+def rotating(variants: Sequence[str], rounds: int) -> list[tuple[int, str]]:
+    """The order to run variants in when which goes first matters (a machine drifting during a round): each round
+    runs every variant once, round r starting r-1 places further along (A B C, B C A, C A B, ...; for two: A B,
+    B A), so each goes first equally often. As (round, variant), rounds from 1."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    k = len(variants)
+    return [(r, variants[(r - 1 + i) % k]) for r in range(1, rounds + 1) for i in range(k)]
+
+
 def round_ratios(numerator: Mapping[int, float], denominator: Mapping[int, float]) -> list[float]:
     """numerator / denominator of each round both were measured in (rounds keyed by number), in round order."""
     out = []

@@ -1,12 +1,11 @@
-"""bench/batching_gain.py's latency rounds: the run order, and how rounds become medians and per-round ratios."""
+"""bench/batching_gain.py's latency rounds: how rounds become medians and per-round ratios (their run order:
+stats.rotating, tested in test_bench_stats.py)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))  # appended: never shadows a real module
 
@@ -18,14 +17,6 @@ def _run(p50: float, p99: float, kept_up: bool = True, rt: float = 1.0, std: flo
     return {"latency": {"p50_ms": p50, "p99_ms": p99}, "kept_up": kept_up, "consumer_cpu_ms_per_frame": cpu,
             "batch_sizes": {"mean_frame_weighted": batch},
             "latency_by_class": {"realtime": {"p99_ms": rt}, "standard": {"p99_ms": std}, "bulk": {"p99_ms": bulk}}}
-
-
-def test_each_consumer_goes_first_in_turn_and_runs_once_a_round() -> None:
-    order = batching_gain.rotating(["a", "b", "c"], 3)
-    assert order == [(1, "a"), (1, "b"), (1, "c"), (2, "b"), (2, "c"), (2, "a"), (3, "c"), (3, "a"), (3, "b")]
-    assert batching_gain.rotating(["b", "c"], 2) == [(1, "b"), (1, "c"), (2, "c"), (2, "b")]
-    with pytest.raises(ValueError):
-        batching_gain.rotating(["b"], 0)
 
 
 def test_rounds_become_medians_with_min_and_max_and_kept_up_counts() -> None:

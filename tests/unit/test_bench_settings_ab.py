@@ -1,4 +1,5 @@
-"""bench/settings_ab.py: which settings it accepts, and the order it runs the two variants in."""
+"""bench/settings_ab.py: which settings it accepts (the order it runs them in: stats.rotating, tested in
+test_bench_stats.py)."""
 
 from __future__ import annotations
 
@@ -28,15 +29,6 @@ def test_anything_but_a_worker_variable_is_refused_with_the_expected_form(item: 
 def test_a_variable_given_twice_is_refused() -> None:
     with pytest.raises(ValueError, match="given twice"):
         settings_ab.parse_assignments(["WORKER_X=1", "WORKER_X=2"])
-
-
-def test_variants_alternate_which_goes_first_so_a_drifting_machine_favours_neither() -> None:
-    order = settings_ab.alternating(4)
-    assert order == [(1, "A"), (1, "B"), (2, "B"), (2, "A"), (3, "A"), (3, "B"), (4, "B"), (4, "A")]
-    firsts = [v for i, (_, v) in enumerate(order) if i % 2 == 0]
-    assert firsts.count("A") == firsts.count("B")
-    with pytest.raises(ValueError):
-        settings_ab.alternating(0)
 
 
 @pytest.mark.parametrize("argv, reason", [

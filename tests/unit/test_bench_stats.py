@@ -33,6 +33,23 @@ def test_a_single_round_is_labelled_as_such() -> None:
     assert stats.Spread.of([724.0]).text(suffix=" f/s") == "724 f/s (1 round)"
 
 
+def test_rotating_order_lets_each_variant_go_first_in_turn_and_run_once_a_round() -> None:
+    order = stats.rotating(["a", "b", "c"], 3)
+    assert order == [(1, "a"), (1, "b"), (1, "c"), (2, "b"), (2, "c"), (2, "a"), (3, "c"), (3, "a"), (3, "b")]
+    assert stats.rotating(["b", "c"], 2) == [(1, "b"), (1, "c"), (2, "c"), (2, "b")]
+    with pytest.raises(ValueError):
+        stats.rotating(["b"], 0)
+
+
+def test_two_variants_alternate_which_goes_first_so_a_drifting_machine_favours_neither() -> None:
+    order = stats.rotating(["A", "B"], 4)
+    assert order == [(1, "A"), (1, "B"), (2, "B"), (2, "A"), (3, "A"), (3, "B"), (4, "B"), (4, "A")]
+    firsts = [v for i, (_, v) in enumerate(order) if i % 2 == 0]
+    assert firsts.count("A") == firsts.count("B")
+    with pytest.raises(ValueError):
+        stats.rotating(["A", "B"], 0)
+
+
 def test_interleaved_order_alternates_variants_within_each_round() -> None:
     assert stats.interleaved(["A", "B"], 3) == [(1, "A"), (1, "B"), (2, "A"), (2, "B"), (3, "A"), (3, "B")]
     with pytest.raises(ValueError):
