@@ -308,6 +308,7 @@ def latency_run(ctx: Context, which: str, rate: float, seconds: float) -> dict[s
         run_id = common.new_id("lat")
         records = ctx.records(int(rate * seconds), run_id)
         watch = common.CpuWatch(ctx.broker, [proc.popen.pid])
+        threads_at_start = common.thread_cpu_seconds(proc.popen.pid)
         load = common.publish_load(ctx.bootstrap, topics, records, rate_fps=rate)
         t_load_end = time.monotonic()
         drained = common.wait_committed(ctx.bootstrap, topics.group,
@@ -315,6 +316,7 @@ def latency_run(ctx: Context, which: str, rate: float, seconds: float) -> dict[s
                                         ctx.scale(60, 30), alive=proc.alive)
         drain_s = time.monotonic() - t_load_end
         cpu = watch.stop()
+        threads = thread_cpu_ms_per_frame(threads_at_start, common.thread_cpu_seconds(proc.popen.pid), load.sent)
     finally:
         proc.stop()
     results = [r for r in common.read_run_results(ctx.bootstrap, topics.results)
@@ -333,7 +335,16 @@ def latency_run(ctx: Context, which: str, rate: float, seconds: float) -> dict[s
             # The consumer's CPU from the load's start until it had committed everything, per frame sent.
             "consumer_cpu_ms_per_frame": stats.cpu_ms_per_frame(cpu["watched_processes_cores"] * cpu["wall_s"],
                                                                 load.sent),
+            # The same, by thread role (the worker's threads are named; "python" is its loop, and all of a
+            # baseline loop's Python work).
+            "consumer_thread_cpu_ms_per_frame": threads,
             "batch_sizes": common.batch_size_distribution(kept)}
+
+
+def thread_cpu_ms_per_frame(start: dict[str, float], end: dict[str, float], frames: int) -> dict[str, float]:
+    """CPU-ms per frame of each thread role between two common.thread_cpu_seconds readings, largest first."""
+    per = {role: stats.cpu_ms_per_frame(end[role] - start.get(role, 0.0), frames) for role in end}
+    return dict(sorted(per.items(), key=lambda kv: -kv[1]))
 
 
 def run(ctx: Context) -> dict[str, Any]:
@@ -485,6 +496,15 @@ def latency(ctx: Context, fps: dict[str, float] | None, at: float | None = None)
             f"everything, per frame sent. kept up: rounds done within {KEPT_UP_DRAIN_S:.1f}s of the load's end. "
             + (("not run (capacity below the offered rate, so latency grows without bound): "
                 + ", ".join(f"({w})" for w in skipped[level])) if skipped.get(level) else "")))
+        text.append(common.table(
+            f"where each consumer's CPU goes at {rates[level]:.0f} frames/s ({level}): CPU-ms per frame sent by "
+            f"thread role, median (min-max) of {rounds} rounds",
+            ["consumer", "thread role", "CPU-ms/frame"],
+            [[f"({w})", role, sp_role["text"]] for w, sp in by.items()
+             for role, sp_role in sp["thread_cpu_ms_per_frame"].items()],
+            note="roles: the worker names its threads (infer-<device>: the model and normalising; decode and "
+            "preprocess: JPEG decode and batch assembly; python: the loop); rdk:* are librdkafka's own threads; a "
+            "baseline loop does all its Python work on its one thread (python)."))
     return {"latency_rates": rates, "latency_rounds": rounds, "latency": lat, "latency_runs": runs,
             "latency_p99_worker_over_fixed": ratios,
             "latency_skipped_overloaded": {k: v for k, v in skipped.items() if v},
@@ -503,7 +523,19 @@ def latency_spread(runs: list[dict[str, Any]]) -> dict[str, Any]:
             **{f"{p.label}_p99_ms": spread([lr["latency_by_class"][p.label]["p99_ms"] for lr in runs])
                for p in Priority},
             "mean_batch": spread([lr["batch_sizes"]["mean_frame_weighted"] for lr in runs], 1),
-            "cpu_ms_per_frame": spread([lr.get("consumer_cpu_ms_per_frame", float("nan")) for lr in runs], 2)}
+            "cpu_ms_per_frame": spread([lr.get("consumer_cpu_ms_per_frame", float("nan")) for lr in runs], 2),
+            "thread_cpu_ms_per_frame": {role: spread([lr.get("consumer_thread_cpu_ms_per_frame", {}).get(role, 0.0)
+                                                      for lr in runs], 3)
+                                        for role in _roles(runs)}}
+
+
+def _roles(runs: list[dict[str, Any]]) -> list[str]:
+    """The thread roles seen in any of the runs, by their largest share first."""
+    top: dict[str, float] = {}
+    for lr in runs:
+        for role, ms in lr.get("consumer_thread_cpu_ms_per_frame", {}).items():
+            top[role] = max(top.get(role, 0.0), ms)
+    return sorted(top, key=lambda r: -top[r])
 
 
 def worker_over_fixed_p99(by: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -160,6 +161,28 @@ def compiler_cpu_seconds(pid: int) -> float:
             continue
         total += _stat_cpu_seconds(task / "stat") or 0.0
     return total
+
+
+def thread_role(os_name: str) -> str:
+    """A thread's role from its OS name, the numbering dropped: "infer-cpu-0-0" -> "infer-cpu", "decode_1" ->
+    "decode", "rdk:broker1" -> "rdk:broker" (librdkafka's). The worker names its threads (worker.threadnames);
+    its main thread, the loop, keeps the process's name ("python")."""
+    return re.sub(r"([-_]?\d+)+$", "", os_name) or os_name
+
+
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """user + system CPU seconds of a process's live threads, summed by role (thread_role), from Linux /proc.
+    A thread that ended is not counted: compare two readings of long-lived threads only."""
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            role = thread_role((task / "comm").read_text().strip())
+        except OSError:
+            continue
+        seconds = _stat_cpu_seconds(task / "stat")
+        if seconds is not None:
+            out[role] = out.get(role, 0.0) + seconds
+    return out
 
 
 def process_cpu_seconds(pid: int) -> float | None:

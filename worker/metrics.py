@@ -20,6 +20,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from worker.config import Settings
 from worker.frames import DEAD_LETTER_ERROR_TYPES
+from worker.threadnames import name_os_thread
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                      2.0, 5.0, 10.0, 30.0)
@@ -276,11 +277,15 @@ class MetricsServer:
 
         self._server = ThreadingHTTPServer((host, port), Handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name="metrics-http", daemon=True)
 
     @property
     def port(self) -> int:
         return int(self._server.server_address[1])
+
+    def _serve(self) -> None:
+        name_os_thread()
+        self._server.serve_forever()
 
     def start(self) -> MetricsServer:
         self._thread.start()

@@ -21,6 +21,7 @@ from worker.errors import StreamferError
 from worker.frames import DeadLetter, SourceRef
 from worker.kafka_access import client_properties, new_client
 from worker.kafka_errors import BrokerAccessError, Identity, classify_producer_error
+from worker.threadnames import name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -351,6 +352,7 @@ class ResultSink:
 
     @staticmethod
     def _serve_calls(calls: queue.SimpleQueue[Any]) -> None:
+        name_os_thread()
         while True:
             item = calls.get()
             if item is None:

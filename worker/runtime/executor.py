@@ -40,6 +40,7 @@ from worker.memorypolicy import MemoryPolicy
 from worker.runtime.models import ModelContract, load_model
 from worker.runtime.preprocess import HostBatch, HostBuffers, Preprocessor, stage_to_device
 from worker.runtime.runners import CudaMemoryProbe, EagerRunner, RunResult, make_runner
+from worker.threadnames import name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class PriorityPool:
         return future
 
     def _work(self) -> None:
+        name_os_thread()
         while True:
             with self._cv:
                 while not self._heap and not self._closed:
@@ -135,7 +137,8 @@ class InferenceExecutor:
         # Two pools, so a batch's preparation never waits on frames queued behind it in its own pool: one
         # thread per batch being prepared (mostly waiting; the most urgent batch first), and the threads that
         # decode the frames.
-        self._decode_pool = concurrent.futures.ThreadPoolExecutor(preprocess_threads, thread_name_prefix="decode")
+        self._decode_pool = concurrent.futures.ThreadPoolExecutor(preprocess_threads, thread_name_prefix="decode",
+                                                                  initializer=name_os_thread)
         self._preprocessor = Preprocessor(contract, buffers, pool=self._decode_pool, workers=preprocess_threads)
         self._slots = [_Slot(r, PriorityPool(1, f"infer-{r.device}-{i}")) for i, r in enumerate(runners)]
         self._prep_pool = PriorityPool(preprocess_threads, "preprocess")
