@@ -1,0 +1,159 @@
+"""How much other work on the same cores slows the runtime, and how much of that is the GIL.
+
+The executor alone (`InferenceExecutor.submit`: decode, preprocessing and the model, 2 batches in flight as in the
+worker, no Kafka) runs with no other work, then beside a busy loop that runs pure Python for a share of the time
+(`--duties`), either as a thread of the same process (it shares the GIL and the cores, as the worker's loop does) or
+as a separate process (it shares only the cores). Variants run in interleaved rounds; every figure is the median
+(min-max) of rounds, every ratio the median of per-round ratios to the round without busy work. The thread's loss
+minus the process's loss at one duty is what the GIL costs; the process's loss is what the cores cost.
+
+    python bench/contention.py [--model null] [--workload jpeg224] [--rounds 3] [--seconds 3] [--batch 16]
+                               [--duties 0.25,0.4] [--period-ms 4]
+
+No broker is needed. Prints a table and writes bench/results/contention.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.append(str(HERE.parent))  # appended: an installed `worker` is never shadowed
+
+import common  # noqa: E402
+import stats  # noqa: E402
+from executor_load import executor_round, frame_cycle  # noqa: E402
+from workloads import MODELS, WORKLOADS, model_settings  # noqa: E402
+
+NONE = "none"
+# One busy stretch plus one pause. How long the GIL is held in one stretch matters as much as the share: 4 ms is
+# about one turn of the worker's loop on a backlog (1.1 ms of CPU a turn, a turn every 4.2 ms, by
+# bench/model_limit.py's stage timers with the near-zero model), so 25% is about the loop there.
+BUSY_PERIOD_S = 0.004
+
+
+def busy(stop: Any, duty: float, started: Any = None, period_s: float = BUSY_PERIOD_S) -> None:
+    """Run pure Python (holding the GIL in a thread) for `duty` of every `period_s`, sleep the rest, until `stop`
+    (a threading or multiprocessing Event) is set; sets `started` first."""
+    work_s, pause_s = duty * period_s, (1.0 - duty) * period_s
+    if started is not None:
+        started.set()
+    while not stop.is_set():
+        until = time.perf_counter() + work_s
+        while time.perf_counter() < until:
+            sum(range(50))
+        time.sleep(pause_s)
+
+
+def variants(duties: Sequence[float]) -> list[str]:
+    return [NONE] + [f"{kind} {duty:.0%}" for duty in duties for kind in ("thread", "process")]
+
+
+def _start_busy(variant: str, period_s: float) -> tuple[Any, Any]:
+    if variant == NONE:
+        return None, None
+    kind, share = variant.split()
+    duty = float(share.rstrip("%")) / 100.0
+    if kind == "thread":
+        stop: Any = threading.Event()
+        started: Any = threading.Event()
+        worker: Any = threading.Thread(target=busy, args=(stop, duty, started, period_s), name="busy",
+                                          daemon=True)
+    else:
+        # spawn, not fork: this process has the executor's threads running
+        ctx = multiprocessing.get_context("spawn")
+        stop, started = ctx.Event(), ctx.Event()
+        worker = ctx.Process(target=busy, args=(stop, duty, started, period_s), name="busy", daemon=True)
+    worker.start()
+    if not started.wait(60):
+        raise RuntimeError(f"the busy {kind} did not start within 60 s")
+    return stop, worker
+
+
+def summarise(fps: Mapping[str, Mapping[int, float]], duties: Sequence[float]) -> dict[str, Any]:
+    """Per variant: frames/s and the ratio to the no-busy-work run of each round; per duty: what the GIL costs
+    (the process's ratio minus the thread's, per round) and what the cores cost (1 minus the process's ratio)."""
+    out: dict[str, Any] = {"variants": {}, "duties": {}}
+    for name, by_round in fps.items():
+        out["variants"][name] = {"frames_per_s": stats.Spread.of(list(by_round.values())),
+                                 "of_none": stats.ratio_spread(by_round, fps[NONE])}
+    for duty in duties:
+        thread, process = fps[f"thread {duty:.0%}"], fps[f"process {duty:.0%}"]
+        rounds = sorted(set(thread) & set(process) & set(fps[NONE]))
+        gil = [process[r] / fps[NONE][r] - thread[r] / fps[NONE][r] for r in rounds]
+        cores = [1.0 - process[r] / fps[NONE][r] for r in rounds]
+        out["duties"][f"{duty:.0%}"] = {"gil_loss": stats.Spread.of(gil), "cores_loss": stats.Spread.of(cores)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=list(MODELS), default="null")
+    p.add_argument("--workload", choices=list(WORKLOADS), default="jpeg224")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=3.0, help="measured seconds per variant and round")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--duties", default="0.25,0.4", help="shares of the time the busy loop runs")
+    p.add_argument("--period-ms", type=float, default=BUSY_PERIOD_S * 1000.0,
+                   help="one busy stretch plus its pause (default: about a loop turn on a backlog)")
+    p.add_argument("--torch-threads", type=int, default=1)
+    args = p.parse_args(argv)
+    duties = [float(d) for d in args.duties.split(",")]
+    if not all(0.0 < d < 1.0 for d in duties):
+        p.error("--duties: each share must be between 0 and 1 (exclusive)")
+    if args.period_ms <= 0:
+        p.error("--period-ms: must be > 0")
+
+    from worker.config import load_settings
+    from worker.runtime import InferenceExecutor
+
+    workload = WORKLOADS[args.workload]
+    settings = load_settings(env={}, overrides={"model": model_settings(args.model, workload),
+                                                "runtime": {"torch_threads": args.torch_threads}})
+    cycle = frame_cycle(workload)
+    fps: dict[str, dict[int, float]] = {}
+    cpu: dict[str, list[float]] = {}
+    with InferenceExecutor.from_settings(settings.model, settings.runtime) as executor:
+        executor.warm_up()
+        for r, name in stats.interleaved(variants(duties), args.rounds):
+            stop, worker = _start_busy(name, args.period_ms / 1000.0)
+            try:
+                measured = executor_round(executor, cycle, args.batch, args.seconds)
+            finally:
+                if stop is not None:
+                    stop.set()
+                    worker.join()
+            fps.setdefault(name, {})[r] = measured["frames_per_s"]
+            cpu.setdefault(name, []).append(measured["cpu_ms_per_frame"])
+            print(f"[contention] round {r} {name}: {measured['frames_per_s']:.0f} frames/s, "
+                  f"{measured['cpu_ms_per_frame']:.3f} CPU-ms/frame (this process)", flush=True)
+    result = summarise(fps, duties)
+    rows = [[name, v["frames_per_s"].text(), stats.Spread.of(cpu[name]).text(3), v["of_none"].text(2)]
+            for name, v in result["variants"].items()]
+    text = [common.table(
+        f"the executor ({args.model} model, {args.workload}, batch {args.batch}) beside busy Python, "
+        f"{args.rounds} interleaved rounds, busy stretches within {args.period_ms:g} ms",
+        ["busy work", "frames/s", "CPU-ms/frame (executor's process)", "of none (per round)"], rows,
+        note="thread: shares the GIL and the cores; process: shares only the cores. CPU-ms/frame of the thread "
+             "rows includes the busy thread's own CPU.")]
+    text.append(common.table(
+        "where the loss comes from (per round, share of the no-busy-work throughput)",
+        ["busy share", "the cores (process's loss)", "the GIL (thread's loss minus process's)"],
+        [[duty, d["cores_loss"].text(2), d["gil_loss"].text(2)] for duty, d in result["duties"].items()]))
+    common.write_json("contention", {
+        "benchmark": "contention", "machine": common.machine(), "model": args.model, "workload": args.workload,
+        "batch": args.batch, "rounds": args.rounds, "seconds": args.seconds, "duties": duties,
+        "period_ms": args.period_ms,
+        "frames_per_s": fps, "cpu_ms_per_frame": cpu, "summary": result, "tables": text})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
