@@ -33,9 +33,9 @@ from executor_load import executor_round, frame_cycle  # noqa: E402
 from workloads import MODELS, WORKLOADS, model_settings  # noqa: E402
 
 NONE = "none"
-# One busy stretch plus one pause. How long the GIL is held in one stretch matters as much as the share: 4 ms is
-# about one turn of the worker's loop on a backlog (1.1 ms of CPU a turn, a turn every 4.2 ms, by
-# bench/model_limit.py's stage timers with the near-zero model), so 25% is about the loop there.
+# One busy stretch plus one pause (`--period-ms`): 4 ms is about one turn of the worker's loop on a backlog (1.1 ms
+# of CPU a turn, a turn every 4.2 ms, by bench/model_limit.py's stage timers with the near-zero model), so 25% is
+# about the loop there. On the 2-core VM 1 ms stretches cost the runtime about as much through the GIL.
 BUSY_PERIOD_S = 0.004
 
 
