@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,44 +53,63 @@ def busy(stop: Any, duty: float, started: Any = None, period_s: float = BUSY_PER
         time.sleep(pause_s)
 
 
-def variants(duties: Sequence[float]) -> list[str]:
-    return [NONE] + [f"{kind} {duty:.0%}" for duty in duties for kind in ("thread", "process")]
+@dataclass(frozen=True)
+class Variant:
+    """What runs beside the executor: nothing, or busy Python for `duty` of the time as a thread or a process."""
+
+    kind: str  # "none", "thread" or "process"
+    duty: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return NONE if self.kind == NONE else f"{self.kind} {percent(self.duty)}"
 
 
-def _start_busy(variant: str, period_s: float) -> tuple[Any, Any]:
-    if variant == NONE:
+def percent(duty: float) -> str:
+    """0.25 -> "25%", 0.125 -> "12.5%": exact, so two duties never share a name."""
+    return f"{duty * 100:g}%"
+
+
+def variants(duties: Sequence[float]) -> list[Variant]:
+    return [Variant(NONE)] + [Variant(kind, duty) for duty in duties for kind in ("thread", "process")]
+
+
+def _start_busy(variant: Variant, period_s: float) -> tuple[Any, Any]:
+    if variant.kind == NONE:
         return None, None
-    kind, share = variant.split()
-    duty = float(share.rstrip("%")) / 100.0
-    if kind == "thread":
+    if variant.kind == "thread":
         stop: Any = threading.Event()
         started: Any = threading.Event()
-        worker: Any = threading.Thread(target=busy, args=(stop, duty, started, period_s), name="busy",
+        worker: Any = threading.Thread(target=busy, args=(stop, variant.duty, started, period_s), name="busy",
                                           daemon=True)
     else:
         # spawn, not fork: this process has the executor's threads running
         ctx = multiprocessing.get_context("spawn")
         stop, started = ctx.Event(), ctx.Event()
-        worker = ctx.Process(target=busy, args=(stop, duty, started, period_s), name="busy", daemon=True)
+        worker = ctx.Process(target=busy, args=(stop, variant.duty, started, period_s), name="busy", daemon=True)
     worker.start()
     if not started.wait(60):
-        raise RuntimeError(f"the busy {kind} did not start within 60 s")
+        raise RuntimeError(f"the busy {variant.kind} did not start within 60 s")
     return stop, worker
 
 
 def summarise(fps: Mapping[str, Mapping[int, float]], duties: Sequence[float]) -> dict[str, Any]:
-    """Per variant: frames/s and the ratio to the no-busy-work run of each round; per duty: what the GIL costs
-    (the process's ratio minus the thread's, per round) and what the cores cost (1 minus the process's ratio)."""
+    """Per variant (by name): frames/s and the ratio to the no-busy-work run of each round; per duty: what the GIL
+    costs (the process's ratio minus the thread's, per round) and what the cores cost (1 minus the process's
+    ratio), over the rounds all three ran in."""
+    none = fps[NONE]
     out: dict[str, Any] = {"variants": {}, "duties": {}}
     for name, by_round in fps.items():
         out["variants"][name] = {"frames_per_s": stats.Spread.of(list(by_round.values())),
-                                 "of_none": stats.ratio_spread(by_round, fps[NONE])}
+                                 "of_none": stats.ratio_spread(by_round, none)}
     for duty in duties:
-        thread, process = fps[f"thread {duty:.0%}"], fps[f"process {duty:.0%}"]
-        rounds = sorted(set(thread) & set(process) & set(fps[NONE]))
-        gil = [process[r] / fps[NONE][r] - thread[r] / fps[NONE][r] for r in rounds]
-        cores = [1.0 - process[r] / fps[NONE][r] for r in rounds]
-        out["duties"][f"{duty:.0%}"] = {"gil_loss": stats.Spread.of(gil), "cores_loss": stats.Spread.of(cores)}
+        thread, process = fps[Variant("thread", duty).name], fps[Variant("process", duty).name]
+        rounds = set(thread) & set(process) & set(none)
+        thread_kept = stats.round_ratios({r: thread[r] for r in rounds}, none)
+        process_kept = stats.round_ratios({r: process[r] for r in rounds}, none)
+        out["duties"][percent(duty)] = {
+            "gil_loss": stats.Spread.of([p - t for p, t in zip(process_kept, thread_kept, strict=True)]),
+            "cores_loss": stats.Spread.of([1.0 - p for p in process_kept])}
     return out
 
 
@@ -122,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     cpu: dict[str, list[float]] = {}
     with InferenceExecutor.from_settings(settings.model, settings.runtime) as executor:
         executor.warm_up()
-        for r, name in stats.interleaved(variants(duties), args.rounds):
-            stop, worker = _start_busy(name, args.period_ms / 1000.0)
+        by_name = {v.name: v for v in variants(duties)}
+        for r, name in stats.interleaved(list(by_name), args.rounds):
+            stop, worker = _start_busy(by_name[name], args.period_ms / 1000.0)
             try:
                 measured = executor_round(executor, cycle, args.batch, args.seconds)
             finally:

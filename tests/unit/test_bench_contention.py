@@ -29,7 +29,12 @@ def test_losses_are_split_per_round_into_the_cores_and_the_gil() -> None:
 
 
 def test_variants_pair_a_thread_and_a_process_per_duty_after_the_baseline() -> None:
-    assert contention.variants([0.25, 0.4]) == ["none", "thread 25%", "process 25%", "thread 40%", "process 40%"]
+    assert [v.name for v in contention.variants([0.25, 0.4])] == [
+        "none", "thread 25%", "process 25%", "thread 40%", "process 40%"]
+    # Names are exact: a duty is never rounded into another's name (or run at the rounded share).
+    close = contention.variants([0.125, 0.12])
+    assert [v.name for v in close][1::2] == ["thread 12.5%", "thread 12%"]
+    assert [v.duty for v in close][1::2] == [0.125, 0.12]
 
 
 def test_the_busy_loop_starts_and_stops_on_its_event() -> None:
