@@ -66,12 +66,14 @@ class FakeConsumer:
     seeks: list[tuple[str, int, int]] = field(default_factory=list)
     paused: set[tuple[str, int]] = field(default_factory=set)
     callbacks: dict[str, Callable[..., None]] = field(default_factory=dict)
+    timeouts: list[float] = field(default_factory=list)  # of every consume() call
 
     def subscribe(self, topics: list[str], on_assign: Callable[..., None], on_revoke: Callable[..., None],
                   on_lost: Callable[..., None]) -> None:
         self.callbacks = {"assign": on_assign, "revoke": on_revoke, "lost": on_lost}
 
     def consume(self, num_messages: int, timeout: float) -> list[FakeMessage]:
+        self.timeouts.append(timeout)
         if not self.script:
             return []
         out: list[FakeMessage] = []
@@ -354,3 +356,27 @@ def test_fetches_wait_briefly_so_a_resumed_class_is_read_again_soon_and_override
     assert conf["fetch.queue.backoff.ms"] == source_module.FETCH_QUEUE_BACKOFF_MS <= 50
     tuned = load_settings(env={}, overrides={"kafka": {"consumer_overrides": {"fetch.wait.max.ms": 500}}})
     assert source_module.consumer_config(tuned)["fetch.wait.max.ms"] == "500"
+
+
+# -- how long a poll blocks ----------------------------------------------------------------------------------------
+def librdkafka_ms(timeout_s: float) -> int:
+    """What confluent-kafka makes of a consume() timeout: whole milliseconds, truncated (measured: 0.99 ms
+    returns at once, 1 ms blocks for 1 ms, 2.9 ms for 2)."""
+    return int(timeout_s * 1000.0)
+
+
+@pytest.mark.parametrize(("wanted_s", "blocked_ms"), [(0.0003, 1), (0.00099, 1), (0.001, 1), (0.002, 2), (0.0021, 3),
+                                                      (0.0029, 3), (0.015, 15), (0.1, 100)])
+def test_a_poll_that_may_wait_blocks_for_at_least_its_timeout_rounded_up_to_a_whole_millisecond(
+        fake: FakeConsumer, wanted_s: float, blocked_ms: int) -> None:
+    source = started(fake, [(BULK, 0)])
+    fake.timeouts.clear()
+    source.poll(10, wanted_s)
+    assert [librdkafka_ms(t) for t in fake.timeouts] == [0, blocked_ms]  # take what is queued, then wait
+
+
+def test_a_poll_with_no_timeout_never_blocks(fake: FakeConsumer) -> None:
+    source = started(fake, [(BULK, 0)])
+    fake.timeouts.clear()
+    source.poll(10, 0.0)
+    assert fake.timeouts == [0]
