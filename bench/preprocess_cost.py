@@ -34,6 +34,7 @@ CASES = {
     "raw224_to_224": (224, 224, "synthetic", "RAW_RGB8", (224, 224)),
     "jpeg720p_to_224": (1280, 720, "synthetic", "JPEG", (224, 224)),
     "jpeg720p_photo_to_224": (1280, 720, "photo", "JPEG", (224, 224)),
+    "jpeg1080p_photo_to_224": (1920, 1080, "photo", "JPEG", (224, 224)),
 }
 
 

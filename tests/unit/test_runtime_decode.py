@@ -3,6 +3,7 @@ the pixel limit, and truncated or padded JPEG data is an error, never a score (w
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import struct
@@ -61,6 +62,19 @@ def frame(data: bytes, width: int, height: int, encoding: Encoding = Encoding.JP
     return Frame(stream_id="cam", frame_index=0, tenant="t", priority=Priority.STANDARD, capture_ts_ms=0,
                  width=width, height=height, channels=channels, encoding=encoding, data=data,
                  source=SourceRef("frames.standard", 0, 0))
+
+
+@contextlib.contextmanager
+def scan_walk(vectorised: bool):
+    """check_jpeg delimits scans with `_ScanEnds` (numpy, for large files) or `_scan_data_end` (regex): either one
+    here, whatever the file's size."""
+    saved = decode_module.VECTOR_SCAN_MIN_BYTES, decode_module.VECTOR_SCAN_MAX_BYTES
+    decode_module.VECTOR_SCAN_MIN_BYTES = 0 if vectorised else 1 << 62
+    decode_module.VECTOR_SCAN_MAX_BYTES = 1 << 62
+    try:
+        yield
+    finally:
+        decode_module.VECTOR_SCAN_MIN_BYTES, decode_module.VECTOR_SCAN_MAX_BYTES = saved
 
 
 def bomb(declared: int = 12000) -> bytes:
@@ -189,18 +203,47 @@ JPEGS = {
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.sampled_from(sorted(JPEGS)), st.floats(0.0, 1.0, exclude_max=True))
-def test_a_jpeg_cut_anywhere_is_a_decode_error(kind, share):
+@given(st.sampled_from(sorted(JPEGS)), st.floats(0.0, 1.0, exclude_max=True), st.booleans())
+def test_a_jpeg_cut_anywhere_is_a_decode_error(kind, share, vectorised):
     data = JPEGS[kind]
     cut = data[:int(len(data) * share)]
-    with pytest.raises(FrameDecodeError, match="JPEG does not decode"):
+    with scan_walk(vectorised), pytest.raises(FrameDecodeError, match="JPEG does not decode"):
         decode_frame(frame(cut, 96, 64))
 
 
+@pytest.mark.parametrize("vectorised", [False, True])
 @pytest.mark.parametrize("kind", sorted(JPEGS))
-def test_a_jpeg_missing_only_its_last_byte_is_a_decode_error(kind):
-    with pytest.raises(FrameDecodeError, match="truncated"):
+def test_a_jpeg_missing_only_its_last_byte_is_a_decode_error(kind, vectorised):
+    with scan_walk(vectorised), pytest.raises(FrameDecodeError, match="truncated"):
         decode_frame(frame(JPEGS[kind][:-1], 96, 64))
+
+
+@pytest.mark.parametrize("kind", sorted(JPEGS))
+def test_a_large_jpeg_is_walked_in_one_vectorised_pass_to_the_same_structure(kind, monkeypatch):
+    save = {"baseline": {}, "progressive": {"progressive": True}, "restart markers": {"restart_marker_blocks": 2},
+            "grey": {}}[kind]
+    data = jpeg_bytes(1280, 720, mode="L" if kind == "grey" else "RGB", **save)
+    assert len(data) >= decode_module.VECTOR_SCAN_MIN_BYTES
+    walks: list[bytes] = []
+    real = decode_module._ScanEnds.__init__
+
+    def recording_init(self, data: bytes) -> None:
+        walks.append(data)
+        real(self, data)
+
+    monkeypatch.setattr(decode_module._ScanEnds, "__init__", recording_init)
+    vectorised = check_jpeg(data, (1280, 720))
+    assert walks == [data]
+    with scan_walk(False):
+        assert vectorised == check_jpeg(data, (1280, 720))
+
+
+def test_a_jpeg_over_the_vectorised_walks_maximum_is_walked_without_its_index(monkeypatch):
+    """The index holds 8 bytes per 0xFF byte: a frame made of them would cost 8x its size."""
+    data = jpeg_bytes(1280, 720)
+    monkeypatch.setattr(decode_module, "VECTOR_SCAN_MAX_BYTES", len(data) - 1)
+    monkeypatch.setattr(decode_module, "_ScanEnds", None)  # calling it would fail
+    assert check_jpeg(data, (1280, 720)).scans == 1
 
 
 def test_truncated_data_stays_an_error_even_if_something_sets_pillows_load_truncated_images(monkeypatch):
@@ -210,28 +253,31 @@ def test_truncated_data_stays_an_error_even_if_something_sets_pillows_load_trunc
         decode_frame(frame(data[:len(data) * 3 // 4], 96, 64))
 
 
-def test_a_progressive_jpeg_cut_after_a_scan_and_closed_with_eoi_is_a_decode_error():
+@pytest.mark.parametrize("vectorised", [False, True])
+def test_a_progressive_jpeg_cut_after_a_scan_and_closed_with_eoi_is_a_decode_error(vectorised):
     """Pillow decodes it without complaint (a blurred or grey image); the missing scans give it away."""
     data = JPEGS["progressive"]
     for start in scan_starts(data)[1:]:
         partial = data[:start] + b"\xff\xd9"
         Image.open(io.BytesIO(partial)).load()  # what the worker used to score
-        with pytest.raises(FrameDecodeError, match="not fully coded|in no scan"):
+        with scan_walk(vectorised), pytest.raises(FrameDecodeError, match="not fully coded|in no scan"):
             decode_frame(frame(partial, 96, 64))
 
 
-def test_a_baseline_jpeg_cut_to_a_sliver_of_its_scan_and_closed_with_eoi_is_a_decode_error():
+@pytest.mark.parametrize("vectorised", [False, True])
+def test_a_baseline_jpeg_cut_to_a_sliver_of_its_scan_and_closed_with_eoi_is_a_decode_error(vectorised):
     data = jpeg_bytes(512, 512)
     scan = scan_starts(data)[0]
     partial = data[:scan + 40] + b"\xff\xd9"
     Image.open(io.BytesIO(partial)).load()  # libjpeg pads the missing blocks grey, without an error
-    with pytest.raises(FrameDecodeError, match="fewer than the .* its .* blocks need"):
+    with scan_walk(vectorised), pytest.raises(FrameDecodeError, match="fewer than the .* its .* blocks need"):
         decode_frame(frame(partial, 512, 512))
 
 
-def test_a_baseline_jpeg_cut_in_half_and_closed_with_eoi_is_a_decode_error():
+@pytest.mark.parametrize("vectorised", [False, True])
+def test_a_baseline_jpeg_cut_in_half_and_closed_with_eoi_is_a_decode_error(vectorised):
     data = JPEGS["baseline"]
-    with pytest.raises(FrameDecodeError):
+    with scan_walk(vectorised), pytest.raises(FrameDecodeError):
         decode_frame(frame(data[:len(data) // 2] + b"\xff\xd9", 96, 64))
 
 
@@ -362,24 +408,27 @@ def scan_end_byte_by_byte(data: bytes, pos: int, restarts: bool) -> tuple[int, i
 
 @settings(max_examples=400, deadline=None)
 @given(st.lists(st.sampled_from([0x00, 0x12, 0xFF, 0xFF, 0xD0, 0xD7, 0xD9, 0xDA, 0xC4]), max_size=40),
-       st.integers(0, 40), st.booleans())
-def test_scan_data_ends_where_a_byte_by_byte_reading_says(content, pos, restarts):
+       st.integers(0, 40), st.booleans(), st.booleans())
+def test_scan_data_ends_where_a_byte_by_byte_reading_says(content, pos, restarts, vectorised):
     data = bytes(content)
     pos = min(pos, len(data))
     expected = scan_end_byte_by_byte(data, pos, restarts)
+    walk = decode_module._ScanEnds(data).scan_data_end if vectorised else decode_module._scan_data_end
     if expected is None:
         with pytest.raises(FrameDecodeError, match="truncated"):
-            decode_module._scan_data_end(data, pos, restarts)
+            walk(data, pos, restarts)
     else:
-        assert decode_module._scan_data_end(data, pos, restarts) == expected
+        assert walk(data, pos, restarts) == expected
 
 
 @pytest.mark.timeout(60)
-def test_a_scan_padded_with_megabytes_of_ff_bytes_is_walked_in_linear_time():
+@pytest.mark.parametrize("vectorised", [False, True])
+def test_a_scan_padded_with_megabytes_of_ff_bytes_is_walked_in_linear_time(vectorised):
     """A run of 0xFF fill bytes ending in 00 stuffing is no marker; a regular expression for "a run of 0xFF, then
     a marker code" took 9 s on 30 KB of them (quadratic), hours on the 2 MB here."""
     good = jpeg_bytes(64, 64)
     start = scan_starts(good)[0]
     data_at = start + 2 + struct.unpack_from(">H", good, start + 2)[0]
     padded = good[:data_at] + b"\xff" * 2_000_000 + b"\x00" + good[data_at:]
-    assert check_jpeg(padded, (64, 64)).scans == 1  # the structure holds: libjpeg judges the data itself
+    with scan_walk(vectorised):
+        assert check_jpeg(padded, (64, 64)).scans == 1  # the structure holds: libjpeg judges the data itself
