@@ -44,7 +44,14 @@ from worker.frames import Frame, SourceRef
 from worker.schemas import decode_frame, encode_frame
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+# The worker's fraction of the runtime's best that its issues ask for: 0.85 on the default (mixed) workload,
+# 0.9 with the near-zero model, where only the pipeline's own cost is left (issue 15).
 GOAL = 0.85
+GOAL_NEAR_ZERO_MODEL = 0.9
+
+
+def goal_for(model: str) -> float:
+    return GOAL_NEAR_ZERO_MODEL if model == "null" else GOAL
 
 
 def runtime_overrides(ctx: Context) -> dict[str, Any]:
@@ -454,7 +461,8 @@ def run(ctx: Context, profile: bool | None = None) -> dict[str, Any]:
     text.append(common.table("the limit and the worker (same run; median (min-max) of interleaved rounds)",
                              ["what", "frames/s", "CPU-ms/frame", "how", "of limit"], summary_rows,
                              note=f"worker / limit = {fraction.text(2)}: median (min-max) of per-round ratios "
-                                  f"(goal >= {GOAL}). Last worker round: process CPU {worker['worker_cpu_s']:.1f}s, "
+                                  f"(goal >= {goal_for(ctx.model)}). Last worker round: process CPU "
+                                  f"{worker['worker_cpu_s']:.1f}s, "
                                   f"broker CPU {worker['broker_cpu_s'] or float('nan'):.1f}s over "
                                   f"{worker['seconds_total']:.1f}s (incl. start-up)."))
     window = inproc["window_s"]
@@ -485,7 +493,7 @@ def run(ctx: Context, profile: bool | None = None) -> dict[str, Any]:
         "limit_cpu_ms_per_frame": lw["limit_cpu_ms_per_frame"].as_dict(),
         "worker_cpu_ms_per_frame": lw["worker_cpu_ms_per_frame"].as_dict(),
         "worker_in_process": inproc, "backlog_publish": load,
-        "fraction_of_limit": fraction.as_dict(), "goal": GOAL,
+        "fraction_of_limit": fraction.as_dict(), "goal": goal_for(ctx.model),
         "standard_full_batch": budget, "cprofile": prof_text, "tables": text,
     }
     ctx.shared["capacity_fps"] = lw["worker_fps"].median
