@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -121,12 +122,24 @@ def run_worker(settings: Settings, exit_when_idle_s: float | None = None, stop: 
         health.warmed_up = True
         log.info("model %s:%s warmed up on %s in %.1fs", executor.model_name, executor.model_version,
                  executor.device_description, time.monotonic() - started)
+        log.info("start-up heap frozen: %d objects that garbage collections no longer walk", freeze_startup_heap())
         return pipeline.run(stop or StopFlag().install(), exit_when_idle_s)
     finally:
         health.alive = False
         executor.close()
         if server is not None:
             server.stop()
+
+
+def freeze_startup_heap() -> int:
+    """Collect, then move every object still alive (torch, the model, imported modules: about 230,000 once warm)
+    out of the garbage collector's reach; they live as long as the process. A full collection walks every
+    tracked object with every thread stopped (it holds the GIL): 85-95 ms over these in a warm worker, a few ms
+    over what the loop itself keeps. Full collections are rare (none in 40 s at half load), so this bounds a
+    rare pause, not the usual p99. Returns how many objects are frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def check_client_configs(settings: Settings) -> None:

@@ -36,6 +36,7 @@ def test_every_frame_of_every_shape_and_priority_gets_exactly_one_result(kafka_b
 
     worker = start_worker(kafka_bootstrap, topics, exit_when_idle=2.0, log_path=str(tmp_path / "worker.log"))
     assert worker.wait(timeout=180) == 0, (tmp_path / "worker.log").read_text()[-3000:]
+    assert "start-up heap frozen" in (tmp_path / "worker.log").read_text()  # before the loop: worker.app
 
     results = read_results(kafka_bootstrap, topics.results, idle_timeout_s=1.0)
     counts = ledger(results)
