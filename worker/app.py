@@ -122,7 +122,8 @@ def run_worker(settings: Settings, exit_when_idle_s: float | None = None, stop: 
         health.warmed_up = True
         log.info("model %s:%s warmed up on %s in %.1fs", executor.model_name, executor.model_version,
                  executor.device_description, time.monotonic() - started)
-        log.info("start-up heap frozen: %d objects that garbage collections no longer walk", freeze_startup_heap())
+        frozen = freeze_startup_heap()
+        log.info("start-up heap frozen: %d objects that garbage collections no longer walk", frozen)
         return pipeline.run(stop or StopFlag().install(), exit_when_idle_s)
     finally:
         health.alive = False

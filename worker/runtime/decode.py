@@ -155,7 +155,8 @@ def check_jpeg(data: bytes, expected_size: tuple[int, int] | None = None) -> Jpe
         raise _bad("no SOI marker (FF D8) at the start: not a JPEG")
     pos = 2
     n = len(data)
-    ends = _ScanEnds(data) if VECTOR_SCAN_MIN_BYTES <= n <= VECTOR_SCAN_MAX_BYTES else None
+    vectorised = VECTOR_SCAN_MIN_BYTES <= n <= VECTOR_SCAN_MAX_BYTES
+    ends: _ScanEnds | None = None  # built at the first scan: a frame refused by its header never pays for it
     comps: dict[int, _Component] = {}
     size: tuple[int, int] | None = None
     progressive = False
@@ -190,6 +191,8 @@ def check_jpeg(data: bytes, expected_size: tuple[int, int] | None = None) -> Jpe
         elif marker == _SOS:
             if size is None:
                 raise _bad("a scan (SOS) before the frame header (SOF)")
+            if vectorised and ends is None:
+                ends = _ScanEnds(data)
             pos = _read_scan(data, pos, segment, comps, progressive, restart_interval > 0, ends)
             scans += 1
         elif marker == _DRI:
@@ -256,10 +259,8 @@ class _ScanEnds:
     def scan_data_end(self, data: bytes, pos: int, restarts: bool) -> tuple[int, int]:
         e = int(np.searchsorted(self._ending, pos))
         if e == len(self._ending):
-            raise _bad("truncated: a scan's data ends before the EOI marker (FF D9)")
-        stop = int(self._ending[e])
-        if stop > pos and data[stop - 1] == 0xFF:  # fill bytes before the marker: back to the first of them
-            stop = pos + len(data[pos:stop].rstrip(b"\xff"))
+            raise _truncated_scan()
+        stop = _before_fill_bytes(data, pos, int(self._ending[e]))
         lo, hi = (int(i) for i in np.searchsorted(self._ff, (pos, stop)))
         return stop, hi - lo + (self._restarts_between(lo, hi) if restarts else 0)
 
@@ -271,12 +272,21 @@ def _scan_data_end(data: bytes, pos: int, restarts: bool) -> tuple[int, int]:
     (`restarts`: only a JPEG with a restart interval (DRI) has any; in one without, libjpeg refuses them)."""
     found = _ENDING_FF.search(data, pos)
     if found is None:
-        raise _bad("truncated: a scan's data ends before the EOI marker (FF D9)")
-    stop = found.start()
-    if stop > pos and data[stop - 1] == 0xFF:  # fill bytes before the marker: back to the first of them
-        stop = pos + len(data[pos:stop].rstrip(b"\xff"))
+        raise _truncated_scan()
+    stop = _before_fill_bytes(data, pos, found.start())
     overhead = data.count(b"\xff", pos, stop)
     return stop, overhead + (len(_RESTART.findall(data, pos, stop)) if restarts else 0)
+
+
+def _truncated_scan() -> FrameDecodeError:
+    return _bad("truncated: a scan's data ends before the EOI marker (FF D9)")
+
+
+def _before_fill_bytes(data: bytes, pos: int, stop: int) -> int:
+    """`stop` (the 0xFF a marker code follows), moved back over the 0xFF fill bytes before it to the first of them."""
+    if stop > pos and data[stop - 1] == 0xFF:
+        stop = pos + len(data[pos:stop].rstrip(b"\xff"))
+    return stop
 
 
 def _read_sof(segment: bytes, comps: dict[int, _Component]) -> tuple[int, int]:
