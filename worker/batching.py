@@ -15,7 +15,11 @@ Groups and lanes. A frame joins the group of its (class, height, width, channels
     group (plus padding partners, below) can fill; when no preferred size fits in between, it takes all it
     can, and the runner pads it to its next bucket. One padded batch beats a 16+8+4+2+1 split, and no frame is
     ever left past its wait: while a group still has an overdue frame it stays due, so the caller draining
-    pop_batch() gets every overdue frame in that same call sequence.
+    pop_batch() gets every overdue frame in that same call sequence;
+  - idle: pop_batch(idle=True), which the loop calls when no batch is running and its last poll took all the
+    consumer had fetched: every group with a frame counts as due (a partial one leaves with reason "idle").
+    Waiting for a fuller batch only saves time while the runtime is busy; on a backlog polls come back full and
+    while a batch runs the next one fills, so batches still grow with the load.
   Padding ("padded" lane): a deadline batch short of its trigger may take frames of other shapes of the same
   class and channel count, closest pixel area first, padded to the largest height and width, while
   padded pixels / batch padded pixels <= padding_waste_max and the padded tensor stays <= max_batch_bytes (and,
@@ -465,9 +469,10 @@ class MicroBatcher:
 
     # ---------------------------------------------------------------------------------------------- release
 
-    def pop_batch(self, max_priority: Priority = Priority.BULK) -> Batch | None:
+    def pop_batch(self, max_priority: Priority = Priority.BULK, idle: bool = False) -> Batch | None:
         """The next batch due now of a class at most as low as `max_priority`, by urgency, class weights and the
-        ordering rule; None when nothing is due."""
+        ordering rule; None when nothing is due. `idle`: the runtime runs nothing and no more input is waiting, so
+        every group with a frame counts as due (a partial one leaves with reason "idle")."""
         now = self._clock()
         self._collect_expired(now)
         if not self._pending_frames:
@@ -477,7 +482,7 @@ class MicroBatcher:
         for cls in self._classes:
             if cls.pending and cls.priority <= max_priority:
                 groups = [g for g in cls.fallback.values()]
-                groups += [g for g in cls.groups.values() if g.due_at <= now]
+                groups += [g for g in cls.groups.values() if idle or g.due_at <= now]
                 if groups:
                     due.append((cls, groups))
         if not due:
@@ -506,7 +511,8 @@ class MicroBatcher:
             if cls is not due[0][0] and self._blocks_urgent(cls, groups[0], due, now):
                 continue
             for group in groups:
-                batch = self._release(group, now, now, cls_cutoff, flush=False, limit=self._budget_limit(group, now))
+                batch = self._release(group, now, now, cls_cutoff, "idle" if idle else None,
+                                      limit=self._budget_limit(group, now))
                 if batch is not None:
                     cls.credit -= total
                     return batch
@@ -529,9 +535,10 @@ class MicroBatcher:
         return min(keys, default=_NO_CUTOFF)
 
     def _release(self, group: _Group, now: float, age_now: float, cutoff: tuple[float, int] | None,
-                 flush: bool, limit: int | None = None) -> Batch | None:
+                 early: str | None, limit: int | None = None) -> Batch | None:
         """Take one batch of at most `limit` frames from `group` (and padding partners); None if the cutoff left
-        nothing to take."""
+        nothing to take. `early` ("flush", "idle"): why a group is released before it is due, its batch's reason
+        (a full group keeps its own, except on a flush)."""
         cls = group.cls
         out: list[_Entry] = []
         limit = group.cap if limit is None else limit
@@ -540,7 +547,7 @@ class MicroBatcher:
             self._take_two_tier(group, size, out, age_now, cutoff)
             if not out:
                 return None
-            reason = "flush" if flush else group.full_reason
+            reason = "flush" if early == "flush" else group.full_reason
             lane = LANE_FALLBACK if group.fallback else LANE_EXACT
             return self._batch(out, group.shape, cls.priority, lane, 0.0, now, reason)
 
@@ -574,8 +581,8 @@ class MicroBatcher:
             shape = (height, width, group.shape[2])
             real = sum(e.group.area for e in out)
             waste = (len(out) * height * width - real) / (len(out) * height * width)
-            return self._batch(out, shape, cls.priority, LANE_PADDED, waste, now, "flush" if flush else "deadline")
-        return self._batch(out, group.shape, cls.priority, LANE_EXACT, 0.0, now, "flush" if flush else "deadline")
+            return self._batch(out, shape, cls.priority, LANE_PADDED, waste, now, early or "deadline")
+        return self._batch(out, group.shape, cls.priority, LANE_EXACT, 0.0, now, early or "deadline")
 
     def _memory_cap(self, shape: tuple[int, int, int], cap: int) -> int:
         """At most `cap` frames, and on a GPU at most the memory policy's largest batch for the input the device
@@ -774,7 +781,7 @@ class MicroBatcher:
         for cls in self._classes:
             while cls.pending:
                 _, group = min((g.oldest_key(), g) for groups in (cls.fallback, cls.groups) for g in groups.values())
-                batch = self._release(group, now, math.inf, None, flush=True)
+                batch = self._release(group, now, math.inf, None, "flush")
                 assert batch is not None
                 batches.append(batch)
         return batches

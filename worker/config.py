@@ -131,6 +131,9 @@ class BatchingSettings:
     # this long. After a quiet spell standard and bulk fill to full size (the first realtime frame after it may
     # wait behind one such batch). 0: always bounded.
     realtime_quiet_ms: float = 2_000.0
+    # When nothing runs and the last poll emptied the consumer's queue, send the most urgent pending group now
+    # instead of holding it for its wait: a fuller batch only saves time while the runtime is busy.
+    release_when_idle: bool = True
     # Per-tenant weights for fair filling within a class; unknown tenants weigh 1.
     tenant_weights: dict[str, int] = field(default_factory=dict)
 

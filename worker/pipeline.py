@@ -154,6 +154,7 @@ class Pipeline:
         self._releases = Children(metrics.batch_releases)
         self._counts = RunSummary()
         self._inflight: deque[tuple[Batch, Future[BatchOutcome]]] = deque()
+        self._input_drained = False  # the last poll took all the consumer had fetched
         self._outputs: list[Output] = []
         self._paused_classes: set[Priority] = set()
         # Idle time counts from the first assignment: a worker still joining the group is not idle.
@@ -226,6 +227,7 @@ class Pipeline:
             due = self.batcher.next_due()
             timeout = IDLE_POLL_S if due is None else min(IDLE_POLL_S, max(0.0, due - self.clock()))
         polled = self.source.poll(min(POLL_BATCH, max(room, 1)), timeout)
+        self._input_drained = polled.drained
         if polled.redelivered:
             self.metrics.redelivered.inc(polled.redelivered)
         if polled.committed_offset_waits:
@@ -288,6 +290,11 @@ class Pipeline:
             if batch is None:
                 break
             self._dispatch(batch)
+        # Nothing runs and no input is waiting: holding frames for a fuller batch would leave the runtime idle.
+        if not self._inflight and self._input_drained and self.settings.batching.release_when_idle:
+            batch = self.batcher.pop_batch(idle=True)
+            if batch is not None:
+                self._dispatch(batch)
         # One slot beyond the limit is realtime's alone: a due realtime batch never waits for a lower class's
         # batch to free a slot (the executor then runs it before their queued batches).
         if len(self._inflight) >= limit and not any(b.priority == Priority.REALTIME for b, _ in self._inflight):

@@ -55,6 +55,9 @@ class Polled:
     # Partitions that began waiting, since the last poll, for a committed offset the broker could not tell yet
     # (see FrameSource.seek_to_committed); each is paused until it is known.
     committed_offset_waits: int = 0
+    # The poll returned fewer messages than asked for: it took all the consumer had fetched, so the worker is
+    # level with what the broker has sent it (a backlog's polls come back full).
+    drained: bool = False
 
 
 @dataclass(frozen=True)
@@ -216,7 +219,8 @@ class FrameSource:
             if messages and max_messages > 1:
                 messages += self._consumer.consume(num_messages=max_messages - 1, timeout=0)
         now = self._clock()
-        polled = Polled(frames=[], dead_letters=[], committed_offset_waits=self._waits_unreported)
+        polled = Polled(frames=[], dead_letters=[], committed_offset_waits=self._waits_unreported,
+                        drained=len(messages) < max_messages)
         self._waits_unreported = 0
         rewound: set[TP] = set()
         for msg in messages:

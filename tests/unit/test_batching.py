@@ -114,6 +114,46 @@ def test_a_partial_batch_waits_for_its_class_max_wait_then_goes():
     assert batch is not None and (batch.size, batch.reason) == (3, "deadline")
 
 
+def test_an_idle_runtime_takes_a_partial_group_before_its_wait():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(bulk=(100, 0, 1)), clock)
+    frames = add_frames(batcher, clock, 3, priority=BULK)
+
+    assert batcher.pop_batch() is None
+    batch = batcher.pop_batch(idle=True)
+
+    assert batch is not None and (ids(batch.frames), batch.reason) == (ids(frames), "idle")
+    assert batcher.pending_frames == 0 and batcher.pop_batch(idle=True) is None
+
+
+def test_an_idle_release_serves_the_most_urgent_class_and_its_oldest_group_first():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(padding_waste_max=0.0), clock)
+    add_frames(batcher, clock, 5, priority=BULK)
+    add_frames(batcher, clock, 2, priority=STANDARD, shape=(32, 32, 3))
+    clock.advance(1 * MS)
+    add_frames(batcher, clock, 2, priority=STANDARD)
+    clock.advance(1 * MS)
+    realtime = add_frames(batcher, clock, 1, priority=REALTIME)
+
+    order = [batcher.pop_batch(idle=True) for _ in range(4)]
+
+    assert [(b.priority, b.shape[0], b.size) for b in order if b is not None] == [
+        (REALTIME, 64, 1), (STANDARD, 32, 2), (STANDARD, 64, 2), (BULK, 64, 5)]
+    assert ids(order[0].frames) == ids(realtime)
+
+
+def test_an_idle_release_of_a_full_group_keeps_its_own_reason_and_leaves_the_rest():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(max_batch_size=4), clock)
+    add_frames(batcher, clock, 6)
+
+    first, second = batcher.pop_batch(idle=True), batcher.pop_batch(idle=True)
+
+    assert first is not None and (first.size, first.reason) == (4, "full")
+    assert second is not None and (second.size, second.reason) == (2, "idle")
+
+
 def test_each_class_waits_its_own_max_wait():
     clock = FakeClock()
     batcher = MicroBatcher(make_settings(realtime=(5, 0, 8), bulk=(100, 0, 1)), clock)

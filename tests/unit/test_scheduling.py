@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+import worker.pipeline as pipeline_module
 from worker.config import BatchingSettings, ClassSettings, Settings
 from worker.frames import BatchOutcome, Encoding, Frame, Priority
 from worker.schemas import FrameRecord, decode_result, encode_frame
@@ -68,6 +69,74 @@ def test_a_finished_realtime_batch_is_delivered_while_an_older_bulk_batch_still_
 
     got = results_by_topic(w)
     assert len(got.get(TOPICS.realtime, [])) == 4 and TOPICS.bulk not in got
+
+
+# -- an idle runtime ---------------------------------------------------------------------------------------------
+def idle_world(monkeypatch: pytest.MonkeyPatch, release_when_idle: bool = True) -> World:
+    batching = BatchingSettings(rare_shape_min_count=1, max_batch_size=4, release_when_idle=release_when_idle)
+    w = World(monkeypatch, hold=True, max_inflight=2, batching=batching)
+    w.assign([RT, STD, BULK])
+    return w
+
+
+def turns(w: World, count: int) -> None:
+    """Loop turns with the clock standing still: whatever runs now runs before any class's max_wait_ms."""
+    for _ in range(count):
+        w.pipeline.step()
+
+
+def test_with_nothing_running_and_no_input_waiting_a_partial_batch_goes_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    w = idle_world(monkeypatch)
+    w.kafka.append(BULK, *(frame_at("b", i, w.clock.now) for i in range(2)))
+    turns(w, 2)  # one poll, one dispatch
+
+    assert [len(b) for b in w.executor.batches] == [2]
+    assert sample_releases(w, "bulk", "idle") == 1
+
+
+def test_with_release_when_idle_off_a_partial_batch_waits_for_its_class_max_wait(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    w = idle_world(monkeypatch, release_when_idle=False)
+    w.kafka.append(BULK, *(frame_at("b", i, w.clock.now) for i in range(2)))
+    turns(w, 4)
+    assert w.executor.batches == []
+
+    w.clock.now += w.settings.batching.bulk.max_wait_ms / 1000.0
+    turns(w, 1)
+    assert [len(b) for b in w.executor.batches] == [2]
+
+
+def test_while_a_batch_runs_the_next_one_fills_and_goes_when_the_runtime_is_free(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    w = idle_world(monkeypatch)
+    w.kafka.append(BULK, *(frame_at("b", i, w.clock.now) for i in range(2)))
+    turns(w, 2)
+    w.kafka.append(BULK, frame_at("b", 2, w.clock.now))
+    turns(w, 2)
+    w.kafka.append(BULK, frame_at("b", 3, w.clock.now))
+    turns(w, 2)
+    assert [len(b) for b in w.executor.batches] == [2]  # the second slot is free, but the first batch runs
+
+    w.executor.release()
+    turns(w, 2)
+    assert [len(b) for b in w.executor.batches] == [2, 2]
+
+
+def test_on_a_backlog_polls_come_back_full_and_nothing_leaves_before_its_batch_fills(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pipeline_module, "POLL_BATCH", 3)
+    w = idle_world(monkeypatch)
+    w.kafka.append(BULK, *(frame_at("b", i, w.clock.now) for i in range(5)))
+    turns(w, 3)  # a full poll of 3 (more is waiting: no idle release), then 2, then the full batch of 4 goes
+
+    assert [len(b) for b in w.executor.batches] == [4]  # and the fifth waits: a batch is running
+
+
+def sample_releases(w: World, priority: str, reason: str) -> float:
+    value = w.metrics.registry.get_sample_value("streamfer_batch_releases_total",
+                                               {"priority": priority, "reason": reason})
+    return value or 0.0
 
 
 # -- priority under overload -----------------------------------------------------------------------------------
@@ -169,6 +238,43 @@ def test_under_overload_realtime_is_scored_first_and_bulk_absorbs_the_shortfall(
     during = [(p, n) for end, p, n in executor.scored if end <= overload_end]
     model_s = {p: sum(0.002 + 0.001 * n for q, n in during if q == p) for p in Priority}
     assert model_s[Priority.BULK] <= 0.1 * sum(model_s.values()), model_s
+
+
+@pytest.mark.parametrize("release_when_idle", [True, False])
+def test_at_light_load_a_frame_waits_for_the_runtime_not_for_its_class_max_wait(monkeypatch: pytest.MonkeyPatch,
+                                                                                release_when_idle: bool) -> None:
+    """100 frames/s on the three topics (about a ninth of capacity), the loop turning every millisecond: with an
+    idle runtime released at once, no frame waits longer than one running batch and a few turns; without, bulk
+    frames wait their 100 ms."""
+    batching = BatchingSettings(max_batch_size=16, rare_shape_min_count=1, release_when_idle=release_when_idle)
+    executor = TimedExecutor(fixed_s=0.002, per_frame_s=0.001)
+    w = World(monkeypatch, batching=batching, max_inflight=2, executor=executor)
+    executor.clock = w.clock
+    w.pipeline.seed_costs([((4, 4, 3), n, 0.002 + 0.001 * n) for n in (1, 2, 4, 8, 16)])  # warm-up's timings
+    w.assign([RT, STD, BULK])
+    waits: list[float] = []
+    submit = executor.submit
+
+    def timed_submit(frames: Any, shape: tuple[int, int, int], priority: Priority = Priority.BULK) -> Future:
+        waits.extend(w.clock.now - f.capture_ts_ms / 1000.0 for f in frames)
+        return submit(frames, shape, priority)
+
+    monkeypatch.setattr(executor, "submit", timed_submit)
+    start, sent = w.clock.now, 0
+    topics = itertools.cycle([RT, STD, STD, BULK, BULK])
+    while w.clock.now < start + 2.0:
+        w.clock.now += 0.001
+        if w.clock.now >= start + sent * 0.01:
+            w.kafka.append(next(topics), frame_at("s", sent, w.clock.now))
+            sent += 1
+        executor.tick()
+        w.pipeline.step()
+
+    assert len(waits) >= sent - 20
+    if release_when_idle:
+        assert max(waits) <= 0.006
+    else:
+        assert max(waits) >= 0.09
 
 
 # -- p99 tools ------------------------------------------------------------------------------------------------

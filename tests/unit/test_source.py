@@ -380,3 +380,15 @@ def test_a_poll_with_no_timeout_never_blocks(fake: FakeConsumer) -> None:
     fake.timeouts.clear()
     source.poll(10, 0.0)
     assert fake.timeouts == [0]
+
+
+def test_a_full_poll_says_more_may_be_waiting_and_a_short_one_that_it_took_all_the_consumer_had(
+        fake: FakeConsumer) -> None:
+    source = started(fake, [(BULK, 0)])
+    fake.script = [[("msg", (BULK, 0, i)) for i in range(3)], [("msg", (BULK, 0, 3))], []]
+
+    full, short, empty = source.poll(3, 0.0), source.poll(3, 0.0), source.poll(3, 0.0)
+
+    assert (len(full.frames), full.drained) == (3, False)
+    assert (len(short.frames), short.drained) == (1, True)
+    assert (len(empty.frames), empty.drained) == (0, True)
