@@ -98,13 +98,14 @@ def sigkill(lab: Lab, mode: str, scale: Scale, seed: int | None = None) -> RunOu
 
 def kill_with_held_frame(lab: Lab, mode: str, scale: Scale) -> RunOutcome:
     """A deterministic kill between two batches of one partition that finish out of order: two earlier frames
-    wait in the batcher (their shape's bucket is not full; bulk waits 1 s) while eight later frames of another
-    shape fill a batch and run. The worker is SIGKILLed 0.3 s after that batch ran, before the held frames run.
-    The committed offset cannot pass the held frames, so the next owner reads the eight again: exactly-once
-    must not have committed their results ahead of their offsets."""
+    wait in the batcher (their shape's bucket is not full; bulk waits 1 s, and an idle runtime does not take
+    them early: batching.release_when_idle off) while eight later frames of another shape fill a batch and run.
+    The worker is SIGKILLed 0.3 s after that batch ran, before the held frames run. The committed offset
+    cannot pass the held frames, so the next owner reads the eight again: exactly-once must not have committed
+    their results ahead of their offsets."""
     run = Run(lab, "SIGKILL with an earlier frame held", mode,
               env={"WORKER_BATCHING_BULK_MAX_WAIT_MS": "1000", "WORKER_BATCHING_RARE_SHAPE_MIN_COUNT": "1",
-                   "WORKER_BATCHING_PADDING_WASTE_MAX": "0"})
+                   "WORKER_BATCHING_PADDING_WASTE_MAX": "0", "WORKER_BATCHING_RELEASE_WHEN_IDLE": "false"})
 
     def body() -> None:
         run.fleet.start("w0")
