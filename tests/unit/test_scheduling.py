@@ -18,7 +18,7 @@ from worker.frames import BatchOutcome, Encoding, Frame, Priority
 from worker.schemas import FrameRecord, decode_result, encode_frame
 
 from .kafka_fakes import outcome
-from .test_pipeline import World
+from .test_pipeline import World, sample
 
 TOPICS = Settings().topics
 RT, STD, BULK = (TOPICS.realtime, 0), (TOPICS.standard, 0), (TOPICS.bulk, 0)
@@ -92,7 +92,7 @@ def test_with_nothing_running_and_no_input_waiting_a_partial_batch_goes_at_once(
     turns(w, 2)  # one poll, one dispatch
 
     assert [len(b) for b in w.executor.batches] == [2]
-    assert sample_releases(w, "bulk", "idle") == 1
+    assert sample(w, "streamfer_batch_releases_total", priority="bulk", reason="idle") == 1
 
 
 def test_with_release_when_idle_off_a_partial_batch_waits_for_its_class_max_wait(
@@ -131,12 +131,6 @@ def test_on_a_backlog_polls_come_back_full_and_nothing_leaves_before_its_batch_f
     turns(w, 3)  # a full poll of 3 (more is waiting: no idle release), then 2, then the full batch of 4 goes
 
     assert [len(b) for b in w.executor.batches] == [4]  # and the fifth waits: a batch is running
-
-
-def sample_releases(w: World, priority: str, reason: str) -> float:
-    value = w.metrics.registry.get_sample_value("streamfer_batch_releases_total",
-                                               {"priority": priority, "reason": reason})
-    return value or 0.0
 
 
 # -- priority under overload -----------------------------------------------------------------------------------
