@@ -36,9 +36,9 @@ from workloads import WORKLOADS, Workload, model_env, model_settings  # noqa: E4
 
 from tests.integration.helpers import TestTopics as Topics  # noqa: E402
 from tests.integration.helpers import end_offsets  # noqa: E402 (after the sys.path set-up above)
-from worker.producer import frame_producer, send_frames, synthetic_frames  # noqa: E402
-from worker.results import read_results  # noqa: E402
 from worker.schemas import FrameRecord  # noqa: E402
+from worker.tools.publish_frames import frame_producer, send_frames, synthetic_frames  # noqa: E402
+from worker.tools.read_results import read_results  # noqa: E402
 from worker.topics import ensure_topics  # noqa: E402
 
 RESULTS_DIR = REPO / "bench" / "results"
@@ -96,7 +96,7 @@ class Broker:
 
     def __enter__(self) -> Broker:
         if not self.bootstrap:
-            from worker.local_kafka import LocalKafka
+            from worker.tools.local_broker import LocalKafka
 
             t0 = time.monotonic()
             self._local = LocalKafka(tempfile.mkdtemp(prefix="streamfer-bench-kafka-"), heap_mb=512)
@@ -260,8 +260,8 @@ _PRODUCERS: dict[str, Producer] = {}
 
 
 def cached_frame_producer(bootstrap: str) -> Producer:
-    """worker.producer's frame producer, one per broker, kept open: a new producer needs ~0.5 s to connect and
-    get its idempotent producer id, and frames due meanwhile would count that against the consumer."""
+    """The frame producer of worker.tools.publish_frames, one per broker, kept open: a new producer needs ~0.5 s to
+    connect and get its idempotent producer id, and frames due meanwhile would count that against the consumer."""
     if bootstrap not in _PRODUCERS:
         _PRODUCERS[bootstrap] = frame_producer(bootstrap, logger=_KAFKA_LOG)
     return _PRODUCERS[bootstrap]
@@ -291,7 +291,7 @@ class LoadReport:
 def publish_load(bootstrap: str, topics: Topics, records: Sequence[FrameRecord], rate_fps: float | None = None,
                  stop: Callable[[], bool] = lambda: False) -> LoadReport:
     """Publish `records` to their class's topic: as fast as possible (a backlog), or open loop at `rate_fps`
-    (worker.producer.send_frames: capture_ts_ms is each frame's intended send time)."""
+    (worker.tools.publish_frames.send_frames: capture_ts_ms is each frame's intended send time)."""
     report = send_frames(cached_frame_producer(bootstrap), records, lambda rec: topics.for_priority(rec.priority),
                          rate_fps, stop)
     delays = report.send_delays_ms

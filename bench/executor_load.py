@@ -17,14 +17,14 @@ import stats
 from workloads import Workload
 
 from worker.frames import Frame, SourceRef
-from worker.producer import encode_pixels, synthetic_pixels
+from worker.tools.publish_frames import encode_pixels, synthetic_pixels
 
 INFLIGHT = 2  # the worker's delivery.max_inflight_batches default
 
 
 def frame_cycle(workload: Workload, seed: int = 7) -> list[tuple[Frame, tuple[int, int, int]]]:
     """One frame per (class, shape) of the workload, repeated by share: a cycle of batches whose frame mix
-    matches the Kafka runs' (the same synthetic pixels worker.producer sends)."""
+    matches the Kafka runs' (the same synthetic pixels worker.tools.publish_frames sends)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)

@@ -324,7 +324,7 @@ def section_decode(check: Check, section: Section) -> None:
     import torch
 
     from worker.frames import Encoding
-    from worker.producer import encode_pixels, synthetic_pixels
+    from worker.tools.publish_frames import encode_pixels, synthetic_pixels
 
     try:
         import torchvision.io as tvio

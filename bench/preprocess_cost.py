@@ -46,8 +46,8 @@ def one_round(case: str, threads: str, batch: int, seconds: float) -> dict[str, 
     from tests.pixels import photo_like
     from worker.config import ModelSettings, RuntimeSettings
     from worker.frames import Encoding, Frame, Priority, SourceRef
-    from worker.producer import encode_pixels, synthetic_pixels
     from worker.runtime import InferenceExecutor
+    from worker.tools.publish_frames import encode_pixels, synthetic_pixels
 
     torch.set_num_threads(1)
     width, height, kind, encoding_name, input_size = CASES[case]

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.reliability import configcases, faults
 from tests.reliability.harness import MODES, WORKER_IDS, Audit, Lab, RunOutcome, cpu_load
-from worker.local_kafka import LocalKafka
+from worker.tools.local_broker import LocalKafka
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "reliability.json"
 # Faults that stop the broker run last: with a broker that comes back elsewhere, the rest still runs.

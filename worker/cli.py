@@ -77,7 +77,7 @@ def _run_processes(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_produce(args: argparse.Namespace) -> int:
     from worker.frames import Encoding, Priority
     from worker.kafka_access import probe_reachable, security_properties
-    from worker.producer import (
+    from worker.tools.publish_frames import (
         ProducerInputError,
         VideoOptions,
         folder_frames,
@@ -137,8 +137,8 @@ def _progress_line(sent: int, acknowledged: int) -> None:
 # -- results -----------------------------------------------------------------------------------------------
 def cmd_results(args: argparse.Namespace) -> int:
     from worker.kafka_access import security_properties
-    from worker.results import iter_messages
     from worker.schemas import decode_result
+    from worker.tools.read_results import iter_messages
 
     settings = _settings(args)
     for msg in iter_messages(settings.kafka.bootstrap_servers, args.topic, args.count, args.idle_timeout,
@@ -174,7 +174,7 @@ def _default_max_frame_bytes() -> int:
 
 
 def cmd_broker(args: argparse.Namespace) -> int:
-    from worker.local_kafka import LocalKafka
+    from worker.tools.local_broker import LocalKafka
 
     kwargs = {"security": args.security, "nodes": args.nodes}
     broker = LocalKafka(args.dir, **kwargs) if args.dir else LocalKafka(**kwargs)
@@ -198,7 +198,7 @@ def cmd_broker(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from worker.demo import run_demo
+    from worker.tools.demo import run_demo
 
     return run_demo(frames_per_topic=args.frames, keep_broker=args.keep_broker, model=args.model)
 

@@ -92,7 +92,7 @@ def kafka_broker(state_dir: Path | None = None) -> Iterator[str]:
         finally:
             container.stop()
         return
-    from worker.local_kafka import LocalKafka
+    from worker.tools.local_broker import LocalKafka
 
     own_dir = state_dir is None
     broker = LocalKafka(state_dir if state_dir is not None else Path(tempfile.mkdtemp(prefix="streamfer-kafka-")))
@@ -262,7 +262,7 @@ def run_worker(bootstrap: str, topics: TestTopics, log_dir: Path, settings: Mapp
                ) -> RunningWorker:
     """Start `worker run` with the test's topics and `settings` (nested like the TOML file) and wait until
     /readyz answers 200: warmed up and partitions assigned."""
-    from worker.local_kafka import free_port
+    from worker.tools.local_broker import free_port
 
     port = free_port()
     log_path = log_dir / f"worker-{worker_id}.log"
@@ -320,7 +320,7 @@ class FrameProducer:
                        ) -> list[FrameRecord]:
         """`count` synthetic raw RGB frames of the given (width, height) shapes, captured now."""
         from worker.frames import Encoding, Priority
-        from worker.producer import synthetic_frames
+        from worker.tools.publish_frames import synthetic_frames
 
         prio = priority if isinstance(priority, Priority) else Priority[priority.upper()]
         run = run_id or f"test{uuid.uuid4().hex[:6]}"
@@ -346,19 +346,19 @@ class ResultsReader:
 
     def read(self, count: int, timeout_s: float = 120.0) -> list[dict[str, Any]]:
         """At least `count` decoded results (all committed so far once `count` are there); TimeoutError if not."""
-        from worker.results import read_results
+        from worker.tools.read_results import read_results
 
         return read_results(self.bootstrap, self.topics.results, until=lambda rs: len(rs) >= count,
                             timeout_s=timeout_s)
 
     def read_all(self, idle_timeout_s: float = 3.0) -> list[dict[str, Any]]:
         """Every committed result, once nothing new came for `idle_timeout_s`."""
-        from worker.results import read_results
+        from worker.tools.read_results import read_results
 
         return read_results(self.bootstrap, self.topics.results, idle_timeout_s=idle_timeout_s)
 
     def dead_letters(self, idle_timeout_s: float = 3.0) -> list[Any]:
-        from worker.results import read_dead_letters
+        from worker.tools.read_results import read_dead_letters
 
         return read_dead_letters(self.bootstrap, self.topics.dead_letter, idle_timeout_s)
 

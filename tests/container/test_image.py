@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import pytest
 
-from worker.local_kafka import free_port
 from worker.testing import (
     FrameProducer,
     ResultsReader,
@@ -25,6 +24,7 @@ from worker.testing import (
     uncommitted,
     wait_for,
 )
+from worker.tools.local_broker import free_port
 
 IMAGE = os.environ.get("STREAMFER_CONTAINER_IMAGE", "")
 USER_ID = "10001"

@@ -23,9 +23,9 @@ from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
 from worker.config import load_settings
 from worker.frames import Encoding, Priority
-from worker.producer import synthetic_frames
 from worker.schemas import encode_frame
 from worker.source import FrameSource
+from worker.tools.publish_frames import synthetic_frames
 
 from .helpers import TestTopics as Topics
 from .helpers import group_commit_history, make_topics, offsets_moved_backwards, wait_for

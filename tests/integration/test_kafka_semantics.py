@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from worker.frames import Encoding, Priority
-from worker.producer import publish, synthetic_frames
-from worker.results import read_dead_letters, read_results
 from worker.schemas import FrameRecord, encode_frame
+from worker.tools.publish_frames import publish, synthetic_frames
+from worker.tools.read_results import read_dead_letters, read_results
 
 from .helpers import ledger, make_topics, start_worker, uncommitted
 from .models import SLOW_HEIGHT

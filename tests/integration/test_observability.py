@@ -20,9 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.unit.test_alerts import ALERTS, rules
 from tests.unit.test_deploy_manifests import dashboard_queries, promql_metric_names
 from worker.frames import Encoding, Priority
-from worker.local_kafka import free_port
-from worker.producer import synthetic_frames
 from worker.testing import FrameProducer, ResultsReader, RunningWorker, http_get, make_topics, run_worker, wait_for
+from worker.tools.local_broker import free_port
+from worker.tools.publish_frames import synthetic_frames
 
 pytestmark = pytest.mark.integration
 

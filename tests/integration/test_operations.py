@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from worker.frames import Encoding, Priority
-from worker.local_kafka import free_port
-from worker.producer import publish, synthetic_frames
-from worker.results import read_results
+from worker.tools.local_broker import free_port
+from worker.tools.publish_frames import publish, synthetic_frames
+from worker.tools.read_results import read_results
 
 from .helpers import http_get, ledger, make_topics, start_worker, uncommitted, wait_for
 

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from worker.frames import Encoding, Priority
-from worker.producer import frame_producer, publish, send_frames, synthetic_frames
-from worker.results import read_results
+from worker.tools.publish_frames import frame_producer, publish, send_frames, synthetic_frames
+from worker.tools.read_results import read_results
 
 from .helpers import ledger, make_topics, start_worker
 

@@ -8,8 +8,8 @@ import statistics
 import pytest
 
 from worker.frames import Encoding, Priority
-from worker.producer import publish, synthetic_frames
-from worker.results import read_results
+from worker.tools.publish_frames import publish, synthetic_frames
+from worker.tools.read_results import read_results
 
 from .helpers import ledger, make_topics, start_worker, uncommitted
 

@@ -10,9 +10,9 @@ import pytest
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 
 from worker.frames import OUTPUT_REJECTED, Encoding, Frame, Priority, SourceRef, Verdict
-from worker.producer import publish, synthetic_frames
-from worker.results import read_dead_letters, read_results
 from worker.schemas import ResultContext, build_result
+from worker.tools.publish_frames import publish, synthetic_frames
+from worker.tools.read_results import read_dead_letters, read_results
 
 from .helpers import ledger, make_topics, start_worker, uncommitted
 

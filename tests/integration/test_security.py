@@ -16,9 +16,9 @@ from confluent_kafka.admin import AclBindingFilter, AclOperation, AclPermissionT
 from worker.config import load_settings
 from worker.frames import Encoding, Priority
 from worker.kafka_access import worker_acls
-from worker.local_kafka import WORKER_USER, LocalKafka
-from worker.producer import FRAME_PRODUCER_CONFIG, send_frames, synthetic_frames
-from worker.results import read_results
+from worker.tools.local_broker import WORKER_USER, LocalKafka
+from worker.tools.publish_frames import FRAME_PRODUCER_CONFIG, send_frames, synthetic_frames
+from worker.tools.read_results import read_results
 from worker.topics import ensure_topics
 
 from .helpers import TestTopics as Topics

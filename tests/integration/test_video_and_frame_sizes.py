@@ -16,9 +16,9 @@ import pytest
 from PIL import Image
 
 from worker.frames import Encoding, Priority
-from worker.producer import FrameTooLargeError, publish
-from worker.results import read_results
 from worker.schemas import FrameRecord
+from worker.tools.publish_frames import FrameTooLargeError, publish
+from worker.tools.read_results import read_results
 from worker.topics import DEFAULT_MAX_FRAME_BYTES, ensure_topics, topic_message_limits
 
 from ..conftest import PROJECT_ROOT
@@ -50,7 +50,7 @@ def _cli(bootstrap: str, env: dict[str, str], *argv: str) -> subprocess.Complete
 @needs_video
 def test_a_video_sent_as_two_concurrent_streams_gets_one_result_per_sampled_frame(kafka_bootstrap, unique,
                                                                                   tmp_path):
-    from worker.sample_video import make_photo_clip
+    from worker.tools.sample_video import make_photo_clip
 
     clip = make_photo_clip(tmp_path / "pan.mp4", size=(320, 180), fps=10, seconds_per_photo=1.0)
     topics = make_topics(kafka_bootstrap, unique)

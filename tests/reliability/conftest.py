@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from worker.local_kafka import LocalKafka
+from worker.tools.local_broker import LocalKafka
 
 from .harness import Lab, RunOutcome
 

@@ -44,9 +44,9 @@ from tests.integration.helpers import (
 )
 from tests.reliability.models import marked_pixels, unmarked_pixels
 from worker.frames import Encoding, Priority, SourceRef
-from worker.local_kafka import LocalKafka
-from worker.results import DeadLetterRecord, iter_messages, read_dead_letters
 from worker.schemas import FrameRecord, decode_result, encode_frame
+from worker.tools.local_broker import LocalKafka
+from worker.tools.read_results import DeadLetterRecord, iter_messages, read_dead_letters
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 PARTITIONS = 3

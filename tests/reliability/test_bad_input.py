@@ -12,10 +12,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from worker.frames import Encoding, Priority, SourceRef
-from worker.results import read_dead_letters, read_results
 from worker.runtime.models import ModelContract
 from worker.runtime.preprocess import Preprocessor
 from worker.schemas import MessageDecodeError, decode_frame
+from worker.tools.read_results import read_dead_letters, read_results
 
 from . import faults
 from .badinput import catalogue, frame_bytes

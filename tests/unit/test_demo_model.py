@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from worker.demo import demo_model
+from worker.tools.demo import demo_model
 
 
 def test_without_the_models_extra_the_demo_uses_the_builtin_model_and_says_so(monkeypatch):

@@ -25,8 +25,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PROJECT_DIR = Path(__file__).resolve().parent.parent / "deploy" / "local-kafka"
-DEFAULT_STATE_DIR = Path(os.environ.get("STREAMFER_KAFKA_DIR", Path(__file__).resolve().parent.parent / ".local-kafka"))
+# The source checkout's root: this file is worker/tools/local_broker.py.
+ROOT_DIR = Path(__file__).resolve().parents[2]
+PROJECT_DIR = ROOT_DIR / "deploy" / "local-kafka"
+DEFAULT_STATE_DIR = Path(os.environ.get("STREAMFER_KAFKA_DIR", ROOT_DIR / ".local-kafka"))
 
 
 class LocalKafkaError(RuntimeError):

@@ -20,9 +20,9 @@ from typing import Any
 
 from worker.config import load_settings
 from worker.frames import Encoding, Priority
-from worker.local_kafka import LocalKafka
-from worker.producer import VideoOptions, paced, publish, random_run_id, synthetic_frames, video_frames
-from worker.results import read_results
+from worker.tools.local_broker import LocalKafka
+from worker.tools.publish_frames import VideoOptions, paced, publish, random_run_id, synthetic_frames, video_frames
+from worker.tools.read_results import read_results
 from worker.topics import ensure_topics, frame_topic_configs, worker_topics
 
 DEMO_SHAPES = {Priority.REALTIME: [(64, 64), (96, 64)], Priority.STANDARD: [(128, 96), (64, 64), (80, 80)],
@@ -161,7 +161,7 @@ def _make_clips(folder: Path) -> list[Any]:
     if missing:
         print(f"video: skipped ({', '.join(missing)} missing; pip install -e '.[models]' or ./dev setup)", flush=True)
         return []
-    from worker.sample_video import make_photo_clip, photo_clip
+    from worker.tools.sample_video import make_photo_clip, photo_clip
 
     t0 = time.monotonic()
     clips = []
@@ -190,7 +190,7 @@ def _send_clips(bootstrap: str, topic: str, clips: list[Any], run_id: str) -> in
 
 
 def _print_clip_scores(results: list[dict[str, Any]], clips: list[Any], run_id: str) -> None:
-    from worker.producer import video_stream_ids
+    from worker.tools.publish_frames import video_stream_ids
 
     streams = dict(zip(video_stream_ids([str(c.path) for c in clips], run_id), clips, strict=True))
     rows: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
