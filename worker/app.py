@@ -14,10 +14,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from confluent_kafka import Consumer, Producer
+
 from worker.config import Settings, warmup_frame_shapes
 from worker.kafka_access import probe_access
+from worker.kafka_client import new_client
 from worker.metrics import Health, Metrics, MetricsServer
 from worker.pipeline import Pipeline, RunSummary, build_pipeline
+from worker.sink import producer_config
+from worker.source import consumer_config
 
 log = logging.getLogger("worker")
 # /debug/profile waits at most this long for its batches to run.
@@ -146,12 +151,6 @@ def freeze_startup_heap() -> int:
 def check_client_configs(settings: Settings) -> None:
     """Build (and drop) a consumer and a producer with the worker's configurations: librdkafka validates every
     property when a client is made, without connecting; ConfigError names the override it refused."""
-    from confluent_kafka import Consumer, Producer
-
-    from worker.kafka_access import new_client
-    from worker.sink import producer_config
-    from worker.source import consumer_config
-
     new_client(Consumer, consumer_config(settings), "consumer").close()
     new_client(Producer, producer_config(settings), "producer")
 

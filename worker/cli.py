@@ -76,7 +76,8 @@ def _run_processes(args: argparse.Namespace, settings: Settings) -> int:
 # -- produce -----------------------------------------------------------------------------------------------
 def cmd_produce(args: argparse.Namespace) -> int:
     from worker.frames import Encoding, Priority
-    from worker.kafka_access import probe_reachable, security_properties
+    from worker.kafka_access import probe_reachable
+    from worker.kafka_client import security_properties
     from worker.tools.publish_frames import (
         ProducerInputError,
         VideoOptions,
@@ -136,7 +137,7 @@ def _progress_line(sent: int, acknowledged: int) -> None:
 
 # -- results -----------------------------------------------------------------------------------------------
 def cmd_results(args: argparse.Namespace) -> int:
-    from worker.kafka_access import security_properties
+    from worker.kafka_client import security_properties
     from worker.schemas import decode_result
     from worker.tools.read_results import iter_messages
 
@@ -149,7 +150,8 @@ def cmd_results(args: argparse.Namespace) -> int:
 
 # -- topics / broker / demo --------------------------------------------------------------------------------
 def cmd_topics(args: argparse.Namespace) -> int:
-    from worker.kafka_access import probe_reachable, security_properties
+    from worker.kafka_access import probe_reachable
+    from worker.kafka_client import security_properties
     from worker.topics import ensure_topics, frame_topic_configs, frame_topics, raise_message_limits, worker_topics
 
     settings = _settings(args)

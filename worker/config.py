@@ -7,6 +7,7 @@ This is the only place defaults live. `load_settings` either returns a complete,
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import socket
@@ -20,6 +21,8 @@ from typing import Any, Literal
 
 from worker.errors import OperatorError
 from worker.frames import Priority
+
+log = logging.getLogger(__name__)
 
 ENV_PREFIX = "WORKER_"
 # The enumerated settings: checked once, here, when settings load; the rest of the code trusts them.
@@ -509,6 +512,27 @@ PROTECTED_PRODUCER_PROPERTIES = {
     "transactional.id": "set delivery.transactional_id_prefix (the worker id is appended)",
 }
 
+# The [kafka] security settings (docs/security.md), checked by validate_security.
+SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+# librdkafka properties that carry a secret: refused in the overrides (each has a setting that reads it from a
+# file or an environment variable) and never printed.
+SECRET_PROPERTIES = frozenset({"sasl.password", "ssl.key.password", "ssl.keystore.password", "ssl.key.pem",
+                               "ssl_key", "sasl.oauthbearer.client.secret", "sasl.oauthbearer.config",
+                               "ssl.certificate.pem", "ssl.ca.pem"})
+# Properties that have a [kafka] setting of their own now; an override would fight it.
+SECURITY_PROPERTIES = {
+    "security.protocol": "kafka.security_protocol",
+    "sasl.mechanism": "kafka.sasl_mechanism",
+    "sasl.mechanisms": "kafka.sasl_mechanism",
+    "sasl.username": "kafka.sasl_username",
+    "sasl.password": "kafka.sasl_password_file or kafka.sasl_password_env",
+    "ssl.ca.location": "kafka.ssl_ca_location",
+    "ssl.certificate.location": "kafka.ssl_certificate_location",
+    "ssl.key.location": "kafka.ssl_key_location",
+    "ssl.key.password": "kafka.ssl_key_password_file",
+}
+
 
 # Upper bounds of settings whose cost grows with them: 16384x16384 RGB is 805 MB decoded, 3.2 GB as float32.
 MAX_FRAME_PIXELS_CEILING = 16384 * 16384
@@ -538,8 +562,6 @@ def validate(s: Settings) -> list[str]:
         for key in sorted(overrides):
             if key in protected:
                 p.append(f"kafka.{field_name}: {key!r} is managed by the worker ({protected[key]})")
-    from worker.kafka_access import validate_security
-
     p.extend(validate_security(k))
 
     t = s.topics
@@ -640,6 +662,73 @@ def validate(s: Settings) -> list[str]:
     need(0 <= lim.max_capture_skew_ms <= 86_400_000, "limits.max_capture_skew_ms: must be 0..86400000 (one day)")
     need(0 <= lim.duplicate_window_frames <= 1_000_000, "limits.duplicate_window_frames: must be 0..1000000 (0 = off)")
     return p
+
+
+def validate_security(k: KafkaSettings, environ: Mapping[str, str] | None = None) -> list[str]:
+    """Problems with the [kafka] security settings (coherent combination, files present and readable)."""
+    env = os.environ if environ is None else environ
+    p: list[str] = []
+    protocol = k.security_protocol.upper()
+    if protocol not in SECURITY_PROTOCOLS:
+        return [f"kafka.security_protocol: must be one of {', '.join(SECURITY_PROTOCOLS)}"]
+    sasl, tls = protocol.startswith("SASL"), protocol.endswith("SSL")
+    if sasl:
+        if k.sasl_mechanism not in SASL_MECHANISMS:
+            p.append(f"kafka.sasl_mechanism: must be one of {', '.join(SASL_MECHANISMS)} with {protocol}")
+        if not k.sasl_username.strip():
+            p.append(f"kafka.sasl_username: must be set with {protocol}")
+        if bool(k.sasl_password_file) == bool(k.sasl_password_env):
+            p.append(f"kafka.sasl_password_file: with {protocol}, set exactly one of kafka.sasl_password_file "
+                     "and kafka.sasl_password_env")
+        elif k.sasl_password_file:
+            p.extend(_file_problems("kafka.sasl_password_file", k.sasl_password_file, secret=True))
+        elif not env.get(k.sasl_password_env):
+            p.append(f"kafka.sasl_password_env: the environment variable {k.sasl_password_env} is not set or empty")
+    else:
+        for name in ("sasl_username", "sasl_password_file", "sasl_password_env"):
+            if getattr(k, name):
+                p.append(f"kafka.{name}: only used with kafka.security_protocol SASL_PLAINTEXT or SASL_SSL "
+                         f"(it is {protocol})")
+    tls_files = ("ssl_ca_location", "ssl_certificate_location", "ssl_key_location", "ssl_key_password_file")
+    if tls:
+        for name in tls_files:
+            value = getattr(k, name)
+            if value:
+                p.extend(_file_problems(f"kafka.{name}", value, secret=name != "ssl_ca_location",
+                                        allow_dir=name == "ssl_ca_location"))
+        if bool(k.ssl_certificate_location) != bool(k.ssl_key_location):
+            p.append("kafka.ssl_certificate_location: a client certificate needs its key (kafka.ssl_key_location), "
+                     "and a key its certificate")
+        if k.ssl_key_password_file and not k.ssl_key_location:
+            p.append("kafka.ssl_key_password_file: only used with kafka.ssl_key_location")
+        if protocol == "SSL" and not k.ssl_certificate_location:
+            log.debug("SSL without a client certificate: the broker sees User:ANONYMOUS")
+    else:
+        for name in tls_files:
+            if getattr(k, name):
+                p.append(f"kafka.{name}: only used with kafka.security_protocol SSL or SASL_SSL (it is {protocol})")
+    for field_name, overrides in (("consumer_overrides", k.consumer_overrides),
+                                  ("producer_overrides", k.producer_overrides)):
+        for key in sorted(overrides):
+            if key in SECURITY_PROPERTIES:
+                p.append(f"kafka.{field_name}: {key!r} has a setting of its own ({SECURITY_PROPERTIES[key]}); "
+                         "secrets are read from files or environment variables, never written in the settings")
+            elif key in SECRET_PROPERTIES:
+                p.append(f"kafka.{field_name}: {key!r} carries a secret and is refused in the overrides; use the "
+                         "kafka.sasl_* / kafka.ssl_* settings, which read secrets from files")
+    return p
+
+
+def _file_problems(setting: str, path: str, secret: bool, allow_dir: bool = False) -> list[str]:
+    if allow_dir and os.path.isdir(path):
+        return []
+    if not os.path.isfile(path):
+        return [f"{setting}: {path} is not a file"]
+    if not os.access(path, os.R_OK):
+        return [f"{setting}: {path} is not readable by this user"]
+    if secret and os.path.getsize(path) == 0:
+        return [f"{setting}: {path} is empty"]
+    return []
 
 
 def _parse_size(text: str) -> tuple[int, int] | None:

@@ -13,11 +13,12 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
 
+from worker.config import Settings
 from worker.errors import OperatorError
+from worker.kafka_client import principal_of
 
 AUTHENTICATION = "authentication"
 AUTHORIZATION = "authorization"
@@ -84,10 +85,8 @@ class Identity:
     input_topics: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, settings: Any, transactional_id: str | None = None) -> Identity:
-        """From a worker Settings (duck-typed to keep this module free of the config import)."""
-        from worker.kafka_access import principal_of
-
+    def of(cls, settings: Settings, transactional_id: str | None = None) -> Identity:
+        """From the worker's settings."""
         k = settings.kafka
         return cls(principal=principal_of(k), security_protocol=k.security_protocol.upper(), group_id=k.group_id,
                    transactional_id=transactional_id, input_topics=tuple(settings.topics.input_topics()))

@@ -19,9 +19,10 @@ from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 from worker.config import Settings
 from worker.errors import StreamferError
 from worker.frames import DeadLetter, SourceRef
-from worker.kafka_access import client_properties, new_client
+from worker.kafka_client import client_properties, new_client, security_properties
 from worker.kafka_errors import BrokerAccessError, Identity, classify_producer_error
 from worker.threadnames import name_os_thread
+from worker.topics import topic_message_limits
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +81,6 @@ def output_message_limit(settings: Settings, timeout_s: float = 5.0) -> int | No
     whole (one oversized output would take its batch-mates down with it) and an output too large for the topic
     is refused at produce() time, alone. None when the topics cannot be described (then librdkafka's defaults
     apply, as they match the broker's)."""
-    from worker.kafka_access import security_properties
-    from worker.topics import topic_message_limits
-
     topics = [settings.topics.results, settings.topics.dead_letter]
     limits = topic_message_limits(settings.kafka.bootstrap_servers, topics, timeout_s,
                                   security_properties(settings.kafka))

@@ -23,7 +23,7 @@ from worker.assignment import Assignments
 from worker.config import Settings
 from worker.errors import StreamferError
 from worker.frames import MESSAGE_DECODE_ERROR, DeadLetter, Frame, Priority, SourceRef
-from worker.kafka_access import client_properties, new_client
+from worker.kafka_client import client_properties, new_client
 from worker.kafka_errors import UNKNOWN_TOPIC, BrokerStatus, Identity, RefusalStreak, classify_consumer_error
 from worker.schemas import MessageDecodeError, decode_frame
 

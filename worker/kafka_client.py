@@ -1,0 +1,103 @@
+"""Where every Kafka client of the worker and its tools starts: bootstrap.servers and the [kafka] security
+settings as librdkafka properties (one mapping for the consumer, the producer, the admin clients, the results
+reader, `worker produce` and `worker topics`), the principal the cluster will see, and making a client so that
+a property librdkafka refuses is a ConfigError naming the setting.
+
+Passwords are read from their file or environment variable only when a client is made; they never enter
+`Settings`, logs, errors or metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import ssl
+from collections.abc import Mapping
+from typing import Any
+
+from confluent_kafka import KafkaException
+
+from worker.config import SECRET_PROPERTIES, ConfigError, KafkaSettings
+
+REDACTED = "[redacted]"
+
+
+def redact(properties: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy fit to print: secret-bearing values replaced."""
+    return {k: (REDACTED if k in SECRET_PROPERTIES or "password" in k or "secret" in k else v)
+            for k, v in properties.items()}
+
+
+def read_password(k: KafkaSettings) -> str:
+    """The SASL password, from kafka.sasl_password_file or the variable kafka.sasl_password_env names."""
+    if k.sasl_password_file:
+        return _read_secret(k.sasl_password_file)
+    if k.sasl_password_env:
+        return os.environ.get(k.sasl_password_env, "")
+    return ""
+
+
+def _read_secret(path: str) -> str:
+    with open(path, encoding="utf-8") as fh:
+        return fh.read().strip()
+
+
+def security_properties(k: KafkaSettings) -> dict[str, str]:
+    """The [kafka] security settings as librdkafka properties (secrets read now, from their files)."""
+    protocol = k.security_protocol.upper()
+    props: dict[str, str] = {}
+    if protocol == "PLAINTEXT":
+        return props
+    props["security.protocol"] = protocol
+    if protocol.startswith("SASL"):
+        props["sasl.mechanism"] = k.sasl_mechanism
+        props["sasl.username"] = k.sasl_username
+        props["sasl.password"] = read_password(k)
+    if protocol.endswith("SSL"):
+        for prop, value in (("ssl.ca.location", k.ssl_ca_location),
+                            ("ssl.certificate.location", k.ssl_certificate_location),
+                            ("ssl.key.location", k.ssl_key_location)):
+            if value:
+                props[prop] = value
+        if k.ssl_key_password_file:
+            props["ssl.key.password"] = _read_secret(k.ssl_key_password_file)
+    return props
+
+
+def client_properties(k: KafkaSettings) -> dict[str, str]:
+    """bootstrap.servers plus the security properties: what every client of the worker starts from."""
+    return {"bootstrap.servers": k.bootstrap_servers, **security_properties(k)}
+
+
+def principal_of(k: KafkaSettings) -> str:
+    """The principal the cluster will see, as ACLs name it (User:<name>; User:<certificate subject> for TLS
+    client certificates; User:ANONYMOUS otherwise)."""
+    protocol = k.security_protocol.upper()
+    if protocol.startswith("SASL") and k.sasl_username:
+        return f"User:{k.sasl_username}"
+    if protocol == "SSL" and k.ssl_certificate_location:
+        subject = _certificate_subject(k.ssl_certificate_location)
+        return f"User:{subject}" if subject else f"User:<subject of {k.ssl_certificate_location}>"
+    return "User:ANONYMOUS"
+
+
+def _certificate_subject(path: str) -> str:
+    try:
+        decoded = ssl._ssl._test_decode_cert(path)  # type: ignore[attr-defined]  # the stdlib's only PEM reader
+    except (OSError, ssl.SSLError, AttributeError):
+        return ""
+    # Kafka's default principal builder: the RFC 2253 subject, most specific first.
+    parts = [f"{name}={value}" for rdn in reversed(decoded.get("subject", ())) for name, value in rdn]
+    short = {"commonName": "CN", "organizationName": "O", "organizationalUnitName": "OU", "countryName": "C",
+             "localityName": "L", "stateOrProvinceName": "ST"}
+    return ",".join(f"{short.get(p.split('=', 1)[0], p.split('=', 1)[0])}={p.split('=', 1)[1]}" for p in parts)
+
+
+def new_client(factory: Any, conf: Mapping[str, Any], role: str, logger: logging.Logger | None = None) -> Any:
+    """A librdkafka client (`factory`: Consumer or Producer) made from `conf`; librdkafka validates every property
+    here, without connecting, so a refused one is a ConfigError naming kafka.<role>_overrides."""
+    try:
+        return factory(conf, logger=logger) if logger is not None else factory(conf)
+    except KafkaException as exc:
+        raise ConfigError([f"kafka.{role}_overrides / kafka settings: librdkafka rejected the {role} "
+                           f"configuration: {exc.args[0].str()}"]) from None
