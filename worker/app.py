@@ -123,7 +123,7 @@ def run_worker(settings: Settings, exit_when_idle_s: float | None = None, stop: 
         shapes = warmup_frame_shapes(settings)
         executor.warm_up(shapes)
         if settings.runtime.calibrate_batch_sizes:
-            pipeline.seed_costs(executor.calibrate(shapes, settings.batching.max_batch_size))
+            pipeline.seed_costs(executor.calibrate(shapes, settings.batching.largest_batch_size))
         health.warmed_up = True
         log.info("model %s:%s warmed up on %s in %.1fs", executor.model_name, executor.model_version,
                  executor.device_description, time.monotonic() - started)

@@ -5,9 +5,10 @@ Guarantees and decisions, in the order the batcher applies them:
 
 Groups and lanes. A frame joins the group of its (class, height, width, channels). A group is released
   - full: when it holds its *trigger* size: the largest preferred size (settings.preferred_batch_sizes plus the
-    runner's CUDA-graph buckets, those <= max_batch_size) that fits its cap, else the cap itself; the cap is
-    min(max_batch_size, max_batch_bytes // frame tensor bytes), and on a GPU at most the memory policy's
-    largest batch for the input the device runs (worker.memorypolicy). Reason "full" when the trigger is
+    runner's CUDA-graph buckets) that fits its cap, else the cap itself; the cap is min(the class's
+    max_batch_size, max_batch_bytes // frame tensor bytes), and on a GPU at most the largest batch device
+    memory takes for the input the device runs (worker.memorypolicy: what the devices take together, the
+    executor splitting a batch larger than one device takes). Reason "full" when the trigger is the class's
     max_batch_size, "bytes" when the memory cap is what bounds it, else "preferred" (Triton: a batch of the
     largest preferred size goes at once);
   - deadline: when its oldest frame has waited its class's max_wait_ms. The batch takes every overdue frame
@@ -43,7 +44,7 @@ Classes. Each pop_batch() serves one class among those with a due batch, by smoo
   least that urgent (the loop's reserved realtime slot).
 Cost model (optional, worker.costmodel, learned from measured batches). Per group:
   - trigger: with adaptive_batch_size, the measured size with the most frames per device second (reason
-    "cost"), instead of the static trigger above;
+    "cost"), within the group's cap (so within its class's max_batch_size), instead of the static trigger above;
   - cap: for standard and bulk, the largest size predicted to run within max_blocking_ms (reason "blocking"),
     so a realtime batch waits behind at most one such batch. The bound holds while realtime is present (a
     realtime frame pending, or one arrived within realtime_quiet_ms; 0: always): with no realtime traffic it
@@ -66,8 +67,8 @@ Backpressure (classes_to_pause). A class pauses when its own pending frames or b
   or realtime holds nothing (the others are bounded by their shares, so their frames alone never keep realtime
   paused). Less urgent classes therefore wait in Kafka (bulk has no deadline), never in realtime's room.
   poll_room() says how many frames the source may read so a still-reading class overshoots by one poll at most.
-  When realtime is backlogged (at least max_batch_size frames pending and its oldest past its max_wait_ms)
-  bulk pauses, and standard too once more than 2 * max_batch_size are pending; they resume only once
+  When realtime is backlogged (at least its max_batch_size frames pending and its oldest past its max_wait_ms)
+  bulk pauses, and standard too once more than 2 * that are pending; they resume only once
   realtime is drained (no frame pending). A standard backlog pauses nothing: bulk gets no model time while
   standard is at risk (the slack rule) and holds at most its share. The hysteresis matters:
   librdkafka drops a paused partition's prefetched messages (which also takes them out of the shared fetch
@@ -98,7 +99,7 @@ from worker.config import BatchingSettings, ConfigError
 from worker.costmodel import CostModel
 from worker.errors import StreamferError
 from worker.frames import Frame, Priority
-from worker.memorypolicy import MemoryPolicy
+from worker.memorypolicy import BatchSizeLimit
 
 LANE_EXACT = "exact"
 LANE_PADDED = "padded"
@@ -220,8 +221,8 @@ class _Group:
 
 
 class _ClassState:
-    __slots__ = ("budget_s", "credit", "fallback", "groups", "max_age_s", "mem_paused", "pending", "pending_bytes",
-                 "priority", "share", "start_by", "wait_s", "weight")
+    __slots__ = ("budget_s", "credit", "fallback", "groups", "max_age_s", "max_batch", "mem_paused", "pending",
+                 "pending_bytes", "priority", "share", "start_by", "wait_s", "weight")
 
     def __init__(self, priority: Priority, settings: BatchingSettings):
         c = settings.for_class(priority)
@@ -231,6 +232,7 @@ class _ClassState:
         self.budget_s = c.latency_budget_ms / 1000.0
         self.share = c.pending_share
         self.weight = c.weight
+        self.max_batch = settings.max_batch_size_for(priority)
         self.groups: dict[tuple[int, int, int], _Group] = {}
         self.fallback: dict[tuple[int, int, int], _Group] = {}
         self.pending = 0
@@ -246,15 +248,15 @@ class MicroBatcher:
 
     def __init__(self, settings: BatchingSettings, clock: Callable[[], float],
                  preferred_batch_sizes: Sequence[int] = (), cost: CostModel | None = None,
-                 memory: MemoryPolicy | None = None, input_hw: tuple[int, int] | None = None) -> None:
+                 memory: BatchSizeLimit | None = None, input_hw: tuple[int, int] | None = None) -> None:
         bad = [s for s in preferred_batch_sizes if s < 1]
         if bad:
             raise ConfigError([f"preferred_batch_sizes: sizes must be >= 1 (got {bad})"])
         self._s = settings
         self._clock = clock
-        # Runner buckets above max_batch_size are simply never reached.
+        # Runner buckets above every class's max_batch_size are simply never reached (a group's own cap filters).
         self._preferred = tuple(sorted({s for s in (*settings.preferred_batch_sizes, *preferred_batch_sizes)
-                                        if 1 <= s <= settings.max_batch_size}))
+                                        if 1 <= s <= settings.largest_batch_size}))
         self._dtype_bytes = settings.tensor_dtype_bytes
         self._input_hw = input_hw  # the model's fixed input (height, width): every row of a batch has that size
         self._largest_frame_bytes = 0
@@ -354,15 +356,15 @@ class MicroBatcher:
     def _new_group(self, cls: _ClassState, shape: tuple[int, int, int], fallback: bool,
                    frame_bytes: int) -> _Group:
         s = self._s
-        cap = max(1, min(s.max_batch_size, s.max_batch_bytes // frame_bytes))
+        cap = max(1, min(cls.max_batch, s.max_batch_bytes // frame_bytes))
         cap = self._memory_cap(shape, cap)
         if fallback:
             limit = 1 if frame_bytes > s.max_batch_bytes else min(s.fallback_max_batch_size, cap)
             return _Group(cls, shape, True, frame_bytes, limit, limit, "fallback")
         trigger = max((p for p in self._preferred if p <= cap), default=cap)
-        if trigger == s.max_batch_size:
+        if trigger == cls.max_batch:
             reason = "full"
-        elif cap < s.max_batch_size:
+        elif cap < cls.max_batch:
             reason = "bytes"
         else:
             reason = "preferred"
@@ -585,8 +587,9 @@ class MicroBatcher:
         return self._batch(out, group.shape, cls.priority, LANE_EXACT, 0.0, now, early or "deadline")
 
     def _memory_cap(self, shape: tuple[int, int, int], cap: int) -> int:
-        """At most `cap` frames, and on a GPU at most the memory policy's largest batch for the input the device
-        runs for a batch of `shape` (peaks are measured per that input: the model's fixed size when it has one)."""
+        """At most `cap` frames, and on a GPU at most the largest batch device memory takes for the input the
+        device runs for a batch of `shape` (peaks are measured per that input: the model's fixed size when it has
+        one)."""
         if self._memory is None:
             return cap
         device_shape = (*self._input_hw, shape[2]) if self._input_hw else shape
@@ -835,12 +838,12 @@ class MicroBatcher:
             if not cls.pending:
                 self._backlog_pauses.pop(cls.priority, None)  # drained: what it paused may resume
                 continue
-            if cls.pending < s.max_batch_size or not self._overdue(cls, now):
+            if cls.pending < s.max_batch_size_for(cls.priority) or not self._overdue(cls, now):
                 continue
             # Backlogged: this class's batches are not keeping up. The least urgent class pauses, and every
             # less urgent one once more than two batches wait.
             lower = [c.priority for c in self._classes if c.priority > cls.priority]
-            hit = set(lower) if cls.pending > 2 * s.max_batch_size else {lower[-1]}
+            hit = set(lower) if cls.pending > 2 * s.max_batch_size_for(cls.priority) else {lower[-1]}
             self._backlog_pauses.setdefault(cls.priority, set()).update(hit)
         # A class paused for several backlogs stays paused until every one of them is drained.
         self._priority_pause = set().union(*self._backlog_pauses.values())

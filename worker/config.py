@@ -84,7 +84,7 @@ class TopicSettings:
 
 @dataclass(frozen=True)
 class ClassSettings:
-    """Latency budget of one priority class."""
+    """Latency budget, weight, backpressure share and batch size of one priority class."""
 
     max_wait_ms: float
     # A frame older than this (from capture) is not run but reported EXPIRED; 0 disables expiry.
@@ -98,6 +98,8 @@ class ClassSettings:
     # Backpressure: this class pauses when its own frames reach this share of max_pending_frames /
     # max_pending_bytes (all classes pause at the caps), so less urgent classes never fill realtime's room.
     pending_share: float = 1.0
+    # Most frames in one batch of this class (e.g. realtime 8 while bulk runs 32); 0: batching.max_batch_size.
+    max_batch_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,15 @@ class BatchingSettings:
 
     def for_class(self, priority: Priority) -> ClassSettings:
         return {Priority.REALTIME: self.realtime, Priority.STANDARD: self.standard, Priority.BULK: self.bulk}[priority]
+
+    def max_batch_size_for(self, priority: Priority) -> int:
+        """The class's own max_batch_size, or max_batch_size when it sets none (0)."""
+        return self.for_class(priority).max_batch_size or self.max_batch_size
+
+    @property
+    def largest_batch_size(self) -> int:
+        """The most frames a batch of any class may hold: what the runtime must be ready to run."""
+        return max(self.max_batch_size_for(p) for p in Priority)
 
     @property
     def blocking_limit_ms(self) -> float:
@@ -248,12 +259,15 @@ class DeliverySettings:
     # one Kafka transaction per batch.
     mode: DeliveryMode = "at_least_once"
     transactional_id_prefix: str = "streamfer"
-    # Batches dispatched to the runtime but not yet finished.
-    max_inflight_batches: int = 2
+    # Batches dispatched to the runtime and not yet finished, per runner (runtime.instances_per_device x devices):
+    # 2 keeps each runner busy, one batch running while the next one is prepared.
+    inflight_batches_per_runner: int = 2
+    # All runners together; 0: inflight_batches_per_runner x runners. One more slot is realtime's alone.
+    max_inflight_batches: int = 0
     commit_interval_ms: float = 0.0
     # The most offsets read since the last commit the broker confirmed; reading pauses there until a commit
     # lands. Bounds what a lost session or crash answers again while commits fail (a coordinator away).
-    # 0: batching.max_pending_frames + max_inflight_batches x batching.max_batch_size.
+    # 0: batching.max_pending_frames + (the in-flight limit + 1) x the largest batch of any class.
     max_uncommitted_frames: int = 0
     # Exactly-once: the longest a transaction's offsets + commit may take before the producer is replaced
     # (fencing it) and the frames are read again from the committed offsets.
@@ -313,9 +327,11 @@ class Settings:
     @property
     def max_uncommitted_frames(self) -> int:
         """`delivery.max_uncommitted_frames`, or by default what one worker holds when nothing is stuck: a full
-        batcher and its batches running (the in-flight limit plus realtime's reserved slot)."""
+        batcher and its batches running (the in-flight limit, resolved for the runners by
+        `resolve_inflight_batches`, plus realtime's reserved slot)."""
         return self.delivery.max_uncommitted_frames or (
-            self.batching.max_pending_frames + (self.delivery.max_inflight_batches + 1) * self.batching.max_batch_size)
+            self.batching.max_pending_frames
+            + (self.delivery.max_inflight_batches + 1) * self.batching.largest_batch_size)
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Settings)}
@@ -538,6 +554,8 @@ SECURITY_PROPERTIES = {
 MAX_FRAME_PIXELS_CEILING = 16384 * 16384
 MAX_METRIC_TENANTS = 1000
 MAX_PREPROCESS_THREADS = 256
+MAX_INFLIGHT_PER_RUNNER = 8
+MAX_INFLIGHT_BATCHES = 1024
 
 
 def validate(s: Settings) -> list[str]:
@@ -571,8 +589,8 @@ def validate(s: Settings) -> list[str]:
 
     b = s.batching
     need(1 <= b.max_batch_size <= 4096, "batching.max_batch_size: must be 1..4096")
-    need(all(1 <= x <= b.max_batch_size for x in b.preferred_batch_sizes),
-         "batching.preferred_batch_sizes: each must be 1..batching.max_batch_size")
+    need(all(1 <= x <= b.largest_batch_size for x in b.preferred_batch_sizes),
+         "batching.preferred_batch_sizes: each must be 1..the largest max_batch_size of any class")
     need(0.0 <= b.padding_waste_max < 1.0, "batching.padding_waste_max: must be in [0, 1)")
     need(b.max_batch_bytes >= 1024, "batching.max_batch_bytes: must be >= 1024")
     need(b.tensor_dtype_bytes in (1, 2, 4, 8), "batching.tensor_dtype_bytes: must be 1, 2, 4 or 8")
@@ -580,7 +598,8 @@ def validate(s: Settings) -> list[str]:
     need(b.rare_shape_window_ms > 0, "batching.rare_shape_window_ms: must be > 0")
     need(1 <= b.fallback_max_batch_size <= b.max_batch_size,
          "batching.fallback_max_batch_size: must be 1..batching.max_batch_size")
-    need(b.max_pending_frames >= b.max_batch_size, "batching.max_pending_frames: must be >= batching.max_batch_size")
+    need(b.max_pending_frames >= b.largest_batch_size,
+         "batching.max_pending_frames: must be >= the largest max_batch_size of any class")
     need(b.max_pending_bytes >= 1024, "batching.max_pending_bytes: must be >= 1024")
     for prio in Priority:
         c = b.for_class(prio)
@@ -590,6 +609,8 @@ def validate(s: Settings) -> list[str]:
         need(c.weight >= 1, f"batching.{prio.label}.weight: must be >= 1")
         need(c.latency_budget_ms >= 0, f"batching.{prio.label}.latency_budget_ms: must be >= 0 (0: no budget)")
         need(0 < c.pending_share <= 1, f"batching.{prio.label}.pending_share: must be in (0, 1]")
+        need(0 <= c.max_batch_size <= 4096,
+             f"batching.{prio.label}.max_batch_size: must be 0 (= batching.max_batch_size) or 1..4096")
     need(b.standard.pending_share + b.bulk.pending_share < 1,
          "batching.standard.pending_share + batching.bulk.pending_share: must be < 1, so realtime always has room")
     need(b.max_blocking_ms >= 0, "batching.max_blocking_ms: must be >= 0 (0: half of realtime.latency_budget_ms)")
@@ -639,10 +660,14 @@ def validate(s: Settings) -> list[str]:
 
     d = s.delivery
     need(bool(d.transactional_id_prefix.strip()), "delivery.transactional_id_prefix: must not be empty")
-    need(1 <= d.max_inflight_batches <= 64, "delivery.max_inflight_batches: must be 1..64")
+    need(1 <= d.inflight_batches_per_runner <= MAX_INFLIGHT_PER_RUNNER,
+         f"delivery.inflight_batches_per_runner: must be 1..{MAX_INFLIGHT_PER_RUNNER}")
+    need(0 <= d.max_inflight_batches <= MAX_INFLIGHT_BATCHES,
+         f"delivery.max_inflight_batches: must be 0 (inflight_batches_per_runner x runners) or "
+         f"1..{MAX_INFLIGHT_BATCHES}")
     need(d.commit_interval_ms >= 0, "delivery.commit_interval_ms: must be >= 0")
-    need(d.max_uncommitted_frames == 0 or d.max_uncommitted_frames >= b.max_batch_size,
-         "delivery.max_uncommitted_frames: must be 0 (derived) or >= batching.max_batch_size")
+    need(d.max_uncommitted_frames == 0 or d.max_uncommitted_frames >= b.largest_batch_size,
+         "delivery.max_uncommitted_frames: must be 0 (derived) or >= the largest max_batch_size of any class")
     need(1_000 <= d.transaction_call_timeout_ms <= 300_000,
          "delivery.transaction_call_timeout_ms: must be 1000..300000")
 
@@ -748,6 +773,28 @@ def preprocess_thread_count(runtime: RuntimeSettings) -> int:
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
     return max(1, min(cores, MAX_PREPROCESS_THREADS))
+
+
+def inflight_batch_limit(delivery: DeliverySettings, runners: int) -> int:
+    """Batches the loop keeps in flight, besides realtime's reserved slot: delivery.max_inflight_batches, or (0)
+    inflight_batches_per_runner for each runner, so every runner has work on a backlog. ConfigError when a set
+    limit is below the runner count: some runners would never get a batch."""
+    if delivery.max_inflight_batches == 0:
+        return delivery.inflight_batches_per_runner * runners
+    if delivery.max_inflight_batches < runners:
+        raise ConfigError([
+            f"delivery.max_inflight_batches: {delivery.max_inflight_batches} leaves runners idle: the runtime has "
+            f"{runners} runners (runtime.instances_per_device x devices); set 0 (derived: "
+            f"delivery.inflight_batches_per_runner x runners = {delivery.inflight_batches_per_runner * runners}) "
+            f"or at least {runners}"])
+    return delivery.max_inflight_batches
+
+
+def resolve_inflight_batches(s: Settings, runners: int) -> Settings:
+    """The settings with delivery.max_inflight_batches resolved for the runtime's `runners` (inflight_batch_limit),
+    so every stage reads one limit (the loop, and the uncommitted cap derived from it). Idempotent."""
+    limit = inflight_batch_limit(s.delivery, runners)
+    return dataclasses.replace(s, delivery=dataclasses.replace(s.delivery, max_inflight_batches=limit))
 
 
 def warmup_frame_shapes(s: Settings) -> list[tuple[int, int, int]]:

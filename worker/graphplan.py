@@ -3,9 +3,10 @@ worker.runtime.runners.CudaGraphRunner. A shape here is the runner's input: the 
 
 - Bucket: a batch of n frames replays the graph of the smallest bucket >= n, padded; a batch larger than every
   bucket runs eager.
-- Reachable: the batcher sends at most `largest_batch(shape)` frames of a shape in one batch: max_batch_size,
-  max_batch_bytes over one row's bytes (`BatchCaps`, as worker.batching counts them), and the memory policy's
-  largest batch under runtime.memory_fraction. A bucket is worth capturing when it is at most that, or when it
+- Reachable: a runner gets at most `largest_batch(shape)` frames of a shape in one batch: max_batch_size (the
+  largest of any class's), max_batch_bytes over one row's bytes (`BatchCaps`, as worker.batching counts them),
+  and its device's memory policy's largest batch under runtime.memory_fraction (a larger batch is split across
+  devices by the executor). A bucket is worth capturing when it is at most that, or when it
   is the bucket that many frames pad to and its own batch is predicted to fit device memory. No other bucket
   is captured: a batch that reaches one anyway runs eager (`GraphStep.skipped` the first time, for a log line).
 - Warm-up captures the buckets worth it smallest first, so the peaks measured on the way predict the larger
@@ -35,8 +36,9 @@ LAZY_CAPTURE_AFTER = 2
 
 @dataclass(frozen=True)
 class BatchCaps:
-    """The batcher's bounds on one batch (worker.batching: max_batch_size, and max_batch_bytes over a row of
-    h x w x c x tensor_dtype_bytes); None where the runner is not told them (then only memory bounds a batch)."""
+    """The batcher's bounds on one batch (worker.batching: max_batch_size, the largest of any class's, since a runner
+    takes every class's batches, and max_batch_bytes over a row of h x w x c x tensor_dtype_bytes); None where the
+    runner is not told them (then only memory bounds a batch)."""
 
     max_batch_size: int | None = None
     max_batch_bytes: int | None = None
@@ -44,7 +46,7 @@ class BatchCaps:
 
     @classmethod
     def from_settings(cls, settings: BatchingSettings) -> BatchCaps:
-        return cls(settings.max_batch_size, settings.max_batch_bytes, settings.tensor_dtype_bytes)
+        return cls(settings.largest_batch_size, settings.max_batch_bytes, settings.tensor_dtype_bytes)
 
     def limit(self, shape: Shape) -> int | None:
         """The most frames of `shape` in one batch, before device memory; at least 1 (a frame too large for

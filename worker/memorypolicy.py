@@ -6,7 +6,11 @@
   them (one point alone: through the origin, conservatively scaled), so a size never measured is predicted.
 - Largest batch: `max_batch(shape, cap)` is the largest n <= cap whose predicted peak stays under
   `memory_fraction` of the device's total memory (worker.graphplan decides from it which CUDA-graph buckets
-  are worth capturing).
+  are worth capturing). A device whose `runners` (runtime.instances_per_device) may each run a batch at once
+  counts each batch's own memory (its peak above the 0-frame point) that many times.
+- Several devices: one policy per device, from its own probe. `DeviceMemories` is the batcher's view of them:
+  the executor splits a batch larger than one device takes across devices (`split_batch`), so a shape's
+  largest batch is what the devices take together.
 - Captured graphs: a `GraphBudget` per runner keeps its graphs' measured memory under a share of
   `graph_budget_bytes`, evicting the least recently replayed; the runner releases what it returns.
 """
@@ -14,7 +18,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Generic, Protocol, TypeVar, cast
 
 Shape = tuple[int, int, int]
@@ -32,13 +36,25 @@ class MemoryProbe(Protocol):
     def peak_bytes(self) -> int: ...
 
 
+class BatchSizeLimit(Protocol):
+    """What the batcher asks of device memory (a MemoryPolicy, or DeviceMemories over several devices)."""
+
+    def max_batch(self, shape: Shape, cap: int) -> int | None:
+        """Largest n <= cap that fits; None when the shape was never measured."""
+
+
 class MemoryPolicy:
     """Largest batch per shape under a device memory fraction, and the device's byte budget for captured graphs."""
 
-    def __init__(self, total_bytes: int, memory_fraction: float = 0.8, graph_budget_bytes: int | None = None):
+    def __init__(self, total_bytes: int, memory_fraction: float = 0.8, graph_budget_bytes: int | None = None,
+                 runners: int = 1):
         if not 0 < memory_fraction <= 1:
             raise ValueError("memory_fraction must be in (0, 1]")
+        if runners < 1:
+            raise ValueError("runners must be >= 1")
         self.limit_bytes = int(total_bytes * memory_fraction)
+        # Runners of this device: each may run a batch at the same time as the others.
+        self.runners = runners
         # Captured graphs' memory on one device (its runners share it), unless given a budget of its own.
         self.graph_budget_bytes = self.limit_bytes // 4 if graph_budget_bytes is None else graph_budget_bytes
         self._peaks: dict[Shape, dict[int, int]] = {}
@@ -86,7 +102,8 @@ class MemoryPolicy:
         return max(0, int(seen[lo] + slope * (n - lo)))
 
     def max_batch(self, shape: Shape, cap: int) -> int | None:
-        """Largest n <= cap predicted to peak under the limit; None when the shape was never measured."""
+        """Largest n <= cap predicted to peak under the limit, with every runner of the device running such a
+        batch at once; None when the shape was never measured."""
         if self.predict_peak(shape, 1) is None:
             return None
         key = (cast(Shape, tuple(shape)), cap)
@@ -95,13 +112,70 @@ class MemoryPolicy:
         if known is not None and known[0] == recorded:
             return known[1]
         best = 0
+        base = self._base(shape)
         for n in range(1, cap + 1):
             peak = self.predict_peak(shape, n)
-            if peak is not None and peak <= self.limit_bytes:
+            if peak is not None and base + self.runners * max(0, peak - base) <= self.limit_bytes:
                 best = n
         best = max(1, best)  # one frame must run (alone) even if it does not fit: the model decides then
         self._max_batch[key] = (recorded, best)
         return best
+
+
+    def _base(self, shape: Shape) -> int:
+        """The measured 0-frame point (what was allocated before a batch: the models, graphs), shared by the
+        device's runners; 0 when not measured, so every byte counts per batch (conservative)."""
+        return self._peaks.get(tuple(shape), {}).get(0, 0)  # type: ignore[arg-type]
+
+
+class DeviceMemories:
+    """The memory policies of every device a batch may run on, as the batcher sees them: a batch larger than one
+    device takes is split across devices (`split_batch`), each part within its own device's largest batch, so a
+    shape's largest batch is the sum of the devices' (a device that never measured the shape: no bound)."""
+
+    def __init__(self, policies: Sequence[MemoryPolicy]) -> None:
+        if not policies:
+            raise ValueError("DeviceMemories needs at least one device's MemoryPolicy")
+        self.policies = tuple(policies)
+
+    def max_batch(self, shape: Shape, cap: int) -> int | None:
+        known = [p.max_batch(shape, cap) for p in self.policies]
+        if all(k is None for k in known):
+            return None
+        return min(cap, sum(cap if k is None else k for k in known))
+
+
+def split_batch(n: int, caps: Sequence[int | None]) -> list[tuple[int, int]]:
+    """How a batch of n frames runs on devices whose largest batches for its shape are `caps`, listed in the order
+    the devices are to be used (the least loaded first; None: no known limit): whole on the first when it takes
+    them all; else over as few of the first devices as take them together, shared evenly within each one's cap
+    (the parts finish together); past what all of them take at once, full parts on each device in turn.
+    Returns (position in `caps`, frames) in frame order."""
+    if not caps:
+        raise ValueError("split_batch needs at least one device")
+    limits = [n if c is None else max(1, c) for c in caps]
+    if n <= limits[0]:
+        return [(0, n)]
+    used, together = 0, 0
+    while used < len(limits) and together < n:
+        together += limits[used]
+        used += 1
+    if together < n:
+        parts, left = [], n
+        for i in range(n):  # at least one frame a part: n parts at most
+            take = min(limits[i % len(limits)], left)
+            parts.append((i % len(limits), take))
+            left -= take
+            if not left:
+                break
+        return parts
+    shares: dict[int, int] = {}
+    left = n
+    # Smallest cap first: a device that cannot take an even share takes its cap, the others share the rest.
+    for j, i in enumerate(sorted(range(used), key=lambda i: limits[i])):
+        shares[i] = min(limits[i], -(-left // (used - j)))
+        left -= shares[i]
+    return [(i, shares[i]) for i in range(used) if shares[i]]
 
 
 class GraphBudget(Generic[K]):

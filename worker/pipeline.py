@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Protocol
 
 from worker.assignment import TP, Assignments
 from worker.batching import Batch, MicroBatcher
-from worker.config import Settings
+from worker.config import Settings, resolve_inflight_batches
 from worker.costmodel import CostModel
 from worker.dedup import DuplicateFrames, duplicate_reason
 from worker.delivery import AtLeastOnceDelivery, CommitResult, Delivery, ExactlyOnceDelivery
 from worker.frames import DUPLICATE_FRAME, BatchOutcome, DeadLetter, Frame, Output, Priority, Status, Verdict
-from worker.memorypolicy import MemoryPolicy
+from worker.memorypolicy import BatchSizeLimit
 from worker.metrics import Children, Health, Metrics
 from worker.offsets import OffsetTracker
 from worker.schemas import ResultContext, build_result, reencode_frame
@@ -53,10 +53,16 @@ class Executor(Protocol):
     preferred_batch_sizes: tuple[int, ...]
     # The model's fixed input (height, width), or None when it takes each batch's own size.
     model_input_hw: tuple[int, int] | None
-    # Device memory peaks per shape measured at warm-up (CUDA), or None: a cap on each shape's batch size.
-    memory_policy: MemoryPolicy | None
     model_name: str
     model_version: str
+
+    @property
+    def memory_policy(self) -> BatchSizeLimit | None:
+        """Device memory peaks per shape measured at warm-up (CUDA), or None: a cap on each shape's batch size."""
+
+    @property
+    def runner_count(self) -> int:
+        """Runners that execute batches at once: the loop keeps each of them fed."""
 
     def submit(self, frames: Sequence[Frame], shape: tuple[int, int, int],
                priority: Priority = Priority.BULK) -> Future[BatchOutcome]: ...
@@ -127,7 +133,8 @@ class Pipeline:
     def __init__(self, settings: Settings, source: Source, delivery: Delivery, executor: Executor,
                  metrics: Metrics, health: Health, clock: Callable[[], float] = time.time,
                  time_phases: bool = False) -> None:
-        self.settings = settings
+        # One in-flight limit for the runners the executor has (build_pipeline resolved it already).
+        self.settings = settings = resolve_inflight_batches(settings, executor.runner_count)
         self.source = source
         self.delivery = delivery
         self.executor = executor
@@ -496,6 +503,9 @@ class Pipeline:
 def build_pipeline(settings: Settings, executor: Executor, metrics: Metrics, health: Health,
                    clock: Callable[[], float] = time.time, time_phases: bool = False) -> Pipeline:
     """The pipeline with its real parts: a Kafka consumer, producer and the delivery of the configured mode."""
+    settings = resolve_inflight_batches(settings, executor.runner_count)
+    log.info("in-flight batches: %d for %d runner(s), and one more for realtime",
+             settings.delivery.max_inflight_batches, executor.runner_count)
     assignments = Assignments()
     tracker = OffsetTracker()
     source = FrameSource(settings, clock, assignments)

@@ -57,7 +57,7 @@ CASES: dict[str, Case] = {
     "bulk weight 0": Case({"WORKER_BATCHING_BULK_WEIGHT": "0"}, "batching.bulk.weight"),
     "unknown batching setting": Case({"WORKER_BATCHING_MAX_BATCH": "8"}, "batching.max_batch"),
     "delivery mode at_most_once": Case({"WORKER_DELIVERY_MODE": "at_most_once"}, "delivery.mode"),
-    "in-flight batches 0": Case({"WORKER_DELIVERY_MAX_INFLIGHT_BATCHES": "0"}, "delivery.max_inflight_batches"),
+    "in-flight batches -1": Case({"WORKER_DELIVERY_MAX_INFLIGHT_BATCHES": "-1"}, "delivery.max_inflight_batches"),
     "negative commit interval": Case({"WORKER_DELIVERY_COMMIT_INTERVAL_MS": "-1"}, "delivery.commit_interval_ms"),
     "activation relu": Case({"WORKER_MODEL_ACTIVATION": "relu"}, "model.activation"),
     "threshold for an unknown label": Case({"WORKER_MODEL_THRESHOLDS": "gore=0.5"}, "model.thresholds"),

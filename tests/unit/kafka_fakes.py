@@ -286,7 +286,8 @@ def abortable(reason: str = "injected") -> KafkaError:
 
 
 class FakeExecutor:
-    """Scores every frame `scores` at once, or holds batches until `release()` when `hold` is set."""
+    """Scores every frame `scores` at once, or holds batches until `release()` when `hold` is set; reports
+    `runners` runners (the loop keeps each fed)."""
 
     preferred_batch_sizes: tuple[int, ...] = ()
     model_input_hw: tuple[int, int] | None = None
@@ -294,8 +295,9 @@ class FakeExecutor:
     model_name = "fake"
     model_version = "1"
 
-    def __init__(self, hold: bool = False) -> None:
+    def __init__(self, hold: bool = False, runners: int = 1) -> None:
         self.hold = hold
+        self.runner_count = runners
         self.held: list[tuple[list[Frame], Future[BatchOutcome]]] = []
         self.batches: list[list[Frame]] = []
         self.priorities: list[Priority] = []

@@ -1,5 +1,5 @@
 """Helpers of the runtime tests: tiny model factories loaded by `module:function` (as a user's model.source
-names them) and builders of test frames.
+names them), CPU runners standing in for devices, and builders of test frames.
 
 The tests put this folder on sys.path and name the factories "model_factories:<function>".
 """
@@ -15,6 +15,8 @@ from PIL import Image
 from torch import nn
 
 from worker.frames import Encoding, Frame, Priority, SourceRef
+from worker.runtime.models import ModelContract
+from worker.runtime.runners import EagerRunner, RunResult
 
 NUM_LABELS = 5
 # A frame whose top-left pixel is pure red (255, 0, 0) carries the marker: channel 0 at (0, 0) normalises to
@@ -131,6 +133,56 @@ class GatedNet(TinyNet):
 def gated_model() -> nn.Module:
     torch.manual_seed(0)
     return GatedNet()
+
+
+# --- runners standing in for devices ---
+
+class DeviceProbe:
+    """A fake GPU's memory (worker.memorypolicy.MemoryProbe) for the CPU runner standing in for it: `base` bytes
+    held (the model), `per_frame` more for each frame of a batch its runner runs."""
+
+    def __init__(self, total: int, base: int, per_frame: int) -> None:
+        self.total, self.base, self.per_frame = total, base, per_frame
+        self.peak = base
+
+    def total_bytes(self) -> int:
+        return self.total
+
+    def reset_peak(self) -> None:
+        self.peak = self.base
+
+    def peak_bytes(self) -> int:
+        return self.peak
+
+    def ran(self, n: int) -> None:
+        self.peak = max(self.peak, self.base + self.per_frame * n)
+
+
+class StandInRunner(EagerRunner):
+    """A CPU runner standing in for one device (or one instance on it): records the batch sizes it runs and reports
+    them to its device's `probe`; holds each batch while `gate` is cleared (`entered` tells one is held); once
+    `broken`, raises on every batch as a failed device would."""
+
+    def __init__(self, contract: ModelContract, probe: DeviceProbe | None = None) -> None:
+        super().__init__(tiny_model(), contract, torch.device("cpu"))
+        self.probe = probe
+        self.sizes: list[int] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+        self.broken = False
+
+    def run(self, pixels: torch.Tensor, ready=None, regions=None) -> RunResult:
+        n = int(pixels.shape[0])
+        self.sizes.append(n)
+        if self.probe is not None:
+            self.probe.ran(n)
+        self.entered.set()
+        if not self.gate.wait(timeout=30):
+            raise TimeoutError("the runner's gate was never opened")
+        if self.broken:
+            raise RuntimeError("device lost")
+        return super().run(pixels, ready, regions)
 
 
 # --- frames ---

@@ -14,7 +14,7 @@ from worker.batching import Batch, BatcherFullError, MicroBatcher
 from worker.config import BatchingSettings, ClassSettings, ConfigError
 from worker.costmodel import CostModel
 from worker.frames import Encoding, Frame, Priority, SourceRef
-from worker.memorypolicy import MemoryPolicy
+from worker.memorypolicy import DeviceMemories, MemoryPolicy
 
 REALTIME, STANDARD, BULK = Priority.REALTIME, Priority.STANDARD, Priority.BULK
 MS = 0.001
@@ -47,7 +47,8 @@ def make_frame(clock: FakeClock, *, tenant: str = "t0", priority: Priority = STA
 
 def make_settings(**overrides) -> BatchingSettings:
     """Small batches, the rare-shape lane off (min count 1), memory caps out of the way; override anything.
-    A class may be given as a (max_wait_ms, max_age_ms, weight) tuple."""
+    A class may be given as a (max_wait_ms, max_age_ms, weight[, latency_budget_ms, pending_share, max_batch_size])
+    tuple."""
     values = dict(max_batch_size=8, rare_shape_min_count=1, max_batch_bytes=1 << 30,
                   max_pending_frames=100_000, max_pending_bytes=1 << 40)
     values.update(overrides)
@@ -1045,3 +1046,77 @@ def test_with_a_fixed_model_input_the_memory_cap_is_the_model_inputs_whatever_th
     add_frames(batcher, clock, 15, shape=(1080, 1920, 3))
 
     assert [b.size for b in drain(batcher)] == [5, 5, 5]
+
+
+def test_over_several_devices_a_batch_takes_what_the_devices_take_together():
+    clock = FakeClock()
+    devices = []
+    for total in (1000, 600):  # 100 bytes a frame: 5 frames on one device, 3 on the other (fraction 0.5)
+        memory = MemoryPolicy(total_bytes=total, memory_fraction=0.5)
+        memory.record_peak(SHAPE, 1, 100)
+        memory.record_peak(SHAPE, 2, 200)
+        devices.append(memory)
+    batcher = MicroBatcher(make_settings(max_batch_size=16), clock, memory=DeviceMemories(devices))
+    add_frames(batcher, clock, 16)
+
+    assert [b.size for b in drain(batcher)] == [8, 8]  # the executor splits each across the two devices
+
+
+# ------------------------------------------------------------------------------------------- batch size per class
+
+def test_each_class_batches_up_to_its_own_max_batch_size():
+    clock = FakeClock()
+    settings = make_settings(max_batch_size=8, realtime=(5, 0, 8, 0, 1.0, 2))
+    batcher = MicroBatcher(settings, clock)
+    add_frames(batcher, clock, 8, priority=REALTIME)
+    add_frames(batcher, clock, 8, priority=BULK)
+
+    batches = drain(batcher)
+    assert [(b.priority, b.size, b.reason) for b in batches] == [(REALTIME, 2, "full")] * 4 + [(BULK, 8, "full")]
+
+
+def test_a_class_max_batch_size_may_be_above_the_global_one():
+    clock = FakeClock()
+    settings = make_settings(max_batch_size=4, bulk=(100, 0, 1, 0, 0.25, 16))
+    batcher = MicroBatcher(settings, clock)
+    add_frames(batcher, clock, 16, priority=BULK)
+    add_frames(batcher, clock, 4, priority=STANDARD)
+
+    assert sorted((b.priority, b.size, b.reason) for b in drain(batcher)) == [(STANDARD, 4, "full"),
+                                                                              (BULK, 16, "full")]
+
+
+def test_preferred_sizes_and_runner_buckets_above_a_class_cap_never_trigger_its_release():
+    clock = FakeClock()
+    settings = make_settings(max_batch_size=16, realtime=(5, 0, 8, 0, 1.0, 6))
+    batcher = MicroBatcher(settings, clock, preferred_batch_sizes=(4, 8, 16))
+    add_frames(batcher, clock, 6, priority=REALTIME)
+    add_frames(batcher, clock, 16, priority=STANDARD)
+
+    got = [(b.priority, b.size, b.reason) for b in drain(batcher)]
+    assert got == [(REALTIME, 4, "preferred"), (STANDARD, 16, "full")]  # realtime's largest preferred <= 6: 4
+
+
+def test_the_cost_model_sizes_each_class_within_its_own_cap():
+    clock = FakeClock()
+    # 32 frames a batch are the most per device second, but realtime takes at most 4.
+    cost = cost_model((SHAPE, 4, 0.010), (SHAPE, 8, 0.016), (SHAPE, 32, 0.040))
+    settings = make_settings(max_batch_size=32, realtime=(5, 0, 8, 0, 1.0, 4), realtime_quiet_ms=1)
+    batcher = MicroBatcher(settings, clock, cost=cost)
+    add_frames(batcher, clock, 8, priority=REALTIME)
+    realtime = drain(batcher)
+    clock.advance(1.0)  # realtime quiet: standard is no longer bounded by the blocking limit
+    add_frames(batcher, clock, 32)
+
+    assert [(b.size, b.reason) for b in realtime] == [(4, "cost"), (4, "cost")]  # the best size within 4
+    assert [(b.size, b.reason) for b in drain(batcher)] == [(32, "cost")]
+
+
+def test_a_realtime_backlog_is_counted_in_realtime_batches():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(max_batch_size=8, realtime=(5, 0, 8, 0, 1.0, 2)), clock)
+    add_frames(batcher, clock, 2, priority=REALTIME)
+    clock.advance(5 * MS)
+    assert batcher.classes_to_pause() == {BULK}  # a whole realtime batch waits past its wait
+    add_frames(batcher, clock, 3, priority=REALTIME)
+    assert batcher.classes_to_pause() == {BULK, STANDARD}  # more than two

@@ -20,10 +20,11 @@ PROPERTY = hyp_settings(max_examples=300, deadline=None, suppress_health_check=[
 
 
 @st.composite
-def class_settings(draw, max_wait: int) -> tuple[int, int, int]:
+def class_settings(draw, max_wait: int) -> tuple[int, int, int, float, float, int]:
+    """(max_wait_ms, max_age_ms, weight, no budget, pending share 1, max_batch_size: its own or the global one)."""
     wait = draw(st.integers(0, max_wait))
     age = draw(st.sampled_from([0, wait, wait + 5, wait + 30]))
-    return (wait, age, draw(st.integers(1, 8)))
+    return (wait, age, draw(st.integers(1, 8)), 0.0, 1.0, draw(st.sampled_from([0, 1, 2, 3, 5, 8, 12])))
 
 
 @st.composite
@@ -88,7 +89,7 @@ class Ledger:
         assert batch.padding_waste == waste or math.isclose(batch.padding_waste, waste, abs_tol=1e-12)
         assert batch.padding_waste <= s.padding_waste_max + 1e-12
         assert (batch.lane == "padded") == (len({f.shape for f in frames}) > 1)
-        assert batch.size <= s.max_batch_size
+        assert batch.size <= s.max_batch_size_for(batch.priority)
         tensor = batch.size * height * width * channels * s.tensor_dtype_bytes
         lone_oversized = batch.size == 1 and tensor > s.max_batch_bytes
         assert tensor <= s.max_batch_bytes or lone_oversized

@@ -2,7 +2,16 @@
 
 import pytest
 
-from worker.config import ConfigError, Settings, load_settings, preprocess_thread_count
+from worker.config import (
+    ConfigError,
+    DeliverySettings,
+    Settings,
+    inflight_batch_limit,
+    load_settings,
+    preprocess_thread_count,
+    resolve_inflight_batches,
+)
+from worker.frames import Priority
 
 
 def test_defaults_are_valid():
@@ -138,3 +147,67 @@ def test_preprocess_threads_default_to_auto_and_a_number_is_kept():
 def test_preprocess_threads_other_than_auto_or_0_to_256_are_refused(value):
     with pytest.raises(ConfigError, match="runtime.preprocess_threads"):
         load_settings(env={"WORKER_RUNTIME_PREPROCESS_THREADS": value})
+
+
+# -- batch size per class --------------------------------------------------------------------------------------
+def test_a_class_max_batch_size_overrides_the_global_one_and_the_others_keep_it(tmp_path):
+    cfg = tmp_path / "w.toml"
+    cfg.write_text("[batching]\nmax_batch_size = 32\n[batching.realtime]\nmax_batch_size = 8\n")
+    s = load_settings(cfg, env={"WORKER_BATCHING_BULK_MAX_BATCH_SIZE": "64"}).batching
+    assert [s.max_batch_size_for(p) for p in Priority] == [8, 32, 64]
+    assert s.largest_batch_size == 64
+
+
+def test_class_max_batch_sizes_default_to_the_global_one():
+    s = load_settings(env={"WORKER_BATCHING_MAX_BATCH_SIZE": "16"}).batching
+    assert [s.max_batch_size_for(p) for p in Priority] == [16, 16, 16] and s.largest_batch_size == 16
+
+
+@pytest.mark.parametrize("value", ["-1", "4097"])
+def test_a_class_max_batch_size_out_of_range_is_named(value):
+    with pytest.raises(ConfigError) as err:
+        load_settings(env={"WORKER_BATCHING_REALTIME_MAX_BATCH_SIZE": value})
+    assert "batching.realtime.max_batch_size: must be 0 (= batching.max_batch_size) or 1..4096" in err.value.problems
+
+
+def test_the_pending_frames_cap_must_hold_the_largest_class_batch():
+    with pytest.raises(ConfigError, match="batching.max_pending_frames: must be >= the largest max_batch_size"):
+        load_settings(env={"WORKER_BATCHING_BULK_MAX_BATCH_SIZE": "256", "WORKER_BATCHING_MAX_PENDING_FRAMES": "128"})
+
+
+# -- in-flight batches -----------------------------------------------------------------------------------------
+def test_by_default_the_inflight_limit_is_two_batches_per_runner():
+    delivery = load_settings(env={}).delivery
+    assert (delivery.max_inflight_batches, delivery.inflight_batches_per_runner) == (0, 2)
+    assert [inflight_batch_limit(delivery, runners) for runners in (1, 3, 8)] == [2, 6, 16]
+    assert inflight_batch_limit(DeliverySettings(inflight_batches_per_runner=3), 4) == 12
+
+
+def test_a_set_inflight_limit_is_kept_when_it_feeds_every_runner():
+    assert inflight_batch_limit(DeliverySettings(max_inflight_batches=5), 3) == 5
+
+
+def test_a_set_inflight_limit_below_the_runner_count_is_refused_naming_the_fix():
+    with pytest.raises(ConfigError) as err:
+        inflight_batch_limit(DeliverySettings(max_inflight_batches=2), 4)
+    assert err.value.setting == "delivery.max_inflight_batches"
+    assert "4 runners" in str(err.value) and "set 0 (derived" in str(err.value) and "at least 4" in str(err.value)
+
+
+@pytest.mark.parametrize(("env", "field"), [
+    ({"WORKER_DELIVERY_MAX_INFLIGHT_BATCHES": "-1"}, "delivery.max_inflight_batches"),
+    ({"WORKER_DELIVERY_MAX_INFLIGHT_BATCHES": "1025"}, "delivery.max_inflight_batches"),
+    ({"WORKER_DELIVERY_INFLIGHT_BATCHES_PER_RUNNER": "0"}, "delivery.inflight_batches_per_runner"),
+    ({"WORKER_DELIVERY_INFLIGHT_BATCHES_PER_RUNNER": "9"}, "delivery.inflight_batches_per_runner"),
+])
+def test_inflight_settings_out_of_range_are_named(env, field):
+    with pytest.raises(ConfigError, match=field):
+        load_settings(env=env)
+
+
+def test_resolved_settings_carry_the_runners_limit_into_the_uncommitted_cap_and_resolve_again_to_themselves():
+    s = load_settings(env={"WORKER_BATCHING_MAX_PENDING_FRAMES": "100", "WORKER_BATCHING_BULK_MAX_BATCH_SIZE": "64"})
+    resolved = resolve_inflight_batches(s, runners=3)
+    assert resolved.delivery.max_inflight_batches == 6
+    assert resolved.max_uncommitted_frames == 100 + (6 + 1) * 64  # and realtime's slot, at the largest batch
+    assert resolve_inflight_batches(resolved, runners=3) == resolved

@@ -179,6 +179,14 @@ def test_the_plans_largest_batch_is_the_batchers_cap():
     assert plan.worth_capturing(16, (30, 30, 3)) and not plan.worth_capturing(32, (30, 30, 3))
 
 
+def test_the_plans_caps_are_the_largest_batch_any_class_sends():
+    settings = make_settings(max_batch_size=8, realtime=(5, 0, 8, 0, 1.0, 4), bulk=(100, 0, 1, 0, 0.25, 32))
+    plan = GraphPlan(BUCKETS, caps=BatchCaps.from_settings(settings))
+
+    assert plan.largest_batch((30, 30, 3)) == 32  # a runner runs every class's batches: bulk's 32 reach it
+    assert plan.worth_capturing(32, (30, 30, 3))
+
+
 # --- warm-up: smallest first, measured as it goes ---
 
 def test_warm_up_captures_smallest_first_and_stops_where_the_measured_peaks_say_memory_ends():

@@ -6,8 +6,10 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from worker.memorypolicy import GraphBudget, MemoryPolicy
+from worker.memorypolicy import DeviceMemories, GraphBudget, MemoryPolicy, split_batch
 
 SHAPE = (224, 224, 3)
 GIB = 1 << 30
@@ -69,6 +71,70 @@ def test_one_measurement_scales_up_by_frames_and_never_down():
     policy.record_peak(SHAPE, 4, GIB)
     assert policy.predict_peak(SHAPE, 8) == 2 * GIB
     assert policy.predict_peak(SHAPE, 2) == GIB
+
+
+def test_runners_sharing_a_device_each_count_their_batch_memory_and_share_the_model_memory():
+    probe = FakeProbe(total=10 * GIB, base=2 * GIB, per_frame=GIB // 4)
+    alone, shared = MemoryPolicy(10 * GIB, 0.8), MemoryPolicy(10 * GIB, 0.8, runners=3)
+    for policy in (alone, shared):
+        policy.measure(probe, SHAPE, 8, lambda: probe.run(8))
+
+    assert alone.max_batch(SHAPE, cap=64) == 24  # 2 GiB + 0.25 GiB * n <= 8 GiB
+    assert shared.max_batch(SHAPE, cap=64) == 8  # 2 GiB + 3 * 0.25 GiB * n <= 8 GiB: three batches at once
+
+
+def test_without_a_measured_model_point_shared_runners_count_the_whole_peak_per_batch():
+    policy = MemoryPolicy(10 * GIB, 0.8, runners=2)
+    policy.record_peak(SHAPE, 1, GIB)
+    policy.record_peak(SHAPE, 2, 2 * GIB)
+    assert policy.max_batch(SHAPE, cap=64) == 4  # 2 x n GiB <= 8 GiB
+
+
+def test_over_several_devices_the_largest_batch_is_what_they_take_together():
+    small, large = MemoryPolicy(1000, 1.0), MemoryPolicy(2000, 1.0)
+    for policy in (small, large):
+        policy.record_peak(SHAPE, 1, 100)
+        policy.record_peak(SHAPE, 2, 200)
+    devices = DeviceMemories([small, large])
+
+    assert devices.max_batch(SHAPE, cap=64) == 10 + 20
+    assert devices.max_batch(SHAPE, cap=16) == 16
+    assert devices.max_batch((1, 1, 3), cap=64) is None  # measured on no device: no memory bound
+
+
+def test_a_device_that_never_measured_a_shape_does_not_bound_it():
+    measured, unmeasured = MemoryPolicy(1000, 1.0), MemoryPolicy(1000, 1.0)
+    measured.record_peak(SHAPE, 1, 100)
+    assert DeviceMemories([measured, unmeasured]).max_batch(SHAPE, cap=64) == 64
+
+
+def test_a_batch_the_first_device_takes_is_not_split():
+    assert split_batch(8, [8, 8]) == [(0, 8)]
+    assert split_batch(100, [None, 4]) == [(0, 100)]
+
+
+def test_a_batch_over_one_device_is_shared_evenly_by_as_few_devices_as_take_it():
+    assert split_batch(10, [8, 8, 8]) == [(0, 5), (1, 5)]
+    assert split_batch(20, [8, 8, 8]) == [(0, 7), (1, 7), (2, 6)]
+
+
+def test_a_device_that_cannot_take_an_even_share_takes_its_cap_and_the_others_the_rest():
+    assert split_batch(12, [10, 2]) == [(0, 10), (1, 2)]
+    assert split_batch(30, [4, 16, 16]) == [(0, 4), (1, 13), (2, 13)]
+
+
+def test_a_batch_larger_than_every_device_together_goes_round_them_in_full_parts():
+    assert split_batch(20, [4, 8]) == [(0, 4), (1, 8), (0, 4), (1, 4)]
+
+
+@given(n=st.integers(1, 200), caps=st.lists(st.none() | st.integers(1, 40), min_size=1, max_size=6))
+def test_split_parts_hold_every_frame_once_in_order_within_their_device_caps(n, caps):
+    parts = split_batch(n, caps)
+    assert sum(count for _, count in parts) == n and all(count >= 1 for _, count in parts)
+    assert all(0 <= d < len(caps) and (caps[d] is None or count <= caps[d]) for d, count in parts)
+    together = sum(n if c is None else c for c in caps)
+    if together >= n:  # one part per device at most, on the first devices
+        assert [d for d, _ in parts] == list(range(len(parts)))
 
 
 def test_captured_graphs_stay_under_their_budget_least_recently_used_out_first():

@@ -16,14 +16,17 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).parent))
 
 import model_factories
-from model_factories import jpeg_frame, raw_frame
+from model_factories import DeviceProbe, StandInRunner, jpeg_frame, raw_frame
 
 from worker.config import BatchingSettings, ConfigError, ModelSettings, RuntimeSettings
 from worker.frames import DECODE_ERROR, MODEL_ERROR, NON_FINITE_OUTPUT, Priority
+from worker.memorypolicy import MemoryPolicy
 from worker.runtime import InferenceExecutor, build_builtin_model
+from worker.runtime.executor import DeviceMemory
 from worker.runtime.models import ModelContract
 from worker.runtime.preprocess import Normaliser
 from worker.runtime.runners import EagerRunner
+from worker.testing import wait_for
 
 CPU = RuntimeSettings(device="cpu", warmup_batches=1, graph_batch_sizes=(1, 4))
 WAIT_S = 30
@@ -305,7 +308,7 @@ def test_a_realtime_batch_submitted_while_bulk_batches_wait_for_the_runner_runs_
 
 def test_several_instances_per_device_each_get_a_runner(executor_for):
     ex = executor_for(runtime=RuntimeSettings(device="cpu", warmup_batches=1, instances_per_device=2))
-    assert len(ex.runners) == 2 and ex.runners[0].module is not ex.runners[1].module
+    assert len(ex.runners) == 2 == ex.runner_count and ex.runners[0].module is not ex.runners[1].module
     assert _run(ex, [raw_frame(0, 16, 16)], (16, 16, 3)).batch_size == 1
 
 
@@ -324,6 +327,126 @@ def test_profile_records_the_next_batches_with_stage_ranges(executor_for, tmp_pa
     path = trace.result(WAIT_S)
     text = Path(path).read_text()
     assert "streamfer.preprocess" in text and "streamfer.inference[n=1]" in text
+
+
+# --- several runners and devices (CPU runners standing in for GPUs or instances) ---
+
+TINY = ModelContract.from_settings(ModelSettings(source="model_factories:tiny_model"))
+SHAPE = (16, 16, 3)
+
+
+def devices(count: int, frames_each: int = 4) -> tuple[list[StandInRunner], list[DeviceMemory]]:
+    """`count` runners, each standing in for a device whose measured memory takes `frames_each` frames of SHAPE."""
+    runners, memory = [], []
+    for _ in range(count):
+        probe = DeviceProbe(total=1000, base=200, per_frame=800 // frames_each)
+        policy = MemoryPolicy(probe.total_bytes(), memory_fraction=1.0)
+        policy.measure(probe, SHAPE, 1, lambda probe=probe: probe.ran(1))
+        runners.append(StandInRunner(TINY, probe))
+        memory.append(DeviceMemory(policy, probe))
+    return runners, memory
+
+
+def frames(first: int, count: int) -> list:
+    return [raw_frame(first + i, 16, 16) for i in range(count)]
+
+
+def test_three_runners_each_run_a_batch_at_once():
+    runners = [StandInRunner(TINY) for _ in range(3)]
+    with InferenceExecutor(runners, TINY) as ex:
+        for r in runners:
+            r.gate.clear()
+        try:
+            futures = [ex.submit(frames(10 * i, 2), SHAPE) for i in range(3)]
+            wait_for(lambda: all(r.entered.is_set() for r in runners), WAIT_S, "every runner inside a batch")
+        finally:
+            for r in runners:
+                r.gate.set()
+        assert [f.result(WAIT_S).batch_size for f in futures] == [2, 2, 2]
+        assert [r.sizes for r in runners] == [[2], [2], [2]]
+
+
+def test_a_batch_over_one_devices_cap_is_split_across_devices_and_answered_in_frame_order():
+    runners, memory = devices(3, frames_each=4)
+    reference = InferenceExecutor([EagerRunner(model_factories.tiny_model(), TINY, torch.device("cpu"))], TINY)
+    with InferenceExecutor(runners, TINY, memory=memory) as ex, reference:
+        batch = frames(0, 10)
+        outcome = ex.submit(batch, SHAPE).result(WAIT_S)
+        assert [r.sizes for r in runners] == [[4], [3], [3]]  # even shares, each within its device's 4
+        assert [f.frame_index for f, _ in outcome.verdicts] == list(range(10)) and not outcome.failures
+        assert (outcome.batch_size, outcome.bucket) == (10, 10)
+        whole = _scores(reference.submit(batch, SHAPE).result(WAIT_S))
+        for index, scores in _scores(outcome).items():
+            np.testing.assert_allclose(scores, whole[index], rtol=1e-5, atol=1e-6)
+        assert ex.submit(frames(20, 4), SHAPE).result(WAIT_S).batch_size == 4
+        assert [r.sizes for r in runners] == [[4, 4], [3], [3]]  # one device takes 4: not split
+
+
+def test_the_batcher_sees_what_the_devices_take_together():
+    runners, memory = devices(3, frames_each=4)
+    with InferenceExecutor(runners, TINY, memory=memory) as ex:
+        assert ex.memory_policy is not None and ex.memory_policy.max_batch(SHAPE, 64) == 12
+
+
+def test_a_split_batch_goes_to_the_idle_devices_first():
+    runners, memory = devices(3, frames_each=4)
+    with InferenceExecutor(runners, TINY, memory=memory) as ex:
+        runners[0].gate.clear()
+        try:
+            busy = ex.submit(frames(0, 2), SHAPE)
+            assert runners[0].entered.wait(WAIT_S)
+            split = ex.submit(frames(10, 6), SHAPE).result(WAIT_S)  # done while device 0 still holds its batch
+            assert [f.frame_index for f, _ in split.verdicts] == list(range(10, 16))
+            assert [r.sizes for r in runners] == [[2], [3], [3]] and not busy.done()
+        finally:
+            runners[0].gate.set()
+        assert busy.result(WAIT_S).batch_size == 2
+
+
+def test_a_device_failing_its_part_fails_only_that_parts_frames():
+    runners, memory = devices(3, frames_each=4)
+    runners[1].broken = True
+    with InferenceExecutor(runners, TINY, memory=memory) as ex:
+        outcome = ex.submit(frames(0, 10), SHAPE).result(WAIT_S)
+    assert [f.frame_index for f, _ in outcome.verdicts] == [0, 1, 2, 3, 7, 8, 9]
+    assert [(f.frame.frame_index, f.error_type) for f in outcome.failures] == [(i, MODEL_ERROR) for i in (4, 5, 6)]
+    assert all("device lost" in f.reason for f in outcome.failures)
+
+
+def test_a_part_whose_preparation_fails_comes_back_as_failures_beside_the_scored_parts(monkeypatch):
+    runners, memory = devices(3, frames_each=4)
+    with InferenceExecutor(runners, TINY, memory=memory) as ex:
+        prepare = ex._prepare
+
+        def staging_fails_on_the_third_device(batch_frames, shape, runner):
+            if runner is runners[2]:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return prepare(batch_frames, shape, runner)
+
+        monkeypatch.setattr(ex, "_prepare", staging_fails_on_the_third_device)
+        outcome = ex.submit(frames(0, 10), SHAPE).result(WAIT_S)
+        assert [s.load for s in ex._slots] == [0, 0, 0]
+    assert [f.frame_index for f, _ in outcome.verdicts] == list(range(7))
+    assert [f.frame.frame_index for f in outcome.failures] == [7, 8, 9]
+    assert all(f.error_type == MODEL_ERROR and "split batch" in f.reason and "illegal memory access" in f.reason
+               for f in outcome.failures)
+    assert outcome.batch_size == 7
+
+
+def test_calibration_measures_each_devices_memory_with_its_own_probe():
+    probes = [DeviceProbe(total=10**9, base=1000, per_frame=10), DeviceProbe(total=10**9, base=5000, per_frame=70)]
+    runners = [StandInRunner(TINY, p) for p in probes]
+    memory = [DeviceMemory(MemoryPolicy(p.total_bytes()), p) for p in probes]
+    with InferenceExecutor(runners, TINY, memory=memory) as ex:
+        ex.calibrate([SHAPE], max_batch_size=4, rounds=1)
+    for probe, device in zip(probes, memory):
+        assert [device.policy.predict_peak(SHAPE, n) for n in (0, 1, 4)] == [
+            probe.base, probe.base + probe.per_frame, probe.base + 4 * probe.per_frame]
+
+
+def test_runners_given_one_device_memory_each_or_none():
+    with pytest.raises(ValueError, match="one DeviceMemory per runner"):
+        InferenceExecutor([StandInRunner(TINY), StandInRunner(TINY)], TINY, memory=devices(1)[1])
 
 
 # --- lifecycle ---
@@ -391,6 +514,6 @@ def test_on_cuda_only_buckets_the_batcher_can_send_are_captured_and_peaks_are_ke
     ex.calibrate([(48, 64, 3)], max_batch_size=2, rounds=1)
     assert ex.memory_policy is not None
     assert ex.memory_policy.max_batch((32, 32, 3), 2) == 2  # what the device runs, as the batcher looks it up
-    assert ex.memory_policy.predict_peak((48, 64, 3), 1) is None
+    assert ex.memory_policy.policies[0].predict_peak((48, 64, 3), 1) is None
     assert ex.graph_evictions == 0 and ex.capture_count == 2
 

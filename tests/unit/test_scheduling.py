@@ -4,6 +4,7 @@ bug of issue 16 (realtime frames came back EXPIRED while bulk frames were scored
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import logging
@@ -13,11 +14,16 @@ from typing import Any
 import pytest
 
 import worker.pipeline as pipeline_module
-from worker.config import BatchingSettings, ClassSettings, Settings
+from worker.config import BatchingSettings, ClassSettings, ConfigError, ModelSettings, Settings
 from worker.frames import BatchOutcome, Encoding, Frame, Priority
+from worker.pipeline import build_pipeline
+from worker.runtime import InferenceExecutor
+from worker.runtime.models import ModelContract
 from worker.schemas import FrameRecord, decode_result, encode_frame
+from worker.testing import wait_for
 
-from .kafka_fakes import outcome
+from .kafka_fakes import FakeExecutor, outcome
+from .model_factories import StandInRunner
 from .test_pipeline import World, sample
 
 TOPICS = Settings().topics
@@ -69,6 +75,48 @@ def test_a_finished_realtime_batch_is_delivered_while_an_older_bulk_batch_still_
 
     got = results_by_topic(w)
     assert len(got.get(TOPICS.realtime, [])) == 4 and TOPICS.bulk not in got
+
+
+# -- every runner fed ----------------------------------------------------------------------------------------------
+def test_with_three_runners_and_a_backlog_two_batches_per_runner_are_in_flight_and_realtime_still_has_its_slot(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    w = World(monkeypatch, executor=FakeExecutor(hold=True, runners=3), max_inflight=0)
+    w.kafka.append(BULK, *(frame_at("b", i, w.clock.now) for i in range(40)))
+    w.assign([RT, STD, BULK])
+    w.step(3)
+    assert w.executor.priorities == [Priority.BULK] * 6 and w.pipeline.inflight_batches == 6
+
+    w.kafka.append(RT, *(frame_at("r", i, w.clock.now) for i in range(4)))
+    w.step(2)
+    assert w.executor.priorities == [Priority.BULK] * 6 + [Priority.REALTIME]
+
+
+def test_a_set_inflight_limit_that_leaves_a_runner_idle_stops_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = World(monkeypatch, executor=FakeExecutor(runners=3), max_inflight=3)
+    settings = dataclasses.replace(w.settings, delivery=dataclasses.replace(w.settings.delivery,
+                                                                             max_inflight_batches=2))
+    with pytest.raises(ConfigError, match="delivery.max_inflight_batches: 2 leaves runners idle"):
+        build_pipeline(settings, w.executor, w.metrics, w.health, w.clock)
+
+
+def test_with_three_runners_on_a_backlog_the_loop_has_every_runner_running_a_batch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    contract = ModelContract.from_settings(ModelSettings(source="model_factories:tiny_model"))
+    runners = [StandInRunner(contract) for _ in range(3)]
+    for r in runners:
+        r.gate.clear()  # each runner holds the batch it gets
+    with InferenceExecutor(runners, contract) as executor:
+        w = World(monkeypatch, executor=executor, max_inflight=0)
+        w.kafka.append(BULK, *(frame_at("b", i, w.clock.now) for i in range(40)))
+        w.assign([RT, STD, BULK])
+        try:
+            wait_for(lambda: (w.step(), all(r.entered.is_set() for r in runners))[1], 30,
+                     "a batch running on each of the three runners at once")
+        finally:
+            for r in runners:
+                r.gate.set()
+        wait_for(lambda: (w.step(), len(results_by_topic(w).get(TOPICS.bulk, [])) == 40)[1], 30,
+                 "every bulk frame answered")
 
 
 # -- an idle runtime ---------------------------------------------------------------------------------------------
@@ -143,6 +191,7 @@ class TimedExecutor:
     memory_policy = None
     model_name = "timed"
     model_version = "1"
+    runner_count = 1
 
     def __init__(self, fixed_s: float, per_frame_s: float) -> None:
         self.fixed_s, self.per_frame_s = fixed_s, per_frame_s

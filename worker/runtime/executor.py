@@ -3,8 +3,12 @@
 A preprocessing pool decodes and stages batch N+1 while a runner's inference thread executes batch N.
 Both take the most urgent waiting batch first (by `Priority`, FIFO within one), so a realtime batch submitted
 while bulk batches wait for a runner runs next: it waits for at most the batch already running.
+A batch goes to the least loaded runner; on GPUs, one larger than that runner's device takes at once (its
+memory policy's largest batch) is split across devices, the least loaded first (`split_batch`), and its
+parts' outcomes are joined in frame order.
 Bad frames never raise: undecodable ones, ones the model fails on alone, and ones with non-finite scores
-come back as `FrameFailure`s beside the verdicts of the rest.
+come back as `FrameFailure`s beside the verdicts of the rest; so do the frames of a split batch's part whose
+device failed.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from worker.frames import (
     SourceRef,
 )
 from worker.graphplan import BatchCaps
-from worker.memorypolicy import MemoryPolicy
+from worker.memorypolicy import DeviceMemories, MemoryPolicy, MemoryProbe, split_batch
 from worker.runtime.models import ModelContract, load_model
 from worker.runtime.preprocess import HostBatch, HostBuffers, Preprocessor, stage_to_device
 from worker.runtime.runners import CudaMemoryProbe, EagerRunner, RunResult, make_runner
@@ -95,12 +99,22 @@ class PriorityPool:
             t.join()
 
 
+@dataclass(frozen=True)
+class DeviceMemory:
+    """One GPU's memory policy and the probe that measures it; the runners of one device share one."""
+
+    policy: MemoryPolicy
+    probe: MemoryProbe
+
+
 @dataclass
 class _Slot:
-    """One runner with its inference thread and the number of frames submitted to it and not yet done."""
+    """One runner with its inference thread, its device (an index into the executor's devices) and the number of
+    frames submitted to it and not yet done."""
 
     runner: EagerRunner
     thread: PriorityPool
+    device: int = 0
     load: int = 0
 
 
@@ -118,9 +132,14 @@ class InferenceExecutor:
     """Owns the runner(s) and a preprocessing pool; the pipeline's only entry point into torch."""
 
     def __init__(self, runners: Sequence[EagerRunner], contract: ModelContract, preprocess_threads: int = 1,
-                 warmup_batches: int = 8, warmup_batch_size: int = 1, device_description: str = ""):
+                 warmup_batches: int = 8, warmup_batch_size: int = 1, device_description: str = "",
+                 memory: Sequence[DeviceMemory] = ()):
+        """`memory`: on GPUs, each runner's device memory (runners of one device share the same object); empty on
+        CPU, where nothing bounds a batch by memory."""
         if not runners:
             raise ValueError("InferenceExecutor needs at least one runner")
+        if memory and len(memory) != len(runners):
+            raise ValueError("InferenceExecutor needs one DeviceMemory per runner, or none")
         self.contract = contract
         self.model_name = contract.name
         self.model_version = contract.version
@@ -140,16 +159,21 @@ class InferenceExecutor:
         self._decode_pool = concurrent.futures.ThreadPoolExecutor(preprocess_threads, thread_name_prefix="decode",
                                                                   initializer=name_os_thread)
         self._preprocessor = Preprocessor(contract, buffers, pool=self._decode_pool, workers=preprocess_threads)
-        self._slots = [_Slot(r, PriorityPool(1, f"infer-{r.device}-{i}")) for i, r in enumerate(runners)]
+        # Devices in the order first seen: each runner's DeviceMemory identifies its device (one device on CPU).
+        self._device_memory: list[DeviceMemory] = list({id(m): m for m in memory}.values())
+        device_of = {id(m): d for d, m in enumerate(self._device_memory)}
+        self._slots = [_Slot(r, PriorityPool(1, f"infer-{r.device}-{i}"), device_of[id(memory[i])] if memory else 0)
+                       for i, r in enumerate(runners)]
+        self._devices = [[s for s in self._slots if s.device == d] for d in range(max(1, len(self._device_memory)))]
         self._prep_pool = PriorityPool(preprocess_threads, "preprocess")
         self._lock = threading.Lock()
         self._ready = False
         self._closed = False
         self._profile: _ProfileRequest | None = None
-        # GPUs: peak device memory per (runner input shape, batch size), measured at graph capture and by
-        # calibrate(); None on CPU.
-        self.memory_policy: MemoryPolicy | None = None
-        self._memory_probe: CudaMemoryProbe | None = None
+        # GPUs: the batcher's view of every device's peak memory per (runner input shape, batch size), measured at
+        # graph capture and by calibrate(); None on CPU.
+        self.memory_policy: DeviceMemories | None = (
+            DeviceMemories([m.policy for m in self._device_memory]) if self._device_memory else None)
 
     @classmethod
     def from_settings(cls, model: ModelSettings, runtime: RuntimeSettings, batching: BatchingSettings | None = None,
@@ -160,24 +184,16 @@ class InferenceExecutor:
         plan = _resolve(runtime)
         if runtime.torch_threads > 0:
             torch.set_num_threads(runtime.torch_threads)
-        memory, probe = None, None
-        if plan.devices[0].type == "cuda":
-            # Untested without a GPU: the policy is tested with a fake probe (tests/unit/test_memorypolicy.py,
-            # test_graphplan.py).
-            probe = CudaMemoryProbe(plan.devices[0])
-            memory = MemoryPolicy(probe.total_bytes(), runtime.memory_fraction)
+        memory = _device_memory(plan, runtime)
         caps = BatchCaps.from_settings(batching) if batching is not None else BatchCaps()
-        # The graph budget is per device; each runner on it keeps its own graphs, so each gets an equal share.
-        budget = memory.graph_budget_bytes // runtime.instances_per_device if memory is not None else None
         # Each runner gets its own copy of the model, loaded and validated on its device.
         loaded = [load_model(model, device) for device in plan.devices for _ in range(runtime.instances_per_device)]
         runners = [make_runner(m.module, m.contract, m.device, plan.precision, plan.cuda_graphs, plan.buckets,
-                               runtime.warmup_batches, caps, memory, budget, on_graph_evicted) for m in loaded]
-        executor = cls(runners, loaded[0].contract, preprocess_thread_count(runtime), runtime.warmup_batches,
-                       warmup_batch_size=max(runtime.graph_batch_sizes),
-                       device_description=_describe(plan, loaded[0].kind))
-        executor.memory_policy, executor._memory_probe = memory, probe
-        return executor
+                               runtime.warmup_batches, caps, *_graph_memory(memory.get(m.device), runtime),
+                               on_graph_evicted) for m in loaded]
+        return cls(runners, loaded[0].contract, preprocess_thread_count(runtime), runtime.warmup_batches,
+                   warmup_batch_size=max(runtime.graph_batch_sizes), device_description=_describe(plan, loaded[0].kind),
+                   memory=[memory[r.device] for r in runners] if memory else ())
 
     @property
     def ready(self) -> bool:
@@ -197,6 +213,11 @@ class InferenceExecutor:
     def runners(self) -> tuple[EagerRunner, ...]:
         return tuple(s.runner for s in self._slots)
 
+    @property
+    def runner_count(self) -> int:
+        """Runners that execute batches at once (instances per device x devices): the pipeline feeds each."""
+        return len(self._slots)
+
     def warm_up(self, shapes: Sequence[tuple[int, int, int]] = ((224, 224, 3),)) -> None:
         """Run warm-up batches for each (h, w, c) shape on every runner, capturing CUDA graphs where enabled."""
         t0 = time.perf_counter()
@@ -214,38 +235,70 @@ class InferenceExecutor:
     def submit(self, frames: Sequence[Frame], shape: tuple[int, int, int],
                priority: Priority = Priority.BULK) -> concurrent.futures.Future[BatchOutcome]:
         """Queue a batch padded to `shape` = (h, w, c); the Future resolves to its BatchOutcome. A more urgent
-        batch overtakes less urgent ones still waiting for preprocessing or for the runner."""
+        batch overtakes less urgent ones still waiting for preprocessing or for the runner. A batch larger than
+        the least loaded runner's device takes at once is split across devices (module docstring)."""
         frames = list(frames)
         with self._lock:
             if self._closed:
                 raise RuntimeError("InferenceExecutor is closed")
             slot = min(self._slots, key=lambda s: s.load)
-            slot.load += len(frames)
-            if self._profile is not None and not self._profile.done.done():
-                # The torch profiler records only the thread it runs in: while recording, preprocessing runs on
-                # the runner's thread so both stages are in the trace (those batches lose the overlap).
-                prepared: concurrent.futures.Future[HostBatch] = concurrent.futures.Future()
-                return slot.thread.submit(priority, self._infer, prepared, slot, len(frames), (frames, shape))
-            prepared = self._prep_pool.submit(priority, self._prepare, frames, shape, slot.runner)
-            # The inference job waits for its own preprocessing; per runner, FIFO within a priority keeps one
-            # class's batches in order.
-            return slot.thread.submit(priority, self._infer, prepared, slot, len(frames))
+            parts = self._split(slot, len(frames), shape)
+            if parts is None:
+                return self._submit_to(slot, frames, shape, priority)
+            futures, start = [], 0
+            for device, count in parts:
+                # The least loaded runner of the device now: a device used twice sees its first part's load.
+                part_slot = min(self._devices[device], key=lambda s: s.load)
+                part = frames[start:start + count]
+                futures.append((part, str(part_slot.runner.device),
+                                self._submit_to(part_slot, part, shape, priority)))
+                start += count
+        log.debug("batch split across devices size=%d parts=%s", len(frames), [(d, n) for d, n in parts])
+        return _joined(futures)
+
+    def _split(self, slot: _Slot, n: int, shape: tuple[int, int, int]) -> list[tuple[int, int]] | None:
+        """(device, frames) parts of a batch of n frames when `slot`'s device cannot take it at once; None when it
+        can (always on CPU, where no memory policy bounds a batch). Devices are used least loaded first."""
+        if not self._device_memory or n <= 1:
+            return None
+        model_shape = self._model_shape(shape)
+        fits = self._device_memory[slot.device].policy.max_batch(model_shape, n)
+        if fits is None or fits >= n:
+            return None
+        order = sorted(range(len(self._devices)), key=lambda d: (sum(s.load for s in self._devices[d]), d))
+        caps = [self._device_memory[d].policy.max_batch(model_shape, n) for d in order]
+        return [(order[position], count) for position, count in split_batch(n, caps)]
+
+    def _submit_to(self, slot: _Slot, frames: list[Frame], shape: tuple[int, int, int],
+                   priority: Priority) -> concurrent.futures.Future[BatchOutcome]:
+        """Queue the batch's preparation and inference on this runner. The caller holds the lock."""
+        slot.load += len(frames)
+        if self._profile is not None and not self._profile.done.done():
+            # The torch profiler records only the thread it runs in: while recording, preprocessing runs on
+            # the runner's thread so both stages are in the trace (those batches lose the overlap).
+            prepared: concurrent.futures.Future[HostBatch] = concurrent.futures.Future()
+            return slot.thread.submit(priority, self._infer, prepared, slot, len(frames), (frames, shape))
+        prepared = self._prep_pool.submit(priority, self._prepare, frames, shape, slot.runner)
+        # The inference job waits for its own preprocessing; per runner, FIFO within a priority keeps one
+        # class's batches in order.
+        return slot.thread.submit(priority, self._infer, prepared, slot, len(frames))
 
     def calibrate(self, shapes: Sequence[tuple[int, int, int]], max_batch_size: int,
                   rounds: int = 2) -> list[tuple[tuple[int, int, int], int, float]]:
         """Time batches of CALIBRATION_SIZES (<= max_batch_size) of raw frames per (h, w, c) shape through
         submit, preprocessing included: (shape, size, seconds) to seed the cost model before the first real
-        batch. The best of `rounds` after one untimed run per size (background load only ever slows a run)."""
+        batch. The best of `rounds` after one untimed run per size (background load only ever slows a run).
+        On GPUs the untimed run is one per device, on one of its runners, measuring that device's peak memory."""
         out = []
         for shape in shapes:
             frame = _calibration_frame(shape)
             for n in (n for n in CALIBRATION_SIZES if n <= max_batch_size):
                 frames = [frame] * n
-                if self.memory_policy is not None and self._memory_probe is not None:
-                    run = functools.partial(_run_now, self, frames, shape)
+                for device, memory in enumerate(self._device_memory):
+                    run = functools.partial(_run_on, self, self._devices[device][0], frames, shape)
                     # Keyed by what the device runs (the model's input), as the runners and the batcher look it up.
-                    self.memory_policy.measure(self._memory_probe, self._model_shape(shape), n, run)
-                else:
+                    memory.policy.measure(memory.probe, self._model_shape(shape), n, run)
+                if not self._device_memory:
                     self.submit(frames, shape).result()
                 best = min(_timed(self.submit(frames, shape).result()) for _ in range(rounds))
                 out.append((shape, n, best))
@@ -407,8 +460,63 @@ def _calibration_frame(shape: tuple[int, int, int]) -> Frame:
                  height=h, channels=c, encoding=Encoding.RAW_RGB8, data=bytes(h * w * c), source=SourceRef("", 0, 0))
 
 
-def _run_now(ex: InferenceExecutor, frames: list[Frame], shape: tuple[int, int, int]) -> BatchOutcome:
-    return ex.submit(frames, shape).result()
+def _run_on(ex: InferenceExecutor, slot: _Slot, frames: list[Frame], shape: tuple[int, int, int]) -> BatchOutcome:
+    """Run a batch whole on this runner (never split) and wait for it."""
+    with ex._lock:
+        future = ex._submit_to(slot, frames, shape, Priority.BULK)
+    return future.result()
+
+
+def _joined(parts: list[tuple[list[Frame], str, concurrent.futures.Future[BatchOutcome]]]
+            ) -> concurrent.futures.Future[BatchOutcome]:
+    """One Future for the parts of a split batch ((frames, device, future) in frame order), resolved once every
+    part is done (`_join_outcomes`)."""
+    joined: concurrent.futures.Future[BatchOutcome] = concurrent.futures.Future()
+    left = [len(parts)]
+    lock = threading.Lock()
+
+    def part_done(_future: concurrent.futures.Future[BatchOutcome]) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            joined.set_result(_join_outcomes(parts))
+
+    for _frames, _device, future in parts:
+        future.add_done_callback(part_done)
+    return joined
+
+
+def _join_outcomes(parts: list[tuple[list[Frame], str, concurrent.futures.Future[BatchOutcome]]]) -> BatchOutcome:
+    """The outcome of a split batch: verdicts and failures in frame order, the frames of a part that raised as
+    FrameFailures (its device failed, the other parts' frames are scored), times of the slowest part (the parts
+    ran side by side), buckets summed."""
+    verdicts: list[tuple[Frame, Any]] = []
+    failures: list[FrameFailure] = []
+    done: list[BatchOutcome] = []
+    for frames, device, future in parts:
+        exc = future.exception()
+        if exc is not None:
+            log.error("a device failed its part of a split batch; its frames are dead-lettered device=%s frames=%d "
+                      "error=%s: %s", device, len(frames), type(exc).__name__, exc)
+            reason = (f"the runtime failed on {device} for this frame's part of a split batch: "
+                      f"{type(exc).__name__}: {exc}")
+            failures.extend(FrameFailure(f, reason, MODEL_ERROR) for f in frames)
+            continue
+        outcome = future.result()
+        verdicts.extend(outcome.verdicts)
+        failures.extend(outcome.failures)
+        done.append(outcome)
+    return BatchOutcome(
+        verdicts=verdicts,
+        failures=failures,
+        batch_size=sum(o.batch_size for o in done),
+        preprocess_ms=max((o.preprocess_ms for o in done), default=0.0),
+        inference_ms=max((o.inference_ms for o in done), default=0.0),
+        started_at=min((o.started_at for o in done), default=time.time()),
+        bucket=sum(o.bucket for o in done),
+        used_graph=any(o.used_graph for o in done),
+    )
 
 
 def _timed(outcome: BatchOutcome) -> float:
@@ -467,6 +575,28 @@ def _resolve(runtime: RuntimeSettings) -> _Plan:
     cuda_graphs = on_cuda and runtime.cuda_graphs
     buckets = tuple(sorted(set(runtime.graph_batch_sizes))) if cuda_graphs else ()
     return _Plan(devices=devices, precision=runtime.precision, cuda_graphs=cuda_graphs, buckets=buckets)
+
+
+def _device_memory(plan: _Plan, runtime: RuntimeSettings) -> dict[torch.device, DeviceMemory]:
+    """On GPUs, one memory policy per device from its own total memory, counting its instances_per_device runners
+    as batches that may run on it at once; none on CPU. Untested without a GPU: the policies are tested with fake
+    probes (tests/unit/test_memorypolicy.py, test_graphplan.py, test_runtime_executor.py)."""
+    if plan.devices[0].type != "cuda":
+        return {}
+    out = {}
+    for device in plan.devices:
+        probe = CudaMemoryProbe(device)
+        policy = MemoryPolicy(probe.total_bytes(), runtime.memory_fraction, runners=runtime.instances_per_device)
+        out[device] = DeviceMemory(policy, probe)
+    return out
+
+
+def _graph_memory(memory: DeviceMemory | None, runtime: RuntimeSettings) -> tuple[MemoryPolicy | None, int | None]:
+    """A runner's memory policy (its device's) and graph budget: the device's, shared equally by its runners, each
+    keeping its own graphs."""
+    if memory is None:
+        return None, None
+    return memory.policy, memory.policy.graph_budget_bytes // runtime.instances_per_device
 
 
 def _bf16_ok(device: torch.device) -> bool:
