@@ -19,7 +19,7 @@ from workloads import Workload
 from worker.frames import Frame, SourceRef
 from worker.tools.publish_frames import encode_pixels, synthetic_pixels
 
-INFLIGHT = 2  # the worker's delivery.max_inflight_batches default
+INFLIGHT = 2  # the worker's in-flight batches per runner (delivery.inflight_batches_per_runner's default)
 
 
 def frame_cycle(workload: Workload, seed: int = 7) -> list[tuple[Frame, tuple[int, int, int]]]:
@@ -40,30 +40,39 @@ def frame_cycle(workload: Workload, seed: int = 7) -> list[tuple[Frame, tuple[in
     return cycle
 
 
-def executor_round(executor: Any, cycle: list, batch_size: int, seconds: float) -> dict[str, float]:
+def executor_round(executor: Any, cycle: list, batch_size: int, seconds: float) -> dict[str, Any]:
     """Frames/s and CPU-ms per frame (this process, all threads) of the executor fed batches of `batch_size`
-    frames cycling through the shapes, INFLIGHT batches in flight, for at least `seconds` and whole cycles."""
-    pending: list[concurrent.futures.Future] = []
+    frames cycling through the shapes, INFLIGHT batches in flight per runner (as the worker keeps them), a new one
+    as soon as any finishes, for at least `seconds` and whole cycles; and each batch's submit -> outcome ms."""
+    inflight = INFLIGHT * executor.runner_count
+    pending: dict[concurrent.futures.Future, float] = {}
     done_frames = 0
+    batch_ms: list[float] = []
     i = 0
     # One untimed pass over every shape: first-call costs out of the figure.
     for frame, shape in cycle:
         executor.submit([frame] * batch_size, shape).result()
     t0, cpu0 = time.perf_counter(), time.process_time()
     while True:
-        while len(pending) < INFLIGHT:
+        while len(pending) < inflight:
             frame, shape = cycle[i % len(cycle)]
             i += 1
-            pending.append(executor.submit([frame] * batch_size, shape))
-        outcome = pending.pop(0).result()
-        done_frames += outcome.batch_size
-        if time.perf_counter() - t0 >= seconds and i % len(cycle) == 0:
+            pending[executor.submit([frame] * batch_size, shape)] = time.perf_counter()
+        finished, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+        now = time.perf_counter()
+        for future in finished:
+            done_frames += future.result().batch_size
+            batch_ms.append((now - pending.pop(future)) * 1000.0)
+        if now - t0 >= seconds and i % len(cycle) == 0:
             break
-    for f in pending:
-        done_frames += f.result().batch_size
+    for future, submitted in pending.items():
+        done_frames += future.result().batch_size
+        batch_ms.append((time.perf_counter() - submitted) * 1000.0)
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    batch_ms.sort()
     return {"frames_per_s": done_frames / elapsed, "frames": done_frames, "seconds": elapsed,
-            "cpu_ms_per_frame": stats.cpu_ms_per_frame(cpu, done_frames)}
+            "cpu_ms_per_frame": stats.cpu_ms_per_frame(cpu, done_frames), "inflight": inflight,
+            "batch_ms": {"p50": percentile(batch_ms, 0.5), "p99": percentile(batch_ms, 0.99)}}
 
 
 @dataclass(frozen=True)
@@ -72,7 +81,7 @@ class BatchPolicy:
 
     max_batch_size: int = 32
     max_wait_ms: float = 15.0
-    max_inflight: int = INFLIGHT
+    max_inflight: int = INFLIGHT  # the worker's for one runner
 
 
 def open_loop(executor: Any, frame: Frame, rate_fps: float, seconds: float, policy: BatchPolicy,

@@ -17,6 +17,10 @@ Sections:
              torchvision on the CPU,
              nvJPEG (torchvision.io.decode_jpeg(device="cuda")) one at a time and in batches of 32
   limit      InferenceExecutor alone, saturated (the runtime's own best), per model and JPEG workload
+  instances  runtime.instances_per_device 1, 2 and 3 on one GPU, open_nsfw on 224x224 JPEG, the executor alone
+             saturated as the worker feeds it (2 batches in flight per runner, batches of 32), interleaved
+             rounds: frames/s (and per round over 1 instance), batch p99, device memory; with --cpu the same
+             code on CPU runners at batch 2 (a code-path check, not a figure to choose the default by)
   executor   open_nsfw at 224x224 through InferenceExecutor, offered 800 frames/s open loop, batched like the
              worker (<= 32 frames, <= 15 ms wait, 2 in flight): sustained frames/s, batch and frame p99
 A section that would overrun --budget-s is skipped, saying so, so the check ends within its time.
@@ -116,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         ("executor", f"executor, open_nsfw 224x224, offered {offered:.0f} frames/s", lambda c, s: section_executor(
             c, s, offered), 90, False),
         ("limit", "executor alone, saturated, per model and workload", section_limit, 90, False),
+        ("instances", "instances_per_device 1/2/3 on one GPU, open_nsfw 224x224 JPEG", section_instances, 75, False),
     ]
     sections: list[Section] = []
     for name, title, run, need_s, needs_cuda in plan:
@@ -414,6 +419,9 @@ def _executor(check: Check, model: str, workload: str, **runtime: Any) -> Any:
 def section_executor(check: Check, section: Section, offered: float) -> None:
     from executor_load import BatchPolicy, frame_cycle, open_loop
 
+    from worker.config import inflight_batch_limit
+    from worker.frames import Priority
+
     seconds = (4.0 if check.quick else 12.0) if check.cuda else (3.0 if check.quick else 8.0)
     frame = frame_cycle(WORKLOADS["jpeg224"])[0][0]
     variants: dict[str, dict[str, Any]] = {"defaults": {}}
@@ -423,8 +431,9 @@ def section_executor(check: Check, section: Section, offered: float) -> None:
     for name, runtime in variants.items():
         executor, settings = _executor(check, "opennsfw", "jpeg224", **runtime)
         try:
-            policy = BatchPolicy(settings.batching.max_batch_size, settings.batching.standard.max_wait_ms,
-                                 settings.delivery.max_inflight_batches)
+            policy = BatchPolicy(settings.batching.max_batch_size_for(Priority.STANDARD),
+                                 settings.batching.standard.max_wait_ms,
+                                 inflight_batch_limit(settings.delivery, executor.runner_count))
             r = open_loop(executor, frame, offered, seconds, policy)
             r["device"] = executor.device_description
         finally:
@@ -468,6 +477,80 @@ def section_limit(check: Check, section: Section) -> None:
                 print(f"  {model} / {workload}: {value}", flush=True)
         finally:
             executor.close()
+
+
+INSTANCES = (1, 2, 3)
+
+
+def section_instances(check: Check, section: Section) -> None:
+    """runtime.instances_per_device 1, 2, 3 on one device: open_nsfw on 224x224 JPEG, the executor saturated with the
+    worker's in-flight batches (2 per runner), interleaved rounds. On a GPU, what the default is chosen by."""
+    if check.cuda:
+        batch, seconds, rounds = 32, (0.7 if check.quick else 2.5), (2 if check.quick else 3)
+    else:  # a code-path check: the ResNet-50 runs ~10 frames/s on a CPU core
+        batch, seconds, rounds = 2, 0.3, 1
+    data = measure_instances(check, "opennsfw", "jpeg224", batch, seconds, rounds)
+    section.data = data
+    where = "one GPU" if check.cuda else "CPU runners (code-path check, not a GPU figure)"
+    for k in INSTANCES:
+        d = data["instances"][str(k)]
+        value = (f"{d['frames_per_s']['text']}, {d['of_one']['text']} of 1 instance (per round); batch p99 "
+                 f"{d['batch_p99_ms']['text']}; {d['cpu_ms_per_frame']['text']}; {d['inflight']} in flight; "
+                 f"{d['memory']}")
+        section.rows.append((f"{k} instance(s) on {where}, batch {batch}, {rounds} round(s)", value))
+        print(f"  {k} instance(s): {value}", flush=True)
+
+
+def measure_instances(check: Check, model: str, workload: str, batch: int, seconds: float, rounds: int,
+                      counts: tuple[int, ...] = INSTANCES) -> dict[str, Any]:
+    """Each instances_per_device in `counts` as its own executor on one device (cuda:0 with CUDA), all built first,
+    then measured in interleaved rounds (bench/executor_load.executor_round: INFLIGHT batches per runner):
+    frames/s, per-round ratio over the first count, batch p99, CPU-ms/frame and, on a GPU, the memory each holds
+    (models and graphs after warm-up, plus what its batches added at the round's peak)."""
+    import torch
+    from executor_load import executor_round, frame_cycle
+
+    cycle = frame_cycle(WORKLOADS[workload])
+    device = "cuda:0" if check.cuda else "cpu"
+    executors: dict[int, Any] = {}
+    held: dict[int, int] = {}
+    try:
+        for k in counts:
+            before = torch.cuda.memory_allocated(0) if check.cuda else 0
+            executors[k], _settings = _executor(check, model, workload, device=device, instances_per_device=k)
+            held[k] = (torch.cuda.memory_allocated(0) - before) if check.cuda else 0
+        rounds_of: dict[int, dict[int, dict[str, Any]]] = {k: {} for k in counts}
+        peak: dict[int, int] = dict.fromkeys(counts, 0)
+        for r, name in stats.rotating([str(k) for k in counts], rounds):
+            k = int(name)
+            if check.cuda:
+                torch.cuda.synchronize(0)
+                torch.cuda.reset_peak_memory_stats(0)
+                start = torch.cuda.memory_allocated(0)
+            rounds_of[k][r] = executor_round(executors[k], cycle, batch, seconds)
+            if check.cuda:
+                peak[k] = max(peak[k], torch.cuda.max_memory_allocated(0) - start)
+    finally:
+        for ex in executors.values():
+            ex.close()
+    first = counts[0]
+    fps = {k: {r: m["frames_per_s"] for r, m in by.items()} for k, by in rounds_of.items()}
+    out: dict[str, Any] = {"model": model, "workload": workload, "batch": batch, "seconds": seconds, "rounds": rounds,
+                           "device": device, "instances": {}}
+    for k in counts:
+        spread = {  # figure -> (its spread over rounds, digits, unit)
+            "frames_per_s": (stats.Spread.of(list(fps[k].values())), None, " frames/s"),
+            "of_one": (stats.ratio_spread(fps[k], fps[first]), 2, "x"),
+            "batch_p99_ms": (stats.Spread.of([m["batch_ms"]["p99"] for m in rounds_of[k].values()]), None, " ms"),
+            "cpu_ms_per_frame": (stats.Spread.of([m["cpu_ms_per_frame"] for m in rounds_of[k].values()]), 2,
+                                 " CPU-ms/frame")}
+        memory = (f"{held[k] / MIB:.0f} MiB held (models, graphs) + {peak[k] / MIB:.0f} MiB at the batches' peak"
+                  if check.cuda else "device memory n/a on CPU")
+        out["instances"][str(k)] = {
+            **{name: {**v.as_dict(), "text": v.text(digits, unit)} for name, (v, digits, unit) in spread.items()},
+            "inflight": next(iter(rounds_of[k].values()))["inflight"], "memory": memory,
+            "held_bytes": held[k], "batch_peak_bytes": peak[k], "rounds": rounds_of[k]}
+    return out
 
 
 # -- output ------------------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 # For tests.pixels; appended, so a round's own tree (first on PYTHONPATH) provides `worker`.
 sys.path.append(str(ROOT))
-INFLIGHT = 2  # the worker's delivery.max_inflight_batches default
+INFLIGHT = 2  # the worker's in-flight batches for its one runner (delivery.inflight_batches_per_runner)
 # name: (frame width, height, image kind, encoding, model input [h, w])
 CASES = {
     "jpeg224_to_224": (224, 224, "synthetic", "JPEG", (224, 224)),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,20 +21,29 @@ from worker.frames import Encoding, Priority
 
 
 class FakeExecutor:
-    """Takes `batch_s` per batch on one thread, whatever its size (a GPU-like cost)."""
+    """Takes `batch_s` per batch on each of its `runners` threads, whatever its size (a GPU-like cost); counts the
+    most batches submitted and not yet done at once."""
 
-    def __init__(self, batch_s: float) -> None:
+    def __init__(self, batch_s: float, runners: int = 1) -> None:
         self.batch_s = batch_s
+        self.runner_count = runners
         self.sizes: list[int] = []
-        self._pool = concurrent.futures.ThreadPoolExecutor(1)
+        self.outstanding = self.most_outstanding = 0
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(runners)
 
     def submit(self, frames: list, shape: tuple[int, int, int]) -> concurrent.futures.Future[SimpleNamespace]:
         self.sizes.append(len(frames))
+        with self._lock:
+            self.outstanding += 1
+            self.most_outstanding = max(self.most_outstanding, self.outstanding)
         return self._pool.submit(self._run, len(frames))
 
     def _run(self, n: int) -> SimpleNamespace:
         time.sleep(self.batch_s)
-        return SimpleNamespace(batch_size=n)  # the only field the load reads of a BatchOutcome
+        with self._lock:
+            self.outstanding -= 1
+        return SimpleNamespace(batch_size=n)  # the fields the load reads of a BatchOutcome
 
 
 @pytest.fixture
@@ -54,6 +64,14 @@ def test_an_executor_slower_than_the_offer_is_reported_as_not_keeping_up(frame) 
     r = executor_load.open_loop(ex, frame, rate_fps=100, seconds=1.0, policy=executor_load.BatchPolicy(2, 5, 1))
     assert not r["kept_up"]
     assert r["sustained_fps"] < 40 and r["drain_after_load_s"] > 1.0
+
+
+def test_a_saturated_round_keeps_two_batches_per_runner_in_flight_as_the_worker_does(frame) -> None:
+    ex = FakeExecutor(0.01, runners=3)
+    r = executor_load.executor_round(ex, [(frame, frame.shape)], batch_size=4, seconds=0.3)
+    assert r["inflight"] == 6 == ex.most_outstanding
+    assert r["frames"] == sum(ex.sizes) - 4  # all but the untimed first batch
+    assert 0 < r["batch_ms"]["p50"] <= r["batch_ms"]["p99"]
 
 
 def test_frame_cycle_matches_the_workload() -> None:

@@ -188,9 +188,11 @@ class InferenceExecutor:
         caps = BatchCaps.from_settings(batching) if batching is not None else BatchCaps()
         # Each runner gets its own copy of the model, loaded and validated on its device.
         loaded = [load_model(model, device) for device in plan.devices for _ in range(runtime.instances_per_device)]
-        runners = [make_runner(m.module, m.contract, m.device, plan.precision, plan.cuda_graphs, plan.buckets,
-                               runtime.warmup_batches, caps, *_graph_memory(memory.get(m.device), runtime),
-                               on_graph_evicted) for m in loaded]
+        runners = []
+        for m in loaded:
+            policy, budget = _graph_memory(memory.get(m.device), runtime)
+            runners.append(make_runner(m.module, m.contract, m.device, plan.precision, plan.cuda_graphs, plan.buckets,
+                                       runtime.warmup_batches, caps, policy, budget, on_graph_evicted))
         return cls(runners, loaded[0].contract, preprocess_thread_count(runtime), runtime.warmup_batches,
                    warmup_batch_size=max(runtime.graph_batch_sizes), device_description=_describe(plan, loaded[0].kind),
                    memory=[memory[r.device] for r in runners] if memory else ())
