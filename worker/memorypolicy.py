@@ -121,7 +121,6 @@ class MemoryPolicy:
         self._max_batch[key] = (recorded, best)
         return best
 
-
     def _base(self, shape: Shape) -> int:
         """The measured 0-frame point (what was allocated before a batch: the models, graphs), shared by the
         device's runners; 0 when not measured, so every byte counts per batch (conservative)."""

@@ -517,3 +517,16 @@ def test_on_cuda_only_buckets_the_batcher_can_send_are_captured_and_peaks_are_ke
     assert ex.memory_policy.policies[0].predict_peak((48, 64, 3), 1) is None
     assert ex.graph_evictions == 0 and ex.capture_count == 2
 
+
+
+@pytest.mark.cuda
+@cuda_only
+def test_on_cuda_each_gpu_has_its_own_memory_policy_shared_by_its_instances(executor_for):
+    ex = executor_for(runtime=RuntimeSettings(device="cuda", warmup_batches=1, graph_batch_sizes=(1, 2),
+                                              instances_per_device=2))
+    assert ex.memory_policy is not None and len(ex.memory_policy.policies) == torch.cuda.device_count()
+    for policy, index in zip(ex.memory_policy.policies, range(torch.cuda.device_count())):
+        on_device = [r for r in ex.runners if r.device == torch.device("cuda", index)]
+        assert len(on_device) == 2 and all(r.plan.memory is policy for r in on_device)
+        total = torch.cuda.get_device_properties(index).total_memory
+        assert policy.limit_bytes == int(total * RuntimeSettings().memory_fraction) and policy.runners == 2
