@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import ssl
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from confluent_kafka import KafkaException
@@ -20,6 +20,10 @@ from confluent_kafka import KafkaException
 from worker.config import SECRET_PROPERTIES, ConfigError, KafkaSettings
 
 REDACTED = "[redacted]"
+
+# What makes a librdkafka client from its properties, called as `factory(conf, logger=...)`: confluent_kafka's
+# Consumer or Producer, or an in-memory stand-in with the same API (the unit tests' and the GPU check's fakes).
+ClientFactory = Callable[..., Any]
 
 
 def redact(properties: Mapping[str, Any]) -> dict[str, Any]:
@@ -93,7 +97,7 @@ def _certificate_subject(path: str) -> str:
     return ",".join(f"{short.get(p.split('=', 1)[0], p.split('=', 1)[0])}={p.split('=', 1)[1]}" for p in parts)
 
 
-def new_client(factory: Any, conf: Mapping[str, Any], role: str, logger: logging.Logger | None = None) -> Any:
+def new_client(factory: ClientFactory, conf: Mapping[str, Any], role: str, logger: logging.Logger | None = None) -> Any:
     """A librdkafka client (`factory`: Consumer or Producer) made from `conf`; librdkafka validates every property
     here, without connecting, so a refused one is a ConfigError naming kafka.<role>_overrides."""
     try:

@@ -17,6 +17,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from confluent_kafka import Consumer, Producer
+
 from worker.assignment import TP, Assignments
 from worker.batching import Batch, MicroBatcher
 from worker.config import Settings, resolve_inflight_batches
@@ -24,11 +26,12 @@ from worker.costmodel import CostModel
 from worker.dedup import DuplicateFrames, duplicate_reason
 from worker.delivery import AtLeastOnceDelivery, CommitResult, Delivery, ExactlyOnceDelivery
 from worker.frames import DUPLICATE_FRAME, BatchOutcome, DeadLetter, Frame, Output, Priority, Status, Verdict
+from worker.kafka_client import ClientFactory
 from worker.memorypolicy import BatchSizeLimit
 from worker.metrics import Children, Health, Metrics
 from worker.offsets import OffsetTracker
 from worker.schemas import ResultContext, build_result, reencode_frame
-from worker.sink import DoneCallback, RejectedCallback, ResultSink, output_message_limit
+from worker.sink import STUCK_GRACE_S, DoneCallback, RejectedCallback, ResultSink, output_message_limit
 from worker.source import FrameSource, Polled, RebalanceHandler
 
 if TYPE_CHECKING:
@@ -500,28 +503,44 @@ class Pipeline:
                                                    for k, d in self.cost.snapshot().items()})
 
 
+@dataclass(frozen=True)
+class KafkaClients:
+    """How the loop reaches Kafka: librdkafka's clients and the broker's topic limits by default; the unit tests
+    and the GPU check pass in-memory stand-ins (tests/unit/kafka_fakes.py) to run the real loop without a broker."""
+
+    consumer: ClientFactory = Consumer
+    producer: ClientFactory = Producer
+    # The smallest max.message.bytes of the output topics, or None to keep librdkafka's defaults.
+    output_message_limit: Callable[[Settings], int | None] = output_message_limit
+    # How long a transactional call may block past its own timeout before its producer is replaced.
+    stuck_grace_s: float = STUCK_GRACE_S
+
+
 def build_pipeline(settings: Settings, executor: Executor, metrics: Metrics, health: Health,
-                   clock: Callable[[], float] = time.time, time_phases: bool = False) -> Pipeline:
+                   clock: Callable[[], float] = time.time, time_phases: bool = False,
+                   clients: KafkaClients = KafkaClients()) -> Pipeline:
     """The pipeline with its real parts: a Kafka consumer, producer and the delivery of the configured mode."""
     settings = resolve_inflight_batches(settings, executor.runner_count)
     log.info("in-flight batches: %d for %d runner(s), and one more for realtime",
              settings.delivery.max_inflight_batches, executor.runner_count)
     assignments = Assignments()
     tracker = OffsetTracker()
-    source = FrameSource(settings, clock, assignments)
+    source = FrameSource(settings, clock, assignments, consumer_factory=clients.consumer)
     delivery: Delivery
-    limit = output_message_limit(settings)
+    limit = clients.output_message_limit(settings)
     if settings.delivery.mode == "exactly_once":
         transactional_id = f"{settings.delivery.transactional_id_prefix}-{settings.observability.worker_id}"
 
         def transactional_sink(on_done: DoneCallback, on_rejected: RejectedCallback) -> ResultSink:
             return ResultSink(settings, on_done, on_rejected, transactional_id=transactional_id,
-                              max_message_bytes=limit)
+                              max_message_bytes=limit, producer_factory=clients.producer,
+                              stuck_grace_s=clients.stuck_grace_s)
 
         delivery = ExactlyOnceDelivery(settings, transactional_sink, source, tracker, assignments, metrics)
     else:
         def sink(on_done: DoneCallback, on_rejected: RejectedCallback) -> ResultSink:
-            return ResultSink(settings, on_done, on_rejected, max_message_bytes=limit)
+            return ResultSink(settings, on_done, on_rejected, max_message_bytes=limit,
+                              producer_factory=clients.producer, stuck_grace_s=clients.stuck_grace_s)
 
         at_least_once = AtLeastOnceDelivery(settings, sink, source, tracker, assignments, metrics, clock)
         source.on_commit_done = at_least_once.commit_reported

@@ -19,7 +19,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 from worker.config import Settings
 from worker.errors import StreamferError
 from worker.frames import DeadLetter, SourceRef
-from worker.kafka_client import client_properties, new_client, security_properties
+from worker.kafka_client import ClientFactory, client_properties, new_client, security_properties
 from worker.kafka_errors import BrokerAccessError, Identity, classify_producer_error
 from worker.threadnames import name_os_thread
 from worker.topics import topic_message_limits
@@ -131,7 +131,8 @@ class ResultSink:
     """Produces encoded results and dead letters; reports each source offset as done once acknowledged."""
 
     def __init__(self, settings: Settings, on_done: DoneCallback, on_rejected: RejectedCallback,
-                 transactional_id: str | None = None, max_message_bytes: int | None = None) -> None:
+                 transactional_id: str | None = None, max_message_bytes: int | None = None,
+                 producer_factory: ClientFactory = Producer, stuck_grace_s: float = STUCK_GRACE_S) -> None:
         conf = producer_config(settings, transactional_id, max_message_bytes)
         self._results_topic = settings.topics.results
         self._dlq_topic = settings.topics.dead_letter
@@ -141,7 +142,8 @@ class ResultSink:
         self.identity = Identity.of(settings, transactional_id)
         # Set by a delivery report the cluster refused (ACL, credentials): the pipeline raises it (exit 2).
         self.access_error: BrokerAccessError | None = None
-        self._producer = new_client(Producer, conf, "producer", log)
+        self._producer = new_client(producer_factory, conf, "producer", log)
+        self._stuck_grace_s = stuck_grace_s
         self.transactional = bool(transactional_id)
         self._transactional_id = transactional_id
         # Set by a delivery report that the producer cannot recover from; the pipeline raises it.
@@ -316,14 +318,14 @@ class ResultSink:
         self._calls.put((call, done, box))
         # Serve delivery reports meanwhile: commit_transaction and abort_transaction wait for every outstanding
         # message, and abort_transaction fails when nobody polls for their reports.
-        deadline = time.monotonic() + timeout_s + STUCK_GRACE_S
+        deadline = time.monotonic() + timeout_s + self._stuck_grace_s
         while not done.wait(DELIVERY_POLL_S) and time.monotonic() < deadline:
             self._producer.poll(0)
             self._give_up_if_refused()
         if not done.is_set():
             self.stuck = True
             raise TransactionStuckError(f"a transactional call of {self._transactional_id!r} is still blocked "
-                                        f"{timeout_s + STUCK_GRACE_S:.0f}s after it started (its timeout is "
+                                        f"{timeout_s + self._stuck_grace_s:.0f}s after it started (its timeout is "
                                         f"{timeout_s:.0f}s)")
         if "error" in box:
             raise box["error"]

@@ -23,7 +23,7 @@ from worker.assignment import Assignments
 from worker.config import Settings
 from worker.errors import StreamferError
 from worker.frames import MESSAGE_DECODE_ERROR, DeadLetter, Frame, Priority, SourceRef
-from worker.kafka_client import client_properties, new_client
+from worker.kafka_client import ClientFactory, client_properties, new_client
 from worker.kafka_errors import UNKNOWN_TOPIC, BrokerStatus, Identity, RefusalStreak, classify_consumer_error
 from worker.schemas import MessageDecodeError, decode_frame
 
@@ -134,7 +134,7 @@ class FrameSource:
     """Consumes frames from the input topics; each message becomes a Frame or a DeadLetter, never vanishes."""
 
     def __init__(self, settings: Settings, clock: Callable[[], float] = time.time,
-                 assignments: Assignments | None = None) -> None:
+                 assignments: Assignments | None = None, consumer_factory: ClientFactory = Consumer) -> None:
         k = settings.kafka
         # Authentication, authorisation and reachability are reported here, not as messages (librdkafka 2.x).
         self.broker_status = BrokerStatus(unreachable_limit_s=k.session_timeout_ms / 1000.0)
@@ -151,7 +151,7 @@ class FrameSource:
         self._topics = settings.topics.input_topics()
         self._clock = clock
         self._limits = settings.limits
-        self._consumer = new_client(Consumer, conf, "consumer", log)
+        self._consumer = new_client(consumer_factory, conf, "consumer", log)
         # The partitions owned and their epochs, shared with the pipeline and delivery.
         self.assignments = assignments if assignments is not None else Assignments()
         self._paused_classes: set[Priority] = set()

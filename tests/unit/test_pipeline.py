@@ -14,13 +14,10 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError
 
-import worker.pipeline as pipeline_module
-import worker.sink as sink_module
-import worker.source as source_module
 from worker.config import BatchingSettings, DeliverySettings, ObservabilitySettings, Settings
 from worker.frames import OUTPUT_REJECTED, BatchOutcome, Priority, Verdict
 from worker.metrics import Health, Metrics
-from worker.pipeline import Pipeline, build_pipeline
+from worker.pipeline import KafkaClients, Pipeline, build_pipeline
 from worker.schemas import decode_result
 from worker.sink import SinkError
 
@@ -44,7 +41,7 @@ class Clock:
 class World:
     """A pipeline over fakes; `consumer` is the group's view, `producers` every producer created, in order."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, mode: str = "at_least_once", hold: bool = False,
+    def __init__(self, mode: str = "at_least_once", hold: bool = False,
                  batching: BatchingSettings | None = None, max_inflight: int = 4, executor: Any = None,
                  max_uncommitted_frames: int = 0, commit_interval_ms: float = 0.0,
                  metrics: Metrics | None = None) -> None:
@@ -69,15 +66,15 @@ class World:
             self.producers.append(made)
             return made
 
-        monkeypatch.setattr(source_module, "Consumer", consumer)
-        monkeypatch.setattr(sink_module, "Producer", producer)
-        monkeypatch.setattr(sink_module, "STUCK_GRACE_S", 0.05)
-        monkeypatch.setattr(pipeline_module, "output_message_limit", lambda settings: None)  # no admin calls
+        # No admin calls for the output topics' limit; a stuck transactional call is given up on quickly.
+        self.clients = KafkaClients(consumer=consumer, producer=producer, output_message_limit=lambda settings: None,
+                                    stuck_grace_s=0.05)
         self.clock = Clock()
         self.executor = executor if executor is not None else FakeExecutor(hold=hold)
         self.health = Health()
         self.metrics = metrics or Metrics()
-        self.pipeline: Pipeline = build_pipeline(self.settings, self.executor, self.metrics, self.health, self.clock)
+        self.pipeline: Pipeline = build_pipeline(self.settings, self.executor, self.metrics, self.health, self.clock,
+                                                 clients=self.clients)
         assert self.consumer is not None
         self.pipeline.source.subscribe(self.pipeline._on_assign, self.pipeline._on_revoke, self.pipeline._on_lost)
 
@@ -130,8 +127,8 @@ def offsets(results: list[tuple[str, int, int]], tp: tuple[str, int]) -> list[in
 
 # -- commit points ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["at_least_once", "exactly_once"])
-def test_every_frame_gets_one_result_and_the_commit_reaches_the_end(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
-    w = World(monkeypatch, mode)
+def test_every_frame_gets_one_result_and_the_commit_reaches_the_end(mode: str) -> None:
+    w = World(mode)
     w.frames(P0, 6)
     w.kafka.rebalance("assign", [P0])
     w.step(6)
@@ -139,9 +136,8 @@ def test_every_frame_gets_one_result_and_the_commit_reaches_the_end(monkeypatch:
     assert w.committed(P0) == 6
 
 
-def test_bug2_exactly_once_never_commits_an_output_beyond_its_partitions_commit_point(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    w = World(monkeypatch, "exactly_once", hold=True)
+def test_bug2_exactly_once_never_commits_an_output_beyond_its_partitions_commit_point() -> None:
+    w = World("exactly_once", hold=True)
     # Offset 1 is not a frame: its dead letter is ready at once, while offset 0 is still running.
     w.kafka.append(P0, frame_value("s", 0), b"not a frame", frame_value("s", 2))
     w.kafka.rebalance("assign", [P0])
@@ -155,8 +151,8 @@ def test_bug2_exactly_once_never_commits_an_output_beyond_its_partitions_commit_
     assert w.committed(P0) == 3
 
 
-def test_at_least_once_commit_stays_below_an_unfinished_frame(monkeypatch: pytest.MonkeyPatch) -> None:
-    w = World(monkeypatch, "at_least_once", hold=True)
+def test_at_least_once_commit_stays_below_an_unfinished_frame() -> None:
+    w = World("at_least_once", hold=True)
     w.kafka.append(P0, frame_value("s", 0), b"not a frame", frame_value("s", 2))
     w.kafka.rebalance("assign", [P0])
     w.step(4)
@@ -168,9 +164,8 @@ def test_at_least_once_commit_stays_below_an_unfinished_frame(monkeypatch: pytes
     assert w.committed(P0) == 3
 
 
-def test_while_commits_fail_reading_stops_at_the_uncommitted_cap_and_goes_on_when_a_commit_lands(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    w = World(monkeypatch, "at_least_once", max_uncommitted_frames=8)
+def test_while_commits_fail_reading_stops_at_the_uncommitted_cap_and_goes_on_when_a_commit_lands() -> None:
+    w = World("at_least_once", max_uncommitted_frames=8)
     w.frames(P0, 40)
     w.kafka.commit_error = KafkaError(KafkaError.COORDINATOR_NOT_AVAILABLE)
     w.assign([P0])
@@ -186,9 +181,8 @@ def test_while_commits_fail_reading_stops_at_the_uncommitted_cap_and_goes_on_whe
     assert w.pipeline.tracker.uncommitted() == 0
 
 
-def test_a_long_commit_interval_commits_early_rather_than_stop_at_the_uncommitted_cap(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    w = World(monkeypatch, "at_least_once", max_uncommitted_frames=8, commit_interval_ms=3_600_000)
+def test_a_long_commit_interval_commits_early_rather_than_stop_at_the_uncommitted_cap() -> None:
+    w = World("at_least_once", max_uncommitted_frames=8, commit_interval_ms=3_600_000)
     w.frames(P0, 40)
     w.assign([P0])
     w.step(40)
@@ -198,8 +192,8 @@ def test_a_long_commit_interval_commits_early_rather_than_stop_at_the_uncommitte
 
 # -- stale work ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["at_least_once", "exactly_once"])
-def test_bug3_outputs_of_a_lost_partition_are_dropped(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
-    w = World(monkeypatch, mode, hold=True)
+def test_bug3_outputs_of_a_lost_partition_are_dropped(mode: str) -> None:
+    w = World(mode, hold=True)
     w.frames(P0, 2)
     w.frames(P1, 2)
     w.assign([P0, P1])
@@ -213,8 +207,8 @@ def test_bug3_outputs_of_a_lost_partition_are_dropped(monkeypatch: pytest.Monkey
     assert (w.committed(P0) or 0) == 0
 
 
-def test_outputs_of_a_lost_partition_are_dropped_even_when_it_comes_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    w = World(monkeypatch, "exactly_once", hold=True)
+def test_outputs_of_a_lost_partition_are_dropped_even_when_it_comes_back() -> None:
+    w = World("exactly_once", hold=True)
     w.frames(P0, 2)
     w.kafka.rebalance("assign", [P0])
     w.step()
@@ -230,8 +224,8 @@ def test_outputs_of_a_lost_partition_are_dropped_even_when_it_comes_back(monkeyp
 
 @pytest.mark.parametrize("mode", ["at_least_once", "exactly_once"])
 def test_bug9_a_partition_revoked_and_reassigned_inside_one_poll_is_reread_from_its_commit_never_twice(
-        monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
-    w = World(monkeypatch, mode)
+        mode: str) -> None:
+    w = World(mode)
     w.frames(P0, 3)
     w.kafka.rebalance("assign", [P0])
     w.step(3)
@@ -243,8 +237,8 @@ def test_bug9_a_partition_revoked_and_reassigned_inside_one_poll_is_reread_from_
     assert w.committed(P0) == 6
 
 
-def test_bug9_a_partition_lost_and_reassigned_inside_one_poll_loses_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    w = World(monkeypatch, "exactly_once", hold=True)
+def test_bug9_a_partition_lost_and_reassigned_inside_one_poll_loses_nothing() -> None:
+    w = World("exactly_once", hold=True)
     w.kafka.group_committed[P0] = 3
     w.frames(P0, 7)
     w.kafka.script = [("assign", [P0]), ("messages", 2)]  # reads 3, 4
@@ -259,9 +253,8 @@ def test_bug9_a_partition_lost_and_reassigned_inside_one_poll_loses_nothing(monk
     assert w.committed(P0) == 7
 
 
-def test_revoked_partitions_are_finished_delivered_and_committed_before_they_go(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    w = World(monkeypatch, "at_least_once")
+def test_revoked_partitions_are_finished_delivered_and_committed_before_they_go() -> None:
+    w = World("at_least_once")
     w.frames(P0, 3)
     w.assign([P0])
     w.step()  # 0..2 read
@@ -271,9 +264,8 @@ def test_revoked_partitions_are_finished_delivered_and_committed_before_they_go(
     assert w.committed(P0) == 3
 
 
-def test_bug11_offsets_the_consumer_delivers_again_within_an_assignment_are_dropped(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    w = World(monkeypatch, "exactly_once")
+def test_bug11_offsets_the_consumer_delivers_again_within_an_assignment_are_dropped() -> None:
+    w = World("exactly_once")
     w.frames(P0, 4)
     w.kafka.rebalance("assign", [P0])
     w.step(3)
@@ -284,8 +276,8 @@ def test_bug11_offsets_the_consumer_delivers_again_within_an_assignment_are_drop
 
 
 # -- exactly-once transactions -------------------------------------------------------------------------------
-def test_an_aborted_transaction_rewinds_and_every_frame_is_answered_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    w = World(monkeypatch, "exactly_once")
+def test_an_aborted_transaction_rewinds_and_every_frame_is_answered_once() -> None:
+    w = World("exactly_once")
     w.frames(P0, 3)
     w.kafka.rebalance("assign", [P0])
     w.producer.commit_errors.append(abortable())
@@ -296,8 +288,8 @@ def test_an_aborted_transaction_rewinds_and_every_frame_is_answered_once(monkeyp
     assert w.committed(P0) == 3
 
 
-def test_bug8_a_stuck_transactional_call_is_replaced_by_a_fencing_producer(monkeypatch: pytest.MonkeyPatch) -> None:
-    w = World(monkeypatch, "exactly_once")
+def test_bug8_a_stuck_transactional_call_is_replaced_by_a_fencing_producer() -> None:
+    w = World("exactly_once")
     w.frames(P0, 3)
     w.assign([P0])
     stuck = w.producer
@@ -315,11 +307,11 @@ def test_bug8_a_stuck_transactional_call_is_replaced_by_a_fencing_producer(monke
 # -- outputs that cannot be produced ------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["at_least_once", "exactly_once"])
 def test_a_result_the_client_refuses_is_dead_lettered_by_reference_and_the_partition_moves_on(
-        monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
-    w = World(monkeypatch, mode)
+        mode: str) -> None:
+    w = World(mode)
     w.max_message_bytes = 400
     w.producers.clear()
-    w.pipeline = build_pipeline(w.settings, w.executor, Metrics(), w.health, w.clock)
+    w.pipeline = build_pipeline(w.settings, w.executor, Metrics(), w.health, w.clock, clients=w.clients)
     w.pipeline.source.subscribe(w.pipeline._on_assign, w.pipeline._on_revoke, w.pipeline._on_lost)
     w.kafka.append(P0, frame_value("s", 0), frame_value("s", 1, tenant="x" * 600), frame_value("s", 2))
     w.kafka.rebalance("assign", [P0])
@@ -333,9 +325,8 @@ def test_a_result_the_client_refuses_is_dead_lettered_by_reference_and_the_parti
 
 
 @pytest.mark.parametrize("mode", ["at_least_once", "exactly_once"])
-def test_a_result_the_broker_refuses_is_dead_lettered_by_reference(monkeypatch: pytest.MonkeyPatch,
-                                                                   mode: str) -> None:
-    w = World(monkeypatch, mode)
+def test_a_result_the_broker_refuses_is_dead_lettered_by_reference(mode: str) -> None:
+    w = World(mode)
     w.frames(P0, 3)
 
     def refuse_offset_1(m: Produced) -> KafkaError | None:
@@ -353,9 +344,8 @@ def test_a_result_the_broker_refuses_is_dead_lettered_by_reference(monkeypatch: 
 
 # -- lifecycle --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["at_least_once", "exactly_once"])
-def test_a_stop_request_drains_running_batches_delivers_and_commits(monkeypatch: pytest.MonkeyPatch,
-                                                                    mode: str) -> None:
-    w = World(monkeypatch, mode)
+def test_a_stop_request_drains_running_batches_delivers_and_commits(mode: str) -> None:
+    w = World(mode)
     w.frames(P0, 3)
     w.assign([P0])
     turns = iter(range(1))
@@ -370,8 +360,8 @@ def test_a_stop_request_drains_running_batches_delivers_and_commits(monkeypatch:
     assert summary.results == 3
 
 
-def test_bug1_idle_time_counts_only_from_the_first_assignment(monkeypatch: pytest.MonkeyPatch) -> None:
-    w = World(monkeypatch)
+def test_bug1_idle_time_counts_only_from_the_first_assignment() -> None:
+    w = World()
     w.clock.now += 3_600
     assert w.pipeline._idle_for() == 0.0  # still joining the group: never idle
     w.kafka.rebalance("assign", [P0])
@@ -381,9 +371,8 @@ def test_bug1_idle_time_counts_only_from_the_first_assignment(monkeypatch: pytes
 
 
 @pytest.mark.parametrize("committed_moves", [True, False])
-def test_bug12_exit_when_idle_waits_until_the_committed_offsets_reach_the_end(monkeypatch: pytest.MonkeyPatch,
-                                                                             committed_moves: bool) -> None:
-    w = World(monkeypatch, "exactly_once")
+def test_bug12_exit_when_idle_waits_until_the_committed_offsets_reach_the_end(committed_moves: bool) -> None:
+    w = World("exactly_once")
     if not committed_moves:  # as while a dead member's open transaction still holds the group's offsets
         w.producer.group = None
     w.frames(P0, 2)
@@ -404,8 +393,8 @@ def test_bug12_exit_when_idle_waits_until_the_committed_offsets_reach_the_end(mo
         assert turns > 40  # never caught up: stays until stopped
 
 
-def test_a_repeated_frame_identity_is_dead_lettered_and_the_first_copy_scored(monkeypatch: pytest.MonkeyPatch) -> None:
-    w = World(monkeypatch, "exactly_once")
+def test_a_repeated_frame_identity_is_dead_lettered_and_the_first_copy_scored() -> None:
+    w = World("exactly_once")
     w.kafka.append(P0, frame_value("s", 0), frame_value("s", 1), frame_value("s", 0))  # offset 2 repeats 0
     w.kafka.rebalance("assign", [P0])
     w.step(4)
@@ -415,10 +404,10 @@ def test_a_repeated_frame_identity_is_dead_lettered_and_the_first_copy_scored(mo
     assert w.committed(P0) == 3
 
 
-def test_a_producer_that_cannot_abort_is_replaced_and_the_frames_answered_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_producer_that_cannot_abort_is_replaced_and_the_frames_answered_once() -> None:
     # As after a message the broker refused inside a transaction: the commit fails, then the abort too
     # (OUT_OF_ORDER_SEQUENCE_NUMBER is fatal for a transactional producer).
-    w = World(monkeypatch, "exactly_once")
+    w = World("exactly_once")
     w.frames(P0, 3)
     w.kafka.rebalance("assign", [P0])
     broken = w.producer
@@ -430,8 +419,8 @@ def test_a_producer_that_cannot_abort_is_replaced_and_the_frames_answered_once(m
     assert w.committed(P0) == 3
 
 
-def test_a_fenced_producer_stops_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
-    w = World(monkeypatch, "exactly_once")
+def test_a_fenced_producer_stops_the_worker() -> None:
+    w = World("exactly_once")
     w.frames(P0, 3)
     w.kafka.rebalance("assign", [P0])
     w.producer.commit_errors.append(KafkaError(KafkaError._FENCED, fatal=True))
@@ -445,12 +434,11 @@ def sample(w: World, name: str, **labels: str) -> float:
     return w.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
-def test_frames_consumed_in_one_poll_are_counted_per_topic_and_tenant_label_in_the_order_tenants_came(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_frames_consumed_in_one_poll_are_counted_per_topic_and_tenant_label_in_the_order_tenants_came() -> None:
     s = Settings()
     metrics = Metrics(settings=dataclasses.replace(s, observability=dataclasses.replace(s.observability,
                                                                                           max_metric_tenants=2)))
-    w = World(monkeypatch, metrics=metrics)
+    w = World(metrics=metrics)
     # First seen: zed, then amy; bob comes third (although the most frequent, and first in name order): "other".
     tenants = ["zed", "amy", "zed", "bob", "amy", "bob", "bob"]
     w.kafka.append(P0, *(frame_value("s", i, tenant=t) for i, t in enumerate(tenants)), b"not a frame")
@@ -464,8 +452,8 @@ def test_frames_consumed_in_one_poll_are_counted_per_topic_and_tenant_label_in_t
                         (REALTIME, "other"): 1, (REALTIME, "amy"): 1}
 
 
-def test_expired_frames_are_counted_per_topic_and_tenant(monkeypatch: pytest.MonkeyPatch) -> None:
-    w = World(monkeypatch, hold=True, max_inflight=1)
+def test_expired_frames_are_counted_per_topic_and_tenant() -> None:
+    w = World(hold=True, max_inflight=1)
     tenants = ["a", "b", "b", "c"] * 4
     w.kafka.append((REALTIME, 0), *(frame_value("r", i, tenant=t) for i, t in enumerate(tenants)))
     w.assign([(REALTIME, 0)])
@@ -491,8 +479,8 @@ class FlaggingExecutor(FakeExecutor):
         return future
 
 
-def test_flags_latencies_and_results_are_counted_per_label_class_and_tenant(monkeypatch: pytest.MonkeyPatch) -> None:
-    w = World(monkeypatch, executor=FlaggingExecutor())
+def test_flags_latencies_and_results_are_counted_per_label_class_and_tenant() -> None:
+    w = World(executor=FlaggingExecutor())
     w.kafka.append(P0, *(frame_value("s", i, tenant="ab"[i % 2]) for i in range(9)))
     w.kafka.append((REALTIME, 0), *(frame_value("r", i, tenant="a") for i in range(5)))
     w.assign([P0, (REALTIME, 0)])

@@ -47,8 +47,8 @@ def results_by_topic(w: World) -> dict[str, list[dict[str, Any]]]:
 
 
 # -- realtime isolation ---------------------------------------------------------------------------------------
-def test_a_realtime_batch_is_dispatched_while_two_bulk_batches_are_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
-    w = World(monkeypatch, hold=True, max_inflight=2)
+def test_a_realtime_batch_is_dispatched_while_two_bulk_batches_are_in_flight() -> None:
+    w = World(hold=True, max_inflight=2)
     w.kafka.append(BULK, *(frame_at("b", i, w.clock.now) for i in range(12)))
     w.assign([RT, STD, BULK])
     w.step(2)
@@ -61,9 +61,8 @@ def test_a_realtime_batch_is_dispatched_while_two_bulk_batches_are_in_flight(mon
     assert w.pipeline.inflight_batches == 3
 
 
-def test_a_finished_realtime_batch_is_delivered_while_an_older_bulk_batch_still_runs(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    w = World(monkeypatch, hold=True, max_inflight=2)
+def test_a_finished_realtime_batch_is_delivered_while_an_older_bulk_batch_still_runs() -> None:
+    w = World(hold=True, max_inflight=2)
     w.kafka.append(BULK, *(frame_at("b", i, w.clock.now) for i in range(4)))
     w.assign([RT, STD, BULK])
     w.step(2)
@@ -120,9 +119,9 @@ def test_with_three_runners_on_a_backlog_the_loop_has_every_runner_running_a_bat
 
 
 # -- an idle runtime ---------------------------------------------------------------------------------------------
-def idle_world(monkeypatch: pytest.MonkeyPatch, release_when_idle: bool = True) -> World:
+def idle_world(release_when_idle: bool = True) -> World:
     batching = BatchingSettings(rare_shape_min_count=1, max_batch_size=4, release_when_idle=release_when_idle)
-    w = World(monkeypatch, hold=True, max_inflight=2, batching=batching)
+    w = World(hold=True, max_inflight=2, batching=batching)
     w.assign([RT, STD, BULK])
     return w
 
@@ -133,9 +132,8 @@ def turns(w: World, count: int) -> None:
         w.pipeline.step()
 
 
-def test_with_nothing_running_and_no_input_waiting_a_partial_batch_goes_at_once(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    w = idle_world(monkeypatch)
+def test_with_nothing_running_and_no_input_waiting_a_partial_batch_goes_at_once() -> None:
+    w = idle_world()
     w.kafka.append(BULK, *(frame_at("b", i, w.clock.now) for i in range(2)))
     turns(w, 2)  # one poll, one dispatch
 
@@ -143,9 +141,8 @@ def test_with_nothing_running_and_no_input_waiting_a_partial_batch_goes_at_once(
     assert sample(w, "streamfer_batch_releases_total", priority="bulk", reason="idle") == 1
 
 
-def test_with_release_when_idle_off_a_partial_batch_waits_for_its_class_max_wait(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    w = idle_world(monkeypatch, release_when_idle=False)
+def test_with_release_when_idle_off_a_partial_batch_waits_for_its_class_max_wait() -> None:
+    w = idle_world(release_when_idle=False)
     w.kafka.append(BULK, *(frame_at("b", i, w.clock.now) for i in range(2)))
     turns(w, 4)
     assert w.executor.batches == []
@@ -155,9 +152,8 @@ def test_with_release_when_idle_off_a_partial_batch_waits_for_its_class_max_wait
     assert [len(b) for b in w.executor.batches] == [2]
 
 
-def test_while_a_batch_runs_the_next_one_fills_and_goes_when_the_runtime_is_free(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    w = idle_world(monkeypatch)
+def test_while_a_batch_runs_the_next_one_fills_and_goes_when_the_runtime_is_free() -> None:
+    w = idle_world()
     w.kafka.append(BULK, *(frame_at("b", i, w.clock.now) for i in range(2)))
     turns(w, 2)
     w.kafka.append(BULK, frame_at("b", 2, w.clock.now))
@@ -174,7 +170,7 @@ def test_while_a_batch_runs_the_next_one_fills_and_goes_when_the_runtime_is_free
 def test_on_a_backlog_polls_come_back_full_and_nothing_leaves_before_its_batch_fills(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pipeline_module, "POLL_BATCH", 3)
-    w = idle_world(monkeypatch)
+    w = idle_world()
     w.kafka.append(BULK, *(frame_at("b", i, w.clock.now) for i in range(5)))
     turns(w, 3)  # a full poll of 3 (more is waiting: no idle release), then 2, then the full batch of 4 goes
 
@@ -229,23 +225,23 @@ class TimedExecutor:
             self.running = (start + self.fixed_s + self.per_frame_s * len(frames), frames, future)
 
 
-def overload_world(monkeypatch: pytest.MonkeyPatch) -> tuple[World, TimedExecutor]:
+def overload_world() -> tuple[World, TimedExecutor]:
     batching = BatchingSettings(
         max_batch_size=16, rare_shape_min_count=1, max_pending_frames=512,
         realtime=ClassSettings(5, 2_000, 8, latency_budget_ms=250, pending_share=1.0),
         standard=ClassSettings(15, 3_000, 3, latency_budget_ms=1_000, pending_share=0.5),
         bulk=ClassSettings(100, 0, 1, latency_budget_ms=0, pending_share=0.25))
     executor = TimedExecutor(fixed_s=0.002, per_frame_s=0.001)  # ~890 frames/s in batches of 16
-    w = World(monkeypatch, batching=batching, max_inflight=2, executor=executor)
+    w = World(batching=batching, max_inflight=2, executor=executor)
     executor.clock = w.clock
     return w, executor
 
 
-def test_under_overload_realtime_is_scored_first_and_bulk_absorbs_the_shortfall(monkeypatch: pytest.MonkeyPatch):
+def test_under_overload_realtime_is_scored_first_and_bulk_absorbs_the_shortfall():
     """A bulk backlog, then 2.5x capacity for 8 s on all three topics (20% realtime, 40% standard, 40% bulk; the
     fake consumer hands out bulk first, as librdkafka's shared queue can). Realtime (0.5x capacity) must be
     scored; the shortfall falls on bulk (no deadline), then standard; nothing is lost."""
-    w, executor = overload_world(monkeypatch)
+    w, executor = overload_world()
     start = w.clock.now
     w.kafka.append(BULK, *(frame_at("bb", i, start - 5.0) for i in range(2000)))
     w.assign([RT, STD, BULK])
@@ -291,7 +287,7 @@ def test_at_light_load_a_frame_waits_for_the_runtime_not_for_its_class_max_wait(
     frames wait their 100 ms."""
     batching = BatchingSettings(max_batch_size=16, rare_shape_min_count=1, release_when_idle=release_when_idle)
     executor = TimedExecutor(fixed_s=0.002, per_frame_s=0.001)
-    w = World(monkeypatch, batching=batching, max_inflight=2, executor=executor)
+    w = World(batching=batching, max_inflight=2, executor=executor)
     executor.clock = w.clock
     w.pipeline.seed_costs([((4, 4, 3), n, 0.002 + 0.001 * n) for n in (1, 2, 4, 8, 16)])  # warm-up's timings
     w.assign([RT, STD, BULK])
@@ -322,8 +318,8 @@ def test_at_light_load_a_frame_waits_for_the_runtime_not_for_its_class_max_wait(
 
 # -- p99 tools ------------------------------------------------------------------------------------------------
 def test_with_debug_logging_each_batch_gets_one_line_with_its_class_shape_size_and_times(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    w = World(monkeypatch)
+        caplog: pytest.LogCaptureFixture) -> None:
+    w = World()
     w.kafka.append(RT, *(frame_at("r", i, w.clock.now) for i in range(4)))
     w.assign([RT])
     with caplog.at_level(logging.DEBUG, logger="worker.batches"):
@@ -336,8 +332,8 @@ def test_with_debug_logging_each_batch_gets_one_line_with_its_class_shape_size_a
         assert field in lines[0]
 
 
-def test_batch_log_lines_are_off_by_default(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    w = World(monkeypatch)
+def test_batch_log_lines_are_off_by_default(caplog: pytest.LogCaptureFixture) -> None:
+    w = World()
     w.kafka.append(RT, *(frame_at("r", i, w.clock.now) for i in range(4)))
     w.assign([RT])
     with caplog.at_level(logging.INFO):
@@ -345,8 +341,8 @@ def test_batch_log_lines_are_off_by_default(monkeypatch: pytest.MonkeyPatch, cap
     assert not [r for r in caplog.records if r.name == "worker.batches"]
 
 
-def test_the_input_size_distribution_is_kept_per_batch_shape(monkeypatch: pytest.MonkeyPatch) -> None:
-    w = World(monkeypatch)
+def test_the_input_size_distribution_is_kept_per_batch_shape() -> None:
+    w = World()
     w.kafka.append(RT, *(frame_at("r", i, w.clock.now) for i in range(4)))
     w.assign([RT])
     w.step(3)
@@ -355,9 +351,8 @@ def test_the_input_size_distribution_is_kept_per_batch_shape(monkeypatch: pytest
     assert registry.get_sample_value("streamfer_input_pixels_sum", {"shape": "4x4"}) == 4 * 16
 
 
-def test_each_batch_counts_its_release_reason_and_its_measured_over_predicted_time(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    w = World(monkeypatch)
+def test_each_batch_counts_its_release_reason_and_its_measured_over_predicted_time() -> None:
+    w = World()
     w.pipeline.seed_costs([((4, 4, 3), 4, 0.004)])  # predicted 4 ms; the fake executor's batches take 2 ms
     w.kafka.append(RT, *(frame_at("r", i, w.clock.now) for i in range(4)))
     w.assign([RT])

@@ -67,22 +67,23 @@ class FakeProducer:
 
 
 @pytest.fixture
-def producer(monkeypatch: pytest.MonkeyPatch):
+def producer():
     fake = FakeProducer()
-    monkeypatch.setattr(sink_module, "Producer", lambda conf, logger=None: fake)
-    monkeypatch.setattr(sink_module, "STUCK_GRACE_S", 0.05)
     yield fake
     fake.release.set()  # let an abandoned call's thread end
 
 
-def transactional_sink() -> ResultSink:
-    return ResultSink(Settings(), on_done=lambda source: None, on_rejected=lambda source, reason: None,
-                      transactional_id="streamfer-w0")
+def transactional_sink(producer: FakeProducer,
+                       on_rejected: Callable[[SourceRef, str], None] = lambda source, reason: None) -> ResultSink:
+    """A transactional sink over the fake producer; a call stuck past its timeout is given up 0.05 s later."""
+    return ResultSink(Settings(), on_done=lambda source: None, on_rejected=on_rejected,
+                      transactional_id="streamfer-w0", producer_factory=lambda conf, logger=None: producer,
+                      stuck_grace_s=0.05)
 
 
 def test_a_call_blocked_past_its_timeout_raises_instead_of_hanging(producer: FakeProducer) -> None:
     producer.block_send_offsets = True
-    sink = transactional_sink()
+    sink = transactional_sink(producer)
     sink.begin()
     started = time.monotonic()
     with pytest.raises(TransactionStuckError, match="still blocked"):
@@ -95,7 +96,7 @@ def test_a_call_blocked_past_its_timeout_raises_instead_of_hanging(producer: Fak
 
 def test_a_retriable_commit_error_is_retried_until_it_succeeds(producer: FakeProducer) -> None:
     producer.commit_errors = [KafkaError(KafkaError._TIMED_OUT, retriable=True)] * 2
-    sink = transactional_sink()
+    sink = transactional_sink(producer)
     sink.begin()
     sink.commit_transaction({("frames.standard", 0): 5}, object(), timeout_s=5.0)
     assert producer.calls.count("commit") == 3 and not sink.stuck
@@ -103,7 +104,7 @@ def test_a_retriable_commit_error_is_retried_until_it_succeeds(producer: FakePro
 
 def test_a_commit_still_failing_at_its_deadline_has_an_unknown_outcome(producer: FakeProducer) -> None:
     producer.commit_errors = [KafkaError(KafkaError._TIMED_OUT, retriable=True)] * 1000
-    sink = transactional_sink()
+    sink = transactional_sink(producer)
     sink.begin()
     with pytest.raises(TransactionStuckError, match="still fails"):
         sink.commit_transaction({}, object(), timeout_s=0.3)
@@ -112,7 +113,7 @@ def test_a_commit_still_failing_at_its_deadline_has_an_unknown_outcome(producer:
 
 def test_an_abortable_error_is_left_to_the_caller_to_abort(producer: FakeProducer) -> None:
     producer.commit_errors = [KafkaError(KafkaError._TIMED_OUT, retriable=True, txn_requires_abort=True)]
-    sink = transactional_sink()
+    sink = transactional_sink(producer)
     sink.begin()
     with pytest.raises(KafkaException) as info:
         sink.commit_transaction({}, object(), timeout_s=5.0)
@@ -127,8 +128,7 @@ def test_a_transaction_with_a_refused_message_is_given_up_not_aborted_even_when_
     producer.report_errors = [None, refused]
     producer.commit_errors = [KafkaError(KafkaError.MSG_SIZE_TOO_LARGE, txn_requires_abort=True)]
     rejected: list[SourceRef] = []
-    sink = ResultSink(Settings(), on_done=lambda source: None,
-                      on_rejected=lambda source, reason: rejected.append(source), transactional_id="streamfer-w0")
+    sink = transactional_sink(producer, on_rejected=lambda source, reason: rejected.append(source))
     sink.begin()
     for offset in (1, 2):
         sink.send_result(SourceRef("frames.standard", 0, offset), b"k", b"v")
@@ -142,9 +142,9 @@ def test_a_transaction_with_a_refused_message_is_given_up_not_aborted_even_when_
 def test_init_transactions_waits_for_the_broker_then_gives_a_named_error(producer: FakeProducer,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     producer.init_errors = [KafkaError(KafkaError._TRANSPORT, retriable=True)] * 2
-    transactional_sink()
+    transactional_sink(producer)
     assert producer.calls.count("init") == 3
     producer.init_errors = [KafkaError(KafkaError._TRANSPORT, retriable=True)] * 1000
     monkeypatch.setattr(sink_module, "INIT_TRANSACTIONS_TIMEOUT_S", 0.0)
     with pytest.raises(SinkError, match="streamfer-w0"):
-        transactional_sink()
+        transactional_sink(producer)

@@ -110,14 +110,12 @@ class FakeConsumer:
 
 
 @pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> FakeConsumer:
-    consumer = FakeConsumer()
-    monkeypatch.setattr(source_module, "Consumer", lambda conf, logger=None: consumer)
-    return consumer
+def fake() -> FakeConsumer:
+    return FakeConsumer()
 
 
 def make_source(fake: FakeConsumer) -> tuple[FrameSource, list[tuple[str, list[tuple[str, int]]]]]:
-    source = FrameSource(Settings(), clock=fake.clock)
+    source = FrameSource(Settings(), clock=fake.clock, consumer_factory=lambda conf, logger=None: fake)
     events: list[tuple[str, list[tuple[str, int]]]] = []
     source.subscribe(lambda tps: events.append(("assign", tps)), lambda tps: events.append(("revoke", tps)),
                      lambda tps: events.append(("lost", tps)))
