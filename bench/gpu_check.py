@@ -23,6 +23,9 @@ Sections:
              code on CPU runners at batch 2 (a code-path check, not a figure to choose the default by)
   executor   open_nsfw at 224x224 through InferenceExecutor, offered 800 frames/s open loop, batched like the
              worker (<= 32 frames, <= 15 ms wait, 2 in flight): sustained frames/s, batch and frame p99
+  e2e        the worker's real loop over in-memory Kafka fakes, open_nsfw on photo JPEGs (224x224, 720p) on three
+             priority topics, per decode path (bench/gpu_e2e.py): frames/s at saturation, p50/p99 per class at
+             800 frames/s offered, mean batch, CPU-ms per frame by thread role, peak GPU memory, the ledger
 A section that would overrun --budget-s is skipped, saying so, so the check ends within its time.
 """
 
@@ -119,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         ("decode", "JPEG decode frames/s (CPU decoders vs nvJPEG)", section_decode, 40, False),
         ("executor", f"executor, open_nsfw 224x224, offered {offered:.0f} frames/s", lambda c, s: section_executor(
             c, s, offered), 90, False),
+        ("e2e", "end to end: the worker's loop over Kafka fakes, open_nsfw, 224x224 and 720p JPEG", section_e2e, 80,
+         False),
         ("limit", "executor alone, saturated, per model and workload", section_limit, 90, False),
         ("instances", "instances_per_device 1/2/3 on one GPU, open_nsfw 224x224 JPEG", section_instances, 75, False),
     ]
@@ -449,6 +454,12 @@ def section_executor(check: Check, section: Section, offered: float) -> None:
         label = f"{name} on {check.device()}" + ("" if check.cuda else " (code-path check, not a GPU figure)")
         section.rows.append((label, value))
         print(f"  {label}: {value}", flush=True)
+
+
+def section_e2e(check: Check, section: Section) -> None:
+    from gpu_e2e import section_e2e as run_e2e  # its own module: the real pipeline over the Kafka fakes
+
+    run_e2e(check, section)
 
 
 def section_limit(check: Check, section: Section) -> None:

@@ -1,0 +1,470 @@
+"""The GPU check's end-to-end section: the worker's real loop (FrameSource, MicroBatcher, InferenceExecutor,
+delivery, ResultSink, OffsetTracker, as worker.pipeline.build_pipeline wires them) over the in-memory Kafka fakes of
+tests/unit/kafka_fakes.py, since the GPU machine has no broker (no Java).
+
+The feed is open_nsfw's workload: JPEGs of scikit-image's bundled photos at 224x224 and 1280x720, spread over the
+three priority topics (20% realtime, 40% standard, 40% bulk, as the mixed workload). Each frame's capture time is
+its *intended* send time and a message becomes readable only then, so a loop that falls behind shows in the
+latencies (no coordinated omission); latency is capture to result, as the worker reports it in `end_to_end_ms`.
+
+Per data path (CPU decode, device decode where runtime.decode exists) and frame size: sustained frames/s at
+saturation (a backlog), p50/p99 latency per class at OFFERED_FPS offered, mean batch size, CPU-ms per frame by
+thread role, peak GPU memory; every run checks its ledger (each frame read is answered once, nothing lost).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import common
+import stats
+from workloads import WORKLOADS, model_settings
+
+from tests.unit.kafka_fakes import FakeConsumer, FakeProducer
+from worker.app import freeze_startup_heap
+from worker.config import ConfigError, RuntimeSettings, Settings, load_settings, warmup_frame_shapes
+from worker.frames import Encoding, Priority
+from worker.metrics import Health, Metrics
+from worker.pipeline import KafkaClients, RunSummary, build_pipeline
+from worker.schemas import FrameRecord, decode_result, encode_frame
+from worker.threadnames import name_os_thread
+from worker.tools.publish_frames import encode_pixels
+from worker.tools.sample_video import PHOTOS, photo
+
+TP = tuple[str, int]
+# Warm-up timings of (frame shape, batch size, seconds) that seed the batcher's cost model (Pipeline.seed_costs).
+Costs = list[tuple[tuple[int, int, int], int, float]]
+OFFERED_FPS = 800.0
+SIZES: dict[str, tuple[int, int]] = {"224x224": (224, 224), "720p": (1280, 720)}  # (width, height)
+# A cycle of five frames: the mixed workload's shares (realtime 20%, standard 40%, bulk 40%), interleaved.
+CLASS_CYCLE = (Priority.STANDARD, Priority.BULK, Priority.REALTIME, Priority.STANDARD, Priority.BULK)
+PARTITIONS = 2  # per topic
+STREAMS_PER_CLASS = 6
+CROPS_PER_PHOTO = 4  # distinct JPEGs per photo: a pan across it, as a camera's consecutive frames differ
+WARMUP_SHARE = 0.1  # frames due in the first tenth of a timed run are left out of its latencies
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much one run feeds: on a GPU sized to fit the check's budget; with --cpu a code-path check."""
+
+    backlog_frames: dict[str, int]  # per size: the saturation run's backlog
+    offered_fps: float
+    offered_s: float
+    deadline_s: float  # a run still unanswered this long after its last frame was due is stopped (and drained)
+
+    @classmethod
+    def for_check(cls, cuda: bool, quick: bool) -> Plan:
+        if cuda:
+            # About 5 s a run at the CPU decode path's executor rates (GPU-NOTES: ~600 and ~435 frames/s).
+            return cls({"224x224": 1500 if quick else 3000, "720p": 1000 if quick else 2000},
+                       OFFERED_FPS, 2.0 if quick else 5.0, 10.0)
+        # A CPU runs open_nsfw at a few frames/s here: enough frames to pass every stage and class, no figures.
+        return cls({"224x224": 24, "720p": 12}, 8.0, 2.0, 60.0)
+
+
+# -- the feed -------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Message:
+    due: float  # wall seconds (time.time(), the worker's clock) when it becomes readable
+    tp: TP
+    value: bytes
+    priority: Priority
+
+
+def photo_jpegs(size: tuple[int, int], crops: int = CROPS_PER_PHOTO) -> list[bytes]:
+    """JPEGs (worker.tools.publish_frames' quality) of scikit-image's bundled photos, each scaled to cover `size`
+    and cut at `crops` places across it: real camera-like content, not synthetic blocks."""
+    import numpy as np
+    from PIL import Image
+
+    w, h = size
+    out: list[bytes] = []
+    for name in PHOTOS:
+        img = Image.fromarray(photo(name))
+        scale = max(w * 1.25 / img.width, h * 1.25 / img.height)
+        big = np.asarray(img.resize((round(img.width * scale), round(img.height * scale)),
+                                    Image.Resampling.BILINEAR))
+        top, span = (big.shape[0] - h) // 2, big.shape[1] - w
+        for i in range(crops):
+            left = round(span * i / max(1, crops - 1))
+            out.append(encode_pixels(np.ascontiguousarray(big[top:top + h, left:left + w]), Encoding.JPEG))
+    return out
+
+
+def topic_of(settings: Settings, priority: Priority) -> str:
+    return next(t for t, p in settings.topics.input_topics().items() if p is priority)
+
+
+def schedule(settings: Settings, jpegs: Sequence[bytes], size: tuple[int, int], count: int, rate_fps: float,
+             t0: float) -> list[Message]:
+    """`count` frames, frame i due at t0 + i / rate_fps (rate 0: all at t0, a backlog), its class from CLASS_CYCLE,
+    on one of STREAMS_PER_CLASS streams per class (a stream keeps its partition, its frame indices count up)."""
+    w, h = size
+    next_index: Counter[str] = Counter()
+    out: list[Message] = []
+    for i in range(count):
+        priority = CLASS_CYCLE[i % len(CLASS_CYCLE)]
+        stream_no = (i // len(CLASS_CYCLE)) % STREAMS_PER_CLASS
+        stream = f"e2e-{priority.label}-{w}x{h}-{stream_no}"
+        due = t0 + (i / rate_fps if rate_fps > 0 else 0.0)
+        record = FrameRecord(stream_id=stream, frame_index=next_index[stream], capture_ts_ms=round(due * 1000.0),
+                             tenant=f"tenant-{stream_no % 3}", priority=priority, width=w, height=h, channels=3,
+                             encoding=Encoding.JPEG, data=jpegs[i % len(jpegs)])
+        next_index[stream] += 1
+        out.append(Message(due, (topic_of(settings, priority), stream_no % PARTITIONS), encode_frame(record),
+                           priority))
+    return out
+
+
+class TimedConsumer(FakeConsumer):
+    """The fake consumer fed on a schedule: a message is readable from its due time on, and a consume() with a
+    timeout blocks until one is (as librdkafka's does) instead of spinning the loop."""
+
+    def __init__(self, conf: dict[str, Any], messages: Sequence[Message]) -> None:
+        super().__init__(conf)
+        self._messages = messages
+        self._released = 0
+
+    def _release(self, now: float) -> None:
+        while self._released < len(self._messages) and self._messages[self._released].due <= now:
+            m = self._messages[self._released]
+            self.append(m.tp, m.value)
+            self._released += 1
+
+    def _readable(self) -> bool:
+        return any(pos < len(self.log.get(tp, ())) for tp, pos in self.position_of.items() if tp not in self.paused)
+
+    def consume(self, num_messages: int, timeout: float) -> list[Any]:
+        now = time.time()
+        self._release(now)
+        if timeout > 0 and not self.queued_events and not self._readable():
+            deadline = now + timeout
+            while True:
+                # After a release the next message is due later than now: this sleeps, never spins.
+                due = self._messages[self._released].due if self._released < len(self._messages) else math.inf
+                time.sleep(max(0.0, min(deadline, due) - time.time()))
+                self._release(time.time())
+                if self._readable() or time.time() >= deadline:
+                    break
+        return super().consume(num_messages, 0)
+
+
+# -- one run --------------------------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    """What one run of the loop left behind: every result and dead letter produced, the group's commits."""
+
+    messages: list[Message]
+    results: list[dict[str, Any]]
+    dead_letters: int
+    committed: dict[TP, int]
+    summary: RunSummary
+    stopped_at_deadline: bool
+    wall_s: float
+    thread_cpu_s: dict[str, float]  # by thread role (bench/common.thread_role), over the run
+    gpu_peak_bytes: int | None
+
+
+def run_loop(settings: Settings, executor: Any, messages: list[Message],
+             costs: Costs | None = None, deadline_s: float = 60.0,
+             cuda_device: Any = None) -> Run:
+    """Build the real pipeline over the fakes (a fresh group: nothing committed), feed it `messages` on their
+    schedule, and run its loop in a thread named "loop" until every message is answered, or until `deadline_s`
+    after the last one was due (then it stops and drains, as on SIGTERM: what it never read stays uncommitted)."""
+    consumers: list[TimedConsumer] = []
+    producers: list[FakeProducer] = []
+
+    def consumer(conf: dict[str, Any], logger: Any = None) -> TimedConsumer:
+        consumers.append(TimedConsumer(conf, messages))
+        return consumers[-1]
+
+    def producer(conf: dict[str, Any], logger: Any = None) -> FakeProducer:
+        producers.append(FakeProducer(conf))
+        return producers[-1]
+
+    clients = KafkaClients(consumer=consumer, producer=producer, output_message_limit=lambda _settings: None)
+    pipeline = build_pipeline(settings, executor, Metrics(settings=settings), Health(), clients=clients)
+    pipeline.seed_costs(costs or [])
+    consumers[0].rebalance("assign", sorted({m.tp for m in messages}))
+    total = len(messages)
+    stop_at = (messages[-1].due if messages else time.time()) + deadline_s
+    stopped = threading.Event()
+
+    def should_stop() -> bool:
+        if pipeline.delivery.results + pipeline.delivery.dead_lettered >= total:
+            return True
+        if time.time() >= stop_at:
+            stopped.set()
+            return True
+        return False
+
+    named, go, finished, release = (threading.Event() for _ in range(4))
+    box: dict[str, Any] = {}
+
+    def loop() -> None:
+        name_os_thread()
+        named.set()
+        go.wait()
+        try:
+            box["summary"] = pipeline.run(should_stop)
+        except BaseException as exc:  # noqa: BLE001 (re-raised by the caller)
+            box["error"] = exc
+        finally:
+            finished.set()
+            release.wait()  # alive until its CPU time is read (/proc counts live threads only)
+
+    thread = threading.Thread(target=loop, name="loop", daemon=True)
+    thread.start()
+    named.wait()
+    if cuda_device is not None:
+        import torch
+
+        torch.cuda.synchronize(cuda_device)
+        torch.cuda.reset_peak_memory_stats(cuda_device)
+    cpu0 = common.thread_cpu_seconds(os.getpid())
+    t0 = time.time()
+    go.set()
+    finished.wait()
+    wall = time.time() - t0
+    cpu1 = common.thread_cpu_seconds(os.getpid())
+    release.set()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    peak = None
+    if cuda_device is not None:
+        import torch
+
+        peak = int(torch.cuda.max_memory_allocated(cuda_device))
+    results = [decode_result(m.value) for p in producers for m in p.visible if m.topic == settings.topics.results]
+    dead = sum(1 for p in producers for m in p.visible if m.topic == settings.topics.dead_letter)
+    return Run(messages=messages, results=results, dead_letters=dead, committed=dict(consumers[0].group_committed),
+               summary=box["summary"], stopped_at_deadline=stopped.is_set(), wall_s=wall,
+               thread_cpu_s={role: cpu1[role] - cpu0.get(role, 0.0) for role in cpu1}, gpu_peak_bytes=peak)
+
+
+# -- what a run shows -----------------------------------------------------------------------------------------------
+def ledger(run: Run, settings: Settings) -> dict[str, Any]:
+    """Per class: frames sent, answered (OK, EXPIRED), dead-lettered, never read; and the faults: a frame
+    answered twice, a frame below its partition's committed offset without an answer (lost), an answer above it."""
+    sent: Counter[TP] = Counter(m.tp for m in run.messages)
+    answers = Counter((r["source_topic"], r["source_partition"], r["source_offset"]) for r in run.results)
+    by_tp: dict[TP, set[int]] = {}
+    for topic, partition, offset in answers:
+        by_tp.setdefault((topic, partition), set()).add(offset)
+    duplicates = sum(n - 1 for n in answers.values() if n > 1)
+    lost = sum(len(set(range(run.committed.get(tp, 0))) - by_tp.get(tp, set())) for tp in sent)
+    beyond = sum(1 for tp, offsets in by_tp.items() for o in offsets if o >= run.committed.get(tp, 0))
+    classes: dict[str, dict[str, int]] = {}
+    for p in Priority:
+        topic = topic_of(settings, p)
+        mine = [r for r in run.results if r["source_topic"] == topic]
+        n_sent = sum(n for tp, n in sent.items() if tp[0] == topic)
+        classes[p.label] = {"sent": n_sent, "ok": sum(r["status"] == "OK" for r in mine),
+                            "expired": sum(r["status"] == "EXPIRED" for r in mine),
+                            "unread": sum(n - min(n, run.committed.get(tp, 0)) for tp, n in sent.items()
+                                          if tp[0] == topic)}
+    return {"classes": classes, "duplicates": duplicates, "lost": lost, "answered_above_commit": beyond,
+            "dead_letters": run.dead_letters, "sent": len(run.messages), "answered": sum(answers.values()),
+            "complete": not run.stopped_at_deadline and sum(answers.values()) == len(run.messages)}
+
+
+def ledger_faults(book: dict[str, Any]) -> list[str]:
+    """What breaks the worker's promise (each frame read answered exactly once, nothing lost), in words."""
+    faults = [f"{book[k]} {k.replace('_', ' ')}" for k in ("duplicates", "lost", "answered_above_commit",
+                                                             "dead_letters") if book[k]]
+    for label, c in book["classes"].items():
+        if c["ok"] + c["expired"] + c["unread"] != c["sent"]:
+            faults.append(f"{label}: {c['sent']} sent but {c['ok']} OK + {c['expired']} expired + {c['unread']} "
+                          "unread")
+    return faults
+
+
+def role_of(thread_role: str) -> str:
+    """The worker's thread roles (worker.threadnames names them): the loop, preprocessing (a batch's staging),
+    decode (its frames' decoding), inference (infer-<device>); the rest (torch's and CUDA's own) is "other"."""
+    if thread_role == "loop":
+        return "loop"
+    if thread_role.startswith("preprocess"):
+        return "preprocess"
+    if thread_role.startswith("decode"):
+        return "decode"
+    if thread_role.startswith("infer"):
+        return "inference"
+    return "other"
+
+
+def figures(run: Run, settings: Settings, timed: bool) -> dict[str, Any]:
+    """Throughput over the middle of the run, per-class latency (OK results of frames due after the first
+    tenth of a timed run), mean batch size, CPU-ms per frame by role, peak GPU memory, and the ledger."""
+    book = ledger(run, settings)
+    ok = [r for r in run.results if r["status"] == "OK"]
+    answered = len(run.results)
+    cpu: Counter[str] = Counter()
+    for role, seconds in run.thread_cpu_s.items():
+        cpu[role_of(role)] += seconds
+    out: dict[str, Any] = {
+        "frames": len(run.messages), "answered": answered, "wall_s": run.wall_s,
+        "throughput": common.steady_throughput(run.results),
+        "mean_batch": run.summary.mean_batch_size, "batches": run.summary.batches,
+        "cpu_ms_per_frame": {role: stats.cpu_ms_per_frame(s, answered) for role, s in sorted(cpu.items())},
+        "thread_cpu_ms_per_frame": {role: stats.cpu_ms_per_frame(s, answered)
+                                    for role, s in sorted(run.thread_cpu_s.items(), key=lambda kv: -kv[1]) if s > 0},
+        "gpu_peak_mib": None if run.gpu_peak_bytes is None else run.gpu_peak_bytes / MIB,
+        "ledger": book, "ledger_faults": ledger_faults(book), "stopped_at_deadline": run.stopped_at_deadline,
+    }
+    if timed and run.messages:
+        start, last_due = run.messages[0].due, run.messages[-1].due
+        warm_until_ms = (start + WARMUP_SHARE * (last_due - start)) * 1000.0
+        out["latency_by_class"] = {
+            p.label: common.latency_summary([r for r in ok if r["source_topic"] == topic_of(settings, p)
+                                             and r["capture_ts_ms"] >= warm_until_ms]) for p in Priority}
+        last_done_ms = max((common.produced_at_ms(r) for r in run.results), default=math.nan)
+        out["drain_after_load_s"] = (last_done_ms / 1000.0) - last_due
+    return out
+
+
+# -- the section ----------------------------------------------------------------------------------------------------
+def data_paths(cuda: bool) -> tuple[list[str | None], str]:
+    """The decode paths to run, from the settings this build has: runtime.decode = cpu and device where it
+    exists (device only on a GPU), else the CPU path alone, saying so."""
+    if "decode" not in {f.name for f in dataclasses.fields(RuntimeSettings)}:
+        return [None], "runtime.decode does not exist in this build: the CPU decode path only"
+    if not cuda:
+        return ["cpu"], "no GPU: the CPU decode path only (runtime.decode = device is run where CUDA is)"
+    return ["cpu", "device"], ""
+
+
+def e2e_settings(cuda: bool, torch_threads: int, decode: str | None, model: str = "opennsfw",
+                 max_batch_size: int | None = None) -> Settings:
+    """The worker's defaults for the model, on the check's device, warming up both frame sizes."""
+    runtime: dict[str, Any] = {"device": "cuda:0" if cuda else "cpu", "torch_threads": torch_threads,
+                               "warmup_shapes": [f"{w}x{h}" for w, h in SIZES.values()]}
+    if decode is not None:
+        runtime["decode"] = decode
+    overrides: dict[str, dict[str, Any]] = {
+        "model": model_settings(model, WORKLOADS["jpeg224"]), "runtime": runtime,
+        "observability": {"worker_id": "gpu-check-e2e", "metrics_enabled": False}}
+    if max_batch_size is not None:
+        overrides["batching"] = {"max_batch_size": max_batch_size}
+    return load_settings(env={}, overrides=overrides)
+
+
+def start_executor(settings: Settings, freeze_heap: bool = True) -> tuple[Any, Costs]:
+    """The runtime as the worker starts it (worker.app.run_worker): warm-up, the cost model's calibration, the
+    start-up heap frozen (not in a test process). Returns the executor and the calibration timings that seed each
+    run's pipeline."""
+    from worker.runtime import InferenceExecutor
+
+    executor = InferenceExecutor.from_settings(settings.model, settings.runtime, settings.batching)
+    shapes = warmup_frame_shapes(settings)
+    executor.warm_up(shapes)
+    costs = executor.calibrate(shapes, settings.batching.max_batch_size) if settings.runtime.calibrate_batch_sizes \
+        else []
+    if freeze_heap:
+        freeze_startup_heap()
+    return executor, costs
+
+
+def feed(settings: Settings, jpegs: Sequence[bytes], size: tuple[int, int], count: int,
+         rate_fps: float) -> list[Message]:
+    """The schedule, starting once its messages are encoded (capture times are the intended send times, so the
+    start is planned ahead: from the cost of encoding a sample of them)."""
+    t = time.perf_counter()
+    sample = schedule(settings, jpegs, size, min(count, 32), rate_fps, time.time())
+    per_message = (time.perf_counter() - t) / max(1, len(sample))
+    lead = 0.3 + 3.0 * per_message * count
+    t0 = time.time() + lead
+    messages = schedule(settings, jpegs, size, count, rate_fps, t0)
+    if time.time() > t0:
+        raise RuntimeError(f"encoding {count} frames took longer than the {lead:.2f}s planned for it: their "
+                           "capture times are already past")
+    return messages
+
+
+def section_e2e(check: Any, section: Any) -> None:
+    """The gpu_check section (check: gpu_check.Check, section: gpu_check.Section)."""
+    cuda = check.cuda
+    plan = Plan.for_check(cuda, check.quick)
+    paths, note = data_paths(cuda)
+    label = "" if cuda else " (code-path check on the CPU: not a GPU figure)"
+    section.data = {"plan": dataclasses.asdict(plan), "note": note, "runs": {}}
+    if note:
+        section.rows.append(("data paths", note))
+        print(f"  {note}", flush=True)
+    jpegs = {name: photo_jpegs(size) for name, size in SIZES.items()}
+    section.data["jpeg_kib"] = {name: sum(map(len, js)) / len(js) / 1024 for name, js in jpegs.items()}
+    # Per data path: warm-up and calibration (model load, graph capture; ~15 s on the H200), then two runs per
+    # frame size of about 5 s each, plus the drain of what the path could not keep up with (~10 s at 720p).
+    need_per_path_s = 45.0 if cuda else 90.0
+    for path in paths:
+        name = f"decode {path or 'cpu'}"
+        if check.left_s() < need_per_path_s:
+            reason = (f"skipped: budget ({check.left_s():.0f}s left of --budget-s, the path needs up to "
+                      f"{need_per_path_s:.0f}s)")
+            section.rows.append((name, reason))
+            print(f"  {name}: {reason}", flush=True)
+            continue
+        try:
+            settings = e2e_settings(cuda, check.torch_threads, path, max_batch_size=None if cuda else 8)
+        except ConfigError as exc:
+            section.rows.append((name, f"skipped: the settings are refused here ({exc})"))
+            continue
+        t = time.monotonic()
+        executor, costs = start_executor(settings)
+        started_s = time.monotonic() - t
+        device = executor.device_description
+        cuda_device = "cuda:0" if cuda else None
+        print(f"  {name}: {device} warmed up and calibrated in {started_s:.1f}s", flush=True)
+        try:
+            for size_name, size in SIZES.items():
+                for kind, count, rate in (("saturation", plan.backlog_frames[size_name], 0.0),
+                                          ("offered", round(plan.offered_fps * plan.offered_s), plan.offered_fps)):
+                    run = run_loop(settings, executor, feed(settings, jpegs[size_name], size, count, rate), costs,
+                                   plan.deadline_s, cuda_device)
+                    f = figures(run, settings, timed=rate > 0)
+                    key = f"{name} / {size_name} / {kind}"
+                    section.data["runs"][key] = {"offered_fps": rate, "startup_s": started_s, "device": device, **f}
+                    row = _row(kind, rate, f)
+                    section.rows.append((f"{key}{label}", row))
+                    print(f"  {key}: {row}", flush=True)
+                    if f["ledger_faults"]:
+                        section.status = "failed"
+                        section.reason = f"{key}: ledger: {'; '.join(f['ledger_faults'])}"
+        finally:
+            executor.close()
+            gc.unfreeze()  # start_executor froze the heap as the worker does; the rest of the check collects it
+
+
+def _row(kind: str, rate: float, f: dict[str, Any]) -> str:
+    tp = f["throughput"]["frames_per_s"]
+    cpu = f["cpu_ms_per_frame"]
+    rate_text = "n/a (under 20 results)" if math.isnan(tp) else f"{tp:.0f}"
+    parts = [f"{rate_text} frames/s" + (" sustained" if kind == "saturation" else f" at {rate:.0f} offered")]
+    if kind == "offered":
+        lat = f["latency_by_class"]
+        parts.append("p50/p99 ms " + ", ".join(f"{c} {v['p50_ms']:.0f}/{v['p99_ms']:.0f}" for c, v in lat.items()))
+        parts.append(f"last result {f['drain_after_load_s']:.2f}s after the last frame was due")
+    parts.append(f"mean batch {f['mean_batch']:.1f}")
+    parts.append("CPU-ms/frame " + ", ".join(f"{role} {cpu.get(role, 0.0):.2f}"
+                                             for role in ("loop", "preprocess", "decode", "inference", "other")))
+    if f["gpu_peak_mib"] is not None:
+        parts.append(f"GPU peak {f['gpu_peak_mib']:.0f} MiB")
+    book = f["ledger"]
+    expired = sum(c["expired"] for c in book["classes"].values())
+    unread = sum(c["unread"] for c in book["classes"].values())
+    parts.append(f"ledger {book['answered']}/{book['sent']} answered once" + (f", {expired} expired" if expired else "")
+                 + (f", {unread} unread at the deadline" if unread else ""))
+    return "; ".join(parts)
+
