@@ -77,9 +77,8 @@ def test_a_finished_realtime_batch_is_delivered_while_an_older_bulk_batch_still_
 
 
 # -- every runner fed ----------------------------------------------------------------------------------------------
-def test_with_three_runners_and_a_backlog_two_batches_per_runner_are_in_flight_and_realtime_still_has_its_slot(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    w = World(monkeypatch, executor=FakeExecutor(hold=True, runners=3), max_inflight=0)
+def test_with_three_runners_and_a_backlog_two_batches_per_runner_are_in_flight_and_realtime_still_has_its_slot() -> None:
+    w = World(executor=FakeExecutor(hold=True, runners=3), max_inflight=0)
     w.kafka.append(BULK, *(frame_at("b", i, w.clock.now) for i in range(40)))
     w.assign([RT, STD, BULK])
     w.step(3)
@@ -90,22 +89,21 @@ def test_with_three_runners_and_a_backlog_two_batches_per_runner_are_in_flight_a
     assert w.executor.priorities == [Priority.BULK] * 6 + [Priority.REALTIME]
 
 
-def test_a_set_inflight_limit_that_leaves_a_runner_idle_stops_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    w = World(monkeypatch, executor=FakeExecutor(runners=3), max_inflight=3)
+def test_a_set_inflight_limit_that_leaves_a_runner_idle_stops_start_up() -> None:
+    w = World(executor=FakeExecutor(runners=3), max_inflight=3)
     settings = dataclasses.replace(w.settings, delivery=dataclasses.replace(w.settings.delivery,
                                                                              max_inflight_batches=2))
     with pytest.raises(ConfigError, match="delivery.max_inflight_batches: 2 leaves runners idle"):
         build_pipeline(settings, w.executor, w.metrics, w.health, w.clock)
 
 
-def test_with_three_runners_on_a_backlog_the_loop_has_every_runner_running_a_batch(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_with_three_runners_on_a_backlog_the_loop_has_every_runner_running_a_batch() -> None:
     contract = ModelContract.from_settings(ModelSettings(source="model_factories:tiny_model"))
     runners = [StandInRunner(contract) for _ in range(3)]
     for r in runners:
         r.gate.clear()  # each runner holds the batch it gets
     with InferenceExecutor(runners, contract) as executor:
-        w = World(monkeypatch, executor=executor, max_inflight=0)
+        w = World(executor=executor, max_inflight=0)
         w.kafka.append(BULK, *(frame_at("b", i, w.clock.now) for i in range(40)))
         w.assign([RT, STD, BULK])
         try:
