@@ -77,7 +77,7 @@ def test_a_finished_realtime_batch_is_delivered_while_an_older_bulk_batch_still_
 
 
 # -- every runner fed ----------------------------------------------------------------------------------------------
-def test_with_three_runners_and_a_backlog_two_batches_per_runner_are_in_flight_and_realtime_still_has_its_slot() -> None:
+def test_with_three_runners_and_a_backlog_two_batches_per_runner_are_in_flight_and_realtime_keeps_its_slot() -> None:
     w = World(executor=FakeExecutor(hold=True, runners=3), max_inflight=0)
     w.kafka.append(BULK, *(frame_at("b", i, w.clock.now) for i in range(40)))
     w.assign([RT, STD, BULK])
