@@ -92,6 +92,21 @@ def nan_model() -> nn.Module:
     return NaNNet()
 
 
+class ItemGatedNet(TinyNet):
+    """Reads a value of its activations on the host (`.item()`): a device-to-host sync no CUDA graph captures."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if out.mean().item() > 100.0:  # the host-sync line the start-up check names
+            out = out / 2
+        return out
+
+
+def item_gated_model() -> nn.Module:
+    torch.manual_seed(0)
+    return ItemGatedNet()
+
+
 class Gate:
     """Blocks the first model call after arm() (only that one) until release(), holding an inference open."""
 

@@ -21,6 +21,7 @@ from PIL import Image
 from worker.config import MODEL_PRESETS, ConfigError, load_settings
 from worker.frames import Encoding, Frame, Priority, SourceRef
 from worker.runtime import ModelContractError, load_model
+from worker.runtime.hostsync import check_host_syncs, scan_graphs
 from worker.runtime.models import preset_model_file
 from worker.runtime.preprocess import Normaliser, Preprocessor
 
@@ -205,3 +206,114 @@ def test_opennsfw_on_cuda_graphs_scores_as_on_the_cpu(cache_dir, photos, referen
     on_gpu = np.array([[v.scores["sfw"], v.scores["nsfw"]] for _, v in outcome.verdicts])
     # cuDNN may use TF32 for convolutions: close to the reference, not bit-equal.
     np.testing.assert_allclose(on_gpu, _reference_scores(reference, frames), rtol=0, atol=5e-3)
+
+
+# --- constant shape arguments folded: no host reads in the converted forward ---
+
+def test_the_opennsfw_preset_as_load_model_returns_it_reads_nothing_on_the_host(cache_dir):
+    """Its two Reshapes had constant shapes that onnx2torch read with int() on every call (a device sync that
+    no CUDA graph captures); folded, the TorchScript graph has no such node and the check finds nothing."""
+    loaded = load_model(_settings(cache_dir, source="opennsfw").model)
+    graph = loaded.module.inlined_graph
+    kinds = {n.kind() for n in graph.nodes()}
+    assert "aten::reshape" in kinds and not kinds & {"aten::Int", "aten::item", "aten::unbind", "prim::tolist"}
+    assert scan_graphs(loaded.module) == []
+    assert check_host_syncs(loaded, refuse=True) == []
+
+
+INT64_MAX, INT64_MIN = np.iinfo(np.int64).max, np.iinfo(np.int64).min
+# name -> (nodes, {initializer: value}, opset); the graph takes x [N, 3, 4, 6] and gives y.
+FOLDED_GRAPHS = {
+    "Reshape 0 copies, -1 infers": ([("Reshape", ["x", "shape"], {})], {"shape": [0, -1]}, 17),
+    "Reshape to constants": ([("Reshape", ["x", "shape"], {})], {"shape": [-1, 3, 24]}, 17),
+    "Expand both ways": ([("Expand", ["x", "shape"], {})], {"shape": [1, 1, 4, 1]}, 17),
+    "Tile": ([("Tile", ["x", "repeats"], {})], {"repeats": [1, 2, 1, 3]}, 17),
+    "Slice with axes and steps": ([("Slice", ["x", "starts", "ends", "axes", "steps"], {})],
+                                  {"starts": [1, 0], "ends": [3, INT64_MAX], "axes": [1, -1], "steps": [1, 2]}, 17),
+    "Slice backwards": ([("Slice", ["x", "starts", "ends", "axes", "steps"], {})],
+                        {"starts": [-1], "ends": [INT64_MIN], "axes": [3], "steps": [-2]}, 17),
+    "Pad constant": ([("Pad", ["x", "pads", "value"], {})],
+                     {"pads": [0, 0, 1, 2, 0, 0, 3, 4], "value": np.float32(0.5)}, 17),
+    "Pad reflect": ([("Pad", ["x", "pads"], {"mode": "reflect"})], {"pads": [0, 0, 2, 1, 0, 0, 1, 2]}, 17),
+    "Resize scales": ([("Resize", ["x", "", "scales"], {"mode": "linear"})],
+                      {"scales": np.array([1, 1, 2, 1.5], np.float32)}, 17),
+    "Squeeze": ([("Unsqueeze", ["x", "axes"], {}), ("Squeeze", ["u", "axes"], {})], {"axes": [2]}, 17),
+    "Unsqueeze of computed axes": ([("Concat", ["a", "b"], {"axis": 0}), ("Unsqueeze", ["x", "c"], {})],
+                                   {"a": [1], "b": [-1]}, 17),
+    "ReduceSum": ([("ReduceSum", ["x", "axes"], {"keepdims": 0})], {"axes": [2, 3]}, 17),
+    "Split": ([("Split", ["x", "split"], {"axis": 1}), ("Concat", ["p", "q"], {"axis": 1})], {"split": [1, 2]}, 17),
+    "TopK": ([("TopK", ["x", "k"], {"axis": -1}), ("Identity", ["v"], {})], {"k": [3]}, 17),
+    "CumSum exclusive reverse": ([("CumSum", ["x", "axis"], {"exclusive": 1, "reverse": 1})], {"axis": 3}, 17),
+    "ConstantOfShape and Range of constants": (
+        [("ConstantOfShape", ["shape"], {"value": np.array([2.0], np.float32)}),
+         ("Range", ["start", "limit", "delta"], {}), ("Add", ["c", "r"], {}), ("Mul", ["x", "d"], {})],
+        {"shape": [1, 1, 6], "start": np.float32(0), "limit": np.float32(6), "delta": np.float32(1)}, 17),
+}
+# The node outputs each chain wires, in order; the last is the graph's output y.
+_OUTPUTS = {"Squeeze": ["u", "y"], "Unsqueeze of computed axes": ["c", "y"], "Split": [["p", "q"], "y"],
+            "TopK": [["v", "i"], "y"], "ConstantOfShape and Range of constants": ["c", "r", "d", "y"]}
+
+
+def _folded_graph(path: Path, name: str) -> Path:
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes, constants, opset = FOLDED_GRAPHS[name]
+    outputs = _OUTPUTS.get(name, ["y"])
+    inits = [numpy_helper.from_array(np.asarray(v, dtype=np.int64 if isinstance(v, (list, int)) else None), k)
+             for k, v in constants.items()]
+    made = []
+    for (op, inputs, attrs), out in zip(nodes, outputs, strict=True):
+        made.append(helper.make_node(op, inputs, out if isinstance(out, list) else [out], **{
+            k: numpy_helper.from_array(v, k) if isinstance(v, np.ndarray) else v for k, v in attrs.items()}))
+    graph = helper.make_graph(made, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, 4, 6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), str(path))
+    return path
+
+
+@pytest.mark.parametrize("name", sorted(FOLDED_GRAPHS))
+def test_constant_shape_arguments_are_folded_as_onnx_computes_them(tmp_path, name):
+    import onnxruntime
+
+    from worker.runtime.contract import ModelContract
+    from worker.runtime.onnx_cache import convert_onnx
+
+    path = _folded_graph(tmp_path / "g.onnx", name)
+    contract = ModelContract.from_settings(load_settings(env={}, overrides={"model": {"input_size": [4, 6]}}).model)
+    traced = convert_onnx(path, contract, (2, 3, 4, 6))
+    assert scan_graphs(traced) == [], name
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for n in (2, 5):
+        x = np.random.default_rng(n).standard_normal((n, 3, 4, 6)).astype(np.float32)
+        with torch.inference_mode():
+            ours = traced(torch.from_numpy(x))
+        np.testing.assert_allclose(ours.numpy(), session.run(["y"], {"x": x})[0], rtol=1e-5, atol=1e-5,
+                                   err_msg=name)
+
+
+def test_without_the_fold_the_check_names_onnx2torchs_reshape(tmp_path, monkeypatch):
+    """What open_nsfw was before: onnx2torch's Reshape reads its shape with int() on every call."""
+    from worker.runtime.onnx_fold import FoldReport
+
+    monkeypatch.setattr("worker.runtime.onnx_fold.fold_constants", lambda gm: FoldReport(folded=(), computed=0))
+    path = _folded_graph(tmp_path / "g.onnx", "Reshape 0 copies, -1 infers")  # x [N, 3, 4, 6] -> [N, 72]
+    loaded = load_model(_settings(tmp_path / "cache", source=str(path), input_size=[4, 6],
+                                  labels=[f"l{i}" for i in range(72)]).model)
+    with pytest.raises(ModelContractError, match=r"aten::Int at code/__torch__/onnx2torch/node_converters/reshape.py:"
+                                                 r"\d+ `\w+ = int\(\w+\)`"):
+        check_host_syncs(loaded, refuse=True)
+
+
+def test_a_reshape_with_allowzero_is_a_start_up_error_naming_it(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph([helper.make_node("Reshape", ["x", "shape"], ["y"], allowzero=1)], "allowzero",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(np.array([-1, 192], np.int64), "shape")])
+    path = tmp_path / "allowzero.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    with pytest.raises(ModelContractError, match=r"cannot convert this graph: \"allowzero=1\" is not implemented"):
+        load_model(_settings(tmp_path / "cache", source=str(path), input_size=[8, 8]).model)

@@ -41,6 +41,7 @@ from worker.frames import (
 )
 from worker.graphplan import BatchCaps
 from worker.memorypolicy import DeviceMemories, MemoryPolicy, MemoryProbe, split_batch
+from worker.runtime.hostsync import check_host_syncs
 from worker.runtime.models import ModelContract, load_model
 from worker.runtime.preprocess import HostBatch, HostBuffers, Preprocessor, stage_to_device
 from worker.runtime.runners import CudaMemoryProbe, EagerRunner, RunResult, make_runner
@@ -188,6 +189,8 @@ class InferenceExecutor:
         caps = BatchCaps.from_settings(batching) if batching is not None else BatchCaps()
         # Each runner gets its own copy of the model, loaded and validated on its device.
         loaded = [load_model(model, device) for device in plan.devices for _ in range(runtime.instances_per_device)]
+        # Before any capture: refused when graphs are to be used, a warning otherwise (every copy is the same model).
+        check_host_syncs(loaded[0], refuse=plan.cuda_graphs)
         runners = []
         for m in loaded:
             policy, budget = _graph_memory(memory.get(m.device), runtime)

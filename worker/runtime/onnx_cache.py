@@ -22,12 +22,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker.runtime.models import VALIDATION_BATCH, VALIDATION_HW, ModelContract, ModelContractError
+from worker.runtime.contract import VALIDATION_BATCH, VALIDATION_HW, ModelContract, ModelContractError
 
 log = logging.getLogger(__name__)
 
-# Bump when what is cached changes shape, so old entries are ignored rather than misread.
-CACHE_FORMAT = 1
+# Bump when what is cached changes, so old entries are ignored rather than misread or reused.
+# 2: constant shape arguments folded into Python values before tracing (worker.runtime.onnx_fold).
+CACHE_FORMAT = 2
 CONVERTER = "onnx2torch"
 # The traced module must agree with the converted one on a batch size it was not traced with.
 TRACE_CHECK_TOLERANCE = 1e-4
@@ -58,8 +59,9 @@ def load_onnx(path: Path, contract: ModelContract, cache_dir: Path, device: torc
 
 def _load_cached(cached: Path, device: torch.device) -> torch.jit.ScriptModule:
     with warnings.catch_warnings():
-        # TorchScript is deprecated upstream, but the converted graphs cannot be torch.export-ed (onnx2torch's
-        # Reshape branches on tensor values) and a TorchScript file loads without the converter.
+        # TorchScript is deprecated upstream, but converted graphs with a shape computed at run time cannot be
+        # torch.export-ed (onnx2torch's converters branch on tensor values) and a TorchScript file loads without
+        # the converter.
         warnings.simplefilter("ignore", FutureWarning)
         return torch.jit.load(str(cached), map_location=device)
 
@@ -72,10 +74,15 @@ def cache_path(path: Path, sample_shape: tuple[int, ...], cache_dir: Path) -> Pa
 
 
 def convert_onnx(path: Path, contract: ModelContract, sample_shape: tuple[int, ...]) -> torch.jit.ScriptModule:
-    """ONNX file -> onnx2torch GraphModule -> TorchScript traced on a zero sample of `sample_shape` (CPU)."""
+    """ONNX file -> onnx2torch GraphModule, its constant shape arguments folded -> TorchScript traced on a zero
+    sample of `sample_shape` (CPU)."""
+    # Imported here for cost, not to dodge a cycle: onnx and onnx2torch take seconds to import, and a cached
+    # conversion loads without them (test_a_restart_loads_the_cached_conversion_..._without_the_converter).
     try:
         import onnx
         from onnx2torch import convert
+
+        from worker.runtime.onnx_fold import fold_constants
     except ImportError as exc:
         raise ModelContractError(
             f"model.source {str(path)!r}: converting an ONNX model needs onnx and onnx2torch ({exc.name} is "
@@ -96,6 +103,8 @@ def convert_onnx(path: Path, contract: ModelContract, sample_shape: tuple[int, .
                 f"model.source {str(path)!r}: {CONVERTER} cannot convert this graph: {exc}; re-export the model "
                 "without that operator or attribute, or export it from its framework to TorchScript / torch.export"
             ) from exc
+        folded = fold_constants(module)
+        log.info("ONNX model %s: %s", path, folded.describe())
         with torch.no_grad():
             sample = torch.zeros(sample_shape)
             traced = torch.jit.trace(module, sample, check_trace=False)
