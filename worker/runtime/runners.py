@@ -11,8 +11,8 @@ A runner is used from one thread at a time (the executor gives each its own infe
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -21,14 +21,17 @@ import torch
 
 from worker.graphplan import LAZY_CAPTURE_AFTER, BatchCaps, GraphKey, GraphPlan, GraphStep
 from worker.memorypolicy import MemoryPolicy
-from worker.runtime.models import ModelContract, ModelContractError, apply_activation
+from worker.runtime.capturegate import CaptureGate
+from worker.runtime.contract import ModelContract, ModelContractError
+from worker.runtime.models import apply_activation
 from worker.runtime.preprocess import Normaliser
 
 log = logging.getLogger(__name__)
 
 PRECISION_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
-# PyTorch allows one CUDA graph capture at a time per process, so runners of several GPUs take turns.
-_CAPTURE_LOCK = threading.Lock()
+# PyTorch allows one CUDA graph capture at a time per process, so runners of several GPUs take turns; no graph
+# is destroyed while one captures (worker.runtime.capturegate).
+CAPTURES = CaptureGate()
 
 # On a CPU, first-call costs (allocations, oneDNN primitives) are paid per input shape whatever the batch size,
 # so warm-up batches larger than this only cost start-up time (32 frames of a ResNet-50: seconds each).
@@ -172,7 +175,7 @@ class CudaGraphRunner(EagerRunner):
                  device: torch.device, precision: str = "fp32", buckets: Sequence[int] = (1, 2, 4, 8, 16, 32),
                  warmup_batches: int = 8, capture_after: int = LAZY_CAPTURE_AFTER, caps: BatchCaps = BatchCaps(),
                  memory: MemoryPolicy | None = None, graph_budget_bytes: int | None = None,
-                 on_evicted: Callable[[int], None] | None = None):
+                 on_evicted: Callable[[int], None] | None = None, captures: CaptureGate = CAPTURES):
         if torch.device(device).type != "cuda":
             raise ValueError("CudaGraphRunner needs a CUDA device; use EagerRunner on cpu")
         super().__init__(module, contract, device, precision)
@@ -180,7 +183,11 @@ class CudaGraphRunner(EagerRunner):
         self.warmup_batches = warmup_batches
         self.probe = CudaMemoryProbe(self.device)
         self._on_evicted = on_evicted  # called with the number of graphs released for the budget
+        self._captures = captures
         self._graphs: dict[GraphKey, _Graph] = {}
+        # Its graphs outlive it until no capture is in progress (a runner replaced, or collected, mid-capture).
+        self._return_memory = functools.partial(_return_memory, self.device)
+        captures.adopt(self, self._graphs, then=self._return_memory)
         self._side_stream = torch.cuda.Stream(self.device)
         # torch.cuda.graph's default capture stream belongs to whichever GPU was current when first used.
         self._capture_stream = torch.cuda.Stream(self.device)
@@ -204,11 +211,11 @@ class CudaGraphRunner(EagerRunner):
                     f"({type(exc).__name__}: {exc}); remove data-dependent host syncs (.item(), .cpu(), "
                     "Python branches on tensor values) from forward, or set runtime.cuda_graphs = false"
                 ) from exc
-            if self.plan.admit_warm_up(bucket, shape, graph.nbytes):
-                self._graphs[(bucket, shape)] = graph
-            else:
-                del graph  # the only reference: its memory goes back with the next line
-                self._return_memory()
+            nbytes = graph.nbytes
+            self._graphs[(bucket, shape)] = graph
+            del graph  # the dict's reference is the only one, so releasing it below destroys the graph
+            if not self.plan.admit_warm_up(bucket, shape, nbytes):
+                self._captures.release([self._graphs.pop((bucket, shape))], then=self._return_memory)
                 log.info("cuda graph budget full at warm-up; larger buckets are captured when batches need them "
                          "device=%s bucket=%d shape=%s graph_bytes=%d budget_bytes=%s", self.device, bucket,
                          list(shape), self.plan.budget.used_bytes, self.plan.budget.budget_bytes)
@@ -243,12 +250,18 @@ class CudaGraphRunner(EagerRunner):
         return RunResult(scores=scores, bucket=step.bucket, used_graph=True)
 
     def _capture_lazily(self, bucket: int, shape: Shape) -> bool:
+        failed: list[BaseException] = []
         try:
             graph = self._capture(bucket, shape)
         except Exception as exc:  # noqa: BLE001 (reported to the caller)
             self.plan.mark_failed(bucket, shape)
             log.warning("cuda graph capture failed; running eager for this shape device=%s bucket=%d shape=%s "
                         "error=%s", self.device, bucket, list(shape), exc)
+            failed.append(exc)
+        if failed:
+            # The error's traceback holds the failed graph: released once the except block no longer holds the
+            # error, through the gate, so that it is not destroyed while another runner captures.
+            self._captures.release(failed)
             return False
         evicted = self.plan.admit(bucket, shape, graph.nbytes)
         self._graphs[(bucket, shape)] = graph
@@ -259,24 +272,16 @@ class CudaGraphRunner(EagerRunner):
         return True
 
     def _release(self, evicted: list[GraphKey]) -> None:
-        """Drop the graphs released for the budget and give their memory back to the device."""
+        """Drop the graphs released for the budget (after any capture in progress) and give their memory back."""
         if not evicted:
             return
-        for key in evicted:
-            del self._graphs[key]
-        self._return_memory()
+        self._captures.release([self._graphs.pop(key) for key in evicted], then=self._return_memory)
         if self._on_evicted is not None:
             self._on_evicted(len(evicted))
 
-    def _return_memory(self) -> None:
-        # A graph's private pool goes back to the device only once the graph and its tensors are gone, and then
-        # only through empty_cache.
-        with torch.cuda.device(self.device):
-            torch.cuda.empty_cache()
-
     def _capture(self, bucket: int, shape: Shape) -> _Graph:
         """Capture (bucket, shape) on new static buffers; its eager warm-up runs record the batch's peak memory."""
-        with _CAPTURE_LOCK, torch.cuda.device(self.device), torch.inference_mode():
+        with self._captures.capturing(), torch.cuda.device(self.device), torch.inference_mode():
             static_in = torch.zeros((bucket, *shape), dtype=torch.uint8, device=self.device)
             full = torch.tensor([[0, 0, shape[0], shape[1]]] * bucket, dtype=torch.int32, device=self.device)
             static_regions = full.clone()
@@ -306,6 +311,13 @@ class CudaGraphRunner(EagerRunner):
             self.capture_count += 1
             nbytes = pool + static_in.nbytes + static_regions.nbytes + full.nbytes
             return _Graph(graph, static_in, static_regions, full, static_out, nbytes)
+
+
+def _return_memory(device: torch.device) -> None:
+    """A graph's private pool goes back to the device only once the graph and its tensors are gone, and then
+    only through empty_cache."""
+    with torch.cuda.device(device):
+        torch.cuda.empty_cache()
 
 
 def make_runner(module: Callable[[torch.Tensor], torch.Tensor], contract: ModelContract, device: torch.device,
