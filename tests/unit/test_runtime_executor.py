@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import model_factories
 from model_factories import DeviceProbe, StandInRunner, jpeg_frame, raw_frame
 
+from tests.unit.replay_tolerance import replay_tolerance
 from worker.config import BatchingSettings, ConfigError, ModelSettings, RuntimeSettings
 from worker.frames import DECODE_ERROR, MODEL_ERROR, NON_FINITE_OUTPUT, Priority
 from worker.memorypolicy import MemoryPolicy
@@ -499,7 +500,7 @@ def test_cuda_graph_scores_match_cpu_eager_scores(executor_for):
     frames = [raw_frame(i, 32, 32) for i in range(3)] + [raw_frame(3, 30, 28)]
     on_gpu, on_cpu = _scores(_run(gpu, frames, (32, 32, 3))), _scores(_run(cpu, frames, (32, 32, 3)))
     for index, scores in on_cpu.items():
-        np.testing.assert_allclose(on_gpu[index], scores, rtol=1e-3, atol=1e-4)
+        np.testing.assert_allclose(on_gpu[index], scores, **replay_tolerance(torch.device("cuda", 0)))
 
 
 @pytest.mark.cuda

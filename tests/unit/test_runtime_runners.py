@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
+from tests.unit.replay_tolerance import HEADROOM, TF32_UNIT_ROUNDOFF, replay_tolerance
 from worker.config import ModelSettings
 from worker.graphplan import BatchCaps
 from worker.memorypolicy import MemoryPolicy
@@ -73,6 +75,36 @@ def test_graph_runner_refuses_a_cpu_device():
         CudaGraphRunner(build_builtin_model(5), CONTRACT, torch.device("cpu"))
 
 
+def _tf32(t: torch.Tensor) -> torch.Tensor:
+    """fp32 cut to TF32's 10 mantissa bits, truncating (the larger error of the two ways a GPU may round)."""
+    return (t.contiguous().view(torch.int32) & ~((1 << 13) - 1)).view(torch.float32).view_as(t)
+
+
+def test_the_replay_tolerance_covers_tf32_and_not_a_region_one_row_off():
+    """tests/unit/replay_tolerance.py's reasoning, on this CPU: the builtin model with every convolution's and linear
+    layer's input and weight cut to TF32 stays within the tolerance a TF32 GPU gets; a region one row off does not."""
+    atol = HEADROOM * TF32_UNIT_ROUNDOFF
+    exact, emulated = build_builtin_model(5), build_builtin_model(5)
+    for layer in emulated.modules():
+        if isinstance(layer, (nn.Conv2d, nn.Linear)):
+            layer.weight.data = _tf32(layer.weight.data)
+            layer.register_forward_pre_hook(lambda _, args: (_tf32(args[0]),))
+    regions = torch.tensor([[0, 0, 32, 48], [0, 0, 10, 20], [4, 6, 24, 36], *[[0, 0, 32, 48]] * 5], dtype=torch.int32)
+    one_row_off = regions.clone()
+    one_row_off[1:3, 2] += 1
+    tf32_error, region_error = 0.0, 1.0
+    with torch.inference_mode():
+        for seed in range(1, 9):
+            x = _batch(8, SHAPE) if seed == 8 else torch.randint(
+                0, 256, (8, *SHAPE), dtype=torch.uint8, generator=torch.Generator().manual_seed(100 + seed))
+            want = torch.sigmoid(exact(Normaliser(CONTRACT)(x, regions)))
+            tf32_error = max(tf32_error, (torch.sigmoid(emulated(Normaliser(CONTRACT)(x, regions))) - want).abs().max())
+            off = torch.sigmoid(exact(Normaliser(CONTRACT)(x, one_row_off)))
+            region_error = min(region_error, (off - want)[1:3].abs().amax(dim=1).min())
+    assert 0 < tf32_error <= atol / 1.5, tf32_error
+    assert region_error > atol, region_error
+
+
 # --- CudaGraphRunner (GPU only) ---
 
 def _graph_runner(buckets=(1, 2, 4, 8), precision="fp32", **kw) -> CudaGraphRunner:
@@ -92,7 +124,7 @@ def test_graph_replay_equals_eager_for_every_bucket_and_padded_size():
         replayed, reference = runner.run(x), eager.run(x)
         assert replayed.used_graph and replayed.bucket == runner.plan.bucket_for(n)
         torch.testing.assert_close(torch.from_numpy(replayed.scores), torch.from_numpy(reference.scores),
-                                   rtol=1e-4, atol=1e-5)
+                                   **replay_tolerance(runner.device))
 
 
 @pytest.mark.cuda
@@ -103,7 +135,8 @@ def test_graph_replay_normalises_inside_the_graph_with_padding_regions_like_cpu_
     x, regions = _batch(3), torch.tensor([[0, 0, 32, 48], [0, 0, 10, 20], [4, 6, 24, 36]], dtype=torch.int32)
     replayed = runner.run(x.to(runner.device), regions=regions.to(runner.device))
     assert replayed.used_graph and replayed.bucket == 4
-    torch.testing.assert_close(torch.from_numpy(replayed.scores), _reference(x, regions), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(torch.from_numpy(replayed.scores), _reference(x, regions),
+                               **replay_tolerance(runner.device))
 
 
 @pytest.mark.cuda
@@ -142,6 +175,7 @@ def test_batch_larger_than_the_largest_bucket_runs_eager_on_the_gpu():
 @pytest.mark.cuda
 @cuda_only
 def test_fp16_graph_replay_is_close_to_fp32_eager():
+    """fp16 against fp32 on purpose: a precision bound, not replay_tolerance's rounding of one precision."""
     runner = _graph_runner(buckets=(4,), precision="fp16")
     runner.warm_up(SHAPE, batches=1)
     x = _batch(4, device=runner.device)
@@ -191,7 +225,7 @@ def test_graphs_past_the_budget_are_released_least_recently_used_and_their_memor
         result = runner.run(x)
         assert result.used_graph
         torch.testing.assert_close(torch.from_numpy(result.scores), torch.from_numpy(eager.run(x).scores),
-                                   rtol=1e-4, atol=1e-5)
+                                   **replay_tolerance(runner.device))
         reserved.append(torch.cuda.memory_reserved(runner.device))
     assert runner.graph_evictions == 11 and sum(evicted) == 11 and len(runner.plan.budget.graphs) == 1
     # Released graphs give their pools back: twelve captures hold no more than the first two did.
