@@ -10,7 +10,8 @@ finds such places before any capture, on any device, so a model that would not c
 - by running one forward on the start-up batch under a dispatch mode that records those operators, with the
   Python line that called them and the submodule they ran in. On a CPU every tensor is on the host, so the
   check follows what would be on the device (the input, the model's parameters and buffers, tensors made with
-  an explicit `device=`, and everything computed from those);
+  an explicit `device=`, and everything computed from those). On a CPU a TorchScript model whose graph calls
+  no Python is all in its graph, and this forward is skipped;
 - on a GPU, also under `torch.cuda.set_sync_debug_mode("error")`, which names any other synchronizing call.
 
 `check_host_syncs` is what the worker runs at start-up: it refuses the model (`ModelContractError`) when CUDA
@@ -388,6 +389,12 @@ class _Dispatch(TorchDispatchMode):
     def __init__(self, recorder: _Recorder) -> None:
         super().__init__()
         self.recorder = recorder
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Keeps TorchDispatchMode from wrapping __torch_dispatch__ in torch._dynamo.disable, whose first call
+        # imports torch._dynamo: 2-3 s of start-up, for a forward that never runs under torch.compile.
+        return False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}

@@ -35,9 +35,6 @@ from onnx2torch.node_converters.topk import OnnxTopK
 from onnx2torch.node_converters.unsqueeze import OnnxUnsqueezeDynamicAxes
 from torch import fx, nn
 
-# ONNX operators whose shape-like inputs are folded when constant (docs/configuration.md lists the same).
-FOLDED_OPERATORS = ("Reshape", "Expand", "Tile", "Slice", "Pad", "Resize", "Squeeze", "Unsqueeze", "ReduceSum",
-                    "Split", "TopK", "CumSum")
 # ONNX Resize mode and spatial rank -> torch.nn.functional.interpolate's mode (onnx2torch's own table).
 _RESIZE_MODES = {("nearest", 1): "nearest", ("nearest", 2): "nearest", ("nearest", 3): "nearest",
                  ("linear", 1): "linear", ("linear", 2): "bilinear", ("linear", 3): "trilinear",
@@ -148,7 +145,9 @@ class _NotConstant(Exception):
     """An argument the fold needs is computed at run time."""
 
 
-_Rule = Callable[[nn.Module, "_Args"], tuple[Callable[..., Any], tuple[Any, ...]] | None]
+# A folded node: the function above that replaces it, and its arguments (the input node, then Python values).
+_Built = tuple[Callable[..., Any], tuple[Any, ...]]
+_Rule = Callable[[nn.Module, "_Args"], _Built | None]
 
 
 class _Args:
@@ -182,22 +181,22 @@ class _Args:
         return None if t is None else tuple(float(v) for v in t.reshape(-1).tolist())
 
 
-def _reshape(module: nn.Module, a: _Args):
+def _reshape(module: nn.Module, a: _Args) -> _Built | None:
     shape = a.ints("shape")
     return (reshape, (a.node("input_tensor"), shape)) if shape is not None else None
 
 
-def _expand(module: nn.Module, a: _Args):
+def _expand(module: nn.Module, a: _Args) -> _Built | None:
     shape = a.ints("shape")
     return (expand, (a.node("input_tensor"), shape)) if shape is not None else None
 
 
-def _tile(module: nn.Module, a: _Args):
+def _tile(module: nn.Module, a: _Args) -> _Built | None:
     repeats = a.ints("repeats")
     return (tile, (a.node("input_tensor"), repeats)) if repeats is not None else None
 
 
-def _slice(module: nn.Module, a: _Args):
+def _slice(module: nn.Module, a: _Args) -> _Built | None:
     starts, ends = a.ints("starts"), a.ints("ends")
     if starts is None or ends is None:
         return None
@@ -206,7 +205,7 @@ def _slice(module: nn.Module, a: _Args):
     return slice_, (a.node("input_tensor"), starts, ends, axes, steps)
 
 
-def _pad(module: nn.Module, a: _Args):
+def _pad(module: nn.Module, a: _Args) -> _Built | None:
     assert isinstance(module, OnnxPadDynamic)
     onnx_pads = a.ints("pads")
     value = a.floats("constant_value")
@@ -223,7 +222,7 @@ def _pad(module: nn.Module, a: _Args):
     return pad, (a.node("input_tensor"), tuple(torch_pads), module.mode, value[0] if value else 0.0)
 
 
-def _resize(module: nn.Module, a: _Args):
+def _resize(module: nn.Module, a: _Args) -> _Built | None:
     """Resize by constant scales. Constant sizes are left to onnx2torch: they fix the batch, so such a graph
     fails the trace check on another batch size anyway."""
     if isinstance(module, OnnxResizeV10):
@@ -241,36 +240,36 @@ def _resize(module: nn.Module, a: _Args):
     return resize, (a.node("input_tensor"), mode, module.align_corners, scales[2:])
 
 
-def _squeeze(module: nn.Module, a: _Args):
+def _squeeze(module: nn.Module, a: _Args) -> _Built | None:
     axes = a.ints("axes")
     return squeeze, (a.node("input_tensor"), axes or ())
 
 
-def _unsqueeze(module: nn.Module, a: _Args):
+def _unsqueeze(module: nn.Module, a: _Args) -> _Built | None:
     axes = a.ints("axes")
     return (unsqueeze, (a.node("input_tensor"), axes)) if axes is not None else None
 
 
-def _reduce_sum(module: nn.Module, a: _Args):
+def _reduce_sum(module: nn.Module, a: _Args) -> _Built | None:
     assert isinstance(module, OnnxReduceSumDynamicAxes)
     axes = a.ints("axes") or ()
     return reduce_sum, (a.node("input_tensor"), axes, bool(module._keepdims),
                         bool(module._noop_with_empty_axes))
 
 
-def _split(module: nn.Module, a: _Args):
+def _split(module: nn.Module, a: _Args) -> _Built | None:
     assert isinstance(module, OnnxSplit13)
     sizes = a.ints("split")
     return (split, (a.node("input_tensor"), sizes, module.axis)) if sizes is not None else None
 
 
-def _topk(module: nn.Module, a: _Args):
+def _topk(module: nn.Module, a: _Args) -> _Built | None:
     assert isinstance(module, OnnxTopK)
     k = a.ints("k")
     return (topk, (a.node("input_tensor"), k[0], module.dim, module.largest, module.sorted)) if k else None
 
 
-def _cumsum(module: nn.Module, a: _Args):
+def _cumsum(module: nn.Module, a: _Args) -> _Built | None:
     assert isinstance(module, OnnxCumSum)
     axis = a.ints("axis")
     return (cumsum, (a.node("input_tensor"), axis[0], module.exclusive, module.reverse)) if axis else None
