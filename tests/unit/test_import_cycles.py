@@ -146,9 +146,7 @@ TREES = {"worker": True, "bench": False}  # the tree, and whether it is imported
 
 
 @pytest.mark.parametrize("tree", [
-    pytest.param("worker", marks=pytest.mark.xfail(strict=True, reason=(
-        "worker.runtime.models -> worker.runtime.onnx_cache -> worker.runtime.models (models.py imports load_onnx "
-        "inside a function): broken on another branch of issue #36; remove this mark when it lands"))),
+    "worker",
     pytest.param("bench", marks=pytest.mark.xfail(strict=True, reason=(
         "batching_gain -> model_limit -> batching_gain (bench/): removed by the bench/ consolidation of issue #36; "
         "remove this mark when it lands"))),
