@@ -314,6 +314,15 @@ class LimitsSettings:
 
 
 @dataclass(frozen=True)
+class DeadLetterSettings:
+    """How `worker dlq replay` treats the dead-letter topic (the worker itself only writes it)."""
+
+    # How many times one frame may be published again: a dead letter of a frame replayed this many times is not
+    # replayed again (`worker dlq show` counts it), so a frame that keeps failing never loops. 0: no replays.
+    max_replays: int = 3
+
+
+@dataclass(frozen=True)
 class Settings:
     kafka: KafkaSettings = field(default_factory=KafkaSettings)
     topics: TopicSettings = field(default_factory=TopicSettings)
@@ -323,6 +332,7 @@ class Settings:
     delivery: DeliverySettings = field(default_factory=DeliverySettings)
     observability: ObservabilitySettings = field(default_factory=ObservabilitySettings)
     limits: LimitsSettings = field(default_factory=LimitsSettings)
+    dlq: DeadLetterSettings = field(default_factory=DeadLetterSettings)
 
     @property
     def max_uncommitted_frames(self) -> int:
@@ -686,6 +696,8 @@ def validate(s: Settings) -> list[str]:
     need(lim.min_capture_ts_ms >= 1, "limits.min_capture_ts_ms: must be >= 1 (epoch milliseconds)")
     need(0 <= lim.max_capture_skew_ms <= 86_400_000, "limits.max_capture_skew_ms: must be 0..86400000 (one day)")
     need(0 <= lim.duplicate_window_frames <= 1_000_000, "limits.duplicate_window_frames: must be 0..1000000 (0 = off)")
+
+    need(0 <= s.dlq.max_replays <= 1000, "dlq.max_replays: must be 0..1000 (0 = no replays)")
     return p
 
 

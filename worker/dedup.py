@@ -1,5 +1,8 @@
 """Repeated frames: (stream_id, frame_index) is a frame's identity (schemas/frame.avsc), so a second message
 with the identity of a recent one is a duplicate (a producer retry without idempotence, a replayed upload).
+A frame `worker dlq replay` published again is a new copy on purpose: its replay count (header
+`streamfer.replay_count`, 0 for a producer's own message) is the third part of its identity, so the copy is not
+a duplicate of the dead-lettered one it replaces, while a second copy with the same count is.
 
 Pure policy, no Kafka, no torch. Per input partition, a bounded window remembers the offset at which each of
 the last `window` identities was first read. A frame whose identity is remembered at a *different* offset is a
@@ -16,15 +19,14 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 TP = tuple[str, int]
-FrameIdentity = tuple[str, int]  # (stream_id, frame_index)
-
-# The dead letter's error_type of a duplicate (one of metrics.DEAD_LETTER_ERROR_TYPES).
+FrameIdentity = tuple[str, int, int]  # (stream_id, frame_index, replay_count)
 
 
 def duplicate_reason(identity: FrameIdentity, first_offset: int) -> str:
     """The dead letter's reason for a duplicate: what repeated, and where the copy that counts is."""
-    return (f"duplicate frame: (stream_id, frame_index) = ({identity[0]!r}, {identity[1]}) was first read at "
-            f"offset {first_offset} of this partition; only that copy is scored (limits.duplicate_window_frames)")
+    replayed = f" (replay {identity[2]})" if identity[2] else ""
+    return (f"duplicate frame: (stream_id, frame_index) = ({identity[0]!r}, {identity[1]}){replayed} was first read "
+            f"at offset {first_offset} of this partition; only that copy is scored (limits.duplicate_window_frames)")
 
 
 class DuplicateFrames:

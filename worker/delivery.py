@@ -150,7 +150,7 @@ class Delivery:
                     "dead letter" if out.dead_letter else "result", out.source.topic, out.source.partition,
                     out.source.offset, reason)
         dl = DeadLetter(source=out.source, reason=f"its output cannot be produced: {reason}",
-                        error_type=OUTPUT_REJECTED, payload=b"", key=out.key)
+                        error_type=OUTPUT_REJECTED, payload=b"", key=out.key, headers=out.headers)
         return Output.of_dead_letter(dl, out.tenant)
 
     def _count(self, out: Output) -> None:

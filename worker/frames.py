@@ -6,7 +6,42 @@ Pure data: no Kafka, no torch. Every stage below the source speaks in these type
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+# A Kafka message's headers as confluent-kafka gives them: (name, value) pairs, names may repeat.
+Headers = tuple[tuple[str, bytes | None], ...]
+
+# The context a dead letter carries in its headers (worker/sink.py), after the input message's own headers.
+HEADER_ERROR = "streamfer.error"
+HEADER_ERROR_TYPE = "streamfer.error_type"
+HEADER_SOURCE_TOPIC = "streamfer.source_topic"
+HEADER_SOURCE_PARTITION = "streamfer.source_partition"
+HEADER_SOURCE_OFFSET = "streamfer.source_offset"
+HEADER_WORKER_ID = "streamfer.worker_id"
+DEAD_LETTER_HEADERS = frozenset({HEADER_ERROR, HEADER_ERROR_TYPE, HEADER_SOURCE_TOPIC, HEADER_SOURCE_PARTITION,
+                                 HEADER_SOURCE_OFFSET, HEADER_WORKER_ID})
+# What `worker dlq replay` adds to a frame it publishes again: how many times the frame has been replayed, and
+# the dead letter it was replayed from. An input message's headers travel into its dead letter, so a replayed
+# frame that fails again is dead-lettered with its count (worker/tools/dlq.py stops at dlq.max_replays).
+HEADER_REPLAY_COUNT = "streamfer.replay_count"
+HEADER_REPLAYED_FROM = "streamfer.replayed_from"
+REPLAY_HEADERS = frozenset({HEADER_REPLAY_COUNT, HEADER_REPLAYED_FROM})
+
+
+def replay_count_of(headers: Sequence[tuple[str, bytes | None]] | None) -> int:
+    """How many times the message was replayed (its last `streamfer.replay_count` header), 0 without one.
+    Raises ValueError when the header is not a count."""
+    if not headers:
+        return 0
+    count = 0
+    for name, value in headers:
+        if name == HEADER_REPLAY_COUNT:
+            text = (value or b"").decode("ascii", errors="replace")
+            if not (text.isascii() and text.isdigit()):
+                raise ValueError(f"header {HEADER_REPLAY_COUNT} is {text!r}: not a count")
+            count = int(text)
+    return count
 
 
 class Priority(enum.IntEnum):
@@ -63,6 +98,8 @@ class Frame:
     received_at: float = 0.0
     # The record's own (informational) priority field, kept so a dead letter can carry the original bytes.
     declared_priority: Priority | None = None
+    # The message's Kafka headers, carried into its dead letter (a replayed frame's replay count among them).
+    headers: Headers = ()
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -72,6 +109,11 @@ class Frame:
     @property
     def frame_id(self) -> str:
         return f"{self.stream_id}/{self.frame_index}"
+
+    @property
+    def replay_count(self) -> int:
+        """How many times `worker dlq replay` published this frame again (0: the producer's own message)."""
+        return replay_count_of(self.headers) if self.headers else 0
 
 
 @dataclass(frozen=True)
@@ -88,13 +130,16 @@ class Verdict:
 
 @dataclass(frozen=True)
 class DeadLetter:
-    """A message the worker could not process, with the reason, destined for the dead-letter topic."""
+    """A message the worker could not process, with the reason, destined for the dead-letter topic.
+
+    `headers`: the input message's own headers, which the dead letter keeps (before its context headers)."""
 
     source: SourceRef
     reason: str
     error_type: str
     payload: bytes = field(repr=False, default=b"")
     key: bytes | None = field(repr=False, default=None)
+    headers: Headers = field(repr=False, default=())
 
 
 class Status(str, enum.Enum):
@@ -109,7 +154,8 @@ class Status(str, enum.Enum):
 class Output:
     """The one message to produce for one source offset: an encoded result or a dead letter.
 
-    Every offset read ends in exactly one Output (or is left uncommitted for the next owner)."""
+    Every offset read ends in exactly one Output (or is left uncommitted for the next owner). `headers`: the
+    input message's, for the reference-only dead letter that replaces an output the broker refuses."""
 
     source: SourceRef
     key: bytes | None
@@ -117,10 +163,11 @@ class Output:
     tenant: str
     status: Status
     dead_letter: DeadLetter | None = None
+    headers: Headers = field(repr=False, default=())
 
     @staticmethod
     def of_dead_letter(dl: DeadLetter, tenant: str = "unknown") -> Output:
-        return Output(dl.source, dl.key, dl.payload, tenant, Status.DLQ, dl)
+        return Output(dl.source, dl.key, dl.payload, tenant, Status.DLQ, dl, dl.headers)
 
 
 # A dead letter's error_type: what went wrong, from a fixed set (it is also a metric label).

@@ -253,13 +253,13 @@ class Pipeline:
         if polled.frames:
             self._count_by_tenant(self._consumed, polled.frames)
         for frame in polled.frames:
-            first = self.duplicates.first_offset(frame.source.topic_partition, (frame.stream_id, frame.frame_index),
-                                                 frame.source.offset)
+            # A replayed frame is a new copy on purpose: its replay count is part of its identity (worker/dedup.py).
+            identity = (frame.stream_id, frame.frame_index, frame.replay_count)
+            first = self.duplicates.first_offset(frame.source.topic_partition, identity, frame.source.offset)
             if first is None:
                 self.batcher.add(frame)
             else:
-                self._outputs.append(self._dead_letter(frame, DUPLICATE_FRAME,
-                                                       duplicate_reason((frame.stream_id, frame.frame_index), first)))
+                self._outputs.append(self._dead_letter(frame, DUPLICATE_FRAME, duplicate_reason(identity, first)))
         if polled.dead_letters:
             for topic, n in Counter(dl.source.topic for dl in polled.dead_letters).items():
                 self._consumed.labels(topic, "unknown").inc(n)
@@ -382,7 +382,7 @@ class Pipeline:
     @staticmethod
     def _dead_letter(frame: Frame, error_type: str, reason: str) -> Output:
         dl = DeadLetter(source=frame.source, reason=reason, error_type=error_type, payload=reencode_frame(frame),
-                        key=frame.stream_id.encode())
+                        key=frame.stream_id.encode(), headers=frame.headers)
         return Output.of_dead_letter(dl, frame.tenant)
 
     def _expire(self) -> None:
@@ -400,7 +400,7 @@ class Pipeline:
                 run_ms: float, now: float) -> Output:
         value = build_result(frame, verdict, status.value, self._result_context, queued_ms, batch_size, run_ms, now)
         # Keyed by stream so a stream's results stay ordered within one output partition.
-        return Output(frame.source, frame.stream_id.encode(), value, frame.tenant, status)
+        return Output(frame.source, frame.stream_id.encode(), value, frame.tenant, status, headers=frame.headers)
 
     # -- producing and committing ---------------------------------------------------------------------------
     def _emit(self) -> None:

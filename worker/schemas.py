@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import fastavro
 
 from worker.config import LimitsSettings
-from worker.frames import Encoding, Frame, Priority, SourceRef, Verdict
+from worker.frames import Encoding, Frame, Priority, SourceRef, Verdict, replay_count_of
 
 
 def _schema_dir() -> Path:
@@ -124,12 +125,29 @@ def reencode_frame(frame: Frame) -> bytes:
         channels=frame.channels, encoding=frame.encoding, data=frame.data))
 
 
+def read_frame_record(payload: bytes) -> FrameRecord:
+    """The frame record as written, unchecked: for tools that inspect messages the worker refused (dead
+    letters, a lagging partition's next frame). Raises MessageDecodeError when it is not a frame record."""
+    try:
+        rec = _read(FRAME_READ_SCHEMA, payload)
+    except MessageDecodeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 (fastavro raises EOFError, ValueError, UnicodeDecodeError...)
+        raise MessageDecodeError(f"not a Frame Avro record ({type(exc).__name__}: {exc})") from None
+    return FrameRecord(stream_id=rec["stream_id"], frame_index=rec["frame_index"], capture_ts_ms=rec["capture_ts_ms"],
+                       tenant=rec["tenant"], priority=Priority[rec["priority"]], width=rec["width"],
+                       height=rec["height"], channels=rec["channels"], encoding=ENCODINGS[rec["encoding"]],
+                       data=rec["data"])
+
+
 def decode_frame(payload: bytes | None, source: SourceRef, priority: Priority, received_at: float,
-                 limits: LimitsSettings = DEFAULT_LIMITS) -> Frame:
+                 limits: LimitsSettings = DEFAULT_LIMITS,
+                 headers: Sequence[tuple[str, bytes | None]] | None = None) -> Frame:
     """Decode and sanity-check a frame message; raises MessageDecodeError with a reason a human can act on.
 
     The priority class comes from the topic (the caller), not from the record's informational field.
-    `received_at` (wall seconds) is the worker's now, against which the capture time is checked.
+    `received_at` (wall seconds) is the worker's now, against which the capture time is checked. `headers`: the
+    message's Kafka headers, kept on the frame for its dead letter.
     """
     if not payload:
         raise MessageDecodeError("empty message value")
@@ -162,6 +180,11 @@ def decode_frame(payload: bytes | None, source: SourceRef, priority: Priority, r
         raise MessageDecodeError(f"frame_index {rec['frame_index']} is negative: it counts frames from 0")
     capture_ms = rec["capture_ts_ms"]
     _check_capture_time(capture_ms, received_at, limits)
+    if headers:
+        try:
+            replay_count_of(headers)
+        except ValueError as exc:
+            raise MessageDecodeError(f"{exc} (`worker dlq replay` writes it as a decimal count)") from None
     return Frame(
         stream_id=rec["stream_id"],
         frame_index=rec["frame_index"],
@@ -176,6 +199,7 @@ def decode_frame(payload: bytes | None, source: SourceRef, priority: Priority, r
         source=source,
         received_at=received_at,
         declared_priority=Priority[rec["priority"]],
+        headers=tuple(headers) if headers else (),
     )
 
 

@@ -18,7 +18,17 @@ from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 
 from worker.config import Settings
 from worker.errors import StreamferError
-from worker.frames import DeadLetter, SourceRef
+from worker.frames import (
+    DEAD_LETTER_HEADERS,
+    HEADER_ERROR,
+    HEADER_ERROR_TYPE,
+    HEADER_SOURCE_OFFSET,
+    HEADER_SOURCE_PARTITION,
+    HEADER_SOURCE_TOPIC,
+    HEADER_WORKER_ID,
+    DeadLetter,
+    SourceRef,
+)
 from worker.kafka_client import ClientFactory, client_properties, new_client, security_properties
 from worker.kafka_errors import BrokerAccessError, Identity, classify_producer_error
 from worker.threadnames import name_os_thread
@@ -162,13 +172,15 @@ class ResultSink:
         self._produce(self._results_topic, source, key, value, headers=None)
 
     def send_dead_letter(self, dl: DeadLetter) -> None:
-        headers: list[tuple[str, str | bytes | None]] = [
-            ("streamfer.error", dl.reason.encode()[:4000]),
-            ("streamfer.error_type", dl.error_type.encode()),
-            ("streamfer.source_topic", dl.source.topic.encode()),
-            ("streamfer.source_partition", str(dl.source.partition).encode()),
-            ("streamfer.source_offset", str(dl.source.offset).encode()),
-            ("streamfer.worker_id", self._worker_id.encode()),
+        """The input message's own headers (a replayed frame's replay count among them), then the context."""
+        headers: list[tuple[str, str | bytes | None]] = [h for h in dl.headers if h[0] not in DEAD_LETTER_HEADERS]
+        headers += [
+            (HEADER_ERROR, dl.reason.encode()[:4000]),
+            (HEADER_ERROR_TYPE, dl.error_type.encode()),
+            (HEADER_SOURCE_TOPIC, dl.source.topic.encode()),
+            (HEADER_SOURCE_PARTITION, str(dl.source.partition).encode()),
+            (HEADER_SOURCE_OFFSET, str(dl.source.offset).encode()),
+            (HEADER_WORKER_ID, self._worker_id.encode()),
         ]
         self._produce(self._dlq_topic, dl.source, dl.key, dl.payload, headers=headers)
 

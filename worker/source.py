@@ -251,11 +251,13 @@ class FrameSource:
                                 "the offsets already read", tp, source.offset, expected - 1)
                 continue
             self._next_offset[tp] = source.offset + 1
+            headers = msg.headers()  # None without headers; they travel into the message's dead letter
             try:
-                frame = decode_frame(msg.value(), source, self._topics[source.topic], now, self._limits)
+                frame = decode_frame(msg.value(), source, self._topics[source.topic], now, self._limits, headers)
             except MessageDecodeError as exc:
                 polled.dead_letters.append(DeadLetter(source=source, reason=str(exc), error_type=MESSAGE_DECODE_ERROR,
-                                                      payload=msg.value() or b"", key=msg.key()))
+                                                      payload=msg.value() or b"", key=msg.key(),
+                                                      headers=tuple(headers) if headers else ()))
                 continue
             polled.frames.append(frame)
         return polled
@@ -356,7 +358,9 @@ class FrameSource:
         """Whether the group's committed offset has reached the end of every partition assigned here.
 
         Broker calls: for deciding to exit when idle, not for the loop. False while a committed offset cannot
-        be read yet (a dead exactly-once member's transaction still holds it until the broker aborts it)."""
+        be read yet (a dead exactly-once member's transaction still holds it until the broker aborts it). A
+        partition whose last offsets hold nothing to deliver (a transactional producer's commit marker, as
+        `worker dlq replay` writes, or aborted frames) is caught up once the consumer has fetched past them."""
         assigned = sorted(self.assignments.partitions)
         committed = self.committed(assigned, timeout_s)
         if committed.unknown:
@@ -366,11 +370,20 @@ class FrameSource:
                 low, high = self._consumer.get_watermark_offsets(TopicPartition(t, p), timeout=timeout_s,
                                                                  cached=False)
                 offset = committed.offsets[(t, p)]
-                if (low if offset == OFFSET_BEGINNING else offset) < high:
+                resume = low if offset == OFFSET_BEGINNING else offset
+                if resume < high and not self._only_skipped_offsets_left((t, p), resume, high):
                     return False
         except KafkaException:
             return False
         return True
+
+    def _only_skipped_offsets_left(self, tp: TP, committed: int, high: int) -> bool:
+        """Between the committed offset and the end lie only offsets the consumer never delivers: everything it
+        delivered is committed, and its position (which librdkafka moves past control records) is at the end."""
+        if tp in self._awaiting or self._next_offset.get(tp, committed) > committed:
+            return False
+        (position,) = self._consumer.position([TopicPartition(*tp)])
+        return position.offset >= high
 
     def group_metadata(self) -> object:
         return self._consumer.consumer_group_metadata()

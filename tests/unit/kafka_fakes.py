@@ -77,6 +77,7 @@ class FakeConsumer:
     commit_history: list[dict[TP, int]] = field(default_factory=list)
     seeks: list[tuple[TP, int]] = field(default_factory=list)
     commit_error: KafkaError | None = None  # while set, every commit fails (a coordinator away)
+    headers: dict[tuple[TP, int], list[tuple[str, bytes]]] = field(default_factory=dict)  # by (tp, offset)
     _commit_reports: list[tuple[KafkaError | None, list[TopicPartition]]] = field(default_factory=list)
 
     # -- test controls --
@@ -109,7 +110,7 @@ class FakeConsumer:
             values = self.log.get(tp, [])
             while len(out) < n and self.position_of[tp] < len(values):
                 offset = self.position_of[tp]
-                out.append(FakeMessage(tp[0], tp[1], offset, values[offset]))
+                out.append(FakeMessage(tp[0], tp[1], offset, values[offset], _headers=self.headers.get((tp, offset))))
                 self.position_of[tp] = offset + 1
         return out
 

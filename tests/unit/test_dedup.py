@@ -17,47 +17,60 @@ P1 = ("frames.standard", 1)
 
 def test_a_second_message_with_the_identity_of_a_first_is_a_duplicate_of_its_offset():
     d = DuplicateFrames(window=10)
-    assert d.first_offset(P0, ("cam", 7), 100) is None
-    assert d.first_offset(P0, ("cam", 8), 101) is None
-    assert d.first_offset(P0, ("cam", 7), 102) == 100
+    assert d.first_offset(P0, ("cam", 7, 0), 100) is None
+    assert d.first_offset(P0, ("cam", 8, 0), 101) is None
+    assert d.first_offset(P0, ("cam", 7, 0), 102) == 100
 
 
 def test_the_same_offset_read_again_after_a_rewind_is_not_a_duplicate():
     d = DuplicateFrames(window=10)
-    d.first_offset(P0, ("cam", 7), 100)
-    d.first_offset(P0, ("cam", 7), 102)
+    d.first_offset(P0, ("cam", 7, 0), 100)
+    d.first_offset(P0, ("cam", 7, 0), 102)
     # The consumer is rewound to 100: the first copy is the frame again, the second still its duplicate.
-    assert d.first_offset(P0, ("cam", 7), 100) is None
-    assert d.first_offset(P0, ("cam", 7), 102) == 100
+    assert d.first_offset(P0, ("cam", 7, 0), 100) is None
+    assert d.first_offset(P0, ("cam", 7, 0), 102) == 100
 
 
 def test_partitions_have_windows_of_their_own():
     d = DuplicateFrames(window=10)
-    d.first_offset(P0, ("cam", 7), 100)
-    assert d.first_offset(P1, ("cam", 7), 5) is None
+    d.first_offset(P0, ("cam", 7, 0), 100)
+    assert d.first_offset(P1, ("cam", 7, 0), 5) is None
 
 
 def test_a_released_partition_starts_again_with_an_empty_window():
     d = DuplicateFrames(window=10)
-    d.first_offset(P0, ("cam", 7), 100)
-    d.first_offset(P1, ("cam", 7), 5)
+    d.first_offset(P0, ("cam", 7, 0), 100)
+    d.first_offset(P1, ("cam", 7, 0), 5)
     d.release([P0])
     assert d.remembered(P0) == 0 and d.remembered(P1) == 1
-    assert d.first_offset(P0, ("cam", 7), 102) is None
+    assert d.first_offset(P0, ("cam", 7, 0), 102) is None
 
 
 def test_an_identity_older_than_the_window_is_forgotten():
     d = DuplicateFrames(window=2)
     for offset, index in enumerate((1, 2, 3)):
-        d.first_offset(P0, ("cam", index), offset)
-    assert d.first_offset(P0, ("cam", 1), 10) is None
-    assert d.first_offset(P0, ("cam", 3), 11) == 2
+        d.first_offset(P0, ("cam", index, 0), offset)
+    assert d.first_offset(P0, ("cam", 1, 0), 10) is None
+    assert d.first_offset(P0, ("cam", 3, 0), 11) == 2
+
+
+def test_a_replayed_copy_is_not_a_duplicate_of_the_dead_lettered_original_but_a_second_copy_of_it_is():
+    d = DuplicateFrames(window=10)
+    d.first_offset(P0, ("cam", 7, 0), 100)  # dead-lettered (the model failed on it)
+    assert d.first_offset(P0, ("cam", 7, 1), 150) is None  # `worker dlq replay` published it again: scored
+    assert d.first_offset(P0, ("cam", 7, 1), 151) == 150  # the same replay twice: the second is a duplicate
+    assert d.first_offset(P0, ("cam", 7, 0), 152) == 100  # the producer sending it again still is one too
+
+
+def test_a_duplicate_replay_names_its_replay_count():
+    assert "(replay 2)" in duplicate_reason(("cam", 7, 2), 100)
+    assert "replay" not in duplicate_reason(("cam", 7, 0), 100)
 
 
 def test_window_zero_turns_detection_off():
     d = DuplicateFrames(window=0)
-    d.first_offset(P0, ("cam", 7), 100)
-    assert d.first_offset(P0, ("cam", 7), 101) is None
+    d.first_offset(P0, ("cam", 7, 0), 100)
+    assert d.first_offset(P0, ("cam", 7, 0), 101) is None
     assert d.remembered(P0) == 0
 
 
@@ -92,7 +105,7 @@ def reference(window: int, events: list[tuple[int, int]]) -> list[int | None]:
 @given(st.integers(1, 8), reads)
 def test_answers_match_the_reference_and_the_window_is_bounded(window, events):
     d = DuplicateFrames(window)
-    answers = [d.first_offset(P0, ("s", ident), offset) for ident, offset in events]
+    answers = [d.first_offset(P0, ("s", ident, 0), offset) for ident, offset in events]
     assert answers == reference(window, events)
     assert d.remembered(P0) <= window
 
@@ -103,8 +116,8 @@ def test_reading_the_same_offset_twice_in_a_row_gives_the_same_answer(window, ev
     """A re-read of a message (rewind) never turns it into a duplicate, nor a duplicate into a frame."""
     d = DuplicateFrames(window)
     for ident, offset in events:
-        first = d.first_offset(P0, ("s", ident), offset)
-        assert d.first_offset(P0, ("s", ident), offset) == first
+        first = d.first_offset(P0, ("s", ident, 0), offset)
+        assert d.first_offset(P0, ("s", ident, 0), offset) == first
 
 
 @settings(max_examples=200, deadline=None)
@@ -114,11 +127,12 @@ def test_with_a_window_larger_than_the_reads_every_repeat_at_another_offset_is_f
     d = DuplicateFrames(window=1000)
     first: dict[int, int] = {}
     for ident, offset in events:
-        answer = d.first_offset(P0, ("s", ident), offset)
+        answer = d.first_offset(P0, ("s", ident, 0), offset)
         first.setdefault(ident, offset)
         assert answer == (None if first[ident] == offset else first[ident])
 
 
 def test_a_duplicate_is_dead_lettered_under_a_known_error_type_with_the_first_offset_in_its_reason():
     assert DUPLICATE_FRAME in DEAD_LETTER_ERROR_TYPES
-    assert "offset 100" in duplicate_reason(("cam", 7), 100) and "'cam', 7" in duplicate_reason(("cam", 7), 100)
+    reason = duplicate_reason(("cam", 7, 0), 100)
+    assert "offset 100" in reason and "'cam', 7" in reason

@@ -314,12 +314,14 @@ def test_a_result_the_client_refuses_is_dead_lettered_by_reference_and_the_parti
     w.pipeline = build_pipeline(w.settings, w.executor, Metrics(), w.health, w.clock, clients=w.clients)
     w.pipeline.source.subscribe(w.pipeline._on_assign, w.pipeline._on_revoke, w.pipeline._on_lost)
     w.kafka.append(P0, frame_value("s", 0), frame_value("s", 1, tenant="x" * 600), frame_value("s", 2))
+    w.kafka.headers = {(P0, 1): [("streamfer.replay_count", b"2")]}
     w.kafka.rebalance("assign", [P0])
     w.step(4)
     assert offsets(w.results(), P0) == [0, 2]
     [dl] = w.dead_letters()
     assert dl.headers["streamfer.error_type"] == OUTPUT_REJECTED
     assert dl.headers["streamfer.source_offset"] == "1"
+    assert dl.headers["streamfer.replay_count"] == "2"  # so `worker dlq` knows how often it was replayed
     assert dl.value == b""
     assert w.committed(P0) == 3
 
@@ -402,6 +404,54 @@ def test_a_repeated_frame_identity_is_dead_lettered_and_the_first_copy_scored() 
     [dl] = w.dead_letters()
     assert (dl.headers["streamfer.error_type"], dl.headers["streamfer.source_offset"]) == ("DuplicateFrame", "2")
     assert w.committed(P0) == 3
+
+
+@pytest.mark.parametrize("mode", ["at_least_once", "exactly_once"])
+def test_a_replayed_copy_of_a_frame_is_scored_and_a_second_copy_of_that_replay_is_a_duplicate(
+        mode: str) -> None:
+    """`worker dlq replay` publishes a dead-lettered frame again with streamfer.replay_count: a new copy on purpose,
+    not a duplicate of the first (which the worker dead-lettered), while the same replay twice is one."""
+    w = World(mode)
+    w.kafka.append(P0, frame_value("s", 0), frame_value("s", 0), frame_value("s", 0))
+    w.kafka.headers = {(P0, 1): [("streamfer.replay_count", b"1")], (P0, 2): [("streamfer.replay_count", b"1")]}
+    w.kafka.rebalance("assign", [P0])
+    w.step(4)
+    assert offsets(w.results(), P0) == [0, 1]
+    [dl] = w.dead_letters()
+    assert dl.headers["streamfer.error_type"] == "DuplicateFrame" and dl.headers["streamfer.source_offset"] == "2"
+    assert "(replay 1)" in dl.headers["streamfer.error"] and "offset 1 " in dl.headers["streamfer.error"]
+    assert w.committed(P0) == 3
+
+
+@pytest.mark.parametrize("mode", ["at_least_once", "exactly_once"])
+def test_a_dead_letter_keeps_the_input_messages_headers_and_replay_count_before_its_own_context(
+        mode: str) -> None:
+    w = World(mode)
+    w.kafka.append(P0, frame_value("s", 0), frame_value("s", 0))
+    w.kafka.headers = {(P0, 1): [("trace-id", b"abc"), ("streamfer.error", b"forged"),
+                                 ("streamfer.replay_count", b"0")]}
+    w.kafka.rebalance("assign", [P0])
+    w.step(4)
+    [dl] = w.dead_letters()
+    assert dl.headers["trace-id"] == "abc" and dl.headers["streamfer.replay_count"] == "0"
+    assert dl.headers["streamfer.error"].startswith("duplicate frame")  # the input's "forged" copy is dropped
+    assert list(dl.headers) == ["trace-id", "streamfer.replay_count", "streamfer.error", "streamfer.error_type",
+                                "streamfer.source_topic", "streamfer.source_partition", "streamfer.source_offset",
+                                "streamfer.worker_id"]
+
+
+@pytest.mark.parametrize("mode", ["at_least_once", "exactly_once"])
+def test_a_replay_count_that_is_not_a_count_is_a_decode_error_with_the_headers_kept(
+        mode: str) -> None:
+    w = World(mode)
+    w.kafka.append(P0, frame_value("s", 0))
+    w.kafka.headers = {(P0, 0): [("streamfer.replay_count", b"two")]}
+    w.kafka.rebalance("assign", [P0])
+    w.step(4)
+    [dl] = w.dead_letters()
+    assert dl.headers["streamfer.error_type"] == "MessageDecodeError"
+    assert "streamfer.replay_count" in dl.headers["streamfer.error"] and dl.headers["streamfer.replay_count"] == "two"
+    assert w.results() == [] and w.committed(P0) == 1
 
 
 def test_a_producer_that_cannot_abort_is_replaced_and_the_frames_answered_once() -> None:

@@ -67,6 +67,7 @@ class FakeConsumer:
     paused: set[tuple[str, int]] = field(default_factory=set)
     callbacks: dict[str, Callable[..., None]] = field(default_factory=dict)
     timeouts: list[float] = field(default_factory=list)  # of every consume() call
+    positions: dict[tuple[str, int], int] = field(default_factory=dict)  # where the consumer would read next
 
     def subscribe(self, topics: list[str], on_assign: Callable[..., None], on_revoke: Callable[..., None],
                   on_lost: Callable[..., None]) -> None:
@@ -107,6 +108,10 @@ class FakeConsumer:
 
     def get_watermark_offsets(self, tp: TopicPartition, timeout: float, cached: bool) -> tuple[int, int]:
         return 0, 100
+
+    def position(self, partitions: list[TopicPartition]) -> list[TopicPartition]:
+        return [TopicPartition(p.topic, p.partition, self.positions.get((p.topic, p.partition), OFFSET_INVALID))
+                for p in partitions]
 
 
 @pytest.fixture
@@ -390,3 +395,35 @@ def test_a_full_poll_says_more_may_be_waiting_and_a_short_one_that_it_took_all_t
     assert (len(full.frames), full.drained) == (3, False)
     assert (len(short.frames), short.drained) == (1, True)
     assert (len(empty.frames), empty.drained) == (0, True)
+
+
+# -- caught up (exit when idle) ------------------------------------------------------------------------------
+def test_a_partition_is_caught_up_when_its_committed_offset_is_its_end(fake: FakeConsumer) -> None:
+    source = started(fake, [(REALTIME, 0)])
+    fake.committed_offsets = {(REALTIME, 0): 100}  # the fake's partitions end at 100
+    assert source.caught_up()
+    fake.committed_offsets = {(REALTIME, 0): 99}
+    assert not source.caught_up()
+
+
+def test_a_transaction_marker_after_the_last_frame_does_not_keep_a_partition_behind(fake: FakeConsumer) -> None:
+    """A transactional producer (`worker dlq replay`) ends with a commit marker: the worker commits after the last
+    frame (99), the marker holds offset 99 and never reaches the worker; the consumer's position moves past it."""
+    source = started(fake, [(REALTIME, 0)])
+    fake.script = [[("msg", (REALTIME, 0, 98))]]
+    source.poll(10, 0.0)
+    fake.committed_offsets = {(REALTIME, 0): 99}
+    fake.positions = {(REALTIME, 0): 99}
+    assert not source.caught_up()  # not fetched past the marker yet: a frame may still be at 99
+    fake.positions = {(REALTIME, 0): 100}
+    assert source.caught_up()
+
+
+def test_a_delivered_frame_not_yet_committed_keeps_a_partition_behind_whatever_the_position(
+        fake: FakeConsumer) -> None:
+    source = started(fake, [(REALTIME, 0)])
+    fake.script = [[("msg", (REALTIME, 0, 98)), ("msg", (REALTIME, 0, 99))]]
+    source.poll(10, 0.0)
+    fake.committed_offsets = {(REALTIME, 0): 99}
+    fake.positions = {(REALTIME, 0): 100}
+    assert not source.caught_up()
