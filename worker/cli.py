@@ -9,12 +9,14 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from worker.config import Settings, load_settings
 from worker.errors import EXIT_OPERATOR_ERROR, OperatorError
+from worker.frames import DEAD_LETTER_ERROR_TYPES, Priority
 
 log = logging.getLogger("worker")
 
@@ -205,6 +207,141 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(frames_per_topic=args.frames, keep_broker=args.keep_broker, model=args.model)
 
 
+# -- dlq / lag ---------------------------------------------------------------------------------------------
+def cmd_dlq_show(args: argparse.Namespace) -> int:
+    from worker.tools.dlq import render_summary, show
+
+    summary = show(_settings(args), _dlq_selection(args), newest=args.newest, window_ms=args.window)
+    print(json.dumps(summary.to_json(args.top, args.payload)) if args.json
+          else render_summary(summary, args.top, args.payload))
+    return 0
+
+
+def cmd_dlq_replay(args: argparse.Namespace) -> int:
+    from worker.tools.dlq import EXIT_REPLAY_FAILED, ReplayItem, replay
+
+    def progress(item: ReplayItem) -> None:
+        print(item.render(), flush=True)
+
+    report = replay(_settings(args), _dlq_selection(args), target_topic=args.topic, dry_run=args.dry_run,
+                    limit=args.limit, on_item=None if args.json or args.quiet else progress)
+    print(json.dumps(report.to_json(with_items=not args.quiet)) if args.json else report.render_totals())
+    return EXIT_REPLAY_FAILED if report.count("failed") else 0
+
+
+def _dlq_selection(args: argparse.Namespace) -> Any:
+    from worker.tools.dlq import Selection
+
+    def chosen(values: list[str] | None) -> frozenset[str] | None:
+        return frozenset(values) if values else None
+
+    return Selection(error_types=chosen(args.error_type), since_ms=args.since, until_ms=args.until,
+                     streams=chosen(args.stream), tenants=chosen(args.tenant), source_topics=chosen(args.source_topic))
+
+
+def cmd_lag(args: argparse.Namespace) -> int:
+    from worker.tools.lag import EXIT_ABOVE_THRESHOLD, read_lag
+
+    settings = _settings(args)
+    report = read_lag(settings, args.group or [settings.kafka.group_id], set(args.priority_class or []) or None,
+                      read_age=not args.no_age, age_timeout_s=args.age_timeout)
+    print(json.dumps(report.to_json()) if args.json else report.render())
+    exceeded = report.exceeded(args.fail_above, args.fail_above_age)
+    for reason in exceeded:
+        print(f"above threshold: {reason}", file=sys.stderr)
+    return EXIT_ABOVE_THRESHOLD if exceeded else 0
+
+
+def _time_arg(text: str) -> int:
+    """--since / --until: a duration ago (2h) or an ISO 8601 time, as epoch milliseconds."""
+    from worker.tools.dlq import parse_time_ms
+
+    try:
+        return parse_time_ms(text, int(time.time() * 1000))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _duration_arg(text: str) -> int:
+    from worker.tools.dlq import parse_duration_ms
+
+    try:
+        return parse_duration_ms(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _connection(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bootstrap-servers", "-b", help="Kafka bootstrap servers (default: kafka.bootstrap_servers)")
+    p.add_argument("--config", "-c", help="TOML settings file: topics, [kafka] security, [dlq]")
+
+
+def _add_dlq_parsers(sub: Any) -> None:
+    dlq = sub.add_parser("dlq", help="inspect the dead-letter topic and replay its frames (docs/operations.md)",
+                         description="Dead letters: `show` counts and lists them, `replay` publishes their frames "
+                         "again once the cause is fixed.")
+    dsub = dlq.add_subparsers(dest="dlq_command", required=True)
+
+    def filters(p: argparse.ArgumentParser) -> None:
+        _connection(p)
+        f = p.add_argument_group("selection (repeat a flag for several values)")
+        f.add_argument("--error-type", action="append", metavar="TYPE",
+                       help=", ".join(sorted(DEAD_LETTER_ERROR_TYPES)))
+        f.add_argument("--since", type=_time_arg, metavar="WHEN", help="dead-lettered at or after: 2h (ago) or "
+                       "2026-12-04T10:00:00Z")
+        f.add_argument("--until", type=_time_arg, metavar="WHEN", help="dead-lettered before")
+        f.add_argument("--stream", action="append", metavar="ID", help="stream id")
+        f.add_argument("--tenant", action="append")
+        f.add_argument("--source-topic", action="append", metavar="TOPIC", help="input topic it was read from")
+        p.add_argument("--json", action="store_true", help="one JSON object instead of text")
+
+    show = dsub.add_parser("show", help="counts by error type, source topic, stream, tenant and time window, "
+                           "then the newest dead letters with their reasons",
+                           description="Count the selected dead letters by error type, source topic, stream, "
+                           "tenant, time window and replay count, then list the newest with their reason headers "
+                           "(never their frame bytes, unless --payload).")
+    filters(show)
+    show.add_argument("--newest", type=int, default=10, metavar="N", help="list the newest N (default 10)")
+    show.add_argument("--top", type=int, default=10, metavar="N", help="streams, tenants, windows shown (10)")
+    show.add_argument("--window", type=_duration_arg, default=3_600_000, metavar="DURATION",
+                      help="time window of the counts (default 1h)")
+    show.add_argument("--payload", action="store_true", help="also print each listed dead letter's bytes (base64)")
+    show.set_defaults(func=cmd_dlq_show)
+
+    rep = dsub.add_parser("replay", help="publish the selected dead letters' frames again",
+                          description="Publish the frames of the selected dead letters again, to their source topic "
+                          "(or --topic), with their key and headers plus a replay marker; each is recorded in "
+                          "<dead-letter topic>.replayed in the same transaction and never replayed twice. Not "
+                          "replayed: DuplicateFrame (unless --error-type names it), frames replayed "
+                          "dlq.max_replays times, reference-only frames no longer in their input topic.")
+    filters(rep)
+    rep.add_argument("--topic", "-t", help="publish to this topic instead of each frame's source topic")
+    rep.add_argument("--dry-run", "-n", action="store_true", help="print what would be sent; send nothing")
+    rep.add_argument("--limit", type=int, metavar="N", help="replay at most N frames")
+    rep.add_argument("--quiet", "-q", action="store_true", help="totals only, no line per dead letter")
+    rep.set_defaults(func=cmd_dlq_replay)
+
+
+def _add_lag_parser(sub: Any) -> None:
+    lag = sub.add_parser("lag", help="per group, topic and partition: committed and end offsets, lag, owner, "
+                         "the oldest pending frame's age; totals per priority class",
+                         description="Consumer lag from the broker alone (no worker needs to run). Exit code 3 "
+                         "when a --fail-above threshold is crossed, 2 on an operator error.")
+    _connection(lag)
+    lag.add_argument("--group", action="append", metavar="GROUP", help="consumer group (repeatable; default: "
+                     "kafka.group_id)")
+    lag.add_argument("--class", dest="priority_class", action="append",
+                     choices=[p.label for p in Priority] + ["other"], help="only these priority classes (repeatable)")
+    lag.add_argument("--fail-above", type=int, metavar="N", help="exit 3 when the total lag shown is above N")
+    lag.add_argument("--fail-above-age", type=float, metavar="SECONDS",
+                     help="exit 3 when the oldest pending frame shown is older than this")
+    lag.add_argument("--no-age", action="store_true", help="do not read the frame at each committed offset")
+    lag.add_argument("--age-timeout", type=float, default=5.0, metavar="SECONDS",
+                     help="how long reading those frames may take (default 5)")
+    lag.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    lag.set_defaults(func=cmd_lag)
+
+
 # -- parser ------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="worker", description="streamfer: Kafka streaming inference worker "
@@ -291,6 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", choices=["auto", "opennsfw", "builtin"], default="auto",
                       help="auto (default): open_nsfw when the models extra is installed, else the builtin CNN")
     demo.set_defaults(func=cmd_demo)
+
+    _add_dlq_parsers(sub)
+    _add_lag_parser(sub)
     return parser
 
 
