@@ -45,7 +45,7 @@ from worker.frames import (
     SourceRef,
     replay_count_of,
 )
-from worker.kafka_access import client_properties, security_properties
+from worker.kafka_client import client_properties, security_properties
 from worker.schemas import MessageDecodeError, read_frame_record
 from worker.topics import ensure_topics, topic_message_limits
 
