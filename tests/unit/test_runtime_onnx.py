@@ -123,23 +123,26 @@ def test_preset_settings_sit_beneath_the_configured_ones():
         load_settings(env={"WORKER_MODEL_SOURCE": "opennsfw", "WORKER_MODEL_THRESHOLDS": "nudity=0.8"})
 
 
-def test_a_restart_loads_the_cached_conversion_in_under_a_second_without_the_converter(cache_dir):
+def test_a_restart_loads_the_cached_conversion_without_the_converter(cache_dir):
+    """A restart reads the cached TorchScript file as it is: neither onnx2torch nor onnx is imported and the
+    entry is not written again. (How long that takes is a benchmark's business: bench/README.md.)"""
     load_model(_settings(cache_dir, source="opennsfw").model)  # converted (or already cached) here
     entries = list((cache_dir / "onnx").glob("open-nsfw-*.ts"))
     assert len(entries) == 1
+    written = entries[0].stat().st_mtime_ns
     script = (
-        "import json, sys, time\n"
+        "import json, sys\n"
         "from worker.config import load_settings\n"
         "from worker.runtime import load_model\n"
         f"s = load_settings(env={{'WORKER_MODEL_SOURCE': 'opennsfw', 'WORKER_MODEL_CACHE_DIR': {str(cache_dir)!r}}})\n"
-        "t = time.perf_counter(); m = load_model(s.model); total = time.perf_counter() - t\n"
-        "print(json.dumps({'load': m.load_seconds, 'total': total, 'converter': 'onnx2torch' in sys.modules}))\n"
+        "m = load_model(s.model)\n"
+        "print(json.dumps({'kind': m.kind, 'converter': sorted({'onnx2torch', 'onnx'} & set(sys.modules))}))\n"
     )
     out = subprocess.run([sys.executable, "-c", script], cwd=PROJECT_ROOT, capture_output=True, text=True,
                          check=True, timeout=120)
     measured = json.loads(out.stdout.strip().splitlines()[-1])
-    assert measured["converter"] is False
-    assert measured["load"] < 1.0, measured
+    assert measured == {"kind": "onnx", "converter": []}
+    assert [e.stat().st_mtime_ns for e in (cache_dir / "onnx").glob("open-nsfw-*.ts")] == [written]
 
 
 def test_a_graph_laid_out_otherwise_than_the_contract_is_named_at_start_up(cache_dir):
