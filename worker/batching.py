@@ -3,7 +3,10 @@ from an injected clock (the same clock, in seconds, as `Frame.received_at`). Not
 
 Guarantees and decisions, in the order the batcher applies them:
 
-Groups and lanes. A frame joins the group of its (class, height, width, channels). A group is released
+Groups and lanes. A frame joins the group of its class and batch shape (`batch_shape`): the model's fixed input
+  (height, width) when the contract has one, since frames of any resolution become that same input (720p and
+  1080p frames for a 224x224 model share batches, and no batch is padded), else the frame's own height and width;
+  with the frame's channels. A group is released
   - full: when it holds its *trigger* size: the largest preferred size (settings.preferred_batch_sizes plus the
     runner's CUDA-graph buckets) that fits its cap, else the cap itself; the cap is min(the class's
     max_batch_size, max_batch_bytes // frame tensor bytes), and on a GPU at most the largest batch device
@@ -258,7 +261,7 @@ class MicroBatcher:
         self._preferred = tuple(sorted({s for s in (*settings.preferred_batch_sizes, *preferred_batch_sizes)
                                         if 1 <= s <= settings.largest_batch_size}))
         self._dtype_bytes = settings.tensor_dtype_bytes
-        self._input_hw = input_hw  # the model's fixed input (height, width): every row of a batch has that size
+        self._input_hw = input_hw  # the model's fixed input (height, width): the batch shape of every frame
         self._largest_frame_bytes = 0
         self._waste_max = settings.padding_waste_max
         self._rare_window_s = settings.rare_shape_window_ms / 1000.0
@@ -299,9 +302,8 @@ class MicroBatcher:
     def add(self, frame: Frame) -> None:
         """Enqueue a frame at frame.received_at; raises BatcherFullError past the hard cap."""
         s = self._s
-        shape = (frame.height, frame.width, frame.channels)
-        rows_hw = self._input_hw or (shape[0], shape[1])
-        frame_bytes = rows_hw[0] * rows_hw[1] * shape[2] * self._dtype_bytes
+        shape = batch_shape((frame.height, frame.width, frame.channels), self._input_hw)
+        frame_bytes = shape[0] * shape[1] * shape[2] * self._dtype_bytes
         if self._pending_frames and self._pending_frames >= HARD_CAP_FACTOR * s.max_pending_frames:
             raise BatcherFullError(
                 f"batcher holds {self._pending_frames} frames, past {HARD_CAP_FACTOR}x batching.max_pending_frames: "
@@ -587,13 +589,11 @@ class MicroBatcher:
         return self._batch(out, group.shape, cls.priority, LANE_EXACT, 0.0, now, early or "deadline")
 
     def _memory_cap(self, shape: tuple[int, int, int], cap: int) -> int:
-        """At most `cap` frames, and on a GPU at most the largest batch device memory takes for the input the
-        device runs for a batch of `shape` (peaks are measured per that input: the model's fixed size when it has
-        one)."""
+        """At most `cap` frames, and on a GPU at most the largest batch device memory takes for a batch of `shape`
+        (the input the device runs: a batch shape is the model's fixed input when it has one)."""
         if self._memory is None:
             return cap
-        device_shape = (*self._input_hw, shape[2]) if self._input_hw else shape
-        return min(cap, self._memory.max_batch(device_shape, cap) or cap)
+        return min(cap, self._memory.max_batch(shape, cap) or cap)
 
     def _size_for(self, must: int, available: int) -> int:
         """Largest preferred size in [must, available]; else all available (the runner pads to its bucket)."""
@@ -886,6 +886,12 @@ class MicroBatcher:
             if cls.priority not in paused:
                 room = min(room, math.ceil(cls.share * s.max_pending_frames) - cls.pending)
         return max(1, room)
+
+
+def batch_shape(frame_shape: tuple[int, int, int], input_hw: tuple[int, int] | None) -> tuple[int, int, int]:
+    """The (height, width, channels) a frame is batched by: the model's fixed input when it has one (every frame
+    becomes that input, whatever its resolution), else the frame's own shape; the channels are the frame's."""
+    return (input_hw[0], input_hw[1], frame_shape[2]) if input_hw else frame_shape
 
 
 def _waste(n: int, real_pixels: int, padded_pixels: int) -> float:

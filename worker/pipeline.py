@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 from confluent_kafka import Consumer, Producer
 
 from worker.assignment import TP, Assignments
-from worker.batching import Batch, MicroBatcher
+from worker.batching import Batch, MicroBatcher, batch_shape
 from worker.config import Settings, resolve_inflight_batches
 from worker.costmodel import CostModel
 from worker.dedup import DuplicateFrames, duplicate_reason
@@ -285,9 +285,10 @@ class Pipeline:
         return self.clock() - self._last_activity
 
     def seed_costs(self, measured: Sequence[tuple[tuple[int, int, int], int, float]]) -> None:
-        """Warm-up timings (shape, batch size, seconds) for the cost model, before the first real batch."""
+        """Warm-up timings (frame shape, batch size, seconds) for the cost model, before the first real batch; kept
+        under the batch shape the batcher gives such frames (the model's fixed input when it has one)."""
         for shape, n, seconds in measured:
-            self.cost.observe(shape, n, seconds, calibration=True)
+            self.cost.observe(batch_shape(shape, self.executor.model_input_hw), n, seconds, calibration=True)
         if measured:
             log.info("batch cost model seeded: %s", {k: {m: round(v, 2) for m, v in d.items()}
                                                       for k, d in self.cost.snapshot().items()})

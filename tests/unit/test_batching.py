@@ -792,6 +792,52 @@ def test_frames_bound_for_a_fixed_model_input_count_that_input_s_bytes_not_their
     assert [(b.lane, b.size) for b in drain(batcher)] == [("exact", 8)]  # one batch: its tensor is 224x224 rows
 
 
+def test_with_a_fixed_model_input_720p_and_1080p_frames_form_full_batches_together():
+    """Both become the same 224x224 input: 5 + 3 frames are one full batch at once, not a 5 and a 3 at the wait."""
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(max_batch_size=8), clock, input_hw=(224, 224))
+    for shape in [(720, 1280, 3), (1080, 1920, 3)] * 3 + [(720, 1280, 3)] * 2:
+        add_frames(batcher, clock, 1, shape=shape)
+
+    [batch] = drain(batcher)
+    assert (batch.size, batch.shape, batch.lane, batch.reason, batch.padding_waste) == (8, (224, 224, 3), "exact",
+                                                                                         "full", 0.0)
+    assert {f.shape for f in batch.frames} == {(720, 1280, 3), (1080, 1920, 3)}
+
+
+def test_without_a_fixed_model_input_720p_and_1080p_frames_stay_in_batches_of_their_own_shape():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(max_batch_size=8), clock)
+    for shape in [(720, 1280, 3), (1080, 1920, 3)] * 3 + [(720, 1280, 3)] * 2:
+        add_frames(batcher, clock, 1, shape=shape)
+
+    assert drain(batcher) == []  # neither shape fills a batch: both wait
+    clock.advance(1.0)
+    assert sorted((b.shape, b.size) for b in drain(batcher)) == [((720, 1280, 3), 5), ((1080, 1920, 3), 3)]
+
+
+def test_with_a_fixed_model_input_a_source_resolution_seen_once_is_not_a_rare_shape():
+    """The rare-shape lane keeps odd shapes from holding a common shape's batch; for a fixed input nothing is odd."""
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(max_batch_size=4, rare_shape_min_count=2), clock, input_hw=(224, 224))
+    add_frames(batcher, clock, 1, shape=(720, 1280, 3))  # the first frame of any batch shape is rare
+    drain(batcher)
+    add_frames(batcher, clock, 3, shape=(720, 1280, 3))
+    add_frames(batcher, clock, 1, shape=(1080, 1920, 3))
+
+    assert [(b.lane, b.size) for b in drain(batcher)] == [("exact", 4)]
+
+
+def test_with_a_fixed_model_input_the_channels_still_split_groups():
+    clock = FakeClock()
+    batcher = MicroBatcher(make_settings(max_batch_size=4), clock, input_hw=(224, 224))
+    add_frames(batcher, clock, 2, shape=(720, 1280, 3))
+    add_frames(batcher, clock, 2, shape=(720, 1280, 1))
+    clock.advance(1.0)
+
+    assert sorted((b.shape, b.size) for b in drain(batcher)) == [((224, 224, 1), 2), ((224, 224, 3), 2)]
+
+
 def test_poll_room_is_bounded_by_the_bytes_left_at_the_largest_frame_seen():
     clock = FakeClock()
     frame_bytes = 720 * 1280 * 3 * 4

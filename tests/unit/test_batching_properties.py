@@ -42,19 +42,21 @@ def scenarios(draw):
         tenant_weights={"t1": draw(st.integers(1, 3))},
     )
     runner_buckets = tuple(draw(st.sets(st.integers(1, 16), max_size=3)))
+    input_hw = draw(st.sampled_from([None, None, (8, 8)]))  # a model with a fixed input, now and then
     arrival = st.tuples(st.sampled_from(list(Priority)), st.sampled_from(TENANTS),
                         st.integers(0, len(SHAPES) - 1), st.integers(0, 40))
     ticks = draw(st.lists(st.lists(arrival, max_size=6), min_size=1, max_size=60))
     discard = draw(st.none() | st.tuples(st.integers(0, len(ticks) - 1), st.sampled_from(TENANTS)))
-    return settings, runner_buckets, ticks, discard
+    return settings, runner_buckets, ticks, discard, input_hw
 
 
 class Ledger:
     """What went in and what came out, checked as it happens."""
 
-    def __init__(self, batcher: MicroBatcher, settings):
+    def __init__(self, batcher: MicroBatcher, settings, input_hw: tuple[int, int] | None = None):
         self.batcher = batcher
         self.settings = settings
+        self.input_hw = input_hw
         self.added: dict[str, tuple[Frame, int]] = {}  # frame_id -> (frame, arrival order)
         self.pending: dict[str, Frame] = {}
         self.out: Counter[str] = Counter()
@@ -83,12 +85,16 @@ class Ledger:
         assert all(f.priority == batch.priority for f in frames)
         assert len({f.channels for f in frames}) == 1 and frames[0].channels == batch.shape[2]
         height, width, channels = batch.shape
-        assert all(f.height <= height and f.width <= width for f in frames)
-        real = sum(f.height * f.width for f in frames)
-        waste = (batch.size * height * width - real) / (batch.size * height * width)
-        assert batch.padding_waste == waste or math.isclose(batch.padding_waste, waste, abs_tol=1e-12)
-        assert batch.padding_waste <= s.padding_waste_max + 1e-12
-        assert (batch.lane == "padded") == (len({f.shape for f in frames}) > 1)
+        if self.input_hw is not None:
+            # Every frame becomes the model's input: batched by it, whatever its own size, and never padded.
+            assert (height, width) == self.input_hw and batch.padding_waste == 0.0 and batch.lane != "padded"
+        else:
+            assert all(f.height <= height and f.width <= width for f in frames)
+            real = sum(f.height * f.width for f in frames)
+            waste = (batch.size * height * width - real) / (batch.size * height * width)
+            assert batch.padding_waste == waste or math.isclose(batch.padding_waste, waste, abs_tol=1e-12)
+            assert batch.padding_waste <= s.padding_waste_max + 1e-12
+            assert (batch.lane == "padded") == (len({f.shape for f in frames}) > 1)
         assert batch.size <= s.max_batch_size_for(batch.priority)
         tensor = batch.size * height * width * channels * s.tensor_dtype_bytes
         lone_oversized = batch.size == 1 and tensor > s.max_batch_bytes
@@ -122,11 +128,11 @@ class Ledger:
 
 
 def run_scenario(scenario) -> Ledger:
-    settings, runner_buckets, ticks, discard = scenario
+    settings, runner_buckets, ticks, discard, input_hw = scenario
     clock = FakeClock()
     base = clock.now
-    batcher = MicroBatcher(settings, clock, runner_buckets)
-    ledger = Ledger(batcher, settings)
+    batcher = MicroBatcher(settings, clock, runner_buckets, input_hw=input_hw)
+    ledger = Ledger(batcher, settings, input_hw)
     for i, arrivals in enumerate(ticks):
         clock.now = base + i * TICK
         for priority, tenant, shape, lag_ms in arrivals:

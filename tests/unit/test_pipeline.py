@@ -545,3 +545,13 @@ def test_flags_latencies_and_results_are_counted_per_label_class_and_tenant() ->
     results = w.settings.topics.results
     assert sample(w, "streamfer_results_produced_total", topic=results, tenant="a", status="OK") == 5 + 5
     assert sample(w, "streamfer_results_produced_total", topic=results, tenant="b", status="OK") == 4
+
+
+def test_warm_up_timings_of_any_frame_size_seed_the_batch_shape_a_fixed_model_input_gives(monkeypatch):
+    """The batcher keys frames bound for a fixed input by that input: so must the warm-up's calibration."""
+    executor = FakeExecutor()
+    executor.model_input_hw = (224, 224)
+    w = World(monkeypatch, executor=executor)
+    w.pipeline.seed_costs([((720, 1280, 3), 4, 0.010), ((1080, 1920, 3), 4, 0.012)])
+
+    assert set(w.pipeline.cost.snapshot()) == {"224x224x3"}
