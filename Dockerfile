@@ -40,19 +40,20 @@ ARG VARIANT
 ARG TORCH_INDEX_URL=""
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/venv/bin:$PATH
 RUN python3 -m venv /opt/venv
-# torch first, from that index; `pip install /src` then finds it already satisfied.
+# torch and torchvision first, from that index (torchvision is built for one torch and CUDA version, so the pair
+# comes from one place); `pip install /src` then finds them already satisfied.
 RUN case "$VARIANT" in \
       cpu) default=https://download.pytorch.org/whl/cpu ;; \
       cuda) default=https://download.pytorch.org/whl/cu130 ;; \
       *) echo "VARIANT must be cpu or cuda, got '$VARIANT'" >&2; exit 1 ;; \
     esac \
- && pip install --index-url "${TORCH_INDEX_URL:-$default}" "torch>=2.9,<3"
+ && pip install --index-url "${TORCH_INDEX_URL:-$default}" "torch>=2.9,<3" "torchvision>=0.24"
 COPY pyproject.toml README* /src/
 COPY worker /src/worker
 COPY schemas /src/schemas
 RUN pip install /src
 # The wheel installs the Avro schemas under <venv>/share/streamfer/schemas; the import fails the build if not.
-RUN python -c "import worker.schemas, worker.cli, torch; print('torch', torch.__version__)" \
+RUN python -c "import worker.schemas, worker.cli, torch, torchvision.io; print('torch', torch.__version__, 'torchvision', torchvision.__version__)" \
  && worker --help > /dev/null
 
 # -- runtime: the venv on a clean base, no sources, no build caches -------------------------------------------

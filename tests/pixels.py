@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+
+from worker.frames import Encoding, Frame, Priority, SourceRef
 
 
 def photo_like(width: int, height: int) -> np.ndarray:
@@ -14,3 +18,42 @@ def photo_like(width: int, height: int) -> np.ndarray:
         top, left, size = rng.integers(0, height), rng.integers(0, width), rng.integers(20, 150)
         img[top:top + size, left:left + size] = rng.integers(0, 256, 3)
     return np.clip(img + rng.normal(0, 4, img.shape), 0, 255).astype(np.uint8)
+
+
+# The device data path's equivalence figures (tests/unit/test_runtime_devicepath.py, bench/device_path.py): real
+# photos and frames of the demo clip, as JPEG at these sizes (width, height).
+EQUIVALENCE_SIZES = {"224": (224, 224), "720p": (1280, 720), "1080p": (1920, 1080)}
+# Public-domain photos bundled with scikit-image (no download): people, food, a cat, a rocket, grey, space.
+EQUIVALENCE_PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "camera", "hubble_deep_field")
+
+
+def photo_frames(size: tuple[int, int], quality: int = 85) -> list[Frame]:
+    """The scikit-image photos stretched to `size` (width, height), as JPEG frames at the producer's quality."""
+    from PIL import Image
+
+    from worker.producer import encode_pixels
+    from worker.sample_video import photo
+
+    frames = []
+    for i, name in enumerate(EQUIVALENCE_PHOTOS):
+        pixels = np.asarray(Image.fromarray(photo(name)).resize(size, Image.Resampling.BILINEAR))
+        frames.append(_jpeg_frame(f"photo-{name}", i, encode_pixels(pixels, Encoding.JPEG, quality), size))
+    return frames
+
+
+def clip_frames(directory: str | Path, size: tuple[int, int], fps: int = 1) -> list[Frame]:
+    """Frames of the demo clip (worker.sample_video: a pan across each photo, H.264) made at `size` (width,
+    height), decoded and sent as JPEG as `worker produce --from-video` does (its default quality)."""
+    from worker.producer import video_frames
+    from worker.sample_video import make_photo_clip
+
+    clip = make_photo_clip(Path(directory) / f"clip-{size[0]}x{size[1]}.mp4", size=size, fps=fps)
+    records = video_frames([clip.path], Priority.STANDARD, "eq", "t")
+    return [_jpeg_frame(f"clip-{clip.photo_at(r.frame_index)}-{r.frame_index}", r.frame_index, r.data, size)
+            for r in records]
+
+
+def _jpeg_frame(stream_id: str, index: int, data: bytes, size: tuple[int, int]) -> Frame:
+    return Frame(stream_id=stream_id, frame_index=index, tenant="t", priority=Priority.STANDARD, capture_ts_ms=0,
+                 width=size[0], height=size[1], channels=3, encoding=Encoding.JPEG, data=data,
+                 source=SourceRef("eq", 0, index))

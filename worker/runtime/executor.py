@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -46,6 +46,9 @@ from worker.runtime.models import ModelContract, load_model
 from worker.runtime.preprocess import HostBatch, HostBuffers, Preprocessor, stage_to_device
 from worker.runtime.runners import CudaMemoryProbe, EagerRunner, RunResult, make_runner
 from worker.threadnames import name_os_thread
+
+if TYPE_CHECKING:
+    from worker.runtime.devicepath import DevicePreprocessor
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +130,8 @@ class _Plan:
     precision: str
     cuda_graphs: bool
     buckets: tuple[int, ...] = ()
+    # runtime.decode resolved: frames decoded and resized on the runner's device (devicepath), else on the host.
+    decode_on_device: bool = False
 
 
 class InferenceExecutor:
@@ -134,9 +139,9 @@ class InferenceExecutor:
 
     def __init__(self, runners: Sequence[EagerRunner], contract: ModelContract, preprocess_threads: int = 1,
                  warmup_batches: int = 8, warmup_batch_size: int = 1, device_description: str = "",
-                 memory: Sequence[DeviceMemory] = ()):
+                 memory: Sequence[DeviceMemory] = (), decode_on_device: bool = False):
         """`memory`: on GPUs, each runner's device memory (runners of one device share the same object); empty on
-        CPU, where nothing bounds a batch by memory."""
+        CPU, where nothing bounds a batch by memory. `decode_on_device`: the device data path (runtime.decode)."""
         if not runners:
             raise ValueError("InferenceExecutor needs at least one runner")
         if memory and len(memory) != len(runners):
@@ -160,6 +165,10 @@ class InferenceExecutor:
         self._decode_pool = concurrent.futures.ThreadPoolExecutor(preprocess_threads, thread_name_prefix="decode",
                                                                   initializer=name_os_thread)
         self._preprocessor = Preprocessor(contract, buffers, pool=self._decode_pool, workers=preprocess_threads)
+        # The device data path (runtime.decode): decode and resize on the runner's device instead.
+        self._device_preprocessor: DevicePreprocessor | None = (
+            _device_preprocessor(contract, buffers.pin_memory, self._decode_pool, preprocess_threads)
+            if decode_on_device else None)
         # Devices in the order first seen: each runner's DeviceMemory identifies its device (one device on CPU).
         self._device_memory: list[DeviceMemory] = list({id(m): m for m in memory}.values())
         device_of = {id(m): d for d, m in enumerate(self._device_memory)}
@@ -183,6 +192,8 @@ class InferenceExecutor:
         tells the CUDA-graph runners which batch sizes can reach them (none: memory alone bounds them);
         `on_graph_evicted` is called with the number of graphs a runner released for its memory budget."""
         plan = _resolve(runtime)
+        if plan.decode_on_device:
+            _check_device_decode(runtime, plan.devices)
         if runtime.torch_threads > 0:
             torch.set_num_threads(runtime.torch_threads)
         memory = _device_memory(plan, runtime)
@@ -198,7 +209,8 @@ class InferenceExecutor:
                                        runtime.warmup_batches, caps, policy, budget, on_graph_evicted))
         return cls(runners, loaded[0].contract, preprocess_thread_count(runtime), runtime.warmup_batches,
                    warmup_batch_size=max(runtime.graph_batch_sizes), device_description=_describe(plan, loaded[0].kind),
-                   memory=[memory[r.device] for r in runners] if memory else ())
+                   memory=[memory[r.device] for r in runners] if memory else (),
+                   decode_on_device=plan.decode_on_device)
 
     @property
     def ready(self) -> bool:
@@ -345,6 +357,8 @@ class InferenceExecutor:
 
     def _prepare(self, frames: list[Frame], shape: tuple[int, int, int], runner: EagerRunner) -> HostBatch:
         with torch.profiler.record_function("streamfer.preprocess"):
+            if self._device_preprocessor is not None:
+                return self._device_preprocessor.prepare(frames, shape, runner.device, runner.copy_stream)
             batch = self._preprocessor.prepare(frames, shape)
             if batch.frames:
                 stage_to_device(batch, runner.device, runner.copy_stream)
@@ -579,7 +593,35 @@ def _resolve(runtime: RuntimeSettings) -> _Plan:
         raise ConfigError(["runtime.precision: this GPU does not support bf16; use fp16 or fp32"])
     cuda_graphs = on_cuda and runtime.cuda_graphs
     buckets = tuple(sorted(set(runtime.graph_batch_sizes))) if cuda_graphs else ()
-    return _Plan(devices=devices, precision=runtime.precision, cuda_graphs=cuda_graphs, buckets=buckets)
+    decode_on_device = runtime.decode == "device" or (runtime.decode == "auto" and on_cuda)
+    return _Plan(devices=devices, precision=runtime.precision, cuda_graphs=cuda_graphs, buckets=buckets,
+                 decode_on_device=decode_on_device)
+
+
+def _device_preprocessor(contract: ModelContract, pin_memory: bool, pool: concurrent.futures.Executor,
+                         workers: int) -> DevicePreprocessor:
+    # Imported here: torchvision takes ~1.3 s to import on the 2-core VM, which only the device path needs.
+    from worker.runtime.devicepath import ByteStaging, DevicePreprocessor
+
+    return DevicePreprocessor(contract, ByteStaging(pin_memory=pin_memory), pool=pool, workers=workers)
+
+
+def _check_device_decode(runtime: RuntimeSettings, devices: Sequence[torch.device]) -> None:
+    """The device data path decodes a JPEG on every device before the model loads; ConfigError saying why not."""
+    why = f"runtime.decode = {runtime.decode!r} decodes on {', '.join(str(d) for d in devices)}"
+    try:
+        from worker.runtime.devicepath import check_device_decode  # torchvision: see _device_preprocessor
+    except ImportError as exc:
+        raise ConfigError([f"runtime.decode: {why} with torchvision, which cannot be imported ({exc}); install "
+                           "torchvision for this torch (pip install torchvision), or set runtime.decode = \"cpu\""]
+                          ) from exc
+    for device in devices:
+        try:
+            check_device_decode(device)
+        except Exception as exc:  # any failure: the path cannot work here, said at start
+            raise ConfigError([f"runtime.decode: {why}, but torchvision cannot decode a JPEG on {device} "
+                               f"({type(exc).__name__}: {str(exc).strip()[:300]}); set runtime.decode = \"cpu\" "
+                               "to decode on the host"]) from exc
 
 
 def _device_memory(plan: _Plan, runtime: RuntimeSettings) -> dict[torch.device, DeviceMemory]:
@@ -617,4 +659,5 @@ def _describe(plan: _Plan, kind: str) -> str:
         names = sorted({torch.cuda.get_device_name(d) for d in plan.devices})
         where = f"{', '.join(str(d) for d in plan.devices)} ({', '.join(names)})"
     mode = f"cuda graphs {list(plan.buckets)}" if plan.cuda_graphs else "eager"
-    return f"{where}, {plan.precision}, {mode}, {kind} model"
+    decode = "frames decoded on the device" if plan.decode_on_device else "frames decoded on the host"
+    return f"{where}, {plan.precision}, {mode}, {kind} model, {decode}"

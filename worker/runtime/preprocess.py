@@ -103,6 +103,13 @@ def resize_target(contract: ModelContract, frame_hw: tuple[int, int]) -> tuple[i
     return size
 
 
+def check_fits_batch(contract: ModelContract, frame: Frame, batch_hw: tuple[int, int]) -> None:
+    """A model that takes any size gets the frame padded to its batch's shape: FrameDecodeError if it is larger."""
+    if contract.input_size is None and (frame.height > batch_hw[0] or frame.width > batch_hw[1]):
+        raise FrameDecodeError(
+            f"frame {frame.width}x{frame.height} is larger than its batch shape {batch_hw[1]}x{batch_hw[0]}")
+
+
 def fit_to_input(pixels: np.ndarray, contract: ModelContract, frame_hw: tuple[int, int] | None = None,
                  out: np.ndarray | None = None) -> tuple[np.ndarray, tuple[int, int]]:
     """Resize (and crop) a decoded frame as the contract says; returns the pixels and their (top, left) offset
@@ -139,9 +146,10 @@ def _no_buffer_to_return() -> None:
 class HostBatch:
     """The decodable frames of a batch as uint8 pixels (row i is frames[i]) plus the ones that were not.
 
-    `pixels` is [n, H, W, C] uint8 (H, W the model input), a view of a reused host buffer: call `release`
-    once the device copy is done. `regions` holds each row's (top, left, height, width) of real pixels, the
-    rest being padding; None when every row fills the input."""
+    `pixels` is [n, H, W, C] uint8 (H, W the model input): a view of a reused host buffer (`Preprocessor`), or
+    already the device tensor `device_pixels` (`devicepath.DevicePreprocessor`, whose staging buffer holds the
+    frames' bytes); call `release` once the runner has read the batch. `regions` holds each row's (top, left,
+    height, width) of real pixels, the rest being padding; None when every row fills the input."""
 
     frames: list[Frame]
     pixels: torch.Tensor
@@ -264,10 +272,7 @@ class Preprocessor:
                     out: np.ndarray | None = None) -> tuple[np.ndarray, tuple[int, int]]:
         # A raw frame decodes with its own channel count and is converted here; a JPEG decodes to the model's.
         channels = frame.channels if frame.encoding is Encoding.RAW_RGB8 else self.contract.channels
-        if self.contract.input_size is None and (frame.height > batch_h or frame.width > batch_w):
-            raise FrameDecodeError(
-                f"frame {frame.width}x{frame.height} is larger than its batch shape {batch_w}x{batch_h}"
-            )
+        check_fits_batch(self.contract, frame, (batch_h, batch_w))
         frame_hw = (frame.height, frame.width)
         # A JPEG bound for a smaller fixed input is decoded at the smallest DCT scale still >= the resize target.
         min_hw = resize_target(self.contract, frame_hw) if self.contract.jpeg_scaled_decode else None
