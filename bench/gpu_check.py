@@ -4,7 +4,7 @@ gpu_check.md (the summary table), pytest_cuda.log; the summary table is printed 
 
     ./dev gpu-check             # on the GPU machine: installs the carried wheels (.whl/), then runs this
     ./dev gpu-check --cpu       # here: every section that needs no CUDA; the rest are skipped, saying why
-    python bench/gpu_check.py [--cpu] [--budget-s 420] [--out DIR]
+    python bench/gpu_check.py [--cpu] [--budget-s 450] [--out DIR]
 
 Sections:
   env        Python, torch, torchvision, the GPU, the carried packages
@@ -16,16 +16,19 @@ Sections:
   decode     JPEG decode frames/s at 720p and 1080p: simplejpeg (the worker's decoder, 1 thread and every core),
              torchvision on the CPU,
              nvJPEG (torchvision.io.decode_jpeg(device="cuda")) one at a time and in batches of 32
-  limit      InferenceExecutor alone, saturated (the runtime's own best), per model and JPEG workload
+  executor   open_nsfw through InferenceExecutor, offered 800 frames/s open loop, batched like the worker
+             (<= 32 frames, <= 15 ms wait, 2 in flight), 224x224, 720p and 1080p JPEG on the CPU data path
+             (runtime.decode = cpu) and the device data path (runtime.decode = device): sustained frames/s, batch and
+             frame p99; on CUDA also the CPU path with CUDA graphs off and with 4 preprocessing threads (224x224)
+  e2e        the worker's real loop over in-memory Kafka fakes, open_nsfw on photo JPEGs (224x224, 720p) on three
+             priority topics, per decode path (bench/gpu_e2e.py): frames/s at saturation, p50/p99 per class at
+             800 frames/s offered, mean batch, CPU-ms per frame by thread role, peak GPU memory, the ledger
+  limit      InferenceExecutor alone, saturated (the runtime's own best), per model and JPEG workload, on the CPU
+             data path and (224x224, 720p, 1080p) on the device data path, against issue 34's goals on CUDA
   instances  runtime.instances_per_device 1, 2 and 3 on one GPU, open_nsfw on 224x224 JPEG, the executor alone
              saturated as the worker feeds it (2 batches in flight per runner, batches of 32), interleaved
              rounds: frames/s (and per round over 1 instance), batch p99, device memory; with --cpu the same
              code on CPU runners at batch 2 (a code-path check, not a figure to choose the default by)
-  executor   open_nsfw at 224x224 through InferenceExecutor, offered 800 frames/s open loop, batched like the
-             worker (<= 32 frames, <= 15 ms wait, 2 in flight): sustained frames/s, batch and frame p99
-  e2e        the worker's real loop over in-memory Kafka fakes, open_nsfw on photo JPEGs (224x224, 720p) on three
-             priority topics, per decode path (bench/gpu_e2e.py): frames/s at saturation, p50/p99 per class at
-             800 frames/s offered, mean batch, CPU-ms per frame by thread role, peak GPU memory, the ledger
 A section that would overrun --budget-s is skipped, saying so, so the check ends within its time.
 """
 
@@ -93,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cpu", action="store_true", help="run only what needs no CUDA (skip the rest, saying why)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or REPO / "bench" / "results" / "gpu"))
-    p.add_argument("--budget-s", type=float, default=420.0, help="skip sections that would run past this")
+    p.add_argument("--budget-s", type=float, default=450.0, help="skip sections that would run past this")
     p.add_argument("--torch-threads", type=int, default=0,
                    help="torch CPU threads (default: torch's own with CUDA, 1 with --cpu)")
     p.add_argument("--offered-fps", type=float, default=0.0,
@@ -120,11 +123,11 @@ def main(argv: list[str] | None = None) -> int:
         ("graphs", "eager vs CUDA graphs, runner.run latency per bucket", section_graphs, 60, True),
         ("memory", "CUDA-graph memory: peak per bucket, graph bytes, LRU eviction", section_memory, 40, True),
         ("decode", "JPEG decode frames/s (CPU decoders vs nvJPEG)", section_decode, 40, False),
-        ("executor", f"executor, open_nsfw 224x224, offered {offered:.0f} frames/s", lambda c, s: section_executor(
-            c, s, offered), 90, False),
+        ("executor", f"executor, open_nsfw, offered {offered:.0f} frames/s, CPU and device data paths",
+         lambda c, s: section_executor(c, s, offered), 90, False),
         ("e2e", "end to end: the worker's loop over Kafka fakes, open_nsfw, 224x224 and 720p JPEG", section_e2e, 80,
          False),
-        ("limit", "executor alone, saturated, per model and workload", section_limit, 90, False),
+        ("limit", "executor alone, saturated, per model, workload and data path", section_limit, 90, False),
         ("instances", "instances_per_device 1/2/3 on one GPU, open_nsfw 224x224 JPEG", section_instances, 75, False),
     ]
     sections: list[Section] = []
@@ -421,39 +424,64 @@ def _executor(check: Check, model: str, workload: str, **runtime: Any) -> Any:
     return executor, settings
 
 
+# The open loop's JPEG sizes, and issue 34's goals for open_nsfw on the device data path on one GPU.
+OPEN_LOOP_WORKLOADS = {"224x224": "jpeg224", "720p": "jpeg720", "1080p": "jpeg1080"}
+DEVICE_PATH_GOALS = {"jpeg224": 6000.0, "jpeg720": 4000.0}  # frames/s, saturated
+DEVICE_PATH_CPU_MS_GOAL = 0.3  # per frame, saturated
+OPEN_LOOP_P99_GOAL_MS = 50.0  # frame p99 at 800 frames/s offered, kept up
+PATHS = {"cpu": "CPU path", "device": "device path"}
+
+
 def section_executor(check: Check, section: Section, offered: float) -> None:
     from executor_load import BatchPolicy, frame_cycle, open_loop
 
     from worker.config import inflight_batch_limit
     from worker.frames import Priority
 
-    seconds = (4.0 if check.quick else 12.0) if check.cuda else (3.0 if check.quick else 8.0)
-    frame = frame_cycle(WORKLOADS["jpeg224"])[0][0]
-    variants: dict[str, dict[str, Any]] = {"defaults": {}}
+    seconds = (3.0 if check.quick else 6.0) if check.cuda else (2.0 if check.quick else 4.0)
+    # (name, runtime settings, JPEG sizes): both data paths at every size, then the CPU path's earlier variants.
+    variants: list[tuple[str, dict[str, Any], dict[str, str]]] = [
+        (f"{PATHS['cpu']} (runtime.decode = cpu)", {"decode": "cpu"}, OPEN_LOOP_WORKLOADS),
+        (f"{PATHS['device']} (runtime.decode = device)", {"decode": "device"}, OPEN_LOOP_WORKLOADS)]
     if check.cuda:
-        variants = {"defaults (CUDA graphs on, 1 preprocess thread)": {}, "CUDA graphs off": {"cuda_graphs": False},
-                    "4 preprocess threads": {"preprocess_threads": 4}}
-    for name, runtime in variants.items():
+        variants += [(f"{PATHS['cpu']}, CUDA graphs off", {"decode": "cpu", "cuda_graphs": False},
+                      {"224x224": "jpeg224"}),
+                     (f"{PATHS['cpu']}, 4 preprocess threads", {"decode": "cpu", "preprocess_threads": 4},
+                      {"224x224": "jpeg224"})]
+    for name, runtime, workloads in variants:
         executor, settings = _executor(check, "opennsfw", "jpeg224", **runtime)
         try:
             policy = BatchPolicy(settings.batching.max_batch_size_for(Priority.STANDARD),
                                  settings.batching.standard.max_wait_ms,
                                  inflight_batch_limit(settings.delivery, executor.runner_count))
-            r = open_loop(executor, frame, offered, seconds, policy)
-            r["device"] = executor.device_description
+            for size, workload in workloads.items():
+                frame = frame_cycle(WORKLOADS[workload])[0][0]
+                r = open_loop(executor, frame, offered, seconds, policy)
+                r["device"] = executor.device_description
+                section.data[f"{name} / {size}"] = {"runtime": runtime, "workload": workload, **r}
+                label = f"{name}, {size} JPEG on {check.device()}" + (
+                    "" if check.cuda else " (code-path check, not a GPU figure)")
+                value = _open_loop_value(r, offered)
+                if check.cuda and runtime.get("decode") == "device":
+                    met = r["kept_up"] and r["frame_ms"]["p99"] < OPEN_LOOP_P99_GOAL_MS
+                    value += f"; goal kept up with frame p99 < {OPEN_LOOP_P99_GOAL_MS:.0f} ms: {_met(met)}"
+                section.rows.append((label, value))
+                print(f"  {label}: {value}", flush=True)
         finally:
             executor.close()
-        section.data[name] = {"runtime": runtime, **r}
-        drain = r["drain_after_load_s"]
-        kept = "kept up" if r["kept_up"] else "NOT kept up"
-        value = (f"{r['sustained_fps']:.0f} frames/s sustained (offered {offered:.0f}: {kept}; last result "
-                 f"{drain:.2f}s after the last frame was due); "
-                 f"batch p50/p99 {r['batch_ms']['p50']:.1f}/{r['batch_ms']['p99']:.1f} ms; frame p50/p99 "
-                 f"{r['frame_ms']['p50']:.1f}/{r['frame_ms']['p99']:.1f} ms; mean batch {r['mean_batch']:.1f}; "
-                 f"{r['cpu_ms_per_frame']:.2f} CPU-ms/frame")
-        label = f"{name} on {check.device()}" + ("" if check.cuda else " (code-path check, not a GPU figure)")
-        section.rows.append((label, value))
-        print(f"  {label}: {value}", flush=True)
+
+
+def _open_loop_value(r: dict[str, Any], offered: float) -> str:
+    kept = "kept up" if r["kept_up"] else "NOT kept up"
+    return (f"{r['sustained_fps']:.0f} frames/s sustained (offered {offered:.0f}: {kept}; last result "
+            f"{r['drain_after_load_s']:.2f}s after the last frame was due); "
+            f"batch p50/p99 {r['batch_ms']['p50']:.1f}/{r['batch_ms']['p99']:.1f} ms; frame p50/p99 "
+            f"{r['frame_ms']['p50']:.1f}/{r['frame_ms']['p99']:.1f} ms; mean batch {r['mean_batch']:.1f}; "
+            f"{r['cpu_ms_per_frame']:.2f} CPU-ms/frame")
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
 
 
 def section_e2e(check: Check, section: Section) -> None:
@@ -465,27 +493,38 @@ def section_e2e(check: Check, section: Section) -> None:
 def section_limit(check: Check, section: Section) -> None:
     from executor_load import executor_round, frame_cycle
 
+    device_workloads = tuple(OPEN_LOOP_WORKLOADS.values())
     if check.cuda:
-        cells = [(m, w) for m in ("toy", "opennsfw") for w in JPEG_WORKLOADS]
+        cells = [(m, w, "cpu") for m in ("toy", "opennsfw") for w in JPEG_WORKLOADS]
+        cells += [(m, w, "device") for m in ("toy", "opennsfw") for w in device_workloads]
         sizes: tuple[int, ...] = (8, 32)
-        seconds = 0.7 if check.quick else 2.0
+        seconds = 0.7 if check.quick else 1.5
     else:  # a CPU is slow with the ResNet-50: its two ends only, one batch size
-        cells = [("toy", w) for w in JPEG_WORKLOADS] + [("opennsfw", "jpeg224"), ("opennsfw", "jpeg1080")]
+        cells = [("toy", w, "cpu") for w in JPEG_WORKLOADS] + [("opennsfw", "jpeg224", "cpu"),
+                                                               ("opennsfw", "jpeg1080", "cpu")]
+        cells += [("toy", w, "device") for w in device_workloads] + [("opennsfw", "jpeg224", "device")]
         sizes, seconds = (8,), 0.3 if check.quick else 1.0
-    for model in sorted({m for m, _ in cells}):
-        executor, _settings = _executor(check, model, "jpeg224")
+    for model, decode in sorted({(m, d) for m, _, d in cells}):
+        executor, _settings = _executor(check, model, "jpeg224", decode=decode)
         try:
-            for m, workload in cells:
-                if m != model:
+            for m, workload, d in cells:
+                if (m, d) != (model, decode):
                     continue
                 cycle = frame_cycle(WORKLOADS[workload])
                 by_size = {b: executor_round(executor, cycle, b, seconds) for b in sizes}
                 best = max(by_size, key=lambda b: by_size[b]["frames_per_s"])
                 r = by_size[best]
-                section.data[f"{model}/{workload}"] = {"by_batch_size": by_size, "best_batch_size": best}
+                section.data[f"{model}/{workload}/{decode}"] = {"by_batch_size": by_size, "best_batch_size": best,
+                                                                "decode": decode}
                 value = f"{r['frames_per_s']:.0f} frames/s, {r['cpu_ms_per_frame']:.2f} CPU-ms/frame (batch {best})"
-                section.rows.append((f"{model} / {workload} on {check.device()}", value))
-                print(f"  {model} / {workload}: {value}", flush=True)
+                goal = DEVICE_PATH_GOALS.get(workload)
+                if check.cuda and model == "opennsfw" and decode == "device" and goal is not None:
+                    met = r["frames_per_s"] >= goal and r["cpu_ms_per_frame"] <= DEVICE_PATH_CPU_MS_GOAL
+                    value += (f"; goal >= {goal:.0f} frames/s at <= {DEVICE_PATH_CPU_MS_GOAL} CPU-ms/frame: "
+                              f"{_met(met)}")
+                label = f"{model} / {workload}, {PATHS[decode]} on {check.device()}"
+                section.rows.append((label, value))
+                print(f"  {label}: {value}", flush=True)
         finally:
             executor.close()
 
