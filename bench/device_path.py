@@ -5,7 +5,7 @@ with device = cpu.
 
     python bench/device_path.py [--rounds 5] [--out bench/results]
 
-Frames: the scikit-image photos and frames of the demo clip (worker.sample_video, H.264, sent as JPEG as
+Frames: the scikit-image photos and frames of the demo clip (worker.tools.sample_video, H.264, sent as JPEG as
 `worker produce --from-video` does), as 224x224, 1280x720 and 1920x1080 JPEG (tests/pixels.py).
 
   equivalence  per model contract and frame size: max and mean |score(device path) - score(CPU path)|

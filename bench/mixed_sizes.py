@@ -31,8 +31,8 @@ import common
 import stats
 
 from worker.frames import Encoding, Priority
-from worker.producer import synthetic_frames
 from worker.testing import wait_for
+from worker.tools.publish_frames import synthetic_frames
 
 SHAPES = [(1280, 720), (1920, 1080)]
 MODELS = {"builtin": {"WORKER_MODEL_SOURCE": "builtin", "WORKER_MODEL_INPUT_SIZE": "224,224"},

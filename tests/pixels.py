@@ -31,8 +31,8 @@ def photo_frames(size: tuple[int, int], quality: int = 85) -> list[Frame]:
     """The scikit-image photos stretched to `size` (width, height), as JPEG frames at the producer's quality."""
     from PIL import Image
 
-    from worker.producer import encode_pixels
-    from worker.sample_video import photo
+    from worker.tools.publish_frames import encode_pixels
+    from worker.tools.sample_video import photo
 
     frames = []
     for i, name in enumerate(EQUIVALENCE_PHOTOS):
@@ -42,10 +42,10 @@ def photo_frames(size: tuple[int, int], quality: int = 85) -> list[Frame]:
 
 
 def clip_frames(directory: str | Path, size: tuple[int, int], fps: int = 1) -> list[Frame]:
-    """Frames of the demo clip (worker.sample_video: a pan across each photo, H.264) made at `size` (width,
+    """Frames of the demo clip (worker.tools.sample_video: a pan across each photo, H.264) made at `size` (width,
     height), decoded and sent as JPEG as `worker produce --from-video` does (its default quality)."""
-    from worker.producer import video_frames
-    from worker.sample_video import make_photo_clip
+    from worker.tools.publish_frames import video_frames
+    from worker.tools.sample_video import make_photo_clip
 
     clip = make_photo_clip(Path(directory) / f"clip-{size[0]}x{size[1]}.mp4", size=size, fps=fps)
     records = video_frames([clip.path], Priority.STANDARD, "eq", "t")
