@@ -41,8 +41,8 @@ from worker.frames import (
 )
 from worker.graphplan import BatchCaps
 from worker.memorypolicy import DeviceMemories, MemoryPolicy, MemoryProbe, split_batch
-from worker.runtime.hostsync import check_host_syncs
-from worker.runtime.models import ModelContract, load_model
+from worker.runtime.hostsync import HostSync, check_host_syncs
+from worker.runtime.models import LoadedModel, ModelContract, load_model
 from worker.runtime.preprocess import HostBatch, HostBuffers, Preprocessor, stage_to_device
 from worker.runtime.runners import CudaMemoryProbe, EagerRunner, RunResult, make_runner
 from worker.threadnames import name_os_thread
@@ -139,14 +139,20 @@ class InferenceExecutor:
 
     def __init__(self, runners: Sequence[EagerRunner], contract: ModelContract, preprocess_threads: int = 1,
                  warmup_batches: int = 8, warmup_batch_size: int = 1, device_description: str = "",
-                 memory: Sequence[DeviceMemory] = (), decode_on_device: bool = False):
+                 memory: Sequence[DeviceMemory] = (), decode_on_device: bool = False,
+                 loaded: LoadedModel | None = None, host_syncs: Sequence[HostSync] = ()):
         """`memory`: on GPUs, each runner's device memory (runners of one device share the same object); empty on
-        CPU, where nothing bounds a batch by memory. `decode_on_device`: the device data path (runtime.decode)."""
+        CPU, where nothing bounds a batch by memory. `decode_on_device`: the device data path (runtime.decode).
+        `loaded` and `host_syncs`: what start-up loaded and found (`from_settings` passes them; `worker
+        check-model` reports them)."""
         if not runners:
             raise ValueError("InferenceExecutor needs at least one runner")
         if memory and len(memory) != len(runners):
             raise ValueError("InferenceExecutor needs one DeviceMemory per runner, or none")
         self.contract = contract
+        self.loaded = loaded
+        # Where the model's forward reads device values on the host (a warning where no CUDA graph is used).
+        self.host_syncs: tuple[HostSync, ...] = tuple(host_syncs)
         self.model_name = contract.name
         self.model_version = contract.version
         self.labels = contract.labels
@@ -201,7 +207,7 @@ class InferenceExecutor:
         # Each runner gets its own copy of the model, loaded and validated on its device.
         loaded = [load_model(model, device) for device in plan.devices for _ in range(runtime.instances_per_device)]
         # Before any capture: refused when graphs are to be used, a warning otherwise (every copy is the same model).
-        check_host_syncs(loaded[0], refuse=plan.cuda_graphs)
+        host_syncs = check_host_syncs(loaded[0], refuse=plan.cuda_graphs)
         runners = []
         for m in loaded:
             policy, budget = _graph_memory(memory.get(m.device), runtime)
@@ -210,7 +216,7 @@ class InferenceExecutor:
         return cls(runners, loaded[0].contract, preprocess_thread_count(runtime), runtime.warmup_batches,
                    warmup_batch_size=max(runtime.graph_batch_sizes), device_description=_describe(plan, loaded[0].kind),
                    memory=[memory[r.device] for r in runners] if memory else (),
-                   decode_on_device=plan.decode_on_device)
+                   decode_on_device=plan.decode_on_device, loaded=loaded[0], host_syncs=host_syncs)
 
     @property
     def ready(self) -> bool:

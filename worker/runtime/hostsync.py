@@ -14,7 +14,7 @@ finds such places before any capture, on any device, so a model that would not c
   no Python is all in its graph, and this forward is skipped;
 - on a GPU, also under `torch.cuda.set_sync_debug_mode("error")`, which names any other synchronizing call.
 
-`check_host_syncs` is what the worker runs at start-up: it refuses the model (`ModelContractError`) when CUDA
+`check_host_syncs` is what the worker runs at start-up: it refuses the model (`HostSyncError`) when CUDA
 graphs are to be used, and logs a warning otherwise.
 """
 
@@ -26,7 +26,7 @@ import os
 import re
 import sys
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -82,23 +82,34 @@ class HostSync:
         return text
 
 
+HOST_SYNC_FIX = ("keep those values on the device (torch.where, masks instead of indexing, shapes from x.shape or "
+                 "constants in the exported graph)")
+
+
+class HostSyncError(ModelContractError):
+    """The model's forward reads device values on the host where CUDA graphs are to be used; `findings` name
+    each place (the message lists them), so a tool can show them one by one."""
+
+    def __init__(self, kind: str, findings: Sequence[HostSync]) -> None:
+        listed = "; ".join(f.describe() for f in findings)
+        super().__init__(
+            f"the {kind} model's forward reads device values on the host, which no CUDA graph can capture: "
+            f"{listed}; {HOST_SYNC_FIX}, or set runtime.cuda_graphs = false to run it eager"
+        )
+        self.findings = tuple(findings)
+
+
 def check_host_syncs(loaded: LoadedModel, refuse: bool) -> list[HostSync]:
-    """Find host syncs in `loaded`'s forward; with `refuse` (CUDA graphs to be used) raise ModelContractError
+    """Find host syncs in `loaded`'s forward; with `refuse` (CUDA graphs to be used) raise HostSyncError
     naming them, else log one warning. Returns the findings (empty for a model that can be captured)."""
     findings = find_host_syncs(loaded.module, validation_input(loaded.contract, loaded.device))
     if not findings:
         return findings
-    listed = "; ".join(f.describe() for f in findings)
-    fix = ("keep those values on the device (torch.where, masks instead of indexing, shapes from x.shape or "
-           "constants in the exported graph)")
     if refuse:
-        raise ModelContractError(
-            f"the {loaded.kind} model's forward reads device values on the host, which no CUDA graph can capture: "
-            f"{listed}; {fix}, or set runtime.cuda_graphs = false to run it eager"
-        )
+        raise HostSyncError(loaded.kind, findings)
     log.warning("the %s model's forward reads device values on the host (%d place(s)): %s; on a GPU with "
-                "runtime.cuda_graphs = true the worker refuses this model: %s", loaded.kind, len(findings), listed,
-                fix)
+                "runtime.cuda_graphs = true the worker refuses this model: %s", loaded.kind, len(findings),
+                "; ".join(f.describe() for f in findings), HOST_SYNC_FIX)
     return findings
 
 
