@@ -252,6 +252,30 @@ def cmd_lag(args: argparse.Namespace) -> int:
     return EXIT_ABOVE_THRESHOLD if exceeded else 0
 
 
+# -- check-model -------------------------------------------------------------------------------------------
+def cmd_check_model(args: argparse.Namespace) -> int:
+    from worker.tools.check_model import check_model, load_images
+
+    # The worker's own log lines only when asked: the report says what they would (the host-sync warning too).
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR, stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    images, images_from = load_images(args.images)
+    report = check_model(args.config, args.model, images, images_from, require_graphs=args.require_graphs,
+                         max_batch=args.max_batch)
+    print(json.dumps(report.to_json()) if args.json else report.render(), flush=True)
+    return report.exit_code
+
+
+def _count_arg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count (0, 1, 2, ...)")
+    return value
+
+
 def _time_arg(text: str) -> int:
     """--since / --until: a duration ago (2h) or an ISO 8601 time, as epoch milliseconds."""
     from worker.tools.dlq import parse_time_ms
@@ -340,6 +364,27 @@ def _add_lag_parser(sub: Any) -> None:
                      help="how long reading those frames may take (default 5)")
     lag.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     lag.set_defaults(func=cmd_lag)
+
+
+def _add_check_model_parser(sub: Any) -> None:
+    check = sub.add_parser("check-model", help="load a model as `worker run` would: its contract, host syncs, "
+                           "scores on sample photos, a batch timed per bucket; exit 2 if it would not start",
+                           description="Start the runtime as `worker run` does (same settings, same code: load, "
+                           "contract, host-sync check, warm-up and, on a GPU, the CUDA-graph captures; no Kafka), "
+                           "then score images sent as JPEG frames and time a batch per runtime.graph_batch_sizes "
+                           "bucket. Exit 0: the worker would start and every image has scores; 1: an image got no "
+                           "score; 2: the worker would not start (the reason is printed).")
+    check.add_argument("--config", "-c", help="TOML settings file, as for `worker run` (WORKER_* variables apply too)")
+    check.add_argument("--model", "-m", metavar="SOURCE", help="model.source: builtin, opennsfw, a .onnx, .pt or "
+                       ".pt2 file, or package.module:function (default: the settings')")
+    check.add_argument("--images", metavar="DIR", help="score the images in DIR instead of the scikit-image photos")
+    check.add_argument("--require-graphs", action="store_true", help="host syncs in forward exit 2 on any machine, "
+                       "as on a GPU with runtime.cuda_graphs = true (default: a warning where graphs are not used)")
+    check.add_argument("--max-batch", type=_count_arg, metavar="N", help="time batch sizes up to N (default: every "
+                       "bucket on a GPU, up to 8 on a CPU; 0: no timing)")
+    check.add_argument("--json", action="store_true", help="one JSON object instead of the text report")
+    check.add_argument("--verbose", "-v", action="store_true", help="the worker's log lines on stderr")
+    check.set_defaults(func=cmd_check_model)
 
 
 # -- parser ------------------------------------------------------------------------------------------------
@@ -431,6 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_dlq_parsers(sub)
     _add_lag_parser(sub)
+    _add_check_model_parser(sub)
     return parser
 
 
