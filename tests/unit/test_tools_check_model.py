@@ -82,7 +82,8 @@ def test_open_nsfw_scores_are_what_its_own_package_gives_for_the_same_jpeg_frame
     code, report = check_json(capsys, "--model", "opennsfw", "--max-batch", "0")
     assert code == 0 and report["would_start"] and report["host_syncs"] == []
     assert report["cuda_graphs"]["would_capture"] and not report["cuda_graphs"]["used"]
-    reference = NSFWClassifier(providers=["CPUExecutionProvider"])
+    # The preset runs the package's preprocessing without its JPEG round trip (docs/configuration.md, Presets).
+    reference = NSFWClassifier(providers=["CPUExecutionProvider"], jpeg_reencode=False)
     for row in report["scores"]:
         sent = encode_pixels(photo(row["image"]), Encoding.JPEG, DEFAULT_JPEG_QUALITY)  # the frame's bytes
         theirs = reference.classify(sent)
@@ -309,7 +310,10 @@ def test_what_is_said_about_cuda_graphs_follows_the_device_the_setting_and_the_h
 def test_the_contract_is_described_as_the_worker_applies_it() -> None:
     nsfw = ModelContract.from_settings(load_settings(env={"WORKER_MODEL_SOURCE": "opennsfw"}).model)
     assert describe_input(nsfw) == ("224x224 NHWC BGR, pixels 0-255, mean [104, 117, 123], std [1, 1, 1]; frames "
-                                    "stretched to 256x256, centre crop; JPEG round trip at quality 75")
+                                    "stretched to 256x256, centre crop")
+    exact = ModelContract.from_settings(load_settings(env={"WORKER_MODEL_SOURCE": "opennsfw",
+                                                           "WORKER_MODEL_JPEG_ROUNDTRIP_QUALITY": "75"}).model)
+    assert describe_input(exact).endswith("centre crop; JPEG round trip at quality 75")
     assert describe_output(nsfw) == "sfw, nsfw (activation none); flags at nsfw >= 0.5; never flags sfw"
     builtin = ModelContract.from_settings(load_settings(env={"WORKER_MODEL_THRESHOLDS": "drugs=0.8"}).model)
     assert describe_input(builtin).startswith("any size (frames batched by shape) NCHW RGB, pixels 0-1")
