@@ -5,7 +5,8 @@ Kafka broker in its own CI. The project's own tests use the same fixtures. docs/
 Fixtures: `kafka_bootstrap` (a broker for the session), `streamfer_topics` (fresh topics and a group per
 test), `streamfer_worker` (starts `worker run` processes with given settings, ready when returned),
 `frame_producer` and `results_reader` (read_committed). Kafka and the worker are imported only when a
-fixture runs, so the plugin costs nothing in test sessions that do not use it.
+fixture runs, so the plugin costs nothing in test sessions that do not use it. The benchmarks (bench/) start
+their broker, topics, worker processes and load through the same functions.
 """
 
 from __future__ import annotations
@@ -34,10 +35,15 @@ import pytest
 from worker.errors import StreamferError
 
 if TYPE_CHECKING:
-    from worker.frames import Priority
+    from worker.frames import Encoding, Priority
     from worker.schemas import FrameRecord
 
 log = logging.getLogger(__name__)
+# librdkafka's own log lines of the frame producer (start-up retries such as "Coordinator load in progress"):
+# delivery errors reach the caller anyway, so they stay out of test and benchmark output.
+_CLIENT_LOG = logging.getLogger("worker.testing.kafka")
+_CLIENT_LOG.addHandler(logging.NullHandler())
+_CLIENT_LOG.propagate = False
 
 
 class WorkerStartError(StreamferError):
@@ -108,6 +114,18 @@ def kafka_broker(state_dir: Path | None = None) -> Iterator[str]:
             shutil.rmtree(broker.state_dir, ignore_errors=True)
 
 
+def local_broker_pid() -> int | None:
+    """The JVM's pid of the local broker `kafka_broker` started (or the one STREAMFER_TEST_BROKER_DIR names), for
+    reading its CPU time; None for an external or a container broker, whose process is not ours to see."""
+    state_dir = os.environ.get("STREAMFER_TEST_BROKER_DIR")
+    if not state_dir:
+        return None
+    from worker.tools.local_broker import LocalKafka
+
+    state = LocalKafka(state_dir).state()
+    return state.pid if state else None
+
+
 # -- topics ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TestTopics:
@@ -149,13 +167,19 @@ class TestTopics:
                 "kafka": {"group_id": self.group}}
 
 
-def make_topics(bootstrap: str, unique: str, partitions: int = 3, replication: int = 1) -> TestTopics:
-    """Create the five topics of one test (`t<unique>.realtime`, ...) and name its group `g<unique>`."""
+def make_topics(bootstrap: str, unique: str, partitions: int = 3, replication: int = 1,
+                inputs_of: TestTopics | None = None) -> TestTopics:
+    """Create the five topics of one test (`t<unique>.realtime`, ...) and name its group `g<unique>`.
+
+    `inputs_of`: keep those input topics (and what was published to them), new results and dead-letter topics
+    and a new group: another consumer of the same frames, from the beginning (a benchmark's next round)."""
     from worker.topics import ensure_topics
 
     t = TestTopics(realtime=f"t{unique}.realtime", standard=f"t{unique}.standard", bulk=f"t{unique}.bulk",
                    results=f"t{unique}.results", dead_letter=f"t{unique}.dlq", group=f"g{unique}")
-    ensure_topics(bootstrap, [t.realtime, t.standard, t.bulk, t.results, t.dead_letter], partitions, replication)
+    if inputs_of is not None:
+        t = dataclasses.replace(t, realtime=inputs_of.realtime, standard=inputs_of.standard, bulk=inputs_of.bulk)
+    ensure_topics(bootstrap, [*([] if inputs_of else t.inputs), t.results, t.dead_letter], partitions, replication)
     return t
 
 
@@ -206,17 +230,19 @@ def _table_settings() -> set[str]:
 
 def start_worker(bootstrap: str, topics: TestTopics, extra_env: dict[str, str] | None = None,
                  exit_when_idle: float | None = None, worker_id: str | None = "w0",
-                 log_path: str | None = None) -> subprocess.Popen:
+                 log_path: str | None = None, test_env: bool = True) -> subprocess.Popen:
     """A `worker run` process with the test's topics (not waited for: see `streamfer_worker` for that).
 
-    `worker_id` None leaves the worker its default id (`<hostname>-<pid>`: a new transactional id per process)."""
+    `worker_id` None leaves the worker its default id (`<hostname>-<pid>`: a new transactional id per process).
+    `test_env` False leaves out TEST_ENV: the worker's own defaults, as a benchmark measures them."""
     env = dict(os.environ)
     env.update(topics.env())
     env.pop("WORKER_OBSERVABILITY_WORKER_ID", None)
     if worker_id is not None:
         env["WORKER_OBSERVABILITY_WORKER_ID"] = worker_id
-    env.update({"WORKER_KAFKA_BOOTSTRAP_SERVERS": bootstrap, "WORKER_OBSERVABILITY_METRICS_PORT": "0"})
-    env.update(TEST_ENV)
+    env.update({"WORKER_KAFKA_BOOTSTRAP_SERVERS": bootstrap, "WORKER_OBSERVABILITY_METRICS_PORT": "0",
+                "PYTHONUNBUFFERED": "1"})
+    env.update(TEST_ENV if test_env else {})
     env.update(extra_env or {})
     argv = [sys.executable, "-m", "worker", "run"]
     if exit_when_idle is not None:
@@ -227,7 +253,8 @@ def start_worker(bootstrap: str, topics: TestTopics, extra_env: dict[str, str] |
 
 @dataclass
 class RunningWorker:
-    """A `worker run` process that answered /readyz; `stop()` sends SIGTERM (a drain) and returns its exit code."""
+    """A `worker run` process (that answered /readyz, unless started with ready=False); `stop()` sends SIGTERM (a
+    drain) and returns its exit code."""
 
     process: subprocess.Popen
     port: int
@@ -246,6 +273,9 @@ class RunningWorker:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
     def stop(self, timeout_s: float = 60.0) -> int:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -258,17 +288,21 @@ class RunningWorker:
 
 
 def run_worker(bootstrap: str, topics: TestTopics, log_dir: Path, settings: Mapping[str, Any] | None = None,
-               env: Mapping[str, str] | None = None, worker_id: str = "w0", ready_timeout_s: float = 120.0
-               ) -> RunningWorker:
+               env: Mapping[str, str] | None = None, worker_id: str = "w0", ready_timeout_s: float = 120.0,
+               ready: bool = True, test_env: bool = True) -> RunningWorker:
     """Start `worker run` with the test's topics and `settings` (nested like the TOML file) and wait until
-    /readyz answers 200: warmed up and partitions assigned."""
+    /readyz answers 200: warmed up and partitions assigned. `ready` False returns at once (a benchmark timing a
+    backlog from the worker's start); `test_env` False: the worker's defaults instead of TEST_ENV's."""
     from worker.tools.local_broker import free_port
 
     port = free_port()
     log_path = log_dir / f"worker-{worker_id}.log"
     extra = {**settings_env(settings or {}), **dict(env or {}), "WORKER_OBSERVABILITY_METRICS_PORT": str(port)}
-    proc = start_worker(bootstrap, topics, extra_env=extra, worker_id=worker_id, log_path=str(log_path))
+    proc = start_worker(bootstrap, topics, extra_env=extra, worker_id=worker_id, log_path=str(log_path),
+                        test_env=test_env)
     worker = RunningWorker(proc, port, log_path, worker_id)
+    if not ready:
+        return worker
     deadline = time.monotonic() + ready_timeout_s
     while worker.get("/readyz")[0] != 200:
         if proc.poll() is not None:
@@ -283,6 +317,15 @@ def run_worker(bootstrap: str, topics: TestTopics, log_dir: Path, settings: Mapp
 
 
 # -- producing frames, reading results -------------------------------------------------------------------
+def synthetic_frames(count: int, shapes: Sequence[tuple[int, int]], encoding: Encoding, priority: Priority, run_id: str,
+                     streams_per_shape: int = 2) -> list[FrameRecord]:
+    """`count` deterministic frames (smooth random pixels, JPEG-compressible like video) of the given (width,
+    height) shapes, cycled over shapes, streams (`<run_id>-<class>-<w>x<h>-s<n>`) and three tenants."""
+    from worker.tools.publish_frames import synthetic_frames as make
+
+    return list(make(count, list(shapes), encoding, priority, run_id, streams_per_shape=streams_per_shape))
+
+
 @dataclass
 class FrameProducer:
     """Publishes frames (Avro, as cameras do) to the test's input topics."""
@@ -290,6 +333,19 @@ class FrameProducer:
     bootstrap: str
     topics: TestTopics
     sent: list[FrameRecord] = field(default_factory=list)
+    _producer: Any = field(default=None, init=False, repr=False)
+
+    def publish(self, frames: Iterable[FrameRecord], rate_fps: float | None = None) -> Any:
+        """Publish frames to their priority's topic as a camera would: as fast as possible (a backlog) or open
+        loop at `rate_fps`, each frame's capture time its *intended* send time (a late send counts against the
+        consumer, not hidden); returns worker.producer's PublishReport once all are acknowledged. One producer
+        is kept for the FrameProducer's life: a new one takes ~0.5 s to connect and get its idempotent id."""
+        from worker.tools.publish_frames import frame_producer, send_frames
+
+        if self._producer is None:
+            self._producer = frame_producer(self.bootstrap, logger=_CLIENT_LOG)
+            self._producer.list_topics(self.topics.realtime, timeout=30)
+        return send_frames(self._producer, frames, lambda rec: self.topics.for_priority(rec.priority), rate_fps)
 
     def send(self, frames: Iterable[FrameRecord], topic: str | None = None) -> list[FrameRecord]:
         """Publish frames as given (capture_ts_ms included), keyed by stream, each to its priority's topic
@@ -320,13 +376,12 @@ class FrameProducer:
                        ) -> list[FrameRecord]:
         """`count` synthetic raw RGB frames of the given (width, height) shapes, captured now."""
         from worker.frames import Encoding, Priority
-        from worker.tools.publish_frames import synthetic_frames
 
         prio = priority if isinstance(priority, Priority) else Priority[priority.upper()]
         run = run_id or f"test{uuid.uuid4().hex[:6]}"
         now_ms = int(time.time() * 1000)
         return self.send(dataclasses.replace(f, capture_ts_ms=now_ms)
-                         for f in synthetic_frames(count, list(shapes), Encoding.RAW_RGB8, prio, run))
+                         for f in synthetic_frames(count, shapes, Encoding.RAW_RGB8, prio, run))
 
     def send_raw(self, topic: str, value: bytes, key: bytes | None = None) -> None:
         """A message that need not be a frame at all (to test dead-lettering)."""
@@ -389,6 +444,30 @@ def end_offsets(bootstrap: str, topics: list[str]) -> dict[tuple[str, int], int]
         return out
     finally:
         consumer.close()
+
+
+def wait_committed(bootstrap: str, group: str, ends: Mapping[tuple[str, int], int], timeout_s: float,
+                   alive: Callable[[], bool] = lambda: True, first: bool = False) -> bool:
+    """Wait until `group` has committed every partition up to `ends` (end_offsets taken after publishing), or
+    with `first` anything of them (its consumer is past start-up and group join). False after `timeout_s` or
+    once `alive()` is false; one probe consumer, polled every 0.2 s."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    probe = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
+    tps = [TopicPartition(t, p) for (t, p), end in ends.items() if end > 0]
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            committed = {(tp.topic, tp.partition): tp.offset for tp in probe.committed(tps, timeout=10)}
+            done = [committed.get((tp.topic, tp.partition), -1) >= ends[(tp.topic, tp.partition)] for tp in tps]
+            if (any(offset > 0 for offset in committed.values()) if first else all(done)):
+                return True
+            if not alive():
+                return False
+            time.sleep(0.2)
+        return False
+    finally:
+        probe.close()
 
 
 def uncommitted(bootstrap: str, group: str, topics: list[str]) -> dict[tuple[str, int], tuple[int, int]]:
