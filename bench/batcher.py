@@ -5,7 +5,7 @@ clock; every tick the caller adds that tick's frames, takes expired ones and dra
 the batcher calls are timed. The naive batcher fills batches in arrival order, pads each to its largest
 frame, and releases at max_batch_size or when its oldest frame has waited its class's max_wait_ms.
 
-    python bench/batcher.py --frames 100000 --rate 5000
+    python bench/batcher.py --frames 100000 --rate 5000 [--repeat 3]
 """
 
 from __future__ import annotations
@@ -13,16 +13,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import math
-import platform
 import random
 import sys
 import time
 from collections import deque
 from pathlib import Path
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common
+import stats
 
 from worker.batching import Batch, MicroBatcher
 from worker.config import BatchingSettings
@@ -52,42 +54,44 @@ def main(argv: list[str] | None = None) -> int:
     gc.freeze()
     makers = {"streamfer": lambda clock: MicroBatcher(settings, clock, buckets),
               "naive": lambda clock: NaiveBatcher(settings, clock)}
-    rows = {}
-    for name, make in makers.items():
-        # Same workload each repeat, so the batches are the same; keep the fastest timing (least noise).
-        runs = [(_run(make, arrivals, args.tick_ms / 1000.0, tally), tally)
-                for tally in (_Tally(settings) for _ in range(args.repeat))]
-        best = min(runs, key=lambda r: r[0]["add_s"] + r[0]["pop_s"])
-        rows[name] = _summary(*best)
-
-    print(f"{args.frames} frames, {len(SHAPES)} shapes (+{ODD_SHAPE_SHARE:.1%} odd), 3 classes, "
-          f"{args.tenants} tenants, {args.rate}/s on a fake clock, {args.tick_ms} ms ticks")
-    print(_table(rows))
+    tallies = {name: _Tally(settings) for name in makers}
+    # Rounds alternate the batchers; the batches are the same every round (same workload), the timings vary.
+    runs = stats.run_rounds(stats.interleaved(list(makers), args.repeat),
+                            lambda name: _run(makers[name], arrivals, args.tick_ms / 1000.0, tallies[name]))
+    rows = {name: _summary(runs[name], tallies[name], args.repeat) for name in makers}
     o, n = rows["streamfer"], rows["naive"]
-    print(f"\nbatcher cost {o['us_per_frame']:.2f} us/frame (add {o['add_us_per_frame']:.2f} + "
-          f"pop {o['pop_us_per_frame']:.2f}); naive {n['us_per_frame']:.2f} us/frame; "
-          f"padding waste {o['padding_waste']:.4f} vs {n['padding_waste']:.4f}; "
-          f"mean batch {o['mean_batch_size']:.2f} vs {n['mean_batch_size']:.2f}")
-    result = {
-        "benchmark": "batcher",
-        "python": platform.python_version(),
-        "machine": f"{platform.processor() or platform.machine()}",
-        "frames": args.frames, "rate_per_s": args.rate, "tenants": args.tenants, "tick_ms": args.tick_ms,
-        "seed": args.seed, "repeat": args.repeat, "shapes": ["x".join(map(str, s)) for s in SHAPES],
-        "odd_shape_share": ODD_SHAPE_SHARE,
+    text = common.table(
+        f"{args.frames} frames, {len(SHAPES)} shapes (+{ODD_SHAPE_SHARE:.1%} odd), 3 classes, {args.tenants} tenants, "
+        f"{args.rate:g}/s on a fake clock, {args.tick_ms:g} ms ticks; us/frame: median (min-max) of {args.repeat} "
+        "rounds",
+        ["batcher", "us/frame", "add", "pop", "batches", "mean size", "waste", "mixed C", "> bytes",
+         *(f"{p.label[:4]} p99 ms" for p in Priority)],
+        [[name, r["us_per_frame"].text(), r["add_us_per_frame"].text(), r["pop_us_per_frame"].text(), r["batches"],
+          f"{r['mean_batch_size']:.2f}", f"{r['padding_waste']:.4f}", r["mixed_channel_batches"],
+          r["batches_over_max_batch_bytes"], *(r["wait_ms"][p.label]["p99"] for p in Priority)]
+         for name, r in rows.items()])
+    common.write_json(args.out.stem, {
+        "benchmark": "batcher", "machine": common.machine(), "frames": args.frames, "rate_per_s": args.rate,
+        "tenants": args.tenants, "tick_ms": args.tick_ms, "seed": args.seed, "rounds": args.repeat,
+        "shapes": ["x".join(map(str, s)) for s in SHAPES], "odd_shape_share": ODD_SHAPE_SHARE,
         "settings": {"max_batch_size": settings.max_batch_size, "padding_waste_max": settings.padding_waste_max,
                      "max_batch_bytes": settings.max_batch_bytes, "buckets": list(buckets)},
-        "rows": rows,
-        "ratios": {
-            "cost_vs_naive": o["us_per_frame"] / n["us_per_frame"],
-            "waste_vs_naive": o["padding_waste"] / n["padding_waste"] if n["padding_waste"] else None,
-            "batch_size_vs_naive": o["mean_batch_size"] / n["mean_batch_size"],
-        },
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+        "rows": rows, "tables": [text],
+        "ratios": {"cost_vs_naive": stats.ratio_spread(stats.figure(runs["streamfer"], "us_per_frame"),
+                                                       stats.figure(runs["naive"], "us_per_frame")),
+                   "waste_vs_naive": o["padding_waste"] / n["padding_waste"] if n["padding_waste"] else None,
+                   "batch_size_vs_naive": o["mean_batch_size"] / n["mean_batch_size"]}}, args.out.parent)
     return 0
+
+
+def summary(result: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Rows for bench/results/summary.md: the batcher's cost and batches against the naive one."""
+    o, n, sp = result["rows"]["streamfer"], result["rows"]["naive"], stats.Spread.from_dict
+    return [("micro-batcher cost, this one / naive (us per frame)",
+             f"{sp(o['us_per_frame']).text()} / {sp(n['us_per_frame']).text()}", f"{result['rounds']} rounds"),
+            ("padding waste, mean batch size: this one / naive",
+             f"{o['padding_waste']:.3f} / {n['padding_waste']:.3f}, {o['mean_batch_size']:.1f} / "
+             f"{n['mean_batch_size']:.1f}", "deterministic")]
 
 
 class _Clock:
@@ -181,12 +185,13 @@ class _Tally:
         self.over_bytes += b.size > 1 and b.size * math.prod(b.shape) * s.tensor_dtype_bytes > s.max_batch_bytes
 
 
-def _run(make_batcher, ticks: list[list[Frame]], tick_s: float, tally: _Tally) -> dict:
+def _run(make_batcher: Any, ticks: list[list[Frame]], tick_s: float, tally: _Tally) -> dict[str, float]:
+    """One pass of the workload through a batcher; the timings (the batches are tallied on the first pass)."""
     clock = _Clock()
     batcher = make_batcher(clock)
+    first = tally.batches == 0
     add_s = pop_s = 0.0
-    pops = 0
-    expired = 0
+    pops = expired = 0
     out: list[Batch] = []
     perf = time.perf_counter
     # Then idle ticks (no arrivals) until the longest class wait has passed, so every frame comes out.
@@ -203,52 +208,27 @@ def _run(make_batcher, ticks: list[list[Frame]], tick_s: float, tally: _Tally) -
         add_s += t1 - t0
         pop_s += t2 - t1
         pops += len(out) + 1
-        for b in out:
+        for b in out if first else ():
             tally.count(b)
         out.clear()
     frames = sum(len(t) for t in ticks)
-    assert tally.frames + expired == frames, "frames lost or duplicated"
-    return {"frames": frames, "expired": expired, "add_s": add_s, "pop_s": pop_s, "pop_calls": pops}
+    assert not first or tally.frames + expired == frames, "frames lost or duplicated"
+    return {"us_per_frame": (add_s + pop_s) / frames * 1e6, "add_us_per_frame": add_s / frames * 1e6,
+            "pop_us_per_frame": pop_s / frames * 1e6, "pop_calls": pops, "expired": expired}
 
 
-def _summary(run: dict, tally: _Tally) -> dict:
-    frames = run["frames"]
+def _summary(runs: dict[int, dict[str, float]], tally: _Tally, rounds: int) -> dict[str, Any]:
     return {
-        "us_per_frame": (run["add_s"] + run["pop_s"]) / frames * 1e6,
-        "add_us_per_frame": run["add_s"] / frames * 1e6,
-        "pop_us_per_frame": run["pop_s"] / frames * 1e6,
-        "pop_calls": run["pop_calls"],
-        "expired": run["expired"],
-        "batches": tally.batches,
+        **{k: stats.spread(runs, k) for k in ("us_per_frame", "add_us_per_frame", "pop_us_per_frame")},
+        "pop_calls": runs[1]["pop_calls"], "expired": runs[1]["expired"], "batches": tally.batches,
         "mean_batch_size": tally.frames / tally.batches,
         "padding_waste": (tally.padded_px - tally.real_px) / tally.padded_px,
-        "mixed_channel_batches": tally.mixed_channels,
-        "batches_over_max_batch_bytes": tally.over_bytes,
+        "mixed_channel_batches": tally.mixed_channels, "batches_over_max_batch_bytes": tally.over_bytes,
         "lanes": tally.lanes,
-        "wait_ms": {p.label: {"p50": _pct(tally.waits_ms[p], 0.5), "p99": _pct(tally.waits_ms[p], 0.99),
+        "wait_ms": {p.label: {"p50": stats.percentile(sorted(tally.waits_ms[p]), 0.5),
+                              "p99": stats.percentile(sorted(tally.waits_ms[p]), 0.99),
                               "max": max(tally.waits_ms[p], default=0.0)} for p in Priority},
     }
-
-
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
-def _table(rows: dict[str, dict]) -> str:
-    cols = [("us/frame", "us_per_frame", ".2f"), ("batches", "batches", "d"), ("mean size", "mean_batch_size", ".2f"),
-            ("waste", "padding_waste", ".4f"), ("mixed C", "mixed_channel_batches", "d"),
-            ("> bytes", "batches_over_max_batch_bytes", "d")]
-    head = f"{'batcher':<10}" + "".join(f" | {c[0]:>9}" for c in cols)
-    head += "".join(f" | {p.label[:4] + ' p99 ms':>12}" for p in Priority)
-    lines = [head, "-" * len(head)]
-    for name, r in rows.items():
-        line = f"{name:<10}" + "".join(f" | {format(r[key], fmt):>9}" for _, key, fmt in cols)
-        line += "".join(f" | {r['wait_ms'][p.label]['p99']:>12.2f}" for p in Priority)
-        lines.append(line)
-    return "\n".join(lines)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -258,7 +238,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tenants", type=int, default=20)
     p.add_argument("--tick-ms", type=float, default=1.0, help="how often the caller polls the batcher")
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--repeat", type=int, default=3, help="runs per batcher; the fastest is reported")
+    p.add_argument("--repeat", type=int, default=3, help="interleaved rounds per batcher (median (min-max))")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     return p.parse_args(argv)
 

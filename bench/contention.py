@@ -25,13 +25,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.append(str(HERE.parent))  # appended: an installed `worker` is never shadowed
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # noqa: E402
-import stats  # noqa: E402
-from executor_load import executor_round, frame_cycle  # noqa: E402
-from workloads import MODELS, WORKLOADS, model_settings  # noqa: E402
+import common
+import stats
+from executor_load import executor_round, frame_cycle
+from workloads import MODELS, WORKLOADS, model_settings
+
+from worker.config import load_settings
+from worker.runtime import InferenceExecutor
 
 NONE = "none"
 # One busy stretch plus one pause (`--period-ms`): 4 ms is about one turn of the worker's loop on a backlog (1.1 ms
@@ -131,19 +133,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.period_ms <= 0:
         p.error("--period-ms: must be > 0")
 
-    from worker.config import load_settings
-    from worker.runtime import InferenceExecutor
-
     workload = WORKLOADS[args.workload]
     settings = load_settings(env={}, overrides={"model": model_settings(args.model, workload),
                                                 "runtime": {"torch_threads": args.torch_threads}})
     cycle = frame_cycle(workload)
-    fps: dict[str, dict[int, float]] = {}
-    cpu: dict[str, list[float]] = {}
+    by_name = {v.name: v for v in variants(duties)}
     with InferenceExecutor.from_settings(settings.model, settings.runtime) as executor:
         executor.warm_up()
-        by_name = {v.name: v for v in variants(duties)}
-        for r, name in stats.interleaved(list(by_name), args.rounds):
+
+        def measure(name: str) -> dict[str, Any]:
             stop, worker = _start_busy(by_name[name], args.period_ms / 1000.0)
             try:
                 measured = executor_round(executor, cycle, args.batch, args.seconds)
@@ -151,12 +149,14 @@ def main(argv: list[str] | None = None) -> int:
                 if stop is not None:
                     stop.set()
                     worker.join()
-            fps.setdefault(name, {})[r] = measured["frames_per_s"]
-            cpu.setdefault(name, []).append(measured["cpu_ms_per_frame"])
-            print(f"[contention] round {r} {name}: {measured['frames_per_s']:.0f} frames/s, "
+            print(f"[contention] {name}: {measured['frames_per_s']:.0f} frames/s, "
                   f"{measured['cpu_ms_per_frame']:.3f} CPU-ms/frame (this process)", flush=True)
+            return measured
+
+        runs = stats.run_rounds(stats.interleaved(list(by_name), args.rounds), measure)
+    fps = {name: stats.figure(by_round, "frames_per_s") for name, by_round in runs.items()}
     result = summarise(fps, duties)
-    rows = [[name, v["frames_per_s"].text(), stats.Spread.of(cpu[name]).text(3), v["of_none"].text(2)]
+    rows = [[name, v["frames_per_s"].text(), stats.spread(runs[name], "cpu_ms_per_frame").text(3), v["of_none"].text(2)]
             for name, v in result["variants"].items()]
     text = [common.table(
         f"the executor ({args.model} model, {args.workload}, batch {args.batch}) beside busy Python, "
@@ -171,9 +171,18 @@ def main(argv: list[str] | None = None) -> int:
     common.write_json("contention", {
         "benchmark": "contention", "machine": common.machine(), "model": args.model, "workload": args.workload,
         "batch": args.batch, "rounds": args.rounds, "seconds": args.seconds, "duties": duties,
-        "period_ms": args.period_ms,
-        "frames_per_s": fps, "cpu_ms_per_frame": cpu, "summary": result, "tables": text})
+        "period_ms": args.period_ms, "runs": runs, "summary": result, "tables": text})
     return 0
+
+
+def summary(result: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Rows for bench/results/summary.md: what share of the runtime's throughput busy Python costs, by cause."""
+    sp, rounds = stats.Spread.from_dict, f"{result['rounds']} rounds"
+    rows = [(f"runtime beside busy Python as a {name} (share of its frames/s alone)", sp(v["of_none"]).text(2), rounds)
+            for name, v in result["summary"]["variants"].items() if name != NONE]
+    rows += [(f"busy {duty}: lost to the GIL / to the cores", f"{sp(d['gil_loss']).text(2)} / "
+              f"{sp(d['cores_loss']).text(2)}", rounds) for duty, d in result["summary"]["duties"].items()]
+    return rows
 
 
 if __name__ == "__main__":

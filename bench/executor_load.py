@@ -8,34 +8,34 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import stats
+from stats import percentile
 from workloads import Workload
 
 from worker.frames import Frame, SourceRef
-from worker.tools.publish_frames import encode_pixels, synthetic_pixels
+from worker.schemas import FrameRecord, decode_frame, encode_frame
+from worker.testing import synthetic_frames
 
 INFLIGHT = 2  # the worker's in-flight batches per runner (delivery.inflight_batches_per_runner's default)
 
 
-def frame_cycle(workload: Workload, seed: int = 7) -> list[tuple[Frame, tuple[int, int, int]]]:
-    """One frame per (class, shape) of the workload, repeated by share: a cycle of batches whose frame mix
-    matches the Kafka runs' (the same synthetic pixels worker.tools.publish_frames sends)."""
-    import numpy as np
+def as_frame(rec: FrameRecord) -> Frame:
+    """A published record as the worker reads it (decoded and checked by worker.schemas), read now."""
+    return decode_frame(encode_frame(rec), SourceRef("bench", 0, 0), rec.priority, time.time())
 
-    rng = np.random.default_rng(seed)
+
+def frame_cycle(workload: Workload) -> list[tuple[Frame, tuple[int, int, int]]]:
+    """One frame per (class, shape) of the workload, repeated by share: a cycle of batches whose frame mix
+    matches the Kafka runs' (the test kit's synthetic frames, as the benchmarks publish them)."""
     smallest = min(load.share / len(load.shapes) for load in workload.classes.values())
     cycle: list[tuple[Frame, tuple[int, int, int]]] = []
     for priority, load in workload.classes.items():
         for w, h in load.shapes:
-            frame = Frame(stream_id=f"bench-{w}x{h}", frame_index=0, tenant="bench", priority=priority,
-                          capture_ts_ms=int(time.time() * 1000), width=w, height=h, channels=3,
-                          encoding=load.encoding, data=encode_pixels(synthetic_pixels(rng, w, h), load.encoding),
-                          source=SourceRef("bench", 0, 0), received_at=time.time())
+            frame = as_frame(synthetic_frames(1, [(w, h)], load.encoding, priority, "bench")[0])
             cycle.extend([(frame, frame.shape)] * round(load.share / len(load.shapes) / smallest))
     return cycle
 
@@ -159,9 +159,3 @@ def open_loop(executor: Any, frame: Frame, rate_fps: float, seconds: float, poli
                    "max_inflight": policy.max_inflight},
     }
 
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank percentile of an already sorted list."""
-    if not sorted_values:
-        return float("nan")
-    return float(sorted_values[max(0, min(len(sorted_values) - 1, math.ceil(q * len(sorted_values)) - 1))])

@@ -23,9 +23,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common
+import stats
 from common import Context
+from model_limit import standard_batch_ms
 
 from worker.frames import Priority
+from worker.testing import FrameProducer, end_offsets, wait_committed
 
 LEVELS = (0.1, 0.25, 0.5, 0.7, 0.85, 1.0, 1.2)
 QUICK_LEVELS = (0.1, 0.5, 0.85, 1.0, 1.2)
@@ -48,37 +51,22 @@ def standard_parts(ok: list[dict[str, Any]]) -> dict[str, float]:
     fetch, the worker's own poll), queued (read -> its batch started) and run (preprocessing + model)."""
     parts = {"in": [r["end_to_end_ms"] - r["queued_ms"] - r["inference_ms"] for r in ok],
              "queued": [float(r["queued_ms"]) for r in ok], "run": [float(r["inference_ms"]) for r in ok]}
-    out: dict[str, float] = {}
-    for name, values in parts.items():
-        values.sort()
-        out[f"{name}_p50_ms"] = common.percentile(values, 0.5) if values else float("nan")
-        out[f"{name}_p99_ms"] = common.percentile(values, 0.99) if values else float("nan")
-    return out
+    return {f"{name}_{q}_ms": stats.percentile(sorted(values), quantile) for name, values in parts.items()
+            for q, quantile in (("p50", 0.5), ("p99", 0.99))}
 
 
 def capacity(ctx: Context) -> float:
-    """The worker's saturated frames/s: from model_limit in the same run, else measured here."""
+    """The worker's saturated frames/s: batching_gain's (c) in the same run, else measured here."""
     if "capacity_fps" in ctx.shared:
         return float(ctx.shared["capacity_fps"])
-    frames = int(ctx.scale(4000, 2000))
-    topics = common.make_topics(ctx.bootstrap, "swc")
-    common.publish_load(ctx.bootstrap, topics, ctx.records(frames, common.new_id("swc")))
-    run = common.run_backlog(ctx.bootstrap, topics, frames,
-                             lambda t: common.start_worker(ctx.bootstrap, t, ctx.log_dir, ctx.torch_threads,
-                                                           common.new_id("swc"),
-                                                           extra_env=ctx.worker_env()),
-                             timeout_s=300, tag="swc", broker=ctx.broker)
-    return common.steady_throughput(run.results)["frames_per_s"]
+    topics, _ = common.backlog(ctx, "swc", int(ctx.scale(4000, 2000)))
+    return float(common.worker_round(ctx, topics, tag="swc")["frames_per_s"])
 
 
 def budget_ms(ctx: Context) -> dict[str, Any]:
     if "standard_full_batch_ms" not in ctx.shared:
-        from model_limit import standard_batch_ms
-
         ctx.shared["standard_full_batch_ms"] = standard_batch_ms(ctx)["median_ms"]
-    from worker.config import load_settings
-
-    max_wait = load_settings(env={}).batching.standard.max_wait_ms
+    max_wait = ctx.settings().batching.standard.max_wait_ms
     model = ctx.shared["standard_full_batch_ms"]
     return {"max_wait_ms": max_wait, "model_ms": model, "budget_ms": max_wait + model,
             "definition": "standard max_wait_ms + executor median for a full batch of the standard class's "
@@ -86,72 +74,52 @@ def budget_ms(ctx: Context) -> dict[str, Any]:
 
 
 def run(ctx: Context) -> dict[str, Any]:
+    capacity_source = "batching gain's (c), median" if "capacity_fps" in ctx.shared else "1 run"
     cap = capacity(ctx)
     budget = budget_ms(ctx)
     levels = QUICK_LEVELS if ctx.quick else LEVELS
     standard_share = ctx.workload.classes[Priority.STANDARD].share
     print(f"\n[sweep] capacity {cap:.0f} frames/s, budget {budget['budget_ms']:.1f} ms, levels {levels}", flush=True)
-    topics = common.make_topics(ctx.bootstrap, "sw")
+    topics = common.topics(ctx.bootstrap, "sw")
+    producer = FrameProducer(ctx.bootstrap, topics)
     # The scheduler is told the standard budget the sweep judges it by (it sizes and releases batches for it).
-    env = {"WORKER_BATCHING_STANDARD_LATENCY_BUDGET_MS": f"{budget['budget_ms']:.0f}", **ctx.worker_env()}
-    proc = common.start_worker(ctx.bootstrap, topics, ctx.log_dir, ctx.torch_threads, common.new_id("sw"),
-                               expiry=True, extra_env=env)
+    proc = common.start_worker(ctx, topics, "sw", expiry=True,
+                               env={"WORKER_BATCHING_STANDARD_LATENCY_BUDGET_MS": f"{budget['budget_ms']:.0f}"})
     runs: list[dict[str, Any]] = []
     try:
-        common.publish_load(ctx.bootstrap, topics, ctx.records(30, common.new_id("warm")))
-        if not common.wait_committed(ctx.bootstrap, topics.group, common.end_offsets(ctx.bootstrap, topics.inputs),
-                                     120, alive=proc.alive):
-            raise RuntimeError(f"the worker did not get warm\n{proc.tail()}")
+        producer.publish(ctx.records(30, common.new_id("warm")))
+        if not wait_committed(ctx.bootstrap, topics.group, end_offsets(ctx.bootstrap, topics.inputs), 120,
+                              alive=proc.alive):
+            raise RuntimeError(f"the worker did not get warm\n{proc.log()[-3000:]}")
         for share in levels:
-            rate = share * cap
-            seconds = level_seconds(rate, standard_share, ctx.quick)
-            run_id = common.new_id("lv")
-            watch = common.CpuWatch(ctx.broker, [proc.popen.pid])
-            records = ctx.records(max(20, int(rate * seconds)), run_id)
-            load = common.publish_load(ctx.bootstrap, topics, records, rate_fps=rate)
-            t0 = time.monotonic()
-            drained = common.wait_committed(ctx.bootstrap, topics.group,
-                                            common.end_offsets(ctx.bootstrap, topics.inputs), seconds * 3 + 30,
-                                            alive=proc.alive)
-            cpu = watch.stop()
-            runs.append({"share_of_capacity": share, "offered_fps": rate, "seconds": seconds, "run_id": run_id,
-                         "load": load.as_dict(),
-                         "drain_after_load_s": time.monotonic() - t0, "drained": drained,
-                         "background_cores": cpu["background_cores"], "generator_cores": cpu["bench_process_cores"],
-                         "worker_cores": cpu["watched_processes_cores"], "broker_cores": cpu["broker_cores"],
-                         "wall_s": cpu["wall_s"]})
-            print(f"[sweep] {share:>4.0%} = {rate:.0f} frames/s for {seconds:.0f}s: sent {load.sent}, send delay p99 "
-                  f"{load.send_delay_p99_ms:.1f} ms, drained {time.monotonic() - t0:.1f}s after the load", flush=True)
-            if not drained:
+            seconds = level_seconds(share * cap, standard_share, ctx.quick)
+            lv = common.open_loop_level(ctx, proc, producer, share * cap, seconds, seconds * 3 + 30)
+            runs.append({"share_of_capacity": share, **lv})
+            print(f"[sweep] {share:>4.0%} = {share * cap:.0f} frames/s for {seconds:.0f}s: sent {lv['load']['sent']}, "
+                  f"send delay p99 {lv['load']['send_delay_p99_ms']:.1f} ms, drained {lv['drain_after_load_s']:.1f}s "
+                  "after the load", flush=True)
+            if not lv["drained"]:
                 break
             time.sleep(0.5)
     finally:
         proc.stop()
-    all_results = common.read_run_results(ctx.bootstrap, topics.results)
     by_run: dict[str, list[dict[str, Any]]] = {}
-    for r in all_results:
+    for r in common.ResultsReader(ctx.bootstrap, topics).read_all(idle_timeout_s=1.0):
         by_run.setdefault(common.run_id_of(r["stream_id"]), []).append(r)
     standard_topic = topics.for_priority(Priority.STANDARD)
     knee = None
     for lv in runs:
         results = by_run.get(lv["run_id"], [])
-        first = min((r["capture_ts_ms"] for r in results), default=0)
-        kept = [r for r in results if r["capture_ts_ms"] >= first + WARMUP_SHARE * lv["seconds"] * 1000.0]
-        ok = [r for r in kept if r["status"] == "OK"]
-        lv["results"] = len(results)
-        lv["expired"] = sum(1 for r in kept if r["status"] == "EXPIRED")
-        lv["latency"] = common.latency_summary(ok)
-        lv["latency_by_class"] = {p.label: common.latency_summary([r for r in ok if r["source_topic"] ==
-                                                                   topics.for_priority(p)]) for p in Priority}
-        lv["batch_sizes"] = common.batch_size_distribution(ok)
+        lv.update(common.level_figures(results, topics, lv["seconds"], WARMUP_SHARE))
         lv["achieved_fps"] = common.steady_throughput(results, trim=0.05)["frames_per_s"]
         # Worker process CPU over the level (its drain included) per frame it finished.
-        lv["worker_cpu_ms_per_frame"] = (lv["worker_cores"] * lv["wall_s"] * 1000.0 / len(results)
+        lv["worker_cpu_ms_per_frame"] = (lv["consumer_cores"] * lv["wall_s"] * 1000.0 / len(results)
                                          if results else float("nan"))
-        standard_ok = [r for r in ok if r["source_topic"] == standard_topic]
+        first = min((r["capture_ts_ms"] for r in results), default=0)
+        standard_ok = [r for r in results if r["status"] == "OK" and r["source_topic"] == standard_topic
+                       and r["capture_ts_ms"] >= first + WARMUP_SHARE * lv["seconds"] * 1000.0]
         lv["standard_parts"] = standard_parts(standard_ok)
-        std_p99 = common.latency_summary(standard_ok)["p99_ms"]
-        lv["standard_p99_within_budget"] = bool(std_p99 <= budget["budget_ms"])
+        lv["standard_p99_within_budget"] = bool(lv["latency_by_class"]["standard"]["p99_ms"] <= budget["budget_ms"])
         if knee is None and not lv["standard_p99_within_budget"]:
             knee = lv
     last_ok = max((lv for lv in runs if lv["standard_p99_within_budget"] and (knee is None or
@@ -179,7 +147,7 @@ def run(ctx: Context) -> dict[str, Any]:
                      lv["expired"],
                      lv["batch_sizes"]["mean_frame_weighted"],
                      " ".join(f"{int(round(100 * v))}" for v in bs.values()),
-                     lv["load"]["send_delay_p99_ms"], lv["worker_cores"], lv["worker_cpu_ms_per_frame"],
+                     lv["load"]["send_delay_p99_ms"], lv["consumer_cores"], lv["worker_cpu_ms_per_frame"],
                      lv["generator_cores"], lv["broker_cores"],
                      lv["background_cores"]])
     text = common.table(
@@ -206,8 +174,9 @@ def run(ctx: Context) -> dict[str, Any]:
         plot = None
     result = {"benchmark": "latency_sweep", "machine": common.machine(), "model": ctx.model,
               "workload_name": ctx.workload_name, "workload": ctx.workload.describe(),
-              "capacity_fps": cap, "budget": budget, "standard_samples_per_level": STANDARD_SAMPLES,
-              "level_seconds": LEVEL_SECONDS, "broker_warm_up": ctx.shared.get("broker_warm_up"), "levels": runs,
+              "capacity_fps": cap, "capacity_source": capacity_source, "budget": budget,
+              "standard_samples_per_level": STANDARD_SAMPLES, "level_seconds": LEVEL_SECONDS,
+              "broker_warm_up": ctx.shared.get("broker_warm_up"), "levels": runs,
               "knee": knee_text, "knee_share": knee["share_of_capacity"] if knee else None,
               "last_within_budget_share": last_ok["share_of_capacity"] if last_ok else None,
               "plot": str(plot) if plot else None, "tables": [text]}
@@ -275,17 +244,16 @@ def plot_sweep(runs: list[dict[str, Any]], cap: float, budget: float, path: Path
     img.save(path)
 
 
-def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
-    """Headline rows for bench/results/summary.md."""
+def summary(result: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Rows for bench/results/summary.md: (figure, value, rounds): one sweep, each level once."""
     b = result["budget"]
-    rows = [("capacity (worker saturated) and standard budget",
-             f"{result['capacity_fps']:.0f} frames/s; {b['budget_ms']:.0f} ms = {b['max_wait_ms']:.0f} ms wait + "
-             f"{b['model_ms']:.0f} ms full-batch model time"),
-            ("knee", result["knee"].removeprefix("knee: "))]
     cells = "; ".join(f"{lv['share_of_capacity']:.0%}: {lv['latency']['p50_ms']:.0f}/{lv['latency']['p99_ms']:.0f}"
                       for lv in result["levels"])
-    rows.append(("p50/p99 ms by offered load (share of capacity)", cells))
-    return rows
+    return [("capacity (worker saturated) and standard budget",
+             f"{result['capacity_fps']:.0f} frames/s; {b['budget_ms']:.0f} ms = {b['max_wait_ms']:.0f} ms wait + "
+             f"{b['model_ms']:.0f} ms full-batch model time", result["capacity_source"]),
+            ("knee", result["knee"].removeprefix("knee: "), "1 sweep"),
+            ("p50/p99 ms by offered load (share of capacity)", cells, "1 sweep")]
 
 
 def markdown_levels(result: dict[str, Any]) -> str:

@@ -2,32 +2,33 @@
 source tree against another, in interleaved rounds (A B A B ...), each round a fresh process.
 
 The model does next to nothing (a slice of its input), so the figure is what the worker pays around a model:
-`InferenceExecutor.submit` of batches of `--batch` frames, `INFLIGHT` batches in flight as in the worker,
-timed from the first submit to the last result. Kafka (consume, Avro, produce, commit) is not included.
+`InferenceExecutor.submit` of batches of `--batch` frames, 2 in flight as in the worker (bench/executor_load.py's
+closed loop). Kafka (consume, Avro, produce, commit) is not included. The frames are made here, once, and
+handed to each round, so an older tree is measured on the same bytes.
 
     python bench/preprocess_cost.py --base /tmp/base_tree [--rounds 5] [--seconds 2]
 
 `--base` is a checkout of the other version (e.g. `git archive <commit> worker schemas | tar -x -C /tmp/base`);
-without it only this tree's variants run. Prints a table (median, min, max over rounds) and writes JSON.
+without it only this tree's variants run. Prints a table (median (min-max) over rounds) and writes JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
-import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import stats  # pure; the child imports nothing else of bench/: common would put this tree's `worker` first
+
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-# For tests.pixels; appended, so a round's own tree (first on PYTHONPATH) provides `worker`.
-sys.path.append(str(ROOT))
-INFLIGHT = 2  # the worker's in-flight batches for its one runner (delivery.inflight_batches_per_runner)
+INFLIGHT = 2  # the worker's delivery.max_inflight_batches default
 # name: (frame width, height, image kind, encoding, model input [h, w])
 CASES = {
     "jpeg224_to_224": (224, 224, "synthetic", "JPEG", (224, 224)),
@@ -38,25 +39,19 @@ CASES = {
 }
 
 
-def one_round(case: str, threads: str, batch: int, seconds: float) -> dict[str, Any]:
-    """Runs in the child process, against whichever `worker` package is first on sys.path."""
-    import numpy as np
+def one_round(case: str, threads: str, batch: int, seconds: float, data: bytes) -> dict[str, Any]:
+    """Runs in the child process, against whichever `worker` package is first on sys.path (the round's tree)."""
     import torch
 
-    from tests.pixels import photo_like
     from worker.config import ModelSettings, RuntimeSettings
     from worker.frames import Encoding, Frame, Priority, SourceRef
     from worker.runtime import InferenceExecutor
     from worker.tools.publish_frames import encode_pixels, synthetic_pixels
 
     torch.set_num_threads(1)
-    width, height, kind, encoding_name, input_size = CASES[case]
-    encoding = Encoding[encoding_name]
-    pixels = (synthetic_pixels(np.random.default_rng(7), width, height) if kind == "synthetic"
-              else photo_like(width, height))
-    data = encode_pixels(pixels, encoding)
+    width, height, _kind, encoding, input_size = CASES[case]
     frames = [Frame(stream_id="s", frame_index=i, tenant="t", priority=Priority.STANDARD, capture_ts_ms=0,
-                    width=width, height=height, channels=3, encoding=encoding, data=data,
+                    width=width, height=height, channels=3, encoding=Encoding[encoding], data=data,
                     source=SourceRef("in", 0, i)) for i in range(batch)]
     model = ModelSettings(source="nullmodel:null_model", input_size=input_size)
     runtime = RuntimeSettings(device="cpu", warmup_batches=1, torch_threads=1,
@@ -79,11 +74,21 @@ def one_round(case: str, threads: str, batch: int, seconds: float) -> dict[str, 
             "frame_bytes": len(data)}
 
 
-def _spawn(tree: Path, case: str, threads: str, batch: int, seconds: float) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{HERE}"}
-    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", case, threads, str(batch),
-                          str(seconds)], env=env, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def frame_bytes(case: str) -> bytes:
+    """The case's frame as sent: the test kit's synthetic blocks, or a photo-like image as JPEG (quality 85,
+    worker produce's default)."""
+    from PIL import Image
+
+    from tests.pixels import photo_like
+    from worker.frames import Encoding, Priority
+    from worker.testing import synthetic_frames
+
+    width, height, kind, encoding, _ = CASES[case]
+    if kind == "synthetic":
+        return synthetic_frames(1, [(width, height)], Encoding[encoding], Priority.STANDARD, "pc")[0].data
+    buf = io.BytesIO()
+    Image.fromarray(photo_like(width, height), "RGB").save(buf, format="JPEG", quality=85)
+    return buf.getvalue()
 
 
 def main() -> int:
@@ -95,55 +100,61 @@ def main() -> int:
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--threads", default="1,default", help="this tree's preprocess_threads variants")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "preprocess_cost.json")
-    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        case, threads, batch, seconds = args.child
-        print(json.dumps(one_round(case, threads, int(batch), float(seconds))))
+        case, threads, batch, seconds, data_path = args.child
+        print(json.dumps(one_round(case, threads, int(batch), float(seconds), Path(data_path).read_bytes())))
         return 0
 
+    import common  # the parent only (see the import of stats above)
+
     # The base tree runs with the same thread settings as this one: a ratio compares code, not thread counts.
-    variants = [(f"{name}, preprocess_threads={t}", tree, t) for t in args.threads.split(",")
-                for name, tree in ([("base", args.base)] if args.base else []) + [("this", ROOT)]]
-    results: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    for case in args.cases.split(","):
-        for r in range(args.rounds):
-            for name, tree, threads in variants:  # interleaved: background load hits every variant alike
-                row = _spawn(tree, case, threads, args.batch, args.seconds)
-                results.setdefault(case, {}).setdefault(name, []).append(row)
-                print(f"{case} round {r + 1} {name}: {row['cpu_ms_per_frame']:.3f} CPU ms/frame, "
-                      f"{row['frames_per_s']:.0f} frames/s", flush=True)
-    summary = []
-    print(f"\n{'case':24s} {'variant':34s} {'CPU ms/frame median [min, max]':32s} frames/s median [min, max]")
-    for case, by_variant in results.items():
-        for name, rows in by_variant.items():
-            cpu = [x["cpu_ms_per_frame"] for x in rows]
-            fps = [x["frames_per_s"] for x in rows]
-            summary.append({"case": case, "variant": name, "rounds": len(rows),
-                            "cpu_ms_per_frame": {"median": statistics.median(cpu), "min": min(cpu), "max": max(cpu)},
-                            "frames_per_s": {"median": statistics.median(fps), "min": min(fps), "max": max(fps)},
-                            "frame_bytes": rows[0]["frame_bytes"]})
-            print(f"{case:24s} {name:34s} {statistics.median(cpu):7.3f} [{min(cpu):.3f}, {max(cpu):.3f}]"
-                  f"{'':9s} {statistics.median(fps):6.0f} [{min(fps):.0f}, {max(fps):.0f}]")
-    ratios = []
-    if args.base:  # per round (background load hits both trees of a round alike), then median (min-max)
-        for case, by_variant in results.items():
-            for t in args.threads.split(","):
-                base_rows = by_variant[f"base, preprocess_threads={t}"]
-                this_rows = by_variant[f"this, preprocess_threads={t}"]
-                per_round = [b["cpu_ms_per_frame"] / a["cpu_ms_per_frame"] for a, b in zip(base_rows, this_rows)]
-                ratios.append({"case": case, "preprocess_threads": t, "this_over_base_cpu_ms_per_frame": {
-                    "median": statistics.median(per_round), "min": min(per_round), "max": max(per_round)}})
-                print(f"{case:24s} this/base CPU ms/frame, preprocess_threads={t}: {statistics.median(per_round):.3f} "
-                      f"[{min(per_round):.3f}, {max(per_round):.3f}]")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"benchmark": "preprocess_cost", "batch": args.batch, "inflight": INFLIGHT,
-                                    "seconds_per_round": args.seconds, "cpus": os.cpu_count(),
-                                    "load_average": os.getloadavg(), "summary": summary, "ratios": ratios,
-                                    "rounds": results},
-                                   indent=2))
-    print(f"wrote {args.out}")
+    trees = ([("base", args.base)] if args.base else []) + [("this", common.REPO)]
+    variants = {f"{name}, preprocess_threads={t}": (tree, t) for t in args.threads.split(",") for name, tree in trees}
+    results: dict[str, Any] = {}
+    rows, ratios = [], []
+    with tempfile.TemporaryDirectory(prefix="streamfer-preprocess-") as tmp:
+        for case in args.cases.split(","):
+            (data := Path(tmp) / case).write_bytes(frame_bytes(case))
+
+            def measure(name: str, case: str = case, data: Path = data) -> dict[str, Any]:
+                tree, threads = variants[name]
+                env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{HERE}"}
+                out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", case, threads,
+                                      str(args.batch), str(args.seconds), str(data)], env=env, capture_output=True,
+                                     text=True)
+                if out.returncode:
+                    raise RuntimeError(f"{case} {name}: exit {out.returncode}\n{out.stderr[-3000:]}")
+                row = json.loads(out.stdout.strip().splitlines()[-1])
+                print(f"{case} {name}: {row['cpu_ms_per_frame']:.3f} CPU ms/frame, {row['frames_per_s']:.0f} frames/s",
+                      flush=True)
+                return row
+
+            # interleaved: background load hits every variant alike
+            runs = results[case] = stats.run_rounds(stats.interleaved(list(variants), args.rounds), measure)
+            rows += [[case, name, stats.spread(by, "cpu_ms_per_frame").text(3), stats.spread(by, "frames_per_s").text()]
+                     for name, by in runs.items()]
+            for t in args.threads.split(",") if args.base else ():  # per round, then median (min-max)
+                ratio = stats.ratio_spread(stats.figure(runs[f"this, preprocess_threads={t}"], "cpu_ms_per_frame"),
+                                           stats.figure(runs[f"base, preprocess_threads={t}"], "cpu_ms_per_frame"))
+                rows.append([case, f"this/base, preprocess_threads={t}", ratio.text(3), ""])
+                ratios.append({"case": case, "preprocess_threads": t, "this_over_base_cpu_ms_per_frame": ratio})
+    text = common.table(f"runtime path CPU cost, batch {args.batch}, {args.rounds} interleaved rounds in fresh "
+                        "processes (median (min-max))", ["case", "variant", "CPU ms/frame", "frames/s"], rows,
+                        note="" if args.base else "no --base: this tree only")
+    common.write_json(args.out.stem, {"benchmark": "preprocess_cost", "machine": common.machine(), "batch": args.batch,
+                                      "inflight": INFLIGHT, "seconds_per_round": args.seconds, "rounds": args.rounds,
+                                      "runs": results, "ratios": ratios, "tables": [text]}, args.out.parent)
     return 0
+
+
+def summary(result: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Rows for bench/results/summary.md: this tree's CPU-ms per frame per case, preprocess_threads=1."""
+    return [(f"runtime path, {case}, 1 preprocessing thread (CPU-ms/frame)",
+             stats.Spread.of([t["cpu_ms_per_frame"] for t in runs[name].values() if "failed" not in t]).text(2),
+             f"{result['rounds']} rounds") for case, runs in result["runs"].items()
+            for name in runs if name == "this, preprocess_threads=1"]
 
 
 if __name__ == "__main__":

@@ -221,6 +221,15 @@ def _git_rev() -> str:
         return "?"
 
 
+def summary(report: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Rows for bench/results/summary.md (bench/run_all.py): per fault and mode, what the verifier counted."""
+    def duplicated(r: dict[str, Any]) -> str:  # at-least-once may answer a frame twice; exactly-once may not
+        return f"**{r.get('duplicated')}**" if r["mode"] == "exactly_once" else f"{r.get('duplicated')} (allowed)"
+
+    return [(f"{r['fault']} [{r['mode']}]", f"{r.get('produced', 0)} frames: lost **{r.get('lost')}**, duplicated "
+             f"{duplicated(r)}; {r['verdict']}", f"{r['runs']} run(s)") for r in report["rows"]]
+
+
 def _log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 

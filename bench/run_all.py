@@ -1,20 +1,24 @@
-"""All the Kafka benchmarks on one broker, in one run: the limit, batching gain, latency under load, scaling,
-and (where CUDA is available) the first three again with CUDA graphs on and off. Prints every table and
-writes bench/results/<name>.json, bench/results/latency_sweep.png, summary.json and summary.md.
+"""Every benchmark in one run, and bench/results/summary.md: the one home of the project's measured figures.
+
+The Kafka benchmarks share one broker (the test kit's, warmed up): the limit, batching gain, latency under load,
+scaling, the workload matrix and the batch-size A/B; the others run as their own processes: the batch-size A/B
+in process, contention, preprocessing cost, the batcher, and a reliability smoke (one fault, both modes). Where
+CUDA is available, the limit, gain and sweep again with CUDA graphs on and off. Each writes its JSON to
+bench/results/; summary.md is generated from them: date, commit, machine, every figure as median (min-max)
+with its rounds, and the headline table the README copies.
 
     python bench/run_all.py              # everything (bench/README.md gives the time on a 2-core machine)
-    python bench/run_all.py --quick      # fewer rounds, shorter runs, noisier
-    python bench/run_all.py --only gain  # limit | gain | sweep | scaling | matrix | gpu
-    python bench/run_all.py --skip matrix --rounds 5
-
-The broker is KAFKA_BOOTSTRAP_SERVERS when set, else a local single-node Kafka started for the run.
-Figures are compared only within a run (ratios); on a shared machine absolute numbers drift between runs.
+    python bench/run_all.py --quick      # fewer rounds, shorter runs, noisier: every benchmark end to end
+    python bench/run_all.py --only gain  # one section (names below); --skip NAME (repeatable) leaves one out
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -25,171 +29,192 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import batcher
 import batching_gain
 import common
+import contention
 import latency_sweep
 import model_limit
+import preprocess_cost
+import reliability
 import scaling
+import settings_ab
 import workload_matrix
 from common import Context
 
-# The seed's claims, printed beside ours for comparison; this bench did not measure them.
-SEED_FIGURES = {
-    "single 512x512 image": "23 ms",
-    "batch of 16 (512x512)": "58 ms",
-    "p99 end-to-end at 800 frames/s": "< 200 ms",
-    "CUDA graphs vs eager": "17% lower latency",
-}
+Summary = Callable[[dict[str, Any]], list[tuple[str, str, str]]]
+HERE = Path(__file__).resolve().parent
 
-BENCHES: dict[str, tuple[str, Callable[[Context], dict[str, Any]], Callable[[dict[str, Any]], list]]] = {
-    # Order matters: the sweep takes the worker's capacity and the budget's model time from the limit.
-    "limit": ("The limit: model vs worker", model_limit.run, model_limit.summary),
-    "gain": ("Batching gain", batching_gain.run, batching_gain.summary),
+
+def batch_ab(ctx: Context) -> dict[str, Any]:
+    """settings_ab's batch set through Kafka: no batch settings vs fixed sizes, open_nsfw on 224x224 JPEG."""
+    args = argparse.Namespace(frames=0, in_process=False, variants="batch")
+    cell = dataclasses.replace(ctx, model="opennsfw", workload_name="jpeg224", shared={**ctx.shared, "args": args})
+    return settings_ab.run(cell, settings_ab.VARIANT_SETS["batch"])
+
+
+# Order matters: the sweep takes the worker's capacity from the gain and the budget's model time from the limit.
+KAFKA: dict[str, tuple[str, Callable[[Context], dict[str, Any]], Summary]] = {
+    "gain": ("Batching gain: the worker vs the runtime's best and two simple loops", batching_gain.run,
+             batching_gain.summary),
+    "limit": ("The limit: the runtime's best, where the worker's time goes", model_limit.run, model_limit.summary),
     "sweep": ("Latency under load", latency_sweep.run, latency_sweep.summary),
     "scaling": ("Scaling (processes)", scaling.run, scaling.summary),
     "matrix": ("Workloads x models (JPEG 224x224-1080p into a 224x224 model)", workload_matrix.run,
                workload_matrix.summary),
+    "batch": ("Batch sizes: no batch settings vs fixed (open_nsfw, 224x224 JPEG, worker process)", batch_ab,
+              settings_ab.summary),
 }
+# (title, argv for full and quick runs, the JSON it writes, its summary)
+PROCESSES: dict[str, tuple[str, tuple[list[str], list[str]], str, Summary]] = {
+    "batch-inproc": ("Batch sizes in process (batcher + executor, ResNet-50 random weights, no Kafka)",
+                     (["settings_ab.py", "--in-process", "--variants", "batch"],
+                      ["settings_ab.py", "--in-process", "--variants", "batch", "--quick"]),
+                     "settings_ab_batch_in_process", settings_ab.summary),
+    "contention": ("The runtime beside busy Python (no Kafka, near-zero model, 224x224 JPEG)",
+                   (["contention.py"], ["contention.py", "--rounds", "2", "--seconds", "1.5"]), "contention",
+                   contention.summary),
+    "preprocess": ("Runtime path CPU cost (no Kafka, near-zero model, this tree)",
+                   (["preprocess_cost.py", "--rounds", "3"], ["preprocess_cost.py", "--rounds", "2", "--seconds", "1",
+                                                               "--threads", "1", "--cases",
+                                                               "jpeg224_to_224,jpeg720p_to_224,jpeg720p_photo_to_224"]),
+                   "preprocess_cost", preprocess_cost.summary),
+    "batcher": ("The micro-batcher alone (fake clock)", (["batcher.py"], ["batcher.py", "--frames", "20000"]),
+                "batcher", batcher.summary),
+    "reliability": ("Reliability smoke: SIGKILL mid-run (the full suite: bench/reliability.py)",
+                    (["reliability.py", "--quick", "--faults", "sigkill", "--runs", "1", "--no-config",
+                      "--worker-ids", "fixed"],) * 2,
+                    "reliability", reliability.summary),
+}
+SECTIONS = [*KAFKA, *PROCESSES, "gpu"]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="short runs (about half the time, noisier)")
-    p.add_argument("--only", choices=[*BENCHES, "gpu"], help="run one benchmark")
-    p.add_argument("--skip", action="append", default=[], choices=[*BENCHES, "gpu"], help="leave one out")
+    p.add_argument("--only", choices=SECTIONS, help="run one section")
+    p.add_argument("--skip", action="append", default=[], choices=SECTIONS, help="leave one out")
     p.add_argument("--rounds", type=int, default=0,
-                   help="interleaved rounds of every benchmark (default: each one's own, fewer with --quick)")
+                   help="interleaved rounds of every Kafka benchmark (default: each one's own, fewer with --quick)")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch intra-op threads per worker process (default 1: the broker needs the other core)")
     args = p.parse_args(argv)
+    chosen = [s for s in SECTIONS if (not args.only or s == args.only) and s not in args.skip]
     t0 = time.monotonic()
     machine = common.machine()
     log_dir = Path(tempfile.mkdtemp(prefix="streamfer-bench-logs-"))
-    print(f"[bench] {machine['date']} on {machine['host_cpu']} x{machine['cpu_cores']}, torch {machine['torch']}, "
-          f"librdkafka {machine['librdkafka']}; logs in {log_dir}", flush=True)
+    print(f"[bench] {machine['date']} at {machine['commit']} on {machine['host_cpu']} x{machine['cpu_cores']}, "
+          f"torch {machine['torch']}, librdkafka {machine['librdkafka']}; logs in {log_dir}", flush=True)
     sections: list[dict[str, Any]] = []
-    failed: list[str] = []
-    with common.Broker() as broker:
-        warm_up = broker.warm_up(log_dir)
+    with common.broker() as broker:
+        warm_up = common.warm_up(broker, log_dir)
         ctx = Context(bootstrap=broker.bootstrap, broker=broker, quick=args.quick, torch_threads=args.torch_threads,
-                      log_dir=log_dir, rounds=args.rounds)
-        for name, (title, run, summarize) in BENCHES.items():
-            if (args.only and args.only != name) or name in args.skip:
-                continue
-            sections.append(_section(name, title, lambda run=run: run(ctx), summarize, failed))
-        if args.only in (None, "gpu") and "gpu" not in args.skip:
-            sections.append(gpu_section(broker, args, log_dir, failed))
-        broker_text = broker.description
-    elapsed = time.monotonic() - t0
+                      log_dir=log_dir, rounds=args.rounds, shared={"broker_warm_up": warm_up})
+        for name in (n for n in chosen if n in KAFKA):
+            title, run, summarize = KAFKA[name]
+            sections.append(section(name, title, lambda run=run: run(ctx), summarize))
+        env = {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": broker.bootstrap, "PYTHONUNBUFFERED": "1"}
+        for name in (n for n in chosen if n in PROCESSES):
+            title, argvs, result, summarize = PROCESSES[name]
+            sections.append(section(name, title, lambda a=argvs[args.quick], r=result: subprocess_run(a, r, env),
+                                    summarize))
+        if "gpu" in chosen:
+            sections += gpu_sections(ctx, machine["cuda"] is not None)
     summary = {"machine": machine, "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
-               "broker": broker_text, "broker_warm_up": warm_up, "quick": args.quick,
-               "torch_threads": args.torch_threads,
-               "workload": common.describe_workload(), "elapsed_s": round(elapsed, 1), "sections": sections,
-               "seed_figures": SEED_FIGURES, "failed": failed,
-               "skipped": args.skip, "rounds": args.rounds}
+               "broker": broker.description, "broker_warm_up": warm_up, "quick": args.quick,
+               "torch_threads": args.torch_threads, "rounds": args.rounds,
+               "workload": common.WORKLOADS["mixed"].label(),
+               "elapsed_s": round(time.monotonic() - t0, 1), "sections": sections,
+               "failed": [s["name"] for s in sections if s.get("failed")],
+               "not_run": [s for s in SECTIONS if s not in chosen]}
     if not args.only:
         common.write_json("summary", summary)
         md = markdown(summary)
         (common.RESULTS_DIR / "summary.md").write_text(md)
         print(f"[bench] wrote bench/results/summary.md\n\n{md}", flush=True)
-    print(f"[bench] done in {elapsed / 60:.1f} min" + (f"; FAILED: {', '.join(failed)}" if failed else ""), flush=True)
-    return 1 if failed else 0
+    print(f"[bench] done in {summary['elapsed_s'] / 60:.1f} min"
+          + (f"; FAILED: {', '.join(summary['failed'])}" if summary["failed"] else ""), flush=True)
+    return 1 if summary["failed"] else 0
 
 
-def _section(name: str, title: str, run: Callable[[], dict[str, Any]],
-             summarize: Callable[[dict[str, Any]], list], failed: list[str]) -> dict[str, Any]:
+def section(name: str, title: str, run: Callable[[], dict[str, Any]], summarize: Summary) -> dict[str, Any]:
+    """One benchmark run and its summary rows; a failure is a row too (one benchmark failing loses no other)."""
     started = time.monotonic()
     try:
         result = run()
-        rows = summarize(result)
-        section = {"name": name, "title": title, "rows": rows, "seconds": round(time.monotonic() - started, 1)}
+        out = {"name": name, "title": title, "rows": summarize(result)}
         if name == "sweep":
-            section["markdown_table"] = latency_sweep.markdown_levels(result)
-        return section
-    except Exception as exc:  # noqa: BLE001 (one benchmark failing must not lose the others)
+            out["markdown_table"] = latency_sweep.markdown_levels(result)
+    except Exception as exc:  # noqa: BLE001
         traceback.print_exc()
-        failed.append(name)
-        return {"name": name, "title": title, "rows": [("FAILED", f"{type(exc).__name__}: {str(exc)[:300]}")],
-                "seconds": round(time.monotonic() - started, 1)}
+        out = {"name": name, "title": title, "failed": True,
+               "rows": [("FAILED", f"{type(exc).__name__}: {str(exc)[-300:]}", "")]}
+    return {**out, "seconds": round(time.monotonic() - started, 1)}
 
 
-def gpu_section(broker: common.Broker, args: argparse.Namespace, log_dir: Path, failed: list[str]) -> dict[str, Any]:
-    """With CUDA: limit, batching gain and sweep with CUDA graphs on and off, and the seed's kind of figure."""
-    seed = [(f"seed: {k}", f"{v} (the seed's figure, not measured here)") for k, v in SEED_FIGURES.items()]
-    if not common.cuda_available():
-        print("\n== GPU ==\nskipped: torch sees no CUDA device on this machine (CUDA graphs on/off not measured)",
-              flush=True)
-        return {"name": "gpu", "title": "GPU: CUDA graphs on / off",
-                "rows": [("CUDA graphs on/off", "skipped: no CUDA device on this machine")] + seed}
-    rows: list[tuple[str, str]] = []
-    per_mode: dict[str, dict[str, Any]] = {}
+def subprocess_run(argv: list[str], result: str, env: dict[str, str]) -> dict[str, Any]:
+    """A benchmark in its own process (its own flags, its own broker use); its JSON result."""
+    path = common.RESULTS_DIR / f"{result}.json"
+    path.unlink(missing_ok=True)
+    print(f"\n[bench] {' '.join(argv)}", flush=True)
+    done = subprocess.run([sys.executable, str(HERE / argv[0]), *argv[1:]], env=env, cwd=common.REPO, timeout=3600)
+    if not path.is_file():
+        raise RuntimeError(f"{argv[0]} exited {done.returncode} without writing {path.name}")
+    return dict(json.loads(path.read_text()))
+
+
+def gpu_sections(ctx: Context, cuda: bool) -> list[dict[str, Any]]:
+    """With CUDA: batching gain, the limit and the sweep with CUDA graphs on and off (their JSON under
+    bench/results/cuda_graphs_on|off/), and the executor's latency of one 512x512 frame and of 16."""
+    if not cuda:
+        print("\n== GPU ==\nskipped: torch sees no CUDA device on this machine", flush=True)
+        return [{"name": "gpu", "title": "GPU: CUDA graphs on / off",
+                 "rows": [("CUDA graphs on/off", "not run: no CUDA device on this machine", "")]}]
+    out = []
     for graphs in (True, False):
         mode = "on" if graphs else "off"
-        ctx = Context(bootstrap=broker.bootstrap, broker=broker, quick=args.quick, torch_threads=args.torch_threads,
-                      log_dir=log_dir, out_dir=common.RESULTS_DIR / f"cuda_graphs_{mode}", rounds=args.rounds,
-                      shared={"worker_env": {"WORKER_RUNTIME_CUDA_GRAPHS": str(graphs).lower()},
-                              "runtime_overrides": {"cuda_graphs": graphs}})
-        results: dict[str, Any] = {}
-        for name in ("limit", "gain", "sweep"):
-            title, run, summarize = BENCHES[name]
-            section = _section(f"{name} (graphs {mode})", title,
-                               lambda run=run, name=name, results=results, ctx=ctx: results.setdefault(name, run(ctx)),
-                               summarize, failed)
-            rows += [(f"graphs {mode}: {k}", v) for k, v in section["rows"]]
-        try:
-            results["seed"] = model_limit.seed_comparison(ctx)
-            rows.append((f"graphs {mode}: executor, one 512x512 frame / batch of 16",
-                         f"{results['seed']['single_512_ms']:.1f} ms / {results['seed']['batch16_512_ms']:.1f} ms"))
-        except Exception as exc:  # noqa: BLE001
-            traceback.print_exc()
-            failed.append(f"gpu seed comparison ({mode})")
-            rows.append((f"graphs {mode}: seed comparison", f"FAILED: {exc}"))
-        per_mode[mode] = results
-    try:
-        on, off = per_mode["on"], per_mode["off"]
-        rows.append(("graphs on vs off: single 512x512 latency",
-                     f"{1 - on['seed']['single_512_ms'] / off['seed']['single_512_ms']:.0%} lower with graphs"))
-        fps_on, fps_off = (m["limit"]["worker_fps"]["median"] for m in (on, off))
-        rows.append(("graphs on vs off: worker saturated frames/s", f"{fps_on / fps_off:.2f}x"))
-    except (KeyError, ZeroDivisionError, TypeError):
-        pass
-    common.table("GPU: CUDA graphs on / off (same run)", ["figure", "value"], rows + seed)
-    return {"name": "gpu", "title": "GPU: CUDA graphs on / off", "rows": rows + seed}
+        gctx = dataclasses.replace(ctx, out_dir=common.RESULTS_DIR / f"cuda_graphs_{mode}", shared={
+            "worker_env": {"WORKER_RUNTIME_CUDA_GRAPHS": str(graphs).lower()},
+            "runtime_overrides": {"cuda_graphs": graphs}})
+        for name in ("gain", "limit", "sweep"):
+            title, run, summarize = KAFKA[name]
+            out.append(section(f"{name} (graphs {mode})", f"{title}, CUDA graphs {mode}",
+                               lambda r=run, c=gctx: r(c), summarize))
+        out.append(section(f"seed (graphs {mode})", f"Executor latency at 512x512, CUDA graphs {mode}",
+                           lambda c=gctx: model_limit.seed_comparison(c),
+                           lambda s: [("one frame / a batch of 16", f"{s['single_512_ms']:.1f} ms / "
+                                       f"{s['batch16_512_ms']:.1f} ms", "median of 30")]))
+    return out
 
 
 def markdown(summary: dict[str, Any]) -> str:
     m = summary["machine"]
+    rounds = f"{summary['rounds']} rounds each" if summary["rounds"] else "each benchmark's own rounds"
     lines = [
-        "# streamfer benchmark summary",
-        "",
-        f"Run {m['date']} on {m['host_cpu']} ({m['cpu_cores']} cores"
-        + (f", GPU {m['cuda']}" if m["cuda"] else ", no GPU") + f"), Python {m['python']}, torch {m['torch']}, "
-        f"confluent-kafka {m['confluent_kafka']} / librdkafka {m['librdkafka']}; {summary['broker']} on the same "
-        f"machine. Load average {m['load_average_at_start']} at start, {summary['load_average_at_end']} at the end "
-        f"(other work shares this machine; compare figures within one run). "
-        f"{'Quick run. ' if summary['quick'] else ''}{summary['torch_threads']} torch thread(s) per process. "
-        f"Took {summary['elapsed_s'] / 60:.1f} min.",
-        "",
-        "Workload: " + "; ".join(f"{cls} {v['share']:.0%} {v['encoding']} {'/'.join(v['shapes_wxh'])}"
-                                 for cls, v in summary["workload"].items())
-        + ". Model: the builtin CNN (the matrix: also open_nsfw). Every figure is the median (min-max) of "
-        "interleaved rounds, every ratio the median of per-round ratios. Details and method: bench/README.md; "
-        "raw figures: bench/results/*.json.",
-        "",
-        "| benchmark | figure | value |",
-        "|---|---|---|",
+        "# streamfer benchmark summary", "",
+        "Generated by `./dev bench` (bench/run_all.py); do not edit. Method: bench/README.md; every round: "
+        "bench/results/*.json. Figures: median (min-max) of interleaved rounds; ratios: median (min-max) of "
+        "per-round ratios.", "",
+        f"- Run: {m['date']}, commit {m['commit']}, {'quick run' if summary['quick'] else 'full run'} ({rounds}), "
+        f"took {summary['elapsed_s'] / 60:.1f} min",
+        f"- Machine: {m['host_cpu']}, {m['cpu_cores']} cores, " + (f"GPU {m['cuda']}" if m["cuda"] else "no GPU")
+        + f"; load average {m['load_average_at_start']} at start, {summary['load_average_at_end']} at the end "
+        "(other work shares this machine: compare figures within one run)",
+        f"- Software: Python {m['python']}, torch {m['torch']}, confluent-kafka {m['confluent_kafka']} / librdkafka "
+        f"{m['librdkafka']}; {summary['broker']}; {summary['torch_threads']} torch thread(s) per worker process",
+        f"- Workload unless a row says otherwise: {summary['workload']}; the builtin CNN", "",
+        "## Headline (the README's table)", "", "| figure | value | rounds |", "|---|---|---|",
     ]
-    for section in summary["sections"]:
-        for i, (figure, value) in enumerate(section["rows"]):
-            lines.append(f"| {section['title'] if i == 0 else ''} | {figure} | {value} |")
-    for section in summary["sections"]:
-        if section.get("markdown_table"):
-            lines += ["", "Latency under load (ms; open loop, intended-send timestamps; latency over OK results):", "",
-                      section["markdown_table"]]
-    if summary["failed"]:
-        lines += ["", f"FAILED: {', '.join(summary['failed'])}"]
-    if summary.get("skipped"):
-        lines += ["", f"Not run (--skip): {', '.join(summary['skipped'])}"]
+    lines += [f"| {s['title']}: {figure} | {value} | {rounds} |" for s in summary["sections"]
+              for figure, value, rounds in s["rows"] if "**" in value]
+    lines += ["", "## Every figure", "", "| benchmark | figure | value | rounds |", "|---|---|---|---|"]
+    lines += [f"| {s['title'] if i == 0 else ''} | {figure} | {value} | {rounds} |" for s in summary["sections"]
+              for i, (figure, value, rounds) in enumerate(s["rows"])]
+    lines += [line for s in summary["sections"] if s.get("markdown_table") for line in (
+        "", "Latency under load (ms; open loop, intended-send timestamps; latency over OK results):", "",
+        s["markdown_table"])]
+    lines += ["", f"FAILED: {', '.join(summary['failed'])}"] if summary["failed"] else []
+    lines += ["", f"Not run: {', '.join(summary['not_run'])}"] if summary["not_run"] else []
     return "\n".join(lines) + "\n"
 
 

@@ -25,7 +25,10 @@ import common
 import stats
 from common import Context
 
+from worker.testing import FrameProducer, end_offsets, wait_committed
+
 PROCESSES = (1, 2, 3)
+nan = float("nan")
 
 
 def expectation(cores: int) -> str:
@@ -55,31 +58,32 @@ def wait_group_stable(bootstrap: str, group: str, members: int, timeout_s: float
 
 
 def scaling_run(ctx: Context, n: int, frames: int) -> dict[str, Any]:
-    topics = common.make_topics(ctx.bootstrap, f"sc{n}")
-    procs = [common.start_worker(ctx.bootstrap, topics, ctx.log_dir, 1, common.new_id(f"sc{n}p{i}"),
-                                 extra_env=ctx.worker_env()) for i in range(n)]
+    topics = common.topics(ctx.bootstrap, f"sc{n}")
+    procs = [common.start_worker(ctx, topics, f"sc{n}p{i}", threads=1) for i in range(n)]
     try:
         if not wait_group_stable(ctx.bootstrap, topics.group, n, 180):
-            raise RuntimeError(f"{n} workers did not form a stable group\n" + "\n".join(p.tail() for p in procs))
+            raise RuntimeError(f"{n} workers did not form a stable group\n" + "\n".join(p.log()[-3000:] for p in procs))
         for p in procs:
-            p.popen.send_signal(signal.SIGSTOP)
+            p.process.send_signal(signal.SIGSTOP)
         try:
-            load = common.publish_load(ctx.bootstrap, topics, ctx.records(frames, common.new_id("sc")))
+            load = common.publish(FrameProducer(ctx.bootstrap, topics), ctx.records(frames, common.new_id("sc")))
         finally:
             for p in procs:
-                p.popen.send_signal(signal.SIGCONT)
-        watch = common.CpuWatch(ctx.broker, [p.popen.pid for p in procs])
-        done = common.wait_committed(ctx.bootstrap, topics.group, common.end_offsets(ctx.bootstrap, topics.inputs),
-                                     300, alive=lambda: all(p.alive() for p in procs))
+                p.process.send_signal(signal.SIGCONT)
+        watch = common.CpuWatch(ctx.broker, [p.process.pid for p in procs])
+        done = wait_committed(ctx.bootstrap, topics.group, end_offsets(ctx.bootstrap, topics.inputs), 300,
+                              alive=lambda: all(p.alive() for p in procs))
         cpu = watch.stop()
     finally:
         for p in procs:
             p.stop()
     if not done:
-        raise RuntimeError(f"{n} workers did not finish the backlog\n" + "\n".join(p.tail() for p in procs))
-    results = common.read_run_results(ctx.bootstrap, topics.results, frames)
+        raise RuntimeError(f"{n} workers did not finish the backlog\n" + "\n".join(p.log()[-3000:] for p in procs))
+    results = common.ResultsReader(ctx.bootstrap, topics).read_all(idle_timeout_s=1.0)
     tp = common.all_active_throughput(results)
-    return {"processes": n, **tp, "results": len(results), "publish": load.as_dict(),
+    print(f"[scaling] {n} process(es): {tp['frames_per_s']:.0f} frames/s over {tp['window_s']:.1f}s with all active; "
+          f"background load {cpu['background_cores']:.2f} cores", flush=True)
+    return {"processes": n, **tp, "results": len(results), "publish": load,
             "cores_used_by_workers": cpu["ours_cores"], "broker_cores": cpu["broker_cores"],
             "background_cores": cpu["background_cores"],
             "mean_batch": common.batch_size_distribution(results)["mean_frame_weighted"]}
@@ -90,27 +94,23 @@ def run(ctx: Context) -> dict[str, Any]:
     rounds = ctx.round_count(2, 1)
     print(f"\n[scaling] 1, 2, 3 processes on a backlog of {frames} frames each, {rounds} interleaved round(s)",
           flush=True)
-    trials = []
-    for r in range(rounds):
-        for n in PROCESSES:
-            trials.append({**scaling_run(ctx, n, frames), "round": r + 1})
-            t = trials[-1]
-            print(f"[scaling] round {r + 1}, {n} process(es): {t['frames_per_s']:.0f} frames/s over "
-                  f"{t['window_s']:.1f}s with all active; background load {t['background_cores']:.2f} cores",
-                  flush=True)
-    fps = {n: {t["round"]: t["frames_per_s"] for t in trials if t["processes"] == n} for n in PROCESSES}
+    trials = stats.run_rounds(stats.interleaved([str(n) for n in PROCESSES], rounds),
+                              lambda n: scaling_run(ctx, int(n), frames))
+    fps = {n: stats.figure(trials[str(n)], "frames_per_s") for n in PROCESSES}
     spread = {n: stats.Spread.of(list(fps[n].values())) for n in PROCESSES}
     speedup = {n: stats.ratio_spread(fps[n], fps[PROCESSES[0]]) for n in PROCESSES}
-    last = {n: [t for t in trials if t["processes"] == n][-1] for n in PROCESSES}
+    last = {n: trials[str(n)][max(trials[str(n)])] for n in PROCESSES}
     text = common.table(
         "scaling: worker processes in one group, 1 torch thread each, saturated (frames/s while all were active; "
         f"median (min-max) of {rounds} interleaved round(s); per-process columns from the last round)",
         ["processes", "frames/s", "vs 1 (per-round ratios)", "rounds", "window s", "results per process",
          "mean batch", "worker cores", "broker cores", "bg cores"],
-        [[n, spread[n].text(), speedup[n].text(2), " ".join(f"{v:.0f}" for v in fps[n].values()), r["window_s"],
-          " ".join(str(v) for v in r["per_worker_results"].values()), r["mean_batch"], r["cores_used_by_workers"],
-          r["broker_cores"], r["background_cores"]] for n, r in last.items()],
-        note="Expectation: " + expectation(os.cpu_count() or 1))
+        [[n, spread[n].text(), speedup[n].text(2), " ".join(f"{v:.0f}" for v in fps[n].values()),
+          r.get("window_s", nan), " ".join(str(v) for v in r.get("per_worker_results", {}).values()),
+          r.get("mean_batch", nan), r.get("cores_used_by_workers", nan), r.get("broker_cores", nan),
+          r.get("background_cores", nan)] for n, r in last.items()],
+        note="Expectation: " + expectation(os.cpu_count() or 1)
+             + "".join(f"\nFAILED {f}" for f in stats.failures(trials)))
     result = {"benchmark": "scaling", "machine": common.machine(), "workload": ctx.workload.describe(),
               "model": ctx.model, "backlog_frames": frames, "rounds": rounds, "trials": trials,
               "frames_per_s": {n: s.as_dict() for n, s in spread.items()},
@@ -120,13 +120,12 @@ def run(ctx: Context) -> dict[str, Any]:
     return result
 
 
-def summary(result: dict[str, Any]) -> list[tuple[str, str]]:
-    """Headline rows for bench/results/summary.md."""
-    from batching_gain import _spread_text
-
-    cells = "; ".join(f"{n}: {_spread_text(f, suffix=' frames/s')}, {_spread_text(result['speedup'][n], 2, 'x')}"
+def summary(result: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Rows for bench/results/summary.md: (figure, median (min-max), rounds)."""
+    sp = stats.Spread.from_dict
+    cells = "; ".join(f"{n}: {sp(f).text(suffix=' frames/s')}, {sp(result['speedup'][n]).text(2, 'x')}"
                       for n, f in result["frames_per_s"].items())
-    return [("worker processes (1 torch thread each; median (min-max) of rounds)", cells)]
+    return [("worker processes (1 torch thread each), frames/s and x one process", cells, f"{result['rounds']} rounds")]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,18 +1,32 @@
-"""Settings A/B: the worker's saturated frames/s and CPU-ms per frame under two sets of settings, on one
-published backlog, in interleaved rounds (A B, then B A, ...: a drifting machine favours neither). Reports the
-median (min-max) of each and of the per-round ratios B/A. For tuning a setting on your own workload and host
-before changing it; not part of run_all.
+"""Settings A/B, the one harness for comparing settings: named sets of worker settings on the same work, in
+interleaved rounds (which set goes first rotates, so a drifting machine favours none); per set the median
+(min-max) of frames/s, CPU-ms per frame and mean batch size, and of the per-round ratios to the first set.
+
+A set runs as the worker process (`python -m worker run`, the set's WORKER_* variables added) on one published
+backlog; or, with --in-process, as the worker's batcher and executor alone in this process draining a backlog
+of raw frames of one size (no Kafka), on a heavy model (torchvision ResNet-50, random weights) by default.
 
     python bench/settings_ab.py --b WORKER_RUNTIME_INSTANCES_PER_DEVICE=2 [--a KEY=VALUE ...] [--rounds 8]
-        [--frames 8000] [--workload mixed] [--model toy] [--torch-threads 1]
+    python bench/settings_ab.py --variants settings   # commit interval, in-flight batches, preprocess threads
+    python bench/settings_ab.py --variants scheduler  # the blocking bound always vs while realtime is present
+    python bench/settings_ab.py --variants batch --workload jpeg224 --model opennsfw   # no batch settings vs
+                                                      # fixed max_batch_size 4/8/16/32 (~14 min)
+    python bench/settings_ab.py --variants batch --in-process [--net resnet50|resnet18|builtin] [--size 224]
 
 Each KEY=VALUE is a worker environment variable (docs/configuration.md: WORKER_<SECTION>_<FIELD>), applied on
-top of the benchmark's own worker settings (the model, one torch thread unless --torch-threads).
+top of the benchmark's own worker settings (the model, one torch thread unless --torch-threads). For tuning a
+setting on your own workload and host before changing it.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import random
 import sys
+import time
+from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +35,38 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import stats
 from common import Context
+from stats import Spread
 
-DEFAULT_ROUNDS = 8
-DEFAULT_FRAMES = 8000
+from worker.batching import MicroBatcher
+from worker.config import ModelSettings, load_settings
+from worker.costmodel import CostModel
+from worker.frames import Encoding, Frame, Priority, SourceRef
+from worker.runtime import InferenceExecutor, build_builtin_model
+from worker.runtime.models import ModelContract
+from worker.runtime.runners import EagerRunner
+
+ADAPTIVE = "no batch settings (adaptive)"
+FIXED_BATCH_SIZES = (4, 8, 16, 32)
+VARIANT_SETS: dict[str, dict[str, dict[str, str]]] = {
+    "settings": {
+        "defaults": {},
+        "commit_interval_ms=200": {"WORKER_DELIVERY_COMMIT_INTERVAL_MS": "200"},
+        "max_inflight_batches=3": {"WORKER_DELIVERY_MAX_INFLIGHT_BATCHES": "3"},
+        "preprocess_threads=2": {"WORKER_RUNTIME_PREPROCESS_THREADS": "2"},
+        "all three": {"WORKER_DELIVERY_COMMIT_INTERVAL_MS": "200", "WORKER_DELIVERY_MAX_INFLIGHT_BATCHES": "3",
+                      "WORKER_RUNTIME_PREPROCESS_THREADS": "2"}},
+    # The scheduler's isolation: lower classes bounded by max_blocking_ms always (0) or only while realtime is present.
+    "scheduler": {"defaults": {}, "realtime_quiet_ms=0 (always bounded)": {"WORKER_BATCHING_REALTIME_QUIET_MS": "0"}},
+    # Batch sizing: no batch settings (sizes from the learned cost model, seeded by the warm-up calibration)
+    # against a fixed max_batch_size with adaptive sizing off.
+    "batch": {ADAPTIVE: {}, **{f"fixed {n}": {"WORKER_BATCHING_MAX_BATCH_SIZE": str(n),
+                                              "WORKER_BATCHING_ADAPTIVE_BATCH_SIZE": "false"}
+                               for n in FIXED_BATCH_SIZES}},
+}
+# Issue #16: adaptive reaches this share of the best fixed size, and this multiple of the default 32.
+GOAL_OF_BEST_FIXED = 0.95
+GOAL_OVER_FIXED_32 = 1.3
+PAIR_ROUNDS, PAIR_FRAMES = 8, 8000  # --a/--b: tuning one setting on your own host wants more rounds
 
 
 def parse_assignments(items: list[str]) -> dict[str, str]:
@@ -39,61 +82,26 @@ def parse_assignments(items: list[str]) -> dict[str, str]:
     return env
 
 
-def configure(p: Any) -> None:
+def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--a", action="append", default=[], metavar="KEY=VALUE", help="variant A's worker settings")
     p.add_argument("--b", action="append", default=[], metavar="KEY=VALUE", help="variant B's worker settings")
-    p.add_argument("--frames", type=int, default=DEFAULT_FRAMES, help="backlog frames each round consumes")
-
-
-def run(ctx: Context, variants: dict[str, dict[str, str]]) -> dict[str, Any]:
-    """Rounds of the two variants (`variants_of`'s) on one backlog; the table, and the JSON with every round."""
-    rounds = ctx.rounds or DEFAULT_ROUNDS
-    frames = ctx.shared["args"].frames
-    topics = common.make_topics(ctx.bootstrap, "ab")
-    publish = common.publish_load(ctx.bootstrap, topics, ctx.records(frames, common.new_id("ab")))
-    fps: dict[str, dict[int, float]] = {"A": {}, "B": {}}
-    cpu: dict[str, dict[int, float]] = {"A": {}, "B": {}}
-    for r, v in stats.rotating(list(variants), rounds):
-        env = {**ctx.worker_env(), **variants[v]}
-        backlog = common.run_backlog(
-            ctx.bootstrap, topics, frames,
-            lambda t, env=env, v=v: common.start_worker(ctx.bootstrap, t, ctx.log_dir, ctx.torch_threads,
-                                                        common.new_id(f"ab{v}"), extra_env=env),
-            timeout_s=600, tag=f"ab{v}", broker=ctx.broker)
-        tp = common.steady_throughput(backlog.results)
-        fps[v][r], cpu[v][r] = tp["frames_per_s"], backlog.cpu_ms_per_frame(tp)
-        print(f"[ab] round {r} {v}: {fps[v][r]:.0f} frames/s, {cpu[v][r]:.3f} CPU-ms/frame", flush=True)
-    spreads = {v: (stats.Spread.of(list(fps[v].values())), stats.Spread.of(list(cpu[v].values()))) for v in fps}
-    ratio_fps, ratio_cpu = stats.ratio_spread(fps["B"], fps["A"]), stats.ratio_spread(cpu["B"], cpu["A"])
-    rows = [[v, " ".join(f"{k}={val}" for k, val in variants[v].items()) or "(the benchmark's defaults)",
-             spreads[v][0].text(), spreads[v][1].text(3)] for v in ("A", "B")]
-    rows.append(["B/A", "per-round ratios", ratio_fps.text(3), ratio_cpu.text(3)])
-    text = common.table(
-        f"settings A/B, {ctx.model} model, {ctx.workload_name} workload, backlog of {frames} frames: median "
-        f"(min-max) of {rounds} interleaved rounds", ["variant", "settings", "frames/s", "CPU-ms/frame"], rows,
-        note="frames/s and the worker process's CPU-ms per frame over the middle 80% of each round's results")
-    result = {"benchmark": "settings_ab", "machine": common.machine(), "model": ctx.model,
-              "workload_name": ctx.workload_name, "workload": ctx.workload.describe(),
-              "torch_threads": ctx.torch_threads, "rounds": rounds, "backlog_frames": frames,
-              "backlog_publish": publish, "broker_warm_up": ctx.shared.get("broker_warm_up"), "settings": variants,
-              "frames_per_s": {v: {str(r): x for r, x in fps[v].items()} for v in fps},
-              "cpu_ms_per_frame": {v: {str(r): x for r, x in cpu[v].items()} for v in cpu},
-              "spread": {v: {"frames_per_s": s[0].as_dict(), "cpu_ms_per_frame": s[1].as_dict()}
-                         for v, s in spreads.items()},
-              "ratio_b_over_a": {"frames_per_s": ratio_fps.as_dict(), "cpu_ms_per_frame": ratio_cpu.as_dict()},
-              "table": text}
-    common.write_json("settings_ab", result)
-    return result
+    p.add_argument("--variants", choices=sorted(VARIANT_SETS), help="one of the project's sets instead of --a/--b")
+    p.add_argument("--frames", type=int, default=0, help="backlog frames each round consumes")
+    p.add_argument("--in-process", action="store_true", help="the batcher and executor alone, no Kafka")
+    p.add_argument("--net", default="resnet50", help="--in-process: torchvision model (random weights) or builtin")
+    p.add_argument("--size", type=int, default=224, help="--in-process: frame width and height")
 
 
 def variants_of(argv: list[str]) -> dict[str, dict[str, str]]:
-    """The two variants' settings from the command line; SystemExit (status 2, the reason) on bad ones, so a
-    mistake shows before the broker starts."""
-    import argparse
-
+    """The sets to compare from the command line; SystemExit (status 2, the reason) on bad ones, so a mistake
+    shows before the broker starts."""
     p = argparse.ArgumentParser(add_help=False)
     configure(p)
     args, _ = p.parse_known_args(argv)
+    if args.in_process and args.variants not in (None, "batch"):
+        p.error("--in-process runs the batch set (the batcher alone has no other settings to compare)")
+    if args.variants or args.in_process:
+        return VARIANT_SETS[args.variants or "batch"]
     try:
         variants = {"A": parse_assignments(args.a), "B": parse_assignments(args.b)}
     except ValueError as exc:
@@ -103,11 +111,177 @@ def variants_of(argv: list[str]) -> dict[str, dict[str, str]]:
     return variants
 
 
+def backlog_frames(ctx: Context, pair: bool) -> int:
+    """Frames per worker run. open_nsfw runs ~13-40 frames/s on a 2-core CPU (fixed batches of 32 the slowest):
+    800 frames keep >= 15 s in the middle 80% the figures come from up to 42 frames/s (quick: 500, up to 26),
+    and the batch set's 15 runs (quick: 10) fit in ~14 minutes (quick: ~6), start-up and calibration included."""
+    if pair:
+        return PAIR_FRAMES
+    return int(ctx.scale(800, 500)) if ctx.model == "opennsfw" else int(ctx.scale(4000, 2000))
+
+
+def run(ctx: Context, variants: dict[str, dict[str, str]]) -> dict[str, Any]:
+    """Every set once a round, rounds rotating, on one backlog; the tables, and the JSON with every round."""
+    args = ctx.shared["args"]
+    pair = list(variants) == ["A", "B"]
+    rounds = ctx.rounds or (PAIR_ROUNDS if pair else ctx.round_count(3, 2))
+    frames = args.frames or backlog_frames(ctx, pair)
+    if args.in_process:
+        measure, where = in_process(ctx, variants, args.net, args.size, args.frames or int(ctx.scale(192, 96)))
+    else:
+        topics, _ = common.backlog(ctx, "ab", frames)
+        where = f"{ctx.model} model, {ctx.workload_name} workload, the worker process on a {frames}-frame backlog"
+
+        def measure(name: str) -> dict[str, Any]:
+            return common.worker_round(ctx, topics, variants[name], tag="ab", timeout_s=600)
+    print(f"[ab] {where}: {rounds} rounds of {', '.join(variants)}; worker logs in {ctx.log_dir}", flush=True)
+
+    def one(name: str) -> dict[str, Any]:
+        t = measure(name)
+        print(f"[ab] {name}: {t['frames_per_s']:.1f} frames/s, {t['cpu_ms_per_frame']:.2f} CPU-ms/frame, sizes "
+              + " ".join(f"{n}x{u['batches']:.0f}" for n, u in t["sizes_used"].items()), flush=True)
+        return t
+
+    runs = stats.run_rounds(stats.rotating(list(variants), rounds), one, lambda m: print("[ab]", m))
+    first = next(iter(variants))
+    fps = {name: stats.figure(runs.get(name, {}), "frames_per_s") for name in variants}
+    cpu = {name: stats.figure(runs.get(name, {}), "cpu_ms_per_frame") for name in variants}
+    spreads = {name: {"frames_per_s": Spread.of(list(fps[name].values())), "cpu_ms_per_frame": Spread.of(
+        list(cpu[name].values())), "mean_batch": stats.spread(runs.get(name, {}), "mean_batch"),
+        "fps_over_first": stats.ratio_spread(fps[name], fps[first]),
+        "cpu_over_first": stats.ratio_spread(cpu[name], cpu[first])} for name in variants}
+    text = [common.table(
+        f"settings A/B: {where}, median (min-max) of {rounds} interleaved rounds",
+        ["variant", "settings", "frames/s", "CPU-ms/frame", "mean batch", f"frames/s / {first}",
+         f"CPU-ms / {first}", "frames/s per round"],
+        [[name, " ".join(f"{k}={v}" for k, v in variants[name].items()) or "(the benchmark's defaults)",
+          s["frames_per_s"].text(1), s["cpu_ms_per_frame"].text(), s["mean_batch"].text(1),
+          s["fps_over_first"].text(2), s["cpu_over_first"].text(2), " ".join(f"{v:.1f}" for v in fps[name].values())]
+         for name, s in spreads.items()],
+        note="frames/s and CPU-ms per frame over the middle 80% of each round's results (in-process: the whole "
+             "drain); ratios are medians (min-max) of per-round ratios"
+             + "".join(f"\nFAILED {f}" for f in stats.failures(runs)))]
+    result = {"benchmark": "settings_ab", "machine": common.machine(), "model": ctx.model,
+              "workload_name": ctx.workload_name, "where": where, "torch_threads": ctx.torch_threads,
+              "rounds": rounds, "backlog_frames": frames, "broker_warm_up": ctx.shared.get("broker_warm_up"),
+              "variants": {name: {"env": variants[name], "rounds": runs.get(name, {}),
+                                  **{k: s.as_dict() for k, s in spreads[name].items()}} for name in variants},
+              "failed": stats.failures(runs), "tables": text}
+    if ADAPTIVE in variants:
+        result.update(adaptive_against_fixed(fps, runs, text))
+    common.write_json("settings_ab" + (f"_{args.variants}" if args.variants else "")
+                      + ("_in_process" if args.in_process else ""), result, ctx.out_dir)
+    return result
+
+
+def adaptive_against_fixed(fps: dict[str, dict[int, float]], runs: dict[str, dict[int, dict[str, Any]]],
+                           text: list[str]) -> dict[str, Any]:
+    """The batch set's verdicts: adaptive / the best fixed size (highest median frames/s) and adaptive / fixed 32,
+    per round, against their goals; the batch sizes adaptive ran."""
+    best = max((name for name in fps if name != ADAPTIVE), key=lambda name: Spread.of(list(fps[name].values())).median)
+    of_best, over_32 = stats.ratio_spread(fps[ADAPTIVE], fps[best]), stats.ratio_spread(fps[ADAPTIVE], fps["fixed 32"])
+    text.append(common.table(
+        "adaptive against fixed sizes (median (min-max) of per-round ratios of frames/s)",
+        ["ratio", "per-round ratios", "goal", "met (median)"],
+        [[f"adaptive / best fixed ({best})", of_best.text(2), f">= {GOAL_OF_BEST_FIXED}",
+          "yes" if of_best.median >= GOAL_OF_BEST_FIXED else "no"],
+         ["adaptive / fixed 32 (the default size)", over_32.text(2), f">= {GOAL_OVER_FIXED_32}",
+          "yes" if over_32.median >= GOAL_OVER_FIXED_32 else "no"]]))
+    adaptive = [t for t in runs.get(ADAPTIVE, {}).values() if "sizes_used" in t]
+    sizes = sorted({n for t in adaptive for n in t["sizes_used"]})
+    total = sum(u["frames"] for t in adaptive for u in t["sizes_used"].values()) or 1
+    log = Path(adaptive[0]["log"]).read_text(errors="replace") if adaptive and "log" in adaptive[0] else ""
+    calibration = next((line for line in log.splitlines() if "batch cost model seeded" in line), "")
+    text.append(common.table(
+        "batch sizes the adaptive worker ran (whole runs, start-up included)",
+        ["batch size", "share of frames (all rounds)", "batches per round"],
+        [[n, f"{sum(t['sizes_used'].get(n, {}).get('frames', 0) for t in adaptive) / total:.1%}",
+          " ".join(f"{t['sizes_used'].get(n, {}).get('batches', 0):.0f}" for t in adaptive)] for n in sizes],
+        note=f"Calibration (the first round's log): {calibration}" if calibration else ""))
+    return {"best_fixed": best, "adaptive_of_best_fixed": of_best.as_dict(),
+            "adaptive_over_fixed_32": over_32.as_dict(),
+            "goals": {"of_best_fixed": GOAL_OF_BEST_FIXED, "over_fixed_32": GOAL_OVER_FIXED_32}}
+
+
+# -- in process: the batcher and executor draining a backlog, no Kafka ---------------------------------------------
+def in_process(ctx: Context, variants: dict[str, dict[str, str]], net: str, size: int,
+               frames: int) -> tuple[Callable[[str], dict[str, Any]], str]:
+    """The measure of one set in process, and what it runs on. Each set's batching settings come from its env;
+    the caps and standard/bulk's blocking bound (max_blocking_ms) are lifted: this measures throughput sizing
+    alone. An adaptive set gets a cost model seeded by the executor's warm-up calibration, as the worker does."""
+    import torch
+
+    torch.set_num_threads(ctx.torch_threads)
+    if net == "builtin":
+        model = build_builtin_model(5)
+    else:
+        import torchvision
+
+        torch.manual_seed(0)
+        model = getattr(torchvision.models, net)(weights=None, num_classes=5).eval()
+    contract = ModelContract.from_settings(ModelSettings())
+    executor = InferenceExecutor([EagerRunner(model, contract, torch.device("cpu"))], contract)
+    t0 = time.perf_counter()
+    seeded = executor.calibrate([(size, size, 3)], 32)
+    print(f"[ab] calibration {time.perf_counter() - t0:.1f}s: "
+          + ", ".join(f"{k}: {s * 1000:.0f} ms ({k / s:.1f}/s)" for _, k, s in seeded), flush=True)
+    now, data = time.time(), bytes(random.Random(0).randrange(256) for _ in range(size * size * 3))
+    backlog = [Frame(stream_id="bench", frame_index=i, tenant="t", priority=Priority.BULK,
+                     capture_ts_ms=int(now * 1000), width=size, height=size, channels=3, encoding=Encoding.RAW_RGB8,
+                     data=data, source=SourceRef("bench", 0, i), received_at=now) for i in range(frames)]
+
+    def measure(name: str) -> dict[str, Any]:
+        batching = dataclasses.replace(load_settings(env=variants[name]).batching, rare_shape_min_count=1,
+                                       max_blocking_ms=1e9, max_pending_frames=100_000, max_pending_bytes=1 << 40,
+                                       max_batch_bytes=1 << 40)
+        cost = CostModel() if batching.adaptive_batch_size else None
+        for shape, k, seconds in seeded if cost else ():
+            cost.observe(shape, k, seconds)
+        batcher = MicroBatcher(batching, time.time, (), cost)
+        for f in backlog:
+            batcher.add(f)
+        inflight: deque = deque()
+        sizes: list[int] = []
+        w0, c0 = time.perf_counter(), time.process_time()
+        while batcher.pending_frames or inflight:
+            while len(inflight) < 2 and (b := batcher.pop_batch()) is not None:  # 2 in flight, like the worker
+                inflight.append((b, executor.submit(b.frames, b.shape, b.priority)))
+                sizes.append(b.size)
+            if inflight:
+                b, fut = inflight.popleft()
+                out = fut.result()
+                if cost is not None:
+                    cost.observe(b.shape, out.batch_size, (out.preprocess_ms + out.inference_ms) / 1000.0)
+            else:
+                time.sleep(max(0.0, (batcher.next_due() or time.time()) - time.time()))
+        wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+        return {"frames_per_s": frames / wall, "cpu_ms_per_frame": stats.cpu_ms_per_frame(cpu, frames),
+                "mean_batch": sum(n * n for n in sizes) / frames,  # frame-weighted, as the worker's
+                "sizes_used": {n: {"frames": n * sizes.count(n), "batches": sizes.count(n)}
+                               for n in sorted(set(sizes))}}
+
+    return measure, f"{net} at {size}x{size} in process (batcher + executor, no Kafka), {frames} frames a run"
+
+
+def summary(result: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Rows for bench/results/summary.md: each set's frames/s and CPU-ms/frame; the batch set's verdicts."""
+    sp, rounds = Spread.from_dict, f"{result['rounds']} rounds"
+    rows = [(name, f"{sp(v['frames_per_s']).text(1)} frames/s, {sp(v['cpu_ms_per_frame']).text()} CPU-ms/frame, "
+             f"mean batch {sp(v['mean_batch']).text(1)}", rounds) for name, v in result["variants"].items()]
+    if "best_fixed" in result:
+        rows.append(("adaptive / best fixed size, adaptive / fixed 32 (per-round ratios)",
+                     f"**{sp(result['adaptive_of_best_fixed']).text(2)}** (best: {result['best_fixed']}; goal >= "
+                     f"{GOAL_OF_BEST_FIXED}), **{sp(result['adaptive_over_fixed_32']).text(2)}** (goal >= "
+                     f"{GOAL_OVER_FIXED_32})", rounds))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # Read (and refused when bad) before standalone starts the broker; --help reaches standalone's parser.
     variants = {} if "-h" in argv or "--help" in argv else variants_of(argv)
-    return common.standalone(lambda ctx: run(ctx, variants), argv, __doc__.splitlines()[0], configure=configure)
+    return common.standalone(lambda ctx: run(ctx, variants), argv, __doc__.splitlines()[0], configure=configure,
+                             needs_broker=lambda args: not args.in_process)
 
 
 if __name__ == "__main__":

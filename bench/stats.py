@@ -44,6 +44,14 @@ class Spread:
     def as_dict(self) -> dict[str, Any]:
         return {"median": _finite(self.median), "min": _finite(self.low), "max": _finite(self.high), "rounds": self.n}
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Spread:
+        """as_dict() back to a Spread (a figure read from a benchmark's JSON)."""
+        def value(key: str) -> float:
+            return float("nan") if d[key] is None else float(d[key])
+
+        return cls(value("median"), value("min"), value("max"), int(d["rounds"]))
+
 
 def _finite(v: float) -> float | None:
     return None if math.isnan(v) else v
@@ -70,6 +78,44 @@ def rotating(variants: Sequence[str], rounds: int) -> list[tuple[int, str]]:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     k = len(variants)
     return [(r, variants[(r - 1 + i) % k]) for r in range(1, rounds + 1) for i in range(k)]
+
+
+def run_rounds(order: Sequence[tuple[int, str]], measure: Callable[[str], dict[str, Any]],
+               log: Callable[[str], None] = print) -> dict[str, dict[int, dict[str, Any]]]:
+    """Measure each (round, variant) of `order` (interleaved or rotating): {variant: {round: figures}}. A run that
+    raises RuntimeError (a consumer that crashed or stalled) is kept as {"failed": its message}: a finding, listed
+    with the table and left out of the medians (its figures are NaN)."""
+    runs: dict[str, dict[int, dict[str, Any]]] = {}
+    for r, variant in order:
+        try:
+            runs.setdefault(variant, {})[r] = measure(variant)
+        except RuntimeError as exc:
+            runs.setdefault(variant, {})[r] = {"failed": str(exc)}
+            log(f"round {r} {variant} FAILED: {failure_line(str(exc))}")
+    return runs
+
+
+def failure_line(text: str) -> str:
+    """The line of a failure's text (a process's log tail) that names the error, else its first line."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "Error" in ln or "Exception" in ln]
+    return (errors[-1] if errors else lines[0] if lines else "")[:300]
+
+
+def figure(runs: Mapping[int, Mapping[str, Any]], key: str) -> dict[int, float]:
+    """One figure of every round of one variant, {round: value}; NaN for a failed round or a missing figure."""
+    return {r: float(t.get(key, float("nan"))) for r, t in runs.items()}
+
+
+def spread(runs: Mapping[int, Mapping[str, Any]], key: str) -> Spread:
+    """Median (min-max) of one figure over a variant's rounds (failed ones left out)."""
+    return Spread.of(list(figure(runs, key).values()))
+
+
+def failures(runs: Mapping[str, Mapping[int, Mapping[str, Any]]]) -> list[str]:
+    """'round 2 b: <error line>' for every failed run."""
+    return [f"round {r} {v}: {failure_line(t['failed'])}" for v, by in runs.items() for r, t in by.items()
+            if "failed" in t]
 
 
 def round_ratios(numerator: Mapping[int, float], denominator: Mapping[int, float]) -> list[float]:
@@ -108,3 +154,10 @@ def _cpu_at(samples: Sequence[tuple[float, float]], t: float) -> float:
         return samples[i][1]
     (ta, ca), (tb, cb) = samples[i - 1], samples[i]
     return ca + (cb - ca) * (t - ta) / (tb - ta) if tb > ta else cb
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of an already sorted sequence (NaN when empty)."""
+    if not sorted_values:
+        return float("nan")
+    return float(sorted_values[max(0, min(len(sorted_values) - 1, math.ceil(q * len(sorted_values)) - 1))])

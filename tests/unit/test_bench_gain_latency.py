@@ -76,7 +76,7 @@ def test_a_named_thread_s_cpu_is_read_from_proc_under_its_role() -> None:
 
 
 def test_thread_cpu_per_frame_is_each_roles_difference_largest_first_and_rounds_spread_by_role() -> None:
-    per = batching_gain.thread_cpu_ms_per_frame({"python": 1.0, "infer-cpu": 2.0},
+    per = batching_gain.common.thread_cpu_ms_per_frame({"python": 1.0, "infer-cpu": 2.0},
                                                 {"python": 1.5, "infer-cpu": 4.0, "decode": 0.25}, 1000)
     assert per == {"infer-cpu": 2.0, "python": 0.5, "decode": 0.25}
     assert list(per) == ["infer-cpu", "python", "decode"]

@@ -86,3 +86,46 @@ def test_cpu_between_refuses_a_window_outside_the_samples() -> None:
     assert math.isnan(stats.cpu_between(samples, 9.0, 10.5))
     assert math.isnan(stats.cpu_between(samples, 10.2, 11.5))
     assert math.isnan(stats.cpu_between(samples[:1], 10.0, 10.0))
+
+
+def test_rounds_run_in_the_given_order_and_a_failed_run_is_kept_as_a_finding() -> None:
+    ran: list[str] = []
+
+    def measure(variant: str) -> dict[str, float]:
+        ran.append(variant)
+        if variant == "b" and ran.count("b") == 2:
+            raise RuntimeError("consumer b exited\nTraceback ...\nValueError: bad frame\n")
+        return {"frames_per_s": 10.0 * len(ran)}
+
+    logged: list[str] = []
+    runs = stats.run_rounds(stats.interleaved(["a", "b"], 2), measure, logged.append)
+    assert ran == ["a", "b", "a", "b"]
+    assert runs["a"] == {1: {"frames_per_s": 10.0}, 2: {"frames_per_s": 30.0}}
+    assert runs["b"][2] == {"failed": "consumer b exited\nTraceback ...\nValueError: bad frame\n"}
+    assert stats.failures(runs) == ["round 2 b: ValueError: bad frame"] and logged == ["round 2 b FAILED: "
+                                                                                       "ValueError: bad frame"]
+    # The failed round is left out of the spread and of the per-round ratios, not counted as zero.
+    assert stats.spread(runs["b"], "frames_per_s").n == 1
+    assert stats.ratio_spread(stats.figure(runs["b"], "frames_per_s"), stats.figure(runs["a"], "frames_per_s")).n == 1
+
+
+def test_a_crash_that_is_not_a_runtime_error_stops_the_rounds() -> None:
+    def measure(variant: str) -> dict[str, float]:
+        raise KeyError(variant)
+
+    with pytest.raises(KeyError):
+        stats.run_rounds(stats.interleaved(["a"], 1), measure)
+
+
+def test_a_spread_survives_its_json_form() -> None:
+    s = stats.Spread.of([3.0, 1.0, 2.0])
+    assert stats.Spread.from_dict(s.as_dict()) == s
+    assert stats.Spread.from_dict(stats.Spread.of([]).as_dict()).text() == "n/a"
+
+
+def test_percentile_is_nearest_rank() -> None:
+    values = sorted(float(v) for v in range(1, 101))
+    assert (stats.percentile(values, 0.5), stats.percentile(values, 0.99), stats.percentile(values, 1.0)) == (
+        50.0, 99.0, 100.0)
+    assert stats.percentile([7.0], 0.99) == 7.0
+    assert math.isnan(stats.percentile([], 0.5))

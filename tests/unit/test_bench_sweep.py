@@ -12,6 +12,7 @@ sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))  # appended:
 
 import common
 import latency_sweep
+import stats
 
 
 def test_a_level_lasts_until_its_standard_frames_give_a_p99_within_the_time_limits() -> None:
@@ -36,8 +37,8 @@ def test_standard_parts_split_each_frame_into_in_queued_and_run() -> None:
     # 100 frames: in = 1..100 ms, queued = 2x, run = 5 ms each.
     ok = [_result(end_to_end=i + 2 * i + 5, queued=2 * i, inference=5) for i in range(1, 101)]
     parts = latency_sweep.standard_parts(ok)
-    assert parts["in_p50_ms"] == pytest.approx(common.percentile(sorted(range(1, 101)), 0.5))
-    assert parts["in_p99_ms"] == pytest.approx(common.percentile(sorted(range(1, 101)), 0.99))
+    assert parts["in_p50_ms"] == pytest.approx(stats.percentile(sorted(range(1, 101)), 0.5))
+    assert parts["in_p99_ms"] == pytest.approx(stats.percentile(sorted(range(1, 101)), 0.99))
     assert parts["queued_p99_ms"] == pytest.approx(2 * parts["in_p99_ms"])
     assert parts["run_p50_ms"] == parts["run_p99_ms"] == 5
 
