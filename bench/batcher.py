@@ -88,7 +88,7 @@ def summary(result: dict[str, Any]) -> list[tuple[str, str, str]]:
     """Rows for bench/results/summary.md: the batcher's cost and batches against the naive one."""
     o, n, sp = result["rows"]["streamfer"], result["rows"]["naive"], stats.Spread.from_dict
     return [("micro-batcher cost, this one / naive (us per frame)",
-             f"{sp(o['us_per_frame']).text()} / {sp(n['us_per_frame']).text()}", f"{result['rounds']} rounds"),
+             f"{sp(o['us_per_frame']).text()} / {sp(n['us_per_frame']).text()}", stats.rounds(result["rounds"])),
             ("padding waste, mean batch size: this one / naive",
              f"{o['padding_waste']:.3f} / {n['padding_waste']:.3f}, {o['mean_batch_size']:.1f} / "
              f"{n['mean_batch_size']:.1f}", "deterministic")]

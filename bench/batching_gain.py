@@ -442,7 +442,7 @@ def worker_over_fixed_p99(by: dict[str, list[dict[str, Any]]]) -> dict[str, Any]
 def summary(result: dict[str, Any]) -> list[tuple[str, str, str]]:
     """Rows for bench/results/summary.md: (figure, median (min-max), rounds)."""
     fps, cpu, sp = result["throughput_spread"], result["cpu_ms_per_frame"], Spread.from_dict
-    rounds = f"{result['rounds']} rounds"
+    rounds = stats.rounds(result["rounds"])
     rows = [(f"({w}) {VARIANTS[w]}", f"{sp(fps[w]).text()} frames/s, {sp(cpu[w]).text()} CPU-ms/frame", rounds)
             for w in VARIANTS]
     r = result["ratios"]
@@ -451,13 +451,14 @@ def summary(result: dict[str, Any]) -> list[tuple[str, str, str]]:
              ("worker / (b) consume(32), worker / (a) one frame per inference (per-round ratios)",
               f"**{sp(r['c/b']).text(2)}**, **{sp(r['c/a']).text(1)}**", rounds)]
     for level, by in result.get("latency", {}).items():
+        rate, rounds = f"{result['latency_rates'][level]:.0f} frames/s", stats.rounds(result["latency_rounds"])
         cells = "; ".join(f"({w}) {s['p50_ms']['text']} / {s['p99_ms']['text']}, "
                           f"{s['cpu_ms_per_frame']['text']} CPU-ms/frame" for w, s in by.items())
-        ratio = result["latency_p99_worker_over_fixed"].get(level)
-        cells += f"; p99 (c)/(b) per round **{ratio['text']}**" if ratio else ""
         cells += "".join(f"; ({w}) overloaded" for w in result["latency_skipped_overloaded"].get(level, []))
-        rows.append((f"latency p50 / p99 ms at {result['latency_rates'][level]:.0f} frames/s offered ({level})", cells,
-                     f"{result['latency_rounds']} rounds"))
+        rows.append((f"latency p50 / p99 ms at {rate} offered ({level})", cells, rounds))
+        if ratio := result["latency_p99_worker_over_fixed"].get(level):
+            rows.append((f"worker p99 / (b)'s p99 at {rate} ({level}; per-round ratios)", f"**{ratio['text']}**",
+                         rounds))
     return rows
 
 

@@ -177,11 +177,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def summary(result: dict[str, Any]) -> list[tuple[str, str, str]]:
     """Rows for bench/results/summary.md: what share of the runtime's throughput busy Python costs, by cause."""
-    sp, rounds = stats.Spread.from_dict, f"{result['rounds']} rounds"
+    sp, rounds = stats.Spread.from_dict, stats.rounds(result["rounds"])
     rows = [(f"runtime beside busy Python as a {name} (share of its frames/s alone)", sp(v["of_none"]).text(2), rounds)
             for name, v in result["summary"]["variants"].items() if name != NONE]
-    rows += [(f"busy {duty}: lost to the GIL / to the cores", f"{sp(d['gil_loss']).text(2)} / "
-              f"{sp(d['cores_loss']).text(2)}", rounds) for duty, d in result["summary"]["duties"].items()]
+    bold = {duty: "**" if i == 0 else "" for i, duty in enumerate(result["summary"]["duties"])}  # the first duty
+    rows += [(f"busy {duty}: lost to the GIL / to the cores", f"{bold[duty]}{sp(d['gil_loss']).text(2)}{bold[duty]} / "
+              f"{bold[duty]}{sp(d['cores_loss']).text(2)}{bold[duty]}", rounds)
+             for duty, d in result["summary"]["duties"].items()]
     return rows
 
 

@@ -252,7 +252,7 @@ def summary(result: dict[str, Any]) -> list[tuple[str, str, str]]:
     return [("capacity (worker saturated) and standard budget",
              f"{result['capacity_fps']:.0f} frames/s; {b['budget_ms']:.0f} ms = {b['max_wait_ms']:.0f} ms wait + "
              f"{b['model_ms']:.0f} ms full-batch model time", result["capacity_source"]),
-            ("knee", result["knee"].removeprefix("knee: "), "1 sweep"),
+            ("knee", f"**{result['knee'].removeprefix('knee: ')}**", "1 sweep"),
             ("p50/p99 ms by offered load (share of capacity)", cells, "1 sweep")]
 
 

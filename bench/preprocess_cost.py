@@ -150,11 +150,12 @@ def main() -> int:
 
 
 def summary(result: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """Rows for bench/results/summary.md: this tree's CPU-ms per frame per case, preprocess_threads=1."""
-    return [(f"runtime path, {case}, 1 preprocessing thread (CPU-ms/frame)",
-             stats.Spread.of([t["cpu_ms_per_frame"] for t in runs[name].values() if "failed" not in t]).text(2),
-             f"{result['rounds']} rounds") for case, runs in result["runs"].items()
-            for name in runs if name == "this, preprocess_threads=1"]
+    """Rows for bench/results/summary.md: this tree's CPU-ms per frame of each case, 1 preprocessing thread."""
+    name = "this, preprocess_threads=1"
+    cells = "; ".join(f"{case} **{stats.spread(runs[name], 'cpu_ms_per_frame').text(2)}**"
+                      for case, runs in result["runs"].items() if name in runs)
+    label = "runtime path CPU-ms/frame, 1 preprocessing thread"
+    return [(label, cells, stats.rounds(result["rounds"]))] if cells else []
 
 
 if __name__ == "__main__":

@@ -123,9 +123,10 @@ def run(ctx: Context) -> dict[str, Any]:
 def summary(result: dict[str, Any]) -> list[tuple[str, str, str]]:
     """Rows for bench/results/summary.md: (figure, median (min-max), rounds)."""
     sp = stats.Spread.from_dict
-    cells = "; ".join(f"{n}: {sp(f).text(suffix=' frames/s')}, {sp(result['speedup'][n]).text(2, 'x')}"
-                      for n, f in result["frames_per_s"].items())
-    return [("worker processes (1 torch thread each), frames/s and x one process", cells, f"{result['rounds']} rounds")]
+    cells = "; ".join(f"{n}: {sp(f).text(suffix=' frames/s')}, **{sp(result['speedup'][n]).text(2, 'x')}**"
+                      for n, f in result["frames_per_s"].items() if str(n) != "1")
+    return [("2, 3 worker processes (1 torch thread each): frames/s and x one process", cells,
+             stats.rounds(result["rounds"]))]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -134,7 +134,8 @@ def run(ctx: Context, variants: dict[str, dict[str, str]]) -> dict[str, Any]:
 
         def measure(name: str) -> dict[str, Any]:
             return common.worker_round(ctx, topics, variants[name], tag="ab", timeout_s=600)
-    print(f"[ab] {where}: {rounds} rounds of {', '.join(variants)}; worker logs in {ctx.log_dir}", flush=True)
+    logs = "" if args.in_process else f"; worker logs in {ctx.log_dir}"
+    print(f"[ab] {where}: {rounds} rounds of {', '.join(variants)}{logs}", flush=True)
 
     def one(name: str) -> dict[str, Any]:
         t = measure(name)
@@ -265,7 +266,7 @@ def in_process(ctx: Context, variants: dict[str, dict[str, str]], net: str, size
 
 def summary(result: dict[str, Any]) -> list[tuple[str, str, str]]:
     """Rows for bench/results/summary.md: each set's frames/s and CPU-ms/frame; the batch set's verdicts."""
-    sp, rounds = Spread.from_dict, f"{result['rounds']} rounds"
+    sp, rounds = Spread.from_dict, stats.rounds(result["rounds"])
     rows = [(name, f"{sp(v['frames_per_s']).text(1)} frames/s, {sp(v['cpu_ms_per_frame']).text()} CPU-ms/frame, "
              f"mean batch {sp(v['mean_batch']).text(1)}", rounds) for name, v in result["variants"].items()]
     if "best_fixed" in result:

@@ -80,6 +80,11 @@ def rotating(variants: Sequence[str], rounds: int) -> list[tuple[int, str]]:
     return [(r, variants[(r - 1 + i) % k]) for r in range(1, rounds + 1) for i in range(k)]
 
 
+def rounds(n: int) -> str:
+    """'1 round', '3 rounds': the rounds column of the summary."""
+    return f"{n} round" if n == 1 else f"{n} rounds"
+
+
 def run_rounds(order: Sequence[tuple[int, str]], measure: Callable[[str], dict[str, Any]],
                log: Callable[[str], None] = print) -> dict[str, dict[int, dict[str, Any]]]:
     """Measure each (round, variant) of `order` (interleaved or rotating): {variant: {round: figures}}. A run that

@@ -22,10 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import batching_gain
 import common
+import stats
 from common import Context
 from stats import Spread
 from workloads import JPEG_WORKLOADS, MODELS, WORKLOADS
 
+PIPELINE_COST = ("null", "jpeg224")  # the near-zero model: what is left is the pipeline's own cost
 HEADERS = ["model", "workload", "rounds", "(L) fps", "(c) worker fps", "(b) fps", "(a) fps",
            "CPU-ms/frame L / c / b / a", "c/L", "c/b", "c/a"]
 NOTE = ("(L) the runtime's own best (InferenceExecutor alone, no Kafka, best batch size); (a) one frame per "
@@ -85,12 +87,15 @@ def _write(cells: list[dict[str, Any]], failed: list[str], out_dir: Path, about:
 
 
 def summary(result: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """Rows for bench/results/summary.md: the worker vs (L) and (b) per cell."""
-    sp = Spread.from_dict
-    return [(f"{c['model']} / {c['workload_name']}",
-             f"worker {sp(c['throughput_spread']['c']).text()} frames/s, {sp(c['cpu_ms_per_frame']['c']).text()} "
-             f"CPU-ms/frame; vs (L) {sp(c['ratios']['c/L']).text(2)}, vs (b) {sp(c['ratios']['c/b']).text(2)}",
-             f"{c['rounds']} rounds") for c in result["cells"]]
+    """Rows for bench/results/summary.md: the worker vs (L) and (b) per cell; the near-zero model's cell, the
+    pipeline's own cost, in bold (the headline)."""
+    def cell(c: dict[str, Any]) -> str:
+        sp, bold = Spread.from_dict, "**" if (c["model"], c["workload_name"]) == PIPELINE_COST else ""
+        return (f"worker {sp(c['throughput_spread']['c']).text()} frames/s, "
+                f"{bold}{sp(c['cpu_ms_per_frame']['c']).text()}{bold} CPU-ms/frame; vs (L) "
+                f"{bold}{sp(c['ratios']['c/L']).text(2)}{bold}, vs (b) {sp(c['ratios']['c/b']).text(2)}")
+
+    return [(f"{c['model']} / {c['workload_name']}", cell(c), stats.rounds(c["rounds"])) for c in result["cells"]]
 
 
 def _names(text: str | None, default: list[str], known: dict[str, Any]) -> list[str]:
