@@ -46,7 +46,6 @@ def one_round(case: str, threads: str, batch: int, seconds: float, data: bytes) 
     from worker.config import ModelSettings, RuntimeSettings
     from worker.frames import Encoding, Frame, Priority, SourceRef
     from worker.runtime import InferenceExecutor
-    from worker.tools.publish_frames import encode_pixels, synthetic_pixels
 
     torch.set_num_threads(1)
     width, height, _kind, encoding, input_size = CASES[case]

@@ -338,8 +338,8 @@ class FrameProducer:
     def publish(self, frames: Iterable[FrameRecord], rate_fps: float | None = None) -> Any:
         """Publish frames to their priority's topic as a camera would: as fast as possible (a backlog) or open
         loop at `rate_fps`, each frame's capture time its *intended* send time (a late send counts against the
-        consumer, not hidden); returns worker.tools.publish_frames' PublishReport once all are acknowledged. One producer
-        is kept for the FrameProducer's life: a new one takes ~0.5 s to connect and get its idempotent id."""
+        consumer, not hidden); returns worker.tools.publish_frames' PublishReport once all are acknowledged. One
+        producer is kept for the FrameProducer's life: a new one takes ~0.5 s to connect and get its idempotent id."""
         from worker.tools.publish_frames import frame_producer, send_frames
 
         if self._producer is None:

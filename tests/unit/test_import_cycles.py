@@ -147,9 +147,7 @@ TREES = {"worker": True, "bench": False}  # the tree, and whether it is imported
 
 @pytest.mark.parametrize("tree", [
     "worker",
-    pytest.param("bench", marks=pytest.mark.xfail(strict=True, reason=(
-        "batching_gain -> model_limit -> batching_gain (bench/): removed by the bench/ consolidation of issue #36; "
-        "remove this mark when it lands"))),
+    "bench",
 ])
 def test_no_module_imports_itself_around_a_loop(tree: str) -> None:
     found = cycles(import_edges(module_names(ROOT / tree, as_package=TREES[tree])))
