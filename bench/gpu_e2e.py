@@ -291,29 +291,18 @@ def ledger_faults(book: dict[str, Any]) -> list[str]:
     return faults
 
 
-def role_of(thread_role: str) -> str:
-    """The worker's thread roles (worker.threadnames names them): the loop, preprocessing (a batch's staging),
-    decode (its frames' decoding), inference (infer-<device>); the rest (torch's and CUDA's own) is "other"."""
-    if thread_role == "loop":
-        return "loop"
-    if thread_role.startswith("preprocess"):
-        return "preprocess"
-    if thread_role.startswith("decode"):
-        return "decode"
-    if thread_role.startswith("infer"):
-        return "inference"
-    return "other"
+# The worker's thread roles (worker.threadnames names them): the loop, preprocessing (a batch's staging), decode (its
+# frames' decoding), inference (infer-<device>); the rest (torch's and CUDA's own) is "other".
+ROLES = {"loop": "loop", "preprocess": "preprocess", "decode": "decode", "infer": "inference"}
 
 
 def figures(run: Run, settings: Settings, timed: bool) -> dict[str, Any]:
-    """Throughput over the middle of the run, per-class latency (OK results of frames due after the first
-    tenth of a timed run), mean batch size, CPU-ms per frame by role, peak GPU memory, and the ledger."""
-    book = ledger(run, settings)
-    ok = [r for r in run.results if r["status"] == "OK"]
-    answered = len(run.results)
+    """Throughput over the middle of the run, per-class latency (OK results of frames due after the first tenth of a
+    timed run), mean batch size, CPU-ms per frame by role, peak GPU memory, and the ledger."""
+    book, answered = ledger(run, settings), len(run.results)
     cpu: Counter[str] = Counter()
     for role, seconds in run.thread_cpu_s.items():
-        cpu[role_of(role)] += seconds
+        cpu[next((v for k, v in ROLES.items() if role.startswith(k)), "other")] += seconds
     out: dict[str, Any] = {
         "frames": len(run.messages), "answered": answered, "wall_s": run.wall_s,
         "throughput": common.steady_throughput(run.results),
@@ -325,20 +314,39 @@ def figures(run: Run, settings: Settings, timed: bool) -> dict[str, Any]:
         "ledger": book, "ledger_faults": ledger_faults(book), "stopped_at_deadline": run.stopped_at_deadline,
     }
     if timed and run.messages:
-        start, last_due = run.messages[0].due, run.messages[-1].due
+        ok, start, last_due = [r for r in run.results if r["status"] == "OK"], run.messages[0].due, run.messages[-1].due
         warm_until_ms = (start + WARMUP_SHARE * (last_due - start)) * 1000.0
         out["latency_by_class"] = {
             p.label: common.latency_summary([r for r in ok if r["source_topic"] == topic_of(settings, p)
                                              and r["capture_ts_ms"] >= warm_until_ms]) for p in Priority}
-        last_done_ms = max((common.produced_at_ms(r) for r in run.results), default=math.nan)
-        out["drain_after_load_s"] = (last_done_ms / 1000.0) - last_due
+        out["drain_after_load_s"] = max((common.produced_at_ms(r) for r in run.results), default=math.nan) / 1000.0 \
+            - last_due
     return out
+
+
+def row(kind: str, rate: float, f: dict[str, Any]) -> str:
+    """One run's figures in a line of the summary table."""
+    tp, cpu, book = f["throughput"]["frames_per_s"], f["cpu_ms_per_frame"], f["ledger"]
+    parts = [("n/a (under 20 results)" if math.isnan(tp) else f"{tp:.0f}") + " frames/s"
+             + (" sustained" if kind == "saturation" else f" at {rate:.0f} offered")]
+    if kind == "offered":
+        parts += ["p50/p99 ms " + ", ".join(f"{c} {v['p50_ms']:.0f}/{v['p99_ms']:.0f}"
+                                            for c, v in f["latency_by_class"].items()),
+                  f"last result {f['drain_after_load_s']:.2f}s after the last frame was due"]
+    parts += [f"mean batch {f['mean_batch']:.1f}", "CPU-ms/frame " + ", ".join(
+        f"{role} {cpu.get(role, 0.0):.2f}" for role in (*ROLES.values(), "other"))]
+    if f["gpu_peak_mib"] is not None:
+        parts.append(f"GPU peak {f['gpu_peak_mib']:.0f} MiB")
+    expired, unread = (sum(c[k] for c in book["classes"].values()) for k in ("expired", "unread"))
+    parts.append(f"ledger {book['answered']}/{book['sent']} answered once" + (f", {expired} expired" if expired else "")
+                 + (f", {unread} unread at the deadline" if unread else ""))
+    return "; ".join(parts)
 
 
 # -- the section ----------------------------------------------------------------------------------------------------
 def data_paths(cuda: bool) -> tuple[list[str | None], str]:
-    """The decode paths to run, from the settings this build has: runtime.decode = cpu and device where it
-    exists (device only on a GPU), else the CPU path alone, saying so."""
+    """The decode paths to run, from the settings this build has: runtime.decode = cpu and device where it exists
+    (device only on a GPU), else the CPU path alone, saying so."""
     if "decode" not in {f.name for f in dataclasses.fields(RuntimeSettings)}:
         return [None], "runtime.decode does not exist in this build: the CPU decode path only"
     if not cuda:
@@ -350,28 +358,24 @@ def e2e_settings(cuda: bool, torch_threads: int, decode: str | None, model: str 
                  max_batch_size: int | None = None) -> Settings:
     """The worker's defaults for the model, on the check's device, warming up both frame sizes."""
     runtime: dict[str, Any] = {"device": "cuda:0" if cuda else "cpu", "torch_threads": torch_threads,
-                               "warmup_shapes": [f"{w}x{h}" for w, h in SIZES.values()]}
-    if decode is not None:
-        runtime["decode"] = decode
-    overrides: dict[str, dict[str, Any]] = {
+                               "warmup_shapes": [f"{w}x{h}" for w, h in SIZES.values()],
+                               **({} if decode is None else {"decode": decode})}
+    return load_settings(env={}, overrides={
         "model": model_settings(model, WORKLOADS["jpeg224"]), "runtime": runtime,
-        "observability": {"worker_id": "gpu-check-e2e", "metrics_enabled": False}}
-    if max_batch_size is not None:
-        overrides["batching"] = {"max_batch_size": max_batch_size}
-    return load_settings(env={}, overrides=overrides)
+        "observability": {"worker_id": "gpu-check-e2e", "metrics_enabled": False},
+        **({} if max_batch_size is None else {"batching": {"max_batch_size": max_batch_size}})})
 
 
 def start_executor(settings: Settings, freeze_heap: bool = True) -> tuple[Any, Costs]:
-    """The runtime as the worker starts it (worker.app.run_worker): warm-up, the cost model's calibration, the
-    start-up heap frozen (not in a test process). Returns the executor and the calibration timings that seed each
-    run's pipeline."""
+    """The runtime as the worker starts it (worker.app.run_worker): warm-up, the cost model's calibration, the start-up
+    heap frozen (not in a test process). Returns the executor and the calibration timings that seed each run."""
     from worker.runtime import InferenceExecutor
 
     executor = InferenceExecutor.from_settings(settings.model, settings.runtime, settings.batching)
     shapes = warmup_frame_shapes(settings)
     executor.warm_up(shapes)
-    costs = executor.calibrate(shapes, settings.batching.max_batch_size) if settings.runtime.calibrate_batch_sizes \
-        else []
+    calibrate = settings.runtime.calibrate_batch_sizes
+    costs = executor.calibrate(shapes, settings.batching.max_batch_size) if calibrate else []
     if freeze_heap:
         freeze_startup_heap()
     return executor, costs
@@ -379,92 +383,58 @@ def start_executor(settings: Settings, freeze_heap: bool = True) -> tuple[Any, C
 
 def feed(settings: Settings, jpegs: Sequence[bytes], size: tuple[int, int], count: int,
          rate_fps: float) -> list[Message]:
-    """The schedule, starting once its messages are encoded (capture times are the intended send times, so the
-    start is planned ahead: from the cost of encoding a sample of them)."""
+    """The schedule, starting once its messages are encoded (capture times are the intended send times, so the start
+    is planned ahead: from the cost of encoding a sample of them)."""
     t = time.perf_counter()
     sample = schedule(settings, jpegs, size, min(count, 32), rate_fps, time.time())
-    per_message = (time.perf_counter() - t) / max(1, len(sample))
-    lead = 0.3 + 3.0 * per_message * count
+    lead = 0.3 + 3.0 * (time.perf_counter() - t) / max(1, len(sample)) * count
     t0 = time.time() + lead
     messages = schedule(settings, jpegs, size, count, rate_fps, t0)
     if time.time() > t0:
-        raise RuntimeError(f"encoding {count} frames took longer than the {lead:.2f}s planned for it: their "
-                           "capture times are already past")
+        raise RuntimeError(f"encoding {count} frames took longer than the {lead:.2f}s planned for it: their capture "
+                           "times are already past")
     return messages
 
 
 def section_e2e(check: Any, section: Any) -> None:
     """The gpu_check section (check: gpu_check.Check, section: gpu_check.Section)."""
-    cuda = check.cuda
-    plan = Plan.for_check(cuda, check.quick)
+    cuda, plan = check.cuda, Plan.for_check(check.cuda, check.quick)
     paths, note = data_paths(cuda)
     label = "" if cuda else " (code-path check on the CPU: not a GPU figure)"
     section.data = {"plan": dataclasses.asdict(plan), "note": note, "runs": {}}
     if note:
-        section.rows.append(("data paths", note))
-        print(f"  {note}", flush=True)
+        section.add("data paths", note)
     jpegs = {name: photo_jpegs(size) for name, size in SIZES.items()}
     section.data["jpeg_kib"] = {name: sum(map(len, js)) / len(js) / 1024 for name, js in jpegs.items()}
-    # Per data path: warm-up and calibration (model load, graph capture; ~15 s on the H200), then two runs per
-    # frame size of about 5 s each, plus the drain of what the path could not keep up with (~10 s at 720p).
+    # Per data path: warm-up and calibration (model load, graph capture; ~15 s on the H200), then two runs per frame
+    # size of about 5 s each, plus the drain of what the path could not keep up with (~10 s at 720p).
     need_per_path_s = 45.0 if cuda else 90.0
     for path in paths:
         name = f"decode {path or 'cpu'}"
         if check.left_s() < need_per_path_s:
-            reason = (f"skipped: budget ({check.left_s():.0f}s left of --budget-s, the path needs up to "
-                      f"{need_per_path_s:.0f}s)")
-            section.rows.append((name, reason))
-            print(f"  {name}: {reason}", flush=True)
+            section.add(name, f"skipped: budget ({check.left_s():.0f}s left of --budget-s, the path needs up to "
+                              f"{need_per_path_s:.0f}s)")
             continue
         try:
             settings = e2e_settings(cuda, check.torch_threads, path, max_batch_size=None if cuda else 8)
         except ConfigError as exc:
-            section.rows.append((name, f"skipped: the settings are refused here ({exc})"))
+            section.add(name, f"skipped: the settings are refused here ({exc})")
             continue
         t = time.monotonic()
         executor, costs = start_executor(settings)
-        started_s = time.monotonic() - t
-        device = executor.device_description
-        cuda_device = "cuda:0" if cuda else None
+        started_s, device = time.monotonic() - t, executor.device_description
         print(f"  {name}: {device} warmed up and calibrated in {started_s:.1f}s", flush=True)
         try:
             for size_name, size in SIZES.items():
                 for kind, count, rate in (("saturation", plan.backlog_frames[size_name], 0.0),
                                           ("offered", round(plan.offered_fps * plan.offered_s), plan.offered_fps)):
                     run = run_loop(settings, executor, feed(settings, jpegs[size_name], size, count, rate), costs,
-                                   plan.deadline_s, cuda_device)
-                    f = figures(run, settings, timed=rate > 0)
-                    key = f"{name} / {size_name} / {kind}"
+                                   plan.deadline_s, "cuda:0" if cuda else None)
+                    f, key = figures(run, settings, timed=rate > 0), f"{name} / {size_name} / {kind}"
                     section.data["runs"][key] = {"offered_fps": rate, "startup_s": started_s, "device": device, **f}
-                    row = _row(kind, rate, f)
-                    section.rows.append((f"{key}{label}", row))
-                    print(f"  {key}: {row}", flush=True)
+                    section.add(f"{key}{label}", row(kind, rate, f))
                     if f["ledger_faults"]:
-                        section.status = "failed"
-                        section.reason = f"{key}: ledger: {'; '.join(f['ledger_faults'])}"
+                        section.fail(f"{key}: ledger: {'; '.join(f['ledger_faults'])}")
         finally:
             executor.close()
             gc.unfreeze()  # start_executor froze the heap as the worker does; the rest of the check collects it
-
-
-def _row(kind: str, rate: float, f: dict[str, Any]) -> str:
-    tp = f["throughput"]["frames_per_s"]
-    cpu = f["cpu_ms_per_frame"]
-    rate_text = "n/a (under 20 results)" if math.isnan(tp) else f"{tp:.0f}"
-    parts = [f"{rate_text} frames/s" + (" sustained" if kind == "saturation" else f" at {rate:.0f} offered")]
-    if kind == "offered":
-        lat = f["latency_by_class"]
-        parts.append("p50/p99 ms " + ", ".join(f"{c} {v['p50_ms']:.0f}/{v['p99_ms']:.0f}" for c, v in lat.items()))
-        parts.append(f"last result {f['drain_after_load_s']:.2f}s after the last frame was due")
-    parts.append(f"mean batch {f['mean_batch']:.1f}")
-    parts.append("CPU-ms/frame " + ", ".join(f"{role} {cpu.get(role, 0.0):.2f}"
-                                             for role in ("loop", "preprocess", "decode", "inference", "other")))
-    if f["gpu_peak_mib"] is not None:
-        parts.append(f"GPU peak {f['gpu_peak_mib']:.0f} MiB")
-    book = f["ledger"]
-    expired = sum(c["expired"] for c in book["classes"].values())
-    unread = sum(c["unread"] for c in book["classes"].values())
-    parts.append(f"ledger {book['answered']}/{book['sent']} answered once" + (f", {expired} expired" if expired else "")
-                 + (f", {unread} unread at the deadline" if unread else ""))
-    return "; ".join(parts)
-

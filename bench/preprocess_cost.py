@@ -1,15 +1,22 @@
-"""CPU cost per frame of the runtime path (decode, resize, normalise, copy, a near-zero model, verdicts), for one
-source tree against another, in interleaved rounds (A B A B ...), each round a fresh process.
+"""What the runtime costs around a model, measured in fresh processes for one source tree against another, in
+interleaved rounds (every case and variant once a round); and, with --scores, how far the device data path's and
+the JPEG round trip's scores are from the CPU path's.
 
-The model does next to nothing (a slice of its input), so the figure is what the worker pays around a model:
-`InferenceExecutor.submit` of batches of `--batch` frames, 2 in flight as in the worker (bench/executor_load.py's
-closed loop). Kafka (consume, Avro, produce, commit) is not included. The frames are made here, once, and
-handed to each round, so an older tree is measured on the same bytes.
+Cases (data, CASES and STARTUP): the CPU-ms per frame of the runtime path (decode, resize, normalise, copy, a
+near-zero model, verdicts: `InferenceExecutor.submit` of batches of `--batch` frames, 2 in flight as in the worker;
+no Kafka) for frames of a size, image, encoding and model preprocessing, e.g. open_nsfw's with and without its JPEG
+round trip (a case may name another to be compared with, per round); and the start-up host-sync check's cost
+(worker.runtime.hostsync: the check as the worker runs it, `load_model` beside it, the forward under the check's
+modes), a fresh process being a fresh start. The frames are made here, once, and handed to each round, so an older
+tree is measured on the same bytes.
 
     python bench/preprocess_cost.py --base /tmp/base_tree [--rounds 5] [--seconds 2]
+    python bench/preprocess_cost.py --cases roundtrip --threads 1    # open_nsfw's preprocessing with / without
+    python bench/preprocess_cost.py --cases startup --rounds 7       # the host-sync check at start-up
+    python bench/preprocess_cost.py --scores --cases none            # device path and round trip: score differences
 
 `--base` is a checkout of the other version (e.g. `git archive <commit> worker schemas | tar -x -C /tmp/base`);
-without it only this tree's variants run. Prints a table (median (min-max) over rounds) and writes JSON.
+without it only this tree's variants run. Prints tables (median (min-max) over rounds) and writes JSON.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +37,37 @@ import stats  # pure; the child imports nothing else of bench/: common would put
 
 HERE = Path(__file__).resolve().parent
 INFLIGHT = 2  # the worker's delivery.max_inflight_batches default
-# name: (frame width, height, image kind, encoding, model input [h, w])
+NEAR_ZERO = {"source": "nullmodel:null_model", "input_size": [224, 224]}
+# open_nsfw's preprocessing (worker.config.MODEL_PRESETS) on the near-zero model: stretch to 256x256, crop 224, BGR.
+NSFW_PREP = {**NEAR_ZERO, "resize": "stretch_crop", "resize_to": [256, 256], "resampler": "pillow",
+             "jpeg_scaled_decode": False, "channel_order": "BGR", "pixel_range": "0-255", "mean": [104.0, 117.0, 123.0],
+             "std": [1.0, 1.0, 1.0]}
+
+
+@dataclass(frozen=True)
+class Case:
+    width: int
+    height: int
+    image: str  # "synthetic" (the test kit's blocks), "photo" (tests.pixels.photo_like), "skimage" (a real photo)
+    encoding: str  # worker.frames.Encoding name
+    model: dict[str, Any] = field(default_factory=lambda: NEAR_ZERO)  # [model] settings
+    against: str | None = None  # the case this one is compared with, per round
+
+
 CASES = {
-    "jpeg224_to_224": (224, 224, "synthetic", "JPEG", (224, 224)),
-    "raw224_to_224": (224, 224, "synthetic", "RAW_RGB8", (224, 224)),
-    "jpeg720p_to_224": (1280, 720, "synthetic", "JPEG", (224, 224)),
-    "jpeg720p_photo_to_224": (1280, 720, "photo", "JPEG", (224, 224)),
-    "jpeg1080p_photo_to_224": (1920, 1080, "photo", "JPEG", (224, 224)),
+    "jpeg224_to_224": Case(224, 224, "synthetic", "JPEG"),
+    "raw224_to_224": Case(224, 224, "synthetic", "RAW_RGB8"),
+    "jpeg720p_to_224": Case(1280, 720, "synthetic", "JPEG"),
+    "jpeg720p_photo_to_224": Case(1280, 720, "photo", "JPEG"),
+    "jpeg1080p_photo_to_224": Case(1920, 1080, "photo", "JPEG"),
+    **{f"nsfw_prep_{label}{rt}": Case(w, h, "skimage", "JPEG", {**NSFW_PREP, "jpeg_roundtrip_quality": q},
+                                      f"nsfw_prep_{label}" if q else None)
+       for label, (w, h) in {"224": (224, 224), "720p": (1280, 720), "1080p": (1920, 1080)}.items()
+       for rt, q in (("", 0), ("_roundtrip75", 75))},
 }
+STARTUP = {"startup_opennsfw": "opennsfw", "startup_builtin": "builtin"}  # case -> model.source
+GROUPS = {"default": [c for c in CASES if not c.startswith("nsfw_prep")], "roundtrip": [c for c in CASES if
+          c.startswith("nsfw_prep")], "startup": list(STARTUP), "all": [*CASES, *STARTUP], "none": []}
 
 
 def one_round(case: str, threads: str, batch: int, seconds: float, data: bytes) -> dict[str, Any]:
@@ -48,14 +79,14 @@ def one_round(case: str, threads: str, batch: int, seconds: float, data: bytes) 
     from worker.runtime import InferenceExecutor
 
     torch.set_num_threads(1)
-    width, height, _kind, encoding, input_size = CASES[case]
+    c = CASES[case]
     frames = [Frame(stream_id="s", frame_index=i, tenant="t", priority=Priority.STANDARD, capture_ts_ms=0,
-                    width=width, height=height, channels=3, encoding=Encoding[encoding], data=data,
+                    width=c.width, height=c.height, channels=3, encoding=Encoding[c.encoding], data=data,
                     source=SourceRef("in", 0, i)) for i in range(batch)]
-    model = ModelSettings(source="nullmodel:null_model", input_size=input_size)
+    model = ModelSettings(**{k: tuple(v) if isinstance(v, list) else v for k, v in c.model.items()})
     runtime = RuntimeSettings(device="cpu", warmup_batches=1, torch_threads=1,
                               **({} if threads == "default" else {"preprocess_threads": int(threads)}))
-    shape = (height, width, 3)
+    shape = (c.height, c.width, 3)
     with InferenceExecutor.from_settings(model, runtime) as ex:
         ex.warm_up([shape])
         for _ in range(3):
@@ -69,25 +100,98 @@ def one_round(case: str, threads: str, batch: int, seconds: float, data: bytes) 
             assert len(outcome.verdicts) == batch, outcome.failures[:1]
             done += batch
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
-    return {"cpu_ms_per_frame": cpu / done * 1000.0, "frames_per_s": done / wall, "frames": done,
-            "frame_bytes": len(data)}
+    return {"cpu_ms_per_frame": cpu / done * 1000.0, "frames_per_s": done / wall, "frames": done}
+
+
+def startup_round(source: str) -> dict[str, Any]:
+    """Runs in the child process: one start's model load and host-sync check (its first call is what counts)."""
+    import warnings
+
+    from worker.config import load_settings
+    from worker.runtime.hostsync import check_host_syncs, trace_forward
+    from worker.runtime.models import load_model, validation_input
+
+    warnings.simplefilter("ignore", FutureWarning)
+    t0 = time.perf_counter()
+    loaded = load_model(load_settings(env={}, overrides={"model": {"source": source}}).model)
+    t1 = time.perf_counter()
+    findings = check_host_syncs(loaded, refuse=True)
+    t2 = time.perf_counter()
+    trace_forward(loaded.module, validation_input(loaded.contract, loaded.device))
+    t3 = time.perf_counter()
+    return {"check_ms": (t2 - t1) * 1000, "load_model_ms": (t1 - t0) * 1000,
+            "forward_under_modes_ms": (t3 - t2) * 1000, "findings": len(findings)}
 
 
 def frame_bytes(case: str) -> bytes:
-    """The case's frame as sent: the test kit's synthetic blocks, or a photo-like image as JPEG (quality 85,
-    worker produce's default)."""
+    """The case's frame as sent: the test kit's synthetic blocks, a photo-like image or the first scikit-image
+    photo (tests/pixels.py) as JPEG (quality 85, worker produce's default)."""
     from PIL import Image
 
-    from tests.pixels import photo_like
+    from tests.pixels import photo_frames, photo_like
     from worker.frames import Encoding, Priority
     from worker.testing import synthetic_frames
 
-    width, height, kind, encoding, _ = CASES[case]
-    if kind == "synthetic":
-        return synthetic_frames(1, [(width, height)], Encoding[encoding], Priority.STANDARD, "pc")[0].data
+    c = CASES[case]
+    if c.image == "synthetic":
+        return synthetic_frames(1, [(c.width, c.height)], Encoding[c.encoding], Priority.STANDARD, "pc")[0].data
+    if c.image == "skimage":
+        return photo_frames((c.width, c.height))[0].data
     buf = io.BytesIO()
-    Image.fromarray(photo_like(width, height), "RGB").save(buf, format="JPEG", quality=85)
+    Image.fromarray(photo_like(c.width, c.height), "RGB").save(buf, format="JPEG", quality=85)
     return buf.getvalue()
+
+
+SCORE_CONTRACTS = {  # [model] settings: open_nsfw without its round trip (the preset) and with it; the builtin CNN
+    "open_nsfw (preset)": {"source": "opennsfw"},  # any size (frames keep theirs) and as a 224x224 stretch
+    "open_nsfw, round trip 75": {"source": "opennsfw", "jpeg_roundtrip_quality": 75},
+    "builtin, any size": {"source": "builtin"},
+    "builtin, 224x224 stretch": {"source": "builtin", "input_size": [224, 224]},
+}
+
+
+def scores() -> dict[str, Any]:
+    """Per contract, frame size and source (scikit-image photos, demo-clip frames; tests/pixels.py): max and mean
+    |score(device path) - score(CPU path)|, device = cpu with the same torchvision calls (the bound
+    tests/unit/test_runtime_devicepath.py holds); and what open_nsfw's JPEG round trip moves the nsfw score by."""
+    import numpy as np
+
+    from tests.pixels import EQUIVALENCE_SIZES, clip_frames, photo_frames
+    from worker.config import load_settings
+    from worker.runtime import InferenceExecutor
+
+    executors: dict[tuple[str, str], Any] = {}
+
+    def score(contract: str, decode: str, frames: list) -> Any:
+        if (contract, decode) not in executors:
+            settings = load_settings(env={}, overrides={"model": SCORE_CONTRACTS[contract], "runtime": {
+                "device": "cpu", "decode": decode, "warmup_batches": 1, "torch_threads": 1}})
+            executors[(contract, decode)] = InferenceExecutor.from_settings(settings.model, settings.runtime)
+        outcome = executors[(contract, decode)].submit(frames, (max(f.height for f in frames), max(
+            f.width for f in frames), 3)).result(timeout=600)
+        if outcome.failures:
+            raise RuntimeError(f"{decode} path failed frames: {[f.reason for f in outcome.failures]}")
+        by_frame = {id(f): list(v.scores.values()) for f, v in outcome.verdicts}
+        return np.array([by_frame[id(f)] for f in frames])
+
+    equivalence, roundtrip = [], []
+    with tempfile.TemporaryDirectory() as clips:
+        try:
+            for size, wh in EQUIVALENCE_SIZES.items():
+                for source, frames in (("photos", photo_frames(wh)), ("clip", clip_frames(clips, wh))):
+                    s = {(c, d): score(c, d, frames) for c in SCORE_CONTRACTS for d in ("cpu", "device")}
+                    for c in SCORE_CONTRACTS:
+                        diff = np.abs(s[(c, "cpu")] - s[(c, "device")])
+                        equivalence.append([c, size, source, f"{diff.max():.2e}", f"{diff.mean():.1e}"])
+                    exact = s[("open_nsfw, round trip 75", "cpu")][:, 1]
+                    skipped, device_skipped = (s[("open_nsfw (preset)", d)][:, 1] for d in ("cpu", "device"))
+                    roundtrip.append([size, source, *(f"{v:.4f}" for v in (
+                        np.abs(exact - skipped).max(), np.abs(exact - skipped).mean(),
+                        np.abs(exact - device_skipped).max(), exact.max()))])
+        finally:
+            for executor in executors.values():
+                executor.close()
+    return {"equivalence": equivalence, "roundtrip": roundtrip}
 
 
 def main() -> int:
@@ -96,55 +200,80 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=2.0, help="measured seconds per round")
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--cases", default="default", help=f"comma-separated cases or groups ({', '.join(GROUPS)})")
     parser.add_argument("--threads", default="1,default", help="this tree's preprocess_threads variants")
+    parser.add_argument("--scores", action="store_true", help="also the device path's and round trip's scores")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "preprocess_cost.json")
     parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         case, threads, batch, seconds, data_path = args.child
-        print(json.dumps(one_round(case, threads, int(batch), float(seconds), Path(data_path).read_bytes())))
+        print(json.dumps(startup_round(STARTUP[case]) if case in STARTUP else
+                         one_round(case, threads, int(batch), float(seconds), Path(data_path).read_bytes())))
         return 0
+    cases = [c for name in args.cases.split(",") for c in GROUPS.get(name, [name])]
+    if unknown := [c for c in cases if c not in CASES and c not in STARTUP]:
+        parser.error(f"unknown cases {unknown}; known: {', '.join(GROUPS['all'])}")
 
     import common  # the parent only (see the import of stats above)
 
     # The base tree runs with the same thread settings as this one: a ratio compares code, not thread counts.
-    trees = ([("base", args.base)] if args.base else []) + [("this", common.REPO)]
-    variants = {f"{name}, preprocess_threads={t}": (tree, t) for t in args.threads.split(",") for name, tree in trees}
-    results: dict[str, Any] = {}
-    rows, ratios = [], []
+    trees = {"this": common.REPO, **({"base": args.base} if args.base else {})}
+
+    def suffixes(case: str) -> list[str]:  # a start-up case has no preprocessing threads to vary
+        return [""] if case in STARTUP else [f", preprocess_threads={t}" for t in args.threads.split(",")]
+
+    variants = {case: {name + sfx: (tree, sfx.rpartition("=")[2] or "default") for sfx in suffixes(case)
+                       for name, tree in trees.items()} for case in cases}
+    runs: dict[str, dict[str, dict[int, dict[str, Any]]]] = {case: {} for case in cases}
     with tempfile.TemporaryDirectory(prefix="streamfer-preprocess-") as tmp:
-        for case in args.cases.split(","):
-            (data := Path(tmp) / case).write_bytes(frame_bytes(case))
+        for case in cases:
+            (Path(tmp) / case).write_bytes(b"" if case in STARTUP else frame_bytes(case))
 
-            def measure(name: str, case: str = case, data: Path = data) -> dict[str, Any]:
-                tree, threads = variants[name]
-                env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{HERE}"}
-                out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", case, threads,
-                                      str(args.batch), str(args.seconds), str(data)], env=env, capture_output=True,
-                                     text=True)
-                if out.returncode:
-                    raise RuntimeError(f"{case} {name}: exit {out.returncode}\n{out.stderr[-3000:]}")
-                row = json.loads(out.stdout.strip().splitlines()[-1])
-                print(f"{case} {name}: {row['cpu_ms_per_frame']:.3f} CPU ms/frame, {row['frames_per_s']:.0f} frames/s",
-                      flush=True)
-                return row
+        def child(case: str, name: str) -> dict[str, Any]:
+            tree, threads = variants[case][name]
+            out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", case, threads,
+                                  str(args.batch), str(args.seconds), str(Path(tmp) / case)], capture_output=True,
+                                 text=True, env={**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{HERE}"}, timeout=900)
+            if out.returncode:
+                raise RuntimeError(f"{case} {name}: exit {out.returncode}\n{out.stderr[-3000:]}")
+            row = json.loads(out.stdout.strip().splitlines()[-1])
+            print(f"{case} {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()), flush=True)
+            return row
 
-            # interleaved: background load hits every variant alike
-            runs = results[case] = stats.run_rounds(stats.interleaved(list(variants), args.rounds), measure)
-            rows += [[case, name, stats.spread(by, "cpu_ms_per_frame").text(3), stats.spread(by, "frames_per_s").text()]
-                     for name, by in runs.items()]
-            for t in args.threads.split(",") if args.base else ():  # per round, then median (min-max)
-                ratio = stats.ratio_spread(stats.figure(runs[f"this, preprocess_threads={t}"], "cpu_ms_per_frame"),
-                                           stats.figure(runs[f"base, preprocess_threads={t}"], "cpu_ms_per_frame"))
-                rows.append([case, f"this/base, preprocess_threads={t}", ratio.text(3), ""])
-                ratios.append({"case": case, "preprocess_threads": t, "this_over_base_cpu_ms_per_frame": ratio})
-    text = common.table(f"runtime path CPU cost, batch {args.batch}, {args.rounds} interleaved rounds in fresh "
-                        "processes (median (min-max))", ["case", "variant", "CPU ms/frame", "frames/s"], rows,
-                        note="" if args.base else "no --base: this tree only")
-    common.write_json(args.out.stem, {"benchmark": "preprocess_cost", "machine": common.machine(), "batch": args.batch,
-                                      "inflight": INFLIGHT, "seconds_per_round": args.seconds, "rounds": args.rounds,
-                                      "runs": results, "ratios": ratios, "tables": [text]}, args.out.parent)
+        for case in (c for c in cases if c in STARTUP):  # one untimed start: an ONNX conversion is cached after it
+            for name in variants[case]:
+                child(case, name)
+        pairs = {f"{case} | {name}": (case, name) for case in cases for name in variants[case]}
+        for pair, by_round in stats.run_rounds(stats.interleaved(list(pairs), args.rounds),
+                                               lambda pair: child(*pairs[pair])).items():
+            runs[pairs[pair][0]][pairs[pair][1]] = by_round
+    rows, ratios = [], []
+    for case, by in runs.items():
+        key = "check_ms" if case in STARTUP else "cpu_ms_per_frame"
+        rows += [[case, name, "; ".join(f"{k} {stats.spread(r, k).text(3 if 'cpu' in k else None)}" for k in next(
+            (t for t in r.values() if "failed" not in t), {}))] for name, r in by.items()]
+        comparisons = [(f"this/base{sfx}", by[f"this{sfx}"], by[f"base{sfx}"]) for sfx in suffixes(case) if args.base]
+        if (other := CASES[case].against if case in CASES else None) in runs:
+            comparisons += [(f"{case} / {other}, this{sfx}", by[f"this{sfx}"], runs[other][f"this{sfx}"])
+                            for sfx in suffixes(case)]
+        for label, numerator, denominator in comparisons:  # per round, then median (min-max)
+            ratio = stats.ratio_spread(stats.figure(numerator, key), stats.figure(denominator, key))
+            rows.append([case, label, f"{key} ratio {ratio.text(3)}"])
+            ratios.append({"case": case, "ratio": label, key: ratio})
+    text = [common.table(f"runtime costs, batch {args.batch}, {args.rounds} interleaved rounds in fresh processes "
+                         "(median (min-max))", ["case", "variant", "figures"], rows,
+                         note="" if args.base else "no --base: this tree only")]
+    result = {"benchmark": "preprocess_cost", "batch": args.batch, "inflight": INFLIGHT,
+              "seconds_per_round": args.seconds, "rounds": args.rounds, "runs": runs, "ratios": ratios}
+    if args.scores:
+        result["scores"] = scores()
+        text += [common.table("device path vs CPU path (device = cpu): |score(device) - score(CPU)|",
+                              ["contract", "size", "source", "max", "mean"], result["scores"]["equivalence"]),
+                 common.table("open_nsfw's JPEG round trip (quality 75): |nsfw(with) - nsfw(without)|, CPU path",
+                              ["size", "source", "max", "mean", "device path without vs CPU path with, max",
+                               "largest nsfw"], result["scores"]["roundtrip"])]
+    common.write_json(args.out.stem, {**result, "tables": text}, args.out.parent)
     return 0
 
 

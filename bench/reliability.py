@@ -19,18 +19,17 @@ run broke its mode's promise.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common
+from common import markdown_table
 
 from tests.reliability import configcases, faults
 from tests.reliability.harness import MODES, WORKER_IDS, Audit, Lab, RunOutcome, cpu_load
@@ -56,10 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [f for f in chosen if f not in faults.CLUSTER_FAULTS] + cluster_faults
     lab = _lab(workdir) if len(cluster_faults) < len(chosen) or not args.no_config or args.soak else None
     cluster_lab = None
-    report: dict[str, Any] = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-                              "host": platform.node(), "cpus": os.cpu_count(), "git": _git_rev(),
-                              "args": vars(args), "workdir": str(workdir), "rows": [], "config": None,
-                              "soak": []}
+    report: dict[str, Any] = {"benchmark": "reliability", "machine": common.machine(), "args": vars(args),
+                              "workdir": str(workdir), "rows": [], "config": None, "soak": []}
     try:
         with cpu_load(args.cpu_load):
             for fault in chosen:
@@ -79,9 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             if each is not None:
                 each.close()
     print(render(report))
-    DEFAULT_OUT.parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2, default=str))
-    _log(f"wrote {args.out}; worker logs under {workdir}")
+    common.write_json(Path(args.out).stem, report, Path(args.out).parent)
+    _log(f"worker logs under {workdir}")
     failed = any(r["verdict"].startswith("FAIL") for r in report["rows"] + report["soak"])
     failed |= bool(report["config"] and report["config"]["failures"])
     return 1 if failed else 0
@@ -183,10 +179,9 @@ def _soak_row(outcome: RunOutcome) -> dict[str, Any]:
 
 # -- output -----------------------------------------------------------------------------------------------------
 def render(report: dict[str, Any]) -> str:
-    lines = [f"streamfer reliability suite, {report['date']} on {report['host']} ({report['cpus']} CPUs), "
-             f"git {report['git']}", ""]
-    rows = [[str(r.get(c, "")) for c in COLUMNS] for r in report["rows"]]
-    lines += _table(COLUMNS, rows)
+    m = report["machine"]
+    lines = [f"streamfer reliability suite, {m['date']} on {m['host_cpu']} ({m['cpu_cores']} CPUs), at {m['commit']}",
+             "", *markdown_table(COLUMNS, [[r.get(c, "") for c in COLUMNS] for r in report["rows"]])]
     problems = [(r["fault"], r["mode"], p) for r in report["rows"] for p in r.get("problems", [])]
     if problems:
         lines += ["", "problems:"]
@@ -199,26 +194,11 @@ def render(report: dict[str, Any]) -> str:
     if report["soak"]:
         cols = ("mode", "produced", "lost", "duplicated", "p50 ms (thirds)", "p99 ms (thirds)", "p99 drift ms",
                 "RSS MiB warm", "RSS growth MiB", "max lag", "verdict")
-        soak_rows = [[r["mode"], str(r["produced"]), str(r["lost"]), str(r["duplicated"]),
-                      "/".join(map(str, r.get("p50_ms", []))), "/".join(map(str, r.get("p99_ms", []))),
-                      str(r.get("p99_drift_ms")), str(r.get("rss_warm_mib")), str(r.get("rss_growth_mib")),
-                      str(r.get("max_lag")), r["verdict"]] for r in report["soak"]]
-        lines += ["", f"soak: {report['soak'][0]['fault']}"] + _table(cols, soak_rows)
+        soak_rows = [[r["mode"], r["produced"], r["lost"], r["duplicated"], "/".join(map(str, r.get("p50_ms", []))),
+                      "/".join(map(str, r.get("p99_ms", []))), r.get("p99_drift_ms"), r.get("rss_warm_mib"),
+                      r.get("rss_growth_mib"), r.get("max_lag"), r["verdict"]] for r in report["soak"]]
+        lines += ["", f"soak: {report['soak'][0]['fault']}", *markdown_table(cols, soak_rows)]
     return "\n".join(lines)
-
-
-def _table(header: tuple[str, ...], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    fmt = "| " + " | ".join(f"{{:{w}}}" for w in widths) + " |"
-    return [fmt.format(*header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *(fmt.format(*r) for r in rows)]
-
-
-def _git_rev() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parents[1]).stdout.strip() or "?"
-    except OSError:
-        return "?"
 
 
 def summary(report: dict[str, Any]) -> list[tuple[str, str, str]]:

@@ -1,11 +1,11 @@
 """Every benchmark in one run, and bench/results/summary.md: the one home of the project's measured figures.
 
 The Kafka benchmarks share one broker (the test kit's, warmed up): the limit, batching gain, latency under load,
-scaling, the workload matrix and the batch-size A/B; the others run as their own processes: the batch-size A/B
-in process, contention, preprocessing cost, the batcher, and a reliability smoke (one fault, both modes). Where
-CUDA is available, the limit, gain and sweep again with CUDA graphs on and off. Each writes its JSON to
-bench/results/; summary.md is generated from them: date, commit, machine, every figure as median (min-max)
-with its rounds, and the headline table the README copies.
+scaling, the workload matrix and the batch-size A/B; the others run as their own processes: the batch-size A/B in
+process, contention, preprocessing cost, the batcher, and a reliability smoke (one fault, both modes). Where CUDA is
+available, the limit, gain and sweep again with CUDA graphs on and off. Each writes its JSON to bench/results/;
+summary.md is generated from them: date, commit, machine, every figure as median (min-max) with its rounds, and the
+headline table the README copies.
 
     python bench/run_all.py              # everything (bench/README.md gives the time on a 2-core machine)
     python bench/run_all.py --quick      # fewer rounds, shorter runs, noisier: every benchmark end to end
@@ -48,7 +48,7 @@ HERE = Path(__file__).resolve().parent
 
 def batch_ab(ctx: Context) -> dict[str, Any]:
     """settings_ab's batch set through Kafka: no batch settings vs fixed sizes, open_nsfw on 224x224 JPEG."""
-    args = argparse.Namespace(frames=0, in_process=False, variants="batch")
+    args = argparse.Namespace(frames=0, in_process=False, in_step=None, variants="batch")
     cell = dataclasses.replace(ctx, model="opennsfw", workload_name="jpeg224", shared={**ctx.shared, "args": args})
     return settings_ab.run(cell, settings_ab.VARIANT_SETS["batch"])
 
@@ -76,12 +76,11 @@ PROCESSES: dict[str, tuple[str, tuple[list[str], list[str]], str, Summary]] = {
                                                                "--threads", "1", "--cases",
                                                                "jpeg224_to_224,jpeg720p_to_224,jpeg720p_photo_to_224"]),
                    "preprocess_cost", preprocess_cost.summary),
-    "batcher": ("The micro-batcher alone", (["batcher.py"], ["batcher.py", "--frames", "20000"]),
-                "batcher", batcher.summary),
+    "batcher": ("The micro-batcher alone", (["batcher.py"], ["batcher.py", "--frames", "20000"]), "batcher",
+                batcher.summary),
     "reliability": ("Reliability smoke (the suite: bench/reliability.py)",
                     (["reliability.py", "--quick", "--faults", "sigkill", "--runs", "1", "--no-config",
-                      "--worker-ids", "fixed"],) * 2,
-                    "reliability", reliability.summary),
+                      "--worker-ids", "fixed"],) * 2, "reliability", reliability.summary),
 }
 SECTIONS = [*KAFKA, *PROCESSES, "gpu"]
 
@@ -97,9 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch intra-op threads per worker process (default 1: the broker needs the other core)")
     args = p.parse_args(argv)
     chosen = [s for s in SECTIONS if (not args.only or s == args.only) and s not in args.skip]
-    t0 = time.monotonic()
-    machine = common.machine()
-    log_dir = Path(tempfile.mkdtemp(prefix="streamfer-bench-logs-"))
+    t0, machine, log_dir = time.monotonic(), common.machine(), Path(tempfile.mkdtemp(prefix="streamfer-bench-logs-"))
     print(f"[bench] {machine['date']} at {machine['commit']} on {machine['host_cpu']} x{machine['cpu_cores']}, "
           f"torch {machine['torch']}, librdkafka {machine['librdkafka']}; logs in {log_dir}", flush=True)
     sections: list[dict[str, Any]] = []
@@ -119,9 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             sections += gpu_sections(ctx, machine["cuda"] is not None)
     summary = {"machine": machine, "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
                "broker": broker.description, "broker_warm_up": warm_up, "quick": args.quick,
-               "torch_threads": args.torch_threads, "rounds": args.rounds,
-               "workload": common.WORKLOADS["mixed"].label(),
-               "elapsed_s": round(time.monotonic() - t0, 1), "sections": sections,
+               "torch_threads": args.torch_threads, "rounds": args.rounds, "elapsed_s": round(time.monotonic() - t0, 1),
+               "workload": common.WORKLOADS["mixed"].label(), "sections": sections,
                "failed": [s["name"] for s in sections if s.get("failed")],
                "not_run": [s for s in SECTIONS if s not in chosen]}
     if not args.only:
@@ -175,8 +171,8 @@ def gpu_sections(ctx: Context, cuda: bool) -> list[dict[str, Any]]:
             "runtime_overrides": {"cuda_graphs": graphs}})
         for name in ("gain", "limit", "sweep"):
             title, run, summarize = KAFKA[name]
-            out.append(section(f"{name} (graphs {mode})", f"{title}, CUDA graphs {mode}",
-                               lambda r=run, c=gctx: r(c), summarize))
+            out.append(section(f"{name} (graphs {mode})", f"{title}, CUDA graphs {mode}", lambda r=run, c=gctx: r(c),
+                               summarize))
         out.append(section(f"seed (graphs {mode})", f"Executor latency at 512x512, CUDA graphs {mode}",
                            lambda c=gctx: model_limit.seed_comparison(c),
                            lambda s: [("one frame / a batch of 16", f"{s['single_512_ms']:.1f} ms / "
@@ -201,12 +197,12 @@ def markdown(summary: dict[str, Any]) -> str:
         f"{m['librdkafka']}; {summary['broker']}; {summary['torch_threads']} torch thread(s) per worker process",
         f"- Workload unless a row says otherwise: {summary['workload']}; the builtin CNN", "",
         "## Headline (the README's table)", "", "| figure | value | rounds |", "|---|---|---|",
+        *(f"| {s['title']}: {figure} | {value} | {rounds} |" for s in summary["sections"]
+          for figure, value, rounds in s["rows"] if "**" in value),
+        "", "## Every figure", "", "| benchmark | figure | value | rounds |", "|---|---|---|---|",
+        *(f"| {s['title'] if i == 0 else ''} | {figure} | {value} | {rounds} |" for s in summary["sections"]
+          for i, (figure, value, rounds) in enumerate(s["rows"])),
     ]
-    lines += [f"| {s['title']}: {figure} | {value} | {rounds} |" for s in summary["sections"]
-              for figure, value, rounds in s["rows"] if "**" in value]
-    lines += ["", "## Every figure", "", "| benchmark | figure | value | rounds |", "|---|---|---|---|"]
-    lines += [f"| {s['title'] if i == 0 else ''} | {figure} | {value} | {rounds} |" for s in summary["sections"]
-              for i, (figure, value, rounds) in enumerate(s["rows"])]
     lines += [line for s in summary["sections"] if s.get("markdown_table") for line in (
         "", "Latency under load (ms; open loop, intended-send timestamps; latency over OK results):", "",
         s["markdown_table"])]

@@ -1,11 +1,10 @@
-"""Scaling: saturated throughput of one consumer group with 1, 2 and 3 worker processes (one torch thread
-each, WORKER_RUNTIME_TORCH_THREADS=1), on the same pre-published backlog (9 input partitions), in one run.
+"""Scaling: saturated throughput of one consumer group with 1, 2 and 3 worker processes (one torch thread each), on
+the same pre-published backlog (9 input partitions), in interleaved rounds.
 
-The processes start on empty topics; once the group is stable with every process assigned (so each has
-loaded and warmed its model), they are stopped (SIGSTOP), the backlog is published, and they are released
-together (SIGCONT): a start-up barrier, so no process drains the backlog alone while the others import
-torch. Frames/s are counted while every process was producing results (from the last process's first
-result to the first process's last); the window and each process's share are listed.
+The processes start on empty topics; once the group is stable with every process assigned (so each has loaded and
+warmed its model), they are stopped (SIGSTOP), the backlog is published, and they are released together (SIGCONT):
+a start-up barrier, so no process drains the backlog alone while the others import torch. Frames/s are counted
+while every process was producing results (from the last process's first result to the first process's last).
 
     python bench/scaling.py [--quick]
 """
@@ -28,14 +27,10 @@ from common import Context
 from worker.testing import FrameProducer, end_offsets, wait_committed
 
 PROCESSES = (1, 2, 3)
-nan = float("nan")
-
-
-def expectation(cores: int) -> str:
-    return (f"{cores} cores shared by the broker and the workers (the bench process only waits): each worker "
-            f"needs about one core for inference plus its preprocessing and Kafka threads, so on this machine "
-            f"2 processes can gain at most what the second core has left after the broker (well under 2x), and a "
-            f"3rd process only adds contention (expect it flat or slower than 2).")
+EXPECTATION = ("{cores} cores shared by the broker and the workers (the bench process only waits): each worker needs "
+               "about one core for inference plus its preprocessing and Kafka threads, so on this machine 2 processes "
+               "can gain at most what the second core has left after the broker (well under 2x), and a 3rd process "
+               "only adds contention (expect it flat or slower than 2).")
 
 
 def wait_group_stable(bootstrap: str, group: str, members: int, timeout_s: float) -> bool:
@@ -43,8 +38,7 @@ def wait_group_stable(bootstrap: str, group: str, members: int, timeout_s: float
     from confluent_kafka import ConsumerGroupState
     from confluent_kafka.admin import AdminClient
 
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    deadline = time.monotonic() + timeout_s
+    admin, deadline = AdminClient({"bootstrap.servers": bootstrap}), time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
             desc = admin.describe_consumer_groups([group])[group].result(10)
@@ -60,9 +54,13 @@ def wait_group_stable(bootstrap: str, group: str, members: int, timeout_s: float
 def scaling_run(ctx: Context, n: int, frames: int) -> dict[str, Any]:
     topics = common.topics(ctx.bootstrap, f"sc{n}")
     procs = [common.start_worker(ctx, topics, f"sc{n}p{i}", threads=1) for i in range(n)]
+
+    def logs() -> str:
+        return "\n".join(p.log()[-3000:] for p in procs)
+
     try:
         if not wait_group_stable(ctx.bootstrap, topics.group, n, 180):
-            raise RuntimeError(f"{n} workers did not form a stable group\n" + "\n".join(p.log()[-3000:] for p in procs))
+            raise RuntimeError(f"{n} workers did not form a stable group\n{logs()}")
         for p in procs:
             p.process.send_signal(signal.SIGSTOP)
         try:
@@ -78,20 +76,18 @@ def scaling_run(ctx: Context, n: int, frames: int) -> dict[str, Any]:
         for p in procs:
             p.stop()
     if not done:
-        raise RuntimeError(f"{n} workers did not finish the backlog\n" + "\n".join(p.log()[-3000:] for p in procs))
+        raise RuntimeError(f"{n} workers did not finish the backlog\n{logs()}")
     results = common.ResultsReader(ctx.bootstrap, topics).read_all(idle_timeout_s=1.0)
     tp = common.all_active_throughput(results)
     print(f"[scaling] {n} process(es): {tp['frames_per_s']:.0f} frames/s over {tp['window_s']:.1f}s with all active; "
           f"background load {cpu['background_cores']:.2f} cores", flush=True)
-    return {"processes": n, **tp, "results": len(results), "publish": load,
-            "cores_used_by_workers": cpu["ours_cores"], "broker_cores": cpu["broker_cores"],
-            "background_cores": cpu["background_cores"],
-            "mean_batch": common.batch_size_distribution(results)["mean_frame_weighted"]}
+    return {"processes": n, **tp, "results": len(results), "publish": load, "cores_used_by_workers": cpu["ours_cores"],
+            "broker_cores": cpu["broker_cores"], "background_cores": cpu["background_cores"],
+            "mean_batch": common.batch_sizes(results)["mean_frame_weighted"]}
 
 
 def run(ctx: Context) -> dict[str, Any]:
-    frames = int(ctx.scale(5000, 3000))
-    rounds = ctx.round_count(2, 1)
+    frames, rounds = int(ctx.scale(5000, 3000)), ctx.round_count(2, 1)
     print(f"\n[scaling] 1, 2, 3 processes on a backlog of {frames} frames each, {rounds} interleaved round(s)",
           flush=True)
     trials = stats.run_rounds(stats.interleaved([str(n) for n in PROCESSES], rounds),
@@ -100,21 +96,20 @@ def run(ctx: Context) -> dict[str, Any]:
     spread = {n: stats.Spread.of(list(fps[n].values())) for n in PROCESSES}
     speedup = {n: stats.ratio_spread(fps[n], fps[PROCESSES[0]]) for n in PROCESSES}
     last = {n: trials[str(n)][max(trials[str(n)])] for n in PROCESSES}
+    expectation = EXPECTATION.format(cores=os.cpu_count() or 1)
     text = common.table(
         "scaling: worker processes in one group, 1 torch thread each, saturated (frames/s while all were active; "
         f"median (min-max) of {rounds} interleaved round(s); per-process columns from the last round)",
         ["processes", "frames/s", "vs 1 (per-round ratios)", "rounds", "window s", "results per process",
          "mean batch", "worker cores", "broker cores", "bg cores"],
         [[n, spread[n].text(), speedup[n].text(2), " ".join(f"{v:.0f}" for v in fps[n].values()),
-          r.get("window_s", nan), " ".join(str(v) for v in r.get("per_worker_results", {}).values()),
-          r.get("mean_batch", nan), r.get("cores_used_by_workers", nan), r.get("broker_cores", nan),
-          r.get("background_cores", nan)] for n, r in last.items()],
-        note="Expectation: " + expectation(os.cpu_count() or 1)
-             + "".join(f"\nFAILED {f}" for f in stats.failures(trials)))
-    result = {"benchmark": "scaling", "machine": common.machine(), "workload": ctx.workload.describe(),
-              "model": ctx.model, "backlog_frames": frames, "rounds": rounds, "trials": trials,
+          r.get("window_s", "n/a"), " ".join(str(v) for v in r.get("per_worker_results", {}).values()),
+          *(r.get(k, "n/a") for k in ("mean_batch", "cores_used_by_workers", "broker_cores", "background_cores"))]
+         for n, r in last.items()],
+        note=f"Expectation: {expectation}" + "".join(f"\nFAILED {f}" for f in stats.failures(trials)))
+    result = {"benchmark": "scaling", "workload": ctx.workload.describe(), "model": ctx.model,
+              "backlog_frames": frames, "rounds": rounds, "trials": trials, "expectation": expectation,
               "frames_per_s": {n: s.as_dict() for n, s in spread.items()},
-              "expectation": expectation(os.cpu_count() or 1),
               "speedup": {n: s.as_dict() for n, s in speedup.items()}, "tables": [text]}
     common.write_json("scaling", result, ctx.out_dir)
     return result
@@ -129,9 +124,5 @@ def summary(result: dict[str, Any]) -> list[tuple[str, str, str]]:
              stats.rounds(result["rounds"]))]
 
 
-def main(argv: list[str] | None = None) -> int:
-    return common.standalone(run, argv, __doc__.splitlines()[0])
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(common.standalone(run, None, __doc__.splitlines()[0]))

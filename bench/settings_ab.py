@@ -1,10 +1,13 @@
-"""Settings A/B, the one harness for comparing settings: named sets of worker settings on the same work, in
-interleaved rounds (which set goes first rotates, so a drifting machine favours none); per set the median
-(min-max) of frames/s, CPU-ms per frame and mean batch size, and of the per-round ratios to the first set.
+"""Settings A/B, the one harness for comparing settings (or source trees): named sets of worker settings on the same
+work, in interleaved rounds (which set goes first rotates, so a drifting machine favours none); per set the median
+(min-max) of frames/s, CPU-ms per frame, mean batch size and batches, and of the per-round ratios to the first set.
 
 A set runs as the worker process (`python -m worker run`, the set's WORKER_* variables added) on one published
-backlog; or, with --in-process, as the worker's batcher and executor alone in this process draining a backlog
-of raw frames of one size (no Kafka), on a heavy model (torchvision ResNet-50, random weights) by default.
+backlog; with --in-step FPS instead on an offered load below capacity, a fresh worker per round, every stream of
+the workload sending a frame at the same instants (cameras sampled in step: what one batch can hold is then what
+batching decides; on a backlog every group fills anyway); with --base TREE, set B is the worker of another source
+tree; with --in-process, the worker's batcher and executor alone in this process drain a backlog of raw frames of
+one size (no Kafka), on a heavy model (torchvision ResNet-50, random weights) by default.
 
     python bench/settings_ab.py --b WORKER_RUNTIME_INSTANCES_PER_DEVICE=2 [--a KEY=VALUE ...] [--rounds 8]
     python bench/settings_ab.py --variants settings   # commit interval, in-flight batches, preprocess threads
@@ -12,10 +15,12 @@ of raw frames of one size (no Kafka), on a heavy model (torchvision ResNet-50, r
     python bench/settings_ab.py --variants batch --workload jpeg224 --model opennsfw   # no batch settings vs
                                                       # fixed max_batch_size 4/8/16/32 (~14 min)
     python bench/settings_ab.py --variants batch --in-process [--net resnet50|resnet18|builtin] [--size 224]
+    git archive main worker schemas | tar -x -C /tmp/main-tree   # this tree against main, batch sizes on mixed
+    python bench/settings_ab.py --base /tmp/main-tree --workload jpeg720+1080 --in-step 40 --rounds 3  # sizes
 
-Each KEY=VALUE is a worker environment variable (docs/configuration.md: WORKER_<SECTION>_<FIELD>), applied on
-top of the benchmark's own worker settings (the model, one torch thread unless --torch-threads). For tuning a
-setting on your own workload and host before changing it.
+Each KEY=VALUE is a worker environment variable (docs/configuration.md: WORKER_<SECTION>_<FIELD>), applied on top of
+the benchmark's own worker settings (the model, one torch thread unless --torch-threads). For tuning a setting on
+your own workload and host before changing it.
 """
 
 from __future__ import annotations
@@ -57,16 +62,16 @@ VARIANT_SETS: dict[str, dict[str, dict[str, str]]] = {
                       "WORKER_RUNTIME_PREPROCESS_THREADS": "2"}},
     # The scheduler's isolation: lower classes bounded by max_blocking_ms always (0) or only while realtime is present.
     "scheduler": {"defaults": {}, "realtime_quiet_ms=0 (always bounded)": {"WORKER_BATCHING_REALTIME_QUIET_MS": "0"}},
-    # Batch sizing: no batch settings (sizes from the learned cost model, seeded by the warm-up calibration)
-    # against a fixed max_batch_size with adaptive sizing off.
+    # Batch sizing: no batch settings (sizes from the learned cost model, seeded by the warm-up calibration) against
+    # a fixed max_batch_size with adaptive sizing off.
     "batch": {ADAPTIVE: {}, **{f"fixed {n}": {"WORKER_BATCHING_MAX_BATCH_SIZE": str(n),
                                               "WORKER_BATCHING_ADAPTIVE_BATCH_SIZE": "false"}
                                for n in FIXED_BATCH_SIZES}},
 }
 # Issue #16: adaptive reaches this share of the best fixed size, and this multiple of the default 32.
-GOAL_OF_BEST_FIXED = 0.95
-GOAL_OVER_FIXED_32 = 1.3
+GOAL_OF_BEST_FIXED, GOAL_OVER_FIXED_32 = 0.95, 1.3
 PAIR_ROUNDS, PAIR_FRAMES = 8, 8000  # --a/--b: tuning one setting on your own host wants more rounds
+FIGURES = ("frames_per_s", "cpu_ms_per_frame", "mean_batch", "batches")
 
 
 def parse_assignments(items: list[str]) -> dict[str, str]:
@@ -85,57 +90,62 @@ def parse_assignments(items: list[str]) -> dict[str, str]:
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--a", action="append", default=[], metavar="KEY=VALUE", help="variant A's worker settings")
     p.add_argument("--b", action="append", default=[], metavar="KEY=VALUE", help="variant B's worker settings")
+    p.add_argument("--base", type=Path, help="variant B runs the worker of this source tree (holding worker/)")
     p.add_argument("--variants", choices=sorted(VARIANT_SETS), help="one of the project's sets instead of --a/--b")
-    p.add_argument("--frames", type=int, default=0, help="backlog frames each round consumes")
+    p.add_argument("--frames", type=int, default=0, help="frames each round consumes (or is offered)")
+    p.add_argument("--in-step", type=float, metavar="FPS", help="offer FPS frames/s in step, no backlog")
     p.add_argument("--in-process", action="store_true", help="the batcher and executor alone, no Kafka")
     p.add_argument("--net", default="resnet50", help="--in-process: torchvision model (random weights) or builtin")
     p.add_argument("--size", type=int, default=224, help="--in-process: frame width and height")
 
 
 def variants_of(argv: list[str]) -> dict[str, dict[str, str]]:
-    """The sets to compare from the command line; SystemExit (status 2, the reason) on bad ones, so a mistake
-    shows before the broker starts."""
+    """The sets to compare from the command line; SystemExit (status 2, the reason) on bad ones, so a mistake shows
+    before the broker starts."""
     p = argparse.ArgumentParser(add_help=False)
     configure(p)
     args, _ = p.parse_known_args(argv)
-    if args.in_process and args.variants not in (None, "batch"):
-        p.error("--in-process runs the batch set (the batcher alone has no other settings to compare)")
+    if args.in_process and (args.variants not in (None, "batch") or args.base or args.in_step):
+        p.error("--in-process runs the batch set (the batcher alone has no other settings or trees to compare)")
     if args.variants or args.in_process:
         return VARIANT_SETS[args.variants or "batch"]
     try:
         variants = {"A": parse_assignments(args.a), "B": parse_assignments(args.b)}
     except ValueError as exc:
         p.error(str(exc))
+    if args.base:  # `python -m worker` imports the tree's package: PYTHONSAFEPATH keeps the working directory out
+        variants["B"].update(PYTHONPATH=str(args.base.resolve()), PYTHONSAFEPATH="1")
     if variants["A"] == variants["B"]:
         p.error("--a and --b give the same settings: nothing to compare")
     return variants
 
 
-def backlog_frames(ctx: Context, pair: bool) -> int:
-    """Frames per worker run. open_nsfw runs ~13-40 frames/s on a 2-core CPU (fixed batches of 32 the slowest):
-    800 frames keep >= 15 s in the middle 80% the figures come from up to 42 frames/s (quick: 500, up to 26),
-    and the batch set's 15 runs (quick: 10) fit in ~14 minutes (quick: ~6), start-up and calibration included."""
-    if pair:
-        return PAIR_FRAMES
-    return int(ctx.scale(800, 500)) if ctx.model == "opennsfw" else int(ctx.scale(4000, 2000))
-
-
 def run(ctx: Context, variants: dict[str, dict[str, str]]) -> dict[str, Any]:
-    """Every set once a round, rounds rotating, on one backlog; the tables, and the JSON with every round."""
-    args = ctx.shared["args"]
-    pair = list(variants) == ["A", "B"]
-    rounds = ctx.rounds or (PAIR_ROUNDS if pair else ctx.round_count(3, 2))
-    frames = args.frames or backlog_frames(ctx, pair)
+    """Every set once a round, rounds rotating, on one backlog (or offered load); the tables, and every round."""
+    args, pair = ctx.shared["args"], list(variants) == ["A", "B"]
+    rounds = ctx.rounds or (PAIR_ROUNDS if pair and not args.in_step else ctx.round_count(3, 2))
+    # open_nsfw runs ~13-40 frames/s on a 2-core CPU (fixed batches of 32 the slowest): 800 frames keep >= 15 s in the
+    # middle 80% up to 42 frames/s (quick: 500), and the batch set's 15 runs (quick: 10) fit in ~14 minutes (~6).
+    frames = args.frames or (int(ctx.scale(800, 320)) if args.in_step else PAIR_FRAMES if pair else
+                             int(ctx.scale(800, 500)) if ctx.model == "opennsfw" else int(ctx.scale(4000, 2000)))
     if args.in_process:
         measure, where = in_process(ctx, variants, args.net, args.size, args.frames or int(ctx.scale(192, 96)))
+    elif args.in_step:
+        streams = sum(len(load.shapes) for load in ctx.workload.classes.values()) * common.STREAMS_PER_SHAPE
+        where = (f"{ctx.model} model, {ctx.workload_name} workload, {frames} frames offered at {args.in_step:g} "
+                 f"frames/s by {streams} streams in step, a fresh worker process a round")
+
+        def measure(name: str) -> dict[str, Any]:
+            return common.offered_round(ctx, lambda t: common.start_worker(ctx, t, "ab", variants[name], expiry=True),
+                                        "ab", args.in_step, frames / args.in_step, in_step=streams)
     else:
         topics, _ = common.backlog(ctx, "ab", frames)
         where = f"{ctx.model} model, {ctx.workload_name} workload, the worker process on a {frames}-frame backlog"
 
         def measure(name: str) -> dict[str, Any]:
             return common.worker_round(ctx, topics, variants[name], tag="ab", timeout_s=600)
-    logs = "" if args.in_process else f"; worker logs in {ctx.log_dir}"
-    print(f"[ab] {where}: {rounds} rounds of {', '.join(variants)}{logs}", flush=True)
+    print(f"[ab] {where}: {rounds} rounds of {', '.join(variants)}"
+          f"{'' if args.in_process else f'; worker logs in {ctx.log_dir}'}", flush=True)
 
     def one(name: str) -> dict[str, Any]:
         t = measure(name)
@@ -145,31 +155,31 @@ def run(ctx: Context, variants: dict[str, dict[str, str]]) -> dict[str, Any]:
 
     runs = stats.run_rounds(stats.rotating(list(variants), rounds), one, lambda m: print("[ab]", m))
     first = next(iter(variants))
-    fps = {name: stats.figure(runs.get(name, {}), "frames_per_s") for name in variants}
-    cpu = {name: stats.figure(runs.get(name, {}), "cpu_ms_per_frame") for name in variants}
-    spreads = {name: {"frames_per_s": Spread.of(list(fps[name].values())), "cpu_ms_per_frame": Spread.of(
-        list(cpu[name].values())), "mean_batch": stats.spread(runs.get(name, {}), "mean_batch"),
-        "fps_over_first": stats.ratio_spread(fps[name], fps[first]),
-        "cpu_over_first": stats.ratio_spread(cpu[name], cpu[first])} for name in variants}
+    by = {k: {name: stats.figure(runs.get(name, {}), k) for name in variants} for k in FIGURES}
+    spreads = {name: {**{k: Spread.of(list(by[k][name].values())) for k in FIGURES},
+                      **{f"{k}_over_first": stats.ratio_spread(by[k][name], by[k][first]) for k in FIGURES}}
+               for name in variants}
     text = [common.table(
         f"settings A/B: {where}, median (min-max) of {rounds} interleaved rounds",
-        ["variant", "settings", "frames/s", "CPU-ms/frame", "mean batch", f"frames/s / {first}",
-         f"CPU-ms / {first}", "frames/s per round"],
+        ["variant", "settings", "frames/s", "CPU-ms/frame", "mean batch", "batches", f"frames/s / {first}",
+         f"CPU-ms / {first}", f"batches / {first}", "frames/s per round"],
         [[name, " ".join(f"{k}={v}" for k, v in variants[name].items()) or "(the benchmark's defaults)",
-          s["frames_per_s"].text(1), s["cpu_ms_per_frame"].text(), s["mean_batch"].text(1),
-          s["fps_over_first"].text(2), s["cpu_over_first"].text(2), " ".join(f"{v:.1f}" for v in fps[name].values())]
+          s["frames_per_s"].text(1), s["cpu_ms_per_frame"].text(), s["mean_batch"].text(1), s["batches"].text(),
+          s["frames_per_s_over_first"].text(2), s["cpu_ms_per_frame_over_first"].text(2),
+          s["batches_over_first"].text(2), " ".join(f"{v:.1f}" for v in by["frames_per_s"][name].values())]
          for name, s in spreads.items()],
-        note="frames/s and CPU-ms per frame over the middle 80% of each round's results (in-process: the whole "
-             "drain); ratios are medians (min-max) of per-round ratios"
+        note="frames/s and CPU-ms per frame over the middle 80% of each round's results (in-process: the whole drain; "
+             "--in-step: CPU from the load's start to the last commit, per frame sent); mean batch frame-weighted; "
+             "ratios are medians (min-max) of per-round ratios"
              + "".join(f"\nFAILED {f}" for f in stats.failures(runs)))]
-    result = {"benchmark": "settings_ab", "machine": common.machine(), "model": ctx.model,
-              "workload_name": ctx.workload_name, "where": where, "torch_threads": ctx.torch_threads,
-              "rounds": rounds, "backlog_frames": frames, "broker_warm_up": ctx.shared.get("broker_warm_up"),
+    result = {"benchmark": "settings_ab", "model": ctx.model, "workload_name": ctx.workload_name, "where": where,
+              "torch_threads": ctx.torch_threads, "rounds": rounds, "backlog_frames": frames,
+              "broker_warm_up": ctx.shared.get("broker_warm_up"),
               "variants": {name: {"env": variants[name], "rounds": runs.get(name, {}),
                                   **{k: s.as_dict() for k, s in spreads[name].items()}} for name in variants},
               "failed": stats.failures(runs), "tables": text}
     if ADAPTIVE in variants:
-        result.update(adaptive_against_fixed(fps, runs, text))
+        result.update(adaptive_against_fixed(by["frames_per_s"], runs, text))
     common.write_json("settings_ab" + (f"_{args.variants}" if args.variants else "")
                       + ("_in_process" if args.in_process else ""), result, ctx.out_dir)
     return result
@@ -177,8 +187,8 @@ def run(ctx: Context, variants: dict[str, dict[str, str]]) -> dict[str, Any]:
 
 def adaptive_against_fixed(fps: dict[str, dict[int, float]], runs: dict[str, dict[int, dict[str, Any]]],
                            text: list[str]) -> dict[str, Any]:
-    """The batch set's verdicts: adaptive / the best fixed size (highest median frames/s) and adaptive / fixed 32,
-    per round, against their goals; the batch sizes adaptive ran."""
+    """The batch set's verdicts: adaptive / the best fixed size (highest median frames/s) and adaptive / fixed 32, per
+    round, against their goals; the batch sizes adaptive ran."""
     best = max((name for name in fps if name != ADAPTIVE), key=lambda name: Spread.of(list(fps[name].values())).median)
     of_best, over_32 = stats.ratio_spread(fps[ADAPTIVE], fps[best]), stats.ratio_spread(fps[ADAPTIVE], fps["fixed 32"])
     text.append(common.table(
@@ -207,9 +217,9 @@ def adaptive_against_fixed(fps: dict[str, dict[int, float]], runs: dict[str, dic
 # -- in process: the batcher and executor draining a backlog, no Kafka ---------------------------------------------
 def in_process(ctx: Context, variants: dict[str, dict[str, str]], net: str, size: int,
                frames: int) -> tuple[Callable[[str], dict[str, Any]], str]:
-    """The measure of one set in process, and what it runs on. Each set's batching settings come from its env;
-    the caps and standard/bulk's blocking bound (max_blocking_ms) are lifted: this measures throughput sizing
-    alone. An adaptive set gets a cost model seeded by the executor's warm-up calibration, as the worker does."""
+    """The measure of one set in process, and what it runs on. Each set's batching settings come from its env; the
+    caps and standard/bulk's blocking bound (max_blocking_ms) are lifted: this measures throughput sizing alone. An
+    adaptive set gets a cost model seeded by the executor's warm-up calibration, as the worker does."""
     import torch
 
     torch.set_num_threads(ctx.torch_threads)
@@ -257,7 +267,7 @@ def in_process(ctx: Context, variants: dict[str, dict[str, str]], net: str, size
                 time.sleep(max(0.0, (batcher.next_due() or time.time()) - time.time()))
         wall, cpu = time.perf_counter() - w0, time.process_time() - c0
         return {"frames_per_s": frames / wall, "cpu_ms_per_frame": stats.cpu_ms_per_frame(cpu, frames),
-                "mean_batch": sum(n * n for n in sizes) / frames,  # frame-weighted, as the worker's
+                "mean_batch": sum(n * n for n in sizes) / frames, "batches": len(sizes),  # frame-weighted mean
                 "sizes_used": {n: {"frames": n * sizes.count(n), "batches": sizes.count(n)}
                                for n in sorted(set(sizes))}}
 

@@ -1,18 +1,16 @@
-"""The workload matrix: for each model (null, toy, open_nsfw) and each JPEG workload (224x224, 640x360,
-1280x720, 1920x1080, each into a 224x224 model input), batching_gain's throughput rounds: (L) the runtime's own
-best, (a) one frame per inference, (b) consume(32), (c) the worker, interleaved (L a b c L a b c ...). Prints one
-table of medians (min-max) with CPU-ms per frame and the per-round ratios; writes workload_matrix.json and
-workload_matrix.md, and one batching_gain_<model>_<workload>.json per cell.
+"""The workload matrix: for each model (null, toy, open_nsfw) and each JPEG workload (224x224, 640x360, 1280x720,
+1920x1080, each into a 224x224 model input), batching_gain's throughput rounds: (L) the runtime's own best, (a) one
+frame per inference, (b) consume(32), (c) the worker, interleaved (L a b c L a b c ...). Prints one table of medians
+(min-max) with CPU-ms per frame and the per-round ratios; writes workload_matrix.json (and each cell's
+batching_gain_<model>_<workload>.json).
 
     python bench/workload_matrix.py [--quick] [--rounds N] [--models toy,opennsfw] [--workloads jpeg224,...]
-    python bench/workload_matrix.py render   # the table again from the per-cell files (cells of several runs)
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
@@ -28,18 +26,14 @@ from stats import Spread
 from workloads import JPEG_WORKLOADS, MODELS, WORKLOADS
 
 PIPELINE_COST = ("null", "jpeg224")  # the near-zero model: what is left is the pipeline's own cost
-HEADERS = ["model", "workload", "rounds", "(L) fps", "(c) worker fps", "(b) fps", "(a) fps",
-           "CPU-ms/frame L / c / b / a", "c/L", "c/b", "c/a"]
-NOTE = ("(L) the runtime's own best (InferenceExecutor alone, no Kafka, best batch size); (a) one frame per "
-        "inference; (b) consume(num_messages=32) per-shape sub-batches; (c) the worker with defaults. Ratios: median "
-        "(min-max) of per-round ratios. CPU-ms/frame: the process's CPU time / frames (all its threads), over the "
-        "same window as frames/s.")
+CELL_KEYS = ("model", "workload_name", "rounds", "backlog_frames", "limit_batch_size", "throughput_spread",
+             "cpu_ms_per_frame", "ratios", "failed_rounds")
 
 
 def run(ctx: Context) -> dict[str, Any]:
     args = ctx.shared.get("args")
-    models = _names(getattr(args, "models", None), list(MODELS), MODELS)
-    workloads = _names(getattr(args, "workloads", None), list(JPEG_WORKLOADS), WORKLOADS)
+    models = names(getattr(args, "models", None), list(MODELS), MODELS)
+    workloads = names(getattr(args, "workloads", None), list(JPEG_WORKLOADS), WORKLOADS)
     cells: list[dict[str, Any]] = []
     failed: list[str] = []
     t0 = time.monotonic()
@@ -52,37 +46,23 @@ def run(ctx: Context) -> dict[str, Any]:
             except Exception as exc:  # noqa: BLE001 (one cell failing must not lose the others)
                 print(f"[matrix] {model}/{workload} FAILED: {type(exc).__name__}: {str(exc)[:500]}", flush=True)
                 failed.append(f"{model}/{workload}: {type(exc).__name__}: {str(exc)[:300]}")
-    return _write(cells, failed, ctx.out_dir, {"quick": ctx.quick, "torch_threads": ctx.torch_threads,
-                                               "models": models, "workloads": workloads,
-                                               "elapsed_s": round(time.monotonic() - t0, 1)})
-
-
-def row(cell: dict[str, Any]) -> list[str]:
-    fps, cpu, r, sp = cell["throughput_spread"], cell["cpu_ms_per_frame"], cell["ratios"], Spread.from_dict
-    return [cell["model"], cell["workload_name"], str(cell["rounds"]), *(sp(fps[w]).text() for w in "Lcba"),
-            " / ".join(sp(cpu[w]).text() for w in "Lcba"), *(sp(r[k]).text(2) for k in ("c/L", "c/b", "c/a"))]
-
-
-def _write(cells: list[dict[str, Any]], failed: list[str], out_dir: Path, about: dict[str, Any]) -> dict[str, Any]:
-    """The matrix table printed, workload_matrix.json and workload_matrix.md."""
-    rows = [row(c) for c in cells]
+    sp = Spread.from_dict
     failed_rounds = [f"{c['model']}/{c['workload_name']} {f}" for c in cells for f in c["failed_rounds"]]
-    text = common.table("workload matrix: saturated frames/s and CPU-ms/frame, median (min-max) of interleaved "
-                        "rounds", HEADERS, rows, note=NOTE + "".join(f"\nFAILED round, {f}" for f in failed_rounds))
-    m = common.machine()
-    keys = ("model", "workload_name", "machine", "rounds", "backlog_frames", "limit_batch_size", "throughput_spread",
-            "cpu_ms_per_frame", "ratios", "failed_rounds")
-    result = {"benchmark": "workload_matrix", "machine": m, **about, "failed": failed, "tables": [text],
-              "cells": [{k: c[k] for k in keys} for c in cells]}
-    common.write_json("workload_matrix", result, out_dir)
-    quick = ", quick run" if about["quick"] else ""
-    lines = [f"Workload matrix, {m['date']} at {m['commit']} on {m['host_cpu']} ({m['cpu_cores']} cores), torch "
-             f"{m['torch']}, {about['torch_threads']} torch thread(s) per process{quick}. Median (min-max) of "
-             "interleaved rounds; method in bench/README.md.", "",
-             *common.markdown_table(HEADERS, rows)]
-    lines += [f"\nFailed rounds (left out of the medians): {'; '.join(failed_rounds)}"] if failed_rounds else []
-    lines += [f"\nFAILED: {'; '.join(failed)}"] if failed else []
-    (out_dir / "workload_matrix.md").write_text("\n".join(lines) + "\n")
+    text = common.table(
+        "workload matrix: saturated frames/s and CPU-ms/frame, median (min-max) of interleaved rounds",
+        ["model", "workload", "rounds", "(L) fps", "(c) worker fps", "(b) fps", "(a) fps",
+         "CPU-ms/frame L / c / b / a", "c/L", "c/b", "c/a"],
+        [[c["model"], c["workload_name"], c["rounds"], *(sp(c["throughput_spread"][w]).text() for w in "Lcba"),
+          " / ".join(sp(c["cpu_ms_per_frame"][w]).text() for w in "Lcba"),
+          *(sp(c["ratios"][k]).text(2) for k in ("c/L", "c/b", "c/a"))] for c in cells],
+        note="(L) the runtime's own best (InferenceExecutor alone, no Kafka, best batch size); (a) one frame per "
+             "inference; (b) consume(num_messages=32) per-shape sub-batches; (c) the worker with defaults. Ratios: "
+             "median (min-max) of per-round ratios. CPU-ms/frame: the process's CPU time / frames (all its threads), "
+             "over the same window as frames/s." + "".join(f"\nFAILED round, {f}" for f in failed_rounds))
+    result = {"benchmark": "workload_matrix", "quick": ctx.quick, "torch_threads": ctx.torch_threads,
+              "models": models, "workloads": workloads, "elapsed_s": round(time.monotonic() - t0, 1),
+              "failed": failed, "tables": [text], "cells": [{k: c[k] for k in CELL_KEYS} for c in cells]}
+    common.write_json("workload_matrix", result, ctx.out_dir)
     return result
 
 
@@ -98,37 +78,17 @@ def summary(result: dict[str, Any]) -> list[tuple[str, str, str]]:
     return [(f"{c['model']} / {c['workload_name']}", cell(c), stats.rounds(c["rounds"])) for c in result["cells"]]
 
 
-def _names(text: str | None, default: list[str], known: dict[str, Any]) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()] if text else default
-    unknown = [n for n in names if n not in known]
-    if unknown:
+def names(text: str | None, default: list[str], known: dict[str, Any]) -> list[str]:
+    chosen = [n.strip() for n in text.split(",") if n.strip()] if text else default
+    if unknown := [n for n in chosen if n not in known]:
         raise SystemExit(f"unknown: {', '.join(unknown)} (known: {', '.join(known)})")
-    return names
+    return chosen
 
 
-def render(out_dir: Path = common.RESULTS_DIR) -> dict[str, Any]:
-    """Rebuild the matrix table from the per-cell JSON files already in out_dir (no run): for cells measured
-    in separate runs (say toy, then open_nsfw). Each cell's own date and machine are in its file."""
-    cells = [json.loads(path.read_text()) for model in MODELS for workload in WORKLOADS
-             if (path := out_dir / f"batching_gain_{model}_{workload}.json").is_file()]
-    about = {"quick": any(c["rounds"] < 3 for c in cells), "rendered_from_files": True,
-             "torch_threads": cells[0]["torch_threads"] if cells else 0,
-             "cell_dates": {f"{c['model']}/{c['workload_name']}": c["machine"]["date"] for c in cells}}
-    return _write(cells, [], out_dir, about)
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["render"]:
-        render()
-        return 0
-
-    def configure(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--models", help=f"comma-separated, of {', '.join(MODELS)} (default: all)")
-        p.add_argument("--workloads", help=f"comma-separated, of {', '.join(WORKLOADS)} (default: the JPEG ones)")
-
-    return common.standalone(run, argv, __doc__.splitlines()[0], configure)
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", help=f"comma-separated, of {', '.join(MODELS)} (default: all)")
+    p.add_argument("--workloads", help=f"comma-separated, of {', '.join(WORKLOADS)} (default: the JPEG ones)")
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(common.standalone(run, None, __doc__.splitlines()[0], configure))

@@ -6,6 +6,9 @@ No Kafka here: the GPU check (bench/gpu_check.py) uses the same definitions on a
     jpeg224 / jpeg360 / jpeg720 / jpeg1080
                one camera-like stream shape as JPEG (224x224, 640x360, 1280x720, 1920x1080) on the standard
                topic, each resized into a 224x224 model input: decode and resize cost grow, the model's does not
+    jpeg720+1080
+               half 1280x720, half 1920x1080 JPEG on the standard topic into a 224x224 input: two frame sizes
+               that one batch of a fixed-input model can hold (settings_ab.py --in-step: the batch sizes on it)
     null       a slice of the input as scores (bench/nullmodel.py): next to nothing, so what is measured is the
                pipeline's own cost
     toy        the builtin CNN: a small model (about 1 CPU-ms a frame at 224x224 here)
@@ -44,9 +47,10 @@ class Workload:
                          for p, c in self.classes.items())
 
 
-def _jpeg(name: str, w: int, h: int) -> Workload:
-    return Workload(name, {Priority.STANDARD: ClassLoad(1.0, Encoding.JPEG, ((w, h),))}, (224, 224),
-                    f"{w}x{h} JPEG, standard priority, resized into a 224x224 model input")
+def _jpeg(name: str, *shapes: tuple[int, int]) -> Workload:
+    sizes = " and ".join(f"{w}x{h}" for w, h in shapes)
+    return Workload(name, {Priority.STANDARD: ClassLoad(1.0, Encoding.JPEG, shapes)}, (224, 224),
+                    f"{sizes} JPEG, standard priority, resized into a 224x224 model input")
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -57,10 +61,11 @@ WORKLOADS: dict[str, Workload] = {
         Priority.STANDARD: ClassLoad(0.4, Encoding.JPEG, ((320, 240), (224, 224))),
         Priority.BULK: ClassLoad(0.4, Encoding.RAW_RGB8, ((320, 240), (224, 224))),
     }, None, "three priorities, raw RGB and JPEG, 96-320 px"),
-    "jpeg224": _jpeg("jpeg224", 224, 224),
-    "jpeg360": _jpeg("jpeg360", 640, 360),
-    "jpeg720": _jpeg("jpeg720", 1280, 720),
-    "jpeg1080": _jpeg("jpeg1080", 1920, 1080),
+    "jpeg224": _jpeg("jpeg224", (224, 224)),
+    "jpeg360": _jpeg("jpeg360", (640, 360)),
+    "jpeg720": _jpeg("jpeg720", (1280, 720)),
+    "jpeg1080": _jpeg("jpeg1080", (1920, 1080)),
+    "jpeg720+1080": _jpeg("jpeg720+1080", (1280, 720), (1920, 1080)),
 }
 JPEG_WORKLOADS = ("jpeg224", "jpeg360", "jpeg720", "jpeg1080")
 

