@@ -227,13 +227,15 @@ def test_stray_bytes_between_segments_are_refused_though_torchvision_skips_them(
 
 
 def bogus_huffman_table(data: bytes) -> bytes:
-    """The JPEG with its first Huffman table's code counts all 255: structurally whole, refused by libjpeg."""
-    at = data.index(b"\xff\xc4") + 5
+    """The progressive JPEG with its last Huffman table (one between scans, past the header every host check
+    reads) given code counts all 255: structurally whole, refused by libjpeg when it decodes."""
+    at = data.rindex(b"\xff\xc4") + 5
+    assert at > data.index(b"\xff\xda")
     return data[:at] + b"\xff" * 16 + data[at + 16:]
 
 
 def test_a_failed_batched_decode_is_retried_frame_by_frame_so_only_the_bad_frame_fails(decoder_calls):
-    bad = bogus_huffman_table(jpeg_bytes(96, 64))
+    bad = bogus_huffman_table(JPEGS["progressive"])
     frames = [make_frame(JPEGS["baseline"], 96, 64, index=0), make_frame(bad, 96, 64, index=1),
               make_frame(JPEGS["progressive"], 96, 64, index=2)]
     kept, failures = device_outcome(frames, (64, 96, 3))
@@ -253,6 +255,29 @@ def test_corrupt_scan_data_in_a_whole_jpeg_is_scored_on_the_device_path_where_st
     cpu, device = both_paths(contract(), [good, corrupt], (512, 512, 3))
     assert [f.frame_index for f, _ in cpu.failures] == [1] and "Corrupt JPEG data" in str(cpu.failures[0][1])
     assert device.frames == [good, corrupt] and torch.equal(device.pixels[0], cpu.pixels[0])
+
+
+def with_sampling(jpeg: bytes, factors: tuple[int, ...]) -> bytes:
+    """The JPEG with its components' sampling-factor bytes (0xHV) in the frame header replaced."""
+    sof = jpeg.index(b"\xff\xc0")
+    out = bytearray(jpeg)
+    for i, hv in enumerate(factors):
+        out[sof + 11 + 3 * i] = hv
+    return bytes(out)
+
+
+@pytest.mark.parametrize("factors", [(0x22, 0x11, 0x12), (0x21, 0x12, 0x11), (0x13, 0x11, 0x11)])
+def test_sampling_factors_libjpeg_turbo_cannot_name_are_refused_on_both_paths_in_the_same_words(factors):
+    """Valid to libjpeg (torchvision decodes them) but not to the TurboJPEG API the CPU path uses: the shared
+    host check reads the header with libjpeg-turbo, so neither path scores a frame the other refuses."""
+    data = with_sampling(jpeg_bytes(32, 32), factors)
+    assert tvio.decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8)).shape == (3, 32, 32)
+    odd = make_frame(data, 32, 32, index=1)
+    good = make_frame(jpeg_bytes(32, 32), 32, 32, index=0)
+    cpu, device = both_paths(contract(), [good, odd], (32, 32, 3))
+    assert cpu.frames == device.frames == [good]
+    reasons = {str(e) for _, e in cpu.failures + device.failures}
+    assert len(reasons) == 1 and "subsampling" in reasons.pop()
 
 
 def hostile_frames() -> list[tuple[str, Frame]]:
@@ -383,7 +408,7 @@ def test_on_cuda_the_nvjpeg_path_scores_open_nsfw_within_the_bound_plus_tf32_of_
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_on_cuda_hostile_jpegs_fail_alone_and_a_bomb_never_reaches_nvjpeg(decoder_calls):
-    bad = bogus_huffman_table(jpeg_bytes(96, 64))
+    bad = bogus_huffman_table(JPEGS["progressive"])
     frames = [make_frame(JPEGS["baseline"], 96, 64, index=0), make_frame(bad, 96, 64, index=1),
               make_frame(bomb(12000), 96, 64, index=2), make_frame(JPEGS["progressive"][:-200], 96, 64, index=3),
               make_frame(JPEGS["progressive"], 96, 64, index=4)]

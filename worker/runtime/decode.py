@@ -66,6 +66,10 @@ def check_frame(frame: Frame, max_pixels: int = MAX_FRAME_PIXELS_CEILING) -> Jpe
         info = check_jpeg(frame.data, (w, h))
         if info.components not in (1, 3, 4):
             raise FrameDecodeError(f"JPEG has {info.components} colour components; supported: 1, 3 or 4 (CMYK)")
+        try:  # libjpeg-turbo's own header read (1.5 us): both data paths refuse the headers it refuses (sampling
+            simplejpeg.decode_jpeg_header(frame.data)  # factors its API cannot name), in its words
+        except (ValueError, RuntimeError) as exc:
+            raise FrameDecodeError(f"JPEG does not decode: {exc}") from None
         return info
     raise FrameDecodeError(f"unsupported encoding {frame.encoding!r}")
 
