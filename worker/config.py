@@ -139,6 +139,13 @@ class BatchingSettings:
     # When nothing runs and the last poll emptied the consumer's queue, send the most urgent pending group now
     # instead of holding it for its wait: a fuller batch only saves time while the runtime is busy.
     release_when_idle: bool = True
+    # Read the most urgent class's backlog first (worker.intake): while a class has a backlog in Kafka it can still
+    # serve within its max_age_ms, the partitions of every less urgent class are paused. false: every assigned
+    # partition is read, and only the batcher's rules pause classes.
+    read_by_priority: bool = True
+    # A class paused for a more urgent class's backlog still reads this share of the messages read, while no more
+    # urgent backlogged class expires frames; 0: none.
+    lower_class_read_floor: float = 0.05
     # Per-tenant weights for fair filling within a class; unknown tenants weigh 1.
     tenant_weights: dict[str, int] = field(default_factory=dict)
 
@@ -634,6 +641,8 @@ def validate(s: Settings) -> list[str]:
     need(b.max_blocking_ms >= 0, "batching.max_blocking_ms: must be >= 0 (0: half of realtime.latency_budget_ms)")
     need(b.realtime_quiet_ms >= 0, "batching.realtime_quiet_ms: must be >= 0 (0: standard and bulk always bounded)")
     need(all(w >= 1 for w in b.tenant_weights.values()), "batching.tenant_weights: each weight must be >= 1")
+    need(0 <= b.lower_class_read_floor <= 0.5,
+         "batching.lower_class_read_floor: must be in [0, 0.5] (a share of the messages read; 0: none)")
 
     m = s.model
     need(bool(m.source.strip()),

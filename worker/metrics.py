@@ -107,6 +107,18 @@ class Metrics:
                                         registry=r)
         self.paused_partitions = Gauge("streamfer_paused_partitions",
                                        "Input partitions paused for priority or backpressure.", registry=r)
+        self.priority_paused = Gauge("streamfer_priority_paused",
+                                     "1 while the class's partitions are paused so that a more urgent class's "
+                                     "backlog in Kafka is read first (reading by priority).", ["priority"],
+                                     registry=r)
+        self.priority_pauses = Counter("streamfer_priority_pauses_total",
+                                       "Times the class's partitions were paused for a more urgent class's "
+                                       "backlog (each stop after a turn of its floor share counts too).",
+                                       ["priority"], registry=r)
+        self.backlog_unservable = Gauge("streamfer_backlog_unservable",
+                                        "1 while the class's backlog in Kafka cannot be read within its max_age_ms "
+                                        "(every frame of it read lately had expired): it holds no class back.",
+                                        ["priority"], registry=r)
         self.consumer_lag = Gauge("streamfer_consumer_lag", "High watermark minus position, per assigned partition.",
                                   ["topic", "partition"], registry=r)
         self.commits = Counter("streamfer_commits_total", "Offset commits, by outcome.", ["outcome"], registry=r)

@@ -26,6 +26,7 @@ from worker.costmodel import CostModel
 from worker.dedup import DuplicateFrames, duplicate_reason
 from worker.delivery import AtLeastOnceDelivery, CommitResult, Delivery, ExactlyOnceDelivery
 from worker.frames import DUPLICATE_FRAME, BatchOutcome, DeadLetter, Frame, Output, Priority, Status, Verdict
+from worker.intake import IntakeDecision, PriorityIntake
 from worker.kafka_client import ClientFactory
 from worker.memorypolicy import BatchSizeLimit
 from worker.metrics import Children, Health, Metrics
@@ -48,6 +49,9 @@ POLL_BATCH = 500
 INFLIGHT_POLL_S = 0.002
 IDLE_POLL_S = 0.1
 LAG_REFRESH_S = 1.0
+# How often the classes' backlogs in Kafka are summed for reading by priority (positions and cached watermarks:
+# no broker request, ~15 us for nine partitions).
+BACKLOG_REFRESH_S = 0.01
 
 
 class Executor(Protocol):
@@ -151,6 +155,13 @@ class Pipeline:
         self.batcher = MicroBatcher(settings.batching, clock, executor.preferred_batch_sizes, self.cost,
                                     executor.memory_policy, executor.model_input_hw)
         self.duplicates = DuplicateFrames(settings.limits.duplicate_window_frames)
+        # Reading by priority (worker.intake): which classes to pause so a more urgent backlog is read first.
+        self.intake = PriorityIntake(settings.batching, clock) if settings.batching.read_by_priority else None
+        self._intake_decision = IntakeDecision()
+        self._class_of_topic = settings.topics.input_topics()
+        self._max_age_s = {p: settings.batching.for_class(p).max_age_ms / 1000.0 for p in Priority}
+        self._backlog: dict[Priority, int] = {}
+        self._backlog_at = float("-inf")
         self._result_context = ResultContext(executor.model_name, executor.model_version,
                                              settings.observability.worker_id)
         # The labelled metrics the loop touches per frame or per batch, each label set looked up once.
@@ -162,6 +173,9 @@ class Pipeline:
         self._input_pixels = Children(metrics.input_pixels)
         self._batch_size = Children(metrics.batch_size)
         self._releases = Children(metrics.batch_releases)
+        self._priority_paused = Children(metrics.priority_paused)
+        self._priority_pauses = Children(metrics.priority_pauses)
+        self._unservable = Children(metrics.backlog_unservable)
         self._counts = RunSummary()
         self._inflight: deque[tuple[Batch, Future[BatchOutcome]]] = deque()
         self._input_drained = False  # the last poll took all the consumer had fetched
@@ -227,7 +241,13 @@ class Pipeline:
         """Frames the loop may read now: the batcher's room (no class still reading past its share), and what is
         left under the uncommitted cap."""
         uncommitted_room = self.settings.max_uncommitted_frames - self.tracker.uncommitted()
-        return max(0, min(self.batcher.poll_room(self._paused_classes), uncommitted_room))
+        room = min(self.batcher.poll_room(self._paused_classes), uncommitted_room)
+        decision = self._intake_decision
+        # While a class reads its floor share, polls stay small so it does not pass its share by much (not while
+        # backpressure keeps it paused anyway: small polls would only slow the others down).
+        if decision.poll_limit is not None and not decision.floor_reading <= self._paused_classes:
+            room = min(room, decision.poll_limit)
+        return max(0, room)
 
     def _poll_input(self) -> None:
         room = self._intake_room()
@@ -252,18 +272,33 @@ class Pipeline:
             self.tracker.track(ref.topic_partition, ref.offset)
         if polled.frames:
             self._count_by_tenant(self._consumed, polled.frames)
+        now = self.clock()
+        late: list[Frame] = []
+        oldest: dict[Priority, int] = {}  # capture_ts_ms of the oldest frame read, per class
         for frame in polled.frames:
+            if frame.capture_ts_ms < oldest.get(frame.priority, frame.capture_ts_ms + 1):
+                oldest[frame.priority] = frame.capture_ts_ms
             # A replayed frame is a new copy on purpose: its replay count is part of its identity (worker/dedup.py).
             identity = (frame.stream_id, frame.frame_index, frame.replay_count)
             first = self.duplicates.first_offset(frame.source.topic_partition, identity, frame.source.offset)
-            if first is None:
-                self.batcher.add(frame)
-            else:
+            if first is not None:
                 self._outputs.append(self._dead_letter(frame, DUPLICATE_FRAME, duplicate_reason(identity, first)))
+            elif self._past_deadline(frame, now):
+                late.append(frame)  # answered EXPIRED at the cost of reading it: no batcher, no runtime
+            else:
+                self.batcher.add(frame)
+        if late:
+            self._answer_expired(late, now)
         if polled.dead_letters:
             for topic, n in Counter(dl.source.topic for dl in polled.dead_letters).items():
                 self._consumed.labels(topic, "unknown").inc(n)
             self._outputs.extend(Output.of_dead_letter(dl) for dl in polled.dead_letters)
+        if self.intake is not None:
+            by_class = Counter(f.priority for f in polled.frames)
+            by_class.update(self._class_of_topic[dl.source.topic] for dl in polled.dead_letters)
+            self.intake.record_read(by_class, Counter(f.priority for f in late),
+                                    {p: ms / 1000.0 for p, ms in oldest.items()},
+                                    polled.drained if len(self._paused_classes) < len(Priority) else None)
         self._counts.consumed += len(polled.frames) + len(polled.dead_letters)
         self.metrics.inflight_frames.set(self.tracker.in_flight())
         self.metrics.uncommitted_frames.set(self.tracker.uncommitted())
@@ -387,13 +422,22 @@ class Pipeline:
         return Output.of_dead_letter(dl, frame.tenant)
 
     def _expire(self) -> None:
-        now = self.clock()
         expired = self.batcher.pop_expired()
         if not expired:
             return
-        self._count_by_tenant(self._expired, expired)
-        self._counts.expired += len(expired)
-        for frame in expired:
+        self._answer_expired(expired, self.clock())
+        if self.intake is not None:
+            self.intake.record_expired(Counter(f.priority for f in expired))
+
+    def _past_deadline(self, frame: Frame, now: float) -> bool:
+        """The batcher's expiry rule (capture + class max_age_ms < now), applied as a frame is read."""
+        max_age_s = self._max_age_s[frame.priority]
+        return max_age_s > 0 and frame.capture_ts_ms / 1000.0 + max_age_s < now
+
+    def _answer_expired(self, frames: Sequence[Frame], now: float) -> None:
+        self._count_by_tenant(self._expired, frames)
+        self._counts.expired += len(frames)
+        for frame in frames:
             self._outputs.append(self._result(frame, None, Status.EXPIRED, (now - frame.received_at) * 1000.0,
                                               0, 0.0, now))
 
@@ -428,12 +472,50 @@ class Pipeline:
     def _apply_backpressure(self) -> None:
         """Pause what the batcher has no room for; pause everything while the uncommitted cap is reached (commits
         are failing: what more the worker read, a lost session would answer again)."""
+        if self.intake is not None:
+            self._read_by_priority()
         if self.tracker.uncommitted() >= self.settings.max_uncommitted_frames:
             self._paused_classes = set(Priority)
         else:
-            self._paused_classes = self.batcher.classes_to_pause()
+            self._paused_classes = self.batcher.classes_to_pause() | self._intake_decision.paused
         self.source.pause_classes(self._paused_classes)
         self.metrics.paused_partitions.set(self.source.paused_partitions)
+
+    def _read_by_priority(self) -> None:
+        """Ask the intake policy which classes to pause for a more urgent class's backlog in Kafka."""
+        assert self.intake is not None
+        now = self.clock()
+        if now - self._backlog_at >= BACKLOG_REFRESH_S:
+            self._backlog_at = now
+            backlog: Counter[Priority] = Counter()
+            for (topic, _partition), lag in self.source.lag().items():
+                backlog[self._class_of_topic[topic]] += lag
+            self._backlog = dict(backlog)
+        before = self._intake_decision
+        decision = self._intake_decision = self.intake.decide(self._backlog)
+        self.batcher.hold(self._held(decision.paused))
+        if decision == before:
+            return
+        for p in Priority:
+            if (p in decision.paused) != (p in before.paused):
+                self._priority_paused.labels(p.label).set(1 if p in decision.paused else 0)
+                if p in decision.paused:
+                    self._priority_pauses.labels(p.label).inc()
+            if (p in decision.unservable) != (p in before.unservable):
+                self._unservable.labels(p.label).set(1 if p in decision.unservable else 0)
+
+    def _held(self, paused: frozenset[Priority]) -> frozenset[Priority]:
+        """The paused classes whose frames already read get no batches either, so the loop's time goes to the more
+        urgent class: the least urgent first, while their frames stay within a quarter of the uncommitted cap (held
+        frames are not committed, and the rest of the cap is what the more urgent class reads ahead with)."""
+        budget = self.settings.max_uncommitted_frames // 4
+        held: set[Priority] = set()
+        for p in sorted(paused, reverse=True):
+            budget -= self.batcher.pending_of(p)
+            if budget < 0:
+                break
+            held.add(p)
+        return frozenset(held)
 
     def _refresh_lag(self) -> None:
         if self.clock() - self._last_lag_update >= LAG_REFRESH_S:

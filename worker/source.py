@@ -91,6 +91,14 @@ RebalanceHandler = Callable[[list[TP]], None]
 # the cost is an idle worker's fetch request to each broker 10 times a second instead of twice.
 FETCH_WAIT_MAX_MS = 100
 FETCH_QUEUE_BACKOFF_MS = 20
+# librdkafka prefetches into one first-in-first-out queue shared by every partition, and keeps fetching until it
+# holds queued.min.messages (default 100000) or queued.max.messages.kbytes (64 MiB). A deep queue puts a realtime
+# frame behind everything prefetched before it (with small frames, tens of thousands of messages: seconds of
+# reading) and is dropped and fetched again on every pause (reading by priority pauses lower classes). A shallow
+# one leaves the loop idle for a fetch round trip each time it runs dry: with 1000, a broker slowed by the
+# overload's own producer answered after 0.5-1 s while the loop read the queue in 0.3 s. 10000 hides such a round
+# trip at a few thousand small frames a second; large frames stay bounded by the 64 MiB.
+QUEUED_MIN_MESSAGES = 10_000
 
 
 def consumer_config(settings: Settings) -> dict[str, object]:
@@ -115,6 +123,7 @@ def consumer_config(settings: Settings) -> dict[str, object]:
         # left the model with no batch 22-29% of the time (bench/batching_gain.py, docs/architecture.md).
         "fetch.wait.max.ms": FETCH_WAIT_MAX_MS,
         "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS,
+        "queued.min.messages": QUEUED_MIN_MESSAGES,
     }
     if k.group_instance_id:
         conf["group.instance.id"] = k.group_instance_id

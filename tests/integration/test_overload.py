@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from worker.frames import Encoding, Priority
+from worker.schemas import FrameRecord, encode_frame
 from worker.tools.publish_frames import frame_producer, publish, send_frames, synthetic_frames
-from worker.tools.read_results import read_results
+from worker.tools.read_results import read_dead_letters, read_results
 
-from .helpers import ledger, make_topics, start_worker
+from .helpers import TestTopics, ledger, make_topics, start_worker
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -89,3 +91,98 @@ def test_under_overload_realtime_is_scored_and_bulk_then_standard_absorb_the_sho
     assert expired[Priority.BULK] == 0.0, summary
     assert expired[Priority.STANDARD] >= expired[Priority.REALTIME], summary
     assert late_bulk_share <= 0.10, summary
+
+
+# -- reading-bound: a near-zero model and small frames, so the loop's reading and decoding is the bottleneck ----------
+READING_SECONDS = float(os.environ.get("STREAMFER_READING_OVERLOAD_SECONDS", "15"))
+WINDOW_S = 5.0
+SMALL = [(16, 16)]
+CAPACITY_BACKLOG = 8000
+STREAMS = 12  # stream ids per class: their keys spread each class over its topic's three partitions
+# batching.lower_class_floor's default: what bulk may have of the frames scored while a more urgent class expires.
+BULK_FLOOR = 0.05
+
+
+def interleaved(shares: dict[Priority, int], total: int, run_id: str) -> Iterator[FrameRecord]:
+    """`total` frames over the classes in proportion to `shares`, interleaved evenly (made as they are sent)."""
+    streams = {p: synthetic_frames(total, SMALL, Encoding.RAW_RGB8, p, run_id, streams_per_shape=STREAMS)
+               for p in shares}
+    order = itertools.cycle([p for p, n in shares.items() for _ in range(n)])
+    return (next(streams[p]) for p in itertools.islice(order, total))
+
+
+def windows(results: list[dict[str, Any]], topics: TestTopics, start_ms: float, seconds: float
+            ) -> list[dict[str, int]]:
+    """Per WINDOW_S of the overload (by the time each result was produced): frames scored and expired per class."""
+    out = [dict.fromkeys(("realtime_ok", "realtime_expired", "standard_ok", "standard_expired", "bulk_ok"), 0)
+           for _ in range(int(seconds // WINDOW_S))]
+    label = {topics.for_priority(p): p.label for p in Priority}
+    for r in results:
+        k = int((produced_at_ms(r) - start_ms) // (WINDOW_S * 1000.0))
+        if 0 <= k < len(out):
+            key = f"{label[r['source_topic']]}_{'ok' if r['status'] == 'OK' else 'expired'}"
+            if key in out[k]:
+                out[k][key] += 1
+    return out
+
+
+def bulk_share(w: dict[str, int]) -> float:
+    return w["bulk_ok"] / max(1, w["realtime_ok"] + w["standard_ok"] + w["bulk_ok"])
+
+
+@pytest.mark.parametrize("realtime_share", ["a fifth", "a third"])
+def test_when_reading_is_the_bottleneck_realtime_is_read_first_and_bulk_keeps_to_its_floor(
+        kafka_bootstrap, unique, tmp_path, realtime_share):
+    """Issue 37: one worker, a near-zero model and 16x16 raw frames, so reading and decoding messages is the
+    bottleneck and the batcher can only schedule what was read. Capacity is measured on a backlog first, then
+    2.5x of it is offered for READING_SECONDS over the three topics (three partitions each). Realtime a fifth of
+    the load (below capacity): at most 5% of it expires. Realtime a third (above what the worker has left for it
+    with the producer on the same cores): in every 5-s window in which realtime frames expire, bulk has at most
+    its floor of the frames scored. Nothing is lost either way."""
+    shares = ({Priority.REALTIME: 1, Priority.STANDARD: 2, Priority.BULK: 2} if realtime_share == "a fifth"
+              else {Priority.REALTIME: 1, Priority.STANDARD: 1, Priority.BULK: 1})
+    topics = make_topics(kafka_bootstrap, unique)
+    backlog = list(synthetic_frames(CAPACITY_BACKLOG, SMALL, Encoding.RAW_RGB8, Priority.BULK, f"{unique}c",
+                                    streams_per_shape=STREAMS))
+    publish(kafka_bootstrap, topics.bulk, iter(backlog))
+    log = tmp_path / "worker.log"
+    env = {"WORKER_MODEL_SOURCE": "bench.nullmodel:null_model", "WORKER_RUNTIME_WARMUP_SHAPES": "16x16",
+           "WORKER_BATCHING_REALTIME_MAX_AGE_MS": "2000", "WORKER_BATCHING_STANDARD_MAX_AGE_MS": "4000"}
+    worker = start_worker(kafka_bootstrap, topics, extra_env=env, exit_when_idle=3.0, log_path=str(log))
+    try:
+        first = read_results(kafka_bootstrap, topics.results, until=lambda rs: len(rs) >= CAPACITY_BACKLOG,
+                             timeout_s=180)
+        capacity = measured_capacity(first)
+        rate = OVERLOAD * capacity
+        total = int(rate * READING_SECONDS)
+        report = send_frames(frame_producer(kafka_bootstrap), interleaved(shares, total, unique),
+                             lambda rec: topics.for_priority(rec.priority), rate_fps=rate)
+        assert worker.wait(timeout=300) == 0, log.read_text()[-3000:]
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+
+    results = read_results(kafka_bootstrap, topics.results, idle_timeout_s=2.0)
+    dead = read_dead_letters(kafka_bootstrap, topics.dead_letter, idle_timeout_s=1.0)
+    counts = ledger(results)
+    published = CAPACITY_BACKLOG + report.sent
+    overload = [r for r in results if not r["stream_id"].startswith(f"{unique}c")]
+    start_ms = min(r["capture_ts_ms"] for r in overload)
+    by_class = {p: [r for r in overload if r["source_topic"] == topics.for_priority(p)] for p in Priority}
+    expired = {p: sum(r["status"] == "EXPIRED" for r in rs) / max(1, len(rs)) for p, rs in by_class.items()}
+    per_window = windows(overload, topics, start_ms, READING_SECONDS)
+    table = "\n".join(f"  {k * WINDOW_S:.0f}-{(k + 1) * WINDOW_S:.0f} s: {w} bulk share {bulk_share(w):.3f}"
+                      for k, w in enumerate(per_window))
+    summary = (f"realtime {realtime_share}: published {published}, results {len(results)}, dead letters {len(dead)}, "
+               f"capacity {capacity:.0f}/s, offered {report.sent / report.seconds:.0f}/s for {report.seconds:.1f}s; "
+               f"expired { {p.label: round(v, 3) for p, v in expired.items()} }\n{table}")
+    print(summary)
+    assert not dead, summary
+    assert len(counts) == published and max(counts.values()) == 1, f"lost or duplicated frames: {summary}"
+    assert report.sent / report.seconds >= 2.0 * capacity, f"the load did not overload the worker: {summary}"
+    if realtime_share == "a fifth":
+        assert expired[Priority.REALTIME] <= 0.05, summary
+    else:
+        for w in per_window:
+            if w["realtime_expired"]:
+                assert bulk_share(w) <= BULK_FLOOR, summary

@@ -211,3 +211,16 @@ def test_resolved_settings_carry_the_runners_limit_into_the_uncommitted_cap_and_
     assert resolved.delivery.max_inflight_batches == 6
     assert resolved.max_uncommitted_frames == 100 + (6 + 1) * 64  # and realtime's slot, at the largest batch
     assert resolve_inflight_batches(resolved, runners=3) == resolved
+
+
+def test_reading_by_priority_is_on_with_a_small_floor_and_both_come_from_env():
+    assert Settings().batching.read_by_priority and Settings().batching.lower_class_read_floor == 0.05
+    s = load_settings(env={"WORKER_BATCHING_READ_BY_PRIORITY": "false", "WORKER_BATCHING_LOWER_CLASS_READ_FLOOR": "0"})
+    assert not s.batching.read_by_priority and s.batching.lower_class_read_floor == 0.0
+
+
+@pytest.mark.parametrize("value", ["-0.01", "0.51", "1"])
+def test_a_lower_class_read_floor_outside_0_to_half_is_refused(value):
+    with pytest.raises(ConfigError) as err:
+        load_settings(env={"WORKER_BATCHING_LOWER_CLASS_READ_FLOOR": value})
+    assert err.value.setting == "batching.lower_class_read_floor"

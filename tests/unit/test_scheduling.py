@@ -361,3 +361,155 @@ def test_each_batch_counts_its_release_reason_and_its_measured_over_predicted_ti
     assert sum(released.values()) == 1
     assert registry.get_sample_value("streamfer_batch_time_ratio_count") == 1
     assert registry.get_sample_value("streamfer_batch_time_ratio_sum") == pytest.approx(0.5)
+
+
+# -- reading by priority (worker.intake): when reading, not the model, is the bottleneck ---------------------------
+READ_S = 0.001  # loop time per message read: the worker reads at most 1000 messages a second
+
+
+def reading_bound_world(monkeypatch: pytest.MonkeyPatch, read_by_priority: bool = True) -> World:
+    """A near-zero model (FakeExecutor: every batch done at once) and a consumer whose every message costs READ_S of
+    the fake clock. The fake consumer hands out bulk first (its topic sorts first), as a librdkafka queue holding
+    a bulk fetch ahead of realtime's does."""
+    batching = BatchingSettings(max_batch_size=32, rare_shape_min_count=1, read_by_priority=read_by_priority,
+                                max_pending_frames=20_000, adaptive_batch_size=False,
+                                realtime=ClassSettings(5, 2_000, 8, latency_budget_ms=250, pending_share=1.0),
+                                standard=ClassSettings(15, 4_000, 3, latency_budget_ms=1_000, pending_share=0.5))
+    # Enough batches in flight, of full size (FakeExecutor's batches all take 2 ms: a cost model would pick 1),
+    # that one turn runs all it read (each finishes at once and is collected on the next turn), and room enough
+    # that no class fills its share of the batcher: it never holds a backlog, reading is the bottleneck.
+    w = World(monkeypatch, batching=batching, max_inflight=16)
+    monkeypatch.setattr(pipeline_module, "POLL_BATCH", 100)  # a full poll takes 0.1 s, as ~500 do in the worker
+    consume = w.kafka.consume
+
+    def costly(num_messages: int, timeout: float) -> list[Any]:
+        out = consume(num_messages, timeout)
+        w.clock.now += READ_S * len(out)
+        return out
+
+    monkeypatch.setattr(w.kafka, "consume", costly)
+    return w
+
+
+def offer(w: World, shares: dict[tuple[str, int], float], fps: float, seconds: float) -> float:
+    """Frames at `fps` over the topics by `shares` (captured as they are offered) while the loop turns; returns when
+    the offer ended."""
+    start = w.clock.now
+    sent = dict.fromkeys(shares, 0)
+    while w.clock.now < start + seconds:
+        for tp, share in shares.items():
+            due = int(fps * share * (w.clock.now - start))
+            w.kafka.append(tp, *(frame_at(tp[0], i, w.clock.now) for i in range(sent[tp], due)))
+            sent[tp] = max(sent[tp], due)
+        w.clock.now += 0.0005  # a turn's own time
+        w.pipeline.step()
+    return w.clock.now
+
+
+def drain(w: World, tps: list[tuple[str, int]]) -> None:
+    offered = sum(len(w.kafka.log.get(tp, [])) for tp in tps)
+    for _ in range(10_000):
+        if w.pipeline.summary.results == offered:
+            return
+        w.clock.now += 0.01
+        w.pipeline.step()
+    raise AssertionError("the backlog was not drained")
+
+
+def scored_between(w: World, topic: str, t0: float, t1: float) -> int:
+    return sum(1 for r in results_by_topic(w).get(topic, []) if r["status"] == "OK"
+               and t0 <= (r["capture_ts_ms"] + r["end_to_end_ms"]) / 1000.0 < t1)
+
+
+@pytest.mark.parametrize("read_by_priority", [True, False])
+def test_when_reading_is_the_bottleneck_realtime_is_read_first(monkeypatch: pytest.MonkeyPatch,
+                                                               read_by_priority: bool) -> None:
+    """Issue 37 on a fake clock: 2.5x the reading capacity offered for 6 s, realtime a fifth of it (half of
+    capacity). Reading by priority: at most 5% of realtime expires and bulk has at most its floor of the frames
+    scored; without it the consumer's bulk-first order leaves realtime unread until it expires."""
+    w = reading_bound_world(monkeypatch, read_by_priority)
+    w.assign([RT, STD, BULK])
+    start = w.clock.now
+    end = offer(w, {RT: 0.2, STD: 0.4, BULK: 0.4}, fps=2.5 / READ_S, seconds=6.0)
+    drain(w, [RT, STD, BULK])
+
+    got = results_by_topic(w)
+    assert len(w.results()) == sum(len(w.kafka.log[tp]) for tp in (RT, STD, BULK))  # each frame answered once
+    expired = sum(r["status"] == "EXPIRED" for r in got[TOPICS.realtime]) / len(got[TOPICS.realtime])
+    scored = {tp: scored_between(w, tp[0], start + 1.0, end) for tp in (RT, STD, BULK)}
+    bulk_share = scored[BULK] / sum(scored.values())
+    if read_by_priority:
+        assert expired <= 0.05, expired
+        assert bulk_share <= 0.05 + 32 / sum(scored.values()), scored
+        assert sample(w, "streamfer_priority_pauses_total", priority="bulk") >= 1
+    else:
+        assert expired >= 0.5, expired  # the bug: bulk was read first
+        assert sample(w, "streamfer_priority_pauses_total", priority="bulk") == 0
+
+
+def test_when_reading_is_the_bottleneck_a_steady_stream_within_capacity_pauses_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    w = reading_bound_world(monkeypatch)
+    w.assign([RT, STD, BULK])
+    offer(w, {RT: 0.2, STD: 0.4, BULK: 0.4}, fps=0.6 / READ_S, seconds=6.0)
+    for label in ("realtime", "standard", "bulk"):
+        assert sample(w, "streamfer_priority_pauses_total", priority=label) == 0
+    assert w.pipeline.summary.expired == 0
+
+
+def test_a_frame_already_past_its_deadline_when_read_is_answered_expired_without_a_batch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    w = reading_bound_world(monkeypatch)
+    w.kafka.append(RT, *(frame_at("old", i, w.clock.now - 2.5) for i in range(3)))  # realtime max_age: 2 s
+    w.kafka.append(RT, frame_at("fresh", 0, w.clock.now))
+    w.assign([RT])
+    w.step(4)
+
+    got = results_by_topic(w)[TOPICS.realtime]
+    assert sorted((r["stream_id"], r["status"]) for r in got) == [("fresh", "OK")] + [("old", "EXPIRED")] * 3
+    assert [f.stream_id for batch in w.executor.batches for f in batch] == ["fresh"]
+    assert all(r["queued_ms"] == 0.0 for r in got if r["status"] == "EXPIRED")  # answered in the turn it was read
+    assert sample(w, "streamfer_frames_expired_total", topic=TOPICS.realtime, tenant="t") == 3
+
+
+@pytest.mark.parametrize("bulk_read", [2, 12])
+def test_a_class_paused_for_priority_gets_no_batch_while_its_frames_fit_a_quarter_of_the_uncommitted_cap(
+        monkeypatch: pytest.MonkeyPatch, bulk_read: int) -> None:
+    """Bulk frames read before realtime's backlog was seen stay in the batcher while it is read, and go after; but
+    never more than a quarter of delivery.max_uncommitted_frames (40 here): held frames are not committed, and the
+    rest of the cap is what realtime reads ahead with."""
+    batching = BatchingSettings(max_batch_size=16, rare_shape_min_count=1, lower_class_read_floor=0.0,
+                                release_when_idle=False, adaptive_batch_size=False)
+    w = World(monkeypatch, batching=batching, max_inflight=2, max_uncommitted_frames=40)
+    w.kafka.append(BULK, *(frame_at("b", i, w.clock.now) for i in range(bulk_read)))
+    w.assign([RT, BULK])
+    w.pipeline.step()  # bulk read; its partial batch (under 16) is due after bulk's max_wait (100 ms)
+    w.kafka.append(RT, *(frame_at("r", i, w.clock.now) for i in range(2_000)))
+    monkeypatch.setattr(pipeline_module, "POLL_BATCH", 8)  # realtime's backlog takes many polls
+    for _ in range(40):
+        w.clock.now += 0.01
+        w.pipeline.step()
+    assert sample(w, "streamfer_priority_paused", priority="bulk") == 1
+    if bulk_read <= 40 // 4:
+        assert Priority.BULK not in w.executor.priorities  # its frames wait: the loop reads realtime
+    else:
+        assert Priority.BULK in w.executor.priorities
+
+    drain(w, [RT, BULK])
+    assert w.executor.priorities.count(Priority.BULK) >= 1
+    assert sample(w, "streamfer_priority_paused", priority="bulk") == 0
+
+
+def test_a_realtime_flood_the_worker_cannot_even_read_in_time_holds_bulk_back_only_until_it_is_past_saving(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Realtime alone at 1.5x what the worker can read: once every realtime frame read for max_age (2 s) was past
+    it, and the backlog is more than max_age of reading, holding bulk back saves no realtime frame: bulk reads
+    again (realtime's frames are still read, and answered EXPIRED)."""
+    w = reading_bound_world(monkeypatch)
+    w.assign([RT, BULK])
+    start = w.clock.now
+    end = offer(w, {RT: 1.5, BULK: 0.3}, fps=1 / READ_S, seconds=12.0)
+
+    assert sample(w, "streamfer_backlog_unservable", priority="realtime") == 1
+    assert scored_between(w, RT[0], start + 8.0, end) == 0
+    assert scored_between(w, BULK[0], start + 8.0, end) > 0.3 * 4.0 / READ_S  # all of bulk's, and its backlog

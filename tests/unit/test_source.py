@@ -357,6 +357,8 @@ def test_fetches_wait_briefly_so_a_resumed_class_is_read_again_soon_and_override
     conf = source_module.consumer_config(Settings())
     assert conf["fetch.wait.max.ms"] == source_module.FETCH_WAIT_MAX_MS <= 100
     assert conf["fetch.queue.backoff.ms"] == source_module.FETCH_QUEUE_BACKOFF_MS <= 50
+    # and the shared prefetch queue stays shallow: a realtime frame is never behind 100000 prefetched messages
+    assert conf["queued.min.messages"] == source_module.QUEUED_MIN_MESSAGES <= 10_000
     tuned = load_settings(env={}, overrides={"kafka": {"consumer_overrides": {"fetch.wait.max.ms": 500}}})
     assert source_module.consumer_config(tuned)["fetch.wait.max.ms"] == "500"
 
