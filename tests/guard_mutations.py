@@ -14,6 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DELIVERY, SOURCE, PIPELINE = "worker/delivery.py", "worker/source.py", "worker/pipeline.py"
+FLOW, READING = "worker/flow.py", "worker/reading.py"
 
 # (guard, file, the code that implements it, the code without it)
 MUTATIONS = [
@@ -34,8 +35,8 @@ MUTATIONS = [
     ("a stuck producer is replaced", DELIVERY,
      "        self.sink = self._sink_factory(self.on_ack, self.on_rejected)\n        return self._rewind()",
      "        return CommitResult.NOTHING"),
-    ("reading pauses at the uncommitted cap", PIPELINE,
-     "        if self.tracker.uncommitted() >= self.settings.max_uncommitted_frames:",
+    ("reading pauses at the uncommitted cap", FLOW,
+     "        if self._tracker.uncommitted() >= self._settings.max_uncommitted_frames:",
      "        if False:"),
     ("a long commit interval commits early near the uncommitted cap", DELIVERY,
      "                and self.tracker.uncommitted() < self.settings.max_uncommitted_frames // 2:",
@@ -43,8 +44,8 @@ MUTATIONS = [
     ("a refused output is dead-lettered by reference", DELIVERY,
      "            replacement = self._replacement(out, str(exc))", "            raise"),
     ("drain waits for running batches", PIPELINE,
-     "            self._dispatch(batch)\n        self._collect_finished(wait=True)\n        self._emit()",
-     "            self._dispatch(batch)\n        self._emit()"),
+     "            self._inflight.dispatch(batch)\n        self._collect_finished(wait=True)\n        self._emit()",
+     "            self._inflight.dispatch(batch)\n        self._emit()"),
     ("idle counts from the first assignment", PIPELINE,
      "        if self._last_activity is None:\n            return 0.0",
      "        if self._last_activity is None:\n            self._last_activity = 0.0"),
@@ -53,7 +54,7 @@ MUTATIONS = [
     ("revoked partitions are committed before they go", PIPELINE,
      "        self._emit()\n        self._commit(final=True)\n        self._release(tps)",
      "        self._release(tps)"),
-    ("repeated frames dead-lettered", PIPELINE, "            if first is None:\n", "            if True:\n"),
+    ("repeated frames dead-lettered", READING, "            if first is not None:\n", "            if False:\n"),
 ]
 
 

@@ -1,0 +1,94 @@
+"""What the loop answers for each frame it read: a scored result, an EXPIRED result, or a dead letter, with the
+per-frame metrics that go with each (waits, latencies, flags, tenants). No Kafka, no torch: the loop hands the
+outputs to delivery."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from worker.batching import Batch
+from worker.frames import BatchOutcome, DeadLetter, Frame, Output, Status, Verdict
+from worker.metrics import Children, Metrics
+from worker.schemas import ResultContext, build_result, reencode_frame
+
+if TYPE_CHECKING:
+    from prometheus_client import Counter as PromCounter
+
+# One DEBUG line per finished batch (class, shape, size, waits, padding, predicted and measured time): enable
+# with observability.log_level = "DEBUG", or this logger alone, when chasing a p99.
+batch_log = logging.getLogger("worker.batches")
+
+
+class Answers:
+    """Builds the outputs of finished batches, expired frames and refused ones, and counts them in the metrics
+    (each labelled metric's children looked up once: the loop touches them per frame)."""
+
+    def __init__(self, metrics: Metrics, context: ResultContext) -> None:
+        self.metrics = metrics
+        self._context = context
+        self.consumed = Children(metrics.frames_consumed)
+        self._expired = Children(metrics.frames_expired)
+        self._flagged = Children(metrics.frames_flagged)
+        self._queue_wait = Children(metrics.queue_wait)
+        self._end_to_end = Children(metrics.end_to_end_latency)
+        self._input_pixels = Children(metrics.input_pixels)
+
+    def of_batch(self, batch: Batch, outcome: BatchOutcome, now: float) -> list[Output]:
+        """A finished batch's results (OK) and dead letters (frames the runtime refused)."""
+        run_ms = outcome.preprocess_ms + outcome.inference_ms
+        if batch_log.isEnabledFor(logging.DEBUG):
+            oldest = min((f.received_at for f in batch.frames), default=now)
+            batch_log.debug("batch class=%s shape=%dx%dx%d size=%d lane=%s reason=%s oldest_wait_ms=%.1f "
+                            "queued_ms=%.1f padding=%.3f predicted_ms=%s measured_ms=%.1f", batch.priority.label,
+                            *batch.shape, batch.size, batch.lane, batch.reason,
+                            (batch.released_at - oldest) * 1000.0, (outcome.started_at - batch.released_at) * 1000.0,
+                            batch.padding_waste,
+                            "-" if batch.predicted_s is None else f"{batch.predicted_s * 1000.0:.1f}", run_ms)
+        pixels = self._input_pixels.labels(f"{batch.shape[0]}x{batch.shape[1]}")
+        for frame in batch.frames:
+            pixels.observe(frame.height * frame.width)
+        self.metrics.preprocess_latency.observe(outcome.preprocess_ms / 1000.0)
+        self.metrics.inference_latency.observe(outcome.inference_ms / 1000.0)
+        # A batch's frames are of its class.
+        queue_wait = self._queue_wait.labels(batch.priority.label)
+        end_to_end = self._end_to_end.labels(batch.priority.label)
+        flagged: Counter[str] = Counter()
+        outputs = []
+        for frame, verdict in outcome.verdicts:
+            queued_s = max(0.0, outcome.started_at - frame.received_at)
+            queue_wait.observe(queued_s)
+            end_to_end.observe(max(0.0, now - frame.capture_ts_ms / 1000.0))
+            if verdict.flagged_labels:
+                flagged.update(verdict.flagged_labels)
+            outputs.append(self._result(frame, verdict, Status.OK, queued_s * 1000.0, outcome.batch_size, run_ms, now))
+        for label, n in flagged.items():
+            self._flagged.labels(label).inc(n)
+        outputs.extend(self.dead_letter(f.frame, f.error_type, f.reason) for f in outcome.failures)
+        return outputs
+
+    def expired(self, frames: Sequence[Frame], now: float) -> list[Output]:
+        """EXPIRED results for frames past their class's max_age_ms (in the batcher, or already when read)."""
+        self.count_by_tenant(self._expired, frames)
+        return [self._result(frame, None, Status.EXPIRED, (now - frame.received_at) * 1000.0, 0, 0.0, now)
+                for frame in frames]
+
+    @staticmethod
+    def dead_letter(frame: Frame, error_type: str, reason: str) -> Output:
+        dl = DeadLetter(source=frame.source, reason=reason, error_type=error_type, payload=reencode_frame(frame),
+                        key=frame.stream_id.encode(), headers=frame.headers)
+        return Output.of_dead_letter(dl, frame.tenant)
+
+    def count_by_tenant(self, counter: Children[PromCounter], frames: Sequence[Frame]) -> None:
+        """One increment per (topic, tenant label) of `frames`; tenants are labelled in the order first seen, as
+        frame by frame."""
+        for (topic, tenant), n in Counter((f.source.topic, f.tenant) for f in frames).items():
+            counter.labels(topic, self.metrics.tenant_label(tenant)).inc(n)
+
+    def _result(self, frame: Frame, verdict: Verdict | None, status: Status, queued_ms: float, batch_size: int,
+                run_ms: float, now: float) -> Output:
+        value = build_result(frame, verdict, status.value, self._context, queued_ms, batch_size, run_ms, now)
+        # Keyed by stream so a stream's results stay ordered within one output partition.
+        return Output(frame.source, frame.stream_id.encode(), value, frame.tenant, status, headers=frame.headers)

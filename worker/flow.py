@@ -1,0 +1,124 @@
+"""Flow control at the consumer: which classes' partitions the loop reads now and how many frames a poll may
+take. Three rules meet here: the batcher's backpressure, the uncommitted cap, and reading by priority
+(`worker.intake`, the pure policy), for which this module sums each class's backlog in Kafka from the source."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+from worker.assignment import TP
+from worker.batching import MicroBatcher
+from worker.config import Settings
+from worker.frames import Priority
+from worker.intake import IntakeDecision, PriorityIntake
+from worker.metrics import Children, Metrics
+from worker.offsets import OffsetTracker
+
+# How often the classes' backlogs in Kafka are summed for reading by priority (positions and cached watermarks:
+# no broker request, ~15 us for nine partitions).
+BACKLOG_REFRESH_S = 0.01
+
+
+class PausableSource(Protocol):
+    @property
+    def paused_partitions(self) -> int: ...
+
+    def pause_classes(self, classes: set[Priority]) -> None: ...
+
+    def lag(self) -> dict[TP, int]: ...
+
+
+class FlowControl:
+    """Pauses and resumes the source's classes once per turn, and sizes the next poll."""
+
+    def __init__(self, settings: Settings, source: PausableSource, batcher: MicroBatcher, tracker: OffsetTracker,
+                 metrics: Metrics, clock: Callable[[], float]) -> None:
+        self._settings = settings
+        self._source = source
+        self._batcher = batcher
+        self._tracker = tracker
+        self._metrics = metrics
+        self._clock = clock
+        self.intake = PriorityIntake(settings.batching, clock) if settings.batching.read_by_priority else None
+        self._decision = IntakeDecision()
+        self.class_of_topic = settings.topics.input_topics()
+        self._backlog: dict[Priority, int] = {}
+        self._backlog_at = float("-inf")
+        self.paused: set[Priority] = set()
+        self._priority_paused = Children(metrics.priority_paused)
+        self._priority_pauses = Children(metrics.priority_pauses)
+        self._unservable = Children(metrics.backlog_unservable)
+
+    def room(self) -> int:
+        """Frames the loop may read now: the batcher's room (no class still reading past its share), and what is
+        left under the uncommitted cap."""
+        uncommitted_room = self._settings.max_uncommitted_frames - self._tracker.uncommitted()
+        room = min(self._batcher.poll_room(self.paused), uncommitted_room)
+        decision = self._decision
+        # While a class reads its floor share, polls stay small so it does not pass its share by much (not while
+        # backpressure keeps it paused anyway: small polls would only slow the others down).
+        if decision.poll_limit is not None and not decision.floor_reading <= self.paused:
+            room = min(room, decision.poll_limit)
+        return max(0, room)
+
+    def apply(self) -> None:
+        """Pause what the batcher has no room for and what waits for a more urgent backlog; pause everything while
+        the uncommitted cap is reached (commits are failing: what more the worker read, a lost session would
+        answer again)."""
+        if self.intake is not None:
+            self._read_by_priority(self.intake)
+        if self._tracker.uncommitted() >= self._settings.max_uncommitted_frames:
+            self.paused = set(Priority)
+        else:
+            self.paused = self._batcher.classes_to_pause() | self._decision.paused
+        self._source.pause_classes(self.paused)
+        self._metrics.paused_partitions.set(self._source.paused_partitions)
+
+    def record_read(self, read: Counter[Priority], late: Counter[Priority], oldest_s: Mapping[Priority, float],
+                    drained: bool) -> None:
+        """What a poll read per class (frames and dead letters), which of its frames were past their deadline, each
+        class's oldest capture time read, and whether it emptied the consumer's queue."""
+        if self.intake is not None:
+            self.intake.record_read(read, late, oldest_s, drained if len(self.paused) < len(Priority) else None)
+
+    def record_expired(self, expired: Counter[Priority]) -> None:
+        """Frames that expired waiting for a batch, per class."""
+        if self.intake is not None:
+            self.intake.record_expired(expired)
+
+    def _read_by_priority(self, intake: PriorityIntake) -> None:
+        """Ask the intake policy which classes to pause for a more urgent class's backlog in Kafka."""
+        now = self._clock()
+        if now - self._backlog_at >= BACKLOG_REFRESH_S:
+            self._backlog_at = now
+            backlog: Counter[Priority] = Counter()
+            for (topic, _partition), lag in self._source.lag().items():
+                backlog[self.class_of_topic[topic]] += lag
+            self._backlog = dict(backlog)
+        before = self._decision
+        decision = self._decision = intake.decide(self._backlog)
+        self._batcher.hold(self._held(decision.paused))
+        if decision == before:
+            return
+        for p in Priority:
+            if (p in decision.paused) != (p in before.paused):
+                self._priority_paused.labels(p.label).set(1 if p in decision.paused else 0)
+                if p in decision.paused:
+                    self._priority_pauses.labels(p.label).inc()
+            if (p in decision.unservable) != (p in before.unservable):
+                self._unservable.labels(p.label).set(1 if p in decision.unservable else 0)
+
+    def _held(self, paused: frozenset[Priority]) -> frozenset[Priority]:
+        """The paused classes whose frames already read get no batches either, so the loop's time goes to the more
+        urgent class: the least urgent first, while their frames stay within a quarter of the uncommitted cap (held
+        frames are not committed, and the rest of the cap is what the more urgent class reads ahead with)."""
+        budget = self._settings.max_uncommitted_frames // 4
+        held: set[Priority] = set()
+        for p in sorted(paused, reverse=True):
+            budget -= self._batcher.pending_of(p)
+            if budget < 0:
+                break
+            held.add(p)
+        return frozenset(held)

@@ -1,0 +1,81 @@
+"""Taking what a poll read into the loop: each message's offset is tracked (it must end in exactly one
+output), repeats are dead-lettered, frames already past their deadline are answered EXPIRED at the cost of
+reading them only, and the rest go to the batcher."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from worker.answers import Answers
+from worker.batching import MicroBatcher
+from worker.config import Settings
+from worker.dedup import DuplicateFrames, duplicate_reason
+from worker.flow import FlowControl
+from worker.frames import DUPLICATE_FRAME, Frame, Output, Priority
+from worker.offsets import OffsetTracker
+from worker.source import Polled
+
+
+@dataclass
+class Taken:
+    """What the loop answers at once for one poll (the rest is in the batcher)."""
+
+    outputs: list[Output] = field(default_factory=list)
+    expired: int = 0  # frames answered EXPIRED as they were read
+
+
+class Reader:
+    """Sorts each poll's messages to their first stage; see the module docstring."""
+
+    def __init__(self, settings: Settings, tracker: OffsetTracker, duplicates: DuplicateFrames,
+                 batcher: MicroBatcher, answers: Answers, flow: FlowControl) -> None:
+        self._tracker = tracker
+        self._duplicates = duplicates
+        self._batcher = batcher
+        self._answers = answers
+        self._flow = flow
+        self._max_age_s = {p: settings.batching.for_class(p).max_age_ms / 1000.0 for p in Priority}
+
+    def take(self, polled: Polled, now: float) -> Taken:
+        # Track in each partition's offset order (the tracker refuses an offset below one already read).
+        read = [f.source for f in polled.frames]
+        if polled.dead_letters:
+            read = sorted(read + [d.source for d in polled.dead_letters])
+        for ref in read:
+            self._tracker.track(ref.topic_partition, ref.offset)
+        taken = Taken()
+        if polled.frames:
+            self._answers.count_by_tenant(self._answers.consumed, polled.frames)
+        late: list[Frame] = []
+        oldest: dict[Priority, int] = {}  # capture_ts_ms of the oldest frame read, per class
+        for frame in polled.frames:
+            if frame.capture_ts_ms < oldest.get(frame.priority, frame.capture_ts_ms + 1):
+                oldest[frame.priority] = frame.capture_ts_ms
+            # A replayed frame is a new copy on purpose: its replay count is part of its identity (worker/dedup.py).
+            identity = (frame.stream_id, frame.frame_index, frame.replay_count)
+            first = self._duplicates.first_offset(frame.source.topic_partition, identity, frame.source.offset)
+            if first is not None:
+                taken.outputs.append(self._answers.dead_letter(frame, DUPLICATE_FRAME,
+                                                               duplicate_reason(identity, first)))
+            elif self._past_deadline(frame, now):
+                late.append(frame)  # answered EXPIRED at the cost of reading it: no batcher, no runtime
+            else:
+                self._batcher.add(frame)
+        if late:
+            taken.outputs.extend(self._answers.expired(late, now))
+            taken.expired = len(late)
+        if polled.dead_letters:
+            for topic, n in Counter(dl.source.topic for dl in polled.dead_letters).items():
+                self._answers.consumed.labels(topic, "unknown").inc(n)
+            taken.outputs.extend(Output.of_dead_letter(dl) for dl in polled.dead_letters)
+        by_class = Counter(f.priority for f in polled.frames)
+        by_class.update(self._flow.class_of_topic[dl.source.topic] for dl in polled.dead_letters)
+        self._flow.record_read(by_class, Counter(f.priority for f in late),
+                               {p: ms / 1000.0 for p, ms in oldest.items()}, polled.drained)
+        return taken
+
+    def _past_deadline(self, frame: Frame, now: float) -> bool:
+        """The batcher's expiry rule (capture + class max_age_ms < now), applied as a frame is read."""
+        max_age_s = self._max_age_s[frame.priority]
+        return max_age_s > 0 and frame.capture_ts_ms / 1000.0 + max_age_s < now
