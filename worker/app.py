@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -17,6 +18,7 @@ from typing import Any
 from confluent_kafka import Consumer, Producer
 
 from worker.config import Settings, warmup_frame_shapes
+from worker.identity import worker_identity
 from worker.kafka_access import probe_access
 from worker.kafka_client import new_client
 from worker.metrics import Health, Metrics, MetricsServer
@@ -48,12 +50,15 @@ class JsonFormatter(logging.Formatter):
 
 
 def setup_logging(settings: Settings) -> None:
+    """Log lines name the worker id: resolve it first (worker.identity.worker_identity). Only the parent of
+    `worker run --processes N`, which holds no slot, logs with the worker id unset: it names itself by the host."""
     o = settings.observability
+    name = o.worker_id or socket.gethostname()
     handler = logging.StreamHandler(sys.stderr)
     if o.log_format == "json":
-        handler.setFormatter(JsonFormatter(o.worker_id))
+        handler.setFormatter(JsonFormatter(name))
     else:
-        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s [{o.worker_id}] %(name)s: %(message)s"))
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(o.log_level.upper())
@@ -90,7 +95,14 @@ def run_worker(settings: Settings, exit_when_idle_s: float | None = None, stop: 
     """Load and warm the model, serve metrics, then run the pipeline until stopped or idle.
 
     Pass `health` to watch readiness from another thread (the demo and tests do); benchmarks pass
-    `time_phases` and get the pipeline (with its `phase_times`) through `on_pipeline` before it runs."""
+    `time_phases` and get the pipeline (with its `phase_times`) through `on_pipeline` before it runs. Without
+    `observability.worker_id` the worker takes this host's lowest free slot (`<hostname>-<slot>`) until it returns."""
+    with worker_identity(settings) as settings:
+        return _run_worker(settings, exit_when_idle_s, stop, health, time_phases, on_pipeline)
+
+
+def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFlag | None, health: Health | None,
+                time_phases: bool, on_pipeline: Callable[[Pipeline], None] | None) -> RunSummary:
     metrics = Metrics(settings=settings)
     health = health if health is not None else Health()
     health.stall_limit_s = settings.kafka.max_poll_interval_ms / 1000.0

@@ -33,13 +33,17 @@ def _settings(args: argparse.Namespace, **extra: dict[str, Any]) -> Settings:
 def cmd_run(args: argparse.Namespace) -> int:
     settings = _settings(args, observability={"metrics_port": args.metrics_port})
     from worker.app import StopFlag, run_worker, setup_logging
+    from worker.identity import worker_identity
 
-    setup_logging(settings)
     if args.processes > 1:
+        setup_logging(settings)
         return _run_processes(args, settings)
-    # Before the slow imports and warm-up: a SIGTERM during start-up then means "start, drain, exit 0".
-    stop = StopFlag().install()
-    summary = run_worker(settings, exit_when_idle_s=args.exit_when_idle, stop=stop)
+    # The worker id first (its slot is held until the process exits): every log line names it.
+    with worker_identity(settings) as settings:
+        setup_logging(settings)
+        # Before the slow imports and warm-up: a SIGTERM during start-up then means "start, drain, exit 0".
+        stop = StopFlag().install()
+        summary = run_worker(settings, exit_when_idle_s=args.exit_when_idle, stop=stop)
     print(json.dumps({"consumed": summary.consumed, "results": summary.results, "expired": summary.expired,
                       "dead_lettered": summary.dead_lettered, "batches": summary.batches,
                       "commits": summary.commits}), flush=True)
@@ -47,10 +51,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run_processes(args: argparse.Namespace, settings: Settings) -> int:
-    """N consumer processes of one group on this host; each gets its own worker id and metrics port."""
+    """N consumer processes of one group on this host; each gets its own worker id (child i: slot i of the default
+    id, or `<worker_id>-p<i>`) and metrics port."""
+    from worker.identity import child_identities
+
     children = []
     base_port = settings.observability.metrics_port
-    for i in range(args.processes):
+    for i, identity in enumerate(child_identities(settings, args.processes)):
         argv = [sys.executable, "-m", "worker", "run", "--processes", "1"]
         if args.config:
             argv += ["--config", args.config]
@@ -61,7 +68,9 @@ def _run_processes(args: argparse.Namespace, settings: Settings) -> int:
         if args.exit_when_idle is not None:
             argv += ["--exit-when-idle", str(args.exit_when_idle)]
         argv += ["--metrics-port", str(base_port + i if base_port else 0)]
-        env = dict(os.environ, WORKER_OBSERVABILITY_WORKER_ID=f"{settings.observability.worker_id}-p{i}")
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("WORKER_OBSERVABILITY_WORKER_ID", "WORKER_OBSERVABILITY_WORKER_SLOT")}
+        env.update(identity)
         children.append(subprocess.Popen(argv, env=env))
 
     def forward(signum: int, _frame: Any) -> None:

@@ -10,7 +10,6 @@ import dataclasses
 import logging
 import os
 import re
-import socket
 import tomllib
 import types
 import typing
@@ -300,7 +299,14 @@ class ObservabilitySettings:
     profile_endpoint: bool = False
     log_format: LogFormat = "text"
     log_level: LogLevel = "INFO"
-    worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    # Names this process in logs, results, the Kafka client ids and the transactional id. Empty: `<hostname>-<slot>`,
+    # the lowest slot free on this host, held while the process runs (worker/identity.py), so a process restarted on
+    # the same host gets the same id and fences its predecessor's open transaction at once.
+    worker_id: str = ""
+    # The slot of the default worker id: -1 takes the lowest free one; N takes slot N, or fails while it is held.
+    worker_slot: int = -1
+    # Directory of the slots' lock files. Empty: $XDG_RUNTIME_DIR/streamfer, else <temp dir>/streamfer-<uid>.
+    worker_slot_dir: str = ""
     # Tenant label values of the per-tenant metrics: these tenants only, when listed; otherwise the first
     # max_metric_tenants tenants seen. Every other tenant is counted as "other", so the label stays bounded.
     metric_tenants: tuple[str, ...] = ()
@@ -581,6 +587,8 @@ MAX_METRIC_TENANTS = 1000
 MAX_PREPROCESS_THREADS = 256
 MAX_INFLIGHT_PER_RUNNER = 8
 MAX_INFLIGHT_BATCHES = 1024
+# Slots of the default worker id per host (worker/identity.py): far more worker processes than one host runs.
+MAX_WORKER_SLOTS = 1024
 
 
 def validate(s: Settings) -> list[str]:
@@ -702,6 +710,11 @@ def validate(s: Settings) -> list[str]:
     need(0 <= o.metrics_port <= 65535, "observability.metrics_port: must be 0..65535 (0 picks a free port)")
     need(0 <= o.max_metric_tenants <= MAX_METRIC_TENANTS,
          f"observability.max_metric_tenants: must be 0..{MAX_METRIC_TENANTS} (each tenant adds series to every scrape)")
+    need(-1 <= o.worker_slot < MAX_WORKER_SLOTS,
+         f"observability.worker_slot: must be -1 (the lowest free slot) or 0..{MAX_WORKER_SLOTS - 1}")
+    need(o.worker_slot < 0 or not o.worker_id,
+         "observability.worker_slot: names the slot of the default worker id; with observability.worker_id set it "
+         "would be ignored, so unset one of them")
     need(len(o.metric_tenants) <= MAX_METRIC_TENANTS, f"observability.metric_tenants: at most {MAX_METRIC_TENANTS}")
     need(all(0 < len(t.encode()) <= s.limits.max_identifier_bytes for t in o.metric_tenants),
          "observability.metric_tenants: each must be a non-empty tenant of at most limits.max_identifier_bytes bytes")

@@ -26,6 +26,7 @@ from worker.config import Settings, resolve_inflight_batches
 from worker.costmodel import CostModel
 from worker.dedup import DuplicateFrames
 from worker.delivery import AtLeastOnceDelivery, CommitResult, Delivery, ExactlyOnceDelivery
+from worker.errors import StreamferError
 from worker.flow import FlowControl
 from worker.frames import BatchOutcome, Frame, Output, Priority
 from worker.inflight import InFlight
@@ -389,7 +390,12 @@ class KafkaClients:
 def build_pipeline(settings: Settings, executor: Executor, metrics: Metrics, health: Health,
                    clock: Callable[[], float] = time.time, time_phases: bool = False,
                    clients: KafkaClients = KafkaClients()) -> Pipeline:
-    """The pipeline with its real parts: a Kafka consumer, producer and the delivery of the configured mode."""
+    """The pipeline with its real parts: a Kafka consumer, producer and the delivery of the configured mode.
+
+    The worker id names the clients and the transactional id, so it must be resolved (worker.identity) first."""
+    if not settings.observability.worker_id:
+        raise StreamferError("observability.worker_id is empty: resolve it (worker.identity.worker_identity) before "
+                             "building the pipeline")
     settings = resolve_inflight_batches(settings, executor.runner_count)
     log.info("in-flight batches: %d for %d runner(s), and one more for realtime",
              settings.delivery.max_inflight_batches, executor.runner_count)

@@ -233,7 +233,8 @@ def start_worker(bootstrap: str, topics: TestTopics, extra_env: dict[str, str] |
                  log_path: str | None = None, test_env: bool = True) -> subprocess.Popen:
     """A `worker run` process with the test's topics (not waited for: see `streamfer_worker` for that).
 
-    `worker_id` None leaves the worker its default id (`<hostname>-<pid>`: a new transactional id per process).
+    `worker_id` None leaves the worker its default id (`<hostname>-<slot>`, the lowest slot free on this host for the
+    test's transactional id prefix: a process started after another of the same prefix exited gets its id again).
     `test_env` False leaves out TEST_ENV: the worker's own defaults, as a benchmark measures them."""
     env = dict(os.environ)
     env.update(topics.env())

@@ -9,6 +9,7 @@ scores and a summary.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -65,6 +66,7 @@ SYNTHETIC_LOAD = {"builtin": (120, 200.0), "real": (30, 15.0)}
 def run_demo(frames_per_topic: int | None = None, keep_broker: bool = False, rate_fps: float | None = None,
              model: str = "auto") -> int:
     from worker.app import StopFlag, run_worker, setup_logging
+    from worker.identity import worker_identity
     from worker.metrics import Health
 
     model_settings, model_line = demo_model(model) if "WORKER_MODEL_SOURCE" not in os.environ else (
@@ -77,11 +79,13 @@ def run_demo(frames_per_topic: int | None = None, keep_broker: bool = False, rat
     already_running = broker.running() is not None
     print("starting the local Apache Kafka broker (first run resolves its jars with Maven)...", flush=True)
     bootstrap = broker.start().bootstrap_servers
+    held = contextlib.ExitStack()  # the worker id's slot, until the demo ends
     try:
         settings = load_settings(env={k: v for k, v in os.environ.items() if k.startswith("WORKER_")},
                                  overrides={"kafka": {"bootstrap_servers": bootstrap, "group_id": "streamfer-demo"},
                                             "observability": {"metrics_port": 0, "log_level": "WARNING"},
                                             "model": model_settings})
+        settings = held.enter_context(worker_identity(settings))
         setup_logging(settings)
         ensure_topics(bootstrap, worker_topics(settings.topics), configs=frame_topic_configs(settings.topics))
         run_id = random_run_id()
@@ -151,6 +155,7 @@ def run_demo(frames_per_topic: int | None = None, keep_broker: bool = False, rat
         print("\nevery frame has a result" if ok else f"\nMISSING results for {produced - len(ids)} frames")
         return 0 if ok else 1
     finally:
+        held.close()
         if not keep_broker and not already_running:
             broker.stop()
 
