@@ -49,6 +49,21 @@ DELIVERY_POLL_S = 0.02
 REFUSAL_REPORT_WAIT_S = 1.0
 # How long a new transactional producer keeps retrying init_transactions (the broker may still be coming back).
 INIT_TRANSACTIONS_TIMEOUT_S = 120.0
+# Waits between init_transactions attempts: doubling from the first to the last.
+INIT_RETRY_FIRST_S = 0.1
+INIT_RETRY_MAX_S = 2.0
+# init_transactions errors a later attempt gets past, whether or not librdkafka flags them retriable: the transaction
+# coordinator is moving or loading, or still completing the previous producer's transaction with this id
+# (CONCURRENT_TRANSACTIONS: after a coordinator kill, the abort of a replaced producer's transaction waits for its
+# markers to be written, so a new producer's init meets it for as long as that takes).
+INIT_RETRY_ERRORS = frozenset({
+    KafkaError.CONCURRENT_TRANSACTIONS,
+    KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+    KafkaError.COORDINATOR_NOT_AVAILABLE,
+    KafkaError.NOT_COORDINATOR,
+    KafkaError._TIMED_OUT,
+    KafkaError._TRANSPORT,
+})
 
 
 # Errors about one message, not the producer: that message can never be produced as it is (it is dead-lettered
@@ -142,13 +157,15 @@ class ResultSink:
 
     def __init__(self, settings: Settings, on_done: DoneCallback, on_rejected: RejectedCallback,
                  transactional_id: str | None = None, max_message_bytes: int | None = None,
-                 producer_factory: ClientFactory = Producer, stuck_grace_s: float = STUCK_GRACE_S) -> None:
+                 producer_factory: ClientFactory = Producer, stuck_grace_s: float = STUCK_GRACE_S,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         conf = producer_config(settings, transactional_id, max_message_bytes)
         self._results_topic = settings.topics.results
         self._dlq_topic = settings.topics.dead_letter
         self._worker_id = settings.observability.worker_id
         self._on_done = on_done
         self._on_rejected = on_rejected
+        self._sleep = sleep
         self.identity = Identity.of(settings, transactional_id)
         # Set by a delivery report the cluster refused (ACL, credentials): the pipeline raises it (exit 2).
         self.access_error: BrokerAccessError | None = None
@@ -240,8 +257,10 @@ class ResultSink:
     # -- transactions (exactly-once) ------------------------------------------------------------------
     def _init_transactions(self) -> None:
         """Register the transactional id (fencing any older producer with it and aborting its transaction),
-        retrying while the broker is unreachable."""
+        retrying with backoff, for at most INIT_TRANSACTIONS_TIMEOUT_S, while the broker is unreachable or its
+        transaction coordinator busy (INIT_RETRY_ERRORS)."""
         deadline = time.monotonic() + INIT_TRANSACTIONS_TIMEOUT_S
+        backoff = INIT_RETRY_FIRST_S
         while True:
             try:
                 self._guarded(lambda: self._producer.init_transactions(10.0), 10.0)
@@ -251,11 +270,16 @@ class ResultSink:
                 refused = classify_producer_error(err, None, self.identity)
                 if refused is not None:  # TRANSACTIONAL_ID_AUTHORIZATION_FAILED, a refused login
                     raise refused from None
-                if err.retriable() and not err.fatal() and time.monotonic() < deadline:
-                    log.warning("init_transactions for %s failed (%s); retrying", self._transactional_id, err.str())
+                transient = not err.fatal() and (err.retriable() or err.code() in INIT_RETRY_ERRORS)
+                if transient and time.monotonic() + backoff < deadline:
+                    log.warning("init_transactions for %s failed (%s); retrying in %.1fs", self._transactional_id,
+                                err.str(), backoff)
+                    self._sleep(backoff)
+                    backoff = min(backoff * 2, INIT_RETRY_MAX_S)
                     continue
-                raise SinkError(f"cannot initialise transactions for transactional id {self._transactional_id!r}: "
-                                f"{err.str()}") from exc
+                within = f" within {INIT_TRANSACTIONS_TIMEOUT_S:.0f}s" if transient else ""
+                raise SinkError(f"cannot initialise transactions for transactional id {self._transactional_id!r}"
+                                f"{within}: {err.str()}") from exc
 
     def begin(self) -> None:
         try:

@@ -74,11 +74,12 @@ def producer():
 
 
 def transactional_sink(producer: FakeProducer,
-                       on_rejected: Callable[[SourceRef, str], None] = lambda source, reason: None) -> ResultSink:
+                       on_rejected: Callable[[SourceRef, str], None] = lambda source, reason: None,
+                       sleep: Callable[[float], None] = time.sleep) -> ResultSink:
     """A transactional sink over the fake producer; a call stuck past its timeout is given up 0.05 s later."""
     return ResultSink(Settings(), on_done=lambda source: None, on_rejected=on_rejected,
                       transactional_id="streamfer-w0", producer_factory=lambda conf, logger=None: producer,
-                      stuck_grace_s=0.05)
+                      stuck_grace_s=0.05, sleep=sleep)
 
 
 def test_a_call_blocked_past_its_timeout_raises_instead_of_hanging(producer: FakeProducer) -> None:
@@ -148,3 +149,36 @@ def test_init_transactions_waits_for_the_broker_then_gives_a_named_error(produce
     monkeypatch.setattr(sink_module, "INIT_TRANSACTIONS_TIMEOUT_S", 0.0)
     with pytest.raises(SinkError, match="streamfer-w0"):
         transactional_sink(producer)
+
+
+def test_concurrent_transactions_at_init_is_retried_with_backoff_not_fatal(producer: FakeProducer) -> None:
+    # A replaced producer's init after a coordinator kill: the coordinator is still aborting the old producer's
+    # transaction. The broker's code may come without librdkafka's retriable flag.
+    producer.init_errors = [KafkaError(KafkaError.CONCURRENT_TRANSACTIONS)] * 4
+    delays: list[float] = []
+    transactional_sink(producer, sleep=delays.append)
+    assert producer.calls.count("init") == 5
+    assert delays == [0.1, 0.2, 0.4, 0.8]
+
+
+def test_init_backoff_is_capped(producer: FakeProducer) -> None:
+    producer.init_errors = [KafkaError(KafkaError.COORDINATOR_LOAD_IN_PROGRESS)] * 8
+    delays: list[float] = []
+    transactional_sink(producer, sleep=delays.append)
+    assert max(delays) == sink_module.INIT_RETRY_MAX_S and delays[-2:] == [2.0, 2.0]
+
+
+def test_init_retries_are_bounded_and_end_in_a_named_error(producer: FakeProducer,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    producer.init_errors = [KafkaError(KafkaError.CONCURRENT_TRANSACTIONS)] * 1000
+    monkeypatch.setattr(sink_module, "INIT_TRANSACTIONS_TIMEOUT_S", 0.05)
+    with pytest.raises(SinkError, match=r"'streamfer-w0' within 0s.*"):
+        transactional_sink(producer, sleep=lambda s: None)
+    assert producer.calls.count("init") < 1000
+
+
+def test_a_fatal_init_error_is_not_retried(producer: FakeProducer) -> None:
+    producer.init_errors = [KafkaError(KafkaError.CONCURRENT_TRANSACTIONS, fatal=True)]
+    with pytest.raises(SinkError, match="streamfer-w0"):
+        transactional_sink(producer, sleep=lambda s: None)
+    assert producer.calls.count("init") == 1
