@@ -3,22 +3,25 @@ verifier saw, per fault and delivery mode.
 
     python bench/reliability.py [--quick] [--mode at_least_once|exactly_once|both] [--soak SECONDS]
                                 [--faults sigkill,churn,...] [--runs N] [--no-config]
-                                [--worker-ids fixed|default|both] [--cpu-load N]
+                                [--worker-ids fixed|default|fresh|all] [--cpu-load N]
 
 Every input message is accounted for by its source coordinates: lost = produced but neither a result nor a
 dead letter; duplicated = answered more than once (exactly-once must show 0; at-least-once stays within the
 frames in flight at each fault); and no partition's committed offset may move backwards (read from
-__consumer_offsets). The faults that replace a worker process run with fixed worker ids and/or default ones (a
-new transactional id per process), as --worker-ids says. The faults are in tests/reliability/faults.py; the
-pytest tests there assert the same outcomes. The broker: KAFKA_BOOTSTRAP_SERVERS if set (the broker faults then need
-STREAMFER_TEST_BROKER_DIR naming a broker this suite may restart, else they are skipped), otherwise a
-local Apache Kafka of its own, destroyed at the end. Writes bench/results/reliability.json; exits 1 when a
-run broke its mode's promise.
+__consumer_offsets). Recovery: per fault and input partition it left waiting, seconds from the fault to the
+partition's first answer after it (from the answers' append timestamps), median / max over a row's runs. The faults
+that replace a worker process run with fixed worker ids, the worker's default ones (`<hostname>-<slot>`) and/or a
+fresh id per process (a new transactional id each time), as --worker-ids says. The faults are in
+tests/reliability/faults.py; the pytest tests there assert the same outcomes. The broker: KAFKA_BOOTSTRAP_SERVERS
+if set (the broker faults then need STREAMFER_TEST_BROKER_DIR naming a broker this suite may restart, else they
+are skipped), otherwise a local Apache Kafka of its own, destroyed at the end. Writes
+bench/results/reliability.json; exits 1 when a run broke its mode's promise.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -33,13 +36,14 @@ from common import markdown_table
 
 from tests.reliability import configcases, faults
 from tests.reliability.harness import MODES, WORKER_IDS, Audit, Lab, RunOutcome, cpu_load
+from tests.reliability.recovery import RecoverySummary
 from worker.tools.local_broker import LocalKafka
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "reliability.json"
 # Faults that stop the broker run last: with a broker that comes back elsewhere, the rest still runs.
 BROKER_FAULTS = ("broker-restart", "broker-kill9", "output-down")
 COLUMNS = ("fault", "mode", "runs", "produced", "results", "dead letters", "lost", "duplicated", "misrouted",
-           "crashes", "seconds", "verdict")
+           "crashes", "recovery s (median / max)", "seconds", "verdict")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,10 +99,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-config", action="store_true", help="skip the bad-configuration checks")
     p.add_argument("--cpu-load", type=int, default=0, metavar="N",
                    help="run the faults with N busy processes competing for the CPU (default 0)")
-    p.add_argument("--worker-ids", choices=[*WORKER_IDS, "both"], default="both",
+    p.add_argument("--worker-ids", choices=[*WORKER_IDS, "all"], default="all",
                    help="how the faults that replace a worker process name the new one: fixed (the same worker id, "
-                        "so the same transactional id), default (the worker's own <hostname>-<pid>: a new one per "
-                        "process, as a user gets it), or both (default; the other faults always run with fixed ids)")
+                        "so the same transactional id), default (none set, as a user gets it: the worker's own "
+                        "<hostname>-<slot>, which a restart on the same host takes again), fresh (a new id per "
+                        "process, as a replacement pod of a Deployment gets), or all (default; the other faults "
+                        "always run with fixed ids)")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="JSON report path")
     args = p.parse_args(argv)
     unknown = set(args.faults or ()) - set(faults.FAULTS)
@@ -120,7 +126,7 @@ def _faults(report: dict[str, Any], chosen: list[str], modes: tuple[str, ...], l
 
 def _worker_ids(choice: str, fault: str) -> tuple[str, ...]:
     """The worker-id policies to run a fault with: only the faults that replace a process can tell them apart."""
-    if choice != "both":
+    if choice != "all":
         return (choice,)
     return WORKER_IDS if fault in faults.REPLACE_WORKERS else ("fixed",)
 
@@ -151,11 +157,13 @@ def _row(fault: str, mode: str, outcomes: list[RunOutcome | None]) -> dict[str, 
     for o in done:
         total.add(o.audit)
     problems = [p.splitlines()[0] for o in done for p in o.problems()]
+    recovery = RecoverySummary.of(r for o in done for r in o.recovery)
     return {
         "fault": done[0].fault, "key": fault, "mode": mode, "runs": len(done), "produced": total.produced,
         "results": total.results, "dead letters": total.dead_letters, "lost": total.lost,
         "duplicated": total.duplicated, "misrouted": total.misrouted,
-        "crashes": sum(len(o.crashes) for o in done), "seconds": round(sum(o.seconds for o in done)),
+        "crashes": sum(len(o.crashes) for o in done), "recovery s (median / max)": recovery.cell(),
+        "recovery": dataclasses.asdict(recovery), "seconds": round(sum(o.seconds for o in done)),
         "faults injected": sum(o.faults_injected for o in done),
         "verdict": "FAIL" if problems else "ok",
         "problems": problems, "notes": [o.notes for o in done], "logs": [o.logdir for o in done],

@@ -67,9 +67,10 @@ def baseline(lab: Lab, mode: str, scale: Scale) -> RunOutcome:
 # -- process faults -----------------------------------------------------------------------------------------------
 def sigkill(lab: Lab, mode: str, scale: Scale, seed: int | None = None) -> RunOutcome:
     """SIGKILL the worker at 20/50/80% progress: mid-batch, at a random moment, after produce before commit;
-    each time a new process takes over: with the same worker id (hence transactional id, which fences the dead
-    one's open transaction), or with default worker ids a new one (the transaction stays open until the broker
-    aborts it, holding the committed offsets of its partitions)."""
+    each time the same command starts a new process at once, as a supervisor restarts one on the same host. With
+    fixed or default worker ids (the worker's own `<hostname>-<slot>`: the restarted process takes the dead one's
+    slot) it has the dead one's transactional id and fences its open transaction; with fresh ids it has a new one,
+    and the transaction stays open until the broker aborts it, holding the committed offsets of its partitions."""
     run = Run(lab, "SIGKILL x3 (20/50/80%)", mode)
     seed = random.randrange(2**32) if seed is None else seed
     rng = random.Random(seed)
@@ -140,11 +141,13 @@ def sigterm_drain(lab: Lab, mode: str, scale: Scale) -> RunOutcome:
         run.feed(run.factory.frames(scale.backlog), wait=True)
         run.fleet.start("w0")
         run.wait_progress(0.4)
-        started = time.monotonic()
+        held = run.fleet.partitions("w0")
+        started, signalled = time.monotonic(), time.time()
         rc = run.fleet.terminate("w0")
+        # Down from the exit; the drain before it still answers the partitions.
+        run.mark_fault(held, began=signalled)
         run.notes["drain_s"] = round(time.monotonic() - started, 1)
         run.notes["drain_rc"] = rc
-        run.faults_injected += 1
         run.fleet.start("w0")
 
     return _guarded(run, body)
@@ -166,8 +169,9 @@ def zombie(lab: Lab, mode: str, scale: Scale) -> RunOutcome:
         # Frozen with a batch inside the model: its results are ready the moment the zombie wakes up.
         probe = run.probe_dir / f"forward.{run.fleet.pid('w0')}"
         run.notes["stopped"] = "mid-batch" if run.wait(probe.exists, 15, interval_s=0.002) else "random"
+        held = run.fleet.partitions("w0")
         run.fleet.signal("w0", signal.SIGSTOP)
-        run.faults_injected += 1
+        run.mark_fault(held)
         try:
             time.sleep(MIN_SESSION_MS / 1000 + 3)  # the fault: frozen past session timeout and poll interval
         finally:
@@ -197,9 +201,10 @@ def group_churn(lab: Lab, mode: str, scale: Scale, static: bool = False) -> RunO
             worker_id = workers[i % len(workers)]
             # A process still loading its model has joined nothing yet: churn only members.
             run.wait(lambda wid=worker_id: run.fleet.is_up(wid), 60)
+            held, signalled = run.fleet.partitions(worker_id), time.time()
             run.fleet.terminate(worker_id)
+            run.mark_fault(held, began=signalled)  # down from its exit: the drain before it still answers
             start(worker_id)
-            run.faults_injected += 1
             i += 1
         run.notes["churns"] = i
 
@@ -208,8 +213,9 @@ def group_churn(lab: Lab, mode: str, scale: Scale, static: bool = False) -> RunO
 
 def sigkill_churn(lab: Lab, mode: str, scale: Scale, seed: int | None = None) -> RunOutcome:
     """Three workers while frames flow; every 2.5 to 5 s one of them that holds partitions is SIGKILLed and a new
-    process takes its place (issue 13 found duplicates this way with default worker ids: a partition whose
-    committed offset a dead process's open transaction held was read again from its beginning by its next owner).
+    process takes its place (issue 13 found duplicates this way with a new worker id per process, "fresh" here: a
+    partition whose committed offset a dead process's open transaction held was read again from its beginning by its
+    next owner).
     Every other kill comes after produce, before commit (the broker frozen for a moment, see kill_after_produce),
     so a transaction carrying offsets is left open as a loaded CPU would leave it; the others at random moments.
     The flow lasts twice the scale's at half its rate, so kills land while the group works, not while it loads."""
@@ -262,8 +268,9 @@ def _broker_bounce(lab: Lab, mode: str, scale: Scale, name: str, kill: bool, out
             run.feed(run.factory.frames(int(scale.rate_fps * scale.flow_s)), rate_fps=scale.rate_fps)
             run.wait_progress(0.3)
         before_address = lab.bootstrap
+        stopping = time.time()
         broker.stop(kill=kill)
-        run.faults_injected += 1
+        run.mark_fault(began=stopping)
         try:
             time.sleep(outage_s)
         finally:
@@ -321,11 +328,11 @@ def partitions_lost_mid_batch(lab: Lab, mode: str, scale: Scale) -> RunOutcome |
             run.notes["stuck"] = "the stalling batch never started"
             return
         os.kill(broker.pid, signal.SIGSTOP)
+        run.mark_fault()
         try:
             time.sleep(MIN_SESSION_MS / 1000 + 2)  # the fault: the coordinator is silent past the session timeout
         finally:
             os.kill(broker.pid, signal.SIGCONT)
-        run.faults_injected += 1
 
     return _guarded(run, body)
 
@@ -376,7 +383,7 @@ def _nodes_down(lab: Lab, mode: str, scale: Scale, name: str, pick: Callable[[Ru
         run.notes["killed_nodes"] = nodes
         for node in nodes:
             broker.stop_node(node, kill=True)
-        run.faults_injected += 1
+        run.mark_fault()
         try:
             run.wait(lambda: False, outage_s)  # the fault, while supervising the worker
         finally:
@@ -403,11 +410,23 @@ def group_coordinator_killed(lab: Lab, mode: str, scale: Scale) -> RunOutcome | 
                        lambda run: [_group_coordinator(lab, run.topics.group)], NODE_OUTAGE_S)
 
 
+def _transaction_coordinator(lab: Lab) -> int:
+    """The leader of __transaction_state, which the broker makes for the first transactional producer: on a fresh
+    cluster (at-least-once runs first) a throwaway one makes it."""
+    admin = _cluster_admin(lab)
+    if "__transaction_state" not in admin.list_topics(timeout=10).topics:
+        from confluent_kafka import Producer
+
+        Producer({"bootstrap.servers": lab.bootstrap, "transactional.id": f"make-txn-state-{time.time_ns()}",
+                  **(lab.broker.client_properties() if lab.broker else {})}).init_transactions(60)
+    return _leader_of(lab, "__transaction_state")
+
+
 def transaction_coordinator_killed(lab: Lab, mode: str, scale: Scale) -> RunOutcome | None:
     """The leader of __transaction_state (one partition here: every transactional id's coordinator) is SIGKILLed
     mid-transaction. At-least-once has no transactions: the same node is killed as a control."""
     return _nodes_down(lab, mode, scale, "transaction coordinator killed (3 nodes)",
-                       lambda run: [_leader_of(lab, "__transaction_state")], NODE_OUTAGE_S)
+                       lambda run: [_transaction_coordinator(lab)], NODE_OUTAGE_S)
 
 
 def two_nodes_down(lab: Lab, mode: str, scale: Scale) -> RunOutcome | None:
@@ -580,8 +599,8 @@ FAULTS: dict[str, Callable[[Lab, str, Scale], RunOutcome | None]] = {
     "two-nodes-down": two_nodes_down,
 }
 
-# The faults that replace a worker process: the ones the runner repeats with default worker ids (a new id per
-# process), where the others keep one process per worker and its id does not matter.
+# The faults that replace a worker process: the ones the runner repeats with each worker-id policy (WORKER_IDS),
+# where the others keep one process per worker and its id does not matter.
 REPLACE_WORKERS = ("sigkill", "kill-held-frame", "sigterm", "churn", "churn-static", "sigkill-churn")
 
 # Faults that need a three-node cluster of their own (Lab.with_own_cluster); skipped on any other lab.

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 
 from tests.integration.helpers import (
     TestTopics,
@@ -43,20 +44,24 @@ from tests.integration.helpers import (
     start_worker,
 )
 from tests.reliability.models import marked_pixels, unmarked_pixels
+from tests.reliability.recovery import FaultMoment, Recovery, recoveries
+from worker.config import load_settings
 from worker.frames import Encoding, Priority, SourceRef
 from worker.schemas import FrameRecord, decode_result, encode_frame
 from worker.tools.local_broker import LocalKafka
-from worker.tools.read_results import DeadLetterRecord, iter_messages, read_dead_letters
+from worker.tools.read_results import DeadLetterRecord, iter_messages
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 PARTITIONS = 3
 DLQ_HEADERS = ("streamfer.error", "streamfer.error_type", "streamfer.source_topic",
                "streamfer.source_partition", "streamfer.source_offset")
 MODES = ("at_least_once", "exactly_once")
-# How a restarted worker is named: "fixed" keeps its worker id (so its transactional id: the new process fences
-# the dead one's open transaction); "default" leaves the worker's default `<hostname>-<pid>`, a new id per process,
-# as a user gets it (the dead process's transaction stays open until the broker aborts it).
-WORKER_IDS = ("fixed", "default")
+# How a restarted worker is named: "fixed" sets its role's worker id (so the same transactional id: the new process
+# fences the dead one's open transaction); "default" sets none, as a user gets it: the worker's own
+# `<hostname>-<slot>`, the lowest slot free on this host, which a process restarted on the same host takes again;
+# "fresh" sets a new id for every process, as a replacement pod of a Kubernetes Deployment gets (the dead process's
+# transaction stays open until the broker aborts it).
+WORKER_IDS = ("fixed", "default", "fresh")
 # librdkafka's default message.max.bytes: the largest value (plus key and headers) a client may produce.
 CLIENT_MAX_MESSAGE_BYTES = 1_000_000
 
@@ -239,10 +244,11 @@ def suite_env(mode: str, unique: str, model: str = "steady_model", batch_sleep_m
 
 
 def duplicate_bound_per_fault(env: dict[str, str]) -> int:
-    """At-least-once: the most frames one fault may answer twice, i.e. what one worker holds read but not
-    committed (the batcher's cap plus the batches running); the suite's producer queue is far below it."""
-    return int(env["WORKER_BATCHING_MAX_PENDING_FRAMES"]) + \
-        int(env["WORKER_DELIVERY_MAX_INFLIGHT_BATCHES"]) * int(env["WORKER_BATCHING_MAX_BATCH_SIZE"])
+    """At-least-once: the most frames one fault may answer twice: what one worker holds read but not committed,
+    which is what it reads at most past its last confirmed commit (`delivery.max_uncommitted_frames`; by default a
+    full batcher plus every batch in flight, realtime's reserved slot included), as the worker itself derives it
+    from the run's settings. The suite's producer queue is far below it."""
+    return load_settings(env={k: v for k, v in env.items() if k.startswith("WORKER_")}).max_uncommitted_frames
 
 
 @dataclass
@@ -268,20 +274,24 @@ class Fleet:
         self.crashes: list[Crash] = []
         self.unclean_stops: dict[str, int] = {}
         self._restarts: Counter = Counter()
+        self._starts: Counter = Counter()
         self._log_offsets: dict[str, int] = {}
 
     def log_path(self, worker_id: str) -> Path:
         return self.logdir / f"{worker_id}.log"
 
     def start(self, worker_id: str, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
-        """Start a process in the role `worker_id` (its log's name); with default worker ids it is named by the
-        worker itself, so each process of the role has a new worker id and transactional id."""
+        """Start a process in the role `worker_id` (its log's name), the same command each time, as a supervisor
+        restarts one; the process's worker id is the role's ("fixed"), the worker's own default ("default"), or
+        new for each process ("fresh")."""
         env = dict(self.env)
         env.update(extra_env or {})
         path = self.log_path(worker_id)
         self._log_offsets[worker_id] = path.stat().st_size if path.exists() else 0
-        proc = start_worker(self.bootstrap, self.topics, extra_env=env,
-                            worker_id=worker_id if self.worker_ids == "fixed" else None,
+        self._starts[worker_id] += 1
+        explicit = {"fixed": worker_id, "default": None,
+                    "fresh": f"{worker_id}-{self._starts[worker_id]}"}[self.worker_ids]
+        proc = start_worker(self.bootstrap, self.topics, extra_env=env, worker_id=explicit,
                             log_path=str(self.log_path(worker_id)))
         self.procs[worker_id] = proc
         return proc
@@ -434,14 +444,48 @@ class GroupWatch:
         self._consumer.close()
 
 
+def stamp_on_append(bootstrap: str, topics: list[str], properties: dict[str, str], timeout_s: float = 30.0) -> None:
+    """Make the broker stamp each output with the time it appended it (LogAppendTime), not the time the worker
+    produced it: an output produced while its partition's leader is away lands (and counts as an answer) later."""
+    admin = AdminClient({"bootstrap.servers": bootstrap, **properties})
+    entry = ConfigEntry("message.timestamp.type", "LogAppendTime", incremental_operation=AlterConfigOpType.SET)
+    futures = admin.incremental_alter_configs(
+        [ConfigResource(ConfigResource.Type.TOPIC, t, incremental_configs=[entry]) for t in topics])
+    for fut in futures.values():
+        fut.result(timeout_s)
+
+
 def read_results_with_times(bootstrap: str, topic: str) -> list[dict[str, Any]]:
-    """Every committed result, each with `_produced_at` (its Kafka create time, seconds): which worker process
-    wrote a duplicate shows from the time, against the process start times in the worker's log."""
+    """Every committed result, each with `_produced_at` (its Kafka timestamp, seconds: when the broker appended it,
+    see stamp_on_append): which worker process wrote a duplicate shows from the time, against the process start
+    times in the worker's log."""
     out = []
     for msg in iter_messages(bootstrap, topic, idle_timeout_s=1.0, timeout_s=180):
         record = decode_result(msg.value())
         record["_produced_at"] = msg.timestamp()[1] / 1000.0
         out.append(record)
+    return out
+
+
+def read_dead_letters_with_times(bootstrap: str, topic: str) -> list[tuple[DeadLetterRecord, float]]:
+    """Every committed dead letter with its Kafka timestamp (seconds; see stamp_on_append)."""
+    return [(DeadLetterRecord(key=m.key(), value=m.value() or b"",
+                              headers={k: (v or b"").decode(errors="replace") for k, v in (m.headers() or [])}),
+             m.timestamp()[1] / 1000.0)
+            for m in iter_messages(bootstrap, topic, idle_timeout_s=1.0, timeout_s=180)]
+
+
+def answer_times(results: list[dict[str, Any]],
+                 dead_letters: list[tuple[DeadLetterRecord, float]]) -> dict[SourceRef, list[float]]:
+    """When each input message's answers were produced, by its source coordinates."""
+    out: dict[SourceRef, list[float]] = {}
+    for r in results:
+        out.setdefault(SourceRef(r["source_topic"], r["source_partition"], r["source_offset"]), []).append(
+            r["_produced_at"])
+    for dl, at in dead_letters:
+        ref = dead_letter_source(dl)
+        if ref is not None:
+            out.setdefault(ref, []).append(at)
     return out
 
 
@@ -553,7 +597,7 @@ class Lab:
         state = self.broker.state() if self.broker is not None else None
         return state.bootstrap_servers if state is not None else self.fixed_bootstrap
 
-    # Worker ids of restarted workers (WORKER_IDS): "fixed", or "default" (a new id per process).
+    # Worker ids of restarted workers (WORKER_IDS): "fixed", "default" (the worker's own) or "fresh" (new each time).
     worker_ids: str = "fixed"
 
     def with_worker_ids(self, worker_ids: str) -> Lab:
@@ -594,6 +638,8 @@ class RunOutcome:
     zero_duplicates_expected: bool = False
     notes: dict[str, Any] = field(default_factory=dict)
     logdir: str = ""
+    # Per fault and affected partition: seconds from the fault to the partition's first answer after it.
+    recovery: list[Recovery] = field(default_factory=list)
 
     def problems(self) -> list[str]:
         """Everything that breaks the delivery promise of the run's mode, or the worker's keeping going."""
@@ -633,10 +679,12 @@ class Run:
     def __init__(self, lab: Lab, fault: str, mode: str, *, model: str = "steady_model", batch_sleep_ms: float = 20,
                  env: dict[str, str] | None = None):
         self.lab = lab
-        self.fault = fault + (" (default worker ids)" if lab.worker_ids == "default" else "")
+        self.fault = fault + ("" if lab.worker_ids == "fixed" else f" ({lab.worker_ids} worker ids)")
         self.mode = mode
         self.unique = uuid.uuid4().hex[:8]
         self.topics = make_topics(lab.bootstrap, self.unique, PARTITIONS, lab.replication)
+        stamp_on_append(lab.bootstrap, [self.topics.results, self.topics.dead_letter],
+                        lab.broker.client_properties() if lab.broker else {})
         slug = re.sub(r"[^a-z0-9]+", "-", self.fault.lower()).strip("-")
         self.dir = lab.workdir / f"{slug}-{mode}-{self.unique}"
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -650,6 +698,7 @@ class Run:
         self.feeders: list[Feeder] = []
         self.expected = 0
         self.faults_injected = 0
+        self.fault_moments: list[FaultMoment] = []
         # A clean stop (SIGTERM drain) must not redo anything, even in at-least-once mode.
         self.zero_duplicates_expected = False
         self.aborted = False
@@ -718,13 +767,22 @@ class Run:
         return committed is not None and committed >= self.expected and all(not f.is_alive() for f in self.feeders)
 
     # -- faults ---------------------------------------------------------------------------------------------
+    def mark_fault(self, partitions: Iterable[tuple[str, int]] | None = None, began: float | None = None) -> None:
+        """A fault left these input partitions without a server now (None: every partition), having been set off at
+        `began` (time.time(); None: now): counted, and its recovery time measured from the answers after the run
+        (see tests/reliability/recovery.py)."""
+        self.faults_injected += 1
+        self.fault_moments.append(FaultMoment(time.time(), None if partitions is None else frozenset(partitions),
+                                              began))
+
     def kill_mid_batch(self, worker_id: str, timeout_s: float = 15.0) -> str:
         """SIGKILL the worker while a batch is inside its model; at a random moment if none is seen in time."""
         probe = self.probe_dir / f"forward.{self.fleet.pid(worker_id)}"
         phase = "mid-batch" if self.wait(probe.exists, timeout_s, interval_s=0.002) else "random"
+        held = self.fleet.partitions(worker_id)
         self.fleet.kill(worker_id)
+        self.mark_fault(held)
         probe.unlink(missing_ok=True)
-        self.faults_injected += 1
         return phase
 
     def kill_after_produce(self, worker_id: str, freeze_s: float = 0.5) -> str:
@@ -732,22 +790,24 @@ class Run:
         (SIGSTOP) for `freeze_s` while the worker keeps producing, the worker is killed, then the broker
         resumes and appends what was sent. Without a broker to freeze, a kill at a random moment."""
         broker = self.lab.pausable.running() if self.lab.pausable else None
+        held = self.fleet.partitions(worker_id)
         if broker is None:
             self.fleet.kill(worker_id)
-            self.faults_injected += 1
+            self.mark_fault(held)
             return "random"
         os.kill(broker.pid, signal.SIGSTOP)
         try:
             time.sleep(freeze_s)
             self.fleet.kill(worker_id)
+            self.mark_fault(held)
         finally:
             os.kill(broker.pid, signal.SIGCONT)
-        self.faults_injected += 1
         return "after-produce"
 
     def kill_now(self, worker_id: str) -> str:
+        held = self.fleet.partitions(worker_id)
         self.fleet.kill(worker_id)
-        self.faults_injected += 1
+        self.mark_fault(held)
         return "random"
 
     # -- the end --------------------------------------------------------------------------------------------
@@ -768,15 +828,29 @@ class Run:
             self.fleet.stop_all()
         self.check_commit_history()
         results = read_results_with_times(self.lab.bootstrap, self.topics.results)
-        dead_letters = read_dead_letters(self.lab.bootstrap, self.topics.dead_letter, idle_timeout_s=1.0)
+        timed_dead_letters = read_dead_letters_with_times(self.lab.bootstrap, self.topics.dead_letter)
+        dead_letters = [dl for dl, _at in timed_dead_letters]
         self.watch.close()
         self.results, self.dead_letters = results, dead_letters
+        recovery = recoveries(self.fault_moments, self.intended, answer_times(results, timed_dead_letters))
+        # Per fault, in order: each interrupted partition's seconds to its first answer (None: never answered).
+        self.notes["recovery_s"] = [{f"{r.partition[0].rsplit('.', 1)[-1]}-{r.partition[1]}":
+                                     None if r.seconds is None else round(r.seconds, 1)
+                                     for r in recovery if r.fault_at == m.at} for m in self.fault_moments]
         return RunOutcome(fault=self.fault, mode=self.mode, audit=audit(self.sent, results, dead_letters),
                           crashes=list(self.fleet.crashes), unclean_stops=dict(self.fleet.unclean_stops),
                           seconds=time.monotonic() - self.started, faults_injected=self.faults_injected,
                           duplicate_bound=duplicate_bound_per_fault(self.env),
                           zero_duplicates_expected=self.zero_duplicates_expected, notes=self.notes,
-                          logdir=str(self.dir))
+                          logdir=str(self.dir), recovery=recovery)
+
+    @property
+    def intended(self) -> dict[SourceRef, float]:
+        """When each input message was sent (its intended send time, see Feeder)."""
+        out: dict[SourceRef, float] = {}
+        for f in self.feeders:
+            out.update(f.intended)
+        return out
 
     def check_commit_history(self) -> None:
         """Every commit of the group, in order, from __consumer_offsets: no partition's committed offset may move

@@ -181,6 +181,29 @@ def test_while_commits_fail_reading_stops_at_the_uncommitted_cap_and_goes_on_whe
     assert w.pipeline.tracker.uncommitted() == 0
 
 
+def test_a_session_lost_while_commits_fail_answers_again_at_most_the_derived_uncommitted_cap() -> None:
+    # The suite's at-least-once bound per fault: what one lost session can answer twice. By default the cap is a
+    # full batcher plus every batch in flight, realtime's reserved slot included: 8 + (2 + 1) x 4 = 20 here.
+    w = World("at_least_once", max_inflight=2,
+              batching=BatchingSettings(rare_shape_min_count=1, max_batch_size=4, max_pending_frames=8))
+    cap = w.settings.max_uncommitted_frames
+    assert cap == 20
+    w.frames(P0, 100)
+    w.kafka.commit_error = KafkaError(KafkaError.COORDINATOR_NOT_AVAILABLE)
+    w.assign([P0])
+    w.step(40)
+    answered_before_the_loss = len(w.results())
+    assert answered_before_the_loss == cap  # answered and acknowledged, never committed
+    w.kafka.rebalance("lost", [P0])
+    w.step()
+    w.kafka.commit_error = None
+    w.assign([P0])
+    w.step(80)
+    counts = Counter(offsets(w.results(), P0))
+    assert sorted(counts) == list(range(100))
+    assert sum(n - 1 for n in counts.values()) == answered_before_the_loss <= cap
+
+
 def test_a_long_commit_interval_commits_early_rather_than_stop_at_the_uncommitted_cap() -> None:
     w = World("at_least_once", max_uncommitted_frames=8, commit_interval_ms=3_600_000)
     w.frames(P0, 40)
