@@ -106,18 +106,19 @@ def claim_slot(directory: Path, namespace: str, slot: int | None = None, max_slo
 
 
 def _prepare(directory: Path) -> None:
-    """Make the directory (0700) if needed. The default one under a shared temp dir must be this user's own, not a
-    symbolic link: another user's directory there could take or fake this user's slots."""
+    """Make the directory (0700) if needed. The default one, under a temp dir other users share, must be this user's
+    own and not a symbolic link: another user's directory there could take or fake this user's slots."""
+    default = directory == default_slot_dir()
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = directory.lstat()
+        st = directory.lstat() if default else directory.stat()
     except OSError as exc:
         raise _dir_error(directory, exc) from None
     if not stat.S_ISDIR(st.st_mode):
-        raise SlotError(f"the worker slot directory {directory} is not a directory (a symbolic link or a file); "
-                        f"set {SLOT_DIR_SETTING} to a directory of this user's, or set observability.worker_id",
-                        setting=SLOT_DIR_SETTING)
-    if directory == default_slot_dir() and st.st_uid != os.getuid():
+        raise SlotError(f"the worker slot directory {directory} is not a directory (a file, or for the default one a "
+                        f"symbolic link); set {SLOT_DIR_SETTING} to a directory of this user's, or set "
+                        "observability.worker_id", setting=SLOT_DIR_SETTING)
+    if default and st.st_uid != os.getuid():
         raise SlotError(f"the worker slot directory {directory} belongs to uid {st.st_uid}, not to this user "
                         f"({os.getuid()}); remove it, set {SLOT_DIR_SETTING} to a directory of this user's, or set "
                         "observability.worker_id", setting=SLOT_DIR_SETTING)

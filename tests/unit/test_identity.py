@@ -207,3 +207,15 @@ def test_reading_settings_takes_no_slot(tmp_path: Path) -> None:
     settings = load_settings(env={"WORKER_OBSERVABILITY_WORKER_SLOT_DIR": str(tmp_path / "s")})
     assert settings.observability.worker_id == ""
     assert not (tmp_path / "s").exists()
+
+
+def test_a_configured_directory_may_be_a_symbolic_link_the_default_one_not(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    assert claim_slot(tmp_path / "link", NS).number == 0
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "xdg"))
+    (tmp_path / "xdg").mkdir()
+    (tmp_path / "xdg" / "streamfer").symlink_to(tmp_path / "real")
+    with pytest.raises(SlotError, match="symbolic link"):
+        claim_slot(default_slot_dir(), NS)
