@@ -2,7 +2,8 @@
 answers themselves (each result's Kafka timestamp, the time the broker appended it, and its source partition).
 
 A partition counts for a fault when the fault interrupted it: it was in service (answered within IN_SERVICE_S
-before the fault) and had input waiting (a message sent before the fault whose first answer came after it, or never).
+before the fault) and had input waiting (a message sent before the fault whose first answer came after it, or never;
+for a SIGTERM, after the drained process exited).
 A partition with nothing to do measures nothing (its next answer waits for new input, not for the worker), nor does
 one the worker had not reached yet (a bulk backlog behind realtime: its first answer waits for the priorities, with
 or without a fault). Pure: no Kafka.
@@ -65,15 +66,17 @@ def recoveries(moments: Iterable[FaultMoment], intended: Mapping[SourceRef, floa
             times = answers_by_tp.get(tp, ())
             if not any(start - in_service_s < t <= start for t in times):
                 continue
-            if not any(_waiting(intended[ref], answered.get(ref, ()), start) for ref in sent_by_tp.get(tp, ())):
+            if not any(_waiting(intended[ref], answered.get(ref, ()), start, moment.at)
+                       for ref in sent_by_tp.get(tp, ())):
                 continue
             after = [t for t in times if t > moment.at]
             out.append(Recovery(tp, moment.at, min(after) - start if after else None))
     return out
 
 
-def _waiting(sent_at: float, answer_times: Sequence[float], fault_at: float) -> bool:
-    return sent_at <= fault_at and (not answer_times or min(answer_times) > fault_at)
+def _waiting(sent_at: float, answer_times: Sequence[float], began: float, down: float) -> bool:
+    """Sent before the fault began, and not answered before nothing could serve it (a drain's answers are)."""
+    return sent_at <= began and (not answer_times or min(answer_times) > down)
 
 
 @dataclass(frozen=True)

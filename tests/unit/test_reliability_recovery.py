@@ -65,6 +65,12 @@ def test_a_drain_before_the_exit_is_service_and_recovery_counts_from_the_signal(
     assert got == [Recovery(A0, 11.0, 6.0)]
 
 
+def test_a_partition_the_drain_answered_in_full_has_nothing_to_recover() -> None:
+    intended = {ref(A0, 0): 1.0, ref(A0, 1): 2.0}
+    answered = {ref(A0, 0): [9.0], ref(A0, 1): [10.4]}  # SIGTERM at 10, exit at 11: nothing left for a successor
+    assert recoveries([FaultMoment(11.0, began=10.0)], intended, answered) == []
+
+
 def test_each_fault_of_a_run_is_measured_from_its_own_moment() -> None:
     intended = {ref(A0, i): float(i) for i in range(60)}
     answered = {ref(A0, i): [i + 0.5 if i < 10 else (25.0 + i if i < 20 else 40.0 + i)] for i in range(60)}
