@@ -69,6 +69,9 @@ CLIENT_MAX_MESSAGE_BYTES = 1_000_000
 RESULT, DEAD_LETTER, EITHER = "result", "dead_letter", "either"
 # A run whose group commits nothing for this long (while work is left) is stuck: the worker hangs.
 NO_PROGRESS_S = 60.0
+# After a kill with the broker frozen, the killed process's requests still on the wire are appended within this long
+# of the broker's resume; no successor answers that soon (starting one takes seconds).
+WIRE_LANDING_S = 2.0
 
 
 # -- the inputs ---------------------------------------------------------------------------------------------
@@ -477,7 +480,7 @@ def read_dead_letters_with_times(bootstrap: str, topic: str) -> list[tuple[DeadL
 
 def answer_times(results: list[dict[str, Any]],
                  dead_letters: list[tuple[DeadLetterRecord, float]]) -> dict[SourceRef, list[float]]:
-    """When each input message's answers were produced, by its source coordinates."""
+    """When each input message's answers landed (their append timestamps), by its source coordinates."""
     out: dict[SourceRef, list[float]] = {}
     for r in results:
         out.setdefault(SourceRef(r["source_topic"], r["source_partition"], r["source_offset"]), []).append(
@@ -767,13 +770,14 @@ class Run:
         return committed is not None and committed >= self.expected and all(not f.is_alive() for f in self.feeders)
 
     # -- faults ---------------------------------------------------------------------------------------------
-    def mark_fault(self, partitions: Iterable[tuple[str, int]] | None = None, began: float | None = None) -> None:
-        """A fault left these input partitions without a server now (None: every partition), having been set off at
-        `began` (time.time(); None: now): counted, and its recovery time measured from the answers after the run
-        (see tests/reliability/recovery.py)."""
+    def mark_fault(self, partitions: Iterable[tuple[str, int]] | None = None, began: float | None = None,
+                   down: float | None = None) -> None:
+        """A fault set off at `began` (time.time(); None: now) left these input partitions (None: every partition)
+        without a server from `down` on (None: now): counted, and its recovery time measured from the answers after
+        the run (see tests/reliability/recovery.py)."""
         self.faults_injected += 1
-        self.fault_moments.append(FaultMoment(time.time(), None if partitions is None else frozenset(partitions),
-                                              began))
+        self.fault_moments.append(FaultMoment(time.time() if down is None else down,
+                                              None if partitions is None else frozenset(partitions), began))
 
     def kill_mid_batch(self, worker_id: str, timeout_s: float = 15.0) -> str:
         """SIGKILL the worker while a batch is inside its model; at a random moment if none is seen in time."""
@@ -796,12 +800,16 @@ class Run:
             self.mark_fault(held)
             return "random"
         os.kill(broker.pid, signal.SIGSTOP)
+        killed = None
         try:
             time.sleep(freeze_s)
             self.fleet.kill(worker_id)
-            self.mark_fault(held)
+            killed = time.time()
         finally:
             os.kill(broker.pid, signal.SIGCONT)
+        if killed is not None:
+            # What the dead process had on the wire lands as the broker resumes: its answers, not a successor's.
+            self.mark_fault(held, began=killed, down=time.time() + WIRE_LANDING_S)
         return "after-produce"
 
     def kill_now(self, worker_id: str) -> str:

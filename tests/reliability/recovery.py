@@ -27,9 +27,10 @@ class FaultMoment:
     """When a fault hit (time.time(), the clock the results' timestamps use) and the input partitions it left without
     a server: a killed or stopped worker's partitions, or None for every partition (a broker or node fault).
 
-    `began`: when the fault was set off, where that is before `at`, the moment nothing can serve the partitions (a
-    SIGTERM before the drained process exits, a broker's stop before it is down). Recovery counts from `began` to
-    the first answer after `at`: an answer in between (the drain's) is service before the fault took hold."""
+    `began`: when the fault was set off, where that is before `at`, the moment from which only a successor can
+    answer (a SIGTERM before the drained process exits; a broker's stop before it is down; a kill while the broker
+    is frozen before the dead process's requests on the wire have landed). Recovery counts from `began` to the first
+    answer after `at`: an answer in between (the drain's, the dead process's last) is not the recovery's."""
 
     at: float
     partitions: frozenset[TP] | None = None
