@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
+from confluent_kafka import Consumer, IsolationLevel, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, OffsetSpec
 
 from tests.integration.helpers import (
     TestTopics,
@@ -69,6 +69,9 @@ CLIENT_MAX_MESSAGE_BYTES = 1_000_000
 RESULT, DEAD_LETTER, EITHER = "result", "dead_letter", "either"
 # A run whose group commits nothing for this long (while work is left) is stuck: the worker hangs.
 NO_PROGRESS_S = 60.0
+# A dead producer's open transaction on an output partition hides every later output there from read_committed
+# readers until the broker aborts it: transaction.timeout.ms (30 s) plus its abort check (10 s), with a margin.
+OPEN_TRANSACTION_WAIT_S = 60.0
 # After a kill with the broker frozen, the killed process's requests still on the wire are appended within this long
 # of the broker's resume; no successor answers that soon (starting one takes seconds).
 WIRE_LANDING_S = 2.0
@@ -445,6 +448,15 @@ class GroupWatch:
 
     def close(self) -> None:
         self._consumer.close()
+
+
+def end_offsets_of(admin: AdminClient, *topics: str, isolation: IsolationLevel) -> dict[tuple[str, int], int]:
+    """Per partition of `topics`: the end a reader at `isolation` sees (read_committed: the last stable offset, which
+    stops at the first transaction still open; read_uncommitted: the high watermark)."""
+    md = admin.list_topics(timeout=10)
+    request = {TopicPartition(t, p): OffsetSpec.latest() for t in topics for p in md.topics[t].partitions}
+    futures = admin.list_offsets(request, isolation_level=isolation, request_timeout=10)
+    return {(tp.topic, tp.partition): fut.result().offset for tp, fut in futures.items()}
 
 
 def stamp_on_append(bootstrap: str, topics: list[str], properties: dict[str, str], timeout_s: float = 30.0) -> None:
@@ -834,6 +846,7 @@ class Run:
         self.notes["events"] = dict(self.fleet.log_events())
         if stop_workers:
             self.fleet.stop_all()
+        self.wait_for_open_transactions()
         self.check_commit_history()
         results = read_results_with_times(self.lab.bootstrap, self.topics.results)
         timed_dead_letters = read_dead_letters_with_times(self.lab.bootstrap, self.topics.dead_letter)
@@ -859,6 +872,29 @@ class Run:
         for f in self.feeders:
             out.update(f.intended)
         return out
+
+    def wait_for_open_transactions(self, timeout_s: float = OPEN_TRANSACTION_WAIT_S) -> None:
+        """Before the outputs are read: wait until no transaction is open on them. A process killed with a
+        transaction open and not restarted under its transactional id (fresh worker ids) leaves it to the broker,
+        and a read_committed reader sees no output of that partition past it until the broker aborts it: answered
+        late, not lost. Past the timeout the audit reads what it can see."""
+        admin = AdminClient({"bootstrap.servers": self.lab.bootstrap,
+                             **(self.lab.broker.client_properties() if self.lab.broker else {})})
+        started = time.monotonic()
+
+        def settled() -> bool:
+            try:
+                outputs = (self.topics.results, self.topics.dead_letter)
+                stable = end_offsets_of(admin, *outputs, isolation=IsolationLevel.READ_COMMITTED)
+                ends = end_offsets_of(admin, *outputs, isolation=IsolationLevel.READ_UNCOMMITTED)
+            except KafkaException:
+                return False
+            return stable == ends
+
+        if not settled():
+            done = self.wait(settled, timeout_s, interval_s=1.0)
+            self.notes["open_transaction_wait_s" if done else "open_transaction_left"] = round(
+                time.monotonic() - started, 1)
 
     def check_commit_history(self) -> None:
         """Every commit of the group, in order, from __consumer_offsets: no partition's committed offset may move
