@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -73,22 +74,30 @@ def test_metrics_agree_with_frames_and_readyz_waits_for_warm_up(kafka_bootstrap,
         worker.wait(timeout=60)
 
 
-def test_three_processes_share_the_partitions_and_handle_each_frame_once(kafka_bootstrap, unique, tmp_path):
+@pytest.mark.parametrize("worker_id", ["host", None], ids=["explicit id", "default id"])
+def test_three_processes_share_the_partitions_and_handle_each_frame_once(kafka_bootstrap, unique, tmp_path,
+                                                                        worker_id):
+    """Child i of `--processes 3` is `<worker_id>-p<i>` with an explicit id, else `<hostname>-<i>` (slot i)."""
     topics = make_topics(kafka_bootstrap, unique, partitions=3)
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_OBSERVABILITY_WORKER")}
     env.update(topics.env())
-    env.update({"WORKER_KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap, "WORKER_OBSERVABILITY_WORKER_ID": "host",
-                "WORKER_RUNTIME_TORCH_THREADS": "1", "WORKER_RUNTIME_WARMUP_BATCHES": "1",
-                "WORKER_KAFKA_SESSION_TIMEOUT_MS": "6000"})
+    env.update({"WORKER_KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap, "WORKER_RUNTIME_TORCH_THREADS": "1",
+                "WORKER_RUNTIME_WARMUP_BATCHES": "1", "WORKER_KAFKA_SESSION_TIMEOUT_MS": "6000",
+                "WORKER_OBSERVABILITY_WORKER_SLOT_DIR": str(tmp_path / "slots")})
+    if worker_id is not None:
+        env["WORKER_OBSERVABILITY_WORKER_ID"] = worker_id
+        expected = {f"{worker_id}-p{i}" for i in range(3)}
+    else:
+        expected = {f"{socket.gethostname()}-{i}" for i in range(3)}
     log_path = tmp_path / "workers.log"
     log = open(log_path, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "worker", "run", "--processes", "3", "--metrics-port", "0"],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         def owners() -> set[str]:
-            return set(re.findall(r"\[(host-p\d)\] worker\.pipeline: partitions assigned: \[\(", log_path.read_text()))
+            return set(re.findall(r"\[([^\]]+)\] worker\.pipeline: partitions assigned: \[\(", log_path.read_text()))
 
-        wait_for(lambda: owners() == {"host-p0", "host-p1", "host-p2"}, 120, "all three processes to own partitions")
+        wait_for(lambda: owners() == expected, 120, "all three processes to own partitions")
         frames = []
         for priority, topic in zip(Priority, topics.inputs):
             batch = list(synthetic_frames(120, [(32, 32), (48, 32)], Encoding.RAW_RGB8, priority, unique,
@@ -106,5 +115,5 @@ def test_three_processes_share_the_partitions_and_handle_each_frame_once(kafka_b
     counts = ledger(results)
     assert set(counts) == {(f.stream_id, f.frame_index) for f in frames}
     assert max(counts.values()) == 1
-    assert {r["worker_id"] for r in results} == {"host-p0", "host-p1", "host-p2"}
+    assert {r["worker_id"] for r in results} == expected
     assert uncommitted(kafka_bootstrap, topics.group, topics.inputs) == {}
