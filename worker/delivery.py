@@ -36,6 +36,9 @@ from worker.sink import DoneCallback, MessageRejected, RejectedCallback, ResultS
 log = logging.getLogger(__name__)
 
 COMMIT_FAILURE_LOG_INTERVAL_S = 10.0
+# An asynchronous commit whose outcome librdkafka has not reported after this long (its request timeout, 60 s, is
+# long past) no longer holds back the next one.
+COMMIT_OUTCOME_WAIT_S = 120.0
 FINAL_FLUSH_TIMEOUT_S = 30.0
 
 
@@ -167,7 +170,10 @@ class Delivery:
 class AtLeastOnceDelivery(Delivery):
     """Produce at once; an offset is done when its output is acknowledged; commit the watermark after each batch.
 
-    A crash re-reads from the last commit: an output may be produced twice, never lost."""
+    A crash re-reads from the last commit: an output may be produced twice, never lost. One asynchronous commit at a
+    time: librdkafka retries a failed OffsetCommit request as it was sent, so with a newer commit already on its way
+    the older offsets could land after it and move the committed offset back (seen while a coordinator failed over:
+    commits of 8 and 9 retried in turn, 8 landing after 9)."""
 
     def __init__(self, settings: Settings, sink_factory: SinkFactory, committer: Committer,
                  tracker: OffsetTracker, assignments: Assignments, metrics: Metrics,
@@ -177,6 +183,8 @@ class AtLeastOnceDelivery(Delivery):
         self._awaiting_ack: dict[SourceRef, Output] = {}
         self._last_commit = float("-inf")
         self._commits_in_flight: deque[float] = deque()
+        # When the asynchronous commit whose outcome is not reported yet was sent (self.clock), or None.
+        self._outcome_awaited_since: float | None = None
         self._last_failure_log = float("-inf")
         self._failures_unlogged = 0
 
@@ -214,6 +222,8 @@ class AtLeastOnceDelivery(Delivery):
         """Commit the watermark: asynchronously in the loop (a synchronous commit would stall it for a broker
         round trip per batch), after a flush and synchronously before partitions are given up."""
         now = self.clock()
+        if not final and self._awaiting_outcome(now):
+            return CommitResult.NOTHING
         # Before the interval ends when half the uncommitted cap is used, so the cap pauses reading only while
         # commits fail, never because the interval is long.
         if not final and now - self._last_commit < self.settings.delivery.commit_interval_ms / 1000.0 \
@@ -221,23 +231,39 @@ class AtLeastOnceDelivery(Delivery):
             return CommitResult.NOTHING
         if final:
             self.finish()
-        points = self.tracker.commit_points()
+        # A partition given up since is someone else's to commit.
+        points = {tp: point for tp, point in self.tracker.commit_points().items() if tp in self.assignments}
         if not points:
             return CommitResult.NOTHING
         # librdkafka reports every commit, synchronous ones too, to the commit callback, in order.
         self._commits_in_flight.append(time.monotonic())
         try:
             self.committer.commit(points, asynchronous=not final)
-        except KafkaException as exc:  # counted by the callback; retried next turn
+        except KafkaException as exc:  # retried next turn
+            self._commits_in_flight.pop()
             log.warning("offset commit failed (will retry): %s", exc)
             return CommitResult.NOTHING
+        if not final:
+            self._outcome_awaited_since = now
         self.tracker.mark_committed(points)
         self._last_commit = now
         self.commits += 1
         return CommitResult.COMMITTED
 
+    def _awaiting_outcome(self, now: float) -> bool:
+        """Whether the last asynchronous commit's outcome is still to come (then the next one waits for it)."""
+        if self._outcome_awaited_since is None:
+            return False
+        if now - self._outcome_awaited_since < COMMIT_OUTCOME_WAIT_S:
+            return True
+        log.warning("no outcome reported for an offset commit sent %.0fs ago: committing again",
+                    now - self._outcome_awaited_since)
+        self._outcome_awaited_since = None
+        return False
+
     def commit_reported(self, committed: dict[TP, int], failed: list[TP], reason: str | None) -> None:
         """Outcome of a commit, served by a consumer poll; a failed partition's commit point is offered again."""
+        self._outcome_awaited_since = None
         if self._commits_in_flight:
             self.metrics.commit_latency.observe(time.monotonic() - self._commits_in_flight.popleft())
         self.tracker.commit_confirmed(committed)

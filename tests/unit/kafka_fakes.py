@@ -78,6 +78,7 @@ class FakeConsumer:
     seeks: list[tuple[TP, int]] = field(default_factory=list)
     commit_error: KafkaError | None = None  # while set, every commit fails (a coordinator away)
     headers: dict[tuple[TP, int], list[tuple[str, bytes]]] = field(default_factory=dict)  # by (tp, offset)
+    hold_commit_reports: bool = False  # while set, commit outcomes are not reported (librdkafka still retrying)
     _commit_reports: list[tuple[KafkaError | None, list[TopicPartition]]] = field(default_factory=list)
 
     # -- test controls --
@@ -153,6 +154,8 @@ class FakeConsumer:
         return offsets
 
     def _serve_commit_reports(self) -> None:
+        if self.hold_commit_reports:
+            return
         cb = self.conf.get("on_commit")
         reports, self._commit_reports = self._commit_reports, []
         for err, offsets in reports:

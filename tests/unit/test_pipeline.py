@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError
 
+import worker.delivery as delivery_module
 from worker.config import BatchingSettings, DeliverySettings, ObservabilitySettings, Settings
 from worker.frames import OUTPUT_REJECTED, BatchOutcome, Priority, Verdict
 from worker.metrics import Health, Metrics
@@ -202,6 +203,35 @@ def test_a_session_lost_while_commits_fail_answers_again_at_most_the_derived_unc
     counts = Counter(offsets(w.results(), P0))
     assert sorted(counts) == list(range(100))
     assert sum(n - 1 for n in counts.values()) == answered_before_the_loss <= cap
+
+
+def test_at_least_once_sends_the_next_commit_only_once_the_last_ones_outcome_is_reported() -> None:
+    # librdkafka retries a failed OffsetCommit as it was sent: with a newer commit on its way, the older offsets
+    # could land after it and move the committed offset back (two nodes of three down: 8 landed after 9).
+    w = World("at_least_once")
+    w.frames(P0, 40)
+    w.kafka.hold_commit_reports = True
+    w.assign([P0])
+    w.step(10)
+    assert len(w.kafka.commit_history) == 1
+    w.kafka.hold_commit_reports = False
+    w.step(10)
+    assert w.committed(P0) == 40
+    history = [c[P0] for c in w.kafka.commit_history]
+    assert history == sorted(history) and len(history) > 1
+
+
+def test_a_commit_outcome_never_reported_holds_back_the_next_commit_only_so_long() -> None:
+    w = World("at_least_once")
+    w.frames(P0, 40)
+    w.kafka.hold_commit_reports = True
+    w.assign([P0])
+    w.step(10)
+    assert len(w.kafka.commit_history) == 1
+    w.clock.now += delivery_module.COMMIT_OUTCOME_WAIT_S
+    w.step()
+    assert len(w.kafka.commit_history) == 2
+    assert w.committed(P0) == 40
 
 
 def test_a_long_commit_interval_commits_early_rather_than_stop_at_the_uncommitted_cap() -> None:
