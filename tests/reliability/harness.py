@@ -33,7 +33,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Consumer, IsolationLevel, KafkaException, Producer, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    IsolationLevel,
+    KafkaError,
+    KafkaException,
+    Producer,
+    TopicPartition,
+)
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, OffsetSpec
 
 from tests.integration.helpers import (
@@ -173,6 +181,9 @@ class Feeder(threading.Thread):
         self.rate_fps = rate_fps
         self.sent: dict[SourceRef, Sent] = {}
         self.intended: dict[SourceRef, float] = {}
+        # Delivered, but reported without an offset (a retried batch the broker already had, during a leader
+        # change): (topic, partition, key, sent, intended), placed by `place_unplaced` once the run is over.
+        self.unplaced: list[tuple[str, int, bytes | None, Sent, float]] = []
         self.errors: list[str] = []
         self.max_send_lag_s = 0.0
         self._halt = threading.Event()
@@ -204,6 +215,22 @@ class Feeder(threading.Thread):
         elif len(self._producer):
             self.errors.append(f"{len(self._producer)} messages unacknowledged after 240 s")
 
+    def place_unplaced(self, bootstrap: str) -> None:
+        """Find the offsets of the messages delivered without one: in their partition, the message with the same key
+        and value digest at an offset no other message of the run was reported at."""
+        for topic, partition, key, sent, intended in self.unplaced:
+            taken = {ref.offset for ref in self.sent if (ref.topic, ref.partition) == (topic, partition)}
+            for msg in iter_partition(bootstrap, topic, partition):
+                if msg.offset() not in taken and msg.key() == key and digest(msg.value()) == sent.digest:
+                    ref = SourceRef(topic, partition, msg.offset())
+                    self.sent[ref] = sent
+                    self.intended[ref] = intended
+                    break
+            else:
+                self.errors.append(f"a message to {topic} [{partition}] was delivered without an offset and is not "
+                                   "in its partition")
+        self.unplaced.clear()
+
     def stop(self) -> None:
         """Stop publishing and drop what is queued (the run is being abandoned)."""
         self._halt.set()
@@ -213,6 +240,9 @@ class Feeder(threading.Thread):
             if err is not None:
                 if not self._halt.is_set():  # purged on purpose otherwise
                     self.errors.append(err.str())
+                return
+            if msg.offset() is None or msg.offset() < 0:
+                self.unplaced.append((msg.topic(), msg.partition(), msg.key(), sent, intended))
                 return
             ref = SourceRef(msg.topic(), msg.partition(), msg.offset())
             self.sent[ref] = sent
@@ -468,6 +498,26 @@ def stamp_on_append(bootstrap: str, topics: list[str], properties: dict[str, str
         [ConfigResource(ConfigResource.Type.TOPIC, t, incremental_configs=[entry]) for t in topics])
     for fut in futures.values():
         fut.result(timeout_s)
+
+
+def iter_partition(bootstrap: str, topic: str, partition: int) -> Iterator[Any]:
+    """Every message of one partition, from its beginning to its end as it is now."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"place-{uuid.uuid4().hex[:8]}",
+                         "enable.auto.commit": False, "enable.partition.eof": True, "log_level": 0})
+    try:
+        consumer.assign([TopicPartition(topic, partition, OFFSET_BEGINNING)])
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is None:
+                continue
+            if msg.error() is not None:
+                if msg.error().code() == KafkaError._PARTITION_EOF:
+                    return
+                continue
+            yield msg
+    finally:
+        consumer.close()
 
 
 def read_results_with_times(bootstrap: str, topic: str) -> list[dict[str, Any]]:
@@ -835,6 +885,8 @@ class Run:
         """Wait for the group to commit everything, stop the workers (SIGTERM), read and audit the outputs."""
         for f in self.feeders:
             f.join(timeout=timeout_s)
+        for f in self.feeders:
+            f.place_unplaced(self.lab.bootstrap)
         errors = [e for f in self.feeders for e in f.errors]
         if errors:
             self.notes["feeder_errors"] = errors
