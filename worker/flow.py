@@ -50,6 +50,10 @@ class FlowControl:
         self._priority_paused = Children(metrics.priority_paused)
         self._priority_pauses = Children(metrics.priority_pauses)
         self._unservable = Children(metrics.backlog_unservable)
+        for p in Priority:  # every class's series from the start (0: not paused), as dashboards and alerts expect
+            self._priority_paused.labels(p.label).set(0)
+            self._priority_pauses.labels(p.label)
+            self._unservable.labels(p.label).set(0)
 
     def room(self) -> int:
         """Frames the loop may read now: the batcher's room (no class still reading past its share), and what is

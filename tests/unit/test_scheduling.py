@@ -447,6 +447,14 @@ def test_when_reading_is_the_bottleneck_realtime_is_read_first(monkeypatch: pyte
         assert sample(w, "streamfer_priority_pauses_total", priority="bulk") == 0
 
 
+def test_every_class_has_its_reading_by_priority_series_from_the_start() -> None:
+    """Dashboards and alerts query these before any pause: each class's series exists, at 0, once the loop is built."""
+    registry = World().metrics.registry
+    for name in ("streamfer_priority_paused", "streamfer_priority_pauses_total", "streamfer_backlog_unservable"):
+        for label in ("realtime", "standard", "bulk"):
+            assert registry.get_sample_value(name, {"priority": label}) == 0.0, (name, label)
+
+
 def test_when_reading_is_the_bottleneck_a_steady_stream_within_capacity_pauses_nothing(
         monkeypatch: pytest.MonkeyPatch) -> None:
     w = reading_bound_world(monkeypatch)
