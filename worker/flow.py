@@ -103,7 +103,6 @@ class FlowControl:
             self._backlog = dict(backlog)
         before = self._decision
         decision = self._decision = intake.decide(self._backlog)
-        self._batcher.hold(self._held(decision.paused))
         if decision == before:
             return
         for p in Priority:
@@ -113,16 +112,3 @@ class FlowControl:
                     self._priority_pauses.labels(p.label).inc()
             if (p in decision.unservable) != (p in before.unservable):
                 self._unservable.labels(p.label).set(1 if p in decision.unservable else 0)
-
-    def _held(self, paused: frozenset[Priority]) -> frozenset[Priority]:
-        """The paused classes whose frames already read get no batches either, so the loop's time goes to the more
-        urgent class: the least urgent first, while their frames stay within a quarter of the uncommitted cap (held
-        frames are not committed, and the rest of the cap is what the more urgent class reads ahead with)."""
-        budget = self._settings.max_uncommitted_frames // 4
-        held: set[Priority] = set()
-        for p in sorted(paused, reverse=True):
-            budget -= self._batcher.pending_of(p)
-            if budget < 0:
-                break
-            held.add(p)
-        return frozenset(held)

@@ -480,16 +480,16 @@ def test_a_frame_already_past_its_deadline_when_read_is_answered_expired_without
     assert sample(w, "streamfer_frames_expired_total", topic=TOPICS.realtime, tenant="t") == 3
 
 
-@pytest.mark.parametrize("bulk_read", [2, 12])
-def test_a_class_paused_for_priority_gets_no_batch_while_its_frames_fit_a_quarter_of_the_uncommitted_cap(
-        monkeypatch: pytest.MonkeyPatch, bulk_read: int) -> None:
-    """Bulk frames read before realtime's backlog was seen stay in the batcher while it is read, and go after; but
-    never more than a quarter of delivery.max_uncommitted_frames (40 here): held frames are not committed, and the
-    rest of the cap is what realtime reads ahead with."""
+def test_frames_of_a_class_paused_for_priority_already_read_are_batched_not_held(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bulk frames read before realtime's backlog was seen still get their batch (the batcher serves realtime
+    first): held, they filled the batcher's caps, backpressure then paused realtime too, and librdkafka dropped
+    realtime's prefetched messages to fetch them again (in the reading-bound overload, realtime scored 13-17%
+    less with them held)."""
     batching = BatchingSettings(max_batch_size=16, rare_shape_min_count=1, lower_class_read_floor=0.0,
                                 release_when_idle=False, adaptive_batch_size=False)
     w = World(monkeypatch, batching=batching, max_inflight=2, max_uncommitted_frames=40)
-    w.kafka.append(BULK, *(frame_at("b", i, w.clock.now) for i in range(bulk_read)))
+    w.kafka.append(BULK, *(frame_at("b", i, w.clock.now) for i in range(2)))
     w.assign([RT, BULK])
     w.pipeline.step()  # bulk read; its partial batch (under 16) is due after bulk's max_wait (100 ms)
     w.kafka.append(RT, *(frame_at("r", i, w.clock.now) for i in range(2_000)))
@@ -498,13 +498,10 @@ def test_a_class_paused_for_priority_gets_no_batch_while_its_frames_fit_a_quarte
         w.clock.now += 0.01
         w.pipeline.step()
     assert sample(w, "streamfer_priority_paused", priority="bulk") == 1
-    if bulk_read <= 40 // 4:
-        assert Priority.BULK not in w.executor.priorities  # its frames wait: the loop reads realtime
-    else:
-        assert Priority.BULK in w.executor.priorities
+    first_bulk = w.executor.priorities.index(Priority.BULK)
+    assert w.executor.priorities[:first_bulk] and set(w.executor.priorities[:first_bulk]) == {Priority.REALTIME}
 
     drain(w, [RT, BULK])
-    assert w.executor.priorities.count(Priority.BULK) >= 1
     assert sample(w, "streamfer_priority_paused", priority="bulk") == 0
 
 

@@ -55,9 +55,7 @@ Classes [selection]. Each pop_batch() serves one class among those with a due ba
   So under overload the model serves realtime first, then standard; bulk (no deadline) waits, and standard
   sheds (expires) before realtime. With slack to spare, weights share the device and nothing starves. Within a
   class, the due group with the oldest frame goes first. pop_batch(max_priority) considers only classes at
-  least that urgent (the loop's reserved realtime slot). hold(classes): those classes get no batch (the loop
-  holds the classes it paused for a more urgent class's backlog in Kafka, worker.intake); their frames wait and
-  still expire.
+  least that urgent (the loop's reserved realtime slot).
 Cost model [sizing] (optional, worker.costmodel, learned from measured batches). Per group:
   - trigger: with adaptive_batch_size, the measured size with the most frames per device second (reason
     "cost"), within the group's cap (so within its class's max_batch_size), instead of the static trigger above;

@@ -37,7 +37,6 @@ class MicroBatcher:
         self._selection = ClassSelection(self._pending, self._sizing, self._formation)
         self._expiry = Expiry(self._pending)
         self._backpressure = Backpressure(settings, self._pending, clock)
-        self._held: frozenset[Priority] = frozenset()  # classes that get no batches now (see hold())
 
     # ----------------------------------------------------------------------------------------------- intake
 
@@ -70,7 +69,7 @@ class MicroBatcher:
         if not self._pending.frames:
             return None
         self._sizing.sync()
-        return self._selection.next_batch(now, max_priority, idle, self._held)
+        return self._selection.next_batch(now, max_priority, idle)
 
     def pop_expired(self) -> list[Frame]:
         """Frames whose deadline (capture + class max_age_ms) has passed; they leave the batcher."""
@@ -84,18 +83,12 @@ class MicroBatcher:
         self._sizing.sync()
         best = self._expiry.next_at()
         for cls in self._classes:
-            if cls.pending and cls.priority not in self._held:
+            if cls.pending:
                 for groups in (cls.fallback, cls.groups):
                     for group in groups.values():
                         if group.due_at < best:
                             best = group.due_at
         return None if best == math.inf else best
-
-    def hold(self, classes: frozenset[Priority]) -> None:
-        """Give these classes no batches until the next hold() (the loop holds the classes whose partitions it
-        paused so that a more urgent class's backlog in Kafka is read first, worker.intake). Their frames wait,
-        still expire, and leave on flush()."""
-        self._held = classes
 
     def flush(self) -> list[Batch]:
         """Everything pending as batches, ignoring waits (shutdown). Frames already expired are set aside for
@@ -121,10 +114,6 @@ class MicroBatcher:
     @property
     def pending_frames(self) -> int:
         return self._pending.frames
-
-    def pending_of(self, priority: Priority) -> int:
-        """Frames of one class waiting for a batch."""
-        return self._classes[priority].pending
 
     @property
     def pending_bytes(self) -> int:

@@ -20,13 +20,12 @@ class ClassSelection:
         self._sizing = sizing
         self._formation = formation
 
-    def next_batch(self, now: float, max_priority: Priority, idle: bool,
-                   held: frozenset[Priority] = frozenset()) -> Batch | None:
-        """The next batch due now of a class at most as low as `max_priority` and not `held`; None when nothing is
-        due. `idle`: every group with a frame counts as due (a partial one leaves with reason "idle")."""
+    def next_batch(self, now: float, max_priority: Priority, idle: bool) -> Batch | None:
+        """The next batch due now of a class at most as low as `max_priority`; None when nothing is due. `idle`:
+        every group with a frame counts as due (a partial one leaves with reason "idle")."""
         due: list[tuple[ClassState, list[Group]]] = []
         for cls in self._classes:
-            if cls.pending and cls.priority <= max_priority and cls.priority not in held:
+            if cls.pending and cls.priority <= max_priority:
                 groups = [g for g in cls.fallback.values()]
                 groups += [g for g in cls.groups.values() if idle or g.due_at <= now]
                 if groups:
