@@ -7,15 +7,11 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from worker.batching import Batch
 from worker.frames import BatchOutcome, DeadLetter, Frame, Output, Status, Verdict
 from worker.metrics import Children, Metrics
 from worker.schemas import ResultContext, build_result, reencode_frame
-
-if TYPE_CHECKING:
-    from prometheus_client import Counter as PromCounter
 
 # One DEBUG line per finished batch (class, shape, size, waits, padding, predicted and measured time): enable
 # with observability.log_level = "DEBUG", or this logger alone, when chasing a p99.
@@ -29,7 +25,6 @@ class Answers:
     def __init__(self, metrics: Metrics, context: ResultContext) -> None:
         self.metrics = metrics
         self._context = context
-        self.consumed = Children(metrics.frames_consumed)
         self._expired = Children(metrics.frames_expired)
         self._flagged = Children(metrics.frames_flagged)
         self._queue_wait = Children(metrics.queue_wait)
@@ -71,7 +66,7 @@ class Answers:
 
     def expired(self, frames: Sequence[Frame], now: float) -> list[Output]:
         """EXPIRED results for frames past their class's max_age_ms (in the batcher, or already when read)."""
-        self.count_by_tenant(self._expired, frames)
+        self.metrics.count_by_tenant(self._expired, frames)
         return [self._result(frame, None, Status.EXPIRED, (now - frame.received_at) * 1000.0, 0, 0.0, now)
                 for frame in frames]
 
@@ -80,12 +75,6 @@ class Answers:
         dl = DeadLetter(source=frame.source, reason=reason, error_type=error_type, payload=reencode_frame(frame),
                         key=frame.stream_id.encode(), headers=frame.headers)
         return Output.of_dead_letter(dl, frame.tenant)
-
-    def count_by_tenant(self, counter: Children[PromCounter], frames: Sequence[Frame]) -> None:
-        """One increment per (topic, tenant label) of `frames`; tenants are labelled in the order first seen, as
-        frame by frame."""
-        for (topic, tenant), n in Counter((f.source.topic, f.tenant) for f in frames).items():
-            counter.labels(topic, self.metrics.tenant_label(tenant)).inc(n)
 
     def _result(self, frame: Frame, verdict: Verdict | None, status: Status, queued_ms: float, batch_size: int,
                 run_ms: float, now: float) -> Output:

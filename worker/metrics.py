@@ -6,10 +6,11 @@ docs/metrics.md lists the same names; tests/unit/test_deploy_manifests.py keeps 
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Generic, TypeVar
@@ -19,7 +20,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
 from worker.config import Settings
-from worker.frames import DEAD_LETTER_ERROR_TYPES
+from worker.frames import DEAD_LETTER_ERROR_TYPES, Frame
 from worker.threadnames import name_os_thread
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
@@ -156,6 +157,12 @@ class Metrics:
         self.input_pixels = Histogram("streamfer_input_pixels",
                                       "Pixels (height x width) of each frame run, by the batch's padded shape.",
                                       ["shape"], buckets=PIXEL_BUCKETS, registry=r)
+
+    def count_by_tenant(self, counter: Children[Counter], frames: Sequence[Frame]) -> None:
+        """One increment per (topic, tenant label) of `frames` on a (topic, tenant) counter; tenants are labelled
+        in the order first seen, as frame by frame."""
+        for (topic, tenant), n in collections.Counter((f.source.topic, f.tenant) for f in frames).items():
+            counter.labels(topic, self.tenant_label(tenant)).inc(n)
 
     def tenant_label(self, tenant: str) -> str:
         """The `tenant` label value to count this tenant under: the tenant itself if it is listed in

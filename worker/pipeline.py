@@ -153,7 +153,8 @@ class Pipeline:
         self.flow = FlowControl(settings, source, self.batcher, self.tracker, metrics, clock)
         self.answers = Answers(metrics, ResultContext(executor.model_name, executor.model_version,
                                                       settings.observability.worker_id))
-        self.reader = Reader(settings, self.tracker, self.duplicates, self.batcher, self.answers, self.flow)
+        self.reader = Reader(settings, self.tracker, self.duplicates, self.batcher, self.answers, self.flow,
+                             metrics)
         self._counts = RunSummary()
         self._inflight = InFlight(self.batcher, executor, settings.delivery.max_inflight_batches,
                                   settings.batching.release_when_idle, metrics)
@@ -278,12 +279,9 @@ class Pipeline:
         expired = self.batcher.pop_expired()
         if not expired:
             return
-        self._answer_expired(expired, self.clock())
+        self._counts.expired += len(expired)
+        self._outputs.extend(self.answers.expired(expired, self.clock()))
         self.flow.record_expired(Counter(f.priority for f in expired))
-
-    def _answer_expired(self, frames: Sequence[Frame], now: float) -> None:
-        self._counts.expired += len(frames)
-        self._outputs.extend(self.answers.expired(frames, now))
 
     # -- producing and committing ---------------------------------------------------------------------------
     def _emit(self) -> None:

@@ -13,6 +13,7 @@ from worker.config import Settings
 from worker.dedup import DuplicateFrames, duplicate_reason
 from worker.flow import FlowControl
 from worker.frames import DUPLICATE_FRAME, Frame, Output, Priority
+from worker.metrics import Children, Metrics
 from worker.offsets import OffsetTracker
 from worker.source import Polled
 
@@ -29,12 +30,14 @@ class Reader:
     """Sorts each poll's messages to their first stage; see the module docstring."""
 
     def __init__(self, settings: Settings, tracker: OffsetTracker, duplicates: DuplicateFrames,
-                 batcher: MicroBatcher, answers: Answers, flow: FlowControl) -> None:
+                 batcher: MicroBatcher, answers: Answers, flow: FlowControl, metrics: Metrics) -> None:
         self._tracker = tracker
         self._duplicates = duplicates
         self._batcher = batcher
         self._answers = answers
         self._flow = flow
+        self._metrics = metrics
+        self._consumed = Children(metrics.frames_consumed)
         self._max_age_s = {p: settings.batching.for_class(p).max_age_ms / 1000.0 for p in Priority}
 
     def take(self, polled: Polled, now: float) -> Taken:
@@ -46,7 +49,7 @@ class Reader:
             self._tracker.track(ref.topic_partition, ref.offset)
         taken = Taken()
         if polled.frames:
-            self._answers.count_by_tenant(self._answers.consumed, polled.frames)
+            self._metrics.count_by_tenant(self._consumed, polled.frames)
         late: list[Frame] = []
         oldest: dict[Priority, int] = {}  # capture_ts_ms of the oldest frame read, per class
         for frame in polled.frames:
@@ -67,7 +70,7 @@ class Reader:
             taken.expired = len(late)
         if polled.dead_letters:
             for topic, n in Counter(dl.source.topic for dl in polled.dead_letters).items():
-                self._answers.consumed.labels(topic, "unknown").inc(n)
+                self._consumed.labels(topic, "unknown").inc(n)
             taken.outputs.extend(Output.of_dead_letter(dl) for dl in polled.dead_letters)
         by_class = Counter(f.priority for f in polled.frames)
         by_class.update(self._flow.class_of_topic[dl.source.topic] for dl in polled.dead_letters)
