@@ -54,6 +54,15 @@ def with_sof_marker(data: bytes, marker: int) -> bytes:
     return data[:pos + 1] + bytes((marker,)) + data[pos + 2:]
 
 
+def with_sampling(jpeg: bytes, factors: tuple[int, ...]) -> bytes:
+    """The JPEG with its components' sampling-factor bytes (0xHV) in the frame header replaced."""
+    sof = jpeg.index(b"\xff\xc0")
+    out = bytearray(jpeg)
+    for i, hv in enumerate(factors):
+        out[sof + 11 + 3 * i] = hv
+    return bytes(out)
+
+
 def scan_starts(data: bytes) -> list[int]:
     return [i for i in range(len(data) - 1) if data[i] == 0xFF and data[i + 1] == 0xDA]
 

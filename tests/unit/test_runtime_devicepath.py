@@ -20,7 +20,7 @@ from PIL import Image
 import worker.runtime.devicepath as devicepath
 from tests.pixels import EQUIVALENCE_SIZES, clip_frames, photo_frames, photo_like
 from tests.reliability.badinput import catalogue, mutations
-from tests.unit.test_runtime_decode import JPEGS, bomb, jpeg_bytes, scan_starts
+from tests.unit.test_runtime_decode import JPEGS, bomb, jpeg_bytes, scan_starts, with_sampling
 from worker.config import ConfigError, ModelSettings, RuntimeSettings, load_settings
 from worker.frames import DECODE_ERROR, Encoding, Frame, Priority, SourceRef
 from worker.runtime import InferenceExecutor
@@ -255,15 +255,6 @@ def test_corrupt_scan_data_in_a_whole_jpeg_is_scored_on_the_device_path_where_st
     cpu, device = both_paths(contract(), [good, corrupt], (512, 512, 3))
     assert [f.frame_index for f, _ in cpu.failures] == [1] and "Corrupt JPEG data" in str(cpu.failures[0][1])
     assert device.frames == [good, corrupt] and torch.equal(device.pixels[0], cpu.pixels[0])
-
-
-def with_sampling(jpeg: bytes, factors: tuple[int, ...]) -> bytes:
-    """The JPEG with its components' sampling-factor bytes (0xHV) in the frame header replaced."""
-    sof = jpeg.index(b"\xff\xc0")
-    out = bytearray(jpeg)
-    for i, hv in enumerate(factors):
-        out[sof + 11 + 3 * i] = hv
-    return bytes(out)
 
 
 @pytest.mark.parametrize("factors", [(0x22, 0x11, 0x12), (0x21, 0x12, 0x11), (0x13, 0x11, 0x11)])
