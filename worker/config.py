@@ -48,8 +48,10 @@ class ConfigError(OperatorError, ValueError):
 class KafkaSettings:
     bootstrap_servers: str = "127.0.0.1:9092"
     group_id: str = "streamfer-worker"
-    # Static membership: a restarted worker with the same id gets its partitions back without a rebalance.
-    group_instance_id: str = ""
+    # Static membership (KIP-345): the member's group.instance.id is the worker id, so a process restarted with the
+    # same id (the default `<hostname>-<slot>` on the same host) gets its partitions back at once, without waiting
+    # out its predecessor's session. A worker that stops gracefully still leaves the group (source.py).
+    static_membership: bool = True
     session_timeout_ms: int = 45_000
     max_poll_interval_ms: int = 300_000
     # Extra librdkafka properties for consumer and producer, e.g. security settings.
@@ -426,6 +428,24 @@ def _section_types() -> dict[str, type]:
     return {name: hints[name] for name in SECTIONS}
 
 
+# Settings that were removed, with what replaced them: a config written for an older worker is told what to change.
+RETIRED_SETTINGS = {
+    "kafka.group_instance_id": ("removed: the group.instance.id is now the worker id (observability.worker_id), "
+                                "static by default; set kafka.static_membership = false for dynamic membership"),
+}
+# What Kafka accepts as a group.instance.id (the broker refuses a JoinGroup with any other).
+GROUP_INSTANCE_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,249}")
+
+
+def group_instance_id_problem(worker_id: str) -> str | None:
+    """Why `worker_id` cannot be a static member's group.instance.id, or None when it can."""
+    if GROUP_INSTANCE_ID_RE.fullmatch(worker_id):
+        return None
+    return (f"observability.worker_id: {worker_id!r} is, with kafka.static_membership (the default), the consumer's "
+            "group.instance.id, which Kafka allows only as 1-249 letters, digits, '.', '_' or '-'; rename it, or set "
+            "kafka.static_membership = false")
+
+
 def _build(cls: type, values: Mapping[str, Any], where: str, problems: list[str]) -> Any:
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
@@ -437,6 +457,9 @@ def _build(cls: type, values: Mapping[str, Any], where: str, problems: list[str]
         prefix, _, sub = key.partition("_")
         if key not in known and prefix in nested_prefixes and sub:
             nested_values.setdefault(prefix, {})[sub] = value
+            continue
+        if key not in known and f"{where}.{key}" in RETIRED_SETTINGS:
+            problems.append(f"{where}.{key}: {RETIRED_SETTINGS[f'{where}.{key}']}")
             continue
         if key not in known:
             problems.append(f"{where}.{key}: unknown setting (known: {', '.join(sorted(known))})")
@@ -541,7 +564,7 @@ def _coerce(value: Any, hint: Any) -> Any:
 PROTECTED_CONSUMER_PROPERTIES = {
     "bootstrap.servers": "use kafka.bootstrap_servers",
     "group.id": "use kafka.group_id",
-    "group.instance.id": "use kafka.group_instance_id",
+    "group.instance.id": "the worker id is the instance id (kafka.static_membership, observability.worker_id)",
     "session.timeout.ms": "use kafka.session_timeout_ms",
     "max.poll.interval.ms": "use kafka.max_poll_interval_ms",
     "enable.auto.commit": "the worker commits only offsets whose frames are done",
@@ -715,6 +738,8 @@ def validate(s: Settings) -> list[str]:
     need(o.worker_slot < 0 or not o.worker_id,
          "observability.worker_slot: names the slot of the default worker id; with observability.worker_id set it "
          "would be ignored, so unset one of them")
+    instance_id_problem = group_instance_id_problem(o.worker_id) if o.worker_id and s.kafka.static_membership else None
+    need(instance_id_problem is None, instance_id_problem or "")
     need(len(o.metric_tenants) <= MAX_METRIC_TENANTS, f"observability.metric_tenants: at most {MAX_METRIC_TENANTS}")
     need(all(0 < len(t.encode()) <= s.limits.max_identifier_bytes for t in o.metric_tenants),
          "observability.metric_tenants: each must be a non-empty tenant of at most limits.max_identifier_bytes bytes")

@@ -20,8 +20,8 @@ from confluent_kafka import (
 )
 
 from worker.assignment import Assignments
-from worker.config import Settings
-from worker.errors import StreamferError
+from worker.config import Settings, group_instance_id_problem
+from worker.errors import OperatorError, StreamferError
 from worker.frames import MESSAGE_DECODE_ERROR, DeadLetter, Frame, Priority, SourceRef
 from worker.kafka_client import ClientFactory, client_properties, new_client
 from worker.kafka_errors import UNKNOWN_TOPIC, BrokerStatus, Identity, RefusalStreak, classify_consumer_error
@@ -38,6 +38,8 @@ COMMITTED_LOOKUP_TIMEOUT_S = 1.0
 COMMITTED_LOOKUP_BUDGET_S = 1.0
 COMMITTED_RETRY_FIRST_S = 0.25
 COMMITTED_RETRY_MAX_S = 2.0
+# How long a static member's close waits for the revoke that lets it leave the group (see FrameSource.close).
+LEAVE_GROUP_TIMEOUT_S = 5.0
 
 
 class SourceError(StreamferError):
@@ -125,10 +127,22 @@ def consumer_config(settings: Settings) -> dict[str, object]:
         "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS,
         "queued.min.messages": QUEUED_MIN_MESSAGES,
     }
-    if k.group_instance_id:
-        conf["group.instance.id"] = k.group_instance_id
+    if k.static_membership:
+        conf["group.instance.id"] = group_instance_id(settings)
     conf.update(k.consumer_overrides)
     return conf
+
+
+def group_instance_id(settings: Settings) -> str:
+    """The static member's group.instance.id: the worker id (resolved: see worker.identity)."""
+    worker_id = settings.observability.worker_id
+    if not worker_id:
+        raise StreamferError("observability.worker_id is empty: resolve it (worker.identity.worker_identity) before "
+                             "making the consumer, whose group.instance.id it is")
+    problem = group_instance_id_problem(worker_id)
+    if problem is not None:
+        raise OperatorError(problem, setting="observability.worker_id")
+    return worker_id
 
 
 def blocking_timeout_s(timeout_s: float) -> float:
@@ -137,6 +151,16 @@ def blocking_timeout_s(timeout_s: float) -> float:
     in under a millisecond would spin through empty polls until then (measured: a dozen turns before each due
     batch), and 2.9 ms blocks for 2. The half millisecond added survives the float to integer truncation."""
     return (math.ceil(timeout_s * 1000.0 - 1e-6) + 0.5) / 1000.0
+
+
+def fatal_consumer_error(err: KafkaError, group_id: str, worker_id: str) -> StreamferError:
+    """What stops the worker on a fatal consumer error; a static member fenced by another with its id is told why."""
+    if KafkaError(KafkaError.FENCED_INSTANCE_ID).str() in err.str():
+        return OperatorError(
+            f"another consumer joined group {group_id!r} as {worker_id!r} (the worker id is the group.instance.id): "
+            "two processes share one observability.worker_id. Give each its own (the default <hostname>-<slot> is "
+            "unique on a host), or set kafka.static_membership = false", setting="observability.worker_id")
+    return SourceError(f"fatal consumer error: {err.str()}")
 
 
 class FrameSource:
@@ -148,6 +172,9 @@ class FrameSource:
         # Authentication, authorisation and reachability are reported here, not as messages (librdkafka 2.x).
         self.broker_status = BrokerStatus(unreachable_limit_s=k.session_timeout_ms / 1000.0)
         self._identity = Identity.of(settings)
+        self._worker_id = settings.observability.worker_id
+        self._static_member = settings.kafka.static_membership
+        self._revokes = 0  # rebalance revokes and losses served, for close()
         self._refusals = RefusalStreak()
         conf = consumer_config(settings)
         conf["error_cb"] = self._on_client_error
@@ -191,11 +218,13 @@ class FrameSource:
 
         def revoked(consumer: Consumer, partitions: list[TopicPartition]) -> None:
             tps = [(p.topic, p.partition) for p in partitions]
+            self._revokes += 1
             on_revoke(tps)
             self._forget(tps)
 
         def lost(consumer: Consumer, partitions: list[TopicPartition]) -> None:
             tps = [(p.topic, p.partition) for p in partitions]
+            self._revokes += 1
             on_lost(tps)
             self._forget(tps)
 
@@ -277,8 +306,9 @@ class FrameSource:
         refused = classify_consumer_error(err, self._identity)
         if refused is not None and refused.cause != UNKNOWN_TOPIC:
             raise refused
-        if err.fatal():
-            raise SourceError(f"fatal consumer error: {err.str()}")
+        # A fatal consumer error reaches the application as a message error _FATAL whose fatal() is False.
+        if err.fatal() or err.code() == KafkaError._FATAL:
+            raise fatal_consumer_error(err, self._identity.group_id, self._worker_id)
         # Transient errors (broker down, leader moves, a topic not yet in the metadata) are retried by librdkafka.
         log.warning("consumer error: %s", err.str())
 
@@ -497,8 +527,36 @@ class FrameSource:
         return out
 
     def close(self) -> None:
-        """Leave the group (triggers a final revoke) and close."""
-        self._consumer.close()
+        """Leave the group (triggers a final revoke) and close.
+
+        A static member does not leave the group when it closes (KIP-345): its partitions would wait out the session
+        timeout, which suits a process about to be restarted under the same id but not one stopped for good (a
+        scale-down, a rollout). librdkafka sends a static member's LeaveGroup when it unsubscribes, once the revoke
+        is served, so a graceful stop unsubscribes and serves the revoke first. A killed process never gets here:
+        its partitions wait for its successor, which rejoins under the same id without a rebalance."""
+        try:
+            if self._static_member and self.assignments.partitions:
+                self._leave_group()
+        finally:
+            self._consumer.close()
+
+    def _leave_group(self) -> None:
+        revokes = self._revokes
+        try:
+            self._consumer.unsubscribe()
+        except KafkaException as exc:  # a consumer already failed (fenced, fatal): its error is the one to report
+            log.warning("could not leave the group: %s", exc)
+            return
+        deadline = time.monotonic() + LEAVE_GROUP_TIMEOUT_S
+        while self._revokes == revokes:
+            if time.monotonic() >= deadline:
+                log.warning("leaving the group: no revoke within %.0f s; the partitions wait out the session",
+                            LEAVE_GROUP_TIMEOUT_S)
+                return
+            # Nothing is read after an unsubscribe; a message fetched before it is dropped, uncommitted.
+            for msg in self._consumer.consume(num_messages=100, timeout=0.05):
+                if msg.error() is not None:
+                    log.warning("leaving the group: %s", msg.error())
 
 
     def _commit_reported(self, err: KafkaError | None, partitions: list[TopicPartition]) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from worker.config import KafkaSettings
 from worker.frames import Priority, SourceRef
 
 if TYPE_CHECKING:
@@ -26,6 +27,10 @@ from .harness import DEAD_LETTER, Lab, Outgoing, Run, RunOutcome, Sent, rss_byte
 
 # The broker's minimum session timeout; max.poll.interval.ms may not be below it.
 MIN_SESSION_MS = 6000
+# The worker's own group session and poll interval (the suite otherwise runs a 6 s session): with default worker ids
+# the SIGKILL row is the worker on its defaults, where a dynamic member's successor would wait out the 45 s session.
+DEFAULT_MEMBERSHIP_ENV = {"WORKER_KAFKA_SESSION_TIMEOUT_MS": str(KafkaSettings().session_timeout_ms),
+                          "WORKER_KAFKA_MAX_POLL_INTERVAL_MS": str(KafkaSettings().max_poll_interval_ms)}
 # Group churn: at least this many leave-and-join cycles per run, however slowly workers start.
 MIN_CHURNS = 3
 # A restarted broker must be consumed from again within this long (the stated reconnect bound).
@@ -70,8 +75,10 @@ def sigkill(lab: Lab, mode: str, scale: Scale, seed: int | None = None) -> RunOu
     each time the same command starts a new process at once, as a supervisor restarts one on the same host. With
     fixed or default worker ids (the worker's own `<hostname>-<slot>`: the restarted process takes the dead one's
     slot) it has the dead one's transactional id and fences its open transaction; with fresh ids it has a new one,
-    and the transaction stays open until the broker aborts it, holding the committed offsets of its partitions."""
-    run = Run(lab, "SIGKILL x3 (20/50/80%)", mode)
+    and the transaction stays open until the broker aborts it, holding the committed offsets of its partitions.
+    With default ids the group session is the worker's default too: the successor, a static member under the dead
+    one's id, takes its place at once instead of waiting the session out."""
+    run = Run(lab, "SIGKILL x3 (20/50/80%)", mode, env=DEFAULT_MEMBERSHIP_ENV if lab.worker_ids == "default" else None)
     seed = random.randrange(2**32) if seed is None else seed
     rng = random.Random(seed)
     run.notes["seed"] = seed  # of the random kill moment
@@ -181,14 +188,15 @@ def zombie(lab: Lab, mode: str, scale: Scale) -> RunOutcome:
 
 
 # -- group churn --------------------------------------------------------------------------------------------------
-def group_churn(lab: Lab, mode: str, scale: Scale, static: bool = False) -> RunOutcome:
-    """Three workers; every few seconds one leaves (SIGTERM) and a new process joins, while frames flow."""
-    run = Run(lab, "group churn" + (" (static members)" if static else ""), mode)
+def group_churn(lab: Lab, mode: str, scale: Scale, static: bool = True) -> RunOutcome:
+    """Three workers; every few seconds one leaves (SIGTERM) and a new process joins, while frames flow. Static
+    members (the default) leave the group on SIGTERM as dynamic ones do; `static` False turns membership dynamic."""
+    run = Run(lab, "group churn" + ("" if static else " (dynamic members)"), mode,
+              env=None if static else {"WORKER_KAFKA_STATIC_MEMBERSHIP": "false"})
     workers = ["w0", "w1", "w2"]
 
     def start(worker_id: str) -> None:
-        extra = {"WORKER_KAFKA_GROUP_INSTANCE_ID": f"{run.unique}-{worker_id}"} if static else None
-        run.fleet.start(worker_id, extra)
+        run.fleet.start(worker_id)
 
     def body() -> None:
         for w in workers:
@@ -583,7 +591,7 @@ FAULTS: dict[str, Callable[[Lab, str, Scale], RunOutcome | None]] = {
     "sigterm": sigterm_drain,
     "zombie": zombie,
     "churn": group_churn,
-    "churn-static": lambda lab, mode, scale: group_churn(lab, mode, scale, static=True),
+    "churn-dynamic": lambda lab, mode, scale: group_churn(lab, mode, scale, static=False),
     "sigkill-churn": sigkill_churn,
     "lost-mid-batch": partitions_lost_mid_batch,
     "broker-restart": broker_restart,
@@ -601,7 +609,7 @@ FAULTS: dict[str, Callable[[Lab, str, Scale], RunOutcome | None]] = {
 
 # The faults that replace a worker process: the ones the runner repeats with each worker-id policy (WORKER_IDS),
 # where the others keep one process per worker and its id does not matter.
-REPLACE_WORKERS = ("sigkill", "kill-held-frame", "sigterm", "churn", "churn-static", "sigkill-churn")
+REPLACE_WORKERS = ("sigkill", "kill-held-frame", "sigterm", "churn", "churn-dynamic", "sigkill-churn")
 
 # Faults that need a three-node cluster of their own (Lab.with_own_cluster); skipped on any other lab.
 CLUSTER_FAULTS = ("leader-killed", "group-coordinator-killed", "txn-coordinator-killed", "two-nodes-down")

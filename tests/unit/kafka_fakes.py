@@ -130,6 +130,10 @@ class FakeConsumer:
             self._run_event(*self.queued_events.pop(0))
         return self._take(num_messages)
 
+    def unsubscribe(self) -> None:
+        """As librdkafka's: the revoke of everything assigned is served by a later consume()."""
+        self.queued_events.append(("revoke", sorted(self.position_of)))
+
     def pause(self, partitions: list[TopicPartition]) -> None:
         self.paused.update((p.topic, p.partition) for p in partitions)
 

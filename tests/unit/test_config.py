@@ -59,6 +59,24 @@ def test_unknown_setting_and_section_in_file(tmp_path):
     assert "[nonsense]: unknown section" in str(err.value)
 
 
+def test_a_retired_setting_says_what_replaced_it():
+    with pytest.raises(ConfigError) as err:
+        load_settings(env={"WORKER_KAFKA_GROUP_INSTANCE_ID": "pod-0"})
+    assert "kafka.group_instance_id: removed" in str(err.value) and "kafka.static_membership" in str(err.value)
+    assert "unknown setting" not in str(err.value)
+
+
+def test_a_worker_id_kafka_refuses_as_an_instance_id_is_refused_unless_membership_is_dynamic():
+    with pytest.raises(ConfigError, match="observability.worker_id: 'pod 0' is.*group.instance.id") as err:
+        load_settings(env={"WORKER_OBSERVABILITY_WORKER_ID": "pod 0"})
+    assert err.value.setting == "observability.worker_id"
+    with pytest.raises(ConfigError, match="group.instance.id"):
+        load_settings(env={"WORKER_OBSERVABILITY_WORKER_ID": "x" * 250})
+    dynamic = load_settings(env={"WORKER_OBSERVABILITY_WORKER_ID": "pod 0", "WORKER_KAFKA_STATIC_MEMBERSHIP": "false"})
+    assert dynamic.observability.worker_id == "pod 0"
+    assert load_settings(env={"WORKER_OBSERVABILITY_WORKER_ID": "pod-0.a_b"}).kafka.static_membership
+
+
 def test_missing_and_malformed_file(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_settings(tmp_path / "absent.toml", env={})

@@ -17,7 +17,8 @@ import pytest
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_INVALID, KafkaError, KafkaException, TopicPartition
 
 import worker.source as source_module
-from worker.config import Settings, load_settings
+from worker.config import KafkaSettings, ObservabilitySettings, Settings, load_settings
+from worker.errors import OperatorError, StreamferError
 from worker.frames import Priority
 from worker.source import COMMITTED_LOOKUP_TIMEOUT_S, COMMITTED_RETRY_FIRST_S, FrameSource
 
@@ -25,6 +26,8 @@ from .kafka_fakes import FakeMessage, frame_value
 
 REALTIME = Settings().topics.realtime
 BULK = Settings().topics.bulk
+# A source is made with its worker id resolved (worker.identity), as `worker run` makes it.
+SETTINGS = Settings(observability=ObservabilitySettings(worker_id="host-0"))
 
 
 # One consume() call's script: messages returned, and rebalance callbacks run in between, in order.
@@ -68,6 +71,8 @@ class FakeConsumer:
     callbacks: dict[str, Callable[..., None]] = field(default_factory=dict)
     timeouts: list[float] = field(default_factory=list)  # of every consume() call
     positions: dict[tuple[str, int], int] = field(default_factory=dict)  # where the consumer would read next
+    calls: list[str] = field(default_factory=list)  # unsubscribe and close, in order
+    fatal: bool = False  # after a fatal error librdkafka refuses an unsubscribe
 
     def subscribe(self, topics: list[str], on_assign: Callable[..., None], on_revoke: Callable[..., None],
                   on_lost: Callable[..., None]) -> None:
@@ -81,9 +86,19 @@ class FakeConsumer:
         for kind, arg in self.script.pop(0):
             if kind == "msg":
                 out.append(FakeMessage(*arg, frame_value("s", arg[2])))
+            elif kind == "error":
+                out.append(FakeMessage("", 0, 0, b"", _error=arg))
             else:
                 self.callbacks[kind](self, [TopicPartition(t, p) for t, p in arg])
         return out
+
+    def unsubscribe(self) -> None:
+        self.calls.append("unsubscribe")
+        if self.fatal:
+            raise KafkaException(KafkaError(KafkaError._FATAL, "Failed to remove subscription: Local: Fatal error"))
+
+    def close(self) -> None:
+        self.calls.append("close")
 
     def committed(self, partitions: list[TopicPartition], timeout: float) -> list[Answer]:
         self.lookups.append([(p.topic, p.partition) for p in partitions])
@@ -119,17 +134,18 @@ def fake() -> FakeConsumer:
     return FakeConsumer()
 
 
-def make_source(fake: FakeConsumer) -> tuple[FrameSource, list[tuple[str, list[tuple[str, int]]]]]:
-    source = FrameSource(Settings(), clock=fake.clock, consumer_factory=lambda conf, logger=None: fake)
+def make_source(fake: FakeConsumer, settings: Settings = SETTINGS
+                ) -> tuple[FrameSource, list[tuple[str, list[tuple[str, int]]]]]:
+    source = FrameSource(settings, clock=fake.clock, consumer_factory=lambda conf, logger=None: fake)
     events: list[tuple[str, list[tuple[str, int]]]] = []
     source.subscribe(lambda tps: events.append(("assign", tps)), lambda tps: events.append(("revoke", tps)),
                      lambda tps: events.append(("lost", tps)))
     return source, events
 
 
-def started(fake: FakeConsumer, tps: list[tuple[str, int]]) -> FrameSource:
+def started(fake: FakeConsumer, tps: list[tuple[str, int]], settings: Settings = SETTINGS) -> FrameSource:
     """A source assigned `tps` and past the first poll, which sought them to their committed offsets."""
-    source, _ = make_source(fake)
+    source, _ = make_source(fake, settings)
     fake.script = [[("assign", tps)], []]
     source.poll(10, 0.0)
     source.poll(10, 0.0)
@@ -354,12 +370,13 @@ def test_a_seek_or_a_new_assignment_accepts_lower_offsets_again(fake: FakeConsum
 def test_fetches_wait_briefly_so_a_resumed_class_is_read_again_soon_and_overrides_still_apply() -> None:
     """Backpressure pauses and resumes partitions; with librdkafka's defaults (a fetch waits at the broker up to
     500 ms, a full prefetch queue postpones the next fetch by 1 s) each resume left the model idle that long."""
-    conf = source_module.consumer_config(Settings())
+    conf = source_module.consumer_config(SETTINGS)
     assert conf["fetch.wait.max.ms"] == source_module.FETCH_WAIT_MAX_MS <= 100
     assert conf["fetch.queue.backoff.ms"] == source_module.FETCH_QUEUE_BACKOFF_MS <= 50
     # and the shared prefetch queue stays shallow: a realtime frame is never behind 100000 prefetched messages
     assert conf["queued.min.messages"] == source_module.QUEUED_MIN_MESSAGES <= 10_000
-    tuned = load_settings(env={}, overrides={"kafka": {"consumer_overrides": {"fetch.wait.max.ms": 500}}})
+    tuned = load_settings(env={}, overrides={"kafka": {"consumer_overrides": {"fetch.wait.max.ms": 500}},
+                                             "observability": {"worker_id": "host-0"}})
     assert source_module.consumer_config(tuned)["fetch.wait.max.ms"] == "500"
 
 
@@ -429,3 +446,79 @@ def test_a_delivered_frame_not_yet_committed_keeps_a_partition_behind_whatever_t
     fake.committed_offsets = {(REALTIME, 0): 99}
     fake.positions = {(REALTIME, 0): 100}
     assert not source.caught_up()
+
+
+# -- static membership -----------------------------------------------------------------------------------------------
+def test_the_worker_id_is_the_group_instance_id_unless_membership_is_dynamic() -> None:
+    assert source_module.consumer_config(SETTINGS)["group.instance.id"] == "host-0"
+    dynamic = Settings(kafka=KafkaSettings(static_membership=False), observability=SETTINGS.observability)
+    assert "group.instance.id" not in source_module.consumer_config(dynamic)
+
+
+def test_a_consumer_is_not_made_before_the_worker_id_is_resolved_or_with_one_kafka_refuses() -> None:
+    with pytest.raises(StreamferError, match="observability.worker_id is empty"):
+        source_module.consumer_config(Settings())
+    # A default id from a host name Kafka refuses as an instance id (config validation sees only explicit ids).
+    odd = Settings(observability=ObservabilitySettings(worker_id="host name-0"))
+    with pytest.raises(OperatorError, match="group.instance.id") as refused:
+        source_module.consumer_config(odd)
+    assert refused.value.setting == "observability.worker_id"
+
+
+def test_a_static_member_leaves_the_group_on_close_once_its_revoke_is_served(fake: FakeConsumer) -> None:
+    """librdkafka sends a static member's LeaveGroup only on unsubscribe, once the revoke is served; a plain
+    close would leave its partitions to wait out the session."""
+    source, events = make_source(fake)
+    fake.script = [[("assign", [(BULK, 0)])], []]
+    source.poll(10, 0.0)
+    source.poll(10, 0.0)
+    fake.script = [[], [("revoke", [(BULK, 0)])], []]
+    source.close()
+    assert fake.calls == ["unsubscribe", "close"]
+    assert events[-1] == ("revoke", [(BULK, 0)]) and source.assignment == frozenset()
+    assert fake.script == [[]]  # it stopped serving callbacks once the revoke was in
+
+
+def test_a_dynamic_member_or_one_holding_nothing_just_closes(fake: FakeConsumer) -> None:
+    dynamic = Settings(kafka=KafkaSettings(static_membership=False), observability=SETTINGS.observability)
+    started(fake, [(BULK, 0)], dynamic).close()
+    assert fake.calls == ["close"]
+    other = FakeConsumer()
+    make_source(other)[0].close()
+    assert other.calls == ["close"]
+
+
+def test_the_consumer_is_closed_even_when_the_final_revoke_fails(fake: FakeConsumer) -> None:
+    source = FrameSource(SETTINGS, clock=fake.clock, consumer_factory=lambda conf, logger=None: fake)
+
+    def failing(tps: list[tuple[str, int]]) -> None:
+        raise RuntimeError("revoke handler failed")
+
+    source.subscribe(lambda tps: None, failing, lambda tps: None)
+    fake.script = [[("assign", [(BULK, 0)])], [], [("revoke", [(BULK, 0)])]]
+    source.poll(10, 0.0)
+    source.poll(10, 0.0)
+    with pytest.raises(RuntimeError, match="revoke handler failed"):
+        source.close()
+    assert fake.calls == ["unsubscribe", "close"]
+
+
+def test_a_second_consumer_under_the_same_worker_id_stops_this_one_naming_the_setting(fake: FakeConsumer) -> None:
+    source = started(fake, [(BULK, 0)])
+    fenced = KafkaError(KafkaError._FATAL, "Fatal error: " + KafkaError(KafkaError.FENCED_INSTANCE_ID).str())
+    fake.script = [[("error", fenced)]]
+    with pytest.raises(OperatorError, match="two processes share one observability.worker_id") as stopped:
+        source.poll(10, 0.0)
+    assert stopped.value.setting == "observability.worker_id"
+    # The pipeline closes the source on its way out; the failed consumer cannot leave, and that is not the error.
+    fake.fatal = True
+    source.close()
+    assert fake.calls == ["unsubscribe", "close"]
+
+
+def test_any_other_fatal_consumer_error_stops_the_worker(fake: FakeConsumer) -> None:
+    """librdkafka hands a fatal error to the application as a message error _FATAL whose fatal() is False."""
+    source = started(fake, [(BULK, 0)])
+    fake.script = [[("error", KafkaError(KafkaError._FATAL, "Fatal error: something else"))]]
+    with pytest.raises(source_module.SourceError, match="something else"):
+        source.poll(10, 0.0)
