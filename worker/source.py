@@ -9,6 +9,7 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from confluent_kafka import (
     OFFSET_BEGINNING,
@@ -25,6 +26,7 @@ from worker.errors import OperatorError, StreamferError
 from worker.frames import MESSAGE_DECODE_ERROR, DeadLetter, Frame, Priority, SourceRef
 from worker.kafka_client import ClientFactory, client_properties, new_client
 from worker.kafka_errors import UNKNOWN_TOPIC, BrokerStatus, Identity, RefusalStreak, classify_consumer_error
+from worker.membership import GroupMembership
 from worker.schemas import MessageDecodeError, decode_frame
 
 log = logging.getLogger(__name__)
@@ -38,12 +40,6 @@ COMMITTED_LOOKUP_TIMEOUT_S = 1.0
 COMMITTED_LOOKUP_BUDGET_S = 1.0
 COMMITTED_RETRY_FIRST_S = 0.25
 COMMITTED_RETRY_MAX_S = 2.0
-# How long a static member's close waits for the revoke that lets it leave the group (see FrameSource.close).
-LEAVE_GROUP_TIMEOUT_S = 5.0
-
-
-class SourceError(StreamferError):
-    """The consumer hit an error it cannot continue from (bad config, fatal broker error)."""
 
 
 @dataclass
@@ -153,16 +149,6 @@ def blocking_timeout_s(timeout_s: float) -> float:
     return (math.ceil(timeout_s * 1000.0 - 1e-6) + 0.5) / 1000.0
 
 
-def fatal_consumer_error(err: KafkaError, group_id: str, worker_id: str) -> StreamferError:
-    """What stops the worker on a fatal consumer error; a static member fenced by another with its id is told why."""
-    if KafkaError(KafkaError.FENCED_INSTANCE_ID).str() in err.str():
-        return OperatorError(
-            f"another consumer joined group {group_id!r} as {worker_id!r} (the worker id is the group.instance.id): "
-            "two processes share one observability.worker_id. Give each its own (the default <hostname>-<slot> is "
-            "unique on a host), or set kafka.static_membership = false", setting="observability.worker_id")
-    return SourceError(f"fatal consumer error: {err.str()}")
-
-
 class FrameSource:
     """Consumes frames from the input topics; each message becomes a Frame or a DeadLetter, never vanishes."""
 
@@ -172,9 +158,8 @@ class FrameSource:
         # Authentication, authorisation and reachability are reported here, not as messages (librdkafka 2.x).
         self.broker_status = BrokerStatus(unreachable_limit_s=k.session_timeout_ms / 1000.0)
         self._identity = Identity.of(settings)
-        self._worker_id = settings.observability.worker_id
-        self._static_member = settings.kafka.static_membership
-        self._revokes = 0  # rebalance revokes and losses served, for close()
+        # Reports partitions lost to the pipeline and forgets them (set by subscribe).
+        self._lose: Callable[[list[TP]], None] = self._forget
         self._refusals = RefusalStreak()
         conf = consumer_config(settings)
         conf["error_cb"] = self._on_client_error
@@ -187,7 +172,7 @@ class FrameSource:
         self._topics = settings.topics.input_topics()
         self._clock = clock
         self._limits = settings.limits
-        self._consumer = new_client(consumer_factory, conf, "consumer", log)
+        self._group = GroupMembership(settings, lambda: new_client(consumer_factory, conf, "consumer", log), clock)
         # The partitions owned and their epochs, shared with the pipeline and delivery.
         self.assignments = assignments if assignments is not None else Assignments()
         self._paused_classes: set[Priority] = set()
@@ -218,17 +203,21 @@ class FrameSource:
 
         def revoked(consumer: Consumer, partitions: list[TopicPartition]) -> None:
             tps = [(p.topic, p.partition) for p in partitions]
-            self._revokes += 1
             on_revoke(tps)
             self._forget(tps)
 
-        def lost(consumer: Consumer, partitions: list[TopicPartition]) -> None:
-            tps = [(p.topic, p.partition) for p in partitions]
-            self._revokes += 1
+        def lose(tps: list[TP]) -> None:
             on_lost(tps)
             self._forget(tps)
 
-        self._consumer.subscribe(list(self._topics), on_assign=assigned, on_revoke=revoked, on_lost=lost)
+        self._lose = lose
+        self._group.subscribe(list(self._topics), assigned, revoked,
+                              lambda consumer, partitions: lose([(p.topic, p.partition) for p in partitions]))
+
+    @property
+    def _consumer(self) -> Any:
+        """The group member's consumer: a new one after the broker fenced the last (worker.membership)."""
+        return self._group.consumer
 
     def _forget(self, tps: list[TP]) -> None:
         self.assignments.release(tps)
@@ -308,9 +297,14 @@ class FrameSource:
             raise refused
         # A fatal consumer error reaches the application as a message error _FATAL whose fatal() is False.
         if err.fatal() or err.code() == KafkaError._FATAL:
-            raise fatal_consumer_error(err, self._identity.group_id, self._worker_id)
+            self._group.on_fatal_error(err, self._lose_held)
+            return
         # Transient errors (broker down, leader moves, a topic not yet in the metadata) are retried by librdkafka.
         log.warning("consumer error: %s", err.str())
+
+    def _lose_held(self) -> None:
+        if self.assignments.partitions:
+            self._lose(sorted(self.assignments.partitions))
 
     def _on_client_error(self, err: KafkaError) -> None:
         """librdkafka's error callback (served inside poll): a refusal that persists stops the worker, raised out
@@ -527,37 +521,8 @@ class FrameSource:
         return out
 
     def close(self) -> None:
-        """Leave the group (triggers a final revoke) and close.
-
-        A static member does not leave the group when it closes (KIP-345): its partitions would wait out the session
-        timeout, which suits a process about to be restarted under the same id but not one stopped for good (a
-        scale-down, a rollout). librdkafka sends a static member's LeaveGroup when it unsubscribes, once the revoke
-        is served, so a graceful stop unsubscribes and serves the revoke first. A killed process never gets here:
-        its partitions wait for its successor, which rejoins under the same id without a rebalance."""
-        try:
-            if self._static_member and self.assignments.partitions:
-                self._leave_group()
-        finally:
-            self._consumer.close()
-
-    def _leave_group(self) -> None:
-        revokes = self._revokes
-        try:
-            self._consumer.unsubscribe()
-        except KafkaException as exc:  # a consumer already failed (fenced, fatal): its error is the one to report
-            log.warning("could not leave the group: %s", exc)
-            return
-        deadline = time.monotonic() + LEAVE_GROUP_TIMEOUT_S
-        while self._revokes == revokes:
-            if time.monotonic() >= deadline:
-                log.warning("leaving the group: no revoke within %.0f s; the partitions wait out the session",
-                            LEAVE_GROUP_TIMEOUT_S)
-                return
-            # Nothing is read after an unsubscribe; a message fetched before it is dropped, uncommitted.
-            for msg in self._consumer.consume(num_messages=100, timeout=0.05):
-                if msg.error() is not None:
-                    log.warning("leaving the group: %s", msg.error())
-
+        """Leave the group (a final revoke; see worker.membership for a static member) and close."""
+        self._group.close(holds_partitions=bool(self.assignments.partitions))
 
     def _commit_reported(self, err: KafkaError | None, partitions: list[TopicPartition]) -> None:
         if self.on_commit_done is not None:

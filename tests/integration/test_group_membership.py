@@ -1,7 +1,7 @@
 """Static membership on the worker's defaults, against the real broker and with the default 45 s session (not the
 tests' 6 s), so that nothing here can be a session expiring: a process restarted under its worker id takes the
 killed one's place at once; a worker stopped gracefully leaves the group, so its partitions move on at once; and
-two processes under one worker id stop the older one with a message naming the setting."""
+two processes under one worker id fence each other until the older one stops with a message naming the setting."""
 
 from __future__ import annotations
 
@@ -96,15 +96,19 @@ def test_a_static_member_stopped_gracefully_hands_its_partitions_over_at_once(ka
         assert staying.wait(timeout=60) == 0, open(log).read()[-3000:]
 
 
-def test_two_processes_under_one_worker_id_stop_the_older_one_naming_the_setting(kafka_bootstrap, unique, tmp_path):
+def test_two_processes_under_one_worker_id_fence_each_other_until_the_older_stops(kafka_bootstrap, unique, tmp_path):
     topics = make_topics(kafka_bootstrap, unique)
     older_log, newer_log = tmp_path / "older.log", tmp_path / "newer.log"
     older = start_worker(kafka_bootstrap, topics, worker_id="same", log_path=str(older_log))
     wait_for(lambda: "same" in members(kafka_bootstrap, topics.group), 120, "the first process in the group")
     newer = start_worker(kafka_bootstrap, topics, worker_id="same", log_path=str(newer_log))
     try:
+        # Each fenced process first joins again under a new consumer (as a process frozen past its session must),
+        # which fences the other; the older one, fenced a second time within a minute, stops.
         assert older.wait(timeout=120) == 2, older_log.read_text()[-3000:]
         assert "two processes share one observability.worker_id" in older_log.read_text()
+        assert "rejoining under a new consumer" in older_log.read_text()
+        assert "rejoining under a new consumer" in newer_log.read_text()
         wait_for(lambda: members(kafka_bootstrap, topics.group).get("same"), 120, "the newer process holding "
                  "the partitions")
     finally:

@@ -20,6 +20,7 @@ import worker.source as source_module
 from worker.config import KafkaSettings, ObservabilitySettings, Settings, load_settings
 from worker.errors import OperatorError, StreamferError
 from worker.frames import Priority
+from worker.membership import REFENCED_WITHIN_S, SourceError
 from worker.source import COMMITTED_LOOKUP_TIMEOUT_S, COMMITTED_RETRY_FIRST_S, FrameSource
 
 from .kafka_fakes import FakeMessage, frame_value
@@ -503,15 +504,57 @@ def test_the_consumer_is_closed_even_when_the_final_revoke_fails(fake: FakeConsu
     assert fake.calls == ["unsubscribe", "close"]
 
 
-def test_a_second_consumer_under_the_same_worker_id_stops_this_one_naming_the_setting(fake: FakeConsumer) -> None:
-    source = started(fake, [(BULK, 0)])
-    fenced = KafkaError(KafkaError._FATAL, "Fatal error: " + KafkaError(KafkaError.FENCED_INSTANCE_ID).str())
-    fake.script = [[("error", fenced)]]
+FENCED = KafkaError(KafkaError._FATAL, "Fatal error: " + KafkaError(KafkaError.FENCED_INSTANCE_ID).str())
+
+
+def fencing_source() -> tuple[FrameSource, list[FakeConsumer], list[tuple[str, list[tuple[str, int]]]]]:
+    """A source whose every consumer is a new fake on one clock (a fenced consumer is replaced)."""
+    clock, consumers = FakeClock(), []
+
+    def make(conf: dict[str, Any], logger: Any = None) -> FakeConsumer:
+        consumers.append(FakeConsumer(clock=clock))
+        return consumers[-1]
+
+    source = FrameSource(SETTINGS, clock=clock, consumer_factory=make)
+    events: list[tuple[str, list[tuple[str, int]]]] = []
+    source.subscribe(lambda tps: events.append(("assign", tps)), lambda tps: events.append(("revoke", tps)),
+                     lambda tps: events.append(("lost", tps)))
+    return source, consumers, events
+
+
+def test_a_member_fenced_after_its_session_expired_loses_its_partitions_and_rejoins_under_a_new_consumer() -> None:
+    """A process frozen past its session (SIGSTOP, a paused VM) is fenced when it wakes: fatal to its consumer."""
+    source, consumers, events = fencing_source()
+    first = consumers[0]
+    first.script = [[("assign", [(BULK, 0)])], [], [("error", FENCED), ("msg", (BULK, 0, 5))]]
+    source.poll(10, 0.0)
+    source.poll(10, 0.0)
+    assert source.poll(10, 0.0).frames == []  # read before the fence, of a partition it no longer holds
+    assert events[-1] == ("lost", [(BULK, 0)]) and source.assignment == frozenset()
+    assert len(consumers) == 2 and first.calls == ["close"] and set(consumers[1].callbacks) == {
+        "assign", "revoke", "lost"}
+    consumers[1].script = [[("assign", [(BULK, 0)])]]
+    source.poll(10, 0.0)
+    assert source.assignment == frozenset({(BULK, 0)})
+
+
+def test_a_second_fence_soon_after_the_first_means_two_processes_share_the_worker_id() -> None:
+    source, consumers, _ = fencing_source()
+    consumers[0].script = [[("error", FENCED)]]
+    source.poll(10, 0.0)
+    consumers[0].clock.now += REFENCED_WITHIN_S + 1  # long after: frozen again, it rejoins again
+    consumers[1].script = [[("error", FENCED)]]
+    source.poll(10, 0.0)
+    assert len(consumers) == 3
+    consumers[2].script = [[("error", FENCED)]]
     with pytest.raises(OperatorError, match="two processes share one observability.worker_id") as stopped:
         source.poll(10, 0.0)
-    assert stopped.value.setting == "observability.worker_id"
-    # The pipeline closes the source on its way out; the failed consumer cannot leave, and that is not the error.
-    fake.fatal = True
+    assert stopped.value.setting == "observability.worker_id" and len(consumers) == 3
+
+
+def test_a_consumer_that_failed_cannot_leave_and_that_is_not_the_error_reported(fake: FakeConsumer) -> None:
+    source = started(fake, [(BULK, 0)])
+    fake.fatal = True  # librdkafka refuses the unsubscribe after a fatal error
     source.close()
     assert fake.calls == ["unsubscribe", "close"]
 
@@ -520,5 +563,5 @@ def test_any_other_fatal_consumer_error_stops_the_worker(fake: FakeConsumer) -> 
     """librdkafka hands a fatal error to the application as a message error _FATAL whose fatal() is False."""
     source = started(fake, [(BULK, 0)])
     fake.script = [[("error", KafkaError(KafkaError._FATAL, "Fatal error: something else"))]]
-    with pytest.raises(source_module.SourceError, match="something else"):
+    with pytest.raises(SourceError, match="something else"):
         source.poll(10, 0.0)
