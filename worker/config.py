@@ -117,8 +117,12 @@ class BatchingSettings:
     rare_shape_min_count: int = 2
     rare_shape_window_ms: float = 10_000.0
     fallback_max_batch_size: int = 4
-    # Backpressure: the batcher holds at most this many frames / bytes before the source pauses.
-    max_pending_frames: int = 2048
+    # Backpressure: the batcher holds at most this many frames / bytes before the source pauses. Each pause drops
+    # the paused partitions' prefetched messages (librdkafka), and each resume waits a fetch round trip, so what the
+    # batcher holds must last that long: with 2048 small frames a worker on a backlog paused and resumed classes
+    # several times a second and 80-90% of its polls took all the consumer had queued (issue 37). The bytes cap
+    # still bounds memory for large frames.
+    max_pending_frames: int = 8192
     max_pending_bytes: int = 512 * 1024 * 1024
     realtime: ClassSettings = field(default_factory=lambda: ClassSettings(
         max_wait_ms=5, max_age_ms=2_000, weight=8, latency_budget_ms=250, pending_share=1.0))
