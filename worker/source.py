@@ -158,8 +158,8 @@ class FrameSource:
         # Authentication, authorisation and reachability are reported here, not as messages (librdkafka 2.x).
         self.broker_status = BrokerStatus(unreachable_limit_s=k.session_timeout_ms / 1000.0)
         self._identity = Identity.of(settings)
-        # Reports partitions lost to the pipeline and forgets them (set by subscribe).
-        self._lose: Callable[[list[TP]], None] = self._forget
+        # The pipeline's handler of partitions lost (set by subscribe).
+        self._on_lost: RebalanceHandler = lambda tps: None
         self._refusals = RefusalStreak()
         conf = consumer_config(settings)
         conf["error_cb"] = self._on_client_error
@@ -206,13 +206,13 @@ class FrameSource:
             on_revoke(tps)
             self._forget(tps)
 
-        def lose(tps: list[TP]) -> None:
-            on_lost(tps)
-            self._forget(tps)
-
-        self._lose = lose
+        self._on_lost = on_lost
         self._group.subscribe(list(self._topics), assigned, revoked,
-                              lambda consumer, partitions: lose([(p.topic, p.partition) for p in partitions]))
+                              lambda consumer, partitions: self._lose([(p.topic, p.partition) for p in partitions]))
+
+    def _lose(self, tps: list[TP]) -> None:
+        self._on_lost(tps)
+        self._forget(tps)
 
     @property
     def _consumer(self) -> Any:

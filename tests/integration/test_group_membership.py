@@ -12,6 +12,7 @@ import time
 import pytest
 from confluent_kafka.admin import AdminClient
 
+from tests.reliability.faults import DEFAULT_MEMBERSHIP_ENV
 from worker.config import KafkaSettings
 from worker.frames import Encoding, Priority
 from worker.tools.publish_frames import publish, synthetic_frames
@@ -21,10 +22,7 @@ from .helpers import ledger, make_topics, start_worker, uncommitted, wait_for
 
 pytestmark = pytest.mark.integration
 
-DEFAULTS = KafkaSettings()
-SESSION_S = DEFAULTS.session_timeout_ms / 1000
-DEFAULT_SESSION = {"WORKER_KAFKA_SESSION_TIMEOUT_MS": str(DEFAULTS.session_timeout_ms),
-                   "WORKER_KAFKA_MAX_POLL_INTERVAL_MS": str(DEFAULTS.max_poll_interval_ms)}
+SESSION_S = KafkaSettings().session_timeout_ms / 1000
 SMALL_BATCHES = {"WORKER_BATCHING_MAX_BATCH_SIZE": "2", "WORKER_BATCHING_FALLBACK_MAX_BATCH_SIZE": "2",
                  "WORKER_DELIVERY_MAX_INFLIGHT_BATCHES": "1"}
 PARTITIONS = 3
@@ -54,7 +52,7 @@ def test_a_killed_worker_restarted_under_its_default_id_takes_its_place_without_
     every = {(t, p) for t in topics.inputs for p in range(PARTITIONS)}
     ids = publish_backlog(kafka_bootstrap, topics, 150, unique)
     log = str(tmp_path / "worker.log")
-    env = {"WORKER_DELIVERY_MODE": "exactly_once", **DEFAULT_SESSION, **SMALL_BATCHES}
+    env = {"WORKER_DELIVERY_MODE": "exactly_once", **DEFAULT_MEMBERSHIP_ENV, **SMALL_BATCHES}
     first = start_worker(kafka_bootstrap, topics, extra_env=env, worker_id=None, log_path=log)
     read_results(kafka_bootstrap, topics.results, until=lambda rs: len(rs) >= 40, timeout_s=120)
     (member_id,) = members(kafka_bootstrap, topics.group)  # the worker's own <hostname>-<slot>
@@ -79,8 +77,8 @@ def test_a_static_member_stopped_gracefully_hands_its_partitions_over_at_once(ka
     topics = make_topics(kafka_bootstrap, unique)
     every = {(t, p) for t in topics.inputs for p in range(PARTITIONS)}
     log = str(tmp_path / "workers.log")
-    staying = start_worker(kafka_bootstrap, topics, extra_env=DEFAULT_SESSION, worker_id="w0", log_path=log)
-    leaving = start_worker(kafka_bootstrap, topics, extra_env=DEFAULT_SESSION, worker_id="w1", log_path=log)
+    staying = start_worker(kafka_bootstrap, topics, extra_env=DEFAULT_MEMBERSHIP_ENV, worker_id="w0", log_path=log)
+    leaving = start_worker(kafka_bootstrap, topics, extra_env=DEFAULT_MEMBERSHIP_ENV, worker_id="w1", log_path=log)
     try:
         wait_for(lambda: {k: bool(v) for k, v in members(kafka_bootstrap, topics.group).items()}
                  == {"w0": True, "w1": True}, 120, "both static members holding partitions")

@@ -27,8 +27,9 @@ from .harness import DEAD_LETTER, Lab, Outgoing, Run, RunOutcome, Sent, rss_byte
 
 # The broker's minimum session timeout; max.poll.interval.ms may not be below it.
 MIN_SESSION_MS = 6000
-# The worker's own group session and poll interval (the suite otherwise runs a 6 s session): with default worker ids
-# the SIGKILL row is the worker on its defaults, where a dynamic member's successor would wait out the 45 s session.
+# The worker's own group session and poll interval, which TEST_ENV shortens to 6 s: with default worker ids the SIGKILL
+# row is the worker on its defaults, where a dynamic member's successor would wait out the 45 s session (also used
+# by tests/integration/test_group_membership.py).
 DEFAULT_MEMBERSHIP_ENV = {"WORKER_KAFKA_SESSION_TIMEOUT_MS": str(KafkaSettings().session_timeout_ms),
                           "WORKER_KAFKA_MAX_POLL_INTERVAL_MS": str(KafkaSettings().max_poll_interval_ms)}
 # Group churn: at least this many leave-and-join cycles per run, however slowly workers start.
@@ -195,12 +196,9 @@ def group_churn(lab: Lab, mode: str, scale: Scale, static: bool = True) -> RunOu
               env=None if static else {"WORKER_KAFKA_STATIC_MEMBERSHIP": "false"})
     workers = ["w0", "w1", "w2"]
 
-    def start(worker_id: str) -> None:
-        run.fleet.start(worker_id)
-
     def body() -> None:
         for w in workers:
-            start(w)
+            run.fleet.start(w)
         run.feed(run.factory.frames(int(scale.rate_fps * scale.flow_s)), rate_fps=scale.rate_fps)
         deadline = time.monotonic() + scale.flow_s
         i = 0
@@ -212,7 +210,7 @@ def group_churn(lab: Lab, mode: str, scale: Scale, static: bool = True) -> RunOu
             held, signalled = run.fleet.partitions(worker_id), time.time()
             run.fleet.terminate(worker_id)
             run.mark_fault(held, began=signalled)  # down from its exit: the drain before it still answers
-            start(worker_id)
+            run.fleet.start(worker_id)
             i += 1
         run.notes["churns"] = i
 
