@@ -214,14 +214,14 @@ def run(ctx: Context) -> dict[str, Any]:
         f"batching_gain_{ctx.model}_{ctx.workload_name}"
     if at is not None:
         result = {**header(ctx), **latency(ctx, None, at)}
-        common.write_json(f"{name}_latency_at_{at:.0f}", result, ctx.out_dir)
+        common.write_json(f"{name}_latency_at_{at:.0f}", result)
         return result
     result = throughput(ctx)
     if ctx.workload_name == "mixed" and not ctx.shared.get("throughput_only"):
         ctx.shared["capacity_fps"] = result["throughput_fps"]["c"]  # the latency sweep's 100%
         latency_result = latency(ctx, result["throughput_fps"])
         result.update(latency_result, tables=result["tables"] + latency_result["tables"])
-    common.write_json(name, result, ctx.out_dir)
+    common.write_json(name, result)
     return result
 
 

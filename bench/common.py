@@ -546,7 +546,6 @@ class Context:
     quick: bool
     torch_threads: int
     log_dir: Path
-    out_dir: Path = RESULTS_DIR
     shared: dict[str, Any] = field(default_factory=dict)  # figures one benchmark hands to the next
     workload_name: str = "mixed"  # a key of workloads.WORKLOADS
     model: str = "toy"  # a key of workloads.MODELS
@@ -567,14 +566,13 @@ class Context:
         return model_settings(self.model, self.workload)
 
     def settings(self, threads: int | None = None) -> Settings:
-        """Settings for an executor in this process: the run's model, torch threads and what run_all varies
-        (runtime.cuda_graphs on a GPU)."""
-        runtime = {"torch_threads": threads or self.torch_threads, **self.shared.get("runtime_overrides", {})}
+        """Settings for an executor in this process: the run's model and torch threads."""
+        runtime = {"torch_threads": threads or self.torch_threads}
         return load_settings(env={}, overrides={"model": self.model_overrides(), "runtime": runtime})
 
     def worker_env(self) -> dict[str, str]:
-        """Extra environment of a worker process: the model, then whatever run_all varies (CUDA graphs)."""
-        return {**model_env(self.model_overrides()), **self.shared.get("worker_env", {})}
+        """Extra environment of a worker process: the run's model."""
+        return model_env(self.model_overrides())
 
     def records(self, count: int, run_id: str) -> list[FrameRecord]:
         return workload_records(count, run_id, self.workload)

@@ -15,13 +15,10 @@ Sections:
              eviction under a graph budget of ~2.5 graphs: evictions, bytes held, memory given back
   decode     JPEG decode frames/s at 720p and 1080p: simplejpeg (the worker's decoder, 1 thread and every core),
              torchvision on the CPU, nvJPEG (torchvision.io.decode_jpeg(device="cuda")) one at a time and in batches
-  executor   open_nsfw through InferenceExecutor, offered 800 frames/s open loop, batched like the worker (<= 32
-             frames, <= 15 ms wait, 2 in flight), 224x224, 720p and 1080p JPEG on the CPU data path (runtime.decode =
-             cpu) and the device data path (runtime.decode = device): sustained frames/s, batch and frame p99; on CUDA
-             also the CPU path with CUDA graphs off and with 4 preprocessing threads (224x224)
   e2e        the worker's real loop over in-memory Kafka fakes, open_nsfw on photo JPEGs (224x224, 720p) on three
              priority topics, per decode path (bench/gpu_e2e.py): frames/s at saturation, p50/p99 per class at 800
-             frames/s offered, mean batch, CPU-ms per frame by thread role, peak GPU memory, the ledger
+             frames/s offered (the device path against issue 34's goal: all answered, p99 < 50 ms), mean batch,
+             CPU-ms per frame by thread role, peak GPU memory, the ledger
   limit      InferenceExecutor alone, saturated (the runtime's own best), per model and JPEG workload, on the CPU data
              path and (224x224, 720p, 1080p) on the device data path, against issue 34's goals on CUDA
   instances  runtime.instances_per_device 1, 2 and 3 on one GPU, open_nsfw on 224x224 JPEG, the executor alone
@@ -57,22 +54,20 @@ sys.path.insert(0, str(REPO / "bench"))
 import common  # noqa: E402 (puts the repository first on sys.path)
 import gpu_e2e  # noqa: E402
 import stats  # noqa: E402
-from executor_load import BatchPolicy, executor_round, executor_sweep, frame_cycle, open_loop  # noqa: E402
+from executor_load import executor_round, executor_sweep, frame_cycle  # noqa: E402
 from workloads import JPEG_WORKLOADS, WORKLOADS, model_settings  # noqa: E402
 
-from worker.config import inflight_batch_limit, load_settings  # noqa: E402
-from worker.frames import Encoding, Priority  # noqa: E402
+from worker.config import load_settings  # noqa: E402
+from worker.frames import Encoding  # noqa: E402
 from worker.runtime import InferenceExecutor  # noqa: E402
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
 DECODE_SIZES = {"720p": (1280, 720), "1080p": (1920, 1080)}
-OFFERED_FPS = 800.0
 MIB = 1 << 20
-# The open loop's JPEG sizes, and issue 34's goals for open_nsfw on the device data path on one GPU.
-OPEN_LOOP_WORKLOADS = {"224x224": "jpeg224", "720p": "jpeg720", "1080p": "jpeg1080"}
+# The device data path's JPEG workloads, and issue 34's goals for open_nsfw on it on one GPU.
+DEVICE_PATH_WORKLOADS = ("jpeg224", "jpeg720", "jpeg1080")
 DEVICE_PATH_GOALS = {"jpeg224": 6000.0, "jpeg720": 4000.0}  # frames/s, saturated
 DEVICE_PATH_CPU_MS_GOAL = 0.3  # per frame, saturated
-OPEN_LOOP_P99_GOAL_MS = 50.0  # frame p99 at 800 frames/s offered, kept up
 PATHS = {"cpu": "CPU path", "device": "device path"}
 INSTANCES = (1, 2, 3)
 
@@ -118,8 +113,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=450.0, help="skip sections that would run past this")
     p.add_argument("--torch-threads", type=int, default=0,
                    help="torch CPU threads (default: torch's own with CUDA, 1 with --cpu)")
-    p.add_argument("--offered-fps", type=float, default=0.0,
-                   help=f"executor section's offered rate (default {OFFERED_FPS:.0f}; 4 with --cpu: a code-path check)")
     p.add_argument("--quick", action="store_true", help="shorter sections (a smoke test of the script)")
     args = p.parse_args(argv)
     import torch
@@ -132,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(threads)
     args.out.mkdir(parents=True, exist_ok=True)
     check = Check(cuda, args.out, time.monotonic() + args.budget_s, threads, args.quick)
-    t0, offered = time.monotonic(), args.offered_fps or (OFFERED_FPS if cuda else 4.0)
+    t0 = time.monotonic()
     plan: list[tuple[str, str, Callable[[Check, Section], None], float, bool]] = [
         # name, title, run, seconds it needs at most (to skip it when the budget is short), needs CUDA
         ("env", "environment", section_env, 5, False),
@@ -140,8 +133,6 @@ def main(argv: list[str] | None = None) -> int:
         ("graphs", "eager vs CUDA graphs, runner.run latency per bucket", section_graphs, 60, True),
         ("memory", "CUDA-graph memory: peak per bucket, graph bytes, LRU eviction", section_memory, 40, True),
         ("decode", "JPEG decode frames/s (CPU decoders vs nvJPEG)", section_decode, 40, False),
-        ("executor", f"executor, open_nsfw, offered {offered:.0f} frames/s, CPU and device data paths",
-         lambda c, s: section_executor(c, s, offered), 90, False),
         ("e2e", "end to end: the worker's loop over Kafka fakes, open_nsfw, 224x224 and 720p JPEG",
          gpu_e2e.section_e2e, 80, False),
         ("limit", "executor alone, saturated, per model, workload and data path", section_limit, 90, False),
@@ -431,44 +422,8 @@ def met(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
 
-def section_executor(check: Check, section: Section, offered: float) -> None:
-    seconds = (3.0 if check.quick else 6.0) if check.cuda else (2.0 if check.quick else 4.0)
-    # (name, runtime settings, JPEG sizes): both data paths at every size, then the CPU path's earlier variants.
-    variants: list[tuple[str, dict[str, Any], dict[str, str]]] = [
-        (f"{PATHS['cpu']} (runtime.decode = cpu)", {"decode": "cpu"}, OPEN_LOOP_WORKLOADS),
-        (f"{PATHS['device']} (runtime.decode = device)", {"decode": "device"}, OPEN_LOOP_WORKLOADS)]
-    if check.cuda:
-        variants += [(f"{PATHS['cpu']}, CUDA graphs off", {"decode": "cpu", "cuda_graphs": False},
-                      {"224x224": "jpeg224"}),
-                     (f"{PATHS['cpu']}, 4 preprocess threads", {"decode": "cpu", "preprocess_threads": 4},
-                      {"224x224": "jpeg224"})]
-    for name, runtime, workloads in variants:
-        executor, settings = executor_for(check, "opennsfw", **runtime)
-        try:
-            policy = BatchPolicy(settings.batching.max_batch_size_for(Priority.STANDARD),
-                                 settings.batching.standard.max_wait_ms,
-                                 inflight_batch_limit(settings.delivery, executor.runner_count))
-            for size, workload in workloads.items():
-                r = open_loop(executor, frame_cycle(WORKLOADS[workload])[0][0], offered, seconds, policy)
-                section.data[f"{name} / {size}"] = {"runtime": runtime, "workload": workload,
-                                                    "device": executor.device_description, **r}
-                value = (f"{r['sustained_fps']:.0f} frames/s sustained (offered {offered:.0f}: "
-                         f"{'kept up' if r['kept_up'] else 'NOT kept up'}; last result {r['drain_after_load_s']:.2f}s "
-                         f"after the last frame was due); batch p50/p99 {r['batch_ms']['p50']:.1f}/"
-                         f"{r['batch_ms']['p99']:.1f} ms; frame p50/p99 {r['frame_ms']['p50']:.1f}/"
-                         f"{r['frame_ms']['p99']:.1f} ms; mean batch {r['mean_batch']:.1f}; "
-                         f"{r['cpu_ms_per_frame']:.2f} CPU-ms/frame")
-                if check.cuda and runtime.get("decode") == "device":
-                    value += (f"; goal kept up with frame p99 < {OPEN_LOOP_P99_GOAL_MS:.0f} ms: "
-                              f"{met(r['kept_up'] and r['frame_ms']['p99'] < OPEN_LOOP_P99_GOAL_MS)}")
-                section.add(f"{name}, {size} JPEG on {check.device()}" + (
-                    "" if check.cuda else " (code-path check, not a GPU figure)"), value)
-        finally:
-            executor.close()
-
-
 def section_limit(check: Check, section: Section) -> None:
-    device_workloads = tuple(OPEN_LOOP_WORKLOADS.values())
+    device_workloads = DEVICE_PATH_WORKLOADS
     if check.cuda:
         cells = [(m, w, "cpu") for m in ("toy", "opennsfw") for w in JPEG_WORKLOADS]
         cells += [(m, w, "device") for m in ("toy", "opennsfw") for w in device_workloads]

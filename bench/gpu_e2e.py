@@ -44,6 +44,7 @@ TP = tuple[str, int]
 # Warm-up timings of (frame shape, batch size, seconds) that seed the batcher's cost model (Pipeline.seed_costs).
 Costs = list[tuple[tuple[int, int, int], int, float]]
 OFFERED_FPS = 800.0
+P99_GOAL_MS = 50.0  # issue 34's goal for the device data path at OFFERED_FPS: every frame answered, p99 under this
 SIZES: dict[str, tuple[int, int]] = {"224x224": (224, 224), "720p": (1280, 720)}  # (width, height)
 # A cycle of five frames: the mixed workload's shares (realtime 20%, standard 40%, bulk 40%), interleaved.
 CLASS_CYCLE = (Priority.STANDARD, Priority.BULK, Priority.REALTIME, Priority.STANDARD, Priority.BULK)
@@ -316,9 +317,10 @@ def figures(run: Run, settings: Settings, timed: bool) -> dict[str, Any]:
     if timed and run.messages:
         ok, start, last_due = [r for r in run.results if r["status"] == "OK"], run.messages[0].due, run.messages[-1].due
         warm_until_ms = (start + WARMUP_SHARE * (last_due - start)) * 1000.0
-        out["latency_by_class"] = {
-            p.label: common.latency_summary([r for r in ok if r["source_topic"] == topic_of(settings, p)
-                                             and r["capture_ts_ms"] >= warm_until_ms]) for p in Priority}
+        kept = [r for r in ok if r["capture_ts_ms"] >= warm_until_ms]
+        out["latency"] = common.latency_summary(kept)
+        out["latency_by_class"] = {p.label: common.latency_summary([r for r in kept if r["source_topic"] ==
+                                                                    topic_of(settings, p)]) for p in Priority}
         out["drain_after_load_s"] = max((common.produced_at_ms(r) for r in run.results), default=math.nan) / 1000.0 \
             - last_due
     return out
@@ -341,6 +343,15 @@ def row(kind: str, rate: float, f: dict[str, Any]) -> str:
     parts.append(f"ledger {book['answered']}/{book['sent']} answered once" + (f", {expired} expired" if expired else "")
                  + (f", {unread} unread at the deadline" if unread else ""))
     return "; ".join(parts)
+
+
+def goal_verdict(f: dict[str, Any]) -> str:
+    """Issue 34's goal for a timed run on the device data path: every frame answered, p99 over all classes under
+    P99_GOAL_MS."""
+    p99, complete = f["latency"]["p99_ms"], f["ledger"]["complete"]
+    met = complete and p99 < P99_GOAL_MS
+    return (f"goal (all answered, p99 < {P99_GOAL_MS:.0f} ms): {'met' if met else 'NOT met'} (p99 {p99:.0f} ms"
+            f"{'' if complete else ', not all answered'})")
 
 
 # -- the section ----------------------------------------------------------------------------------------------------
@@ -432,7 +443,8 @@ def section_e2e(check: Any, section: Any) -> None:
                                    plan.deadline_s, "cuda:0" if cuda else None)
                     f, key = figures(run, settings, timed=rate > 0), f"{name} / {size_name} / {kind}"
                     section.data["runs"][key] = {"offered_fps": rate, "startup_s": started_s, "device": device, **f}
-                    section.add(f"{key}{label}", row(kind, rate, f))
+                    goal = f"; {goal_verdict(f)}" if cuda and path == "device" and rate > 0 else ""
+                    section.add(f"{key}{label}", row(kind, rate, f) + goal)
                     if f["ledger_faults"]:
                         section.fail(f"{key}: ledger: {'; '.join(f['ledger_faults'])}")
         finally:

@@ -157,7 +157,7 @@ def run(ctx: Context) -> dict[str, Any]:
               "broker_warm_up": ctx.shared.get("broker_warm_up"), "levels": runs, "knee": knee_text,
               "knee_share": knee["share_of_capacity"] if knee else None,
               "last_within_budget_share": last_ok["share_of_capacity"] if last_ok else None, "tables": [text]}
-    common.write_json("latency_sweep", result, ctx.out_dir)
+    common.write_json("latency_sweep", result)
     return result
 
 

@@ -60,15 +60,6 @@ def batch_latency_ms(executor: Any, frame: Frame, batch_size: int, iters: int) -
     return statistics.median(times)
 
 
-def seed_comparison(ctx: Context) -> dict[str, Any]:
-    """The seed's own kind of figure (run_all's GPU section): executor latency of one 512x512 frame and of 16."""
-    frame, settings = one_frame(512, 512, Encoding.RAW_RGB8, "seed"), ctx.settings()
-    with InferenceExecutor.from_settings(settings.model, settings.runtime) as executor:
-        executor.warm_up([(512, 512, 3)])
-        return {"single_512_ms": batch_latency_ms(executor, frame, 1, 30),
-                "batch16_512_ms": batch_latency_ms(executor, frame, 16, 30), "device": executor.device_description}
-
-
 def model_only_throughput(executor: Any, cycle: list, batch_size: int, seconds: float) -> float:
     """Frames/s of runner.run on tensors prepared beforehand (no decode, no preprocessing, one at a time)."""
     runner, prep = executor.runners[0], Preprocessor(executor.contract)  # the executor's own preprocessing
@@ -262,7 +253,7 @@ def worker_in_process(ctx: Context, inputs: Topics, frames: int, profile: bool) 
     overrides["kafka"]["bootstrap_servers"] = ctx.bootstrap
     overrides.update({"model": ctx.model_overrides(),
                       "observability": {"metrics_enabled": False, "worker_id": common.new_id("limi")},
-                      "runtime": {"torch_threads": ctx.torch_threads, **ctx.shared.get("runtime_overrides", {})},
+                      "runtime": {"torch_threads": ctx.torch_threads},
                       "batching": {"realtime": {"max_age_ms": 0}, "standard": {"max_age_ms": 0}}})
     settings, outcome = load_settings(env={}, overrides=overrides), {}
     prof, inst = cProfile.Profile() if profile else None, Instrumented(frames, ctx.broker)
@@ -343,7 +334,7 @@ def run(ctx: Context) -> dict[str, Any]:
               "workload": ctx.workload.describe(), "torch_threads_worker": ctx.torch_threads, "device": ex["device"],
               "executor_rows": rows, "limit": best, "model_only_best": best_model, "worker_in_process": inproc,
               "backlog_publish": load, "standard_full_batch": budget, "cprofile": prof_text, "tables": text}
-    common.write_json("model_limit", result, ctx.out_dir)
+    common.write_json("model_limit", result)
     return result
 
 

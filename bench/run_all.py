@@ -1,11 +1,11 @@
 """Every benchmark in one run, and bench/results/summary.md: the one home of the project's measured figures.
 
 The Kafka benchmarks share one broker (the test kit's, warmed up): the limit, batching gain, latency under load,
-scaling, the workload matrix and the batch-size A/B; the others run as their own processes: the batch-size A/B in
-process, contention, preprocessing cost, the batcher, and a reliability smoke (one fault, both modes). Where CUDA is
-available, the limit, gain and sweep again with CUDA graphs on and off. Each writes its JSON to bench/results/;
-summary.md is generated from them: date, commit, machine, every figure as median (min-max) with its rounds, and the
-headline table the README copies.
+scaling, the workload matrix and the batch-size A/B; the others run as their own processes: preprocessing cost, the
+batcher, and a reliability smoke (one fault, both modes). The GPU's figures come from `./dev gpu-check`
+(bench/gpu_check.py), which needs no broker. Each writes its JSON to bench/results/; summary.md is generated from
+them: date, commit, machine, every figure as median (min-max) with its rounds, and the headline table the README
+copies.
 
     python bench/run_all.py              # everything (bench/README.md gives the time on a 2-core machine)
     python bench/run_all.py --quick      # fewer rounds, shorter runs, noisier: every benchmark end to end
@@ -32,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import batcher
 import batching_gain
 import common
-import contention
 import latency_sweep
 import model_limit
 import preprocess_cost
@@ -48,7 +47,7 @@ HERE = Path(__file__).resolve().parent
 
 def batch_ab(ctx: Context) -> dict[str, Any]:
     """settings_ab's batch set through Kafka: no batch settings vs fixed sizes, open_nsfw on 224x224 JPEG."""
-    args = argparse.Namespace(frames=0, in_process=False, in_step=None, variants="batch")
+    args = argparse.Namespace(frames=0, in_step=None, variants="batch")
     cell = dataclasses.replace(ctx, model="opennsfw", workload_name="jpeg224", shared={**ctx.shared, "args": args})
     return settings_ab.run(cell, settings_ab.VARIANT_SETS["batch"])
 
@@ -64,13 +63,6 @@ KAFKA: dict[str, tuple[str, Callable[[Context], dict[str, Any]], Summary]] = {
 }
 # (title, argv for full and quick runs, the JSON it writes, its summary)
 PROCESSES: dict[str, tuple[str, tuple[list[str], list[str]], str, Summary]] = {
-    "batch-inproc": ("Batch sizes in process (ResNet-50, random weights, no Kafka)",
-                     (["settings_ab.py", "--in-process", "--variants", "batch"],
-                      ["settings_ab.py", "--in-process", "--variants", "batch", "--quick"]),
-                     "settings_ab_batch_in_process", settings_ab.summary),
-    "contention": ("The runtime beside busy Python (near-zero model, 224x224 JPEG)",
-                   (["contention.py"], ["contention.py", "--rounds", "2", "--seconds", "1.5"]), "contention",
-                   contention.summary),
     "preprocess": ("Preprocessing cost (near-zero model, no Kafka)",
                    (["preprocess_cost.py", "--rounds", "3"], ["preprocess_cost.py", "--rounds", "2", "--seconds", "1",
                                                                "--threads", "1", "--cases",
@@ -82,7 +74,7 @@ PROCESSES: dict[str, tuple[str, tuple[list[str], list[str]], str, Summary]] = {
                     (["reliability.py", "--quick", "--faults", "sigkill", "--runs", "1", "--no-config",
                       "--worker-ids", "fixed"],) * 2, "reliability", reliability.summary),
 }
-SECTIONS = [*KAFKA, *PROCESSES, "gpu"]
+SECTIONS = [*KAFKA, *PROCESSES]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,8 +104,6 @@ def main(argv: list[str] | None = None) -> int:
             title, argvs, result, summarize = PROCESSES[name]
             sections.append(section(name, title, lambda a=argvs[args.quick], r=result: subprocess_run(a, r, env),
                                     summarize))
-        if "gpu" in chosen:
-            sections += gpu_sections(ctx, machine["cuda"] is not None)
     summary = {"machine": machine, "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
                "broker": broker.description, "broker_warm_up": warm_up, "quick": args.quick,
                "torch_threads": args.torch_threads, "rounds": args.rounds, "elapsed_s": round(time.monotonic() - t0, 1),
@@ -154,30 +144,6 @@ def subprocess_run(argv: list[str], result: str, env: dict[str, str]) -> dict[st
     if not path.is_file():
         raise RuntimeError(f"{argv[0]} exited {done.returncode} without writing {path.name}")
     return dict(json.loads(path.read_text()))
-
-
-def gpu_sections(ctx: Context, cuda: bool) -> list[dict[str, Any]]:
-    """With CUDA: batching gain, the limit and the sweep with CUDA graphs on and off (their JSON under
-    bench/results/cuda_graphs_on|off/), and the executor's latency of one 512x512 frame and of 16."""
-    if not cuda:
-        print("\n== GPU ==\nskipped: torch sees no CUDA device on this machine", flush=True)
-        return [{"name": "gpu", "title": "GPU: CUDA graphs on / off",
-                 "rows": [("CUDA graphs on/off", "not run: no CUDA device on this machine", "")]}]
-    out = []
-    for graphs in (True, False):
-        mode = "on" if graphs else "off"
-        gctx = dataclasses.replace(ctx, out_dir=common.RESULTS_DIR / f"cuda_graphs_{mode}", shared={
-            "worker_env": {"WORKER_RUNTIME_CUDA_GRAPHS": str(graphs).lower()},
-            "runtime_overrides": {"cuda_graphs": graphs}})
-        for name in ("gain", "limit", "sweep"):
-            title, run, summarize = KAFKA[name]
-            out.append(section(f"{name} (graphs {mode})", f"{title}, CUDA graphs {mode}", lambda r=run, c=gctx: r(c),
-                               summarize))
-        out.append(section(f"seed (graphs {mode})", f"Executor latency at 512x512, CUDA graphs {mode}",
-                           lambda c=gctx: model_limit.seed_comparison(c),
-                           lambda s: [("one frame / a batch of 16", f"{s['single_512_ms']:.1f} ms / "
-                                       f"{s['batch16_512_ms']:.1f} ms", "median of 30")]))
-    return out
 
 
 def markdown(summary: dict[str, Any]) -> str:

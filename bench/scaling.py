@@ -111,7 +111,7 @@ def run(ctx: Context) -> dict[str, Any]:
               "backlog_frames": frames, "rounds": rounds, "trials": trials, "expectation": expectation,
               "frames_per_s": {n: s.as_dict() for n, s in spread.items()},
               "speedup": {n: s.as_dict() for n, s in speedup.items()}, "tables": [text]}
-    common.write_json("scaling", result, ctx.out_dir)
+    common.write_json("scaling", result)
     return result
 
 

@@ -6,15 +6,13 @@ A set runs as the worker process (`python -m worker run`, the set's WORKER_* var
 backlog; with --in-step FPS instead on an offered load below capacity, a fresh worker per round, every stream of
 the workload sending a frame at the same instants (cameras sampled in step: what one batch can hold is then what
 batching decides; on a backlog every group fills anyway); with --base TREE, set B is the worker of another source
-tree; with --in-process, the worker's batcher and executor alone in this process drain a backlog of raw frames of
-one size (no Kafka), on a heavy model (torchvision ResNet-50, random weights) by default.
+tree.
 
     python bench/settings_ab.py --b WORKER_RUNTIME_INSTANCES_PER_DEVICE=2 [--a KEY=VALUE ...] [--rounds 8]
     python bench/settings_ab.py --variants settings   # commit interval, in-flight batches, preprocess threads
     python bench/settings_ab.py --variants scheduler  # the blocking bound always vs while realtime is present
     python bench/settings_ab.py --variants batch --workload jpeg224 --model opennsfw   # no batch settings vs
                                                       # fixed max_batch_size 4/8/16/32 (~14 min)
-    python bench/settings_ab.py --variants batch --in-process [--net resnet50|resnet18|builtin] [--size 224]
     git archive main worker schemas | tar -x -C /tmp/main-tree   # this tree against main, batch sizes on mixed
     python bench/settings_ab.py --base /tmp/main-tree --workload jpeg720+1080 --in-step 40 --rounds 3  # sizes
 
@@ -26,12 +24,7 @@ your own workload and host before changing it.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import random
 import sys
-import time
-from collections import deque
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,14 +34,6 @@ import common
 import stats
 from common import Context
 from stats import Spread
-
-from worker.batching import MicroBatcher
-from worker.config import ModelSettings, load_settings
-from worker.costmodel import CostModel
-from worker.frames import Encoding, Frame, Priority, SourceRef
-from worker.runtime import InferenceExecutor, build_builtin_model
-from worker.runtime.models import ModelContract
-from worker.runtime.runners import EagerRunner
 
 ADAPTIVE = "no batch settings (adaptive)"
 FIXED_BATCH_SIZES = (4, 8, 16, 32)
@@ -94,9 +79,6 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variants", choices=sorted(VARIANT_SETS), help="one of the project's sets instead of --a/--b")
     p.add_argument("--frames", type=int, default=0, help="frames each round consumes (or is offered)")
     p.add_argument("--in-step", type=float, metavar="FPS", help="offer FPS frames/s in step, no backlog")
-    p.add_argument("--in-process", action="store_true", help="the batcher and executor alone, no Kafka")
-    p.add_argument("--net", default="resnet50", help="--in-process: torchvision model (random weights) or builtin")
-    p.add_argument("--size", type=int, default=224, help="--in-process: frame width and height")
 
 
 def variants_of(argv: list[str]) -> dict[str, dict[str, str]]:
@@ -105,10 +87,8 @@ def variants_of(argv: list[str]) -> dict[str, dict[str, str]]:
     p = argparse.ArgumentParser(add_help=False)
     configure(p)
     args, _ = p.parse_known_args(argv)
-    if args.in_process and (args.variants not in (None, "batch") or args.base or args.in_step):
-        p.error("--in-process runs the batch set (the batcher alone has no other settings or trees to compare)")
-    if args.variants or args.in_process:
-        return VARIANT_SETS[args.variants or "batch"]
+    if args.variants:
+        return VARIANT_SETS[args.variants]
     try:
         variants = {"A": parse_assignments(args.a), "B": parse_assignments(args.b)}
     except ValueError as exc:
@@ -128,9 +108,7 @@ def run(ctx: Context, variants: dict[str, dict[str, str]]) -> dict[str, Any]:
     # middle 80% up to 42 frames/s (quick: 500), and the batch set's 15 runs (quick: 10) fit in ~14 minutes (~6).
     frames = args.frames or (int(ctx.scale(800, 320)) if args.in_step else PAIR_FRAMES if pair else
                              int(ctx.scale(800, 500)) if ctx.model == "opennsfw" else int(ctx.scale(4000, 2000)))
-    if args.in_process:
-        measure, where = in_process(ctx, variants, args.net, args.size, args.frames or int(ctx.scale(192, 96)))
-    elif args.in_step:
+    if args.in_step:
         streams = sum(len(load.shapes) for load in ctx.workload.classes.values()) * common.STREAMS_PER_SHAPE
         where = (f"{ctx.model} model, {ctx.workload_name} workload, {frames} frames offered at {args.in_step:g} "
                  f"frames/s by {streams} streams in step, a fresh worker process a round")
@@ -145,7 +123,7 @@ def run(ctx: Context, variants: dict[str, dict[str, str]]) -> dict[str, Any]:
         def measure(name: str) -> dict[str, Any]:
             return common.worker_round(ctx, topics, variants[name], tag="ab", timeout_s=600)
     print(f"[ab] {where}: {rounds} rounds of {', '.join(variants)}"
-          f"{'' if args.in_process else f'; worker logs in {ctx.log_dir}'}", flush=True)
+          f"; worker logs in {ctx.log_dir}", flush=True)
 
     def one(name: str) -> dict[str, Any]:
         t = measure(name)
@@ -168,9 +146,9 @@ def run(ctx: Context, variants: dict[str, dict[str, str]]) -> dict[str, Any]:
           s["frames_per_s_over_first"].text(2), s["cpu_ms_per_frame_over_first"].text(2),
           s["batches_over_first"].text(2), " ".join(f"{v:.1f}" for v in by["frames_per_s"][name].values())]
          for name, s in spreads.items()],
-        note="frames/s and CPU-ms per frame over the middle 80% of each round's results (in-process: the whole drain; "
-             "--in-step: CPU from the load's start to the last commit, per frame sent); mean batch frame-weighted; "
-             "ratios are medians (min-max) of per-round ratios"
+        note="frames/s and CPU-ms per frame over the middle 80% of each round's results (--in-step: CPU from the "
+             "load's start to the last commit, per frame sent); mean batch frame-weighted; ratios are medians "
+             "(min-max) of per-round ratios"
              + "".join(f"\nFAILED {f}" for f in stats.failures(runs)))]
     result = {"benchmark": "settings_ab", "model": ctx.model, "workload_name": ctx.workload_name, "where": where,
               "torch_threads": ctx.torch_threads, "rounds": rounds, "backlog_frames": frames,
@@ -180,8 +158,7 @@ def run(ctx: Context, variants: dict[str, dict[str, str]]) -> dict[str, Any]:
               "failed": stats.failures(runs), "tables": text}
     if ADAPTIVE in variants:
         result.update(adaptive_against_fixed(by["frames_per_s"], runs, text))
-    common.write_json("settings_ab" + (f"_{args.variants}" if args.variants else "")
-                      + ("_in_process" if args.in_process else ""), result, ctx.out_dir)
+    common.write_json("settings_ab" + (f"_{args.variants}" if args.variants else ""), result)
     return result
 
 
@@ -214,66 +191,6 @@ def adaptive_against_fixed(fps: dict[str, dict[int, float]], runs: dict[str, dic
             "goals": {"of_best_fixed": GOAL_OF_BEST_FIXED, "over_fixed_32": GOAL_OVER_FIXED_32}}
 
 
-# -- in process: the batcher and executor draining a backlog, no Kafka ---------------------------------------------
-def in_process(ctx: Context, variants: dict[str, dict[str, str]], net: str, size: int,
-               frames: int) -> tuple[Callable[[str], dict[str, Any]], str]:
-    """The measure of one set in process, and what it runs on. Each set's batching settings come from its env; the
-    caps and standard/bulk's blocking bound (max_blocking_ms) are lifted: this measures throughput sizing alone. An
-    adaptive set gets a cost model seeded by the executor's warm-up calibration, as the worker does."""
-    import torch
-
-    torch.set_num_threads(ctx.torch_threads)
-    if net == "builtin":
-        model = build_builtin_model(5)
-    else:
-        import torchvision
-
-        torch.manual_seed(0)
-        model = getattr(torchvision.models, net)(weights=None, num_classes=5).eval()
-    contract = ModelContract.from_settings(ModelSettings())
-    executor = InferenceExecutor([EagerRunner(model, contract, torch.device("cpu"))], contract)
-    t0 = time.perf_counter()
-    seeded = executor.calibrate([(size, size, 3)], 32)
-    print(f"[ab] calibration {time.perf_counter() - t0:.1f}s: "
-          + ", ".join(f"{k}: {s * 1000:.0f} ms ({k / s:.1f}/s)" for _, k, s in seeded), flush=True)
-    now, data = time.time(), bytes(random.Random(0).randrange(256) for _ in range(size * size * 3))
-    backlog = [Frame(stream_id="bench", frame_index=i, tenant="t", priority=Priority.BULK,
-                     capture_ts_ms=int(now * 1000), width=size, height=size, channels=3, encoding=Encoding.RAW_RGB8,
-                     data=data, source=SourceRef("bench", 0, i), received_at=now) for i in range(frames)]
-
-    def measure(name: str) -> dict[str, Any]:
-        batching = dataclasses.replace(load_settings(env=variants[name]).batching, rare_shape_min_count=1,
-                                       max_blocking_ms=1e9, max_pending_frames=100_000, max_pending_bytes=1 << 40,
-                                       max_batch_bytes=1 << 40)
-        cost = CostModel() if batching.adaptive_batch_size else None
-        for shape, k, seconds in seeded if cost else ():
-            cost.observe(shape, k, seconds)
-        batcher = MicroBatcher(batching, time.time, (), cost)
-        for f in backlog:
-            batcher.add(f)
-        inflight: deque = deque()
-        sizes: list[int] = []
-        w0, c0 = time.perf_counter(), time.process_time()
-        while batcher.pending_frames or inflight:
-            while len(inflight) < 2 and (b := batcher.pop_batch()) is not None:  # 2 in flight, like the worker
-                inflight.append((b, executor.submit(b.frames, b.shape, b.priority)))
-                sizes.append(b.size)
-            if inflight:
-                b, fut = inflight.popleft()
-                out = fut.result()
-                if cost is not None:
-                    cost.observe(b.shape, out.batch_size, (out.preprocess_ms + out.inference_ms) / 1000.0)
-            else:
-                time.sleep(max(0.0, (batcher.next_due() or time.time()) - time.time()))
-        wall, cpu = time.perf_counter() - w0, time.process_time() - c0
-        return {"frames_per_s": frames / wall, "cpu_ms_per_frame": stats.cpu_ms_per_frame(cpu, frames),
-                "mean_batch": sum(n * n for n in sizes) / frames, "batches": len(sizes),  # frame-weighted mean
-                "sizes_used": {n: {"frames": n * sizes.count(n), "batches": sizes.count(n)}
-                               for n in sorted(set(sizes))}}
-
-    return measure, f"{net} at {size}x{size} in process (batcher + executor, no Kafka), {frames} frames a run"
-
-
 def summary(result: dict[str, Any]) -> list[tuple[str, str, str]]:
     """Rows for bench/results/summary.md: each set's frames/s and CPU-ms/frame; the batch set's verdicts."""
     sp, rounds = Spread.from_dict, stats.rounds(result["rounds"])
@@ -291,8 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # Read (and refused when bad) before standalone starts the broker; --help reaches standalone's parser.
     variants = {} if "-h" in argv or "--help" in argv else variants_of(argv)
-    return common.standalone(lambda ctx: run(ctx, variants), argv, __doc__.splitlines()[0], configure=configure,
-                             needs_broker=lambda args: not args.in_process)
+    return common.standalone(lambda ctx: run(ctx, variants), argv, __doc__.splitlines()[0], configure=configure)
 
 
 if __name__ == "__main__":

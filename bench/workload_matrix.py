@@ -62,7 +62,7 @@ def run(ctx: Context) -> dict[str, Any]:
     result = {"benchmark": "workload_matrix", "quick": ctx.quick, "torch_threads": ctx.torch_threads,
               "models": models, "workloads": workloads, "elapsed_s": round(time.monotonic() - t0, 1),
               "failed": failed, "tables": [text], "cells": [{k: c[k] for k in CELL_KEYS} for c in cells]}
-    common.write_json("workload_matrix", result, ctx.out_dir)
+    common.write_json("workload_matrix", result)
     return result
 
 

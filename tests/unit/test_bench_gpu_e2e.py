@@ -110,8 +110,19 @@ def test_a_timed_feed_gets_latencies_per_class_from_capture_time_and_720p_frames
     for label, latency in f["latency_by_class"].items():
         ok = f["ledger"]["classes"][label]["ok"]
         assert 0 < latency["n"] <= ok and 0 <= latency["p50_ms"] <= latency["p99_ms"]
+    # The goal's p99 is over every class together: as many frames as the classes hold, none faster than the fastest.
+    assert f["latency"]["n"] == sum(v["n"] for v in f["latency_by_class"].values())
+    assert f["latency"]["p99_ms"] >= min(v["p99_ms"] for v in f["latency_by_class"].values())
     assert f["drain_after_load_s"] >= -0.001  # the last frame was answered after it was due (capture times in ms)
 
     big = gpu_e2e.feed(settings, gpu_e2e.photo_jpegs((1280, 720), crops=1), (1280, 720), 25, 0.0)
     f = gpu_e2e.figures(gpu_e2e.run_loop(settings, executor, big, costs, deadline_s=120.0), settings, timed=False)
     assert_every_frame_answered_once(f, {"realtime": 5, "standard": 10, "bulk": 10})
+
+
+@pytest.mark.parametrize(("p99", "complete", "verdict"), [
+    (42.0, True, "met (p99 42 ms)"), (50.0, True, "NOT met (p99 50 ms)"),
+    (12.0, False, "NOT met (p99 12 ms, not all answered)")])
+def test_the_device_path_goal_needs_every_frame_answered_and_the_p99_under_50_ms(p99, complete, verdict) -> None:
+    f = {"latency": {"p99_ms": p99}, "ledger": {"complete": complete}}
+    assert gpu_e2e.goal_verdict(f) == f"goal (all answered, p99 < 50 ms): {verdict}"

@@ -55,9 +55,3 @@ def test_a_base_tree_runs_as_variant_b_with_the_trees_worker_first_on_the_path(t
     assert variants == {"A": {"WORKER_RUNTIME_TORCH_THREADS": "1"},
                         "B": {"WORKER_RUNTIME_TORCH_THREADS": "1", "PYTHONPATH": str(tmp_path),
                               "PYTHONSAFEPATH": "1"}}
-
-
-def test_in_process_runs_only_the_batch_set(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
-        settings_ab.variants_of(["--in-process", "--base", "/tmp"])
-    assert "--in-process runs the batch set" in capsys.readouterr().err
