@@ -138,10 +138,15 @@ def fake() -> FakeConsumer:
 def make_source(fake: FakeConsumer, settings: Settings = SETTINGS
                 ) -> tuple[FrameSource, list[tuple[str, list[tuple[str, int]]]]]:
     source = FrameSource(settings, clock=fake.clock, consumer_factory=lambda conf, logger=None: fake)
+    return source, subscribed(source)
+
+
+def subscribed(source: FrameSource) -> list[tuple[str, list[tuple[str, int]]]]:
+    """Subscribe `source`; the partitions assigned, revoked and lost, in the order the pipeline is told."""
     events: list[tuple[str, list[tuple[str, int]]]] = []
     source.subscribe(lambda tps: events.append(("assign", tps)), lambda tps: events.append(("revoke", tps)),
                      lambda tps: events.append(("lost", tps)))
-    return source, events
+    return events
 
 
 def started(fake: FakeConsumer, tps: list[tuple[str, int]], settings: Settings = SETTINGS) -> FrameSource:
@@ -516,10 +521,7 @@ def fencing_source() -> tuple[FrameSource, list[FakeConsumer], list[tuple[str, l
         return consumers[-1]
 
     source = FrameSource(SETTINGS, clock=clock, consumer_factory=make)
-    events: list[tuple[str, list[tuple[str, int]]]] = []
-    source.subscribe(lambda tps: events.append(("assign", tps)), lambda tps: events.append(("revoke", tps)),
-                     lambda tps: events.append(("lost", tps)))
-    return source, consumers, events
+    return source, consumers, subscribed(source)
 
 
 def test_a_member_fenced_after_its_session_expired_loses_its_partitions_and_rejoins_under_a_new_consumer() -> None:
