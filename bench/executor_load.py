@@ -1,6 +1,6 @@
 """Load for `InferenceExecutor` alone (no Kafka): a workload's frames as a cycle of batches, a saturating closed
-loop (the runtime's own best) and a sweep of it over batch sizes. Used by batching_gain (variant L), model_limit and
-the GPU check.
+loop (the runtime's own best), a sweep of it over batch sizes with the model alone beside it. Used by batching_gain
+(variant L) and the GPU check.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from stats import percentile
 from workloads import Workload
 
 from worker.frames import Frame, SourceRef
+from worker.runtime.preprocess import Preprocessor
 from worker.schemas import FrameRecord, decode_frame, encode_frame
 from worker.testing import synthetic_frames
 
@@ -70,8 +71,30 @@ def executor_round(executor: Any, cycle: list, batch_size: int, seconds: float) 
             "batch_ms": {"p50": percentile(batch_ms, 0.5), "p99": percentile(batch_ms, 0.99)}}
 
 
-def executor_sweep(executor: Any, cycle: list, sizes: Sequence[int], seconds: float
+def model_only_throughput(executor: Any, cycle: list, batch_size: int, seconds: float) -> float:
+    """Frames/s of the first runner's `run` on tensors prepared beforehand, one at a time: the model alone, no
+    decode and no preprocessing (what the executor's figure would be if they cost nothing)."""
+    runner, prep = executor.runners[0], Preprocessor(executor.contract)  # the executor's own preprocessing
+    tensors = []
+    for frame, shape in cycle:
+        hb = prep.prepare([frame] * batch_size, shape)
+        tensors.append(hb.pixels.to(runner.device))  # the runner's input: uint8 pixels it normalises itself
+        hb.release()
+    for x in tensors:
+        runner.run(x)
+    n, t0, i = 0, time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds or i % len(tensors):
+        runner.run(tensors[i % len(tensors)])
+        n, i = n + batch_size, i + 1
+    return n / (time.perf_counter() - t0)
+
+
+def executor_sweep(executor: Any, cycle: list, sizes: Sequence[int], seconds: float, model_only: bool = False
                    ) -> tuple[dict[int, dict[str, Any]], int]:
-    """executor_round at each batch size, once (a sweep), and the size with the most frames/s."""
+    """executor_round at each batch size, once (a sweep), with the model alone beside it if asked
+    (`model_only_fps`), and the size with the most frames/s."""
     by_size = {b: executor_round(executor, cycle, b, seconds) for b in sizes}
+    if model_only:
+        for b, figures in by_size.items():
+            figures["model_only_fps"] = model_only_throughput(executor, cycle, b, seconds / 2)
     return by_size, max(by_size, key=lambda b: by_size[b]["frames_per_s"])

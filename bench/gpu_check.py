@@ -13,8 +13,6 @@ Sections:
   memory     per bucket: the peak device memory measured at capture and the graph's bytes (open_nsfw 224x224, and the
              any-size toy model at 1080p, where the batcher's byte cap leaves the largest bucket uncaptured); then LRU
              eviction under a graph budget of ~2.5 graphs: evictions, bytes held, memory given back
-  decode     JPEG decode frames/s at 720p and 1080p: simplejpeg (the worker's decoder, 1 thread and every core),
-             torchvision on the CPU, nvJPEG (torchvision.io.decode_jpeg(device="cuda")) one at a time and in batches
   e2e        the worker's real loop over in-memory Kafka fakes, open_nsfw on photo JPEGs (224x224, 720p) on three
              priority topics, per decode path (bench/gpu_e2e.py): frames/s at saturation, p50/p99 per class at 800
              frames/s offered (the device path against issue 34's goal: all answered, p99 < 50 ms), mean batch,
@@ -31,7 +29,6 @@ A section that would overrun --budget-s is skipped, saying so, so the check ends
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import importlib.metadata
 import json
 import os
@@ -44,7 +41,6 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -58,11 +54,9 @@ from executor_load import executor_round, executor_sweep, frame_cycle  # noqa: E
 from workloads import JPEG_WORKLOADS, WORKLOADS, model_settings  # noqa: E402
 
 from worker.config import load_settings  # noqa: E402
-from worker.frames import Encoding  # noqa: E402
 from worker.runtime import InferenceExecutor  # noqa: E402
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
-DECODE_SIZES = {"720p": (1280, 720), "1080p": (1920, 1080)}
 MIB = 1 << 20
 # The device data path's JPEG workloads, and issue 34's goals for open_nsfw on it on one GPU.
 DEVICE_PATH_WORKLOADS = ("jpeg224", "jpeg720", "jpeg1080")
@@ -132,7 +126,6 @@ def main(argv: list[str] | None = None) -> int:
         ("pytest", "pytest -m cuda", section_pytest, 150, True),
         ("graphs", "eager vs CUDA graphs, runner.run latency per bucket", section_graphs, 60, True),
         ("memory", "CUDA-graph memory: peak per bucket, graph bytes, LRU eviction", section_memory, 40, True),
-        ("decode", "JPEG decode frames/s (CPU decoders vs nvJPEG)", section_decode, 40, False),
         ("e2e", "end to end: the worker's loop over Kafka fakes, open_nsfw, 224x224 and 720p JPEG",
          gpu_e2e.section_e2e, 80, False),
         ("limit", "executor alone, saturated, per model, workload and data path", section_limit, 90, False),
@@ -335,78 +328,6 @@ def section_memory_eviction(section: Section, device: Any, shape: tuple[int, int
     section.add("toy 224x224, buckets 1/4/8/16/2 in turn, budget half their graphs' bytes", value)
     if data["evictions"] == 0 or data["evictions"] != data["on_evicted_total"] or worst > 1e-3:
         section.fail(f"eviction: {value}")
-
-
-def section_decode(check: Check, section: Section) -> None:
-    import numpy as np
-    import simplejpeg
-    import torch
-
-    from worker.tools.publish_frames import encode_pixels, synthetic_pixels
-
-    try:
-        import torchvision.io as tvio
-    except ImportError:
-        tvio = None
-    seconds, cores, rng = 0.5 if check.quick else 1.5, os.cpu_count() or 1, np.random.default_rng(7)
-    for label, (w, h) in DECODE_SIZES.items():
-        data = encode_pixels(synthetic_pixels(rng, w, h), Encoding.JPEG)
-        figures: dict[str, Any] = {"jpeg_bytes": len(data)}
-
-        def decode(data: bytes = data) -> Any:
-            return simplejpeg.decode_jpeg(data, colorspace="RGB", strict=True)
-
-        figures["simplejpeg (worker's decoder), 1 thread"] = rate(decode, seconds)
-        # Every core decoding (simplejpeg releases the GIL): what the machine's CPUs can feed at most.
-        with concurrent.futures.ThreadPoolExecutor(cores) as pool:
-            figures[f"simplejpeg, {cores} threads"] = rate(lambda: list(pool.map(lambda _: decode(), range(4 * cores))),
-                                                           seconds, per_call=4 * cores)
-        if tvio is None:
-            figures["torchvision"] = "skipped: torchvision is not installed"
-        else:
-            tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            figures["torchvision CPU, 1 thread"] = rate(partial(tvio.decode_jpeg, tensor), seconds, threads=1)
-            if check.cuda:
-                figures["nvJPEG one at a time"] = rate(partial(gpu_decode, tvio, tensor), seconds)
-                figures["nvJPEG batch of 32"] = rate(partial(gpu_decode, tvio, [tensor] * 32), seconds, per_call=32)
-            else:
-                figures["nvJPEG"] = "skipped: needs CUDA"
-        section.data[label] = figures
-        for name, v in figures.items():
-            if name != "jpeg_bytes":
-                section.add(f"{label} ({len(data) // 1024} KiB): {name}", v if isinstance(v, str) else
-                            f"{v['frames_per_s']:.0f} frames/s ({v['cpu_ms_per_frame']:.2f} CPU-ms/frame)")
-    section.data["note"] = ("synthetic frames (8x8-pixel random blocks, the benchmarks' own), harder to decode than "
-                            "most camera frames; nvJPEG's output stays on the GPU (no host copy), the CPU decoders' "
-                            "output still has to be copied there")
-
-
-def gpu_decode(tvio: Any, data: Any) -> None:
-    """nvJPEG: one tensor or a list of them decoded on the GPU, waited for."""
-    import torch
-
-    tvio.decode_jpeg(data, device="cuda")
-    torch.cuda.synchronize()
-
-
-def rate(fn: Callable[[], Any], seconds: float, per_call: int = 1, threads: int = 0) -> dict[str, float]:
-    """Calls/s of fn for about `seconds` after 3 untimed calls, as frames/s, with this process's CPU-ms/frame."""
-    import torch
-
-    before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        for _ in range(3):
-            fn()
-        n, t0, c0 = 0, time.perf_counter(), time.process_time()
-        while time.perf_counter() - t0 < seconds:
-            fn()
-            n += per_call
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    finally:
-        torch.set_num_threads(before)
-    return {"frames_per_s": n / wall, "cpu_ms_per_frame": stats.cpu_ms_per_frame(cpu, n), "frames": n}
 
 
 def executor_for(check: Check, model: str, **runtime: Any) -> Any:

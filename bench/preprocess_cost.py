@@ -1,6 +1,5 @@
 """What the runtime costs around a model, measured in fresh processes for one source tree against another, in
-interleaved rounds (every case and variant once a round); and, with --scores, how far the device data path's and
-the JPEG round trip's scores are from the CPU path's.
+interleaved rounds (every case and variant once a round).
 
 Cases (data, CASES and STARTUP): the CPU-ms per frame of the runtime path (decode, resize, normalise, copy, a
 near-zero model, verdicts: `InferenceExecutor.submit` of batches of `--batch` frames, 2 in flight as in the worker;
@@ -13,7 +12,6 @@ tree is measured on the same bytes.
     python bench/preprocess_cost.py --base /tmp/base_tree [--rounds 5] [--seconds 2]
     python bench/preprocess_cost.py --cases roundtrip --threads 1    # open_nsfw's preprocessing with / without
     python bench/preprocess_cost.py --cases startup --rounds 7       # the host-sync check at start-up
-    python bench/preprocess_cost.py --scores --cases none            # device path and round trip: score differences
 
 `--base` is a checkout of the other version (e.g. `git archive <commit> worker schemas | tar -x -C /tmp/base`);
 without it only this tree's variants run. Prints tables (median (min-max) over rounds) and writes JSON.
@@ -142,58 +140,6 @@ def frame_bytes(case: str) -> bytes:
     return buf.getvalue()
 
 
-SCORE_CONTRACTS = {  # [model] settings: open_nsfw without its round trip (the preset) and with it; the builtin CNN
-    "open_nsfw (preset)": {"source": "opennsfw"},  # any size (frames keep theirs) and as a 224x224 stretch
-    "open_nsfw, round trip 75": {"source": "opennsfw", "jpeg_roundtrip_quality": 75},
-    "builtin, any size": {"source": "builtin"},
-    "builtin, 224x224 stretch": {"source": "builtin", "input_size": [224, 224]},
-}
-
-
-def scores() -> dict[str, Any]:
-    """Per contract, frame size and source (scikit-image photos, demo-clip frames; tests/pixels.py): max and mean
-    |score(device path) - score(CPU path)|, device = cpu with the same torchvision calls (the bound
-    tests/unit/test_runtime_devicepath.py holds); and what open_nsfw's JPEG round trip moves the nsfw score by."""
-    import numpy as np
-
-    from tests.pixels import EQUIVALENCE_SIZES, clip_frames, photo_frames
-    from worker.config import load_settings
-    from worker.runtime import InferenceExecutor
-
-    executors: dict[tuple[str, str], Any] = {}
-
-    def score(contract: str, decode: str, frames: list) -> Any:
-        if (contract, decode) not in executors:
-            settings = load_settings(env={}, overrides={"model": SCORE_CONTRACTS[contract], "runtime": {
-                "device": "cpu", "decode": decode, "warmup_batches": 1, "torch_threads": 1}})
-            executors[(contract, decode)] = InferenceExecutor.from_settings(settings.model, settings.runtime)
-        outcome = executors[(contract, decode)].submit(frames, (max(f.height for f in frames), max(
-            f.width for f in frames), 3)).result(timeout=600)
-        if outcome.failures:
-            raise RuntimeError(f"{decode} path failed frames: {[f.reason for f in outcome.failures]}")
-        by_frame = {id(f): list(v.scores.values()) for f, v in outcome.verdicts}
-        return np.array([by_frame[id(f)] for f in frames])
-
-    equivalence, roundtrip = [], []
-    with tempfile.TemporaryDirectory() as clips:
-        try:
-            for size, wh in EQUIVALENCE_SIZES.items():
-                for source, frames in (("photos", photo_frames(wh)), ("clip", clip_frames(clips, wh))):
-                    s = {(c, d): score(c, d, frames) for c in SCORE_CONTRACTS for d in ("cpu", "device")}
-                    for c in SCORE_CONTRACTS:
-                        diff = np.abs(s[(c, "cpu")] - s[(c, "device")])
-                        equivalence.append([c, size, source, f"{diff.max():.2e}", f"{diff.mean():.1e}"])
-                    exact = s[("open_nsfw, round trip 75", "cpu")][:, 1]
-                    skipped, device_skipped = (s[("open_nsfw (preset)", d)][:, 1] for d in ("cpu", "device"))
-                    roundtrip.append([size, source, *(f"{v:.4f}" for v in (
-                        np.abs(exact - skipped).max(), np.abs(exact - skipped).mean(),
-                        np.abs(exact - device_skipped).max(), exact.max()))])
-        finally:
-            for executor in executors.values():
-                executor.close()
-    return {"equivalence": equivalence, "roundtrip": roundtrip}
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", type=Path, help="the other source tree (holding worker/), run as 'base'")
@@ -202,7 +148,6 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--cases", default="default", help=f"comma-separated cases or groups ({', '.join(GROUPS)})")
     parser.add_argument("--threads", default="1,default", help="this tree's preprocess_threads variants")
-    parser.add_argument("--scores", action="store_true", help="also the device path's and round trip's scores")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "preprocess_cost.json")
     parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -266,13 +211,6 @@ def main() -> int:
                          note="" if args.base else "no --base: this tree only")]
     result = {"benchmark": "preprocess_cost", "batch": args.batch, "inflight": INFLIGHT,
               "seconds_per_round": args.seconds, "rounds": args.rounds, "runs": runs, "ratios": ratios}
-    if args.scores:
-        result["scores"] = scores()
-        text += [common.table("device path vs CPU path (device = cpu): |score(device) - score(CPU)|",
-                              ["contract", "size", "source", "max", "mean"], result["scores"]["equivalence"]),
-                 common.table("open_nsfw's JPEG round trip (quality 75): |nsfw(with) - nsfw(without)|, CPU path",
-                              ["size", "source", "max", "mean", "device path without vs CPU path with, max",
-                               "largest nsfw"], result["scores"]["roundtrip"])]
     common.write_json(args.out.stem, {**result, "tables": text}, args.out.parent)
     return 0
 

@@ -1,11 +1,11 @@
 """Every benchmark in one run, and bench/results/summary.md: the one home of the project's measured figures.
 
-The Kafka benchmarks share one broker (the test kit's, warmed up): the limit, batching gain, latency under load,
-scaling, the workload matrix and the batch-size A/B; the others run as their own processes: preprocessing cost, the
-batcher, and a reliability smoke (one fault, both modes). The GPU's figures come from `./dev gpu-check`
-(bench/gpu_check.py), which needs no broker. Each writes its JSON to bench/results/; summary.md is generated from
-them: date, commit, machine, every figure as median (min-max) with its rounds, and the headline table the README
-copies.
+The Kafka benchmarks share one broker (the test kit's, warmed up): batching gain (with the runtime's own best, the
+limit), latency under load, scaling, the workload matrix and the batch-size A/B; the others run as their own
+processes: preprocessing cost, the batcher, and a reliability smoke (one fault, both modes). The GPU's figures come
+from `./dev gpu-check` (bench/gpu_check.py), which needs no broker. Each writes its JSON to bench/results/;
+summary.md is generated from them: date, commit, machine, every figure as median (min-max) with its rounds, and the
+headline table the README copies.
 
     python bench/run_all.py              # everything (bench/README.md gives the time on a 2-core machine)
     python bench/run_all.py --quick      # fewer rounds, shorter runs, noisier: every benchmark end to end
@@ -33,7 +33,6 @@ import batcher
 import batching_gain
 import common
 import latency_sweep
-import model_limit
 import preprocess_cost
 import reliability
 import scaling
@@ -52,10 +51,9 @@ def batch_ab(ctx: Context) -> dict[str, Any]:
     return settings_ab.run(cell, settings_ab.VARIANT_SETS["batch"])
 
 
-# Order matters: the sweep takes the worker's capacity from the gain and the budget's model time from the limit.
+# Order matters: the sweep takes the worker's capacity from the gain.
 KAFKA: dict[str, tuple[str, Callable[[Context], dict[str, Any]], Summary]] = {
     "gain": ("Batching gain", batching_gain.run, batching_gain.summary),
-    "limit": ("The limit (the runtime's best), where the worker's time goes", model_limit.run, model_limit.summary),
     "sweep": ("Latency under load", latency_sweep.run, latency_sweep.summary),
     "scaling": ("Scaling (processes)", scaling.run, scaling.summary),
     "matrix": ("Workloads x models (JPEG into a 224x224 model)", workload_matrix.run, workload_matrix.summary),

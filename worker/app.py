@@ -90,19 +90,17 @@ class StopFlag:
 
 
 def run_worker(settings: Settings, exit_when_idle_s: float | None = None, stop: StopFlag | None = None,
-               health: Health | None = None, time_phases: bool = False,
-               on_pipeline: Callable[[Pipeline], None] | None = None) -> RunSummary:
+               health: Health | None = None) -> RunSummary:
     """Load and warm the model, serve metrics, then run the pipeline until stopped or idle.
 
-    Pass `health` to watch readiness from another thread (the demo and tests do); benchmarks pass
-    `time_phases` and get the pipeline (with its `phase_times`) through `on_pipeline` before it runs. Without
+    Pass `health` to watch readiness from another thread (the demo and tests do). Without
     `observability.worker_id` the worker takes this host's lowest free slot (`<hostname>-<slot>`) until it returns."""
     with worker_identity(settings) as settings:
-        return _run_worker(settings, exit_when_idle_s, stop, health, time_phases, on_pipeline)
+        return _run_worker(settings, exit_when_idle_s, stop, health)
 
 
-def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFlag | None, health: Health | None,
-                time_phases: bool, on_pipeline: Callable[[Pipeline], None] | None) -> RunSummary:
+def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFlag | None,
+                health: Health | None) -> RunSummary:
     metrics = Metrics(settings=settings)
     health = health if health is not None else Health()
     health.stall_limit_s = settings.kafka.max_poll_interval_ms / 1000.0
@@ -117,9 +115,7 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
         metrics.model_info.info({"name": executor.model_name, "version": executor.model_version,
                                  "device": executor.device_description,
                                  "labels": ",".join(executor.labels)})
-        pipeline = build_pipeline(settings, executor, metrics, health, time_phases=time_phases)
-        if on_pipeline is not None:
-            on_pipeline(pipeline)
+        pipeline = build_pipeline(settings, executor, metrics, health)
         status = getattr(pipeline.source, "broker_status", None)  # FrameSource's view of the cluster
         if status is not None:
             health.broker_problem = status.unhealthy_reason

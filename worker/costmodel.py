@@ -40,7 +40,7 @@ EWMA_ALPHA = 0.2
 # Small: a wider band trades real throughput (open_nsfw on CPU: batch 32 costs 1.2x the CPU per frame of 8).
 THROUGHPUT_TOLERANCE = 0.05
 # Per-batch work the measurement leaves out (the loop building results, dispatch, produce, commit, thread
-# hand-offs): ~0.6 ms of loop CPU a batch by bench/model_limit.py's phase timers on the 2-core VM, rounded up.
+# hand-offs): ~0.6 ms of loop CPU a batch on the 2-core VM, rounded up (loop phase timers, bench/HISTORY.md).
 # Added to every size's time when ranking throughput: negligible for a real model (tens of ms a batch), but it
 # keeps a near-zero model from choosing small batches whose loop costs exceed their model time.
 BATCH_OVERHEAD_S = 0.001

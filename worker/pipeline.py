@@ -109,32 +109,11 @@ class RunSummary:
         return self.frames_batched / self.batches if self.batches else 0.0
 
 
-# The loop's phases, in order; with `time_phases` each one's time is summed in `Pipeline.phase_times`.
-PHASES = ("collect", "expire", "dispatch", "emit", "deliver", "commit", "backpressure", "poll", "lag")
-
-
-@dataclass
-class PhaseTimes:
-    """Wall and loop-thread CPU seconds spent in each phase of the loop, and how often it ran (for benchmarks)."""
-
-    wall: dict[str, float]
-    cpu: dict[str, float]
-    calls: dict[str, int]
-
-    @classmethod
-    def zero(cls) -> PhaseTimes:
-        return cls(dict.fromkeys(PHASES, 0.0), dict.fromkeys(PHASES, 0.0), dict.fromkeys(PHASES, 0))
-
-    def copy(self) -> PhaseTimes:
-        return PhaseTimes(dict(self.wall), dict(self.cpu), dict(self.calls))
-
-
 class Pipeline:
     """Runs the worker loop until `should_stop()` is true, then drains, commits and closes."""
 
     def __init__(self, settings: Settings, source: Source, delivery: Delivery, executor: Executor,
-                 metrics: Metrics, health: Health, clock: Callable[[], float] = time.time,
-                 time_phases: bool = False) -> None:
+                 metrics: Metrics, health: Health, clock: Callable[[], float] = time.time) -> None:
         # One in-flight limit for the runners the executor has (build_pipeline resolved it already).
         self.settings = settings = resolve_inflight_batches(settings, executor.runner_count)
         self.source = source
@@ -163,11 +142,6 @@ class Pipeline:
         # Idle time counts from the first assignment: a worker still joining the group is not idle.
         self._last_activity: float | None = None
         self._last_lag_update = float("-inf")
-        self.phase_times: PhaseTimes | None = PhaseTimes.zero() if time_phases else None
-        self._phases: tuple[tuple[str, Callable[[], None]], ...] = (
-            ("collect", self._collect_finished), ("expire", self._expire), ("dispatch", self._dispatch_due),
-            ("emit", self._emit), ("deliver", self.delivery.poll), ("commit", self._commit),
-            ("backpressure", self.flow.apply), ("poll", self._poll_input), ("lag", self._refresh_lag))
 
     @property
     def summary(self) -> RunSummary:
@@ -205,16 +179,15 @@ class Pipeline:
     def step(self) -> None:
         """One turn: collect finished batches, expire, dispatch, produce, commit, pause, poll."""
         self.health.beat()
-        timings = self.phase_times
-        for name, phase in self._phases:
-            if timings is None:
-                phase()
-            else:
-                w0, c0 = time.perf_counter(), time.thread_time()
-                phase()
-                timings.wall[name] += time.perf_counter() - w0
-                timings.cpu[name] += time.thread_time() - c0
-                timings.calls[name] += 1
+        self._collect_finished()
+        self._expire()
+        self._dispatch_due()
+        self._emit()
+        self.delivery.poll()
+        self._commit()
+        self.flow.apply()
+        self._poll_input()
+        self._refresh_lag()
 
     def _poll_input(self) -> None:
         room = self.flow.room()
@@ -386,8 +359,7 @@ class KafkaClients:
 
 
 def build_pipeline(settings: Settings, executor: Executor, metrics: Metrics, health: Health,
-                   clock: Callable[[], float] = time.time, time_phases: bool = False,
-                   clients: KafkaClients = KafkaClients()) -> Pipeline:
+                   clock: Callable[[], float] = time.time, clients: KafkaClients = KafkaClients()) -> Pipeline:
     """The pipeline with its real parts: a Kafka consumer, producer and the delivery of the configured mode.
 
     The worker id names the clients and the transactional id, so it must be resolved (worker.identity) first."""
@@ -419,4 +391,4 @@ def build_pipeline(settings: Settings, executor: Executor, metrics: Metrics, hea
         at_least_once = AtLeastOnceDelivery(settings, sink, source, tracker, assignments, metrics, clock)
         source.on_commit_done = at_least_once.commit_reported
         delivery = at_least_once
-    return Pipeline(settings, source, delivery, executor, metrics, health, clock, time_phases)
+    return Pipeline(settings, source, delivery, executor, metrics, health, clock)

