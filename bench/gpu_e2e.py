@@ -7,7 +7,7 @@ three priority topics (20% realtime, 40% standard, 40% bulk, as the mixed worklo
 its *intended* send time and a message becomes readable only then, so a loop that falls behind shows in the
 latencies (no coordinated omission); latency is capture to result, as the worker reports it in `end_to_end_ms`.
 
-Per data path (CPU decode, device decode where runtime.decode exists) and frame size: sustained frames/s at
+Per data path (CPU decode, and device decode on a GPU) and frame size: sustained frames/s at
 saturation (a backlog), p50/p99 latency per class at OFFERED_FPS offered, mean batch size, CPU-ms per frame by
 thread role, peak GPU memory; every run checks its ledger (each frame read is answered once, nothing lost).
 """
@@ -31,7 +31,7 @@ from workloads import WORKLOADS, model_settings
 
 from tests.unit.kafka_fakes import FakeConsumer, FakeProducer
 from worker.app import freeze_startup_heap
-from worker.config import ConfigError, RuntimeSettings, Settings, load_settings, warmup_frame_shapes
+from worker.config import ConfigError, Settings, load_settings, warmup_frame_shapes
 from worker.frames import Encoding, Priority
 from worker.metrics import Health, Metrics
 from worker.pipeline import KafkaClients, RunSummary, build_pipeline
@@ -355,22 +355,18 @@ def goal_verdict(f: dict[str, Any]) -> str:
 
 
 # -- the section ----------------------------------------------------------------------------------------------------
-def data_paths(cuda: bool) -> tuple[list[str | None], str]:
-    """The decode paths to run, from the settings this build has: runtime.decode = cpu and device where it exists
-    (device only on a GPU), else the CPU path alone, saying so."""
-    if "decode" not in {f.name for f in dataclasses.fields(RuntimeSettings)}:
-        return [None], "runtime.decode does not exist in this build: the CPU decode path only"
+def data_paths(cuda: bool) -> tuple[list[str], str]:
+    """The decode paths to run (runtime.decode): cpu, and device on a GPU; without one, why not."""
     if not cuda:
         return ["cpu"], "no GPU: the CPU decode path only (runtime.decode = device is run where CUDA is)"
     return ["cpu", "device"], ""
 
 
-def e2e_settings(cuda: bool, torch_threads: int, decode: str | None, model: str = "opennsfw",
+def e2e_settings(cuda: bool, torch_threads: int, decode: str, model: str = "opennsfw",
                  max_batch_size: int | None = None) -> Settings:
     """The worker's defaults for the model, on the check's device, warming up both frame sizes."""
     runtime: dict[str, Any] = {"device": "cuda:0" if cuda else "cpu", "torch_threads": torch_threads,
-                               "warmup_shapes": [f"{w}x{h}" for w, h in SIZES.values()],
-                               **({} if decode is None else {"decode": decode})}
+                               "warmup_shapes": [f"{w}x{h}" for w, h in SIZES.values()], "decode": decode}
     return load_settings(env={}, overrides={
         "model": model_settings(model, WORKLOADS["jpeg224"]), "runtime": runtime,
         "observability": {"worker_id": "gpu-check-e2e", "metrics_enabled": False},
@@ -421,7 +417,7 @@ def section_e2e(check: Any, section: Any) -> None:
     # size of about 5 s each, plus the drain of what the path could not keep up with (~10 s at 720p).
     need_per_path_s = 45.0 if cuda else 90.0
     for path in paths:
-        name = f"decode {path or 'cpu'}"
+        name = f"decode {path}"
         if check.left_s() < need_per_path_s:
             section.add(name, f"skipped: budget ({check.left_s():.0f}s left of --budget-s, the path needs up to "
                               f"{need_per_path_s:.0f}s)")

@@ -1,5 +1,6 @@
-"""bench/executor_load.py (the executor's saturating load, used by the limit, batching gain and the GPU check) against
-a fake executor, and how bench/workloads.py hands a benchmark model to a worker process."""
+"""bench/executor_load.py (the executor's saturating load, used by batching gain's (L) and the GPU check) against
+a fake executor (the model-only figure on the real one), and how bench/workloads.py hands a benchmark model to a
+worker process."""
 
 from __future__ import annotations
 
@@ -77,3 +78,30 @@ def test_a_benchmark_model_reaches_a_worker_process_through_its_environment() ->
     assert settings.model.source == "builtin" and settings.model.input_size == (224, 224)
     assert model_settings("toy", WORKLOADS["mixed"]) == {"source": "builtin"}  # any size, batched by shape
     assert load_settings(env=model_env(model_settings("opennsfw", WORKLOADS["jpeg224"]))).model.name == "open_nsfw"
+
+
+def test_a_sweep_measures_the_model_alone_beside_each_size_and_the_gain_summary_names_its_best() -> None:
+    """The real executor (the builtin CNN, 224x224 JPEG): (L)'s sweep carries the model-only figure that the
+    batching gain's summary reports, from the size where the model alone ran fastest."""
+    import batching_gain
+    from workloads import model_settings
+
+    from worker.config import load_settings
+    from worker.runtime import InferenceExecutor
+
+    settings = load_settings(env={}, overrides={"model": model_settings("toy", WORKLOADS["jpeg224"]),
+                                                "runtime": {"torch_threads": 1, "warmup_batches": 1}})
+    with InferenceExecutor.from_settings(settings.model, settings.runtime) as executor:
+        executor.warm_up()
+        sweep, best = executor_load.executor_sweep(executor, executor_load.frame_cycle(WORKLOADS["jpeg224"]),
+                                                   (1, 4), 0.05, model_only=True)
+    assert best in (1, 4) and all(sweep[b]["model_only_fps"] > 0 for b in (1, 4))
+    fastest = max((1, 4), key=lambda b: sweep[b]["model_only_fps"])
+    spread = {"median": 1.0, "min": 1.0, "max": 1.0, "rounds": 1}
+    result = {"limit_sweep": sweep, "rounds": 1, "goal_of_limit": 0.85,
+              "throughput_spread": dict.fromkeys(batching_gain.VARIANTS, spread),
+              "cpu_ms_per_frame": dict.fromkeys(batching_gain.VARIANTS, spread),
+              "ratios": dict.fromkeys(("c/L", "c/a", "c/b"), spread)}
+    figure, value, rounds = batching_gain.summary(result)[0]
+    assert figure.startswith("the model alone") and rounds == "1 sweep"
+    assert value == f"{sweep[fastest]['model_only_fps']:.0f} frames/s (batch {fastest})"
