@@ -349,9 +349,8 @@ def goal_verdict(f: dict[str, Any]) -> str:
     """Issue 34's goal for a timed run on the device data path: every frame answered, p99 over all classes under
     P99_GOAL_MS."""
     p99, complete = f["latency"]["p99_ms"], f["ledger"]["complete"]
-    met = complete and p99 < P99_GOAL_MS
-    return (f"goal (all answered, p99 < {P99_GOAL_MS:.0f} ms): {'met' if met else 'NOT met'} (p99 {p99:.0f} ms"
-            f"{'' if complete else ', not all answered'})")
+    return (f"goal (all answered, p99 < {P99_GOAL_MS:.0f} ms): {stats.met(complete and p99 < P99_GOAL_MS)} "
+            f"(p99 {p99:.0f} ms{'' if complete else ', not all answered'})")
 
 
 # -- the section ----------------------------------------------------------------------------------------------------

@@ -85,6 +85,11 @@ def rounds(n: int) -> str:
     return f"{n} round" if n == 1 else f"{n} rounds"
 
 
+def met(ok: bool) -> str:
+    """A goal's verdict as every table writes it: 'met' or 'NOT met'."""
+    return "met" if ok else "NOT met"
+
+
 def run_rounds(order: Sequence[tuple[int, str]], measure: Callable[[str], dict[str, Any]],
                log: Callable[[str], None] = print) -> dict[str, dict[int, dict[str, Any]]]:
     """Measure each (round, variant) of `order` (interleaved or rotating): {variant: {round: figures}}. A run that

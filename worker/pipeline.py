@@ -177,7 +177,8 @@ class Pipeline:
         return self.summary
 
     def step(self) -> None:
-        """One turn: collect finished batches, expire, dispatch, produce, commit, pause, poll."""
+        """One turn: collect finished batches, expire, dispatch, produce, take delivery reports, commit, pause or
+        resume, poll, refresh the lag gauge."""
         self.health.beat()
         self._collect_finished()
         self._expire()
