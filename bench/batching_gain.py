@@ -85,8 +85,8 @@ def consume_main(argv: list[str]) -> int:
 
 class BaselineLoop:
     """The simple consumer loops, built from the worker's own pieces: the consumer and producer settings of
-    worker.source / worker.sink, worker.schemas decode and result records, the runtime's Preprocessor and
-    EagerRunner."""
+    worker.kafka.consumer / worker.kafka.producer, worker.schemas decode and result records, the runtime's
+    Preprocessor and EagerRunner."""
 
     def __init__(self, bootstrap: str, topics: Topics, worker_id: str, torch_threads: int,
                  model: dict[str, Any]) -> None:
@@ -94,12 +94,12 @@ class BaselineLoop:
         from confluent_kafka import Consumer, Producer
 
         from worker.config import load_settings
+        from worker.kafka.consumer import consumer_config
+        from worker.kafka.producer import producer_config
         from worker.runtime.models import load_model
         from worker.runtime.preprocess import Preprocessor
         from worker.runtime.runners import EagerRunner
         from worker.schemas import ResultContext
-        from worker.sink import producer_config
-        from worker.source import consumer_config
 
         torch.set_num_threads(torch_threads)
         overrides = topics.overrides()

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DELIVERY, SOURCE, PIPELINE = "worker/delivery.py", "worker/source.py", "worker/pipeline.py"
+DELIVERY, SOURCE, PIPELINE = "worker/delivery.py", "worker/kafka/consumer.py", "worker/pipeline.py"
 FLOW, READING = "worker/flow.py", "worker/reading.py"
 
 # (guard, file, the code that implements it, the code without it)

@@ -19,12 +19,12 @@ from confluent_kafka import Consumer, Producer
 
 from worker.config import Settings, warmup_frame_shapes
 from worker.identity import worker_identity
-from worker.kafka_access import probe_access
-from worker.kafka_client import new_client
+from worker.kafka.access import probe_access
+from worker.kafka.client import new_client
+from worker.kafka.consumer import consumer_config
+from worker.kafka.producer import producer_config
 from worker.metrics import Health, Metrics, MetricsServer
 from worker.pipeline import Pipeline, RunSummary, build_pipeline
-from worker.sink import producer_config
-from worker.source import consumer_config
 
 log = logging.getLogger("worker")
 # /debug/profile waits at most this long for its batches to run.

@@ -87,8 +87,8 @@ def _run_processes(args: argparse.Namespace, settings: Settings) -> int:
 # -- produce -----------------------------------------------------------------------------------------------
 def cmd_produce(args: argparse.Namespace) -> int:
     from worker.frames import Encoding, Priority
-    from worker.kafka_access import probe_reachable
-    from worker.kafka_client import security_properties
+    from worker.kafka.access import probe_reachable
+    from worker.kafka.client import security_properties
     from worker.tools.publish_frames import (
         ProducerInputError,
         VideoOptions,
@@ -148,7 +148,7 @@ def _progress_line(sent: int, acknowledged: int) -> None:
 
 # -- results -----------------------------------------------------------------------------------------------
 def cmd_results(args: argparse.Namespace) -> int:
-    from worker.kafka_client import security_properties
+    from worker.kafka.client import security_properties
     from worker.schemas import decode_result
     from worker.tools.read_results import iter_messages
 
@@ -161,9 +161,15 @@ def cmd_results(args: argparse.Namespace) -> int:
 
 # -- topics / broker / demo --------------------------------------------------------------------------------
 def cmd_topics(args: argparse.Namespace) -> int:
-    from worker.kafka_access import probe_reachable
-    from worker.kafka_client import security_properties
-    from worker.topics import ensure_topics, frame_topic_configs, frame_topics, raise_message_limits, worker_topics
+    from worker.kafka.access import probe_reachable
+    from worker.kafka.client import security_properties
+    from worker.kafka.topics import (
+        ensure_topics,
+        frame_topic_configs,
+        frame_topics,
+        raise_message_limits,
+        worker_topics,
+    )
 
     settings = _settings(args)
     probe_reachable(settings)
@@ -181,7 +187,7 @@ def cmd_topics(args: argparse.Namespace) -> int:
 
 
 def _default_max_frame_bytes() -> int:
-    from worker.topics import DEFAULT_MAX_FRAME_BYTES
+    from worker.kafka.topics import DEFAULT_MAX_FRAME_BYTES
 
     return DEFAULT_MAX_FRAME_BYTES
 

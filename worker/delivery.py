@@ -28,10 +28,17 @@ from worker.assignment import TP, Assignments
 from worker.config import Settings
 from worker.errors import OperatorError
 from worker.frames import OUTPUT_REJECTED, DeadLetter, Output, SourceRef
-from worker.kafka_errors import classify_producer_error
+from worker.kafka.errors import classify_producer_error
+from worker.kafka.producer import (
+    DoneCallback,
+    MessageRejected,
+    RejectedCallback,
+    ResultSink,
+    SinkError,
+    TransactionStuckError,
+)
 from worker.metrics import Children, Metrics
 from worker.offsets import OffsetTracker
-from worker.sink import DoneCallback, MessageRejected, RejectedCallback, ResultSink, SinkError, TransactionStuckError
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +56,7 @@ class CommitResult(enum.Enum):
 
 
 class Committer(Protocol):
-    """What delivery needs of the consumer (worker.source.FrameSource)."""
+    """What delivery needs of the consumer (worker.kafka.consumer.FrameSource)."""
 
     def commit(self, points: dict[TP, int], asynchronous: bool = False) -> None: ...
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 # A Kafka message's headers as confluent-kafka gives them: (name, value) pairs, names may repeat.
 Headers = tuple[tuple[str, bytes | None], ...]
 
-# The context a dead letter carries in its headers (worker/sink.py), after the input message's own headers.
+# The context a dead letter carries in its headers (worker/kafka/producer.py), after the input message's own headers.
 HEADER_ERROR = "streamfer.error"
 HEADER_ERROR_TYPE = "streamfer.error_type"
 HEADER_SOURCE_TOPIC = "streamfer.source_topic"

@@ -30,14 +30,14 @@ from worker.errors import StreamferError
 from worker.flow import FlowControl
 from worker.frames import BatchOutcome, Frame, Output, Priority
 from worker.inflight import InFlight
-from worker.kafka_client import ClientFactory
+from worker.kafka.client import ClientFactory
+from worker.kafka.consumer import FrameSource, Polled, RebalanceHandler
+from worker.kafka.producer import STUCK_GRACE_S, DoneCallback, RejectedCallback, ResultSink, output_message_limit
 from worker.memorypolicy import BatchSizeLimit
 from worker.metrics import Health, Metrics
 from worker.offsets import OffsetTracker
 from worker.reading import Reader
 from worker.schemas import ResultContext
-from worker.sink import STUCK_GRACE_S, DoneCallback, RejectedCallback, ResultSink, output_message_limit
-from worker.source import FrameSource, Polled, RebalanceHandler
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class Executor(Protocol):
 
 
 class Source(Protocol):
-    """What the pipeline needs from the consumer side (worker.source.FrameSource)."""
+    """What the pipeline needs from the consumer side (worker.kafka.consumer.FrameSource)."""
 
     assignments: Assignments
 

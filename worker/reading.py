@@ -13,9 +13,9 @@ from worker.config import Settings
 from worker.dedup import DuplicateFrames, duplicate_reason
 from worker.flow import FlowControl
 from worker.frames import DUPLICATE_FRAME, Frame, Output, Priority
+from worker.kafka.consumer import Polled
 from worker.metrics import Children, Metrics
 from worker.offsets import OffsetTracker
-from worker.source import Polled
 
 
 @dataclass

@@ -173,7 +173,7 @@ def make_topics(bootstrap: str, unique: str, partitions: int = 3, replication: i
 
     `inputs_of`: keep those input topics (and what was published to them), new results and dead-letter topics
     and a new group: another consumer of the same frames, from the beginning (a benchmark's next round)."""
-    from worker.topics import ensure_topics
+    from worker.kafka.topics import ensure_topics
 
     t = TestTopics(realtime=f"t{unique}.realtime", standard=f"t{unique}.standard", bulk=f"t{unique}.bulk",
                    results=f"t{unique}.results", dead_letter=f"t{unique}.dlq", group=f"g{unique}")

@@ -23,8 +23,8 @@ from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
 from worker.config import load_settings
 from worker.frames import Encoding, Priority
+from worker.kafka.consumer import FrameSource
 from worker.schemas import encode_frame
-from worker.source import FrameSource
 from worker.tools.publish_frames import synthetic_frames
 
 from .helpers import TestTopics as Topics

@@ -15,11 +15,11 @@ from confluent_kafka.admin import AclBindingFilter, AclOperation, AclPermissionT
 
 from worker.config import load_settings
 from worker.frames import Encoding, Priority
-from worker.kafka_access import worker_acls
+from worker.kafka.access import worker_acls
+from worker.kafka.topics import ensure_topics
 from worker.tools.local_broker import WORKER_USER, LocalKafka
 from worker.tools.publish_frames import FRAME_PRODUCER_CONFIG, send_frames, synthetic_frames
 from worker.tools.read_results import read_results
-from worker.topics import ensure_topics
 
 from .helpers import TestTopics as Topics
 from .helpers import ledger, start_worker

@@ -16,10 +16,10 @@ import pytest
 from PIL import Image
 
 from worker.frames import Encoding, Priority
+from worker.kafka.topics import DEFAULT_MAX_FRAME_BYTES, ensure_topics, topic_message_limits
 from worker.schemas import FrameRecord
 from worker.tools.publish_frames import FrameTooLargeError, publish
 from worker.tools.read_results import read_results
-from worker.topics import DEFAULT_MAX_FRAME_BYTES, ensure_topics, topic_message_limits
 
 from ..conftest import PROJECT_ROOT
 from .helpers import ledger, make_topics, start_worker, uncommitted

@@ -11,8 +11,8 @@ from confluent_kafka import KafkaError, KafkaException
 from tests.integration.helpers import http_get
 from worker.config import ConfigError, load_settings
 from worker.errors import OperatorError
-from worker.kafka_client import client_properties, principal_of, redact, security_properties
-from worker.kafka_errors import (
+from worker.kafka.client import client_properties, principal_of, redact, security_properties
+from worker.kafka.errors import (
     AUTHENTICATION,
     AUTHORIZATION,
     TLS,

@@ -17,10 +17,10 @@ from confluent_kafka import KafkaError
 import worker.delivery as delivery_module
 from worker.config import BatchingSettings, DeliverySettings, ObservabilitySettings, Settings
 from worker.frames import OUTPUT_REJECTED, BatchOutcome, Priority, Verdict
+from worker.kafka.producer import SinkError
 from worker.metrics import Health, Metrics
 from worker.pipeline import KafkaClients, Pipeline, build_pipeline
 from worker.schemas import decode_result
-from worker.sink import SinkError
 
 from .kafka_fakes import FakeConsumer, FakeExecutor, FakeProducer, Produced, abortable, frame_value, outcome
 

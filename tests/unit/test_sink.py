@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
-import worker.sink as sink_module
+import worker.kafka.producer as sink_module
 from worker.config import Settings
 from worker.frames import SourceRef
-from worker.sink import ResultSink, SinkError, TransactionStuckError
+from worker.kafka.producer import ResultSink, SinkError, TransactionStuckError
 
 
 @dataclass

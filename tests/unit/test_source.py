@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_INVALID, KafkaError, KafkaException, TopicPartition
 
-import worker.source as source_module
+import worker.kafka.consumer as source_module
 from worker.config import KafkaSettings, ObservabilitySettings, Settings, load_settings
 from worker.errors import OperatorError, StreamferError
 from worker.frames import Priority
-from worker.membership import REFENCED_WITHIN_S, SourceError
-from worker.source import COMMITTED_LOOKUP_TIMEOUT_S, COMMITTED_RETRY_FIRST_S, FrameSource
+from worker.kafka.consumer import COMMITTED_LOOKUP_TIMEOUT_S, COMMITTED_RETRY_FIRST_S, FrameSource
+from worker.kafka.membership import REFENCED_WITHIN_S, SourceError
 
 from .kafka_fakes import FakeMessage, frame_value
 

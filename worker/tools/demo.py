@@ -21,10 +21,10 @@ from typing import Any
 
 from worker.config import load_settings
 from worker.frames import Encoding, Priority
+from worker.kafka.topics import ensure_topics, frame_topic_configs, worker_topics
 from worker.tools.local_broker import LocalKafka
 from worker.tools.publish_frames import VideoOptions, paced, publish, random_run_id, synthetic_frames, video_frames
 from worker.tools.read_results import read_results
-from worker.topics import ensure_topics, frame_topic_configs, worker_topics
 
 DEMO_SHAPES = {Priority.REALTIME: [(64, 64), (96, 64)], Priority.STANDARD: [(128, 96), (64, 64), (80, 80)],
                Priority.BULK: [(160, 120), (128, 96)]}

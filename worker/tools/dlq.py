@@ -45,9 +45,9 @@ from worker.frames import (
     SourceRef,
     replay_count_of,
 )
-from worker.kafka_client import client_properties, security_properties
+from worker.kafka.client import client_properties, security_properties
+from worker.kafka.topics import ensure_topics, topic_message_limits
 from worker.schemas import MessageDecodeError, read_frame_record
-from worker.topics import ensure_topics, topic_message_limits
 
 log = logging.getLogger(__name__)
 

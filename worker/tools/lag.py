@@ -23,7 +23,7 @@ from confluent_kafka.admin import AdminClient, OffsetSpec
 from worker.config import Settings
 from worker.errors import OperatorError
 from worker.frames import Priority
-from worker.kafka_client import client_properties
+from worker.kafka.client import client_properties
 from worker.schemas import MessageDecodeError, read_frame_record
 
 TP = tuple[str, int]

@@ -23,8 +23,8 @@ import numpy as np
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from worker.frames import Encoding, Priority
+from worker.kafka.topics import topic_message_limits
 from worker.schemas import FrameRecord, encode_frame
-from worker.topics import topic_message_limits
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp"}
 
@@ -348,7 +348,7 @@ def publish(bootstrap_servers: str, topic: str, frames: Iterable[FrameRecord], r
             keep_capture_ts: bool = False, progress: Callable[[int, int], None] | None = None,
             properties: Mapping[str, str] | None = None) -> PublishReport:
     """Publish frames to one topic with a producer of their own (see send_frames), refusing frames larger than
-    the topic's max.message.bytes. `properties`: librdkafka security properties (worker.kafka_client)."""
+    the topic's max.message.bytes. `properties`: librdkafka security properties (worker.kafka.client)."""
     limits = topic_message_limits(bootstrap_servers, [topic], properties=properties)
     producer = frame_producer(bootstrap_servers, max_message_bytes=limits.get(topic), properties=properties)
     # Connect before the clock starts, so the producer's own start-up is not charged to the frames' latency.

@@ -23,7 +23,7 @@ class DeadLetterRecord:
 
 def _consumer(bootstrap_servers: str, topic: str, properties: Mapping[str, str] | None = None) -> Consumer:
     consumer = Consumer({
-        **(properties or {}),  # security (worker.kafka_client.security_properties)
+        **(properties or {}),  # security (worker.kafka.client.security_properties)
         "bootstrap.servers": bootstrap_servers,
         "group.id": "streamfer-reader",  # required by librdkafka; never used: partitions are assigned
         "enable.auto.commit": False,

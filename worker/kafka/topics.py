@@ -47,7 +47,7 @@ def ensure_topics(bootstrap_servers: str, names: list[str], partitions: int = 3,
                   timeout_s: float = 30.0, configs: Mapping[str, Mapping[str, str]] | None = None,
                   properties: Mapping[str, str] | None = None) -> list[str]:
     """Create the topics that do not exist yet (with `configs[name]`); returns the ones created. Existing
-    topics are left alone. `properties`: librdkafka security properties (worker.kafka_client)."""
+    topics are left alone. `properties`: librdkafka security properties (worker.kafka.client)."""
     admin = AdminClient({"bootstrap.servers": bootstrap_servers, **(properties or {})})
     existing = set(admin.list_topics(timeout=timeout_s).topics)
     missing = [n for n in names if n not in existing]

@@ -18,7 +18,7 @@ from confluent_kafka import KafkaError, KafkaException
 
 from worker.config import Settings
 from worker.errors import OperatorError
-from worker.kafka_client import principal_of
+from worker.kafka.client import principal_of
 
 AUTHENTICATION = "authentication"
 AUTHORIZATION = "authorization"

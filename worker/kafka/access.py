@@ -1,5 +1,5 @@
 """Whether the cluster lets the worker in: the ACLs the worker needs, and a start-up probe that finds a wrong
-password or a missing ACL in seconds, with the worker's own credentials (worker.kafka_client).
+password or a missing ACL in seconds, with the worker's own credentials (worker.kafka.client).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from confluent_kafka.admin import (
 )
 
 from worker.config import Settings
-from worker.kafka_client import client_properties, principal_of
-from worker.kafka_errors import AUTHORIZATION, UNKNOWN_TOPIC, BrokerAccessError, Identity, access_error, cause_of
+from worker.kafka.client import client_properties, principal_of
+from worker.kafka.errors import AUTHORIZATION, UNKNOWN_TOPIC, BrokerAccessError, Identity, access_error, cause_of
 
 log = logging.getLogger(__name__)
 

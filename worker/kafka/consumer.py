@@ -24,9 +24,9 @@ from worker.assignment import Assignments
 from worker.config import Settings, group_instance_id_problem
 from worker.errors import OperatorError, StreamferError
 from worker.frames import MESSAGE_DECODE_ERROR, DeadLetter, Frame, Priority, SourceRef
-from worker.kafka_client import ClientFactory, client_properties, new_client
-from worker.kafka_errors import UNKNOWN_TOPIC, BrokerStatus, Identity, RefusalStreak, classify_consumer_error
-from worker.membership import GroupMembership
+from worker.kafka.client import ClientFactory, client_properties, new_client
+from worker.kafka.errors import UNKNOWN_TOPIC, BrokerStatus, Identity, RefusalStreak, classify_consumer_error
+from worker.kafka.membership import GroupMembership
 from worker.schemas import MessageDecodeError, decode_frame
 
 log = logging.getLogger(__name__)
@@ -216,7 +216,7 @@ class FrameSource:
 
     @property
     def _consumer(self) -> Any:
-        """The group member's consumer: a new one after the broker fenced the last (worker.membership)."""
+        """The group member's consumer: a new one after the broker fenced the last (worker.kafka.membership)."""
         return self._group.consumer
 
     def _forget(self, tps: list[TP]) -> None:
@@ -521,7 +521,7 @@ class FrameSource:
         return out
 
     def close(self) -> None:
-        """Leave the group (a final revoke; see worker.membership for a static member) and close."""
+        """Leave the group (a final revoke; see worker.kafka.membership for a static member) and close."""
         self._group.close(holds_partitions=bool(self.assignments.partitions))
 
     def _commit_reported(self, err: KafkaError | None, partitions: list[TopicPartition]) -> None:

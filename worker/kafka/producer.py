@@ -29,10 +29,10 @@ from worker.frames import (
     DeadLetter,
     SourceRef,
 )
-from worker.kafka_client import ClientFactory, client_properties, new_client, security_properties
-from worker.kafka_errors import BrokerAccessError, Identity, classify_producer_error
+from worker.kafka.client import ClientFactory, client_properties, new_client, security_properties
+from worker.kafka.errors import BrokerAccessError, Identity, classify_producer_error
+from worker.kafka.topics import topic_message_limits
 from worker.threadnames import name_os_thread
-from worker.topics import topic_message_limits
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,11 @@
+"""The Kafka edge: every librdkafka client of the worker and its tools, and every workaround for its behaviour.
+
+- `client`: bootstrap and security properties, the properties the worker owns, making a client.
+- `consumer`: `FrameSource`, the consumer of the per-priority input topics (pause/resume, rebalances, commits).
+- `positions`: pure policy: which assigned partitions wait for their committed offsets before they are read.
+- `membership`: the worker's place in its consumer group (static membership, fencing, leaving).
+- `producer`: `ResultSink`, results and dead letters with delivery reports (idempotent or transactional).
+- `errors`: which client errors an operator must fix and which the client rides out.
+- `access`: the ACLs the worker needs and the start-up probe for them.
+- `topics`: creating the worker's topics.
+"""
