@@ -17,7 +17,8 @@ from typing import Any
 
 from confluent_kafka import KafkaException
 
-from worker.config import SECRET_PROPERTIES, ConfigError, KafkaSettings
+from worker.config import ConfigError, KafkaSettings
+from worker.kafka.properties import SECRET_PROPERTIES
 
 REDACTED = "[redacted]"
 

@@ -1,0 +1,210 @@
+"""The [kafka], [topics], [delivery], [observability], [limits] and [dlq] sections: each field with its reference
+entry (`setting`); cross-field checks are in worker/config/validate.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from worker.config.fields import DeliveryMode, LogFormat, LogLevel, setting
+from worker.frames import Priority
+
+# Upper bounds of settings whose cost grows with them: 16384x16384 RGB is 805 MB decoded, 3.2 GB as float32.
+MAX_FRAME_PIXELS_CEILING = 16384 * 16384
+MAX_METRIC_TENANTS = 1000
+MAX_INFLIGHT_PER_RUNNER = 8
+MAX_INFLIGHT_BATCHES = 1024
+# Slots of the default worker id per host (worker/identity.py): far more worker processes than one host runs.
+MAX_WORKER_SLOTS = 1024
+# 2000-01-01T00:00:00Z: a capture time before it is a producer bug (0, unset, or seconds sent as milliseconds).
+_YEAR_2000_MS = 946_684_800_000
+
+
+@dataclass(frozen=True)
+class KafkaSettings:
+    """How the worker reaches Kafka; secrets are read from files or an environment variable when a client is made
+    (worker/kafka/client.py), so they never sit in Settings, logs or errors."""
+
+    bootstrap_servers: str = setting("127.0.0.1:9092", doc=(
+        "Kafka bootstrap servers"))
+    group_id: str = setting("streamfer-worker", doc=(
+        "consumer group shared by all workers"))
+    static_membership: bool = setting(True, doc=(
+        "join the group as a static member (KIP-345) whose `group.instance.id` is the worker id "
+        "(`observability.worker_id`): a process restarted under the same id (the default `<hostname>-<slot>` on the "
+        "same host, a container restarted in its pod) gets its partitions back at once, without a rebalance and "
+        "without waiting out the dead one's session; a worker that stops gracefully (SIGTERM, scale-down, a rollout) "
+        "still leaves the group, so its partitions move on at once. The worker id must then be unique in the group and"
+        " 1-249 letters, digits, `.`, `_`, `-`: the broker fences a member when another joins under its id, and when a"
+        " process frozen past its session (SIGSTOP, a paused VM) comes back; the worker answers a fence by joining "
+        "again under a new consumer (its partitions were lost), and a second fence within 60 s (two processes under "
+        "one id fencing each other) stops it with exit 2 naming `observability.worker_id`. `false`: dynamic "
+        "membership, where a restarted process waits for its predecessor's session (`session_timeout_ms`) to expire. "
+        "Replaces `group_instance_id` (refused with that hint). See [deploy.md](deploy.md#worker-ids-and-restarts)"))
+    session_timeout_ms: int = setting(45_000, ge=6_000, le=1_800_000, unit="ms", doc=(
+        "group session timeout (6000..1800000, the broker's default bounds): how long a member that died without a "
+        "successor under its id keeps its partitions"))
+    max_poll_interval_ms: int = setting(300_000, range=">= session_timeout_ms", unit="ms", doc=(
+        "the worker keeps polling while batches run, so this only bounds a stuck loop; must be >= session_timeout_ms"))
+    consumer_overrides: dict[str, str] = setting(default_factory=dict, doc=(
+        "extra librdkafka consumer properties (fetch sizes, etc.); the worker sets `fetch.wait.max.ms=100` and "
+        "`fetch.queue.backoff.ms=20` (librdkafka: 500 and 1000), which these may change: backpressure pauses and "
+        "resumes partitions, and with the library's values each resume left the model idle for up to 0.5-1 s (on a "
+        "mixed backlog, no batch in flight 22-29% of the time); the cost is an idle worker's fetch to each broker 10 "
+        "times a second; refused: the security properties, which have settings of their own (`security.protocol`, "
+        "`sasl.*`, `ssl.*.location`) and any secret-bearing one (`sasl.password`, `ssl.key.password`, ...; a secret is"
+        " never written in the settings); also refused at start-up for the ones the delivery guarantees depend on: "
+        "`enable.auto.commit`, `enable.auto.offset.store`, `isolation.level`, `auto.offset.reset` (always `earliest`: "
+        "reset a group's offsets with `kafka-consumer-groups --reset-offsets` to skip a backlog), "
+        "`partition.assignment.strategy`, and those with a setting of their own (`bootstrap.servers`, `group.id`, "
+        "`group.instance.id`, `session.timeout.ms`, `max.poll.interval.ms`)"))
+    producer_overrides: dict[str, str] = setting(default_factory=dict, doc=(
+        "extra librdkafka producer properties; refused: the security and secret-bearing properties (as for "
+        "`consumer_overrides`), `enable.idempotence`, `acks`, `transactional.id` (use "
+        "`delivery.transactional_id_prefix`), `bootstrap.servers`"))
+    security_protocol: str = setting("PLAINTEXT", range="`PLAINTEXT`, `SSL`, `SASL_PLAINTEXT`, `SASL_SSL`", doc=(
+        "`PLAINTEXT`, `SSL`, `SASL_PLAINTEXT` or `SASL_SSL`, for every client of the worker (consumer, producer, "
+        "admin, `worker produce/results/topics`); see [security.md](security.md)"))
+    sasl_mechanism: str = setting("SCRAM-SHA-512", range="`PLAIN`, `SCRAM-SHA-256`, `SCRAM-SHA-512`", doc=(
+        "`PLAIN`, `SCRAM-SHA-256` or `SCRAM-SHA-512` (SASL protocols only)"))
+    sasl_username: str = setting("", doc=(
+        "SASL user; the ACLs name it as `User:<name>`"))
+    sasl_password_file: str = setting("", doc=(
+        "file holding the SASL password (read when a client is made; never logged). Set this or `sasl_password_env`"))
+    sasl_password_env: str = setting("", doc=(
+        "the NAME of an environment variable holding the SASL password"))
+    ssl_ca_location: str = setting("", doc=(
+        "CA certificate(s) (PEM file or directory) that verify the brokers; empty: the system's"))
+    ssl_certificate_location: str = setting("", doc=(
+        "client certificate (PEM) for TLS client authentication; needs `ssl_key_location`"))
+    ssl_key_location: str = setting("", doc=(
+        "the client certificate's private key (PEM)"))
+    ssl_key_password_file: str = setting("", doc=(
+        "file holding the private key's password, if it is encrypted"))
+
+
+@dataclass(frozen=True)
+class TopicSettings:
+    realtime: str = setting("frames.realtime", doc=(
+        "input topic of the realtime class"))
+    standard: str = setting("frames.standard", doc=(
+        "input topic of the standard class"))
+    bulk: str = setting("frames.bulk", doc=(
+        "input topic of the bulk class"))
+    results: str = setting("moderation.results", doc=(
+        "output topic of moderation results"))
+    dead_letter: str = setting("frames.dlq", doc=(
+        "messages that could not be processed: the original bytes and headers, then the reason and source coordinates "
+        "in `streamfer.*` headers ([operations.md](operations.md)); `worker dlq replay` records what it replayed in "
+        "`<dead_letter>.replayed`"))
+
+    def input_topics(self) -> dict[str, Priority]:
+        return {self.realtime: Priority.REALTIME, self.standard: Priority.STANDARD, self.bulk: Priority.BULK}
+
+
+@dataclass(frozen=True)
+class DeliverySettings:
+    mode: DeliveryMode = setting("at_least_once", doc=(
+        "or `exactly_once`: results, dead letters and offsets in one transaction per batch"))
+    transactional_id_prefix: str = setting("streamfer", range="non-empty", doc=(
+        "exactly-once: the producer's transactional id is `<prefix>-<worker_id>`"))
+    inflight_batches_per_runner: int = setting(2, ge=1, le=MAX_INFLIGHT_PER_RUNNER, unit="batches", doc=(
+        "batches dispatched to the runtime and not yet finished, per runner (devices x "
+        "`runtime.instances_per_device`), 1..8: with 2 each runner has one batch running and the next one prepared "
+        "behind it (decoded, copied to its device), so on a backlog every runner is busy"))
+    max_inflight_batches: int = setting(0,
+        ge=0, le=MAX_INFLIGHT_BATCHES, range="0 or >= the runner count", unit="batches", doc=(
+        "all runners together: 0 = `inflight_batches_per_runner` x runners (logged at start-up); a number (1..1024) "
+        "caps the total instead and must be at least the runner count, or start-up stops naming this setting (some "
+        "runners would never get a batch). One more slot is always reserved for a realtime batch"))
+    commit_interval_ms: float = setting(0.0, ge=0, unit="ms", doc=(
+        "least time between two offset commits (0: after every batch whose results are acknowledged); at-least-once "
+        "also waits for the last asynchronous commit's outcome before sending the next"))
+    max_uncommitted_frames: int = setting(0,
+        ge=0, range="0 or >= the largest class max_batch_size", unit="frames", doc=(
+        "the most offsets read since the last commit the broker confirmed; reading pauses there until a commit lands, "
+        "so while commits fail (a coordinator away) what a lost session or crash answers again stays bounded. 0: "
+        "`batching.max_pending_frames` + (the in-flight limit, `max_inflight_batches` as resolved for the runners, + "
+        "1, realtime's reserved slot) x the largest class `max_batch_size`. With a long `commit_interval_ms` the "
+        "worker commits early once half of it is used"))
+    transaction_call_timeout_ms: int = setting(10_000, ge=1_000, le=300_000, unit="ms", doc=(
+        "exactly-once: how long sending a transaction's offsets and committing it may take; past it (plus 5 s for a "
+        "call blocked inside librdkafka) the producer is replaced, which fences the old one and aborts its "
+        "transaction, and the frames are read again from the committed offsets. The producer's "
+        "`transaction.timeout.ms` is 3x this (30 s): a crashed worker's open transaction holds back its partitions and"
+        " read_committed readers of the results at most that long, unless a worker with the same `worker_id` starts "
+        "first and fences it at once"))
+
+
+@dataclass(frozen=True)
+class ObservabilitySettings:
+    metrics_enabled: bool = setting(True, doc=(
+        "serve `/metrics`, `/healthz`, `/readyz`"))
+    metrics_port: int = setting(9400, ge=0, le=65535, doc=(
+        "their port (0 picks a free one and logs it)"))
+    metrics_host: str = setting("0.0.0.0", doc=(
+        "bind address"))
+    profile_endpoint: bool = setting(False, doc=(
+        "serve `/debug/profile?batches=N` on the metrics port (records N batches with the torch profiler; "
+        "unauthenticated like `/metrics`, see docs/security.md)"))
+    log_format: LogFormat = setting("text", doc=(
+        "`text` or `json` (one JSON object per line, with the worker id)"))
+    log_level: LogLevel = setting("INFO", doc=(
+        "`DEBUG`, `INFO`, `WARNING`, `ERROR`"))
+    worker_id: str = setting("",
+        range="1-249 of `A-Za-z0-9._-` with kafka.static_membership", shown_default="`<hostname>-<slot>`", doc=(
+        "names this process in logs, results (`worker_id`), dead letters (`streamfer.worker_id`), the Kafka clients' "
+        "`client.id` the exactly-once transactional id (`<transactional_id_prefix>-<worker_id>`) and, with "
+        "`kafka.static_membership`, the consumer's `group.instance.id`. Unset, it is the host name and the lowest slot"
+        " free on this host (`worker_slot`), held by a lock while the process runs: a process restarted on the same "
+        "host gets the same id, so its producer fences the dead one's open transaction at once and its consumer takes "
+        "the dead member's place in the group (see [deploy.md](deploy.md#worker-ids-and-restarts)). Set it, and it "
+        "wins (no slot is taken); it must then be unique among the running workers of a transactional id prefix and of"
+        " a consumer group"))
+    worker_slot: int = setting(-1, ge=-1, le=MAX_WORKER_SLOTS - 1, range="only with worker_id unset", doc=(
+        "the slot of the default worker id: -1 takes the lowest one free on this host; N takes slot N, and start-up "
+        "fails (exit 2, naming the process holding it) while another process holds it. Only with `worker_id` unset. "
+        "`worker run --processes N` gives its children slots S..S+N-1 (S is this setting, 0 when -1)"))
+    worker_slot_dir: str = setting("",
+        shown_default="`$XDG_RUNTIME_DIR/streamfer`, else `<temp dir>/streamfer-<uid>`", doc=(
+        "where the slots' lock files live (one per slot and transactional id prefix, removed on a clean exit; the "
+        "lock, not the file, holds the slot, and the kernel drops it when the process dies). Made (mode 0700) if "
+        "missing; the default one must belong to this user. A directory the worker cannot write (read-only root file "
+        "system without a writable `/tmp`) stops start-up with exit 2 naming this setting: point it at a writable "
+        "local directory, or set `worker_id`"))
+    metric_tenants: tuple[str, ...] = setting((), range="at most 1000, each 1..limits.max_identifier_bytes bytes", doc=(
+        "tenants that get a `tenant` label value of their own on the per-tenant metrics; when set, every other tenant "
+        "is counted as `other` (see docs/metrics.md, Tenant label)"))
+    max_metric_tenants: int = setting(100, ge=0, le=MAX_METRIC_TENANTS, doc=(
+        "when `metric_tenants` is empty: the first this many tenants seen (each at most `limits.max_identifier_bytes` "
+        "long) get a label of their own, the rest are `other`; 0..1000"))
+
+
+@dataclass(frozen=True)
+class LimitsSettings:
+    """What the worker accepts from producers: bounds that keep one bad or hostile message cheap."""
+
+    max_frame_pixels: int = setting(4096 * 4096, ge=1, le=MAX_FRAME_PIXELS_CEILING, unit="pixels", doc=(
+        "largest frame, width x height (4096x4096: takes 1920x1080, 3840x2160 and 4096x2160; raise to 33177600 for "
+        "8K); 1..268435456. Checked on the message header (`MessageDecodeError`) and, for a JPEG, on the JPEG's own "
+        "header before any pixel is decoded (`FrameDecodeError`)"))
+    max_identifier_bytes: int = setting(256, ge=1, le=65_536, unit="bytes", doc=(
+        "longest `stream_id` and `tenant`, in UTF-8 bytes; both become result keys and metric labels; 1..65536"))
+    min_capture_ts_ms: int = setting(_YEAR_2000_MS, ge=1, unit="ms since the epoch", doc=(
+        "earliest `capture_ts_ms` accepted (2000-01-01T00:00:00Z): an earlier one is a producer bug (0, unset, "
+        "negative, or seconds sent as milliseconds)"))
+    max_capture_skew_ms: int = setting(60_000, ge=0, le=86_400_000, unit="ms", doc=(
+        "how far in the future (by the worker's clock) `capture_ts_ms` may be: producer clock skew; 0..86400000. "
+        "Further ahead is a broken clock or a wrong unit (microseconds)"))
+    duplicate_window_frames: int = setting(4096, ge=0, le=1_000_000, unit="frames", doc=(
+        "per input partition, how many recent frame identities `(stream_id, frame_index)` are remembered to catch a "
+        "repeated frame (see Repeated frames below); 0 turns detection off; 0..1000000"))
+
+
+@dataclass(frozen=True)
+class DeadLetterSettings:
+    """How `worker dlq replay` treats the dead-letter topic (the worker itself only writes it)."""
+
+    max_replays: int = setting(3, ge=0, le=1000, doc=(
+        "how many times one frame may be published again: a replayed frame that fails again is dead-lettered with its "
+        "replay count, and a dead letter whose frame was replayed this many times is not replayed again (`worker dlq "
+        "show` counts them), so a frame that keeps failing never loops; 0..1000, 0: no replays"))

@@ -1,0 +1,44 @@
+"""`Settings`, the one object every stage reads: one field per section of the TOML file."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from worker.config.batching import BatchingSettings
+from worker.config.fields import setting
+from worker.config.model import ModelSettings, RuntimeSettings
+from worker.config.sections import (
+    DeadLetterSettings,
+    DeliverySettings,
+    KafkaSettings,
+    LimitsSettings,
+    ObservabilitySettings,
+    TopicSettings,
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    kafka: KafkaSettings = setting(default_factory=KafkaSettings, doc="the Kafka cluster and clients")
+    topics: TopicSettings = setting(default_factory=TopicSettings, doc="the topics read and written")
+    batching: BatchingSettings = setting(default_factory=BatchingSettings, doc="the micro-batcher and its classes")
+    model: ModelSettings = setting(default_factory=ModelSettings, doc="the model and its preprocessing contract")
+    runtime: RuntimeSettings = setting(default_factory=RuntimeSettings, doc="where and how the model runs")
+    delivery: DeliverySettings = setting(default_factory=DeliverySettings, doc="the commit protocol")
+    observability: ObservabilitySettings = setting(default_factory=ObservabilitySettings,
+                                                   doc="logs, metrics and the worker's identity")
+    limits: LimitsSettings = setting(default_factory=LimitsSettings, doc="what the worker accepts from producers")
+    dlq: DeadLetterSettings = setting(default_factory=DeadLetterSettings, doc="what `worker dlq replay` may do")
+
+    @property
+    def max_uncommitted_frames(self) -> int:
+        """`delivery.max_uncommitted_frames`, or by default what one worker holds when nothing is stuck: a full
+        batcher and its batches running (the in-flight limit, resolved for the runners by
+        `resolve_inflight_batches`, plus realtime's reserved slot)."""
+        return self.delivery.max_uncommitted_frames or (
+            self.batching.max_pending_frames
+            + (self.delivery.max_inflight_batches + 1) * self.batching.largest_batch_size)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Settings)}

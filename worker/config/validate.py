@@ -1,0 +1,306 @@
+"""Checks across fields and of ranges, run once when settings load, and the values derived from validated settings.
+Each problem names the field as it is written in the config file and says what it accepts."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+from collections.abc import Mapping
+
+from worker.config.fields import ConfigError
+from worker.config.model import MAX_PREPROCESS_THREADS, RuntimeSettings
+from worker.config.sections import (
+    MAX_FRAME_PIXELS_CEILING,
+    MAX_INFLIGHT_BATCHES,
+    MAX_INFLIGHT_PER_RUNNER,
+    MAX_METRIC_TENANTS,
+    MAX_WORKER_SLOTS,
+    DeliverySettings,
+    KafkaSettings,
+)
+from worker.config.settings import Settings
+from worker.frames import Priority
+from worker.kafka.properties import (
+    PROTECTED_CONSUMER_PROPERTIES,
+    PROTECTED_PRODUCER_PROPERTIES,
+    SECRET_PROPERTIES,
+    SECURITY_PROPERTIES,
+)
+
+log = logging.getLogger("worker.config")
+
+# The [kafka] security settings (docs/security.md), checked by validate_security. The librdkafka properties an
+# override may not set are the Kafka edge's (worker/kafka/properties.py).
+SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+# What Kafka accepts as a group.instance.id (the broker refuses a JoinGroup with any other).
+GROUP_INSTANCE_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,249}")
+
+
+def group_instance_id_problem(worker_id: str) -> str | None:
+    """Why `worker_id` cannot be a static member's group.instance.id, or None when it can."""
+    if GROUP_INSTANCE_ID_RE.fullmatch(worker_id):
+        return None
+    return (f"observability.worker_id: {worker_id!r} is, with kafka.static_membership (the default), the consumer's "
+            "group.instance.id, which Kafka allows only as 1-249 letters, digits, '.', '_' or '-'; rename it, or set "
+            "kafka.static_membership = false")
+
+
+
+def validate(s: Settings) -> list[str]:
+    """Cross-field and range checks; each problem names the field as it is written in the config file."""
+    p: list[str] = []
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            p.append(message)
+
+    k = s.kafka
+    need(bool(k.bootstrap_servers.strip()), "kafka.bootstrap_servers: must not be empty (host:port[,host:port])")
+    need(bool(k.group_id.strip()), "kafka.group_id: must not be empty")
+    # The broker's defaults group.min/max.session.timeout.ms: outside them JoinGroup fails forever.
+    need(6_000 <= k.session_timeout_ms <= 1_800_000,
+         "kafka.session_timeout_ms: must be 6000..1800000 (the broker's default group.min/max.session.timeout.ms)")
+    need(k.max_poll_interval_ms >= k.session_timeout_ms,
+         "kafka.max_poll_interval_ms: must be >= kafka.session_timeout_ms")
+    checks = (("consumer_overrides", k.consumer_overrides, PROTECTED_CONSUMER_PROPERTIES),
+              ("producer_overrides", k.producer_overrides, PROTECTED_PRODUCER_PROPERTIES))
+    for field_name, overrides, protected in checks:
+        for key in sorted(overrides):
+            if key in protected:
+                p.append(f"kafka.{field_name}: {key!r} is managed by the worker ({protected[key]})")
+    p.extend(validate_security(k))
+
+    t = s.topics
+    names = [t.realtime, t.standard, t.bulk, t.results, t.dead_letter]
+    need(all(n.strip() for n in names), "topics: no topic name may be empty")
+    need(len(set(names)) == len(names), "topics: input, results and dead_letter topics must all differ")
+
+    b = s.batching
+    need(1 <= b.max_batch_size <= 4096, "batching.max_batch_size: must be 1..4096")
+    need(all(1 <= x <= b.largest_batch_size for x in b.preferred_batch_sizes),
+         "batching.preferred_batch_sizes: each must be 1..the largest max_batch_size of any class")
+    need(0.0 <= b.padding_waste_max < 1.0, "batching.padding_waste_max: must be in [0, 1)")
+    need(b.max_batch_bytes >= 1024, "batching.max_batch_bytes: must be >= 1024")
+    need(b.tensor_dtype_bytes in (1, 2, 4, 8), "batching.tensor_dtype_bytes: must be 1, 2, 4 or 8")
+    need(b.rare_shape_min_count >= 1, "batching.rare_shape_min_count: must be >= 1")
+    need(b.rare_shape_window_ms > 0, "batching.rare_shape_window_ms: must be > 0")
+    need(1 <= b.fallback_max_batch_size <= b.max_batch_size,
+         "batching.fallback_max_batch_size: must be 1..batching.max_batch_size")
+    need(b.max_pending_frames >= b.largest_batch_size,
+         "batching.max_pending_frames: must be >= the largest max_batch_size of any class")
+    need(b.max_pending_bytes >= 1024, "batching.max_pending_bytes: must be >= 1024")
+    for prio in Priority:
+        c = b.for_class(prio)
+        need(0 <= c.max_wait_ms <= 1000, f"batching.{prio.label}.max_wait_ms: must be 0..1000")
+        need(c.max_age_ms == 0 or c.max_age_ms >= c.max_wait_ms,
+             f"batching.{prio.label}.max_age_ms: must be 0 (no expiry) or >= its max_wait_ms")
+        need(c.weight >= 1, f"batching.{prio.label}.weight: must be >= 1")
+        need(c.latency_budget_ms >= 0, f"batching.{prio.label}.latency_budget_ms: must be >= 0 (0: no budget)")
+        need(0 < c.pending_share <= 1, f"batching.{prio.label}.pending_share: must be in (0, 1]")
+        need(0 <= c.max_batch_size <= 4096,
+             f"batching.{prio.label}.max_batch_size: must be 0 (= batching.max_batch_size) or 1..4096")
+    need(b.standard.pending_share + b.bulk.pending_share < 1,
+         "batching.standard.pending_share + batching.bulk.pending_share: must be < 1, so realtime always has room")
+    need(b.max_blocking_ms >= 0, "batching.max_blocking_ms: must be >= 0 (0: half of realtime.latency_budget_ms)")
+    need(b.realtime_quiet_ms >= 0, "batching.realtime_quiet_ms: must be >= 0 (0: standard and bulk always bounded)")
+    need(all(w >= 1 for w in b.tenant_weights.values()), "batching.tenant_weights: each weight must be >= 1")
+    need(0 <= b.lower_class_read_floor <= 0.5,
+         "batching.lower_class_read_floor: must be in [0, 0.5] (a share of the messages read; 0: none)")
+
+    m = s.model
+    need(bool(m.source.strip()),
+         "model.source: must be 'builtin', a preset (opennsfw), a model file, or 'module:function'")
+    need(len(m.labels) >= 1 and len(set(m.labels)) == len(m.labels), "model.labels: must be non-empty and unique")
+    need(set(m.thresholds) <= set(m.labels),
+         f"model.thresholds: unknown labels {sorted(set(m.thresholds) - set(m.labels))} (labels: {list(m.labels)})")
+    need(all(0.0 <= v <= 1.0 for v in [*m.thresholds.values(), m.default_threshold]),
+         "model.thresholds / model.default_threshold: must be in [0, 1]")
+    need(set(m.never_flag) <= set(m.labels),
+         f"model.never_flag: unknown labels {sorted(set(m.never_flag) - set(m.labels))} (labels: {list(m.labels)})")
+    need(not set(m.labels) <= set(m.never_flag), "model.never_flag: lists every label, so no frame could be flagged")
+    need(bool(m.cache_dir.strip()), "model.cache_dir: must not be empty")
+    need(len(m.input_size) in (0, 2) and all(x > 0 for x in m.input_size),
+         "model.input_size: must be empty (any size) or [height, width] > 0")
+    need(len(m.mean) in (1, 3),
+         f"model.mean: has {len(m.mean)} values; give 3 for an RGB/BGR model or 1 for a greyscale one")
+    need(len(m.mean) == len(m.std) and all(x > 0 for x in m.std), "model.mean / model.std: same length, std > 0")
+    need(m.channel_order == "RGB" or len(m.mean) == 3, "model.channel_order: BGR needs a 3-channel model (3 means)")
+    need(m.resize == "stretch" or len(m.input_size) == 2,
+         f"model.resize: {m.resize!r} needs model.input_size = [height, width] to resize and crop to")
+    need(m.resize_shorter_side == 0 or (m.resize_shorter_side >= max(m.input_size or (0,))),
+         "model.resize_shorter_side: must be 0 (= the larger of model.input_size) or >= both of model.input_size")
+    need(m.resize != "stretch_crop" or (len(m.resize_to) == 2 and len(m.input_size) == 2
+                                        and all(a >= b for a, b in zip(m.resize_to, m.input_size))),
+         "model.resize_to: stretch_crop needs [height, width], each >= model.input_size's")
+    need(0 <= m.jpeg_roundtrip_quality <= 100, "model.jpeg_roundtrip_quality: must be 0 (off) or 1..100")
+
+    r = s.runtime
+    need(r.device == "auto" or r.device == "cpu" or r.device.startswith("cuda"),
+         "runtime.device: must be auto, cpu, cuda or cuda:N")
+    need(len(r.graph_batch_sizes) >= 1 and all(x >= 1 for x in r.graph_batch_sizes),
+         "runtime.graph_batch_sizes: must list at least one size >= 1")
+    need(r.warmup_batches >= 0, "runtime.warmup_batches: must be >= 0")
+    need(all(_parse_size(x) is not None for x in r.warmup_shapes),
+         "runtime.warmup_shapes: each must be WIDTHxHEIGHT with positive integers, e.g. 1280x720")
+    need(r.preprocess_threads == "auto" or 0 <= r.preprocess_threads <= MAX_PREPROCESS_THREADS,
+         f"runtime.preprocess_threads: must be \"auto\" or 0..{MAX_PREPROCESS_THREADS} (0 = auto: one per CPU core)")
+    need(r.torch_threads >= 0, "runtime.torch_threads: must be >= 0")
+    need(1 <= r.instances_per_device <= 16, "runtime.instances_per_device: must be 1..16")
+    need(0 < r.memory_fraction <= 1, "runtime.memory_fraction: must be in (0, 1]")
+
+    d = s.delivery
+    need(bool(d.transactional_id_prefix.strip()), "delivery.transactional_id_prefix: must not be empty")
+    need(1 <= d.inflight_batches_per_runner <= MAX_INFLIGHT_PER_RUNNER,
+         f"delivery.inflight_batches_per_runner: must be 1..{MAX_INFLIGHT_PER_RUNNER}")
+    need(0 <= d.max_inflight_batches <= MAX_INFLIGHT_BATCHES,
+         f"delivery.max_inflight_batches: must be 0 (inflight_batches_per_runner x runners) or "
+         f"1..{MAX_INFLIGHT_BATCHES}")
+    need(d.commit_interval_ms >= 0, "delivery.commit_interval_ms: must be >= 0")
+    need(d.max_uncommitted_frames == 0 or d.max_uncommitted_frames >= b.largest_batch_size,
+         "delivery.max_uncommitted_frames: must be 0 (derived) or >= the largest max_batch_size of any class")
+    need(1_000 <= d.transaction_call_timeout_ms <= 300_000,
+         "delivery.transaction_call_timeout_ms: must be 1000..300000")
+
+    o = s.observability
+    need(0 <= o.metrics_port <= 65535, "observability.metrics_port: must be 0..65535 (0 picks a free port)")
+    need(0 <= o.max_metric_tenants <= MAX_METRIC_TENANTS,
+         f"observability.max_metric_tenants: must be 0..{MAX_METRIC_TENANTS} (each tenant adds series to every scrape)")
+    need(-1 <= o.worker_slot < MAX_WORKER_SLOTS,
+         f"observability.worker_slot: must be -1 (the lowest free slot) or 0..{MAX_WORKER_SLOTS - 1}")
+    need(o.worker_slot < 0 or not o.worker_id,
+         "observability.worker_slot: names the slot of the default worker id; with observability.worker_id set it "
+         "would be ignored, so unset one of them")
+    instance_id_problem = group_instance_id_problem(o.worker_id) if o.worker_id and s.kafka.static_membership else None
+    need(instance_id_problem is None, instance_id_problem or "")
+    need(len(o.metric_tenants) <= MAX_METRIC_TENANTS, f"observability.metric_tenants: at most {MAX_METRIC_TENANTS}")
+    need(all(0 < len(t.encode()) <= s.limits.max_identifier_bytes for t in o.metric_tenants),
+         "observability.metric_tenants: each must be a non-empty tenant of at most limits.max_identifier_bytes bytes")
+
+    lim = s.limits
+    need(1 <= lim.max_frame_pixels <= MAX_FRAME_PIXELS_CEILING,
+         f"limits.max_frame_pixels: must be 1..{MAX_FRAME_PIXELS_CEILING} (16384x16384)")
+    need(1 <= lim.max_identifier_bytes <= 65_536, "limits.max_identifier_bytes: must be 1..65536")
+    need(lim.min_capture_ts_ms >= 1, "limits.min_capture_ts_ms: must be >= 1 (epoch milliseconds)")
+    need(0 <= lim.max_capture_skew_ms <= 86_400_000, "limits.max_capture_skew_ms: must be 0..86400000 (one day)")
+    need(0 <= lim.duplicate_window_frames <= 1_000_000, "limits.duplicate_window_frames: must be 0..1000000 (0 = off)")
+
+    need(0 <= s.dlq.max_replays <= 1000, "dlq.max_replays: must be 0..1000 (0 = no replays)")
+    return p
+
+
+def validate_security(k: KafkaSettings, environ: Mapping[str, str] | None = None) -> list[str]:
+    """Problems with the [kafka] security settings (coherent combination, files present and readable)."""
+    env = os.environ if environ is None else environ
+    p: list[str] = []
+    protocol = k.security_protocol.upper()
+    if protocol not in SECURITY_PROTOCOLS:
+        return [f"kafka.security_protocol: must be one of {', '.join(SECURITY_PROTOCOLS)}"]
+    sasl, tls = protocol.startswith("SASL"), protocol.endswith("SSL")
+    if sasl:
+        if k.sasl_mechanism not in SASL_MECHANISMS:
+            p.append(f"kafka.sasl_mechanism: must be one of {', '.join(SASL_MECHANISMS)} with {protocol}")
+        if not k.sasl_username.strip():
+            p.append(f"kafka.sasl_username: must be set with {protocol}")
+        if bool(k.sasl_password_file) == bool(k.sasl_password_env):
+            p.append(f"kafka.sasl_password_file: with {protocol}, set exactly one of kafka.sasl_password_file "
+                     "and kafka.sasl_password_env")
+        elif k.sasl_password_file:
+            p.extend(_file_problems("kafka.sasl_password_file", k.sasl_password_file, secret=True))
+        elif not env.get(k.sasl_password_env):
+            p.append(f"kafka.sasl_password_env: the environment variable {k.sasl_password_env} is not set or empty")
+    else:
+        for name in ("sasl_username", "sasl_password_file", "sasl_password_env"):
+            if getattr(k, name):
+                p.append(f"kafka.{name}: only used with kafka.security_protocol SASL_PLAINTEXT or SASL_SSL "
+                         f"(it is {protocol})")
+    tls_files = ("ssl_ca_location", "ssl_certificate_location", "ssl_key_location", "ssl_key_password_file")
+    if tls:
+        for name in tls_files:
+            value = getattr(k, name)
+            if value:
+                p.extend(_file_problems(f"kafka.{name}", value, secret=name != "ssl_ca_location",
+                                        allow_dir=name == "ssl_ca_location"))
+        if bool(k.ssl_certificate_location) != bool(k.ssl_key_location):
+            p.append("kafka.ssl_certificate_location: a client certificate needs its key (kafka.ssl_key_location), "
+                     "and a key its certificate")
+        if k.ssl_key_password_file and not k.ssl_key_location:
+            p.append("kafka.ssl_key_password_file: only used with kafka.ssl_key_location")
+        if protocol == "SSL" and not k.ssl_certificate_location:
+            log.debug("SSL without a client certificate: the broker sees User:ANONYMOUS")
+    else:
+        for name in tls_files:
+            if getattr(k, name):
+                p.append(f"kafka.{name}: only used with kafka.security_protocol SSL or SASL_SSL (it is {protocol})")
+    for field_name, overrides in (("consumer_overrides", k.consumer_overrides),
+                                  ("producer_overrides", k.producer_overrides)):
+        for key in sorted(overrides):
+            if key in SECURITY_PROPERTIES:
+                p.append(f"kafka.{field_name}: {key!r} has a setting of its own ({SECURITY_PROPERTIES[key]}); "
+                         "secrets are read from files or environment variables, never written in the settings")
+            elif key in SECRET_PROPERTIES:
+                p.append(f"kafka.{field_name}: {key!r} carries a secret and is refused in the overrides; use the "
+                         "kafka.sasl_* / kafka.ssl_* settings, which read secrets from files")
+    return p
+
+
+def _file_problems(setting: str, path: str, secret: bool, allow_dir: bool = False) -> list[str]:
+    if allow_dir and os.path.isdir(path):
+        return []
+    if not os.path.isfile(path):
+        return [f"{setting}: {path} is not a file"]
+    if not os.access(path, os.R_OK):
+        return [f"{setting}: {path} is not readable by this user"]
+    if secret and os.path.getsize(path) == 0:
+        return [f"{setting}: {path} is empty"]
+    return []
+
+
+def _parse_size(text: str) -> tuple[int, int] | None:
+    try:
+        w, h = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        return None
+    return (w, h) if w > 0 and h > 0 else None
+
+
+def preprocess_thread_count(runtime: RuntimeSettings) -> int:
+    """runtime.preprocess_threads resolved: "auto" and 0 mean the CPU cores this process may run on."""
+    if runtime.preprocess_threads not in ("auto", 0):
+        return int(runtime.preprocess_threads)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_PREPROCESS_THREADS))
+
+
+def inflight_batch_limit(delivery: DeliverySettings, runners: int) -> int:
+    """Batches the loop keeps in flight, besides realtime's reserved slot: delivery.max_inflight_batches, or (0)
+    inflight_batches_per_runner for each runner, so every runner has work on a backlog. ConfigError when a set
+    limit is below the runner count: some runners would never get a batch."""
+    if delivery.max_inflight_batches == 0:
+        return delivery.inflight_batches_per_runner * runners
+    if delivery.max_inflight_batches < runners:
+        raise ConfigError([
+            f"delivery.max_inflight_batches: {delivery.max_inflight_batches} leaves runners idle: the runtime has "
+            f"{runners} runners (runtime.instances_per_device x devices); set 0 (derived: "
+            f"delivery.inflight_batches_per_runner x runners = {delivery.inflight_batches_per_runner * runners}) "
+            f"or at least {runners}"])
+    return delivery.max_inflight_batches
+
+
+def resolve_inflight_batches(s: Settings, runners: int) -> Settings:
+    """The settings with delivery.max_inflight_batches resolved for the runtime's `runners` (inflight_batch_limit),
+    so every stage reads one limit (the loop, and the uncommitted cap derived from it). Idempotent."""
+    limit = inflight_batch_limit(s.delivery, runners)
+    return dataclasses.replace(s, delivery=dataclasses.replace(s.delivery, max_inflight_batches=limit))
+
+
+def warmup_frame_shapes(s: Settings) -> list[tuple[int, int, int]]:
+    """runtime.warmup_shapes as (height, width, channels) frame shapes; channels follow the model's mean."""
+    channels = len(s.model.mean)
+    sizes = [size for size in map(_parse_size, s.runtime.warmup_shapes) if size is not None]
+    return [(h, w, channels) for w, h in sizes]
