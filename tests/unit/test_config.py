@@ -242,3 +242,23 @@ def test_a_lower_class_read_floor_outside_0_to_half_is_refused(value):
     with pytest.raises(ConfigError) as err:
         load_settings(env={"WORKER_BATCHING_LOWER_CLASS_READ_FLOOR": value})
     assert err.value.setting == "batching.lower_class_read_floor"
+
+
+# -- enumerated settings ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", ["debug", "Debug", "DEBUG"])
+def test_a_log_level_loads_in_any_case_as_its_declared_spelling(value):
+    assert load_settings(env={"WORKER_OBSERVABILITY_LOG_LEVEL": value}).observability.log_level == "DEBUG"
+
+
+def test_every_enumerated_setting_is_case_insensitive():
+    s = load_settings(env={"WORKER_DELIVERY_MODE": "Exactly_Once", "WORKER_MODEL_INPUT_LAYOUT": "nhwc",
+                           "WORKER_RUNTIME_PREPROCESS_THREADS": "AUTO", "WORKER_OBSERVABILITY_LOG_FORMAT": "JSON"})
+    assert (s.delivery.mode, s.model.input_layout) == ("exactly_once", "NHWC")
+    assert (s.runtime.preprocess_threads, s.observability.log_format) == ("auto", "json")
+
+
+def test_an_unknown_log_level_is_refused_listing_the_choices():
+    with pytest.raises(ConfigError) as err:
+        load_settings(env={"WORKER_OBSERVABILITY_LOG_LEVEL": "verbose"})
+    assert err.value.problems == ["observability.log_level: must be one of 'DEBUG', 'INFO', 'WARNING', 'ERROR' "
+                                  "(got 'verbose')"]

@@ -49,7 +49,7 @@ class FieldDoc:
     shown_default: str = ""
 
     def range_text(self) -> str:
-        """The bounds as the docs show them: 1..4096, >= 0, (0, 1], [0, 1), then `range`, then the unit."""
+        """The bounds as the docs show them (1..4096 ms, >= 0, (0, 1], [0, 1)), then `range` in words."""
         low, high = self.ge if self.ge is not None else self.gt, self.le if self.le is not None else self.lt
         if low is not None and high is not None and self.gt is None and self.lt is None:
             text = f"{_num(low)}..{_num(high)}"
@@ -61,8 +61,9 @@ class FieldDoc:
             text = f"{'<=' if self.lt is None else '<'} {_num(high)}"
         else:
             text = ""
-        text = "; ".join(t for t in (text, self.range) if t)
-        return f"{text} {self.unit}".strip() if text else self.unit
+        if text:
+            return "; ".join(t for t in (f"{text} {self.unit}".strip(), self.range) if t)
+        return f"{self.range} ({self.unit})" if self.range and self.unit else self.range or self.unit
 
 
 def _num(x: float) -> str:
