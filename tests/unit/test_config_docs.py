@@ -15,6 +15,8 @@ import pytest
 
 from worker.config import ConfigError, FieldDoc, Settings, field_doc, load_settings
 from worker.config import docs as config_docs
+from worker.config.fields import setting
+from worker.config.validate import bound_problems
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -135,3 +137,24 @@ def test_every_documented_bound_holds_its_default():
         assert entry.gt is None or default > entry.gt, name
         assert entry.le is None or default <= entry.le, name
         assert entry.lt is None or default < entry.lt, name
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inner:
+    share: float = setting(0.5, gt=0, le=1, doc="a share")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Section:
+    frames: int = setting(5, ge=1, le=10, unit="frames", doc="a count")
+    inner: _Inner = setting(default_factory=_Inner, doc="a table")
+
+
+def test_a_field_declared_with_bounds_is_checked_without_a_check_of_its_own():
+    assert bound_problems(_Section(), named=[]) == []
+    assert bound_problems(_Section(frames=11, inner=_Inner(share=0)), named=[]) == [
+        "frames: must be 1..10 frames", "inner.share: must be (0, 1]"]
+
+
+def test_a_hand_written_problem_about_the_field_wins_over_the_generic_one():
+    assert bound_problems(_Section(frames=0), named=["frames: must be 1..10 (0 would stall)"]) == []

@@ -4,11 +4,22 @@ This is the only place defaults live. `load_settings` either returns a complete,
 `ConfigError` naming every bad field, so the worker never starts half-configured.
 
 - `fields`: `setting(...)`, a field with its reference entry (description, range, unit), and `ConfigError`.
-- `sections`, `batching`, `model`: the sections, one dataclass each, every field declared with `setting`.
+- `sections`, `batching`, `model`: the sections, one frozen dataclass each, every field declared with `setting`.
 - `settings`: `Settings`, one field per section.  `load`: file < env < overrides.  `validate`: the checks.
 - `docs`: `python -m worker.config.docs` writes docs/configuration.md's tables and the JSON Schema from the fields.
-"""
 
+Adding a setting is one declaration in its section's dataclass, e.g. in `BatchingSettings`:
+
+    max_linger_ms: float = setting(50.0, ge=0, le=10_000, unit="ms", doc=(
+        "what it does and when to change it, as the docs' meaning column says it"))
+
+then `python -m worker.config.docs` (and commit docs/ and schemas/). The loader converts the file's and the
+environment's values by the type; `validate` enforces ge/gt/le/lt by itself. A check that needs another field
+or a message with a hint goes in `validate.validate` (its problem, starting `section.field:`, replaces the
+generic one). A new section: a frozen dataclass (its own module when large), a `Settings` field
+`name: NewSettings = setting(default_factory=NewSettings, doc="...")`, and a
+`<!-- reference:name (...) -->` ... `<!-- /reference:name -->` pair in docs/configuration.md where its table goes.
+"""
 from worker.config.batching import BatchingSettings, ClassSettings
 from worker.config.fields import (
     ENV_PREFIX,

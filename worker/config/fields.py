@@ -35,9 +35,10 @@ class ConfigError(OperatorError, ValueError):
 
 @dataclass(frozen=True)
 class FieldDoc:
-    """A setting's reference entry. `ge`/`gt`/`le`/`lt` are the bounds `validate` enforces that do not depend on
-    another setting (tests/unit/test_config_docs.py holds the two to each other); `range` says in words what
-    they cannot (a bound set by another setting); `shown_default` replaces a default computed at start-up."""
+    """A setting's reference entry. `ge`/`gt`/`le`/`lt`: bounds that do not depend on another setting; `validate`
+    enforces them (a hand-written check with a better message wins, tests/unit/test_config_docs.py holds the two
+    to each other). `range` says in words what they cannot (a bound set by another setting); `shown_default`
+    replaces a default computed at start-up (the worker id)."""
 
     doc: str
     unit: str = ""
@@ -48,22 +49,32 @@ class FieldDoc:
     range: str = ""
     shown_default: str = ""
 
-    def range_text(self) -> str:
-        """The bounds as the docs show them (1..4096 ms, >= 0, (0, 1], [0, 1)), then `range` in words."""
+    def bounds_text(self) -> str:
+        """The numeric bounds with the unit: 1..4096 frames, >= 0 ms, (0, 1], [0, 1); empty without bounds."""
         low, high = self.ge if self.ge is not None else self.gt, self.le if self.le is not None else self.lt
         if low is not None and high is not None and self.gt is None and self.lt is None:
             text = f"{_num(low)}..{_num(high)}"
         elif low is not None and high is not None:
-            text = (f"{'[' if self.gt is None else '('}{_num(low)}, {_num(high)}{']' if self.lt is None else ')'}")
+            text = f"{'[' if self.gt is None else '('}{_num(low)}, {_num(high)}{']' if self.lt is None else ')'}"
         elif low is not None:
             text = f"{'>=' if self.gt is None else '>'} {_num(low)}"
         elif high is not None:
             text = f"{'<=' if self.lt is None else '<'} {_num(high)}"
         else:
-            text = ""
-        if text:
-            return "; ".join(t for t in (f"{text} {self.unit}".strip(), self.range) if t)
+            return ""
+        return f"{text} {self.unit}".strip()
+
+    def range_text(self) -> str:
+        """What the docs' range column shows: the bounds, then `range` in words."""
+        bounds = self.bounds_text()
+        if bounds:
+            return "; ".join(t for t in (bounds, self.range) if t)
         return f"{self.range} ({self.unit})" if self.range and self.unit else self.range or self.unit
+
+    def holds(self, value: float) -> bool:
+        """Whether `value` is within the numeric bounds."""
+        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
 
 
 def _num(x: float) -> str:

@@ -9,7 +9,7 @@ import os
 import re
 from collections.abc import Mapping
 
-from worker.config.fields import ConfigError
+from worker.config.fields import ConfigError, field_doc
 from worker.config.model import MAX_PREPROCESS_THREADS, RuntimeSettings
 from worker.config.sections import (
     MAX_FRAME_PIXELS_CEILING,
@@ -188,7 +188,25 @@ def validate(s: Settings) -> list[str]:
     need(0 <= lim.duplicate_window_frames <= 1_000_000, "limits.duplicate_window_frames: must be 0..1000000 (0 = off)")
 
     need(0 <= s.dlq.max_replays <= 1000, "dlq.max_replays: must be 0..1000 (0 = no replays)")
+    p.extend(bound_problems(s, named=p))
     return p
+
+
+def bound_problems(value: object, named: list[str], where: str = "") -> list[str]:
+    """Every field outside the bounds its `setting` declares (ge/gt/le/lt), except those a problem in `named`
+    already names: a field declared with bounds is checked with no code here, and a hand-written check above,
+    whose message says more, wins."""
+    out: list[str] = []
+    for f in dataclasses.fields(value):  # type: ignore[arg-type]
+        current, path = getattr(value, f.name), f"{where}{f.name}"
+        if dataclasses.is_dataclass(current):
+            out.extend(bound_problems(current, named, f"{path}."))
+            continue
+        entry = field_doc(f)
+        numeric = isinstance(current, int | float) and not isinstance(current, bool)
+        if numeric and not entry.holds(current) and not any(path in p.split(":", 1)[0] for p in named):
+            out.append(f"{path}: must be {entry.bounds_text()}")
+    return out
 
 
 def validate_security(k: KafkaSettings, environ: Mapping[str, str] | None = None) -> list[str]:
