@@ -145,7 +145,7 @@ def _type_schema(hint: Any, entry: FieldDoc | None) -> dict[str, Any]:
         return {"type": "object", "additionalProperties": _type_schema(typing.get_args(hint)[1], None)}
     if origin in (typing.Union, types.UnionType):
         return {"anyOf": [_type_schema(a, entry) for a in typing.get_args(hint)]}
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _object_schema(hint)
     raise TypeError(f"no JSON Schema for the setting type {hint}")
 
