@@ -20,8 +20,9 @@ import worker.kafka.consumer as source_module
 from worker.config import KafkaSettings, ObservabilitySettings, Settings, load_settings
 from worker.errors import OperatorError, StreamferError
 from worker.frames import Priority
-from worker.kafka.consumer import COMMITTED_LOOKUP_TIMEOUT_S, COMMITTED_RETRY_FIRST_S, FrameSource
+from worker.kafka.consumer import FrameSource
 from worker.kafka.membership import REFENCED_WITHIN_S, SourceError
+from worker.kafka.positions import COMMITTED_LOOKUP_TIMEOUT_S, COMMITTED_RETRY_FIRST_S
 
 from .kafka_fakes import FakeMessage, frame_value
 
