@@ -18,18 +18,7 @@ from worker.kafka.positions import (
     TP,
     CommittedPositions,
 )
-
-
-class FakeClock:
-    def __init__(self, now: float = 1_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
+from worker.testing import FakeClock
 
 A, B, C = ("frames.bulk", 0), ("frames.realtime", 1), ("frames.realtime", 0)
 
