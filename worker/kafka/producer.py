@@ -1,8 +1,10 @@
 """The Kafka producer side: moderation results and dead letters, with delivery reports.
 
 At-least-once: an idempotent producer; `on_done(source)` fires only when the broker acknowledged the
-message, and a failed delivery is produced again, never dropped. Exactly-once: a transactional producer;
-the pipeline wraps each batch in a transaction that also carries the consumed offsets.
+message, and a failed delivery is produced again, never dropped. Exactly-once: a transactional producer whose
+calls (begin, send_offsets_to_transaction + commit_transaction, abort) are guarded against librdkafka blocking;
+worker.delivery.ExactlyOnceDelivery opens one transaction per loop turn, holding the outputs released that turn
+(of any number of batches) and the consumed offsets.
 """
 
 from __future__ import annotations
