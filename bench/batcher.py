@@ -29,6 +29,7 @@ import stats
 from worker.batching import Batch, MicroBatcher
 from worker.config import BatchingSettings
 from worker.frames import Encoding, Frame, Priority, SourceRef
+from worker.testing import FakeClock
 
 # (height, width, channels): share of frames. Some are a few rows/columns apart, as encoders crop.
 SHAPES = {
@@ -97,18 +98,10 @@ def summary(result: dict[str, Any]) -> list[tuple[str, str, str]]:
              f"{n['mean_batch_size']:.1f}", "deterministic")]
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = START
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class NaiveBatcher:
     """First come, first batched: one queue, batches padded to their largest frame (channels included)."""
 
-    def __init__(self, settings: BatchingSettings, clock: Clock):
+    def __init__(self, settings: BatchingSettings, clock: FakeClock):
         self._s, self._clock, self._queue = settings, clock, deque()
         self._wait = {p: settings.for_class(p).max_wait_ms / 1000.0 for p in Priority}
 
@@ -191,7 +184,7 @@ class Tally:
 
 def one_pass(make_batcher: Any, ticks: list[list[Frame]], tick_s: float, tally: Tally) -> dict[str, float]:
     """One pass of the workload through a batcher; the timings (the batches are tallied on the first pass)."""
-    clock, first, perf = Clock(), tally.batches == 0, time.perf_counter
+    clock, first, perf = FakeClock(START), tally.batches == 0, time.perf_counter
     batcher = make_batcher(clock)
     add_s = pop_s = 0.0
     pops = expired = 0

@@ -1,6 +1,6 @@
 """The GPU check's end-to-end section: the worker's real loop (FrameSource, MicroBatcher, InferenceExecutor,
 delivery, ResultSink, OffsetTracker, as worker.pipeline.build_pipeline wires them) over the in-memory Kafka fakes of
-tests/unit/kafka_fakes.py, since the GPU machine has no broker (no Java).
+the kit (worker.testing.fakes), since the GPU machine has no broker (no Java).
 
 The feed is open_nsfw's workload: JPEGs of scikit-image's bundled photos at 224x224 and 1280x720, spread over the
 three priority topics (20% realtime, 40% standard, 40% bulk, as the mixed workload). Each frame's capture time is
@@ -29,13 +29,13 @@ import common
 import stats
 from workloads import WORKLOADS, model_settings
 
-from tests.unit.kafka_fakes import FakeConsumer, FakeProducer
 from worker.app import freeze_startup_heap
 from worker.config import ConfigError, Settings, load_settings, warmup_frame_shapes
-from worker.frames import Encoding, Priority
+from worker.frames import Encoding, Priority, SourceRef
 from worker.metrics import Health, Metrics
 from worker.pipeline import KafkaClients, RunSummary, build_pipeline
 from worker.schemas import FrameRecord, decode_result, encode_frame
+from worker.testing import FakeConsumer, FakeProducer, FrameLedger
 from worker.threadnames import name_os_thread
 from worker.tools.publish_frames import encode_pixels
 from worker.tools.sample_video import PHOTOS, photo
@@ -259,14 +259,13 @@ def run_loop(settings: Settings, executor: Any, messages: list[Message],
 def ledger(run: Run, settings: Settings) -> dict[str, Any]:
     """Per class: frames sent, answered (OK, EXPIRED), dead-lettered, never read; and the faults: a frame
     answered twice, a frame below its partition's committed offset without an answer (lost), an answer above it."""
-    sent: Counter[TP] = Counter(m.tp for m in run.messages)
-    answers = Counter((r["source_topic"], r["source_partition"], r["source_offset"]) for r in run.results)
-    by_tp: dict[TP, set[int]] = {}
-    for topic, partition, offset in answers:
-        by_tp.setdefault((topic, partition), set()).add(offset)
-    duplicates = sum(n - 1 for n in answers.values() if n > 1)
-    lost = sum(len(set(range(run.committed.get(tp, 0))) - by_tp.get(tp, set())) for tp in sent)
-    beyond = sum(1 for tp, offsets in by_tp.items() for o in offsets if o >= run.committed.get(tp, 0))
+    sent: Counter[TP] = Counter()
+    book = FrameLedger()
+    for m in run.messages:  # each partition's frames at offsets 0, 1, ... (TimedConsumer appends them in this order)
+        book.sent(SourceRef(*m.tp, sent[m.tp]))
+        sent[m.tp] += 1
+    book.add_results(run.results)
+    answered = sum(len(got) for got in book.answers.values())
     classes: dict[str, dict[str, int]] = {}
     for p in Priority:
         topic = topic_of(settings, p)
@@ -276,9 +275,10 @@ def ledger(run: Run, settings: Settings) -> dict[str, Any]:
                             "expired": sum(r["status"] == "EXPIRED" for r in mine),
                             "unread": sum(n - min(n, run.committed.get(tp, 0)) for tp, n in sent.items()
                                           if tp[0] == topic)}
-    return {"classes": classes, "duplicates": duplicates, "lost": lost, "answered_above_commit": beyond,
-            "dead_letters": run.dead_letters, "sent": len(run.messages), "answered": sum(answers.values()),
-            "complete": not run.stopped_at_deadline and sum(answers.values()) == len(run.messages)}
+    return {"classes": classes, "duplicates": book.duplicates, "lost": len(book.lost(run.committed)),
+            "answered_above_commit": book.answered_at_or_above(run.committed), "dead_letters": run.dead_letters,
+            "sent": len(run.messages), "answered": answered,
+            "complete": not run.stopped_at_deadline and answered == len(run.messages)}
 
 
 def ledger_faults(book: dict[str, Any]) -> list[str]:

@@ -46,7 +46,7 @@ NSFW_PREP = {**NEAR_ZERO, "resize": "stretch_crop", "resize_to": [256, 256], "re
 class Case:
     width: int
     height: int
-    image: str  # "synthetic" (the test kit's blocks), "photo" (tests.pixels.photo_like), "skimage" (a real photo)
+    image: str  # "synthetic" (the kit's blocks), "photo" (worker.testing.pixels.photo_like), "skimage" (a real photo)
     encoding: str  # worker.frames.Encoding name
     model: dict[str, Any] = field(default_factory=lambda: NEAR_ZERO)  # [model] settings
     against: str | None = None  # the case this one is compared with, per round
@@ -123,12 +123,12 @@ def startup_round(source: str) -> dict[str, Any]:
 
 def frame_bytes(case: str) -> bytes:
     """The case's frame as sent: the test kit's synthetic blocks, a photo-like image or the first scikit-image
-    photo (tests/pixels.py) as JPEG (quality 85, worker produce's default)."""
+    photo (worker/testing/pixels.py) as JPEG (quality 85, worker produce's default)."""
     from PIL import Image
 
-    from tests.pixels import photo_frames, photo_like
     from worker.frames import Encoding, Priority
     from worker.testing import synthetic_frames
+    from worker.testing.pixels import photo_frames, photo_like
 
     c = CASES[case]
     if c.image == "synthetic":

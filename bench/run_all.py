@@ -34,7 +34,6 @@ import batching_gain
 import common
 import latency_sweep
 import preprocess_cost
-import reliability
 import scaling
 import settings_ab
 import workload_matrix
@@ -49,6 +48,15 @@ def batch_ab(ctx: Context) -> dict[str, Any]:
     args = argparse.Namespace(frames=0, in_step=None, variants="batch")
     cell = dataclasses.replace(ctx, model="opennsfw", workload_name="jpeg224", shared={**ctx.shared, "args": args})
     return settings_ab.run(cell, settings_ab.VARIANT_SETS["batch"])
+
+
+def reliability_summary(report: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Rows for summary.md from tests/reliability/run.py's JSON: per fault and mode, what the verifier counted."""
+    def duplicated(r: dict[str, Any]) -> str:  # at-least-once may answer a frame twice; exactly-once may not
+        return f"**{r.get('duplicated')}**" if r["mode"] == "exactly_once" else f"{r.get('duplicated')} (allowed)"
+
+    return [(f"{r['fault']} [{r['mode']}]", f"{r.get('produced', 0)} frames: lost **{r.get('lost')}**, duplicated "
+             f"{duplicated(r)}; {r['verdict']}", f"{r['runs']} run(s)") for r in report["rows"]]
 
 
 # Order matters: the sweep takes the worker's capacity from the gain.
@@ -68,9 +76,9 @@ PROCESSES: dict[str, tuple[str, tuple[list[str], list[str]], str, Summary]] = {
                    "preprocess_cost", preprocess_cost.summary),
     "batcher": ("The micro-batcher alone", (["batcher.py"], ["batcher.py", "--frames", "20000"]), "batcher",
                 batcher.summary),
-    "reliability": ("Reliability smoke (the suite: bench/reliability.py)",
-                    (["reliability.py", "--quick", "--faults", "sigkill", "--runs", "1", "--no-config",
-                      "--worker-ids", "fixed"],) * 2, "reliability", reliability.summary),
+    "reliability": ("Reliability smoke (the suite: tests/reliability/run.py)",
+                    (["../tests/reliability/run.py", "--quick", "--faults", "sigkill", "--runs", "1", "--no-config",
+                      "--worker-ids", "fixed"],) * 2, "reliability", reliability_summary),
 }
 SECTIONS = [*KAFKA, *PROCESSES]
 

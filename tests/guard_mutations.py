@@ -26,7 +26,7 @@ MUTATIONS = [
      "            if not self.assignments.is_current(out.source):\n                continue\n            tp =",
      "            tp ="),
     ("messages of a partition awaiting its committed offset dropped", SOURCE,
-     "            if tp in self._awaiting:\n", "            if False:\n"),
+     "            if tp in self._positions:\n", "            if False:\n"),
     ("re-deliveries within an assignment dropped", SOURCE,
      "if expected is not None and source.offset < expected:", "if False:"),
     ("an aborted transaction rewinds", DELIVERY,

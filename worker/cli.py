@@ -224,7 +224,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 # -- dlq / lag ---------------------------------------------------------------------------------------------
 def cmd_dlq_show(args: argparse.Namespace) -> int:
-    from worker.tools.dlq import render_summary, show
+    from worker.tools.dlq.show import render_summary, show
 
     summary = show(_settings(args), _dlq_selection(args), newest=args.newest, window_ms=args.window)
     print(json.dumps(summary.to_json(args.top, args.payload)) if args.json
@@ -233,7 +233,7 @@ def cmd_dlq_show(args: argparse.Namespace) -> int:
 
 
 def cmd_dlq_replay(args: argparse.Namespace) -> int:
-    from worker.tools.dlq import EXIT_REPLAY_FAILED, ReplayItem, replay
+    from worker.tools.dlq.replay import EXIT_REPLAY_FAILED, ReplayItem, replay
 
     def progress(item: ReplayItem) -> None:
         print(item.render(), flush=True)

@@ -34,7 +34,6 @@ from worker.kafka.producer import (
     MessageRejected,
     RejectedCallback,
     ResultSink,
-    SinkError,
     TransactionStuckError,
 )
 from worker.metrics import Children, Metrics
@@ -114,8 +113,8 @@ class Delivery:
         self.sink.poll(0)
         if self.sink.access_error is not None:
             raise self.sink.access_error
-        if self.sink.fatal_error:
-            raise SinkError(self.sink.fatal_error)
+        if self.sink.fatal_error is not None:
+            raise self.sink.fatal_error
 
     def close(self) -> None:
         self.sink.close()

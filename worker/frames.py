@@ -23,7 +23,7 @@ DEAD_LETTER_HEADERS = frozenset({HEADER_ERROR, HEADER_ERROR_TYPE, HEADER_SOURCE_
                                  HEADER_SOURCE_OFFSET, HEADER_WORKER_ID})
 # What `worker dlq replay` adds to a frame it publishes again: how many times the frame has been replayed, and
 # the dead letter it was replayed from. An input message's headers travel into its dead letter, so a replayed
-# frame that fails again is dead-lettered with its count (worker/tools/dlq.py stops at dlq.max_replays).
+# frame that fails again is dead-lettered with its count (worker/tools/dlq/replay.py stops at dlq.max_replays).
 HEADER_REPLAY_COUNT = "streamfer.replay_count"
 HEADER_REPLAYED_FROM = "streamfer.replayed_from"
 REPLAY_HEADERS = frozenset({HEADER_REPLAY_COUNT, HEADER_REPLAYED_FROM})

@@ -349,7 +349,7 @@ class Pipeline:
 @dataclass(frozen=True)
 class KafkaClients:
     """How the loop reaches Kafka: librdkafka's clients and the broker's topic limits by default; the unit tests
-    and the GPU check pass in-memory stand-ins (tests/unit/kafka_fakes.py) to run the real loop without a broker."""
+    and the GPU check pass in-memory stand-ins (worker.testing.InMemoryKafka) to run the real loop without a broker."""
 
     consumer: ClientFactory = Consumer
     producer: ClientFactory = Producer

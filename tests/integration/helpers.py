@@ -1,6 +1,6 @@
 """Helpers for integration tests: unique topics per test, worker processes, and the verifier's ledger.
 
-They live in worker/testing.py (the test kit users get too); the names stay importable from here."""
+They live in worker/testing/ (the test kit users get too); the names stay importable from here."""
 
 from __future__ import annotations
 

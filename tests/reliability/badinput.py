@@ -17,8 +17,9 @@ import numpy as np
 
 from worker.frames import Encoding, Priority
 from worker.schemas import FrameRecord, encode_frame, encode_result
+from worker.testing import DEAD_LETTER, EITHER, RESULT
 
-from .harness import CLIENT_MAX_MESSAGE_BYTES, DEAD_LETTER, EITHER, RESULT
+from .harness import CLIENT_MAX_MESSAGE_BYTES
 
 
 @dataclass(frozen=True)

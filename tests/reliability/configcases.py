@@ -1,6 +1,6 @@
 """The bad-configuration cases: each invalid setting must stop `python -m worker run` at start-up with exit
 code 2 and an error naming the setting, never a traceback, a crash later, or a worker that runs without
-working. Shared by tests/reliability/test_bad_config.py and bench/reliability.py; every case starts at once
+working. Shared by tests/reliability/test_bad_config.py and tests/reliability/run.py; every case starts at once
 (most never import torch; the ones that load a model take a few seconds each)."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ once (duplicated), answered the wrong way (misrouted: a good frame dead-lettered
 answered for a message nobody sent (phantom)?
 
 Used by the pytest suite (tests/reliability/test_*.py) and by the runner that prints the table
-(bench/reliability.py). Nothing here sleeps for a fixed time where a condition can be awaited, except the
+(tests/reliability/run.py). Nothing here sleeps for a fixed time where a condition can be awaited, except the
 fault itself (an outage lasts N seconds).
 """
 
@@ -56,6 +56,7 @@ from tests.reliability.recovery import FaultMoment, Recovery, recoveries
 from worker.config import load_settings
 from worker.frames import Encoding, Priority, SourceRef
 from worker.schemas import FrameRecord, decode_result, encode_frame
+from worker.testing import DEAD_LETTER, RESULT, FrameLedger, dead_letter_source
 from worker.tools.local_broker import LocalKafka
 from worker.tools.read_results import DeadLetterRecord, iter_messages
 
@@ -74,7 +75,6 @@ WORKER_IDS = ("fixed", "default", "fresh")
 CLIENT_MAX_MESSAGE_BYTES = 1_000_000
 
 # What a result or dead letter is expected for one input message.
-RESULT, DEAD_LETTER, EITHER = "result", "dead_letter", "either"
 # A run whose group commits nothing for this long (while work is left) is stuck: the worker hangs.
 NO_PROGRESS_S = 60.0
 # A dead producer's open transaction on an output partition hides every later output there from read_committed
@@ -548,7 +548,7 @@ def answer_times(results: list[dict[str, Any]],
         out.setdefault(SourceRef(r["source_topic"], r["source_partition"], r["source_offset"]), []).append(
             r["_produced_at"])
     for dl, at in dead_letters:
-        ref = dead_letter_source(dl)
+        ref = dead_letter_source(dl.headers)
         if ref is not None:
             out.setdefault(ref, []).append(at)
     return out
@@ -611,21 +611,16 @@ class Audit:
                 mine.update(getattr(other, f.name))
 
 
-def dead_letter_source(dl: DeadLetterRecord) -> SourceRef | None:
-    try:
-        return SourceRef(dl.headers["streamfer.source_topic"], int(dl.headers["streamfer.source_partition"]),
-                         int(dl.headers["streamfer.source_offset"]))
-    except (KeyError, ValueError):
-        return None
-
-
 def audit(sent: dict[SourceRef, Sent], results: list[dict[str, Any]], dead_letters: list[DeadLetterRecord]) -> Audit:
+    """The run's ledger (worker.testing.FrameLedger) in figures, with a few of each fault named."""
     a = Audit(produced=len(sent), results=len(results), dead_letters=len(dead_letters))
-    answers: dict[SourceRef, list[str]] = {}
+    book = FrameLedger()
+    for ref, s in sent.items():
+        book.sent(ref, s.expect)
     produced_at: dict[SourceRef, list[str]] = {}
     for r in results:
         ref = SourceRef(r["source_topic"], r["source_partition"], r["source_offset"])
-        answers.setdefault(ref, []).append(RESULT)
+        book.answered(ref, RESULT)
         if "_produced_at" in r:
             produced_at.setdefault(ref, []).append(time.strftime("%H:%M:%S", time.localtime(r["_produced_at"]))
                                                    + f".{int(r['_produced_at'] * 1000) % 1000:03d}")
@@ -634,32 +629,25 @@ def audit(sent: dict[SourceRef, Sent], results: list[dict[str, Any]], dead_lette
             a.mismatched += 1
     for dl in dead_letters:
         a.error_types[dl.headers.get("streamfer.error_type", "?")] += 1
-        ref = dead_letter_source(dl)
+        ref = dead_letter_source(dl.headers)
         if ref is None or not all(dl.headers.get(h) for h in DLQ_HEADERS):
             a.bad_headers += 1
-        if ref is None:
-            a.phantom += 1
-            continue
-        answers.setdefault(ref, []).append(DEAD_LETTER)
-        s = sent.get(ref)
+        book.answered(ref, DEAD_LETTER)
+        s = sent.get(ref) if ref is not None else None
         if s is not None and digest(dl.value) != s.digest:
             a.dead_letters_without_original += 1
-    a.phantom += sum(len(v) for ref, v in answers.items() if ref not in sent)
-    for ref, s in sent.items():
-        got = answers.get(ref, [])
-        if not got:
-            a.lost += 1
-            if len(a.lost_sample) < 5:
-                a.lost_sample.append(f"{ref} {s.kind} {s.frame_id}")
-            continue
-        if len(got) > 1:
-            a.duplicated += len(got) - 1
-            if len(a.duplicated_sample) < 5:
-                a.duplicated_sample.append(f"{ref} {s.kind} {got} at {produced_at.get(ref, '?')}")
-        if s.expect != EITHER and any(g != s.expect for g in got):
-            a.misrouted += 1
-            if len(a.misrouted_sample) < 5:
-                a.misrouted_sample.append(f"{ref} {s.kind}: expected {s.expect}, got {got}")
+    a.phantom = book.phantoms
+    lost = book.lost()
+    a.lost = len(lost)
+    a.lost_sample = [f"{ref} {sent[ref].kind} {sent[ref].frame_id}" for ref in lost[:5]]
+    duplicated = {ref: got for ref, got in book.duplicated().items() if ref in sent}
+    a.duplicated = sum(len(got) - 1 for got in duplicated.values())
+    a.duplicated_sample = [f"{ref} {sent[ref].kind} {got} at {produced_at.get(ref, '?')}"
+                           for ref, got in list(duplicated.items())[:5]]
+    misrouted = book.misrouted()
+    a.misrouted = len(misrouted)
+    a.misrouted_sample = [f"{ref} {sent[ref].kind}: expected {sent[ref].expect}, got {book.answers[ref]}"
+                          for ref in misrouted[:5]]
     return a
 
 

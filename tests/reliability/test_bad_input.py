@@ -15,12 +15,13 @@ from worker.frames import Encoding, Priority, SourceRef
 from worker.runtime.models import ModelContract
 from worker.runtime.preprocess import Preprocessor
 from worker.schemas import MessageDecodeError, decode_frame
+from worker.testing import EITHER, RESULT
 from worker.tools.read_results import read_dead_letters, read_results
 
 from . import faults
 from .badinput import catalogue, frame_bytes
 from .conftest import assert_kept
-from .harness import EITHER, MODES, RESULT, Lab, Outgoing, Run, RunOutcome, Sent, audit, digest
+from .harness import MODES, Lab, Outgoing, Run, RunOutcome, Sent, audit, digest
 
 # -- the decoders never raise anything but their own errors (no broker) -----------------------------------------
 damaged_frames = st.one_of(

@@ -15,23 +15,14 @@ from worker.config import BatchingSettings, ClassSettings, ConfigError
 from worker.costmodel import CostModel
 from worker.frames import Encoding, Frame, Priority, SourceRef
 from worker.memorypolicy import DeviceMemories, MemoryPolicy
+from worker.testing import FakeClock
 
 REALTIME, STANDARD, BULK = Priority.REALTIME, Priority.STANDARD, Priority.BULK
 MS = 0.001
 _frame_index = itertools.count()
 
-
-class FakeClock:
-    """Seconds, moved by hand; callable like time.time."""
-
-    def __init__(self, now: float = 1_000.0):
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+# Seconds where the batcher's millisecond sums stay exact enough (at epoch-sized times they round).
+T0 = 1_000.0
 
 
 def make_frame(clock: FakeClock, *, tenant: str = "t0", priority: Priority = STANDARD,
@@ -88,7 +79,7 @@ def ids(frames) -> list[int]:
 # ------------------------------------------------------------------------------------------- release rules
 
 def test_frames_of_one_shape_are_released_together_once_the_batch_is_full():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(max_batch_size=4), clock)
     frames = add_frames(batcher, clock, 5)
 
@@ -103,7 +94,7 @@ def test_frames_of_one_shape_are_released_together_once_the_batch_is_full():
 
 
 def test_a_partial_batch_waits_for_its_class_max_wait_then_goes():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(standard=(15, 0, 3)), clock)
     add_frames(batcher, clock, 3)
 
@@ -116,7 +107,7 @@ def test_a_partial_batch_waits_for_its_class_max_wait_then_goes():
 
 
 def test_an_idle_runtime_takes_a_partial_group_before_its_wait():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(bulk=(100, 0, 1)), clock)
     frames = add_frames(batcher, clock, 3, priority=BULK)
 
@@ -128,7 +119,7 @@ def test_an_idle_runtime_takes_a_partial_group_before_its_wait():
 
 
 def test_an_idle_release_serves_the_most_urgent_class_and_its_oldest_group_first():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(padding_waste_max=0.0), clock)
     add_frames(batcher, clock, 5, priority=BULK)
     add_frames(batcher, clock, 2, priority=STANDARD, shape=(32, 32, 3))
@@ -145,7 +136,7 @@ def test_an_idle_release_serves_the_most_urgent_class_and_its_oldest_group_first
 
 
 def test_an_idle_release_of_a_full_group_keeps_its_own_reason_and_leaves_the_rest():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(max_batch_size=4), clock)
     add_frames(batcher, clock, 6)
 
@@ -156,7 +147,7 @@ def test_an_idle_release_of_a_full_group_keeps_its_own_reason_and_leaves_the_res
 
 
 def test_each_class_waits_its_own_max_wait():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(realtime=(5, 0, 8), bulk=(100, 0, 1)), clock)
     add_frames(batcher, clock, 1, priority=REALTIME)
     add_frames(batcher, clock, 1, priority=BULK)
@@ -171,7 +162,7 @@ def test_each_class_waits_its_own_max_wait():
 
 
 def test_the_largest_preferred_size_is_released_at_once():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(max_batch_size=32), clock, preferred_batch_sizes=(8, 16))
     add_frames(batcher, clock, 15)
     assert batcher.pop_batch() is None
@@ -183,7 +174,7 @@ def test_the_largest_preferred_size_is_released_at_once():
 
 
 def test_preferred_sizes_from_settings_and_runner_are_merged():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(max_batch_size=32, preferred_batch_sizes=(12,)), clock,
                            preferred_batch_sizes=(4, 64))  # 64 > max_batch_size: never reached
     add_frames(batcher, clock, 12)
@@ -194,7 +185,7 @@ def test_preferred_sizes_from_settings_and_runner_are_merged():
 
 
 def test_a_deadline_batch_is_cut_to_a_preferred_size_keeping_newer_frames_waiting():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(max_batch_size=32, standard=(15, 0, 3)), clock,
                            preferred_batch_sizes=(8, 16))
     oldest = add_frames(batcher, clock, 1)
@@ -212,7 +203,7 @@ def test_a_deadline_batch_is_cut_to_a_preferred_size_keeping_newer_frames_waitin
 
 
 def test_at_the_deadline_no_frame_is_left_past_its_wait():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(max_batch_size=32, standard=(15, 0, 3)), clock,
                            preferred_batch_sizes=(8, 16))
     frames = add_frames(batcher, clock, 9)
@@ -226,7 +217,7 @@ def test_at_the_deadline_no_frame_is_left_past_its_wait():
 
 
 def test_without_preferred_sizes_a_deadline_batch_takes_all_it_can():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(max_batch_size=8, standard=(15, 0, 3)), clock)
     add_frames(batcher, clock, 3)
     clock.advance(10 * MS)
@@ -239,7 +230,7 @@ def test_without_preferred_sizes_a_deadline_batch_takes_all_it_can():
 # ------------------------------------------------------------------------------------------- shapes
 
 def test_close_shapes_share_a_padded_batch_within_the_waste_limit():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(padding_waste_max=0.20, standard=(15, 0, 3)), clock)
     add_frames(batcher, clock, 3, shape=(100, 100, 3))
     add_frames(batcher, clock, 3, shape=(90, 100, 3))
@@ -254,7 +245,7 @@ def test_close_shapes_share_a_padded_batch_within_the_waste_limit():
 
 
 def test_padding_stops_where_the_waste_limit_would_be_crossed():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(padding_waste_max=0.20, standard=(15, 0, 3)), clock)
     add_frames(batcher, clock, 1, shape=(100, 100, 3))
     add_frames(batcher, clock, 5, shape=(70, 100, 3))  # 30% padding each
@@ -270,7 +261,7 @@ def test_padding_stops_where_the_waste_limit_would_be_crossed():
 
 
 def test_shapes_too_far_apart_are_not_padded_together():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(standard=(15, 0, 3)), clock)
     add_frames(batcher, clock, 2, shape=(100, 100, 3))
     add_frames(batcher, clock, 2, shape=(50, 50, 3))
@@ -283,7 +274,7 @@ def test_shapes_too_far_apart_are_not_padded_together():
 
 
 def test_channels_are_never_mixed_even_for_equal_height_and_width():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(padding_waste_max=0.9, standard=(15, 0, 3)), clock)
     add_frames(batcher, clock, 2, shape=(64, 64, 3))
     add_frames(batcher, clock, 2, shape=(64, 64, 1))
@@ -296,7 +287,7 @@ def test_channels_are_never_mixed_even_for_equal_height_and_width():
 
 
 def test_the_memory_cap_bounds_a_batch_by_its_padded_tensor_bytes():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     shape = (100, 100, 3)
     frame_bytes = 100 * 100 * 3 * 4
     batcher = MicroBatcher(make_settings(max_batch_size=32, max_batch_bytes=3 * frame_bytes + 1), clock)
@@ -309,7 +300,7 @@ def test_the_memory_cap_bounds_a_batch_by_its_padded_tensor_bytes():
 
 
 def test_the_memory_cap_holds_for_padded_batches():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     big = 100 * 100 * 3 * 4
     batcher = MicroBatcher(make_settings(max_batch_size=32, max_batch_bytes=4 * big, padding_waste_max=0.2,
                                          standard=(15, 0, 3)), clock)
@@ -324,7 +315,7 @@ def test_the_memory_cap_holds_for_padded_batches():
 
 
 def test_a_frame_larger_than_max_batch_bytes_runs_alone_in_the_fallback_lane_at_once():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(max_batch_bytes=10_000, max_pending_bytes=10**9), clock)
     huge = add_frames(batcher, clock, 2, shape=(100, 100, 3))  # 120 kB each
 
@@ -335,7 +326,7 @@ def test_a_frame_larger_than_max_batch_bytes_runs_alone_in_the_fallback_lane_at_
 
 
 def test_a_rare_shape_goes_to_the_fallback_lane_and_does_not_hold_common_shapes():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(rare_shape_min_count=2, standard=(15, 0, 3)), clock)
     odd = add_frames(batcher, clock, 1, shape=(33, 77, 3))
     common = add_frames(batcher, clock, 1, shape=(64, 64, 3)) + add_frames(batcher, clock, 1, shape=(64, 64, 3))
@@ -351,7 +342,7 @@ def test_a_rare_shape_goes_to_the_fallback_lane_and_does_not_hold_common_shapes(
 
 
 def test_a_shape_is_rare_again_once_its_sightings_leave_the_window():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(rare_shape_min_count=2, rare_shape_window_ms=1_000,
                                          standard=(0, 0, 3)), clock)
     lanes = []
@@ -364,7 +355,7 @@ def test_a_shape_is_rare_again_once_its_sightings_leave_the_window():
 
 
 def test_the_fallback_lane_batches_one_rare_shape_up_to_fallback_max_batch_size():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(rare_shape_min_count=10, fallback_max_batch_size=3), clock)
     add_frames(batcher, clock, 4, shape=(33, 77, 3))
     add_frames(batcher, clock, 1, shape=(31, 77, 3))
@@ -379,7 +370,7 @@ def test_the_fallback_lane_batches_one_rare_shape_up_to_fallback_max_batch_size(
 # ------------------------------------------------------------------------------------------- expiry
 
 def test_expired_frames_come_out_of_pop_expired_and_never_in_a_batch():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(realtime=(5, 100, 8)), clock)
     stale = add_frames(batcher, clock, 2, priority=REALTIME, captured_s_ago=0.098)
     fresh = add_frames(batcher, clock, 1, priority=REALTIME)
@@ -394,7 +385,7 @@ def test_expired_frames_come_out_of_pop_expired_and_never_in_a_batch():
 
 
 def test_a_frame_is_not_expired_until_its_deadline_has_passed():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(realtime=(5, 100, 8)), clock)
     add_frames(batcher, clock, 1, priority=REALTIME, captured_s_ago=0.090)
 
@@ -405,7 +396,7 @@ def test_a_frame_is_not_expired_until_its_deadline_has_passed():
 
 
 def test_max_age_zero_means_a_frame_never_expires():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(bulk=(100, 0, 1)), clock)
     add_frames(batcher, clock, 1, priority=BULK, captured_s_ago=86_400)
 
@@ -416,7 +407,7 @@ def test_max_age_zero_means_a_frame_never_expires():
 
 
 def test_a_batched_frame_is_not_kept_until_its_max_age_passes():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(max_batch_size=4, standard=(5, 30_000, 3)), clock)
     [first] = add_frames(batcher, clock, 1)
     gone = weakref.ref(first)
@@ -431,7 +422,7 @@ def test_a_batched_frame_is_not_kept_until_its_max_age_passes():
 
 
 def test_tenants_left_with_only_expired_frames_do_not_stall_a_release():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(max_batch_size=1, standard=(1, 1, 3)), clock)
     (fresh,) = add_frames(batcher, clock, 1, tenant="a")
     add_frames(batcher, clock, 1, tenant="b", captured_s_ago=0.002)
@@ -446,7 +437,7 @@ def test_tenants_left_with_only_expired_frames_do_not_stall_a_release():
 # ------------------------------------------------------------------------------------------- classes
 
 def test_realtime_goes_first_when_every_class_has_a_due_batch():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(), clock)
     for prio in (BULK, STANDARD, REALTIME):
         add_frames(batcher, clock, 8, priority=prio)
@@ -455,7 +446,7 @@ def test_realtime_goes_first_when_every_class_has_a_due_batch():
 
 
 def test_a_bulk_frame_that_arrived_later_never_goes_before_a_due_realtime_frame():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     # Bulk weighs far more than realtime here, so only the ordering rule keeps realtime first.
     batcher = MicroBatcher(make_settings(realtime=(5, 0, 1), bulk=(5, 0, 50)), clock)
     realtime = add_frames(batcher, clock, 3, priority=REALTIME)
@@ -470,7 +461,7 @@ def test_a_bulk_frame_that_arrived_later_never_goes_before_a_due_realtime_frame(
 
 
 def test_older_bulk_frames_may_go_ahead_of_newer_realtime_frames_by_weight():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(realtime=(5, 0, 1), bulk=(5, 0, 50)), clock)
     bulk = add_frames(batcher, clock, 8, priority=BULK)
     clock.advance(1 * MS)
@@ -483,7 +474,7 @@ def test_older_bulk_frames_may_go_ahead_of_newer_realtime_frames_by_weight():
 
 
 def test_no_class_starves_under_a_realtime_backlog():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(realtime=(5, 0, 8), bulk=(100, 0, 1)), clock)
     add_frames(batcher, clock, 16, priority=BULK)  # older than every realtime frame below
     clock.advance(100 * MS)
@@ -500,7 +491,7 @@ def test_no_class_starves_under_a_realtime_backlog():
 
 
 def test_within_a_class_the_group_with_the_oldest_frame_goes_first():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(padding_waste_max=0.0), clock)
     add_frames(batcher, clock, 8, shape=(50, 50, 3))
     clock.advance(1 * MS)
@@ -512,7 +503,7 @@ def test_within_a_class_the_group_with_the_oldest_frame_goes_first():
 # ------------------------------------------------------------------------------------------- tenants
 
 def test_a_flooding_tenant_does_not_delay_a_small_tenant():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(max_batch_size=32), clock)
     add_frames(batcher, clock, 500, tenant="flood")
     small = add_frames(batcher, clock, 10, tenant="small")
@@ -525,7 +516,7 @@ def test_a_flooding_tenant_does_not_delay_a_small_tenant():
 
 
 def test_tenant_weights_set_each_tenant_share_of_a_batch():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(max_batch_size=8, tenant_weights={"gold": 3}), clock)
     add_frames(batcher, clock, 40, tenant="basic")
     add_frames(batcher, clock, 40, tenant="gold")
@@ -536,7 +527,7 @@ def test_tenant_weights_set_each_tenant_share_of_a_batch():
 
 
 def test_a_small_tenant_keeps_its_latency_under_a_flood_when_capacity_is_short():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(max_batch_size=8, standard=(15, 0, 3)), clock)
     sent: dict[int, float] = {}
     waited = []
@@ -559,11 +550,11 @@ def test_a_small_tenant_keeps_its_latency_under_a_flood_when_capacity_is_short()
 # ------------------------------------------------------------------------------------------- next_due
 
 def test_next_due_is_none_for_an_empty_batcher():
-    assert MicroBatcher(make_settings(), FakeClock()).next_due() is None
+    assert MicroBatcher(make_settings(), FakeClock(T0)).next_due() is None
 
 
 def test_next_due_is_the_oldest_frame_plus_its_wait():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(realtime=(5, 0, 8), bulk=(100, 0, 1)), clock)
     start = clock.now
     add_frames(batcher, clock, 1, priority=BULK)
@@ -577,7 +568,7 @@ def test_next_due_is_the_oldest_frame_plus_its_wait():
 
 
 def test_next_due_is_now_or_earlier_when_a_batch_is_full():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(max_batch_size=4), clock)
     add_frames(batcher, clock, 4)
 
@@ -585,7 +576,7 @@ def test_next_due_is_now_or_earlier_when_a_batch_is_full():
 
 
 def test_next_due_is_the_arrival_of_a_fallback_frame():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(rare_shape_min_count=2), clock)
     add_frames(batcher, clock, 1)
 
@@ -593,7 +584,7 @@ def test_next_due_is_the_arrival_of_a_fallback_frame():
 
 
 def test_next_due_includes_the_next_expiry():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(standard=(15, 100, 3)), clock)
     add_frames(batcher, clock, 1, captured_s_ago=0.095)
 
@@ -607,7 +598,7 @@ def test_next_due_includes_the_next_expiry():
 # ------------------------------------------------------------------------------------------- flush, discard
 
 def test_flush_returns_everything_pending_ignoring_waits_but_not_caps():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(max_batch_size=4, padding_waste_max=0.0), clock)
     frames = (add_frames(batcher, clock, 6, priority=BULK) + add_frames(batcher, clock, 1, shape=(10, 10, 1))
               + add_frames(batcher, clock, 2, priority=REALTIME))
@@ -621,7 +612,7 @@ def test_flush_returns_everything_pending_ignoring_waits_but_not_caps():
 
 
 def test_flush_sets_expired_frames_aside_for_pop_expired():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(realtime=(5, 100, 8)), clock)
     stale = add_frames(batcher, clock, 1, priority=REALTIME, captured_s_ago=1.0)
 
@@ -630,7 +621,7 @@ def test_flush_sets_expired_frames_aside_for_pop_expired():
 
 
 def test_discard_removes_matching_frames_which_never_come_out_again():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(max_batch_size=4), clock)
     revoked = add_frames(batcher, clock, 3, tenant="a")
     kept = add_frames(batcher, clock, 2, tenant="b")
@@ -645,7 +636,7 @@ def test_discard_removes_matching_frames_which_never_come_out_again():
 
 
 def test_discard_also_takes_expired_frames_not_yet_returned():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(realtime=(5, 100, 8)), clock)
     stale = add_frames(batcher, clock, 1, priority=REALTIME, captured_s_ago=1.0)
     assert batcher.pop_batch() is None  # sets the expired frame aside
@@ -657,7 +648,7 @@ def test_discard_also_takes_expired_frames_not_yet_returned():
 # ------------------------------------------------------------------------------------------- backpressure
 
 def test_pending_counts_use_each_frame_tensor_bytes():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(tensor_dtype_bytes=2), clock)
     add_frames(batcher, clock, 2, shape=(10, 20, 3))
     add_frames(batcher, clock, 1, shape=(5, 5, 1))
@@ -666,7 +657,7 @@ def test_pending_counts_use_each_frame_tensor_bytes():
 
 
 def test_every_class_pauses_at_the_frame_cap_and_resumes_below_75_percent():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(max_batch_size=4, max_pending_frames=8), clock)
     add_frames(batcher, clock, 7, priority=REALTIME)
     assert batcher.classes_to_pause() == set()
@@ -678,7 +669,7 @@ def test_every_class_pauses_at_the_frame_cap_and_resumes_below_75_percent():
 
 
 def test_pause_has_hysteresis_between_the_watermarks():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(max_batch_size=1, max_pending_frames=8), clock)
     add_frames(batcher, clock, 8, priority=REALTIME)
     batcher.pop_batch()  # 7 pending: below the cap, above 6 (75%)
@@ -689,7 +680,7 @@ def test_pause_has_hysteresis_between_the_watermarks():
 
 
 def test_every_class_pauses_at_the_byte_cap():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     frame_bytes = 64 * 64 * 3 * 4
     batcher = MicroBatcher(make_settings(max_pending_bytes=3 * frame_bytes), clock)
     add_frames(batcher, clock, 3, priority=REALTIME)
@@ -698,7 +689,7 @@ def test_every_class_pauses_at_the_byte_cap():
 
 
 def test_less_urgent_classes_pause_at_their_own_share_and_never_fill_realtime_room():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(max_batch_size=4, max_pending_frames=100, **shares(1.0, 0.5, 0.25)), clock)
     add_frames(batcher, clock, 25, priority=BULK)
     assert batcher.classes_to_pause() == {BULK}  # bulk holds its 25%: it waits in Kafka (no deadline)
@@ -713,7 +704,7 @@ def test_less_urgent_classes_pause_at_their_own_share_and_never_fill_realtime_ro
 
 
 def test_frames_of_less_urgent_classes_alone_never_keep_realtime_paused():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(max_batch_size=4, max_pending_frames=100, **shares(1.0, 0.5, 0.25)), clock)
     add_frames(batcher, clock, 60, priority=STANDARD)  # one poll overshot standard's share
     add_frames(batcher, clock, 40, priority=REALTIME)
@@ -725,7 +716,7 @@ def test_frames_of_less_urgent_classes_alone_never_keep_realtime_paused():
 
 
 def test_poll_room_keeps_each_reading_class_within_its_share():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(max_pending_frames=100, **shares(1.0, 0.5, 0.25)), clock)
     add_frames(batcher, clock, 20, priority=BULK)
     assert batcher.poll_room(set()) == 5
@@ -733,7 +724,7 @@ def test_poll_room_keeps_each_reading_class_within_its_share():
 
 
 def test_a_standard_backlog_pauses_nothing_and_bulk_runs_only_once_standard_is_out_of_risk():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     settings = make_settings(max_batch_size=4, standard=ClassSettings(5, 0, 3, latency_budget_ms=100))
     batcher = MicroBatcher(settings, clock, cost=cost_model((SHAPE, 4, 0.010)))
     add_frames(batcher, clock, 4, priority=BULK)
@@ -746,7 +737,7 @@ def test_a_standard_backlog_pauses_nothing_and_bulk_runs_only_once_standard_is_o
 
 
 def test_a_realtime_backlog_pauses_bulk_then_standard_too_until_realtime_is_drained():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(max_batch_size=4, realtime=(5, 0, 8)), clock)
     add_frames(batcher, clock, 4, priority=REALTIME)
     assert batcher.classes_to_pause() == set()  # a full batch waiting within its budget is not a backlog
@@ -766,7 +757,7 @@ def test_a_realtime_backlog_pauses_bulk_then_standard_too_until_realtime_is_drai
 
 
 def test_a_few_late_realtime_frames_pause_nothing():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(max_batch_size=4, realtime=(5, 0, 8)), clock)
     add_frames(batcher, clock, 3, priority=REALTIME)
     clock.advance(50 * MS)
@@ -774,7 +765,7 @@ def test_a_few_late_realtime_frames_pause_nothing():
 
 
 def test_add_past_twice_the_pending_cap_raises_batcher_full_error():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(max_batch_size=4, max_pending_frames=4), clock)
     add_frames(batcher, clock, 8, priority=BULK)
 
@@ -784,7 +775,7 @@ def test_add_past_twice_the_pending_cap_raises_batcher_full_error():
 
 
 def test_frames_bound_for_a_fixed_model_input_count_that_input_s_bytes_not_their_own():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(max_batch_bytes=8 * 224 * 224 * 3 * 4), clock, input_hw=(224, 224))
     add_frames(batcher, clock, 8, shape=(1080, 1920, 3))
 
@@ -794,7 +785,7 @@ def test_frames_bound_for_a_fixed_model_input_count_that_input_s_bytes_not_their
 
 def test_with_a_fixed_model_input_720p_and_1080p_frames_form_full_batches_together():
     """Both become the same 224x224 input: 5 + 3 frames are one full batch at once, not a 5 and a 3 at the wait."""
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(max_batch_size=8), clock, input_hw=(224, 224))
     for shape in [(720, 1280, 3), (1080, 1920, 3)] * 3 + [(720, 1280, 3)] * 2:
         add_frames(batcher, clock, 1, shape=shape)
@@ -806,7 +797,7 @@ def test_with_a_fixed_model_input_720p_and_1080p_frames_form_full_batches_togeth
 
 
 def test_without_a_fixed_model_input_720p_and_1080p_frames_stay_in_batches_of_their_own_shape():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(max_batch_size=8), clock)
     for shape in [(720, 1280, 3), (1080, 1920, 3)] * 3 + [(720, 1280, 3)] * 2:
         add_frames(batcher, clock, 1, shape=shape)
@@ -818,7 +809,7 @@ def test_without_a_fixed_model_input_720p_and_1080p_frames_stay_in_batches_of_th
 
 def test_with_a_fixed_model_input_a_source_resolution_seen_once_is_not_a_rare_shape():
     """The rare-shape lane keeps odd shapes from holding a common shape's batch; for a fixed input nothing is odd."""
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(max_batch_size=4, rare_shape_min_count=2), clock, input_hw=(224, 224))
     add_frames(batcher, clock, 1, shape=(720, 1280, 3))  # the first frame of any batch shape is rare
     drain(batcher)
@@ -829,7 +820,7 @@ def test_with_a_fixed_model_input_a_source_resolution_seen_once_is_not_a_rare_sh
 
 
 def test_with_a_fixed_model_input_the_channels_still_split_groups():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(max_batch_size=4), clock, input_hw=(224, 224))
     add_frames(batcher, clock, 2, shape=(720, 1280, 3))
     add_frames(batcher, clock, 2, shape=(720, 1280, 1))
@@ -839,7 +830,7 @@ def test_with_a_fixed_model_input_the_channels_still_split_groups():
 
 
 def test_poll_room_is_bounded_by_the_bytes_left_at_the_largest_frame_seen():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     frame_bytes = 720 * 1280 * 3 * 4
     batcher = MicroBatcher(make_settings(max_pending_frames=2048, max_pending_bytes=10 * frame_bytes), clock)
     add_frames(batcher, clock, 4, shape=(720, 1280, 3))
@@ -848,7 +839,7 @@ def test_poll_room_is_bounded_by_the_bytes_left_at_the_largest_frame_seen():
 
 
 def test_one_poll_of_frames_larger_than_any_before_passes_the_byte_cap_without_an_error():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(max_pending_frames=2048, max_pending_bytes=1 << 20), clock)
     add_frames(batcher, clock, 1, shape=(64, 64, 3))
     room = batcher.poll_room(set())
@@ -860,7 +851,7 @@ def test_one_poll_of_frames_larger_than_any_before_passes_the_byte_cap_without_a
 
 
 def test_an_empty_batcher_accepts_a_frame_bigger_than_its_byte_caps():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(max_batch_bytes=1024, max_pending_bytes=1024), clock)
     batcher.add(make_frame(clock, shape=(100, 100, 3)))
 
@@ -871,7 +862,7 @@ def test_an_empty_batcher_accepts_a_frame_bigger_than_its_byte_caps():
 
 def test_preferred_sizes_below_one_are_a_config_error():
     with pytest.raises(ConfigError, match="preferred_batch_sizes"):
-        MicroBatcher(make_settings(), FakeClock(), preferred_batch_sizes=(0, 8))
+        MicroBatcher(make_settings(), FakeClock(T0), preferred_batch_sizes=(0, 8))
 
 
 def test_the_batcher_imports_neither_kafka_nor_torch_nor_numpy():
@@ -896,7 +887,7 @@ SHAPE = (64, 64, 3)
 
 
 def test_a_less_urgent_class_waits_when_running_first_would_put_realtime_past_its_budget():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     settings = make_settings(realtime=ClassSettings(5, 0, 1, latency_budget_ms=50), bulk=(5, 0, 50))
     cost = cost_model((SHAPE, 8, 0.030))
     batcher = MicroBatcher(settings, clock, cost=cost)
@@ -909,7 +900,7 @@ def test_a_less_urgent_class_waits_when_running_first_would_put_realtime_past_it
 
 
 def test_with_slack_the_weights_still_let_older_bulk_go_first():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     settings = make_settings(realtime=ClassSettings(5, 0, 1, latency_budget_ms=500), bulk=(5, 0, 50))
     batcher = MicroBatcher(settings, clock, cost=cost_model((SHAPE, 8, 0.030)))
     add_frames(batcher, clock, 8, priority=BULK)
@@ -920,7 +911,7 @@ def test_with_slack_the_weights_still_let_older_bulk_go_first():
 
 
 def test_a_class_past_its_budget_goes_before_bulk_whatever_the_weights():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     settings = make_settings(standard=ClassSettings(5, 30_000, 1, latency_budget_ms=1_000), bulk=(5, 0, 50))
     batcher = MicroBatcher(settings, clock)  # no cost model: at risk means past the budget already
     add_frames(batcher, clock, 8, priority=BULK)
@@ -931,7 +922,7 @@ def test_a_class_past_its_budget_goes_before_bulk_whatever_the_weights():
 
 
 def test_under_overload_bulk_gets_no_turn_while_realtime_is_at_risk():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     settings = make_settings(realtime=ClassSettings(5, 2_000, 8, latency_budget_ms=100), bulk=(100, 0, 1))
     batcher = MicroBatcher(settings, clock, cost=cost_model((SHAPE, 8, 0.040)))
     add_frames(batcher, clock, 64, priority=BULK)  # older than every realtime frame below
@@ -946,7 +937,7 @@ def test_under_overload_bulk_gets_no_turn_while_realtime_is_at_risk():
 
 
 def test_pop_batch_can_be_limited_to_realtime():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(), clock)
     add_frames(batcher, clock, 8, priority=BULK)
     assert batcher.pop_batch(max_priority=REALTIME) is None
@@ -955,7 +946,7 @@ def test_pop_batch_can_be_limited_to_realtime():
 
 
 def test_adaptive_sizing_releases_at_the_measured_most_efficient_size():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     # 8 frames in 10 ms (800/s) beat 32 in 80 ms (400/s): a CPU whose large batches fall out of cache.
     cost = cost_model((SHAPE, 8, 0.010), (SHAPE, 32, 0.080), (SHAPE, 16, 0.030))
     batcher = MicroBatcher(make_settings(max_batch_size=32), clock, cost=cost)
@@ -967,7 +958,7 @@ def test_adaptive_sizing_releases_at_the_measured_most_efficient_size():
 
 
 def test_a_group_made_again_after_the_cost_model_learned_something_is_sized_by_what_it_learned():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     # 8 measured live often enough that the cost model does not try it again as a neighbour of 16.
     cost = cost_model(*[(SHAPE, 8, 0.010)] * 3, (SHAPE, 16, 0.030))
     batcher = MicroBatcher(make_settings(max_batch_size=32), clock, cost=cost)
@@ -982,7 +973,7 @@ def test_a_group_made_again_after_the_cost_model_learned_something_is_sized_by_w
 
 
 def test_fixed_sizes_win_when_adaptive_sizing_is_off():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     cost = cost_model((SHAPE, 8, 0.010), (SHAPE, 32, 0.080))
     batcher = MicroBatcher(make_settings(max_batch_size=32, adaptive_batch_size=False), clock, cost=cost)
     add_frames(batcher, clock, 8)
@@ -992,7 +983,7 @@ def test_fixed_sizes_win_when_adaptive_sizing_is_off():
 
 
 def test_a_batch_is_cut_so_its_oldest_frame_finishes_within_the_class_budget():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     settings = make_settings(max_batch_size=32, adaptive_batch_size=False,
                              standard=ClassSettings(15, 0, 3, latency_budget_ms=100))
     cost = cost_model((SHAPE, 1, 0.012), (SHAPE, 32, 0.320))  # ~ 2 ms + 10 ms per frame
@@ -1003,7 +994,7 @@ def test_a_batch_is_cut_so_its_oldest_frame_finishes_within_the_class_budget():
 
 
 def test_a_budgeted_partial_batch_is_released_before_its_wait_when_the_budget_demands_it():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     settings = make_settings(max_batch_size=32, adaptive_batch_size=False,
                              standard=ClassSettings(500, 0, 3, latency_budget_ms=100))
     batcher = MicroBatcher(settings, clock, cost=cost_model((SHAPE, 4, 0.040)))
@@ -1016,7 +1007,7 @@ def test_a_budgeted_partial_batch_is_released_before_its_wait_when_the_budget_de
 
 
 def test_standard_and_bulk_batches_are_bounded_by_the_blocking_limit():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     settings = make_settings(max_batch_size=32, adaptive_batch_size=False, max_blocking_ms=20)
     cost = cost_model((SHAPE, 1, 0.005), (SHAPE, 32, 0.160))  # 5 ms per frame
     batcher = MicroBatcher(settings, clock, cost=cost)
@@ -1029,7 +1020,7 @@ def test_standard_and_bulk_batches_are_bounded_by_the_blocking_limit():
 
 
 def test_without_realtime_traffic_standard_and_bulk_fill_to_full_size_and_the_bound_returns_with_it():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     settings = make_settings(max_batch_size=32, adaptive_batch_size=False, max_blocking_ms=20,
                              realtime_quiet_ms=1_000)
     cost = cost_model((SHAPE, 1, 0.005), (SHAPE, 32, 0.160))  # 5 ms per frame
@@ -1051,7 +1042,7 @@ def test_without_realtime_traffic_standard_and_bulk_fill_to_full_size_and_the_bo
 
 
 def test_a_zero_realtime_quiet_window_keeps_standard_and_bulk_always_bounded():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     settings = make_settings(max_batch_size=32, adaptive_batch_size=False, max_blocking_ms=20, realtime_quiet_ms=0)
     batcher = MicroBatcher(settings, clock, cost=cost_model((SHAPE, 1, 0.005), (SHAPE, 32, 0.160)))
     add_frames(batcher, clock, 32, priority=BULK)
@@ -1060,7 +1051,7 @@ def test_a_zero_realtime_quiet_window_keeps_standard_and_bulk_always_bounded():
 
 
 def test_the_device_memory_policy_caps_a_shape_batch_size():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     memory = MemoryPolicy(total_bytes=1000, memory_fraction=0.5)
     memory.record_peak(SHAPE, 1, 100)
     memory.record_peak(SHAPE, 4, 400)  # 100 bytes a frame: 5 frames fit under 500
@@ -1071,7 +1062,7 @@ def test_the_device_memory_policy_caps_a_shape_batch_size():
 
 
 def test_a_padded_batch_stays_within_the_memory_cap_of_its_padded_shape():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     memory = MemoryPolicy(total_bytes=1000, memory_fraction=0.5)
     memory.record_peak((8, 8, 3), 1, 100)
     memory.record_peak((8, 8, 3), 4, 400)  # 5 frames of 8x8 fit; 8x6 was never measured
@@ -1084,7 +1075,7 @@ def test_a_padded_batch_stays_within_the_memory_cap_of_its_padded_shape():
 
 
 def test_with_a_fixed_model_input_the_memory_cap_is_the_model_inputs_whatever_the_frame_size():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     memory = MemoryPolicy(total_bytes=1000, memory_fraction=0.5)
     memory.record_peak((224, 224, 3), 1, 100)
     memory.record_peak((224, 224, 3), 4, 400)  # measured on what the device runs: 224x224 rows
@@ -1095,7 +1086,7 @@ def test_with_a_fixed_model_input_the_memory_cap_is_the_model_inputs_whatever_th
 
 
 def test_over_several_devices_a_batch_takes_what_the_devices_take_together():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     devices = []
     for total in (1000, 600):  # 100 bytes a frame: 5 frames on one device, 3 on the other (fraction 0.5)
         memory = MemoryPolicy(total_bytes=total, memory_fraction=0.5)
@@ -1111,7 +1102,7 @@ def test_over_several_devices_a_batch_takes_what_the_devices_take_together():
 # ------------------------------------------------------------------------------------------- batch size per class
 
 def test_each_class_batches_up_to_its_own_max_batch_size():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     settings = make_settings(max_batch_size=8, realtime=(5, 0, 8, 0, 1.0, 2))
     batcher = MicroBatcher(settings, clock)
     add_frames(batcher, clock, 8, priority=REALTIME)
@@ -1122,7 +1113,7 @@ def test_each_class_batches_up_to_its_own_max_batch_size():
 
 
 def test_a_class_max_batch_size_may_be_above_the_global_one():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     settings = make_settings(max_batch_size=4, bulk=(100, 0, 1, 0, 0.25, 16))
     batcher = MicroBatcher(settings, clock)
     add_frames(batcher, clock, 16, priority=BULK)
@@ -1133,7 +1124,7 @@ def test_a_class_max_batch_size_may_be_above_the_global_one():
 
 
 def test_preferred_sizes_and_runner_buckets_above_a_class_cap_never_trigger_its_release():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     settings = make_settings(max_batch_size=16, realtime=(5, 0, 8, 0, 1.0, 6))
     batcher = MicroBatcher(settings, clock, preferred_batch_sizes=(4, 8, 16))
     add_frames(batcher, clock, 6, priority=REALTIME)
@@ -1144,7 +1135,7 @@ def test_preferred_sizes_and_runner_buckets_above_a_class_cap_never_trigger_its_
 
 
 def test_the_cost_model_sizes_each_class_within_its_own_cap():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     # 32 frames a batch are the most per device second, but realtime takes at most 4.
     cost = cost_model((SHAPE, 4, 0.010), (SHAPE, 8, 0.016), (SHAPE, 32, 0.040))
     settings = make_settings(max_batch_size=32, realtime=(5, 0, 8, 0, 1.0, 4), realtime_quiet_ms=1)
@@ -1159,7 +1150,7 @@ def test_the_cost_model_sizes_each_class_within_its_own_cap():
 
 
 def test_a_realtime_backlog_is_counted_in_realtime_batches():
-    clock = FakeClock()
+    clock = FakeClock(T0)
     batcher = MicroBatcher(make_settings(max_batch_size=8, realtime=(5, 0, 8, 0, 1.0, 2)), clock)
     add_frames(batcher, clock, 2, priority=REALTIME)
     clock.advance(5 * MS)

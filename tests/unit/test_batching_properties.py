@@ -9,9 +9,10 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hyp_settings
 from hypothesis import strategies as st
 
-from tests.unit.test_batching import BULK, REALTIME, STANDARD, FakeClock, make_frame, make_settings
+from tests.unit.test_batching import BULK, REALTIME, STANDARD, T0, make_frame, make_settings
 from worker.batching import Batch, MicroBatcher
 from worker.frames import Frame, Priority
+from worker.testing import FakeClock
 
 TICK = 0.001
 SHAPES = [(8, 8, 3), (8, 7, 3), (7, 8, 3), (6, 8, 3), (8, 8, 1), (16, 16, 3), (4, 4, 3), (40, 40, 3)]
@@ -129,7 +130,7 @@ class Ledger:
 
 def run_scenario(scenario) -> Ledger:
     settings, runner_buckets, ticks, discard, input_hw = scenario
-    clock = FakeClock()
+    clock = FakeClock(T0)
     base = clock.now
     batcher = MicroBatcher(settings, clock, runner_buckets, input_hw=input_hw)
     ledger = Ledger(batcher, settings, input_hw)
@@ -181,7 +182,7 @@ def test_batches_respect_caps_padding_waits_deadlines_and_class_order(scenario):
 )
 def test_a_flooding_tenant_delays_a_small_one_by_at_most_its_drr_share(
         flood, small, batch_size, flood_weight, small_weight, order_seed):
-    clock = FakeClock()
+    clock = FakeClock(T0)
     settings = make_settings(max_batch_size=batch_size, tenant_weights={"flood": flood_weight, "small": small_weight})
     batcher = MicroBatcher(settings, clock)
     tenants = ["flood"] * flood + ["small"] * small
@@ -206,7 +207,7 @@ def test_a_flooding_tenant_delays_a_small_one_by_at_most_its_drr_share(
 def test_realtime_is_never_behind_later_bulk_for_a_capacity_limited_consumer(arrivals):
     """One batch per tick, so due batches queue up and the class order is what decides."""
     settings = make_settings(max_batch_size=4, realtime=(2, 0, 1), standard=(4, 0, 4), bulk=(6, 0, 16))
-    clock = FakeClock()
+    clock = FakeClock(T0)
     base = clock.now
     batcher = MicroBatcher(settings, clock)
     ledger = Ledger(batcher, settings)

@@ -8,19 +8,12 @@ import pytest
 
 from tests.integration.helpers import http_get as get
 from worker.metrics import Health, Metrics, MetricsServer
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from worker.testing import FakeClock
 
 
 @pytest.fixture
 def served() -> Iterator[tuple[Health, FakeClock, int]]:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     health = Health(stall_limit_s=300.0, clock=clock)
     server = MetricsServer(Metrics(), health, "127.0.0.1", 0).start()
     yield health, clock, server.port

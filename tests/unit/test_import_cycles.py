@@ -154,6 +154,32 @@ def test_no_module_imports_itself_around_a_loop(tree: str) -> None:
     assert not found, f"import cycles in {tree}/:\n" + "\n".join(describe(loop) for loop in found)
 
 
+def imports_of_tests(base: Path) -> list[str]:
+    """Every import of the tests/ tree under `base`, wherever it stands, as "path:line module"."""
+    found = []
+    for path in sorted(base.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            found += [f"{path.relative_to(base.parent)}:{node.lineno} {name}" for name in names
+                      if name == "tests" or name.startswith("tests.")]
+    return found
+
+
+@pytest.mark.parametrize("tree", ["worker", "bench"])
+def test_nothing_the_worker_or_the_benchmarks_run_imports_the_tests(tree: str) -> None:
+    """What a benchmark measures or a user installs is built on worker/ (its kit: worker.testing), never on
+    the tests' own helpers."""
+    assert imports_of_tests(ROOT / tree) == []
+
+
+def test_an_import_of_the_tests_is_found_wherever_it_stands(tmp_path: Path) -> None:
+    scripts = _write(tmp_path, {"a.py": "import os\ndef late():\n    from tests.unit import helpers\n",
+                                "b.py": "import tests.pixels as p\nfrom .tests import x\nimport testsuite\n"})
+    found = [line.split(" ", 1)[1] for line in imports_of_tests(scripts)]
+    assert found == ["tests.unit", "tests.pixels"]
+
+
 # -- the walker itself ------------------------------------------------------------------------------------------
 def _write(base: Path, files: dict[str, str]) -> Path:
     for name, text in files.items():

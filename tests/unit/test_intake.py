@@ -20,18 +20,11 @@ from worker.intake import (
     IntakeDecision,
     PriorityIntake,
 )
+from worker.testing import FakeClock
 
 RT, STD, BULK = Priority.REALTIME, Priority.STANDARD, Priority.BULK
 TURN_S = 0.01
 BATCH = 32  # batching.max_batch_size below: the smallest backlog that counts
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_800_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def settings(floor: float = 0.0, realtime_max_age_ms: float = 2_000, standard_max_age_ms: float = 30_000
@@ -45,7 +38,7 @@ class Loop:
     """Drives the policy as the pipeline does each turn: decide on the backlogs, then report one poll."""
 
     def __init__(self, batching: BatchingSettings | None = None) -> None:
-        self.clock = Clock()
+        self.clock = FakeClock()
         self.intake = PriorityIntake(batching or settings(), self.clock)
         self.decision = IntakeDecision()
 

@@ -25,6 +25,7 @@ from worker.kafka.errors import (
     classify_producer_error,
 )
 from worker.metrics import Health, Metrics, MetricsServer
+from worker.testing import FakeClock
 
 SECRET = "s3cr3t-value"
 
@@ -160,14 +161,6 @@ def test_transient_errors_are_not_operator_errors() -> None:
 
 
 # -- refusal streaks and health -------------------------------------------------------------------------------------
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def _refusal(code: int) -> BrokerAccessError:
     err = classify_consumer_error(KafkaError(code, "x"))
     assert err is not None
@@ -175,7 +168,7 @@ def _refusal(code: int) -> BrokerAccessError:
 
 
 def test_a_login_refused_for_the_grace_period_stops_the_worker_but_a_moment_does_not() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     streak = RefusalStreak(grace_s=5.0, gap_s=15.0, clock=clock)
     assert not streak.refusal(_refusal(KafkaError._AUTHENTICATION))
     clock.now += 3
@@ -187,11 +180,11 @@ def test_a_login_refused_for_the_grace_period_stops_the_worker_but_a_moment_does
 
 
 def test_an_authorization_refusal_stops_the_worker_at_once() -> None:
-    assert RefusalStreak(clock=Clock()).refusal(_refusal(KafkaError.GROUP_AUTHORIZATION_FAILED))
+    assert RefusalStreak(clock=FakeClock(100.0)).refusal(_refusal(KafkaError.GROUP_AUTHORIZATION_FAILED))
 
 
 def test_health_fails_at_once_when_refused_and_after_the_limit_when_unreachable() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     status = BrokerStatus(unreachable_limit_s=10.0, clock=clock)
     status.on_error(KafkaError(KafkaError._ALL_BROKERS_DOWN, "1/1 brokers are down"))
     assert status.unhealthy_reason() is None
@@ -204,7 +197,7 @@ def test_health_fails_at_once_when_refused_and_after_the_limit_when_unreachable(
 
 
 def test_healthz_reports_the_cluster_problem_with_503() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     status = BrokerStatus(unreachable_limit_s=10.0, clock=clock)
     health = Health(clock=clock, broker_problem=status.unhealthy_reason)
     server = MetricsServer(Metrics(), health, "127.0.0.1", 0).start()

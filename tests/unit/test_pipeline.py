@@ -21,22 +21,22 @@ from worker.kafka.producer import SinkError
 from worker.metrics import Health, Metrics
 from worker.pipeline import KafkaClients, Pipeline, build_pipeline
 from worker.schemas import decode_result
-
-from .kafka_fakes import FakeConsumer, FakeExecutor, FakeProducer, Produced, abortable, frame_value, outcome
+from worker.testing import (
+    FakeClock,
+    FakeConsumer,
+    FakeExecutor,
+    FakeProducer,
+    Produced,
+    abortable,
+    frame_value,
+    outcome,
+)
 
 BULK = Settings().topics.bulk
 REALTIME = Settings().topics.realtime
 P0 = (BULK, 0)
 P1 = (BULK, 1)
 STEP_S = 0.2  # past bulk's max_wait_ms: every step releases what is pending
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_800_000_000.0  # 2027-01-15
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class World:
@@ -70,7 +70,7 @@ class World:
         # No admin calls for the output topics' limit; a stuck transactional call is given up on quickly.
         self.clients = KafkaClients(consumer=consumer, producer=producer, output_message_limit=lambda settings: None,
                                     stuck_grace_s=0.05)
-        self.clock = Clock()
+        self.clock = FakeClock()
         self.executor = executor if executor is not None else FakeExecutor(hold=hold)
         self.health = Health()
         self.metrics = metrics or Metrics()

@@ -1,10 +1,13 @@
 """The fault suite's ledger when its feeder wrote a message twice (an idempotent producer's retry across a leader
-change): the worker scores the first copy and dead-letters the repeat, and the ledger expects exactly that."""
+change): the worker scores the first copy and dead-letters the repeat, and the ledger expects exactly that. And
+the audit of a run, over the kit's FrameLedger."""
 
 from __future__ import annotations
 
-from tests.reliability.harness import DEAD_LETTER, RESULT, Sent, ledger_of_repeats
+from tests.reliability.harness import Sent, audit, digest, ledger_of_repeats
 from worker.frames import SourceRef
+from worker.testing import DEAD_LETTER, RESULT
+from worker.tools.read_results import DeadLetterRecord
 
 
 def ref(offset: int) -> SourceRef:
@@ -33,3 +36,30 @@ def test_a_copy_after_the_reported_offset_expects_the_dead_letter() -> None:
 def test_messages_no_report_named_and_no_copy_of_one_are_left_alone() -> None:
     assert ledger_of_repeats({ref(53): FRAME}, [(ref(53), "d53"), (ref(54), "other")]) == {}
     assert ledger_of_repeats({ref(53): FRAME}, []) == {}
+
+
+def result(offset: int, frame_id: tuple[str, int]) -> dict:
+    return {"source_topic": "t.bulk", "source_partition": 1, "source_offset": offset, "stream_id": frame_id[0],
+            "frame_index": frame_id[1]}
+
+
+def dead_letter(offset: int | None, value: bytes) -> DeadLetterRecord:
+    headers = {"streamfer.error": "bad", "streamfer.error_type": "MessageDecodeError"}
+    if offset is not None:
+        headers |= {"streamfer.source_topic": "t.bulk", "streamfer.source_partition": "1",
+                    "streamfer.source_offset": str(offset)}
+    return DeadLetterRecord(None, value, headers)
+
+
+def test_the_audit_counts_every_way_a_run_can_break_its_promise() -> None:
+    sent = {ref(0): Sent("frame", RESULT, ("s", 0)), ref(1): Sent("frame", RESULT, ("s", 1)),
+            ref(2): Sent("frame", RESULT, ("s", 2)), ref(3): Sent("garbage", DEAD_LETTER, None, digest(b"x"))}
+    a = audit(sent, [result(0, ("s", 0)), result(0, ("s", 0)), result(1, ("s", 9)), result(3, ("?", 0)),
+                     result(7, ("s", 7))],
+              [dead_letter(3, b"y"), dead_letter(None, b"z")])
+    assert (a.produced, a.results, a.dead_letters) == (4, 5, 2)
+    assert a.lost == 1 and a.lost_sample == [f"{ref(2)} frame ('s', 2)"]
+    assert a.duplicated == 2  # offset 0 twice; garbage both scored and dead-lettered
+    assert a.misrouted == 1 and a.misrouted_sample[0].startswith(f"{ref(3)} garbage: expected dead_letter")
+    assert a.phantom == 2  # offset 7 was never sent; one dead letter names no message
+    assert a.mismatched == 1 and a.bad_headers == 1 and a.dead_letters_without_original == 1

@@ -19,11 +19,11 @@ from hypothesis import strategies as st
 from PIL import Image, ImageFile
 
 import worker.runtime.decode as decode_module
-from tests.pixels import photo_like
 from worker.frames import Encoding, Frame, Priority, SourceRef
 from worker.runtime.decode import FrameDecodeError, check_jpeg, decode_frame, jpeg_scale
 from worker.runtime.models import ModelContract
 from worker.runtime.preprocess import fit_to_input, resize_target
+from worker.testing.pixels import photo_like
 
 ROOT = Path(__file__).resolve().parents[2]
 SOF_MARKERS = (0xC0, 0xC1, 0xC2)

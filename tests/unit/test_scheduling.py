@@ -20,9 +20,8 @@ from worker.pipeline import build_pipeline
 from worker.runtime import InferenceExecutor
 from worker.runtime.models import ModelContract
 from worker.schemas import FrameRecord, decode_result, encode_frame
-from worker.testing import wait_for
+from worker.testing import FakeExecutor, outcome, wait_for
 
-from .kafka_fakes import FakeExecutor, outcome
 from .model_factories import StandInRunner
 from .test_pipeline import World, sample
 

@@ -15,7 +15,7 @@ from confluent_kafka import KafkaError, KafkaException
 
 import worker.kafka.producer as sink_module
 from worker.config import Settings
-from worker.frames import SourceRef
+from worker.frames import DeadLetter, SourceRef
 from worker.kafka.producer import ResultSink, SinkError, TransactionStuckError
 
 
@@ -182,3 +182,48 @@ def test_a_fatal_init_error_is_not_retried(producer: FakeProducer) -> None:
     with pytest.raises(SinkError, match="streamfer-w0"):
         transactional_sink(producer, sleep=lambda s: None)
     assert producer.calls.count("init") == 1
+
+
+# -- the error keeps librdkafka's ---------------------------------------------------------------------------------
+def test_a_sink_error_keeps_the_kafka_error_that_caused_it(producer: FakeProducer,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Code, retriable and fatal travel on the error, not only in its message."""
+    producer.init_errors = [KafkaError(KafkaError._TRANSPORT, retriable=True)] * 1000
+    monkeypatch.setattr(sink_module, "INIT_TRANSACTIONS_TIMEOUT_S", 0.0)
+    with pytest.raises(SinkError) as transient:
+        transactional_sink(producer)
+    assert transient.value.kafka_error is not None and transient.value.code == KafkaError._TRANSPORT
+    assert transient.value.retriable and not transient.value.fatal
+    producer.init_errors = [KafkaError(KafkaError.CONCURRENT_TRANSACTIONS, fatal=True)]
+    with pytest.raises(SinkError) as fatal:
+        transactional_sink(producer, sleep=lambda s: None)
+    assert fatal.value.code == KafkaError.CONCURRENT_TRANSACTIONS and fatal.value.fatal and not fatal.value.retriable
+
+
+def test_a_fenced_producer_names_the_setting_and_keeps_the_error(producer: FakeProducer) -> None:
+    producer.commit_errors = [KafkaError(KafkaError._FENCED, fatal=True)]
+    sink = transactional_sink(producer)
+    sink.begin()
+    with pytest.raises(SinkError, match="fenced") as fenced:
+        sink.commit_transaction({}, object(), timeout_s=1.0)
+    assert fenced.value.code == KafkaError._FENCED and fenced.value.fatal
+    assert fenced.value.setting == "observability.worker_id"
+
+
+def test_a_stuck_transaction_keeps_the_error_it_kept_failing_with(producer: FakeProducer) -> None:
+    producer.commit_errors = [KafkaError(KafkaError._TIMED_OUT, retriable=True)] * 1000
+    sink = transactional_sink(producer)
+    sink.begin()
+    with pytest.raises(TransactionStuckError, match="still fails") as stuck:
+        sink.commit_transaction({}, object(), timeout_s=0.0)
+    assert stuck.value.code == KafkaError._TIMED_OUT and stuck.value.retriable
+
+
+def test_a_fatal_delivery_report_is_raised_with_its_kafka_error() -> None:
+    fake = FakeProducer(report_errors=[KafkaError(KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER, fatal=True)])
+    sink = ResultSink(Settings(), on_done=lambda source: None, on_rejected=lambda source, reason: None,
+                      producer_factory=lambda conf, logger=None: fake)
+    sink.send_dead_letter(DeadLetter(SourceRef("frames.standard", 0, 3, 1), "bad", "decode", b"x"))
+    sink.poll(0)
+    assert sink.fatal_error is not None and sink.fatal_error.code == KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER
+    assert sink.fatal_error.fatal and "frames.standard" in str(sink.fatal_error)

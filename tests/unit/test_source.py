@@ -20,10 +20,10 @@ import worker.kafka.consumer as source_module
 from worker.config import KafkaSettings, ObservabilitySettings, Settings, load_settings
 from worker.errors import OperatorError, StreamferError
 from worker.frames import Priority
-from worker.kafka.consumer import COMMITTED_LOOKUP_TIMEOUT_S, COMMITTED_RETRY_FIRST_S, FrameSource
+from worker.kafka.consumer import FrameSource
 from worker.kafka.membership import REFENCED_WITHIN_S, SourceError
-
-from .kafka_fakes import FakeMessage, frame_value
+from worker.kafka.positions import COMMITTED_LOOKUP_TIMEOUT_S, COMMITTED_RETRY_FIRST_S
+from worker.testing import FakeClock, FakeMessage, frame_value
 
 REALTIME = Settings().topics.realtime
 BULK = Settings().topics.bulk
@@ -33,14 +33,6 @@ SETTINGS = Settings(observability=ObservabilitySettings(worker_id="host-0"))
 
 # One consume() call's script: messages returned, and rebalance callbacks run in between, in order.
 Event = tuple[str, Any]
-
-
-@dataclass
-class FakeClock:
-    now: float = 1_800_000_000.0  # 2027: the frames' capture times (kafka_fakes.CAPTURE_TS_MS) are this clock's
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass

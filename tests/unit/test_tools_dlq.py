@@ -1,5 +1,5 @@
 """`worker dlq`'s decisions without a broker: how a dead letter is read back, which are selected, what `show`
-counts, which are replayed and with what headers (worker/tools/dlq.py). The broker round trip is
+counts, which are replayed and with what headers (worker/tools/dlq/). The broker round trip is
 tests/integration/test_dlq_and_lag.py."""
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The Kafka consumer side: subscription to the per-priority input topics, decoding, pausing by class,
-rebalance callbacks and offset commits. A thin typed wrapper; the decisions live in the pipeline.
+rebalance callbacks and offset commits. The I/O only: where a partition is read from is decided in
+worker.kafka.positions, what is read and what is done in the pipeline.
 """
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,20 +28,12 @@ from worker.frames import MESSAGE_DECODE_ERROR, DeadLetter, Frame, Priority, Sou
 from worker.kafka.client import ClientFactory, client_properties, new_client
 from worker.kafka.errors import UNKNOWN_TOPIC, BrokerStatus, Identity, RefusalStreak, classify_consumer_error
 from worker.kafka.membership import GroupMembership
+from worker.kafka.positions import COMMITTED_LOOKUP_TIMEOUT_S, CommittedPositions
 from worker.schemas import MessageDecodeError, decode_frame
 
 log = logging.getLogger(__name__)
 
 TP = tuple[str, int]
-
-# Looking up committed offsets: how long one call may block the loop, how much of one poll the look-ups of
-# partitions waiting for theirs may take, and how often a partition whose committed offset could not be read is
-# asked again (doubling up to the cap: a dead member's open transaction can hold it for transaction.timeout.ms).
-COMMITTED_LOOKUP_TIMEOUT_S = 1.0
-COMMITTED_LOOKUP_BUDGET_S = 1.0
-COMMITTED_RETRY_FIRST_S = 0.25
-COMMITTED_RETRY_MAX_S = 2.0
-
 
 @dataclass
 class Polled:
@@ -69,17 +62,6 @@ class CommittedOffsets:
 
     offsets: dict[TP, int] = field(default_factory=dict)
     unknown: dict[TP, str] = field(default_factory=dict)
-
-
-@dataclass
-class _Awaiting:
-    """A partition to seek to its committed offset once the broker can tell it; paused until then."""
-
-    since: float
-    next_try: float
-    delay: float = COMMITTED_RETRY_FIRST_S
-    reported: bool = False  # that its committed offset cannot be read now (a warning, counted)
-    reported_unstarted: bool = False  # that librdkafka has not started fetching it yet, so it cannot be sought
 
 
 RebalanceHandler = Callable[[list[TP]], None]
@@ -180,8 +162,7 @@ class FrameSource:
         # Per partition: the offset after the last one delivered since it was assigned or sought.
         self._next_offset: dict[TP, int] = {}
         # Partitions to seek to their committed offsets, kept paused while those cannot be read.
-        self._awaiting: dict[TP, _Awaiting] = {}
-        self._waits_unreported = 0
+        self._positions = CommittedPositions(clock)
 
     # -- subscription and rebalances ---------------------------------------------------------------
     def subscribe(self, on_assign: RebalanceHandler, on_revoke: RebalanceHandler, on_lost: RebalanceHandler) -> None:
@@ -224,7 +205,7 @@ class FrameSource:
         for tp in tps:
             self._paused.discard(tp)
             self._next_offset.pop(tp, None)
-            self._awaiting.pop(tp, None)
+        self._positions.forget(tps)
 
     @property
     def assignment(self) -> frozenset[TP]:
@@ -238,7 +219,7 @@ class FrameSource:
         """Poll up to `max_messages`; also drives rebalance callbacks, so call it even while all is paused."""
         # consume() with a timeout waits for a *full* batch; so take what is queued now, and only block
         # (for the first message) when nothing is, then top up without waiting.
-        if self._awaiting:
+        if self._positions:
             self._seek_awaiting()
         messages = self._consumer.consume(num_messages=max_messages, timeout=0)
         if not messages and timeout_s > 0:
@@ -246,9 +227,8 @@ class FrameSource:
             if messages and max_messages > 1:
                 messages += self._consumer.consume(num_messages=max_messages - 1, timeout=0)
         now = self._clock()
-        polled = Polled(frames=[], dead_letters=[], committed_offset_waits=self._waits_unreported,
+        polled = Polled(frames=[], dead_letters=[], committed_offset_waits=self._positions.take_new_unknowns(),
                         drained=len(messages) < max_messages)
-        self._waits_unreported = 0
         rewound: set[TP] = set()
         for msg in messages:
             err = msg.error()
@@ -259,7 +239,7 @@ class FrameSource:
             epoch = self.assignments.epoch(tp)
             if epoch is None:
                 continue  # fetched before a rebalance served inside this poll took the partition away
-            if tp in self._awaiting:
+            if tp in self._positions:
                 # Assigned in this poll, or fetched before its pause. A rebalance callback runs inside consume(),
                 # so one call can return messages of a partition from before it was revoked or lost *and* of its
                 # re-assignment (confluent-kafka-python #1013): all are dropped; the seek to its committed offset
@@ -329,7 +309,7 @@ class FrameSource:
     def _apply_pauses(self) -> None:
         """Pause the partitions of paused classes and those waiting for their committed offset; resume the rest."""
         want = {tp for tp in self.assignments.partitions
-                if self._topics[tp[0]] in self._paused_classes or tp in self._awaiting}
+                if self._topics[tp[0]] in self._paused_classes or tp in self._positions}
         to_pause = want - self._paused
         to_resume = self._paused - want
         if to_pause:
@@ -413,7 +393,7 @@ class FrameSource:
     def _only_skipped_offsets_left(self, tp: TP, committed: int, high: int) -> bool:
         """Between the committed offset and the end lie only offsets the consumer never delivers: everything it
         delivered is committed, and its position (which librdkafka moves past control records) is at the end."""
-        if tp in self._awaiting or self._next_offset.get(tp, committed) > committed:
+        if tp in self._positions or self._next_offset.get(tp, committed) > committed:
             return False
         (position,) = self._consumer.position([TopicPartition(*tp)])
         return position.offset >= high
@@ -429,53 +409,38 @@ class FrameSource:
         offsets until the broker aborts it, or the call times out) is never sought to its beginning, which would
         answer again what the group has committed: it stays paused, later polls ask again, and it is sought and
         resumed once the broker can tell."""
-        self._await_committed(tp for tp in tps if tp in self.assignments)
+        self._await_committed([tp for tp in tps if tp in self.assignments])
         self._apply_pauses()
         self._seek_awaiting()
 
-    def _await_committed(self, tps: Iterable[TP]) -> None:
+    def _await_committed(self, tps: list[TP]) -> None:
         """Mark partitions to be sought to their committed offsets by the next look-up (paused until then)."""
-        now = self._clock()
         for tp in tps:
             self._next_offset.pop(tp, None)
-            waiting = self._awaiting.get(tp)
-            if waiting is None:
-                self._awaiting[tp] = _Awaiting(since=now, next_try=now)
-            else:
-                waiting.next_try = now
+        self._positions.wait(tps)
 
     @property
     def awaiting_committed_offset(self) -> frozenset[TP]:
         """Partitions paused until their committed offset can be read (see seek_to_committed)."""
-        return frozenset(self._awaiting)
+        return self._positions.waiting
 
     def _seek_awaiting(self) -> None:
-        """Ask for the committed offsets of the waiting partitions that are due; seek and resume those answered.
-
-        One partition per call: librdkafka holds back a whole answer while any of its partitions is unstable. The
-        look-ups of one poll stop after COMMITTED_LOOKUP_BUDGET_S, so the loop keeps polling (and the member stays
-        in the group) however long a transaction holds an offset."""
-        started = self._clock()
-        sought: list[TP] = []
+        """Ask for the committed offsets of the waiting partitions that are due (worker.kafka.positions decides
+        which, and how many per poll); seek and resume those answered."""
+        sought = False
         # Highest class first, so its fetches start first (in topic-name order bulk went first after each
         # assignment, and realtime no longer overtook an older bulk backlog).
-        for tp in sorted((tp for tp, w in self._awaiting.items() if w.next_try <= started), key=self._priority_order):
-            if self._clock() - started >= COMMITTED_LOOKUP_BUDGET_S:
-                break
+        for tp in self._positions.due(self._priority_order):
             answer = self.committed([tp], COMMITTED_LOOKUP_TIMEOUT_S)
             if tp not in answer.offsets:
-                self._retry_later(tp, answer.unknown[tp], unknown=True)
+                self._positions.unknown(tp, answer.unknown[tp])
                 continue
             refused = self._seek(tp, answer.offsets[tp])
             if refused is None:
-                sought.append(tp)
+                self._positions.sought(tp)
+                sought = True
             else:  # librdkafka starts a partition once it has its own answer; seek then
-                self._retry_later(tp, refused, unknown=False)
-        for tp in sought:
-            waited = self._awaiting.pop(tp)
-            if waited.reported or waited.reported_unstarted:
-                log.info("committed offset of %s known after %.1fs: reading it from there", tp,
-                         self._clock() - waited.since)
+                self._positions.unstarted(tp, refused)
         if sought:
             self._apply_pauses()
 
@@ -488,22 +453,6 @@ class FrameSource:
             return err.str() if isinstance(err, KafkaError) else str(exc)
         self._next_offset.pop(tp, None)
         return None
-
-    def _retry_later(self, tp: TP, reason: str, unknown: bool) -> None:
-        waiting = self._awaiting[tp]
-        now = self._clock()
-        waiting.next_try = now + waiting.delay
-        waiting.delay = min(waiting.delay * 2, COMMITTED_RETRY_MAX_S)
-        if unknown and not waiting.reported:
-            waiting.reported = True
-            self._waits_unreported += 1
-            log.warning("the committed offset of %s cannot be read now (%s; a dead member's transaction may still "
-                        "hold it): keeping it paused and asking again, never reading it from its beginning",
-                        tp, reason)
-        elif not unknown and not waiting.reported_unstarted:
-            waiting.reported_unstarted = True
-            log.info("%s cannot be sought yet (%s): librdkafka has not started fetching it, as it waits for the "
-                     "committed offsets of its assignment; keeping it paused and seeking it once it has", tp, reason)
 
     def lag(self) -> dict[TP, int]:
         """High watermark minus position per assigned partition, from cached watermarks (no broker call)."""

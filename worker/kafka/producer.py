@@ -1,8 +1,10 @@
 """The Kafka producer side: moderation results and dead letters, with delivery reports.
 
 At-least-once: an idempotent producer; `on_done(source)` fires only when the broker acknowledged the
-message, and a failed delivery is produced again, never dropped. Exactly-once: a transactional producer;
-the pipeline wraps each batch in a transaction that also carries the consumed offsets.
+message, and a failed delivery is produced again, never dropped. Exactly-once: a transactional producer whose
+calls (begin, send_offsets_to_transaction + commit_transaction, abort) are guarded against librdkafka blocking;
+worker.delivery.ExactlyOnceDelivery opens one transaction per loop turn, holding the outputs released that turn
+(of any number of batches) and the consumed offsets.
 """
 
 from __future__ import annotations
@@ -81,7 +83,26 @@ FENCED_ERRORS = frozenset({KafkaError._FENCED, KafkaError.PRODUCER_FENCED, Kafka
 
 
 class SinkError(StreamferError):
-    """The producer cannot go on (fatal error, fenced transactional id); the worker must stop and restart."""
+    """The producer cannot go on (fatal error, fenced transactional id); the worker must stop and restart.
+
+    `kafka_error` is librdkafka's own error where one caused it, so a caller can tell its code, whether it is
+    retriable and whether it is fatal without parsing the message."""
+
+    def __init__(self, message: str, kafka_error: KafkaError | None = None, setting: str | None = None) -> None:
+        super().__init__(message, setting)
+        self.kafka_error = kafka_error
+
+    @property
+    def code(self) -> int | None:
+        return self.kafka_error.code() if self.kafka_error is not None else None
+
+    @property
+    def retriable(self) -> bool:
+        return self.kafka_error is not None and bool(self.kafka_error.retriable())
+
+    @property
+    def fatal(self) -> bool:
+        return self.kafka_error is not None and bool(self.kafka_error.fatal())
 
 
 class MessageRejected(StreamferError):
@@ -174,7 +195,7 @@ class ResultSink:
         self.transactional = bool(transactional_id)
         self._transactional_id = transactional_id
         # Set by a delivery report that the producer cannot recover from; the pipeline raises it.
-        self.fatal_error: str | None = None
+        self.fatal_error: SinkError | None = None
         # Set when a transactional call got stuck: the producer is abandoned, never flushed or closed.
         self.stuck = False
         # Set when the broker refused a message of the open transaction: it can only fail, so waiting for it is
@@ -212,7 +233,7 @@ class ResultSink:
                 self.access_error = self.access_error or refused
                 return
             if err.fatal():
-                self.fatal_error = f"fatal producer error delivering {source}: {err.str()}"
+                self.fatal_error = SinkError(f"fatal producer error delivering {source}: {err.str()}", err)
                 return
             if err.code() in PER_MESSAGE_ERRORS:
                 # Producing it again would fail again: the caller replaces it (in exactly-once, after the
@@ -244,7 +265,7 @@ class ResultSink:
                     raise MessageRejected(f"{topic} cannot take the message for {source.topic}/"
                                           f"{source.partition}@{source.offset} ({len(value)} bytes): {err.str()}",
                                           setting="kafka.producer_overrides (message.max.bytes)") from None
-                raise SinkError(f"producing to {topic} failed: {err.str()}") from exc
+                raise SinkError(f"producing to {topic} failed: {err.str()}", err) from exc
 
     def poll(self, timeout_s: float = 0.0) -> int:
         """Serve delivery callbacks."""
@@ -279,7 +300,7 @@ class ResultSink:
                     continue
                 within = f" within {INIT_TRANSACTIONS_TIMEOUT_S:.0f}s" if transient else ""
                 raise SinkError(f"cannot initialise transactions for transactional id {self._transactional_id!r}"
-                                f"{within}: {err.str()}") from exc
+                                f"{within}: {err.str()}", err) from exc
 
     def begin(self) -> None:
         try:
@@ -312,10 +333,11 @@ class ResultSink:
         replaced by a new one with the same id, which aborts whatever this one left open."""
         if err.code() in FENCED_ERRORS:
             return SinkError(f"transactional id {self._transactional_id!r} was fenced by a newer producer "
-                             f"({err.str()}): another worker runs with the same observability.worker_id")
+                             f"({err.str()}): another worker runs with the same observability.worker_id", err,
+                             setting="observability.worker_id")
         self.stuck = True
         return TransactionStuckError(f"{call} of {self._transactional_id!r} failed and the producer cannot go on: "
-                                     f"{err.str()}")
+                                     f"{err.str()}", err)
 
     def _retrying(self, call: Callable[[], object], deadline: float, timeout_s: float) -> None:
         while True:
@@ -336,7 +358,7 @@ class ResultSink:
                     # The transaction's outcome is unknown: only a new producer can settle it.
                     self.stuck = True
                     raise TransactionStuckError(f"a transactional call of {self._transactional_id!r} still fails "
-                                                f"after {timeout_s:.0f}s: {err.str()}") from exc
+                                                f"after {timeout_s:.0f}s: {err.str()}", err) from exc
                 raise
 
     def _guarded(self, call: Callable[[], T], timeout_s: float) -> T:

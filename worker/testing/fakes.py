@@ -1,5 +1,6 @@
 """In-memory stand-ins for librdkafka's Consumer and Producer, and a runtime that scores on demand, so the real
-FrameSource, ResultSink, delivery and Pipeline run together in a unit test without a broker.
+FrameSource, ResultSink, delivery and Pipeline run together in a unit test (or a benchmark of the loop) without a
+broker or a model. Part of the public kit: `from worker.testing import FakeConsumer, FakeProducer, FakeExecutor`.
 
 The consumer is a tiny log: partitions hold messages, the group holds committed offsets, and rebalance
 callbacks run inside `consume()` as librdkafka runs them, optionally between messages of the same call. The
@@ -11,19 +12,23 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_INVALID, KafkaError, KafkaException, TopicPartition
 
 from worker.frames import BatchOutcome, Encoding, Frame, Priority, Verdict
-from worker.schemas import FrameRecord, encode_frame
+from worker.schemas import FrameRecord, decode_result, encode_frame
+
+if TYPE_CHECKING:
+    from worker.pipeline import KafkaClients
 
 TP = tuple[str, int]
-# Frames are captured a second before the tests' fake clock starts (test_pipeline.Clock).
+# Frames are captured a second before the kit's fake clock starts (worker.testing.clock.START).
 CAPTURE_TS_MS = 1_799_999_999_000
 
 
 def frame_value(stream: str, index: int, tenant: str = "t", side: int = 2) -> bytes:
+    """A frame message as a producer writes it: `side` x `side` black RGB pixels, captured at CAPTURE_TS_MS."""
     return encode_frame(FrameRecord(stream_id=stream, frame_index=index, capture_ts_ms=CAPTURE_TS_MS, tenant=tenant,
                                     priority=Priority.REALTIME, width=side, height=side, channels=3,
                                     encoding=Encoding.RAW_RGB8, data=bytes(side * side * 3)))
@@ -337,3 +342,51 @@ def outcome(frames: list[Frame]) -> BatchOutcome:
     return BatchOutcome(verdicts=[(f, Verdict({"nudity": 0.1}, ())) for f in frames], failures=[],
                         batch_size=len(frames), preprocess_ms=1.0, inference_ms=1.0, started_at=0.0, bucket=len(frames),
                         used_graph=False)
+
+
+class InMemoryKafka:
+    """A broker for one pipeline, in memory: frames sent to a partition are assigned to the pipeline's consumer on
+    its first poll; `results()` and `dead_letters()` are what a read_committed reader sees, `committed` the group's
+    offsets. Pass `clients` to worker.pipeline.build_pipeline (docs/testing.md has the example)."""
+
+    def __init__(self) -> None:
+        self.log: dict[TP, list[bytes]] = {}
+        self.consumer: FakeConsumer | None = None
+        self.producers: list[FakeProducer] = []
+
+    def send(self, tp: TP, *values: bytes) -> None:
+        """Append messages (e.g. `frame_value(...)`) to a partition of an input topic."""
+        self.log.setdefault(tp, []).extend(values)
+
+    @property
+    def clients(self) -> KafkaClients:
+        """The loop's Kafka clients over this broker (worker.pipeline is imported late: it loads the runtime)."""
+        from worker.pipeline import KafkaClients
+
+        return KafkaClients(consumer=self._new_consumer, producer=self._new_producer,
+                            output_message_limit=lambda settings: None)
+
+    def _new_consumer(self, conf: dict[str, Any], logger: Any = None) -> FakeConsumer:
+        self.consumer = FakeConsumer(conf, log=self.log)
+        self.consumer.rebalance("assign", sorted(self.log))
+        return self.consumer
+
+    def _new_producer(self, conf: dict[str, Any], logger: Any = None) -> FakeProducer:
+        producer = FakeProducer(conf, group=self.consumer.group_committed if self.consumer is not None else None)
+        self.producers.append(producer)
+        return producer
+
+    def _visible(self, predicate: Callable[[Produced], bool]) -> list[Produced]:
+        return [m for p in self.producers for m in p.visible if predicate(m)]
+
+    def results(self, topic: str = "moderation.results") -> list[dict[str, Any]]:
+        """The results produced (and committed, with transactions), decoded."""
+        return [decode_result(m.value) for m in self._visible(lambda m: m.topic == topic)]
+
+    def dead_letters(self, topic: str = "frames.dlq") -> list[Produced]:
+        return self._visible(lambda m: m.topic == topic)
+
+    @property
+    def committed(self) -> dict[TP, int]:
+        """The group's committed offsets (by commit or by a committed transaction)."""
+        return dict(self.consumer.group_committed) if self.consumer is not None else {}

@@ -1,9 +1,9 @@
 """The reliability suite: inject each fault against a real Kafka broker and print what a read_committed
 verifier saw, per fault and delivery mode.
 
-    python bench/reliability.py [--quick] [--mode at_least_once|exactly_once|both] [--soak SECONDS]
-                                [--faults sigkill,churn,...] [--runs N] [--no-config]
-                                [--worker-ids fixed|default|fresh|all] [--cpu-load N]
+    python tests/reliability/run.py [--quick] [--mode at_least_once|exactly_once|both] [--soak SECONDS]
+                                   [--faults sigkill,churn,...] [--runs N] [--no-config]
+                                   [--worker-ids fixed|default|fresh|all] [--cpu-load N]
 
 Every input message is accounted for by its source coordinates: lost = produced but neither a result nor a
 dead letter; duplicated = answered more than once (exactly-once must show 0; at-least-once stays within the
@@ -12,7 +12,8 @@ __consumer_offsets). Recovery: per fault and input partition it left waiting, se
 partition's first answer after it (from the answers' append timestamps), median / max over a row's runs. The faults
 that replace a worker process run with fixed worker ids, the worker's default ones (`<hostname>-<slot>`) and/or a
 fresh id per process (a new transactional id each time), as --worker-ids says. The faults are in
-tests/reliability/faults.py; the pytest tests there assert the same outcomes. The broker: KAFKA_BOOTSTRAP_SERVERS
+tests/reliability/faults.py; the pytest tests there assert the same outcomes (this runner lives with them, as
+bench/ imports nothing from tests/; `./dev bench` runs its smoke as a process). The broker: KAFKA_BOOTSTRAP_SERVERS
 if set (the broker faults then need STREAMFER_TEST_BROKER_DIR naming a broker this suite may restart, else they
 are skipped), otherwise a local Apache Kafka of its own, destroyed at the end. Writes
 bench/results/reliability.json; exits 1 when a run broke its mode's promise.
@@ -29,17 +30,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # run as a script: the project's packages (tests, worker) by name
+sys.path.append(str(ROOT / "bench"))  # the benchmarks' JSON and table helpers; appended: never shadows a module
 
-import common
-from common import markdown_table
+import common  # noqa: E402
+from common import markdown_table  # noqa: E402
 
-from tests.reliability import configcases, faults
-from tests.reliability.harness import MODES, WORKER_IDS, Audit, Lab, RunOutcome, cpu_load
-from tests.reliability.recovery import RecoverySummary
-from worker.tools.local_broker import LocalKafka
+from tests.reliability import configcases, faults  # noqa: E402
+from tests.reliability.harness import MODES, WORKER_IDS, Audit, Lab, RunOutcome, cpu_load  # noqa: E402
+from tests.reliability.recovery import RecoverySummary  # noqa: E402
+from worker.tools.local_broker import LocalKafka  # noqa: E402
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "reliability.json"
+DEFAULT_OUT = ROOT / "bench" / "results" / "reliability.json"
 # Faults that stop the broker run last: with a broker that comes back elsewhere, the rest still runs.
 BROKER_FAULTS = ("broker-restart", "broker-kill9", "output-down")
 COLUMNS = ("fault", "mode", "runs", "produced", "results", "dead letters", "lost", "duplicated", "misrouted",
@@ -207,15 +210,6 @@ def render(report: dict[str, Any]) -> str:
                       r.get("rss_growth_mib"), r.get("max_lag"), r["verdict"]] for r in report["soak"]]
         lines += ["", f"soak: {report['soak'][0]['fault']}", *markdown_table(cols, soak_rows)]
     return "\n".join(lines)
-
-
-def summary(report: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """Rows for bench/results/summary.md (bench/run_all.py): per fault and mode, what the verifier counted."""
-    def duplicated(r: dict[str, Any]) -> str:  # at-least-once may answer a frame twice; exactly-once may not
-        return f"**{r.get('duplicated')}**" if r["mode"] == "exactly_once" else f"{r.get('duplicated')} (allowed)"
-
-    return [(f"{r['fault']} [{r['mode']}]", f"{r.get('produced', 0)} frames: lost **{r.get('lost')}**, duplicated "
-             f"{duplicated(r)}; {r['verdict']}", f"{r['runs']} run(s)") for r in report["rows"]]
 
 
 def _log(message: str) -> None:

@@ -7,6 +7,11 @@ test), `streamfer_worker` (starts `worker run` processes with given settings, re
 `frame_producer` and `results_reader` (read_committed). Kafka and the worker are imported only when a
 fixture runs, so the plugin costs nothing in test sessions that do not use it. The benchmarks (bench/) start
 their broker, topics, worker processes and load through the same functions.
+
+The in-memory kit (docs/testing.md), loaded on first use: `InMemoryKafka`, `FakeConsumer`, `FakeProducer` and
+`FakeExecutor` (worker.testing.fakes) run the real loop without a broker or a model; `FakeClock`
+(worker.testing.clock) for every part that takes a clock; `FrameLedger` and `ledger` (worker.testing.frameledger)
+check what became of each frame.
 """
 
 from __future__ import annotations
@@ -23,7 +28,6 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -502,11 +506,6 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, what: str, interva
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
-def ledger(results: list[dict[str, Any]]) -> Counter:
-    """How many results each frame id got."""
-    return Counter((r["stream_id"], r["frame_index"]) for r in results)
-
-
 # -- the fixtures ----------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
@@ -548,3 +547,49 @@ def frame_producer(kafka_bootstrap: str, streamfer_topics: TestTopics) -> FrameP
 @pytest.fixture
 def results_reader(kafka_bootstrap: str, streamfer_topics: TestTopics) -> ResultsReader:
     return ResultsReader(kafka_bootstrap, streamfer_topics)
+
+
+# -- the in-memory kit, re-exported (imported on first use: the plugin stays free of Kafka and Avro) -------------
+_KIT = {
+    "worker.testing.clock": ("START", "FakeClock"),
+    "worker.testing.fakes": ("CAPTURE_TS_MS", "FakeConsumer", "FakeExecutor", "FakeMessage", "FakeProducer",
+                             "InMemoryKafka", "Produced", "abortable", "frame_value", "outcome"),
+    "worker.testing.frameledger": ("DEAD_LETTER", "EITHER", "RESULT", "FrameLedger", "dead_letter_source", "ledger",
+                              "result_source"),
+}
+_KIT_MODULE = {name: module for module, names in _KIT.items() for name in names}
+
+if TYPE_CHECKING:  # the names mypy sees; __getattr__ loads them at run time
+    from worker.testing.clock import START, FakeClock  # noqa: F401
+    from worker.testing.fakes import (  # noqa: F401
+        CAPTURE_TS_MS,
+        FakeConsumer,
+        FakeExecutor,
+        FakeMessage,
+        FakeProducer,
+        InMemoryKafka,
+        Produced,
+        abortable,
+        frame_value,
+        outcome,
+    )
+    from worker.testing.frameledger import (  # noqa: F401
+        DEAD_LETTER,
+        EITHER,
+        RESULT,
+        FrameLedger,
+        dead_letter_source,
+        ledger,
+        result_source,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _KIT_MODULE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'worker.testing' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

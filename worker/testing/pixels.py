@@ -1,4 +1,4 @@
-"""Test and benchmark images beyond worker.tools.publish_frames's synthetic blocks."""
+"""Test and benchmark images beyond worker.tools.publish_frames's synthetic blocks (part of the kit: worker.testing)."""
 
 from __future__ import annotations
 
