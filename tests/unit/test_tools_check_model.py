@@ -26,6 +26,7 @@ from worker.config import RuntimeSettings, load_settings
 from worker.frames import BatchOutcome, Encoding
 from worker.runtime import ModelContract, ModelContractError, start_runtime
 from worker.runtime import executor as executor_module
+from worker.runtime.deviceplan import DevicePlan
 from worker.schemas import MessageDecodeError
 from worker.tools.check_model import (
     CPU_TIMED_BATCH_MAX,
@@ -146,13 +147,13 @@ def test_where_cuda_graphs_are_used_the_worker_refuses_it_and_the_check_exits_2_
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """The plan a GPU with runtime.cuda_graphs = true resolves to, on this CPU: the executor refuses the model
     before any runner exists, and check-model reports the worker's refusal."""
-    real_resolve = executor_module._resolve
+    real_resolve = executor_module.resolve_plan
 
-    def graphs_planned(runtime: RuntimeSettings) -> executor_module._Plan:
+    def graphs_planned(runtime: RuntimeSettings) -> DevicePlan:
         plan = real_resolve(runtime)
-        return executor_module._Plan(plan.devices, plan.precision, cuda_graphs=True, buckets=(1, 2))
+        return DevicePlan(plan.devices, plan.precision, cuda_graphs=True, buckets=(1, 2))
 
-    monkeypatch.setattr(executor_module, "_resolve", graphs_planned)
+    monkeypatch.setattr(executor_module, "resolve_plan", graphs_planned)
     code, out = check(capsys, "--model", ITEM_MODEL)
     assert code == 2
     assert f"Tensor.item at {FACTORIES}:{ITEM_LINE}" in out
