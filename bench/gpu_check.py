@@ -519,7 +519,8 @@ def section_limit(check: Check, section: Section, decode: str) -> None:
     if check.cuda:
         workloads = DEVICE_PATH_WORKLOADS if decode == "device" else JPEG_WORKLOADS
         cells = [(m, w) for m in ("toy", "opennsfw") for w in workloads]
-        sizes, seconds = (8, 32), 0.7 if check.quick else 1.5
+        sizes: tuple[int, ...] = (8, 32)
+        seconds = 0.7 if check.quick else 1.5
     else:  # a CPU is slow with the ResNet-50: its two ends only, one batch size
         if decode == "device":
             cells = [("toy", w) for w in DEVICE_PATH_WORKLOADS] + [("opennsfw", "jpeg224")]
