@@ -1,45 +1,56 @@
 """One GPU check, in under 8 minutes on one GPU, with no broker and no network: what only a GPU machine can tell.
-Every section writes into $OUT (default bench/results/gpu): gpu_check.json (all figures), gpu_check.md (the summary
-table), pytest_cuda.log; the summary table is printed last.
+Each section runs in a process of its own under a time cap of its own (a section that raises or hangs costs only that
+cap) and writes its results into $OUT (default bench/results/gpu) as it goes: sections/<name>.json (its figures) and
+sections/<name>.md (its rows of the summary), then gpu_check.json and gpu_check.md (every section so far) are rewritten;
+pytest's log streams into pytest_cuda.log. The summary table is printed last.
 
     ./dev gpu-check             # on the GPU machine: installs the carried wheels (.whl/), then runs this
     ./dev gpu-check --cpu       # here: every section that needs no CUDA; the rest are skipped, saying why
-    python bench/gpu_check.py [--cpu] [--budget-s 450] [--out DIR]
+    python bench/gpu_check.py [--cpu] [--quick] [--budget-s 450] [--only smoke,e2e_device] [--out DIR]
 
-Sections:
-  env        Python, torch, torchvision, the GPU, the carried packages
-  pytest     `pytest -m cuda tests/unit` (the CUDA-graph runner and executor tests)
-  graphs     eager vs CUDA-graph latency of runner.run per bucket (1-32), toy and open_nsfw models, 224x224
-  memory     per bucket: the peak device memory measured at capture and the graph's bytes (open_nsfw 224x224, and the
-             any-size toy model at 1080p, where the batcher's byte cap leaves the largest bucket uncaptured); then LRU
-             eviction under a graph budget of ~2.5 graphs: evictions, bytes held, memory given back
-  e2e        the worker's real loop over in-memory Kafka fakes, open_nsfw on photo JPEGs (224x224, 720p) on three
-             priority topics, per decode path (bench/gpu_e2e.py): frames/s at saturation, p50/p99 per class at 800
-             frames/s offered (the device path against issue 34's goal: all answered, p99 < 50 ms), mean batch,
-             CPU-ms per frame by thread role, peak GPU memory, the ledger
-  limit      InferenceExecutor alone, saturated (the runtime's own best), per model and JPEG workload, on the CPU data
-             path and (224x224, 720p, 1080p) on the device data path, against issue 34's goals on CUDA
-  instances  runtime.instances_per_device 1, 2 and 3 on one GPU, open_nsfw on 224x224 JPEG, the executor alone
-             saturated as the worker feeds it (2 batches in flight per runner, batches of 32), interleaved rounds:
-             frames/s (and per round over 1 instance), batch p99, device memory; with --cpu the same code on CPU
-             runners at batch 2 (a code-path check, not a figure to choose the default by)
-A section that would overrun --budget-s is skipped, saying so, so the check ends within its time.
+Sections, in the order they run (the device data path and end to end first; the CPU data path, measured on a GPU
+before, last):
+  smoke        ~45 s: decode shape and channels per JPEG kind, a corrupt JPEG in a batch, batches of one runner
+               prepared at once vs one at a time, open_nsfw's host-sync check, a lazy capture then empty_cache(),
+               nvJPEG frames/s at batch 32 (bench/gpu_smoke.py)
+  env          Python, torch, torchvision, the GPU, the carried packages
+  e2e_device   the worker's real loop over in-memory Kafka fakes, open_nsfw on photo JPEGs (224x224, 720p) on three
+               priority topics, frames decoded on the device (bench/gpu_e2e.py): frames/s at saturation, p50/p99 per
+               class at 800 frames/s offered (against issue 34's goal: all answered, p99 < 50 ms), mean batch,
+               CPU-ms per frame by thread role, peak GPU memory, the ledger
+  limit_device InferenceExecutor alone, saturated (the runtime's own best), per model, 224x224/720p/1080p JPEG, frames
+               decoded on the device, against issue 34's goals on CUDA
+  pytest       `pytest -m cuda tests/unit` (the CUDA-graph runner and executor tests), each test under a timeout
+  graphs       eager vs CUDA-graph latency of runner.run per bucket (1-32), toy and open_nsfw models, 224x224
+  memory       per bucket: the peak device memory measured at capture and the graph's bytes (open_nsfw 224x224, and the
+               any-size toy model at 1080p, where the batcher's byte cap leaves the largest bucket uncaptured); then LRU
+               eviction under a graph budget of ~2.5 graphs: evictions, bytes held, memory given back
+  instances    runtime.instances_per_device 1, 2 and 3 on one GPU, open_nsfw on 224x224 JPEG, the executor alone
+               saturated as the worker feeds it (2 batches in flight per runner, batches of 32), interleaved rounds:
+               frames/s (and per round over 1 instance), batch p99, device memory; with --cpu the same code on CPU
+               runners at batch 2 (a code-path check, not a figure to choose the default by)
+  e2e_cpu      as e2e_device, frames decoded on the host
+  limit_cpu    as limit_device, frames decoded on the host, every JPEG workload
+Every executor is started as the worker starts it (worker.runtime.start_runtime). A section whose cap does not fit in
+what is left of --budget-s is skipped, saying so, so the check ends within its time.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
 import re
+import signal
 import statistics
 import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,13 +59,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
 import common  # noqa: E402 (puts the repository first on sys.path)
-import gpu_e2e  # noqa: E402
 import stats  # noqa: E402
-from executor_load import executor_round, executor_sweep, frame_cycle  # noqa: E402
 from workloads import JPEG_WORKLOADS, WORKLOADS, model_settings  # noqa: E402
 
-from worker.config import load_settings  # noqa: E402
-from worker.runtime import InferenceExecutor  # noqa: E402
+from worker.config import BatchingSettings, load_settings  # noqa: E402
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
 MIB = 1 << 20
@@ -64,25 +72,96 @@ DEVICE_PATH_GOALS = {"jpeg224": 6000.0, "jpeg720": 4000.0}  # frames/s, saturate
 DEVICE_PATH_CPU_MS_GOAL = 0.3  # per frame, saturated
 PATHS = {"cpu": "CPU path", "device": "device path"}
 INSTANCES = (1, 2, 3)
+PYTEST_TEST_TIMEOUT_S = 45  # per cuda test (pytest-timeout); the section's cap bounds them all
+# A section runs only when at least this share of its cap is left of the budget (its cap is then cut to what is left).
+MIN_CAP_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A section: `target` ("module:function", imported in the section's own process, bench/ on its path) is called
+    with (Check, Section); its process is killed after `cap_s` seconds (`cpu_cap_s` with --cpu, where this
+    machine's CPU runs the ResNet-50 at ~30 frames/s)."""
+
+    name: str
+    title: str
+    target: str
+    cap_s: float
+    cpu_cap_s: float | None = None
+    needs_cuda: bool = False
+
+    def cap(self, cuda: bool) -> float:
+        return self.cap_s if cuda or self.cpu_cap_s is None else self.cpu_cap_s
+
+
+PLAN = (
+    Spec("smoke", "smoke: decode per JPEG kind, a corrupt JPEG, concurrent batches, host syncs, lazy capture, nvJPEG",
+         "gpu_smoke:section_smoke", 45),
+    Spec("env", "environment", "gpu_check:section_env", 30),
+    Spec("e2e_device", "end to end, device data path: the worker's loop over Kafka fakes, open_nsfw, 224x224 and 720p",
+         "gpu_e2e:section_e2e_device", 75, needs_cuda=True),
+    Spec("limit_device", "executor alone, saturated, device data path, per model and workload",
+         "gpu_check:section_limit_device", 60, cpu_cap_s=90),
+    Spec("pytest", "pytest -m cuda", "gpu_check:section_pytest", 120, needs_cuda=True),
+    Spec("graphs", "eager vs CUDA graphs, runner.run latency per bucket", "gpu_check:section_graphs", 50,
+         needs_cuda=True),
+    Spec("memory", "CUDA-graph memory: peak per bucket, graph bytes, LRU eviction", "gpu_check:section_memory", 40,
+         needs_cuda=True),
+    Spec("instances", "instances_per_device 1/2/3 on one GPU, open_nsfw 224x224 JPEG", "gpu_check:section_instances",
+         70, cpu_cap_s=90),
+    Spec("e2e_cpu", "end to end, CPU data path: the worker's loop over Kafka fakes, open_nsfw, 224x224 and 720p",
+         "gpu_e2e:section_e2e_cpu", 60, cpu_cap_s=120),
+    Spec("limit_cpu", "executor alone, saturated, CPU data path, per model and workload", "gpu_check:section_limit_cpu",
+         70, cpu_cap_s=120),
+)
 
 
 @dataclass
 class Section:
     name: str
     title: str
-    status: str = "ok"  # ok | skipped | failed
+    status: str = "ok"  # ok | skipped | failed | timeout (running while its process works)
     reason: str = ""
     rows: list[tuple[str, str]] = field(default_factory=list)  # (figure, value) for the summary table
     data: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
+    cap_s: float = 0.0
+    out: Path | None = None  # where its files go, as it goes (sections/<name>.json and .md)
 
     def add(self, figure: str, value: str) -> None:
-        """A row of the summary table, printed as it is measured."""
+        """A row of the summary table, printed and written as it is measured (a section killed later keeps it)."""
         self.rows.append((figure, value))
         print(f"  {figure}: {value}", flush=True)
+        self.write()
 
     def fail(self, reason: str) -> None:
         self.status, self.reason = "failed", reason
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "title": self.title, "status": self.status, "reason": self.reason,
+                "seconds": round(self.seconds, 1), "cap_s": round(self.cap_s, 1), "rows": self.rows,
+                "data": self.data}
+
+    def write(self) -> None:
+        if self.out is None:
+            return
+        folder = self.out / "sections"
+        folder.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(self.as_dict(), indent=2, default=common.json_default)
+        tmp = folder / f".{self.name}.json.tmp"
+        tmp.write_text(text)
+        tmp.replace(folder / f"{self.name}.json")  # never half a file, whenever the process is killed
+        (folder / f"{self.name}.md").write_text(TABLE_HEAD + section_rows(self.as_dict()))
+
+    @classmethod
+    def read(cls, out: Path, name: str) -> Section | None:
+        """What a section's process left in its file; None when it wrote none."""
+        try:
+            d = json.loads((out / "sections" / f"{name}.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return cls(d["name"], d["title"], d["status"], d["reason"], [tuple(r) for r in d["rows"]], d["data"],
+                   d["seconds"], d.get("cap_s", 0.0), out)
 
 
 @dataclass
@@ -100,67 +179,131 @@ class Check:
         return "cuda" if self.cuda else "cpu"
 
 
+@dataclass(frozen=True)
+class Options:
+    cuda: bool
+    out: Path
+    budget_s: float
+    torch_threads: int
+    quick: bool
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cpu", action="store_true", help="run only what needs no CUDA (skip the rest, saying why)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or REPO / "bench" / "results" / "gpu"))
-    p.add_argument("--budget-s", type=float, default=450.0, help="skip sections that would run past this")
+    p.add_argument("--budget-s", type=float, default=450.0, help="skip sections whose cap does not fit in what is left")
     p.add_argument("--torch-threads", type=int, default=0,
                    help="torch CPU threads (default: torch's own with CUDA, 1 with --cpu)")
     p.add_argument("--quick", action="store_true", help="shorter sections (a smoke test of the script)")
+    p.add_argument("--only", default="", help="comma-separated section names to run (default: all, in plan order)")
+    p.add_argument("--section", nargs=3, metavar=("NAME", "TARGET", "CAP_S"), help=argparse.SUPPRESS)  # a child
     args = p.parse_args(argv)
+    if args.section:
+        return run_section(args)
     import torch
 
     cuda = torch.cuda.is_available() and not args.cpu
     if not args.cpu and not torch.cuda.is_available():
         print("[gpu-check] torch sees no CUDA device: running the CPU-only sections (as --cpu)", flush=True)
+    specs = list(PLAN)
+    if args.only:
+        names = [n.strip() for n in args.only.split(",") if n.strip()]
+        unknown = sorted(set(names) - {s.name for s in PLAN})
+        if unknown:
+            p.error(f"--only: unknown section(s) {', '.join(unknown)}; known: {', '.join(s.name for s in PLAN)}")
+        specs = [s for s in PLAN if s.name in names]
     threads = args.torch_threads or (0 if cuda else 1)
-    if threads:
-        torch.set_num_threads(threads)
-    args.out.mkdir(parents=True, exist_ok=True)
-    check = Check(cuda, args.out, time.monotonic() + args.budget_s, threads, args.quick)
+    sections = run_plan(specs, Options(cuda, args.out, args.budget_s, threads, args.quick))
+    return 1 if any(s.status in ("failed", "timeout") for s in sections) else 0
+
+
+def run_plan(specs: list[Spec] | tuple[Spec, ...], opts: Options) -> list[Section]:
+    """Each section in a process of its own (this script with --section), killed with its process group at its cap;
+    after each, its files are completed and gpu_check.json/.md rewritten. A section skipped (no CUDA, no budget) gets
+    its files too, saying why."""
+    opts.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    plan: list[tuple[str, str, Callable[[Check, Section], None], float, bool]] = [
-        # name, title, run, seconds it needs at most (to skip it when the budget is short), needs CUDA
-        ("env", "environment", section_env, 5, False),
-        ("pytest", "pytest -m cuda", section_pytest, 150, True),
-        ("graphs", "eager vs CUDA graphs, runner.run latency per bucket", section_graphs, 60, True),
-        ("memory", "CUDA-graph memory: peak per bucket, graph bytes, LRU eviction", section_memory, 40, True),
-        ("e2e", "end to end: the worker's loop over Kafka fakes, open_nsfw, 224x224 and 720p JPEG",
-         gpu_e2e.section_e2e, 80, False),
-        ("limit", "executor alone, saturated, per model, workload and data path", section_limit, 90, False),
-        ("instances", "instances_per_device 1/2/3 on one GPU, open_nsfw 224x224 JPEG", section_instances, 75, False),
-    ]
+    deadline = t0 + opts.budget_s
     sections: list[Section] = []
-    for name, title, run, need_s, needs_cuda in plan:
-        section = Section(name, title)
-        sections.append(section)
-        if needs_cuda and not cuda:
+    for spec in specs:
+        cap, left = spec.cap(opts.cuda), deadline - time.monotonic()
+        section = Section(spec.name, spec.title, out=opts.out)
+        if spec.needs_cuda and not opts.cuda:
             section.status, section.reason = "skipped", "needs CUDA (torch sees no GPU, or --cpu)"
-        elif check.left_s() < need_s:
+        elif left < cap * MIN_CAP_SHARE:
             section.status = "skipped"
-            section.reason = f"budget: {check.left_s():.0f}s left of --budget-s, this section needs up to {need_s:.0f}s"
+            section.reason = f"budget: {left:.0f}s left of --budget-s, this section's cap is {cap:.0f}s"
         else:
-            print(f"\n[gpu-check] {name}: {title}", flush=True)
-            started = time.monotonic()
-            try:
-                run(check, section)
-            except Exception as exc:  # noqa: BLE001 (one section failing must not lose the others)
-                traceback.print_exc()
-                section.fail(f"{type(exc).__name__}: {str(exc)[:300]}")
-            section.seconds = time.monotonic() - started
+            section = run_one(spec, min(cap, left), opts)
+        sections.append(section)
         if section.status != "ok":
-            print(f"[gpu-check] {name}: {section.status.upper()}: {section.reason}", flush=True)
-    elapsed = time.monotonic() - t0
-    result = {"check": "gpu_check", "device": check.device(), "elapsed_s": round(elapsed, 1),
-              "torch_threads": threads, "quick": args.quick, "argv": sys.argv[1:],
-              "sections": [{"name": s.name, "title": s.title, "status": s.status, "reason": s.reason,
-                            "seconds": round(s.seconds, 1), "rows": s.rows, "data": s.data} for s in sections]}
-    (check.out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=common.json_default))
-    md = markdown(result)
-    (check.out / "gpu_check.md").write_text(md)
-    print(f"\n{md}\n[gpu-check] wrote {check.out}/gpu_check.json and gpu_check.md in {elapsed:.0f}s", flush=True)
-    return 1 if any(s.status == "failed" for s in sections) else 0
+            print(f"[gpu-check] {section.name}: {section.status.upper()}: {section.reason}", flush=True)
+        section.write()
+        write_summary(sections, opts, time.monotonic() - t0)
+    md = write_summary(sections, opts, time.monotonic() - t0)
+    print(f"\n{md}\n[gpu-check] wrote {opts.out}/gpu_check.json, gpu_check.md and sections/ in "
+          f"{time.monotonic() - t0:.0f}s", flush=True)
+    return sections
+
+
+def run_one(spec: Spec, cap: float, opts: Options) -> Section:
+    """One section's process, under `cap` seconds; its own file says how it ended, or this says it died."""
+    print(f"\n[gpu-check] {spec.name}: {spec.title} (cap {cap:.0f}s)", flush=True)
+    stale = opts.out / "sections" / f"{spec.name}.json"
+    stale.unlink(missing_ok=True)
+    argv = [sys.executable, str(Path(__file__).resolve()), "--section", spec.name, spec.target, f"{cap:.1f}",
+            "--out", str(opts.out), "--torch-threads", str(opts.torch_threads)]
+    argv += ["--cpu"] * (not opts.cuda) + ["--quick"] * opts.quick
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+               PYTHONUNBUFFERED="1", GPU_CHECK_SECTION_TITLE=spec.title)
+    started = time.monotonic()
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, start_new_session=True)
+    timed_out = False
+    try:
+        rc = proc.wait(timeout=cap)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        os.killpg(proc.pid, signal.SIGKILL)  # its pytest or threads with it
+        rc = proc.wait()
+    section = Section.read(opts.out, spec.name) or Section(spec.name, spec.title, out=opts.out)
+    section.seconds, section.cap_s = time.monotonic() - started, cap
+    if timed_out:
+        section.status = "timeout"
+        section.reason = f"ran past its cap of {cap:.0f}s and was killed; its rows so far are kept"
+    elif section.status == "running" or not (opts.out / "sections" / f"{spec.name}.json").exists():
+        section.status = "failed"
+        section.reason = f"its process ended (exit code {rc}) before the section finished"
+    return section
+
+
+def run_section(args: argparse.Namespace) -> int:
+    """In a section's own process: call its target, writing its file as it goes and when it ends."""
+    name, target, cap = args.section[0], args.section[1], float(args.section[2])
+    if args.torch_threads:  # read by torch when a section imports it (the sections that need torch import it)
+        os.environ["OMP_NUM_THREADS"] = str(args.torch_threads)
+    cuda = False
+    if not args.cpu:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    # Its deadline a little inside the cap, so a section that watches it ends by itself and writes its file.
+    check = Check(cuda, args.out, time.monotonic() + cap - min(5.0, cap * 0.1), args.torch_threads, args.quick)
+    section = Section(name, os.environ.get("GPU_CHECK_SECTION_TITLE", name), status="running", out=args.out,
+                      cap_s=cap)
+    section.write()
+    started = time.monotonic()
+    module, function = target.split(":")
+    try:
+        getattr(importlib.import_module(module), function)(check, section)
+        if section.status == "running":
+            section.status = "ok"
+    except Exception as exc:  # noqa: BLE001 (written to the section's file; the next section runs regardless)
+        traceback.print_exc()
+        section.fail(f"{type(exc).__name__}: {str(exc)[:300]}")
+    section.seconds = time.monotonic() - started
+    section.write()
+    return 0 if section.status in ("ok", "skipped") else 1
 
 
 # -- sections ----------------------------------------------------------------------------------------------------
@@ -183,19 +326,38 @@ def section_env(check: Check, section: Section) -> None:
 
 
 def section_pytest(check: Check, section: Section) -> None:
+    """`pytest -m cuda tests/unit`, each test under PYTEST_TEST_TIMEOUT_S (pytest-timeout), its log streamed to
+    pytest_cuda.log as it runs (a test that hangs past the section's cap still leaves the tests before it)."""
     log = check.out / "pytest_cuda.log"
-    argv = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "tests/unit"]
+    argv = [sys.executable, "-m", "pytest", "-m", "cuda", "-v", "-p", "no:cacheprovider", "tests/unit"]
+    if importlib.util.find_spec("pytest_timeout") is not None:
+        argv.append(f"--timeout={PYTEST_TEST_TIMEOUT_S}")
+        section.add("per-test timeout", f"{PYTEST_TEST_TIMEOUT_S}s (pytest-timeout)")
+    else:
+        section.add("per-test timeout", "none: pytest-timeout is not installed (./dev gpu-wheels carries it)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     t0 = time.monotonic()
-    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=max(30, check.left_s()))
-    log.write_text(proc.stdout + proc.stderr)
-    print(proc.stdout[-3000:], flush=True)
-    tail = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
-    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|deselected|error|errors)", tail)}
-    section.data = {"returncode": proc.returncode, "summary": tail, "counts": counts,
+    with log.open("w") as f:
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            rc: int | None = proc.wait(timeout=max(10.0, check.left_s()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            rc = None
+    text = log.read_text(errors="replace")
+    lines = text.strip().splitlines() or ["(no output)"]
+    print("\n".join(lines[-40:]), flush=True)
+    tail = lines[-1] if rc is not None else f"stopped at the section's deadline after {lines[-1]!r}"
+    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|deselected|error|errors)", lines[-1])}
+    failed = [line.split(" ", 1)[1] for line in lines if line.startswith(("FAILED ", "ERROR "))]
+    section.data = {"returncode": rc, "summary": tail, "counts": counts, "failed": failed,
                     "seconds": time.monotonic() - t0, "log": log.name}
-    section.add("pytest -m cuda tests/unit", f"{tail} (exit {proc.returncode}; log {log.name})")
-    if proc.returncode != 0 or counts.get("passed", 0) == 0:
+    section.add("pytest -m cuda tests/unit", f"{tail} (exit {rc}; log {log.name})")
+    if failed:
+        section.add("failed tests", "; ".join(failed[:12]) + (f"; and {len(failed) - 12} more" if len(failed) > 12
+                                                               else ""))
+    if rc != 0 or counts.get("passed", 0) == 0:
         section.fail(f"pytest: {tail}")
 
 
@@ -259,7 +421,7 @@ def latency(runner: Any, x: Any, iters: int) -> dict[str, float]:
 def section_memory(check: Check, section: Section) -> None:
     import torch
 
-    from worker.config import BatchingSettings, RuntimeSettings
+    from worker.config import RuntimeSettings
     from worker.graphplan import BatchCaps
     from worker.memorypolicy import MemoryPolicy
     from worker.runtime.runners import CudaGraphRunner
@@ -330,29 +492,45 @@ def section_memory_eviction(section: Section, device: Any, shape: tuple[int, int
         section.fail(f"eviction: {value}")
 
 
-def executor_for(check: Check, model: str, **runtime: Any) -> Any:
-    """An InferenceExecutor as the worker builds one for a benchmark model on the check's device, warmed up."""
-    settings = load_settings(env={}, overrides={"model": model_settings(model, WORKLOADS["jpeg224"]), "runtime": {
-        "device": check.device(), "torch_threads": check.torch_threads, **runtime}})
-    executor = InferenceExecutor.from_settings(settings.model, settings.runtime)
-    executor.warm_up()
-    return executor, settings
+def executor_for(check: Check, model: str, max_batch_size: int, **runtime: Any) -> tuple[Any, Any]:
+    """An InferenceExecutor for a benchmark model on the check's device, started as the worker starts it
+    (worker.runtime.start_runtime: warm-up, and calibration up to the largest batch the batcher may send)."""
+    from worker.runtime.start import start_runtime
+    batching = {"max_batch_size": max_batch_size,
+                "fallback_max_batch_size": min(max_batch_size, BatchingSettings().fallback_max_batch_size)}
+    settings = load_settings(env={}, overrides={
+        "model": model_settings(model, WORKLOADS["jpeg224"]), "batching": batching,
+        "runtime": {"device": check.device(), "torch_threads": check.torch_threads, **runtime}})
+    return start_runtime(settings).executor, settings
 
 
-def section_limit(check: Check, section: Section) -> None:
+def section_limit_device(check: Check, section: Section) -> None:
+    section_limit(check, section, "device")
+
+
+def section_limit_cpu(check: Check, section: Section) -> None:
+    section_limit(check, section, "cpu")
+
+
+def section_limit(check: Check, section: Section, decode: str) -> None:
+    """The executor alone, saturated, on one data path: each model and workload at its best batch size."""
+    from executor_load import executor_sweep, frame_cycle
+
     if check.cuda:
-        cells = [(m, w, "cpu") for m in ("toy", "opennsfw") for w in JPEG_WORKLOADS]
-        cells += [(m, w, "device") for m in ("toy", "opennsfw") for w in DEVICE_PATH_WORKLOADS]
-        sizes, seconds = (8, 32), 0.7 if check.quick else 1.5
+        workloads = DEVICE_PATH_WORKLOADS if decode == "device" else JPEG_WORKLOADS
+        cells = [(m, w) for m in ("toy", "opennsfw") for w in workloads]
+        sizes: tuple[int, ...] = (8, 32)
+        seconds = 0.7 if check.quick else 1.5
     else:  # a CPU is slow with the ResNet-50: its two ends only, one batch size
-        cells = [("toy", w, "cpu") for w in JPEG_WORKLOADS] + [("opennsfw", "jpeg224", "cpu"),
-                                                               ("opennsfw", "jpeg1080", "cpu")]
-        cells += [("toy", w, "device") for w in DEVICE_PATH_WORKLOADS] + [("opennsfw", "jpeg224", "device")]
+        if decode == "device":
+            cells = [("toy", w) for w in DEVICE_PATH_WORKLOADS] + [("opennsfw", "jpeg224")]
+        else:
+            cells = [("toy", w) for w in JPEG_WORKLOADS] + [("opennsfw", "jpeg224"), ("opennsfw", "jpeg1080")]
         sizes, seconds = (8,), 0.3 if check.quick else 1.0
-    for model, decode in sorted({(m, d) for m, _, d in cells}):
-        executor, _settings = executor_for(check, model, decode=decode)
+    for model in sorted({m for m, _ in cells}):
+        executor, _settings = executor_for(check, model, max(sizes), decode=decode)
         try:
-            for workload in (w for m, w, d in cells if (m, d) == (model, decode)):
+            for workload in (w for m, w in cells if m == model):
                 by_size, best = executor_sweep(executor, frame_cycle(WORKLOADS[workload]), sizes, seconds)
                 r = by_size[best]
                 section.data[f"{model}/{workload}/{decode}"] = {"by_batch_size": by_size, "best_batch_size": best,
@@ -375,6 +553,7 @@ def section_instances(check: Check, section: Section) -> None:
     and graphs after warm-up, plus what its batches added at the round's peak). On a GPU, what the default is
     chosen by."""
     import torch
+    from executor_load import executor_round, frame_cycle
 
     if check.cuda:
         batch, seconds, rounds = 32, (0.7 if check.quick else 2.5), (2 if check.quick else 3)
@@ -388,7 +567,8 @@ def section_instances(check: Check, section: Section) -> None:
     try:
         for k in INSTANCES:
             before = torch.cuda.memory_allocated(0) if check.cuda else 0
-            executors[k], _settings = executor_for(check, "opennsfw", device=device, instances_per_device=k)
+            executors[k], _settings = executor_for(check, "opennsfw", batch, device=device,
+                                                    instances_per_device=k)
             held[k] = (torch.cuda.memory_allocated(0) - before) if check.cuda else 0
         for r, name in stats.rotating([str(k) for k in INSTANCES], rounds):
             k = int(name)
@@ -426,14 +606,34 @@ def section_instances(check: Check, section: Section) -> None:
 
 
 # -- output ------------------------------------------------------------------------------------------------------
-def markdown(result: dict[str, Any]) -> str:
-    lines = [f"# GPU check ({result['device']}, {result['elapsed_s']:.0f}s" + (", quick" if result["quick"] else "")
-             + ")", "", "| section | status | figure | value |", "|---|---|---|---|"]
-    for s in result["sections"]:
-        status = s["status"] + (f" ({s['seconds']:.0f}s)" if s["status"] == "ok" else f": {s['reason']}")
-        for i, (figure, value) in enumerate(s["rows"] or [("", "")]):
-            lines.append(f"| {s['name'] if i == 0 else ''} | {status if i == 0 else ''} | {figure} | {value} |")
+TABLE_HEAD = "| section | status | figure | value |\n|---|---|---|---|\n"
+
+
+def section_rows(s: dict[str, Any]) -> str:
+    """A section's rows of the summary table (one row saying why when it has none)."""
+    reason = " ".join(s["reason"].split()).replace("|", "/")  # one table cell
+    status = s["status"] + (f" ({s['seconds']:.0f}s)" if s["status"] == "ok" else f": {reason}")
+    lines = []
+    for i, (figure, value) in enumerate(s["rows"] or [("", "")]):
+        lines.append(f"| {s['name'] if i == 0 else ''} | {status if i == 0 else ''} | {figure} | {value} |")
     return "\n".join(lines) + "\n"
+
+
+def write_summary(sections: list[Section], opts: Options, elapsed: float) -> str:
+    """gpu_check.json and gpu_check.md of every section so far; returns the markdown."""
+    result = {"check": "gpu_check", "device": "cuda" if opts.cuda else "cpu", "elapsed_s": round(elapsed, 1),
+              "budget_s": opts.budget_s, "torch_threads": opts.torch_threads, "quick": opts.quick,
+              "argv": sys.argv[1:], "sections": [s.as_dict() for s in sections]}
+    (opts.out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=common.json_default))
+    md = markdown(result)
+    (opts.out / "gpu_check.md").write_text(md)
+    return md
+
+
+def markdown(result: dict[str, Any]) -> str:
+    head = (f"# GPU check ({result['device']}, {result['elapsed_s']:.0f}s" + (", quick" if result["quick"] else "")
+            + ")\n\n")
+    return head + TABLE_HEAD + "".join(section_rows(s) for s in result["sections"])
 
 
 if __name__ == "__main__":

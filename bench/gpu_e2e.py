@@ -30,10 +30,11 @@ import stats
 from workloads import WORKLOADS, model_settings
 
 from worker.app import freeze_startup_heap
-from worker.config import ConfigError, Settings, load_settings, warmup_frame_shapes
+from worker.config import ConfigError, Settings, load_settings
 from worker.frames import Encoding, Priority, SourceRef
 from worker.metrics import Health, Metrics
 from worker.pipeline import KafkaClients, RunSummary, build_pipeline
+from worker.runtime.start import start_runtime
 from worker.schemas import FrameRecord, decode_result, encode_frame
 from worker.testing import FakeConsumer, FakeProducer, FrameLedger
 from worker.threadnames import name_os_thread
@@ -354,13 +355,6 @@ def goal_verdict(f: dict[str, Any]) -> str:
 
 
 # -- the section ----------------------------------------------------------------------------------------------------
-def data_paths(cuda: bool) -> tuple[list[str], str]:
-    """The decode paths to run (runtime.decode): cpu, and device on a GPU; without one, why not."""
-    if not cuda:
-        return ["cpu"], "no GPU: the CPU decode path only (runtime.decode = device is run where CUDA is)"
-    return ["cpu", "device"], ""
-
-
 def e2e_settings(cuda: bool, torch_threads: int, decode: str, model: str = "opennsfw",
                  max_batch_size: int | None = None) -> Settings:
     """The worker's defaults for the model, on the check's device, warming up both frame sizes."""
@@ -373,18 +367,13 @@ def e2e_settings(cuda: bool, torch_threads: int, decode: str, model: str = "open
 
 
 def start_executor(settings: Settings, freeze_heap: bool = True) -> tuple[Any, Costs]:
-    """The runtime as the worker starts it (worker.app.run_worker): warm-up, the cost model's calibration, the start-up
-    heap frozen (not in a test process). Returns the executor and the calibration timings that seed each run."""
-    from worker.runtime import InferenceExecutor
-
-    executor = InferenceExecutor.from_settings(settings.model, settings.runtime, settings.batching)
-    shapes = warmup_frame_shapes(settings)
-    executor.warm_up(shapes)
-    calibrate = settings.runtime.calibrate_batch_sizes
-    costs = executor.calibrate(shapes, settings.batching.max_batch_size) if calibrate else []
+    """The runtime as the worker starts it (worker.runtime.start_runtime: warm-up, the cost model's calibration to
+    batching.largest_batch_size), then the start-up heap frozen as worker.app does (not in a test process). Returns
+    the executor and the calibration timings that seed each run."""
+    runtime = start_runtime(settings)
     if freeze_heap:
         freeze_startup_heap()
-    return executor, costs
+    return runtime.executor, runtime.calibration
 
 
 def feed(settings: Settings, jpegs: Sequence[bytes], size: tuple[int, int], count: int,
@@ -402,46 +391,48 @@ def feed(settings: Settings, jpegs: Sequence[bytes], size: tuple[int, int], coun
     return messages
 
 
-def section_e2e(check: Any, section: Any) -> None:
-    """The gpu_check section (check: gpu_check.Check, section: gpu_check.Section)."""
+def section_e2e_device(check: Any, section: Any) -> None:
+    """The gpu_check section of the device data path (runtime.decode = device): run first, it needs a GPU."""
+    section_e2e(check, section, "device")
+
+
+def section_e2e_cpu(check: Any, section: Any) -> None:
+    """The gpu_check section of the CPU data path (runtime.decode = cpu; measured on a GPU before: run late)."""
+    section_e2e(check, section, "cpu")
+
+
+def section_e2e(check: Any, section: Any, path: str) -> None:
+    """One data path's runs (check: gpu_check.Check, section: gpu_check.Section): per frame size, saturation and
+    OFFERED_FPS offered."""
     cuda, plan = check.cuda, Plan.for_check(check.cuda, check.quick)
-    paths, note = data_paths(cuda)
     label = "" if cuda else " (code-path check on the CPU: not a GPU figure)"
-    section.data = {"plan": dataclasses.asdict(plan), "note": note, "runs": {}}
-    if note:
-        section.add("data paths", note)
+    section.data = {"plan": dataclasses.asdict(plan), "path": path, "runs": {}}
     jpegs = {name: photo_jpegs(size) for name, size in SIZES.items()}
     section.data["jpeg_kib"] = {name: sum(map(len, js)) / len(js) / 1024 for name, js in jpegs.items()}
-    # Per data path: warm-up and calibration (model load, graph capture; ~15 s on the H200), then two runs per frame
-    # size of about 5 s each, plus the drain of what the path could not keep up with (~10 s at 720p).
-    need_per_path_s = 45.0 if cuda else 90.0
-    for path in paths:
-        name = f"decode {path}"
-        if check.left_s() < need_per_path_s:
-            section.add(name, f"skipped: budget ({check.left_s():.0f}s left of --budget-s, the path needs up to "
-                              f"{need_per_path_s:.0f}s)")
-            continue
-        try:
-            settings = e2e_settings(cuda, check.torch_threads, path, max_batch_size=None if cuda else 8)
-        except ConfigError as exc:
-            section.add(name, f"skipped: the settings are refused here ({exc})")
-            continue
-        t = time.monotonic()
-        executor, costs = start_executor(settings)
-        started_s, device = time.monotonic() - t, executor.device_description
-        print(f"  {name}: {device} warmed up and calibrated in {started_s:.1f}s", flush=True)
-        try:
-            for size_name, size in SIZES.items():
-                for kind, count, rate in (("saturation", plan.backlog_frames[size_name], 0.0),
-                                          ("offered", round(plan.offered_fps * plan.offered_s), plan.offered_fps)):
-                    run = run_loop(settings, executor, feed(settings, jpegs[size_name], size, count, rate), costs,
-                                   plan.deadline_s, "cuda:0" if cuda else None)
-                    f, key = figures(run, settings, timed=rate > 0), f"{name} / {size_name} / {kind}"
-                    section.data["runs"][key] = {"offered_fps": rate, "startup_s": started_s, "device": device, **f}
-                    goal = f"; {goal_verdict(f)}" if cuda and path == "device" and rate > 0 else ""
-                    section.add(f"{key}{label}", row(kind, rate, f) + goal)
-                    if f["ledger_faults"]:
-                        section.fail(f"{key}: ledger: {'; '.join(f['ledger_faults'])}")
-        finally:
-            executor.close()
-            gc.unfreeze()  # start_executor froze the heap as the worker does; the rest of the check collects it
+    name = f"decode {path}"
+    try:
+        settings = e2e_settings(cuda, check.torch_threads, path, max_batch_size=None if cuda else 8)
+    except ConfigError as exc:
+        section.add(name, f"skipped: the settings are refused here ({exc})")
+        return
+    t = time.monotonic()
+    # Warm-up and calibration (model load, graph capture; ~15 s on the H200), then two runs per frame size of about
+    # 5 s each, plus the drain of what the path could not keep up with (~10 s at 720p).
+    executor, costs = start_executor(settings)
+    started_s, device = time.monotonic() - t, executor.device_description
+    section.add(f"{name}: start-up", f"{device} warmed up and calibrated in {started_s:.1f}s")
+    try:
+        for size_name, size in SIZES.items():
+            for kind, count, rate in (("saturation", plan.backlog_frames[size_name], 0.0),
+                                      ("offered", round(plan.offered_fps * plan.offered_s), plan.offered_fps)):
+                run = run_loop(settings, executor, feed(settings, jpegs[size_name], size, count, rate), costs,
+                               plan.deadline_s, "cuda:0" if cuda else None)
+                f, key = figures(run, settings, timed=rate > 0), f"{name} / {size_name} / {kind}"
+                section.data["runs"][key] = {"offered_fps": rate, "startup_s": started_s, "device": device, **f}
+                goal = f"; {goal_verdict(f)}" if cuda and path == "device" and rate > 0 else ""
+                section.add(f"{key}{label}", row(kind, rate, f) + goal)
+                if f["ledger_faults"]:
+                    section.fail(f"{key}: ledger: {'; '.join(f['ledger_faults'])}")
+    finally:
+        executor.close()
+        gc.unfreeze()  # start_executor froze the heap as the worker does; the rest of the process collects it

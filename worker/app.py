@@ -12,12 +12,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import Consumer, Producer
 
-from worker.config import Settings, warmup_frame_shapes
+from worker.config import Settings
 from worker.identity import worker_identity
 from worker.kafka.access import probe_access
 from worker.kafka.client import new_client
@@ -25,6 +24,9 @@ from worker.kafka.consumer import consumer_config
 from worker.kafka.producer import producer_config
 from worker.metrics import Health, Metrics, MetricsServer
 from worker.pipeline import Pipeline, RunSummary, build_pipeline
+
+if TYPE_CHECKING:
+    from worker.runtime import InferenceExecutor
 
 log = logging.getLogger("worker")
 # /debug/profile waits at most this long for its batches to run.
@@ -104,19 +106,22 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
     metrics = Metrics(settings=settings)
     health = health if health is not None else Health()
     health.stall_limit_s = settings.kafka.max_poll_interval_ms / 1000.0
-    server = None
     started = time.monotonic()
     # Before any broker call: librdkafka refusing a property is a configuration error, reported at once.
     check_client_configs(settings)
     # Before the model loads: a wrong password or a missing ACL stops start-up in seconds, with exit code 2.
     probe_access(settings)
-    executor = _load_executor(settings, metrics.cuda_graph_evictions.inc)
-    try:
+    server: MetricsServer | None = None
+    pipeline: Pipeline | None = None
+
+    def serve_while_warming(executor: InferenceExecutor) -> None:
+        """Once the model loaded: the pipeline, and /metrics served (not ready) while the runtime warms up."""
+        nonlocal pipeline, server
         metrics.model_info.info({"name": executor.model_name, "version": executor.model_version,
                                  "device": executor.device_description,
                                  "labels": ",".join(executor.labels)})
-        pipeline = build_pipeline(settings, executor, metrics, health)
-        status = getattr(pipeline.source, "broker_status", None)  # FrameSource's view of the cluster
+        pipeline = built = build_pipeline(settings, executor, metrics, health)
+        status = getattr(built.source, "broker_status", None)  # FrameSource's view of the cluster
         if status is not None:
             health.broker_problem = status.unhealthy_reason
         if settings.observability.metrics_enabled:
@@ -125,13 +130,22 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
 
             server = MetricsServer(metrics, health, settings.observability.metrics_host,
                                    settings.observability.metrics_port,
-                                   before_scrape=lambda: _refresh_scrape_gauges(pipeline, metrics),
+                                   before_scrape=lambda: _refresh_scrape_gauges(built, metrics),
                                    profile=profile if settings.observability.profile_endpoint else None).start()
             log.info("metrics on http://%s:%d/metrics", settings.observability.metrics_host, server.port)
-        shapes = warmup_frame_shapes(settings)
-        executor.warm_up(shapes)
-        if settings.runtime.calibrate_batch_sizes:
-            pipeline.seed_costs(executor.calibrate(shapes, settings.batching.largest_batch_size))
+
+    # Imported here: torch loads with the runtime, not with the CLI.
+    from worker.runtime.start import start_runtime
+
+    executor: InferenceExecutor | None = None
+    try:
+        # The model loads (ModelContractError, or an OperatorError naming its setting: exit 2), warms up and is
+        # calibrated as in every other start of the runtime (worker.runtime.start).
+        runtime = start_runtime(settings, on_graph_evicted=metrics.cuda_graph_evictions.inc,
+                                before_warm_up=serve_while_warming)
+        executor = runtime.executor
+        assert pipeline is not None  # built by serve_while_warming
+        pipeline.seed_costs(runtime.calibration)
         health.warmed_up = True
         log.info("model %s:%s warmed up on %s in %.1fs", executor.model_name, executor.model_version,
                  executor.device_description, time.monotonic() - started)
@@ -140,7 +154,8 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
         return pipeline.run(stop or StopFlag().install(), exit_when_idle_s)
     finally:
         health.alive = False
-        executor.close()
+        if executor is not None:
+            executor.close()
         if server is not None:
             server.stop()
 
@@ -161,14 +176,6 @@ def check_client_configs(settings: Settings) -> None:
     property when a client is made, without connecting; ConfigError names the override it refused."""
     new_client(Consumer, consumer_config(settings), "consumer").close()
     new_client(Producer, producer_config(settings), "producer")
-
-
-def _load_executor(settings: Settings, on_graph_evicted: Callable[[int], None]) -> Any:
-    """The runtime; an unusable model raises ModelContractError, an OperatorError naming its setting (exit 2).
-    Its CUDA-graph runners capture only the batch sizes the batcher can send (settings.batching)."""
-    from worker.runtime import InferenceExecutor
-
-    return InferenceExecutor.from_settings(settings.model, settings.runtime, settings.batching, on_graph_evicted)
 
 
 def _refresh_scrape_gauges(pipeline: Pipeline, metrics: Metrics) -> None:

@@ -73,8 +73,7 @@ def test_the_ledger_names_a_frame_answered_twice_and_one_committed_without_an_an
 def toy():
     """The builtin CNN on the CPU, started as the section starts open_nsfw (warm-up of 224x224 and 720p, and the
     cost model's calibration), with batches of at most 8."""
-    paths, _note = gpu_e2e.data_paths(cuda=False)
-    settings = gpu_e2e.e2e_settings(cuda=False, torch_threads=1, decode=paths[0], model="toy", max_batch_size=8)
+    settings = gpu_e2e.e2e_settings(cuda=False, torch_threads=1, decode="cpu", model="toy", max_batch_size=8)
     executor, costs = gpu_e2e.start_executor(settings, freeze_heap=False)
     yield settings, executor, costs
     executor.close()

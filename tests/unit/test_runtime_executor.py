@@ -23,7 +23,7 @@ from worker.config import BatchingSettings, ConfigError, ModelSettings, RuntimeS
 from worker.frames import DECODE_ERROR, MODEL_ERROR, NON_FINITE_OUTPUT, Priority
 from worker.memorypolicy import MemoryPolicy
 from worker.runtime import InferenceExecutor, build_builtin_model
-from worker.runtime.executor import DeviceMemory
+from worker.runtime.deviceplan import DeviceMemory
 from worker.runtime.models import ModelContract
 from worker.runtime.preprocess import Normaliser
 from worker.runtime.runners import EagerRunner

@@ -20,6 +20,7 @@ import model_factories
 from worker.config import ModelSettings, RuntimeSettings
 from worker.runtime import InferenceExecutor, ModelContractError, load_model
 from worker.runtime import executor as executor_module
+from worker.runtime.deviceplan import DevicePlan
 from worker.runtime.hostsync import HostSync, check_host_syncs, find_host_syncs, scan_graphs
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.jit.* is deprecated:FutureWarning")
@@ -66,14 +67,14 @@ def test_the_executor_runs_the_check_at_start_warning_on_a_cpu(caplog):
 def test_the_executor_refuses_the_model_before_any_runner_when_graphs_are_to_be_used(monkeypatch):
     """The plan a GPU with runtime.cuda_graphs = true resolves to, on this CPU: the check refuses the model before
     any runner (and any capture) exists."""
-    real_resolve = executor_module._resolve
+    real_resolve = executor_module.resolve_plan
 
     def graphs_planned(runtime: RuntimeSettings):
         plan = real_resolve(runtime)
-        return executor_module._Plan(plan.devices, plan.precision, cuda_graphs=True, buckets=(1, 2))
+        return DevicePlan(plan.devices, plan.precision, cuda_graphs=True, buckets=(1, 2))
 
     runners = []
-    monkeypatch.setattr(executor_module, "_resolve", graphs_planned)
+    monkeypatch.setattr(executor_module, "resolve_plan", graphs_planned)
     monkeypatch.setattr(executor_module, "make_runner", lambda *a, **k: runners.append(a))
     with pytest.raises(ModelContractError, match=rf"Tensor.item at {FACTORIES}:{ITEM_LINE}"):
         InferenceExecutor.from_settings(ModelSettings(source=ITEM_MODEL), RuntimeSettings(device="cpu"))

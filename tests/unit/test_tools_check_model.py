@@ -21,12 +21,12 @@ sys.path.insert(0, str(Path(__file__).parent))  # makes "model_factories:<fn>" i
 
 import model_factories
 
-from worker.app import _load_executor
 from worker.cli import main
 from worker.config import RuntimeSettings, load_settings
 from worker.frames import BatchOutcome, Encoding
-from worker.runtime import ModelContract, ModelContractError
+from worker.runtime import ModelContract, ModelContractError, start_runtime
 from worker.runtime import executor as executor_module
+from worker.runtime.deviceplan import DevicePlan
 from worker.schemas import MessageDecodeError
 from worker.tools.check_model import (
     CPU_TIMED_BATCH_MAX,
@@ -147,20 +147,20 @@ def test_where_cuda_graphs_are_used_the_worker_refuses_it_and_the_check_exits_2_
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """The plan a GPU with runtime.cuda_graphs = true resolves to, on this CPU: the executor refuses the model
     before any runner exists, and check-model reports the worker's refusal."""
-    real_resolve = executor_module._resolve
+    real_resolve = executor_module.resolve_plan
 
-    def graphs_planned(runtime: RuntimeSettings) -> executor_module._Plan:
+    def graphs_planned(runtime: RuntimeSettings) -> DevicePlan:
         plan = real_resolve(runtime)
-        return executor_module._Plan(plan.devices, plan.precision, cuda_graphs=True, buckets=(1, 2))
+        return DevicePlan(plan.devices, plan.precision, cuda_graphs=True, buckets=(1, 2))
 
-    monkeypatch.setattr(executor_module, "_resolve", graphs_planned)
+    monkeypatch.setattr(executor_module, "resolve_plan", graphs_planned)
     code, out = check(capsys, "--model", ITEM_MODEL)
     assert code == 2
     assert f"Tensor.item at {FACTORIES}:{ITEM_LINE}" in out
     assert "would not start (exit 2) where CUDA graphs are used: the forward reads device values on the host" in out
     code, report = check_json(capsys, "--model", ITEM_MODEL)
     with pytest.raises(ModelContractError) as worker_error:
-        _load_executor(load_settings(env={}, overrides={"model": {"source": ITEM_MODEL}}), lambda n: None)
+        start_runtime(load_settings(env={}, overrides={"model": {"source": ITEM_MODEL}}))
     assert code == 2 and report["refused"]["message"] == str(worker_error.value)
     assert report["refused"]["by_require_graphs"] is False and report["scores"] == []
 
@@ -172,7 +172,7 @@ def test_a_model_the_worker_refuses_exits_2_with_the_workers_own_error(capsys: p
     source = "model_factories:wrong_output_model"
     code, report = check_json(capsys, "--model", source)
     with pytest.raises(ModelContractError) as worker_error:
-        _load_executor(load_settings(env={}, overrides={"model": {"source": source}}), lambda n: None)
+        start_runtime(load_settings(env={}, overrides={"model": {"source": source}}))
     assert code == 2 and not report["would_start"]
     assert report["refused"] == {"error_type": "ModelContractError", "message": str(worker_error.value),
                                  "setting": "model.labels", "by_require_graphs": False}

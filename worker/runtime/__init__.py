@@ -6,12 +6,15 @@ The pipeline imports from here only. Nothing in this package imports Kafka or th
 from worker.runtime.executor import InferenceExecutor
 from worker.runtime.models import ModelContract, ModelContractError, build_builtin_model, load_model
 from worker.runtime.preprocess import FrameDecodeError
+from worker.runtime.start import StartedRuntime, start_runtime
 
 __all__ = [
     "FrameDecodeError",
     "InferenceExecutor",
     "ModelContract",
     "ModelContractError",
+    "StartedRuntime",
     "build_builtin_model",
     "load_model",
+    "start_runtime",
 ]

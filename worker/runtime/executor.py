@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import heapq
-import itertools
 import logging
 import threading
 import time
@@ -27,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from worker.config import BatchingSettings, ConfigError, ModelSettings, RuntimeSettings, preprocess_thread_count
+from worker.config import BatchingSettings, ModelSettings, RuntimeSettings, preprocess_thread_count
 from worker.frames import (
     DECODE_ERROR,
     MODEL_ERROR,
@@ -40,11 +38,21 @@ from worker.frames import (
     SourceRef,
 )
 from worker.graphplan import BatchCaps
-from worker.memorypolicy import DeviceMemories, MemoryPolicy, MemoryProbe, split_batch
+from worker.memorypolicy import DeviceMemories, split_batch
+from worker.runtime.deviceplan import (
+    DeviceMemory,
+    check_device_decode_at_start,
+    describe,
+    device_memories,
+    graph_memory,
+    resolve_plan,
+)
 from worker.runtime.hostsync import HostSync, check_host_syncs
 from worker.runtime.models import LoadedModel, ModelContract, load_model
 from worker.runtime.preprocess import HostBatch, HostBuffers, Preprocessor, stage_to_device
-from worker.runtime.runners import CudaMemoryProbe, EagerRunner, RunResult, make_runner
+from worker.runtime.prioritypool import PriorityPool
+from worker.runtime.profiling import ProfileRequest
+from worker.runtime.runners import EagerRunner, RunResult, make_runner
 from worker.threadnames import name_os_thread
 
 if TYPE_CHECKING:
@@ -56,61 +64,6 @@ log = logging.getLogger(__name__)
 CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
-class PriorityPool:
-    """Threads that run the most urgent job first (lowest priority value), FIFO within a priority.
-
-    close() lets the jobs already queued finish (like ThreadPoolExecutor.shutdown(wait=True))."""
-
-    def __init__(self, threads: int, name: str) -> None:
-        self._heap: list[tuple[int, int, concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...]]] = []
-        self._cv = threading.Condition()
-        self._seq = itertools.count()
-        self._closed = False
-        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(threads)]
-        for t in self._threads:
-            t.start()
-
-    def submit(self, priority: int, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        with self._cv:
-            if self._closed:
-                raise RuntimeError("cannot submit to a closed pool")
-            heapq.heappush(self._heap, (int(priority), next(self._seq), future, fn, args))
-            self._cv.notify()
-        return future
-
-    def _work(self) -> None:
-        name_os_thread()
-        while True:
-            with self._cv:
-                while not self._heap and not self._closed:
-                    self._cv.wait()
-                if not self._heap:
-                    return
-                _, _, future, fn, args = heapq.heappop(self._heap)
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as exc:  # noqa: BLE001 (handed to the caller through the future)
-                future.set_exception(exc)
-
-    def shutdown(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-        for t in self._threads:
-            t.join()
-
-
-@dataclass(frozen=True)
-class DeviceMemory:
-    """One GPU's memory policy and the probe that measures it; the runners of one device share one."""
-
-    policy: MemoryPolicy
-    probe: MemoryProbe
-
-
 @dataclass
 class _Slot:
     """One runner with its inference thread, its device (an index into the executor's devices) and the number of
@@ -120,18 +73,6 @@ class _Slot:
     thread: PriorityPool
     device: int = 0
     load: int = 0
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """Devices, precision and graph sizes resolved from RuntimeSettings."""
-
-    devices: tuple[torch.device, ...]
-    precision: str
-    cuda_graphs: bool
-    buckets: tuple[int, ...] = ()
-    # runtime.decode resolved: frames decoded and resized on the runner's device (devicepath), else on the host.
-    decode_on_device: bool = False
 
 
 class InferenceExecutor:
@@ -185,7 +126,7 @@ class InferenceExecutor:
         self._lock = threading.Lock()
         self._ready = False
         self._closed = False
-        self._profile: _ProfileRequest | None = None
+        self._profile: ProfileRequest | None = None
         # GPUs: the batcher's view of every device's peak memory per (runner input shape, batch size), measured at
         # graph capture and by calibrate(); None on CPU.
         self.memory_policy: DeviceMemories | None = (
@@ -197,12 +138,12 @@ class InferenceExecutor:
         """Resolve devices, load and validate the model on each, and build one runner per device. `batching`
         tells the CUDA-graph runners which batch sizes can reach them (none: memory alone bounds them);
         `on_graph_evicted` is called with the number of graphs a runner released for its memory budget."""
-        plan = _resolve(runtime)
+        plan = resolve_plan(runtime)
         if plan.decode_on_device:
-            _check_device_decode(runtime, plan.devices)
+            check_device_decode_at_start(runtime, plan.devices)
         if runtime.torch_threads > 0:
             torch.set_num_threads(runtime.torch_threads)
-        memory = _device_memory(plan, runtime)
+        memory = device_memories(plan, runtime)
         caps = BatchCaps.from_settings(batching) if batching is not None else BatchCaps()
         # Each runner gets its own copy of the model, loaded and validated on its device.
         loaded = [load_model(model, device) for device in plan.devices for _ in range(runtime.instances_per_device)]
@@ -210,11 +151,11 @@ class InferenceExecutor:
         host_syncs = check_host_syncs(loaded[0], refuse=plan.cuda_graphs)
         runners = []
         for m in loaded:
-            policy, budget = _graph_memory(memory.get(m.device), runtime)
+            policy, budget = graph_memory(memory.get(m.device), runtime)
             runners.append(make_runner(m.module, m.contract, m.device, plan.precision, plan.cuda_graphs, plan.buckets,
                                        runtime.warmup_batches, caps, policy, budget, on_graph_evicted))
         return cls(runners, loaded[0].contract, preprocess_thread_count(runtime), runtime.warmup_batches,
-                   warmup_batch_size=max(runtime.graph_batch_sizes), device_description=_describe(plan, loaded[0].kind),
+                   warmup_batch_size=max(runtime.graph_batch_sizes), device_description=describe(plan, loaded[0].kind),
                    memory=[memory[r.device] for r in runners] if memory else (),
                    decode_on_device=plan.decode_on_device, loaded=loaded[0], host_syncs=host_syncs)
 
@@ -330,7 +271,7 @@ class InferenceExecutor:
     def profile(self, batches: int, directory: str) -> concurrent.futures.Future[str]:
         """Record the next `batches` batches with the torch profiler (record_function ranges around
         preprocessing and inference) into a Chrome trace in `directory`; the Future gives its path."""
-        request = _ProfileRequest(max(1, batches), directory)
+        request = ProfileRequest(max(1, batches), directory)
         with self._lock:
             if self._profile is not None and not self._profile.done.done():
                 raise RuntimeError("a profile is already being recorded")
@@ -431,54 +372,6 @@ class InferenceExecutor:
         return (*self.contract.model_input_hw((shape[0], shape[1])), self.contract.channels)
 
 
-class _ProfileRequest:
-    """One on-demand profiler capture: started by the first batch after the request, stopped after `batches`.
-    The runner threads share it; only the thread that started the profiler stops it."""
-
-    def __init__(self, batches: int, directory: str) -> None:
-        self.left = batches
-        self.directory = directory
-        self.done: concurrent.futures.Future[str] = concurrent.futures.Future()
-        self._lock = threading.Lock()
-        self._prof: torch.profiler.profile | None = None
-        self._thread: int | None = None
-
-    def start(self) -> bool:
-        """True when this thread records the batch it is about to run (the first runner thread to ask)."""
-        with self._lock:
-            if self.done.done():
-                return False
-            if self._thread is None:
-                self._thread = threading.get_ident()
-                self._prof = torch.profiler.profile(activities=_profiler_activities(), record_shapes=True)
-                self._prof.__enter__()
-            return self._thread == threading.get_ident()
-
-    def batch_done(self) -> None:
-        with self._lock:
-            if self.done.done():
-                return
-            self.left -= 1
-            if self.left > 0 or self._prof is None:
-                return
-            prof, self._prof = self._prof, None
-        try:
-            prof.__exit__(None, None, None)
-            path = f"{self.directory}/streamfer-profile-{time.strftime('%Y%m%d-%H%M%S')}-{id(self):x}.json"
-            prof.export_chrome_trace(path)
-            log.info("profiler trace written: %s", path)
-            self.done.set_result(path)
-        except Exception as exc:  # noqa: BLE001 (reported to the requester, never crashes a runner)
-            self.done.set_exception(exc)
-
-
-def _profiler_activities() -> list[torch.profiler.ProfilerActivity]:
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-    return acts
-
-
 def _calibration_frame(shape: tuple[int, int, int]) -> Frame:
     h, w, c = shape
     return Frame(stream_id="calibration", frame_index=0, tenant="", priority=Priority.BULK, capture_ts_ms=0, width=w,
@@ -567,43 +460,6 @@ def _run_one_by_one(runner: EagerRunner, batch: HostBatch) -> tuple[list, list[F
     return scored, failures, used_graph
 
 
-def _resolve(runtime: RuntimeSettings) -> _Plan:
-    """RuntimeSettings -> concrete devices and checks of what this machine supports; ConfigError otherwise."""
-    requested = runtime.device
-    cuda_ok = torch.cuda.is_available()
-    if requested == "auto":
-        requested = "cuda" if cuda_ok else "cpu"
-    if requested == "cpu":
-        devices: tuple[torch.device, ...] = (torch.device("cpu"),)
-    elif requested.startswith("cuda"):
-        if not cuda_ok:
-            raise ConfigError([f"runtime.device: {runtime.device!r} asks for a GPU but torch sees none "
-                               "(torch.cuda.is_available() is False); use 'auto' or 'cpu'"])
-        count = torch.cuda.device_count()
-        if requested == "cuda":
-            devices = tuple(torch.device("cuda", i) for i in range(count))
-        else:
-            try:
-                index = int(requested.split(":", 1)[1])
-            except ValueError:
-                raise ConfigError([f"runtime.device: {runtime.device!r} is not cuda:N"]) from None
-            if not 0 <= index < count:
-                raise ConfigError([f"runtime.device: {runtime.device!r} but only {count} GPU(s) are visible"])
-            devices = (torch.device("cuda", index),)
-    else:
-        raise ConfigError([f"runtime.device: {runtime.device!r} must be auto, cpu, cuda or cuda:N"])
-    on_cuda = devices[0].type == "cuda"
-    if runtime.precision == "fp16" and not on_cuda:
-        raise ConfigError(["runtime.precision: fp16 autocast needs a CUDA device; on cpu use fp32 or bf16"])
-    if runtime.precision == "bf16" and on_cuda and not all(_bf16_ok(d) for d in devices):
-        raise ConfigError(["runtime.precision: this GPU does not support bf16; use fp16 or fp32"])
-    cuda_graphs = on_cuda and runtime.cuda_graphs
-    buckets = tuple(sorted(set(runtime.graph_batch_sizes))) if cuda_graphs else ()
-    decode_on_device = runtime.decode == "device" or (runtime.decode == "auto" and on_cuda)
-    return _Plan(devices=devices, precision=runtime.precision, cuda_graphs=cuda_graphs, buckets=buckets,
-                 decode_on_device=decode_on_device)
-
-
 def _device_preprocessor(contract: ModelContract, pin_memory: bool, pool: concurrent.futures.Executor,
                          workers: int) -> DevicePreprocessor:
     # Imported here: torchvision takes ~1.3 s to import on the 2-core VM, which only the device path needs.
@@ -612,58 +468,3 @@ def _device_preprocessor(contract: ModelContract, pin_memory: bool, pool: concur
     return DevicePreprocessor(contract, ByteStaging(pin_memory=pin_memory), pool=pool, workers=workers)
 
 
-def _check_device_decode(runtime: RuntimeSettings, devices: Sequence[torch.device]) -> None:
-    """The device data path decodes a JPEG on every device before the model loads; ConfigError saying why not."""
-    why = f"runtime.decode = {runtime.decode!r} decodes on {', '.join(str(d) for d in devices)}"
-    try:
-        from worker.runtime.devicepath import check_device_decode  # torchvision: see _device_preprocessor
-    except ImportError as exc:
-        raise ConfigError([f"runtime.decode: {why} with torchvision, which cannot be imported ({exc}); install "
-                           "torchvision for this torch (pip install torchvision), or set runtime.decode = \"cpu\""]
-                          ) from exc
-    for device in devices:
-        try:
-            check_device_decode(device)
-        except Exception as exc:  # any failure: the path cannot work here, said at start
-            raise ConfigError([f"runtime.decode: {why}, but torchvision cannot decode a JPEG on {device} "
-                               f"({type(exc).__name__}: {str(exc).strip()[:300]}); set runtime.decode = \"cpu\" "
-                               "to decode on the host"]) from exc
-
-
-def _device_memory(plan: _Plan, runtime: RuntimeSettings) -> dict[torch.device, DeviceMemory]:
-    """On GPUs, one memory policy per device from its own total memory, counting its instances_per_device runners
-    as batches that may run on it at once; none on CPU. Untested without a GPU: the policies are tested with fake
-    probes (tests/unit/test_memorypolicy.py, test_graphplan.py, test_runtime_executor.py)."""
-    if plan.devices[0].type != "cuda":
-        return {}
-    out = {}
-    for device in plan.devices:
-        probe = CudaMemoryProbe(device)
-        policy = MemoryPolicy(probe.total_bytes(), runtime.memory_fraction, runners=runtime.instances_per_device)
-        out[device] = DeviceMemory(policy, probe)
-    return out
-
-
-def _graph_memory(memory: DeviceMemory | None, runtime: RuntimeSettings) -> tuple[MemoryPolicy | None, int | None]:
-    """A runner's memory policy (its device's) and graph budget: the device's, shared equally by its runners, each
-    keeping its own graphs."""
-    if memory is None:
-        return None, None
-    return memory.policy, memory.policy.graph_budget_bytes // runtime.instances_per_device
-
-
-def _bf16_ok(device: torch.device) -> bool:
-    with torch.cuda.device(device):
-        return torch.cuda.is_bf16_supported()
-
-
-def _describe(plan: _Plan, kind: str) -> str:
-    if plan.devices[0].type == "cpu":
-        threads = torch.get_num_threads()
-        where = f"cpu ({threads} thread{'' if threads == 1 else 's'})"
-    else:
-        names = sorted({torch.cuda.get_device_name(d) for d in plan.devices})
-        where = f"{', '.join(str(d) for d in plan.devices)} ({', '.join(names)})"
-    mode = f"cuda graphs {list(plan.buckets)}" if plan.cuda_graphs else "eager"
-    decode = "frames decoded on the device" if plan.decode_on_device else "frames decoded on the host"
-    return f"{where}, {plan.precision}, {mode}, {kind} model, {decode}"

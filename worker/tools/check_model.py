@@ -1,8 +1,8 @@
 """`worker check-model`: would the worker start with this model, and what does it make of real images?
 
 It takes the settings `worker run` takes (`--config`, `WORKER_*`; `--model` sets model.source) and starts the
-runtime with the worker's own code: `InferenceExecutor.from_settings` (model source, contract, ONNX cache, the
-host-sync check) and `warm_up` (on a GPU, the CUDA-graph captures). A model this accepts is one the worker
+runtime with the worker's own code, `worker.runtime.start_runtime` (model source, contract, ONNX cache, the
+host-sync check, warm-up with, on a GPU, the CUDA-graph captures). A model this accepts is one the worker
 accepts, and a refusal is the worker's own error. Then it scores images the way the worker scores frames
 (each encoded as a JPEG frame message, decoded by the worker's frame decoder, preprocessed and run by the
 executor) and times one batch per CUDA-graph bucket. It never contacts Kafka.
@@ -26,11 +26,12 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from worker.config import Settings, load_settings, resolve_inflight_batches, warmup_frame_shapes
+from worker.config import Settings, load_settings, warmup_frame_shapes
 from worker.errors import EXIT_OPERATOR_ERROR, OperatorError
 from worker.frames import Encoding, Frame, Priority, SourceRef
 from worker.runtime import InferenceExecutor, ModelContract
 from worker.runtime.hostsync import HOST_SYNC_FIX, HostSync, HostSyncError
+from worker.runtime.start import start_runtime
 from worker.schemas import FrameRecord, MessageDecodeError, decode_frame, encode_frame
 from worker.tools.publish_frames import DEFAULT_JPEG_QUALITY, IMAGE_SUFFIXES, encode_pixels
 from worker.tools.sample_video import PHOTOS, photo
@@ -257,11 +258,24 @@ def check_model(config: str | None, source: str | None, images: Sequence[SampleI
 
 
 def _start(settings: Settings, report: CheckReport) -> InferenceExecutor | None:
-    """The worker's start-up, model side: the executor from the settings (load, contract, host-sync check), the
-    in-flight limit for its runners, then warm-up (on a GPU, the CUDA-graph captures). None when refused."""
+    """The worker's start-up, model side (worker.runtime.start_runtime: load, contract, host-sync check, the
+    in-flight limit for its runners, warm-up with, on a GPU, the CUDA-graph captures), without the calibration,
+    which seeds only the batcher: this tool times its own batches. None when refused."""
     t0 = time.perf_counter()
+
+    def loaded(executor: InferenceExecutor) -> None:
+        report.host_syncs = executor.host_syncs
+        if executor.loaded is not None:
+            report.kind, report.load_seconds = executor.loaded.kind, executor.loaded.load_seconds
+        report.device = executor.device_description
+        if executor.host_syncs and report.require_graphs:
+            raise _RefusedByRequireGraphs(HostSyncError(report.kind, executor.host_syncs))
+
     try:
-        executor = InferenceExecutor.from_settings(settings.model, settings.runtime, settings.batching)
+        executor = start_runtime(settings, before_warm_up=loaded, calibrate=False).executor
+    except _RefusedByRequireGraphs as exc:
+        report.refused = Refusal.of(exc.error, by_require_graphs=True)
+        return None
     except HostSyncError as exc:
         report.host_syncs = exc.findings
         report.refused = Refusal.of(exc)
@@ -269,26 +283,19 @@ def _start(settings: Settings, report: CheckReport) -> InferenceExecutor | None:
     except OperatorError as exc:
         report.refused = Refusal.of(exc)
         return None
-    report.host_syncs = executor.host_syncs
-    if executor.loaded is not None:
-        report.kind, report.load_seconds = executor.loaded.kind, executor.loaded.load_seconds
-    report.device = executor.device_description
-    if executor.host_syncs and report.require_graphs:
-        executor.close()
-        report.refused = Refusal.of(HostSyncError(report.kind, executor.host_syncs), by_require_graphs=True)
-        return None
-    try:
-        resolve_inflight_batches(settings, executor.runner_count)
-        executor.warm_up(warmup_frame_shapes(settings))
-    except OperatorError as exc:
-        executor.close()
-        report.refused = Refusal.of(exc)
-        return None
     report.start_seconds = time.perf_counter() - t0
     report.graphs = graph_status(executor.runners[0].device.type, settings.runtime.cuda_graphs,
                                  bool(executor.preferred_batch_sizes), executor.capture_count,
                                  bool(executor.host_syncs), executor.preferred_batch_sizes)
     return executor
+
+
+class _RefusedByRequireGraphs(Exception):
+    """--require-graphs refuses a model the worker would run eager: start-up stops before the warm-up."""
+
+    def __init__(self, error: HostSyncError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def graph_status(device_type: str, graphs_enabled: bool, graphs_used: bool, captured: int, host_syncs: bool,

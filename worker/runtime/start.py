@@ -1,0 +1,52 @@
+"""Starting the runtime: the one way `worker run`, `worker check-model` and the GPU benchmarks get a loaded, warmed
+and calibrated executor, so a benchmark measures what the worker runs (vLLM's single `EngineCore` start)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from worker.config import Settings, resolve_inflight_batches, warmup_frame_shapes
+from worker.runtime.executor import InferenceExecutor
+
+Shape = tuple[int, int, int]
+# (frame shape, batch size, seconds): warm-up timings that seed the batcher's cost model (Pipeline.seed_costs).
+Calibration = list[tuple[Shape, int, float]]
+
+
+@dataclass(frozen=True)
+class StartedRuntime:
+    """The executor, warmed up for every runtime.warmup_shapes shape, and its calibration (empty when not
+    calibrated). The caller owns the executor: close it."""
+
+    executor: InferenceExecutor
+    calibration: Calibration
+    shapes: tuple[Shape, ...]
+    seconds: float  # from the model's load to the end of calibration
+
+
+def start_runtime(settings: Settings, *, on_graph_evicted: Callable[[int], None] | None = None,
+                  before_warm_up: Callable[[InferenceExecutor], None] | None = None,
+                  calibrate: bool = True) -> StartedRuntime:
+    """Load and validate the model on every device (InferenceExecutor.from_settings with the batching settings,
+    so CUDA graphs are captured only for batch sizes the batcher can send), call `before_warm_up(executor)` (the
+    worker serves /metrics from there; check-model reports what loaded, and may refuse by raising), check the
+    in-flight limit for its runners, warm up, then, where runtime.calibrate_batch_sizes and `calibrate`, time
+    each batch size up to batching.largest_batch_size (the most frames a batch of any class may hold). An error
+    after the load closes the executor and propagates: ModelContractError, or an OperatorError naming a setting."""
+    t0 = time.perf_counter()
+    executor = InferenceExecutor.from_settings(settings.model, settings.runtime, settings.batching, on_graph_evicted)
+    try:
+        if before_warm_up is not None:
+            before_warm_up(executor)
+        resolve_inflight_batches(settings, executor.runner_count)
+        shapes = warmup_frame_shapes(settings)
+        executor.warm_up(shapes)
+        calibration: Calibration = []
+        if calibrate and settings.runtime.calibrate_batch_sizes:
+            calibration = executor.calibrate(shapes, settings.batching.largest_batch_size)
+    except BaseException:
+        executor.close()
+        raise
+    return StartedRuntime(executor, calibration, tuple(shapes), time.perf_counter() - t0)
