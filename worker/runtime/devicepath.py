@@ -142,7 +142,7 @@ class OrderedDecode:
             self._turn.previous = done
         consumer.wait_stream(self.stream)
         for image in out:
-            if isinstance(image, torch.Tensor):
+            if not isinstance(image, FrameDecodeError):
                 image.record_stream(consumer)
         return out
 
