@@ -40,7 +40,7 @@ from worker.frames import (
     SourceRef,
 )
 from worker.graphplan import BatchCaps
-from worker.memorypolicy import DeviceMemories, MemoryPolicy, MemoryProbe, split_batch
+from worker.memorypolicy import NVJPEG_HEADROOM_BYTES, DeviceMemories, MemoryPolicy, MemoryProbe, split_batch
 from worker.runtime.hostsync import HostSync, check_host_syncs
 from worker.runtime.models import LoadedModel, ModelContract, load_model
 from worker.runtime.preprocess import HostBatch, HostBuffers, Preprocessor, stage_to_device
@@ -639,7 +639,8 @@ def _device_memory(plan: _Plan, runtime: RuntimeSettings) -> dict[torch.device, 
     out = {}
     for device in plan.devices:
         probe = CudaMemoryProbe(device)
-        policy = MemoryPolicy(probe.total_bytes(), runtime.memory_fraction, runners=runtime.instances_per_device)
+        policy = MemoryPolicy(probe.total_bytes(), runtime.memory_fraction, runners=runtime.instances_per_device,
+                              headroom_bytes=NVJPEG_HEADROOM_BYTES if plan.decode_on_device else 0)
         out[device] = DeviceMemory(policy, probe)
     return out
 
