@@ -15,11 +15,13 @@ worker.runtime.runners.CudaGraphRunner. A shape here is the runner's input: the 
 - Lazy capture: a (bucket, shape) without a graph is captured the `capture_after`-th time a batch needs it.
 - Budget: the graphs' measured bytes stay under the budget, the least recently replayed released first; a
   released graph is forgotten, so it is captured again by the lazy rule if batches need it again.
-Not thread-safe: one runner thread owns a plan.
+- After a failed capture, none is tried again in the process (`CaptureStop`): everything without a graph runs eager.
+Not thread-safe: one runner thread owns a plan (`CaptureStop` is, being process-wide).
 """
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -59,6 +61,44 @@ class BatchCaps:
             return None
         h, w, c = shape
         return self.max_batch_bytes // (h * w * c * self.tensor_dtype_bytes)
+
+
+class CaptureStop:
+    """Process-wide: once any CUDA graph capture has failed, no capture is tried again.
+
+    On torch 2.11 a failed capture can leave the caching allocator counting a capture as under way, so the next
+    `torch.cuda.empty_cache()` (which `torch.cuda.graph` calls on entry, and which giving a released graph's memory
+    back calls) fails an internal assertion, and the failed graph's pool is not returned (pytorch issues 180395,
+    190348): one failure would become "every later capture and eviction fails". Graphs captured before stay.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reason: str | None = None
+        self._failures = 0
+
+    @property
+    def reason(self) -> str | None:
+        """Why captures stopped (the first failure), None while they may go on."""
+        return self._reason
+
+    @property
+    def failures(self) -> int:
+        return self._failures
+
+    def record_failure(self, reason: str) -> bool:
+        """A capture failed: stop captures. True the first time (the caller logs it once)."""
+        with self._lock:
+            self._failures += 1
+            first = self._reason is None
+            if first:
+                self._reason = reason
+            return first
+
+
+# The worker's own: runners share it through worker.runtime.runners.CAPTURES; the metric
+# streamfer_cuda_graph_captures_stopped reads it.
+PROCESS_CAPTURES = CaptureStop()
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,13 @@ from typing import Generic, Protocol, TypeVar, cast
 Shape = tuple[int, int, int]
 K = TypeVar("K", bound=Hashable)
 
+# Device memory the device data path (runtime.decode = "device") holds outside PyTorch's allocator, so no peak
+# measured here sees it: torchvision's one nvJPEG decoder per process allocates its device buffers with
+# cudaMalloc (Huffman-decoded DCT coefficients, 2 bytes a sample, 1.5 samples a pixel for 4:2:0: a batch of 32
+# 1080p frames is about 200 MB, 4:4:4 twice that) and keeps them between calls. An estimate from nvJPEG's
+# layout, not a GPU measurement yet; taken off each device's limit where the device path decodes.
+NVJPEG_HEADROOM_BYTES = 256 << 20
+
 
 class MemoryProbe(Protocol):
     """What the policy needs from a device (worker.runtime: torch.cuda on a GPU; tests: a fake)."""
@@ -47,12 +54,16 @@ class MemoryPolicy:
     """Largest batch per shape under a device memory fraction, and the device's byte budget for captured graphs."""
 
     def __init__(self, total_bytes: int, memory_fraction: float = 0.8, graph_budget_bytes: int | None = None,
-                 runners: int = 1):
+                 runners: int = 1, headroom_bytes: int = 0):
+        """`headroom_bytes`: device memory held outside PyTorch's allocator (NVJPEG_HEADROOM_BYTES where frames
+        are decoded on the device), taken off the limit."""
         if not 0 < memory_fraction <= 1:
             raise ValueError("memory_fraction must be in (0, 1]")
         if runners < 1:
             raise ValueError("runners must be >= 1")
-        self.limit_bytes = int(total_bytes * memory_fraction)
+        if not 0 <= headroom_bytes < total_bytes * memory_fraction:
+            raise ValueError("headroom_bytes must be >= 0 and below memory_fraction of the device's memory")
+        self.limit_bytes = int(total_bytes * memory_fraction) - headroom_bytes
         # Runners of this device: each may run a batch at the same time as the others.
         self.runners = runners
         # Captured graphs' memory on one device (its runners share it), unless given a budget of its own.

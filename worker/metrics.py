@@ -21,6 +21,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from worker.config import Settings
 from worker.frames import DEAD_LETTER_ERROR_TYPES, Frame
+from worker.graphplan import PROCESS_CAPTURES, CaptureStop
 from worker.threadnames import name_os_thread
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
@@ -61,7 +62,8 @@ class Metrics:
     type through `error_type_label`, so a scrape stays bounded whatever the producers send.
     """
 
-    def __init__(self, registry: CollectorRegistry | None = None, settings: Settings | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, settings: Settings | None = None,
+                 captures_stop: CaptureStop = PROCESS_CAPTURES) -> None:
         settings = settings or Settings()
         self._listed_tenants = frozenset(settings.observability.metric_tenants)
         self._max_seen_tenants = settings.observability.max_metric_tenants
@@ -143,6 +145,12 @@ class Metrics:
         self.cuda_graph_evictions = Counter("streamfer_cuda_graph_evictions_total",
                                             "CUDA graphs released to keep captured graphs under their device "
                                             "memory budget.", registry=r)
+        self.cuda_graph_captures_stopped = Gauge(
+            "streamfer_cuda_graph_captures_stopped",
+            "1 once a CUDA graph capture failed in this process: none is captured again, batches without a "
+            "captured graph run eager.", registry=r)
+        self.cuda_graph_captures_stopped.set_function(
+            lambda: 0.0 if captures_stop.reason is None else 1.0)
         self.ready = Gauge("streamfer_ready", "1 when assigned, consuming and warmed up.", registry=r)
         # /healthz as Prometheus sees it: a number to alert on before the liveness probe gives up.
         self.loop_stalled = Gauge("streamfer_loop_stalled_seconds",

@@ -170,3 +170,20 @@ def test_the_memory_policy_imports_neither_kafka_nor_torch():
     code = "import sys, worker.memorypolicy; print(any(m in sys.modules for m in ('confluent_kafka', 'torch')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_nvjpegs_buffers_outside_the_allocator_come_off_the_limit():
+    """The device path's decoder holds memory no peak measured here sees (issue 45, item 8)."""
+    from worker.memorypolicy import NVJPEG_HEADROOM_BYTES
+
+    per_frame = 64 << 20
+    probe = FakeProbe(total=10 * GIB, base=2 * GIB, per_frame=per_frame)
+    plain = MemoryPolicy(probe.total_bytes(), memory_fraction=0.8)
+    decoding = MemoryPolicy(probe.total_bytes(), memory_fraction=0.8, headroom_bytes=NVJPEG_HEADROOM_BYTES)
+    for policy in (plain, decoding):
+        for n in (1, 8):
+            policy.measure(probe, SHAPE, n, lambda n=n: probe.run(n))
+    assert decoding.limit_bytes == plain.limit_bytes - NVJPEG_HEADROOM_BYTES
+    assert plain.max_batch(SHAPE, 1000) - decoding.max_batch(SHAPE, 1000) == NVJPEG_HEADROOM_BYTES // per_frame
+    with pytest.raises(ValueError, match="headroom_bytes"):
+        MemoryPolicy(GIB, memory_fraction=0.5, headroom_bytes=GIB)

@@ -10,7 +10,8 @@ import weakref
 
 import pytest
 
-from worker.runtime.capturegate import CaptureGate
+from worker.graphplan import CaptureStop
+from worker.runtime.capturegate import CaptureGate, CapturesStopped
 from worker.testing import wait_for
 
 
@@ -150,3 +151,75 @@ def test_the_garbage_collector_does_not_run_inside_a_capture_and_its_state_is_re
     assert during == []
     if enabled_before:  # the same garbage outside a capture does start collections: the test can fail
         wait_for(lambda: bool(collections), timeout_s=5, what="a collection outside the capture")
+
+
+# -- after a failed capture, none again (torch 2.11: pytorch issues 180395, 190348) ----------------------------------
+class FailingGraph:
+    """Stands in for torch.cuda.CUDAGraph whose capture fails (a host sync inside the forward)."""
+
+    captures = 0
+
+    def capture(self) -> None:
+        FailingGraph.captures += 1
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+
+class GoodGraph:
+    captures = 0
+
+    def capture(self) -> None:
+        GoodGraph.captures += 1
+
+
+def capture(gate: CaptureGate, graph_type: type) -> None:
+    with gate.capturing(), gate.graph("device=cuda:0 bucket=8 shape=[224, 224, 3]"):
+        graph_type().capture()
+
+
+def test_a_failed_capture_stops_every_later_one_with_one_log_line(caplog):
+    gate = CaptureGate()
+    GoodGraph.captures = 0
+    capture(gate, GoodGraph)
+    assert gate.stopped is None
+    with pytest.raises(RuntimeError, match="operation not permitted"):
+        capture(gate, FailingGraph)
+    assert gate.stopped == "RuntimeError: CUDA error: operation not permitted when stream is capturing"
+    with pytest.raises(CapturesStopped, match="captures stopped after a failed one"):
+        capture(gate, GoodGraph)
+    assert GoodGraph.captures == 1  # the second good capture never began
+    [line] = [r for r in caplog.records if r.name == "worker.runtime.capturegate"]
+    assert line.levelname == "ERROR" and "no CUDA graph is captured again in this process" in line.getMessage()
+    assert "bucket=8" in line.getMessage() and "operation not permitted" in line.getMessage()
+
+
+def test_the_turn_is_free_after_a_failed_capture_for_what_is_released():
+    gate, events = CaptureGate(), []
+    with pytest.raises(RuntimeError):
+        capture(gate, FailingGraph)
+    gate.release([FakeGraph(events)], then=lambda: events.append("memory returned"))
+    assert events == ["destroyed", "memory returned"]
+
+
+def test_an_error_before_the_graph_is_begun_stops_nothing():
+    """Out of memory in the eager warm-up runs before a capture is not a failed capture: the next one may run."""
+    gate = CaptureGate()
+    with pytest.raises(MemoryError), gate.capturing():
+        raise MemoryError("warm-up")
+    assert gate.stopped is None
+    capture(gate, GoodGraph)
+
+
+def test_gates_sharing_a_stop_stop_together_and_the_metric_reads_it():
+    from prometheus_client import CollectorRegistry
+
+    from worker.metrics import Metrics
+
+    stop = CaptureStop()
+    first, second = CaptureGate(stop), CaptureGate(stop)
+    registry = CollectorRegistry()
+    Metrics(registry, captures_stop=stop)
+    assert registry.get_sample_value("streamfer_cuda_graph_captures_stopped") == 0.0
+    with pytest.raises(RuntimeError):
+        capture(first, FailingGraph)
+    assert second.stopped is not None and stop.failures == 1
+    assert registry.get_sample_value("streamfer_cuda_graph_captures_stopped") == 1.0

@@ -21,7 +21,14 @@ from worker.config import ModelSettings, RuntimeSettings
 from worker.runtime import InferenceExecutor, ModelContractError, load_model
 from worker.runtime import executor as executor_module
 from worker.runtime.deviceplan import DevicePlan
-from worker.runtime.hostsync import HostSync, check_host_syncs, find_host_syncs, scan_graphs
+from worker.runtime.hostsync import (
+    HostSync,
+    ServingState,
+    check_host_syncs,
+    find_host_syncs,
+    scan_graphs,
+    start_up_sync_debug,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.jit.* is deprecated:FutureWarning")
 
@@ -177,3 +184,47 @@ def test_an_exported_program_is_found_in_its_fx_graph_with_the_line_it_records(t
 def test_a_finding_describes_itself_as_the_message_lists_it():
     found = HostSync(op="aten::Int", where="code/__torch__/m.py:10", code="_4 = int(_3)", module="head (Linear)")
     assert found.describe() == "aten::Int at code/__torch__/m.py:10 `_4 = int(_3)` in head (Linear)"
+
+
+# -- the CUDA sync-debug mode is process-wide: start-up only (issue 45, item 7) --------------------------------------
+@pytest.fixture
+def sync_debug_calls(monkeypatch):
+    """torch.cuda's process-wide sync-debug mode, recorded (the calls need a CUDA build; the rule does not)."""
+    calls: list[str] = []
+    mode = ["default"]
+
+    def set_mode(value: str) -> None:
+        calls.append(value)
+        mode[0] = value
+
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", set_mode)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: mode[0])
+    return calls
+
+
+def test_before_any_runner_serves_the_check_sets_the_sync_debug_mode_and_restores_it(sync_debug_calls):
+    with start_up_sync_debug(ServingState()) as on:
+        assert on and sync_debug_calls == ["error"]
+    assert sync_debug_calls == ["error", "default"]
+
+
+def test_once_a_runner_serves_the_check_never_sets_the_process_wide_mode(sync_debug_calls, caplog):
+    serving = ServingState()
+    serving.begin()
+    with start_up_sync_debug(serving) as on:
+        assert not on
+    assert sync_debug_calls == []
+    assert "runs without it" in caplog.text
+
+
+def test_the_executor_checks_before_its_runners_exist_and_they_serve_after(monkeypatch):
+    """The order the rule relies on: from_settings runs the check before it builds any runner."""
+    order: list[str] = []
+    real_check = executor_module.check_host_syncs
+    real_make = executor_module.make_runner
+    monkeypatch.setattr(executor_module, "check_host_syncs",
+                        lambda *a, **k: (order.append("check"), real_check(*a, **k))[1])
+    monkeypatch.setattr(executor_module, "make_runner", lambda *a, **k: (order.append("runner"), real_make(*a, **k))[1])
+    with InferenceExecutor.from_settings(ModelSettings(), RuntimeSettings(device="cpu", warmup_batches=1)):
+        pass
+    assert order == ["check", "runner"]

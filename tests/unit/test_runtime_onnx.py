@@ -341,3 +341,48 @@ def test_a_reshape_with_allowzero_is_a_start_up_error_naming_it(tmp_path):
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
     with pytest.raises(ModelContractError, match=r"cannot convert this graph: \"allowzero=1\" is not implemented"):
         load_model(_settings(tmp_path / "cache", source=str(path), input_size=[8, 8]).model)
+
+
+def device_constants(graph: torch._C.Graph) -> list[str]:
+    """Nodes of a traced graph that name a device: a Device constant, `prim::device`, or a device string."""
+    found = []
+    for node in graph.nodes():
+        names_device = node.kind() == "prim::device" or any(
+            isinstance(out.type(), torch._C.DeviceObjType) for out in node.outputs())
+        if node.kind() == "prim::Constant" and node.hasAttribute("value") and node.kindOf("value") == "s":
+            names_device = names_device or node.s("value").split(":")[0] in ("cpu", "cuda", "meta", "mps")
+        if names_device:
+            found.append(str(node).strip())
+    return found
+
+
+def test_no_folded_form_traces_a_device_constant(tmp_path, monkeypatch):
+    """Traced on the CPU and loaded onto the runner's device, a folded form that named `device=x.device` would keep
+    "cpu" as a constant and fail on a GPU. Every rule of the fold, traced as the conversion traces it."""
+    from worker.runtime import onnx_fold
+    from worker.runtime.contract import ModelContract
+    from worker.runtime.onnx_cache import convert_onnx
+
+    folded: list[str] = []
+    fold = onnx_fold.fold_constants
+
+    def recording(gm):
+        report = fold(gm)
+        folded.extend(f.split(" ", 1)[0] for f in report.folded)
+        return report
+
+    monkeypatch.setattr("worker.runtime.onnx_fold.fold_constants", recording)
+    contract = ModelContract.from_settings(load_settings(env={}, overrides={"model": {"input_size": [4, 6]}}).model)
+    for name in sorted(FOLDED_GRAPHS):
+        traced = convert_onnx(_folded_graph(tmp_path / f"{len(folded)}.onnx", name), contract, (2, 3, 4, 6))
+        assert device_constants(traced.inlined_graph) == [], name
+    # Every rule but ReduceSum's: with its axes an initializer onnx2torch converts it with static axes itself.
+    assert set(folded) == {operator for operator, _ in onnx_fold._RULES.values()} - {"ReduceSum"}
+
+
+def test_the_device_constant_scan_finds_what_tracing_records_for_device_x_device():
+    def named(x):
+        return x * torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+
+    traced = torch.jit.trace(named, torch.zeros(2, 3), check_trace=False)
+    assert any('value="cpu"' in n for n in device_constants(traced.inlined_graph))

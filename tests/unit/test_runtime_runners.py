@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from tests.unit.replay_tolerance import HEADROOM, TF32_UNIT_ROUNDOFF, replay_tolerance
 from worker.config import ModelSettings
-from worker.graphplan import BatchCaps
+from worker.graphplan import BatchCaps, GraphPlan
 from worker.memorypolicy import MemoryPolicy
 from worker.runtime import build_builtin_model
+from worker.runtime.capturegate import CaptureGate
+from worker.runtime.hostsync import ServingState
 from worker.runtime.models import ModelContract, apply_activation
 from worker.runtime.preprocess import Normaliser
-from worker.runtime.runners import CudaGraphRunner, EagerRunner
+from worker.runtime.runners import CudaGraphRunner, EagerRunner, ScoresToHost, _return_memory, blocking_event
 
 CONTRACT = ModelContract.from_settings(ModelSettings())
 SHAPE = (32, 48, 3)  # a runner's input: uint8 pixels, H x W x C
@@ -231,3 +236,108 @@ def test_graphs_past_the_budget_are_released_least_recently_used_and_their_memor
     # Released graphs give their pools back: twelve captures hold no more than the first two did.
     assert max(reserved[2:]) <= reserved[1] + (2 << 20)
 
+
+
+# --- scores to the host: pinned memory and a blocking event (issue 45, item 4) ---
+
+class FakeEvent:
+    def __init__(self, calls: list[str], **kwargs: object) -> None:
+        self.calls, self.kwargs = calls, kwargs
+        calls.append(f"event made {kwargs}")
+
+    def record(self, stream: object) -> None:
+        self.calls.append(f"recorded on {stream}")
+
+    def synchronize(self) -> None:
+        self.calls.append("host waits")
+
+
+def test_the_runners_event_sleeps_rather_than_spins(monkeypatch):
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "Event", lambda **kw: FakeEvent(calls, **kw))
+    blocking_event()
+    assert calls == ["event made {'blocking': True}"]
+
+
+def test_scores_are_copied_without_blocking_then_waited_for_on_one_reused_blocking_event(monkeypatch):
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "Event", lambda **kw: FakeEvent(calls, **kw))
+    copies: list[bool] = []
+    real_copy = torch.Tensor.copy_
+
+    def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        copies.append(non_blocking)
+        calls.append("copy queued")
+        return real_copy(self, src, non_blocking=non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    to_host = ScoresToHost("stream", pin_memory=False)  # pinned memory needs CUDA; the rest is the same
+    scores = torch.rand(4, 5)
+    first, second = to_host(scores), to_host(scores * 2)
+    assert calls == ["copy queued", "event made {'blocking': True}", "recorded on stream", "host waits",
+                     "copy queued", "recorded on stream", "host waits"]
+    assert copies == [True, True]
+    torch.testing.assert_close(torch.from_numpy(first), scores)
+    torch.testing.assert_close(torch.from_numpy(second), scores * 2)
+    assert first.base is None  # its own memory: the pinned block goes back at once
+
+
+def test_on_a_cpu_scores_are_read_as_they_are():
+    scores = torch.rand(3, 2)
+    out = ScoresToHost(None)(scores)
+    assert out.dtype == np.float32 and np.shares_memory(out, scores.numpy())
+
+
+# --- after a failed capture, eager for good (issue 45, item 3); CudaGraphRunner's logic without a GPU ---
+
+def _graph_runner_without_a_gpu(gate: CaptureGate, capture) -> CudaGraphRunner:
+    """The runner's lazy-capture logic on its own: its plan, its gate and a capture that uses a stand-in graph."""
+    runner = object.__new__(CudaGraphRunner)
+    runner.device = torch.device("cuda", 0)
+    runner.plan = GraphPlan((1, 2, 4, 8), capture_after=1)
+    runner._captures = gate
+    runner._graphs = {}
+    runner._capture = capture
+    return runner
+
+
+def test_after_a_failed_capture_no_runner_captures_again_and_memory_is_not_emptied(monkeypatch, caplog):
+    from tests.unit.test_runtime_capturegate import FailingGraph
+
+    gate, tried = CaptureGate(), []
+
+    def capture(bucket: int, shape: tuple[int, int, int]):
+        tried.append((bucket, shape))
+        with gate.capturing(), gate.graph(f"bucket={bucket} shape={list(shape)}"):
+            FailingGraph().capture()
+
+    first, second = _graph_runner_without_a_gpu(gate, capture), _graph_runner_without_a_gpu(gate, capture)
+    assert first._capture_lazily(8, SHAPE) is False
+    assert second._capture_lazily(4, (64, 64, 3)) is False
+    assert first._capture_lazily(2, SHAPE) is False
+    assert tried == [(8, SHAPE)]  # one capture tried in the process, then none
+    assert second.plan.decide(4, (64, 64, 3)).action == "eager"
+    assert [r.levelname for r in caplog.records if "capture" in r.getMessage()] == ["ERROR"]
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    _return_memory(torch.device("cuda", 0), gate)
+    assert emptied == []
+
+
+def test_a_released_graphs_memory_is_emptied_while_captures_go_on(monkeypatch):
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    _return_memory(torch.device("cuda", 0), CaptureGate())
+    assert emptied == [True]
+
+
+# --- the host-sync check's process-wide mode, before any runner serves (issue 45, item 7) ---
+
+def test_a_runner_says_it_serves_from_its_first_batch(monkeypatch):
+    state = ServingState()
+    monkeypatch.setattr("worker.runtime.runners.SERVING", state)
+    runner = EagerRunner(build_builtin_model(5), CONTRACT, torch.device("cpu"))
+    assert not state.began
+    runner.run(_batch(1))
+    assert state.began

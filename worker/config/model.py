@@ -114,7 +114,9 @@ class RuntimeSettings:
     cuda_graphs: bool = setting(True, doc=(
         "capture one CUDA graph per (batch bucket, shape) on CUDA, for the buckets a batch can reach (below), under a "
         "memory budget; a model whose forward reads device values on the host is then refused at start (the host-sync "
-        "check, under [model])"))
+        "check, under [model]). After any capture fails (a lazy one while serving), none is tried again in the "
+        "process: torch 2.11 cannot capture, nor empty its cache, after a failed capture; graphs captured before are "
+        "replayed, the rest runs eager, one ERROR line says why and `streamfer_cuda_graph_captures_stopped` is 1"))
     graph_batch_sizes: tuple[int, ...] = setting((1, 2, 4, 8, 16, 32),
         range="at least one, each >= 1", unit="frames", doc=(
         "the buckets; a batch is padded to the smallest that holds it. A bucket above the largest batch the batcher "
@@ -150,8 +152,9 @@ class RuntimeSettings:
         "measure its peak memory there"))
     memory_fraction: float = setting(0.8, gt=0, le=1, doc=(
         "GPUs, each measured on its own: a device's largest batch per shape is the one whose peak device memory, "
-        "measured at graph capture and warm-up calibration on that device, stays under this share of its memory with "
-        "each of its `instances_per_device` runners running such a batch at once (the model and graphs counted once, "
+        "measured at graph capture and warm-up calibration on that device, stays under this share of its memory (less "
+        "256 MiB for nvJPEG's buffers where `decode` is on the device: Sizing below) with each of its "
+        "`instances_per_device` runners running such a batch at once (the model and graphs counted once, "
         "each batch's own memory once per runner; `worker/memorypolicy.py`); no graph is captured for a bucket a "
         "runner would have to pad past it. The batcher sends no batch larger than the devices take together: one "
         "larger than the least loaded runner's device takes is split across devices (below). A quarter of that share "

@@ -9,12 +9,15 @@ bytes). The checked bytes are staged in one host buffer (pinned on CUDA), the JP
 is tested without a GPU) and raw frames copied as uint8. Each group of frames of one size is then resized
 (bilinear, antialiased when shrinking, in float32 and rounded once), cropped or letterboxed as the
 `ModelContract` says, in torch on the device, into the runner's uint8 NHWC rows; the runner normalises them in
-its graph as on the CPU path. On CUDA all of it runs on the runner's copy stream and the batch's `ready_event`
-marks its end. A batched decode that fails is retried frame by frame, so only the frame that fails is reported.
+its graph as on the CPU path. On CUDA the decode runs on a stream of its own (`OrderedDecode`: nvJPEG writes
+from its own stream into memory allocated on the caller's, without waiting for it), the rest on the runner's
+copy stream, and the batch's `ready_event` marks its end. A batched decode that fails is retried frame by frame,
+so only the frame that fails is reported.
 
 Where it differs from the CPU path (`preprocess.Preprocessor`): JPEGs are decoded at full size (no
 `jpeg_scaled_decode`); the resize is torch's float filter whatever `resampler` says (within a grey level of
-both CPU resamplers); CMYK JPEGs (print files) are decoded on the host and uploaded; and its decoders are not
+both CPU resamplers); nvJPEG upsamples 4:2:0 chroma nearest-neighbour where libjpeg-turbo interpolates (tens
+of grey levels at colour edges); CMYK JPEGs (print files) are decoded on the host and uploaded; and its decoders are not
 strict about corrupt entropy-coded data inside a structurally complete JPEG (bit flips in a scan), which the CPU
 path's strict libjpeg refuses: such a frame is scored as decoded. docs/configuration.md has the figures.
 """
@@ -30,7 +33,7 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +46,7 @@ from worker.frames import Frame
 from worker.runtime.decode import FrameDecodeError, check_frame, decode_frame
 from worker.runtime.models import ModelContract
 from worker.runtime.preprocess import HostBatch, check_fits_batch, jpeg_roundtrip, resize_target, to_channels
+from worker.runtime.streams import STREAMS, StreamRegistry
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +92,61 @@ class ByteStaging:
                 self._idle_bytes -= oldest.numel()
 
 
+class DecodeTurn:
+    """One decode at a time, and the event marking the end of the last one (see `OrderedDecode`)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.previous: torch.cuda.Event | None = None
+
+
+# torchvision keeps one nvJPEG decoder per process, behind a lock: the turn is process-wide too.
+NVJPEG_TURN = DecodeTurn()
+
+
+class OrderedDecode:
+    """torchvision's batched CUDA decode, ordered against the GPU work around it (pytorch/vision issue 9606,
+    torchcodec issue 1634).
+
+    `decode_jpeg(list, device="cuda")` allocates its outputs on the caller's current stream, then nvJPEG writes
+    them from its own stream without waiting for that one. The caching allocator hands a block freed on a
+    stream to the next request on the same stream at once, trusting stream order: called on the runner's copy
+    stream, a decode could be given memory that the previous batch's queued resize still reads, and write over
+    it (wrong pixels, silently). So the call runs on `stream`, a stream of its own on which no kernel of ours
+    runs (torchvision makes it wait for nvJPEG before returning); the consumer stream waits for it, and each
+    output is recorded on the consumer, so its memory is not handed out again before the consumer is done.
+
+    One at a time (torchvision keeps one nvJPEG decoder per process behind a lock): before each call the thread
+    sleeps on a blocking event until the previous decode is done, so that nvJPEG's own wait for its stream at
+    the start of the call finds nothing to spin on."""
+
+    def __init__(self, stream: torch.cuda.Stream, decode: Callable[..., list] | None = None,
+                 use_stream: Callable[[torch.cuda.Stream], contextlib.AbstractContextManager] = torch.cuda.stream,
+                 make_event: Callable[[], torch.cuda.Event] = lambda: torch.cuda.Event(blocking=True),
+                 turn: DecodeTurn = NVJPEG_TURN) -> None:
+        self.stream = stream
+        self._decode = decode or decode_jpegs
+        self._use_stream = use_stream
+        self._make_event = make_event
+        self._turn = turn
+
+    def __call__(self, data: list[torch.Tensor], mode: tvio.ImageReadMode, device: torch.device,
+                 consumer: torch.cuda.Stream) -> list[torch.Tensor | FrameDecodeError]:
+        with self._turn.lock:
+            if self._turn.previous is not None:
+                self._turn.previous.synchronize()
+            with self._use_stream(self.stream):
+                out = self._decode(data, mode, device)
+            done = self._make_event()
+            done.record(self.stream)
+            self._turn.previous = done
+        consumer.wait_stream(self.stream)
+        for image in out:
+            if not isinstance(image, FrameDecodeError):
+                image.record_stream(consumer)
+        return out
+
+
 @dataclass
 class _Staged:
     """One checked frame of a batch: a JPEG for the device's decoder, or host pixels (a raw frame, or a CMYK JPEG
@@ -107,12 +166,15 @@ class DevicePreprocessor:
     spread across them; `prepare` must then not itself run on that pool."""
 
     def __init__(self, contract: ModelContract, staging: ByteStaging | None = None,
-                 pool: concurrent.futures.Executor | None = None, workers: int = 1):
+                 pool: concurrent.futures.Executor | None = None, workers: int = 1, streams: StreamRegistry = STREAMS):
         self.contract = contract
         self.staging = staging or ByteStaging()
         self._pool = pool if workers > 1 else None
         self._workers = workers
         self._mode = tvio.ImageReadMode.GRAY if contract.channels == 1 else tvio.ImageReadMode.RGB
+        self._streams = streams
+        self._decoders: dict[torch.device, OrderedDecode] = {}  # per CUDA device, made at its first batch
+        self._decoders_lock = threading.Lock()
 
     def prepare(self, frames: Sequence[Frame], shape: tuple[int, int, int], device: torch.device | str,
                 stream: torch.cuda.Stream | None = None) -> HostBatch:
@@ -192,7 +254,11 @@ class DevicePreprocessor:
         images: dict[int, torch.Tensor] = {}
         jpegs = [s for s in staged if s.host is None]
         if jpegs:
-            decoded = decode_jpegs([buffer[s.start:s.stop] for s in jpegs], self._mode, device)
+            data = [buffer[s.start:s.stop] for s in jpegs]
+            if device.type == "cuda":
+                decoded = self._decoder(device)(data, self._mode, device, torch.cuda.current_stream(device))
+            else:
+                decoded = decode_jpegs(data, self._mode, device)
             for s, image in zip(jpegs, decoded):
                 expected = (self.contract.channels, s.frame.height, s.frame.width)
                 if isinstance(image, FrameDecodeError):
@@ -211,6 +277,14 @@ class DevicePreprocessor:
                 assert s.host is not None
                 images[s.index] = span[s.start - lo:s.stop - lo].view(s.host.shape).permute(2, 0, 1)
         return images
+
+    def _decoder(self, device: torch.device) -> OrderedDecode:
+        with self._decoders_lock:
+            decoder = self._decoders.get(device)
+            if decoder is None:
+                stream = self._streams.take(device, "the device path's decoding", self)
+                decoder = self._decoders[device] = OrderedDecode(stream)
+            return decoder
 
     def _fit(self, out: torch.Tensor, items: list[tuple[Frame, torch.Tensor]]) -> list[tuple[int, int, int, int]]:
         """Write each item's pixels into its row of `out`, resized / cropped / letterboxed per the contract, frames

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.config import ConfigError, RuntimeSettings
-from worker.memorypolicy import MemoryPolicy, MemoryProbe
+from worker.memorypolicy import NVJPEG_HEADROOM_BYTES, MemoryPolicy, MemoryProbe
 from worker.runtime.runners import CudaMemoryProbe
 
 
@@ -98,7 +98,8 @@ def device_memories(plan: DevicePlan, runtime: RuntimeSettings) -> dict[torch.de
     out = {}
     for device in plan.devices:
         probe = CudaMemoryProbe(device)
-        policy = MemoryPolicy(probe.total_bytes(), runtime.memory_fraction, runners=runtime.instances_per_device)
+        policy = MemoryPolicy(probe.total_bytes(), runtime.memory_fraction, runners=runtime.instances_per_device,
+                              headroom_bytes=NVJPEG_HEADROOM_BYTES if plan.decode_on_device else 0)
         out[device] = DeviceMemory(policy, probe)
     return out
 

@@ -12,7 +12,9 @@ finds such places before any capture, on any device, so a model that would not c
   check follows what would be on the device (the input, the model's parameters and buffers, tensors made with
   an explicit `device=`, and everything computed from those). On a CPU a TorchScript model whose graph calls
   no Python is all in its graph, and this forward is skipped;
-- on a GPU, also under `torch.cuda.set_sync_debug_mode("error")`, which names any other synchronizing call.
+- on a GPU, also under `torch.cuda.set_sync_debug_mode("error")`, which names any other synchronizing call. That
+  mode is process-wide: it is set only at start-up, before any runner of the process serves (`SERVING`), since
+  another thread's batch would fail under it; afterwards the check runs without it.
 
 `check_host_syncs` is what the worker runs at start-up: it refuses the model (`HostSyncError`) when CUDA
 graphs are to be used, and logs a warning otherwise.
@@ -59,6 +61,19 @@ _HOST_READ_METHODS = frozenset({"item", "tolist", "cpu", "numpy", "__bool__", "_
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _FILE_LINE = re.compile(r'File "([^"]+)", line (\d+)')
 _TRACED_FRAME = re.compile(r"^(.+)\((\d+)\): \S+$")
+
+
+class ServingState:
+    """Process-wide: whether any runner has begun serving (warmed up or run a batch); runners say so themselves."""
+
+    def __init__(self) -> None:
+        self.began = False
+
+    def begin(self) -> None:
+        self.began = True
+
+
+SERVING = ServingState()
 
 
 @dataclass(frozen=True)
@@ -297,7 +312,7 @@ class _Recorder:
             # forward under a Python mode (seconds for open_nsfw, once).
             stack.enter_context(torch.jit.optimized_execution(False))
             if self.on_cuda:
-                stack.enter_context(_sync_debug("error"))
+                stack.enter_context(start_up_sync_debug())
             stack.enter_context(_Functions(self))
             stack.enter_context(_Dispatch(self))
             yield
@@ -450,6 +465,20 @@ def _copies_to_host(name: str, args: tuple, kwargs: dict, on_cuda: bool) -> bool
         return len(args) > 1 and isinstance(args[0], torch.Tensor) and not args[0].is_cuda and args[1].is_cuda
     device = kwargs.get("device")
     return device is not None and torch.device(device).type == "cpu"
+
+
+@contextlib.contextmanager
+def start_up_sync_debug(serving: ServingState = SERVING) -> Iterator[bool]:
+    """CUDA's sync-debug mode "error" for the checked forward (True), restored after; only while no runner of the
+    process serves: the mode is process-wide, and would fail another thread's batch at its first synchronising
+    call. Once one serves, nothing is set (False) and the check names what the graphs and the forward show."""
+    if serving.began:
+        log.warning("host-sync check after a runner began serving: CUDA's sync-debug mode is process-wide, so the "
+                    "check runs without it (the graph scan and the traced forward still run)")
+        yield False
+        return
+    with _sync_debug("error"):
+        yield True
 
 
 @contextlib.contextmanager

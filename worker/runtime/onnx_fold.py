@@ -8,7 +8,8 @@ conversion, and the node becomes a plain torch call with Python values, with ONN
 copies the input's dimension, `-1` is inferred). Constant subgraphs (ConstantOfShape or Range of constants, a
 Concat of initializers) are computed once and kept as buffers. A shape computed from the input at run time
 (Shape -> Gather -> Concat -> Reshape) is not constant and stays as it is; the start-up check
-(`worker.runtime.hostsync`) names it.
+(`worker.runtime.hostsync`) names it. The folded forms name no device: the module is traced on the CPU and loaded
+onto the runner's device, and a device in a traced call is a constant (tests/unit/test_runtime_onnx.py scans for it).
 """
 
 from __future__ import annotations
@@ -65,8 +66,10 @@ def reshape(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def expand(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """ONNX Expand: broadcasts both ways (a 1 in `shape` keeps the input's dimension), as onnx2torch computes it."""
-    return x * torch.ones(shape, dtype=x.dtype, device=x.device)
+    """ONNX Expand: broadcasts both ways (a 1 in `shape` keeps the input's dimension), as onnx2torch computes it.
+    `new_ones`, not `torch.ones(..., device=x.device)`: tracing records the latter's device as a constant (the
+    conversion's, "cpu"), so the traced model would fail on any other device."""
+    return x * x.new_ones(shape)
 
 
 def tile(x: torch.Tensor, repeats: tuple[int, ...]) -> torch.Tensor:

@@ -5,7 +5,9 @@ the captured graph where it has one, so the host never touches float32 and the c
 
 `worker.graphplan.GraphPlan` decides (which bucket, replay / capture now / run eager, which buckets are worth
 capturing, which graphs to release for the memory budget) and is pure; the runners execute.
-A runner is used from one thread at a time (the executor gives each its own inference thread).
+A runner is used from one thread at a time (the executor gives each its own inference thread). On CUDA each
+takes its streams from `worker.runtime.streams.STREAMS` (each its own), and waits for its scores on an event
+that sleeps rather than spins (`ScoresToHost`).
 """
 
 from __future__ import annotations
@@ -19,25 +21,58 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from worker.graphplan import LAZY_CAPTURE_AFTER, BatchCaps, GraphKey, GraphPlan, GraphStep
+from worker.graphplan import LAZY_CAPTURE_AFTER, PROCESS_CAPTURES, BatchCaps, GraphKey, GraphPlan, GraphStep
 from worker.memorypolicy import MemoryPolicy
-from worker.runtime.capturegate import CaptureGate
+from worker.runtime.capturegate import CaptureGate, CapturesStopped
 from worker.runtime.contract import ModelContract, ModelContractError
+from worker.runtime.hostsync import SERVING
 from worker.runtime.models import apply_activation
 from worker.runtime.preprocess import Normaliser
+from worker.runtime.streams import STREAMS, StreamRegistry, check_distinct
 
 log = logging.getLogger(__name__)
 
 PRECISION_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 # PyTorch allows one CUDA graph capture at a time per process, so runners of several GPUs take turns; no graph
-# is destroyed while one captures (worker.runtime.capturegate).
-CAPTURES = CaptureGate()
+# is destroyed while one captures (worker.runtime.capturegate), and none is tried after one failed.
+CAPTURES = CaptureGate(PROCESS_CAPTURES)
 
 # On a CPU, first-call costs (allocations, oneDNN primitives) are paid per input shape whatever the batch size,
 # so warm-up batches larger than this only cost start-up time (32 frames of a ResNet-50: seconds each).
 CPU_WARMUP_BATCH_MAX = 2
 
 Shape = tuple[int, int, int]  # one sample of the runner's input: uint8 pixels (H, W, C), whatever the model layout
+
+
+def blocking_event() -> torch.cuda.Event:
+    """An event whose synchronize() sleeps until the device reaches it: with CUDA's default scheduling a host
+    thread waiting on the device otherwise spins a core for the whole wait."""
+    return torch.cuda.Event(blocking=True)
+
+
+class ScoresToHost:
+    """A batch's scores from the device to the host: copied asynchronously into pinned memory on the runner's
+    stream, then waited for on a blocking event (so the inference thread sleeps, not spins, through the batch).
+    On a CPU (no stream) the scores are already on the host: `.numpy()` as ever."""
+
+    def __init__(self, stream: torch.cuda.Stream | None, make_event: Callable[[], torch.cuda.Event] = blocking_event,
+                 pin_memory: bool = True) -> None:
+        self.stream = stream
+        self._make_event = make_event
+        self._pin_memory = pin_memory
+        self._done: torch.cuda.Event | None = None  # one per runner, recorded again for every batch
+
+    def __call__(self, scores: torch.Tensor) -> np.ndarray:
+        if self.stream is None:
+            return scores.to("cpu").numpy()
+        host = torch.empty(scores.shape, dtype=scores.dtype, pin_memory=self._pin_memory)
+        host.copy_(scores, non_blocking=True)
+        if self._done is None:
+            self._done = self._make_event()
+        self._done.record(self.stream)
+        self._done.synchronize()
+        # A copy: the pinned block goes back to torch's host cache now, not when the last score is read.
+        return host.numpy().copy()
 
 
 @dataclass(frozen=True)
@@ -55,18 +90,20 @@ class EagerRunner:
     uses_graphs = False
 
     def __init__(self, module: Callable[[torch.Tensor], torch.Tensor], contract: ModelContract,
-                 device: torch.device, precision: str = "fp32"):
+                 device: torch.device, precision: str = "fp32", streams: StreamRegistry = STREAMS):
         if precision not in PRECISION_DTYPES:
             raise ValueError(f"runtime.precision: {precision!r} is not one of {sorted(PRECISION_DTYPES)}")
         self.module = module
         self.contract = contract
         self.device = torch.device(device)
         self.precision = precision
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        on_cuda = self.device.type == "cuda"
+        self.stream = streams.take(self.device, "a runner's compute", self) if on_cuda else None
         # Host->device copies of upcoming batches go on this stream, overlapping the current batch's compute.
-        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.copy_stream = streams.take(self.device, "a runner's copies", self) if on_cuda else None
         self.capture_count = 0
         self.normaliser = Normaliser(contract, self.device)
+        self._to_host = ScoresToHost(self.stream)
 
     @property
     def graph_evictions(self) -> int:
@@ -101,10 +138,11 @@ class EagerRunner:
             regions: torch.Tensor | None = None) -> RunResult:
         """Scores for every row of `pixels` ([n, H, W, C] uint8, already on this runner's device); `regions`
         ([n, 4] int32 top, left, height, width) marks padding, None when every row is all pixels."""
+        SERVING.begin()
         with self._on_device():
             self._wait_for_input(ready, pixels, regions)
             scores = self.infer(pixels, regions)
-            return RunResult(scores=scores.to("cpu").numpy(), bucket=pixels.shape[0], used_graph=False)
+            return RunResult(scores=self._to_host(scores), bucket=pixels.shape[0], used_graph=False)
 
     @contextlib.contextmanager
     def _on_device(self):
@@ -175,10 +213,11 @@ class CudaGraphRunner(EagerRunner):
                  device: torch.device, precision: str = "fp32", buckets: Sequence[int] = (1, 2, 4, 8, 16, 32),
                  warmup_batches: int = 8, capture_after: int = LAZY_CAPTURE_AFTER, caps: BatchCaps = BatchCaps(),
                  memory: MemoryPolicy | None = None, graph_budget_bytes: int | None = None,
-                 on_evicted: Callable[[int], None] | None = None, captures: CaptureGate = CAPTURES):
+                 on_evicted: Callable[[int], None] | None = None, captures: CaptureGate = CAPTURES,
+                 streams: StreamRegistry = STREAMS):
         if torch.device(device).type != "cuda":
             raise ValueError("CudaGraphRunner needs a CUDA device; use EagerRunner on cpu")
-        super().__init__(module, contract, device, precision)
+        super().__init__(module, contract, device, precision, streams)
         self.plan = GraphPlan(buckets, capture_after, caps, memory, graph_budget_bytes)
         self.warmup_batches = warmup_batches
         self.probe = CudaMemoryProbe(self.device)
@@ -186,11 +225,14 @@ class CudaGraphRunner(EagerRunner):
         self._captures = captures
         self._graphs: dict[GraphKey, _Graph] = {}
         # Its graphs outlive it until no capture is in progress (a runner replaced, or collected, mid-capture).
-        self._return_memory = functools.partial(_return_memory, self.device)
+        self._return_memory = functools.partial(_return_memory, self.device, captures)
         captures.adopt(self, self._graphs, then=self._return_memory)
-        self._side_stream = torch.cuda.Stream(self.device)
-        # torch.cuda.graph's default capture stream belongs to whichever GPU was current when first used.
-        self._capture_stream = torch.cuda.Stream(self.device)
+        self._side_stream = streams.take(self.device, "a runner's warm-up side stream", self)
+        # torch.cuda.graph's default capture stream belongs to whichever GPU was current when first used. Its own:
+        # another thread's work on it (a decode, a copy) would be captured, and fail the capture.
+        self._capture_stream = streams.take(self.device, "a runner's captures", self)
+        check_distinct({"compute": self.stream, "copies": self.copy_stream, "warm-up": self._side_stream,
+                        "captures": self._capture_stream})
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -201,10 +243,14 @@ class CudaGraphRunner(EagerRunner):
         return self.plan.evictions
 
     def warm_up(self, shape: Shape, batches: int, batch_size: int = 0) -> None:
-        """Capture a graph for every bucket worth it for this shape, smallest first (`GraphPlan.next_warm_up`)."""
-        while (bucket := self.plan.next_warm_up(shape)) is not None:
+        """Capture a graph for every bucket worth it for this shape, smallest first (`GraphPlan.next_warm_up`);
+        none once a capture has failed in this process (this shape then runs eager)."""
+        SERVING.begin()
+        while self._captures.stopped is None and (bucket := self.plan.next_warm_up(shape)) is not None:
             try:
                 graph = self._capture(bucket, shape)
+            except CapturesStopped:
+                break  # another runner's capture failed meanwhile: this shape runs eager
             except Exception as exc:
                 raise ModelContractError(
                     f"the model cannot be captured in a CUDA graph for batch {bucket} x {list(shape)} "
@@ -238,6 +284,7 @@ class CudaGraphRunner(EagerRunner):
         if step.action == "eager":
             return super().run(pixels, ready, regions)
         graph = self._graphs[(step.bucket, shape)]
+        SERVING.begin()
         with self._on_device():
             self._wait_for_input(ready, pixels, regions)
             graph.static_in[:n].copy_(pixels)
@@ -246,17 +293,23 @@ class CudaGraphRunner(EagerRunner):
                 # Padding rows: an empty region normalises them to zeros (deterministic; rows never mix in eval).
                 graph.static_regions[n:].zero_()
             graph.graph.replay()
-            scores = graph.static_out[:n].to("cpu").numpy()
+            scores = self._to_host(graph.static_out[:n])
         return RunResult(scores=scores, bucket=step.bucket, used_graph=True)
 
     def _capture_lazily(self, bucket: int, shape: Shape) -> bool:
+        """Capture (bucket, shape) now; False (run eager) when it fails, or when captures stopped after a failed one
+        (in any runner of the process: worker.graphplan.CaptureStop)."""
+        if self._captures.stopped is not None:
+            self.plan.mark_failed(bucket, shape)
+            return False
         failed: list[BaseException] = []
         try:
             graph = self._capture(bucket, shape)
         except Exception as exc:  # noqa: BLE001 (reported to the caller)
             self.plan.mark_failed(bucket, shape)
-            log.warning("cuda graph capture failed; running eager for this shape device=%s bucket=%d shape=%s "
-                        "error=%s", self.device, bucket, list(shape), exc)
+            if self._captures.stopped is None:  # failed before capturing (e.g. out of memory in the warm-up runs)
+                log.warning("cuda graph capture failed; running eager for this shape device=%s bucket=%d shape=%s "
+                            "error=%s", self.device, bucket, list(shape), exc)
             failed.append(exc)
         if failed:
             # The error's traceback holds the failed graph: released once the except block no longer holds the
@@ -303,7 +356,9 @@ class CudaGraphRunner(EagerRunner):
             # Each graph has its own memory pool (no pool= shared with the others), so a released graph's memory
             # really returns to the device. thread_local: preprocessing threads keep copying to the device while
             # this thread captures.
-            with torch.cuda.graph(graph, stream=self._capture_stream, capture_error_mode="thread_local"):
+            what = f"device={self.device} bucket={bucket} shape={list(shape)}"
+            with self._captures.graph(what), \
+                    torch.cuda.graph(graph, stream=self._capture_stream, capture_error_mode="thread_local"):
                 # Read inside: entering torch.cuda.graph empties the allocator's cache, which is not this graph's.
                 before = self.probe.reserved_bytes()
                 static_out = self.infer(static_in, static_regions)
@@ -313,9 +368,12 @@ class CudaGraphRunner(EagerRunner):
             return _Graph(graph, static_in, static_regions, full, static_out, nbytes)
 
 
-def _return_memory(device: torch.device) -> None:
+def _return_memory(device: torch.device, captures: CaptureGate) -> None:
     """A graph's private pool goes back to the device only once the graph and its tensors are gone, and then
-    only through empty_cache."""
+    only through empty_cache; never after a failed capture, when torch 2.11's empty_cache fails an internal
+    assertion (worker.graphplan.CaptureStop): the memory stays in torch's cache, for eager batches to reuse."""
+    if captures.stopped is not None:
+        return
     with torch.cuda.device(device):
         torch.cuda.empty_cache()
 
