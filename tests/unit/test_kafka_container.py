@@ -94,3 +94,21 @@ def test_the_kits_environment_becomes_the_local_brokers_listeners(tmp_path: Path
     assert props["controller.quorum.voters"] == "1@127.0.0.1:41001"
     assert props["transaction.state.log.replication.factor"] == "1"
     assert props["auto.create.topics.enable"] == "false"
+
+
+def test_a_container_that_cannot_start_leaves_a_warning_naming_the_image_and_the_reason(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import worker.testing
+    import worker.tools.kafka_container
+
+    def refused() -> None:
+        raise RuntimeError("500 Server Error: pull access denied for apache/kafka\nmore detail")
+
+    monkeypatch.setenv(IMAGE_ENV, "apache/kafka:4.1.1")
+    monkeypatch.setattr(worker.tools.kafka_container, "start_kafka_container", refused)
+    with caplog.at_level("WARNING", logger="worker.testing"):
+        assert worker.testing._kafka_container() is None
+    (record,) = caplog.records
+    assert "apache/kafka:4.1.1" in record.getMessage()
+    assert "pull access denied" in record.getMessage() and "more detail" not in record.getMessage()
+    assert "using the local broker" in record.getMessage()

@@ -109,8 +109,10 @@ def start_kafka_container(image: str | None = None, timeout_s: float = 180.0) ->
     engine = container.get_docker_client().client
     host_network = not engine.networks.list(names=["bridge"])
     if host_network:
-        port = free_port()
-        container.with_kwargs(network_mode="host").with_envs(**host_network_env(port, free_port()))
+        port, controller_port = free_port(), free_port()
+        while controller_port == port:  # the OS may hand the same free port out twice in a row
+            controller_port = free_port()
+        container.with_kwargs(network_mode="host").with_envs(**host_network_env(port, controller_port))
         bootstrap = f"127.0.0.1:{port}"
     else:
         host, port = container.get_docker_client().host(), free_port()
