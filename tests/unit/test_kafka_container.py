@@ -28,7 +28,7 @@ RUN = ROOT / "deploy" / "container-check" / "kafka-image" / "run"
 
 def test_the_default_image_is_apache_kafka_of_the_local_brokers_version() -> None:
     pom = (ROOT / "deploy" / "local-kafka" / "pom.xml").read_text(encoding="utf-8")
-    assert re.search(r"<kafka.version>(.*?)</kafka.version>", pom).group(1) == KAFKA_VERSION
+    assert re.findall(r"<kafka.version>(.*?)</kafka.version>", pom) == [KAFKA_VERSION]
     assert DEFAULT_IMAGE == f"apache/kafka:{KAFKA_VERSION}"
 
 
