@@ -41,6 +41,7 @@ from worker.errors import StreamferError
 if TYPE_CHECKING:
     from worker.frames import Encoding, Priority
     from worker.schemas import FrameRecord
+    from worker.tools.kafka_container import KafkaContainer
 
 log = logging.getLogger(__name__)
 # librdkafka's own log lines of the frame producer (start-up retries such as "Coordinator load in progress"):
@@ -66,39 +67,41 @@ def _docker_engine_answers() -> bool:
         return False
 
 
-def _kafka_container() -> Any | None:
-    """testcontainers' Kafka, started; None (and a warning) where the engine cannot run it, e.g. when it
-    cannot pull the image: the local broker serves instead."""
+def _kafka_container() -> KafkaContainer | None:
+    """testcontainers' Kafka (worker/tools/kafka_container.py: the `apache/kafka` image, or STREAMFER_KAFKA_IMAGE),
+    started; None (and a warning) where it cannot start, e.g. when the engine cannot pull the image: the local
+    broker serves instead."""
     try:
-        from testcontainers.community.kafka import KafkaContainer
-    except ImportError:  # testcontainers < 4.15 has only the old path
-        try:
-            from testcontainers.kafka import KafkaContainer
-        except ImportError:
-            log.warning("a Docker engine answers but testcontainers is not installed; using the local broker")
-            return None
-    container = KafkaContainer().with_kraft()
-    try:
-        container.start()
-    except Exception as exc:  # noqa: BLE001 (docker's and testcontainers' errors have no common base)
-        log.warning("a Docker engine answers but testcontainers' Kafka did not start (%s); using the local broker",
-                    str(exc).splitlines()[0][:300])
+        from worker.tools.kafka_container import kafka_image, start_kafka_container
+    except ImportError as exc:
+        log.warning("a Docker engine answers but testcontainers cannot be imported (%s); using the local broker "
+                    "(pip install 'testcontainers>=4.15')", exc)
         return None
-    return container
+    try:
+        return start_kafka_container()
+    except Exception as exc:  # noqa: BLE001 (docker's and testcontainers' errors have no common base)
+        reason = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+        log.warning("a Docker engine answers but testcontainers' Kafka (%s) did not start (%s); using the local "
+                    "broker (STREAMFER_KAFKA_IMAGE names an image the engine has or can pull)", kafka_image(), reason)
+        return None
 
 
 @contextmanager
 def kafka_broker(state_dir: Path | None = None) -> Iterator[str]:
     """Bootstrap servers of a real broker: KAFKA_BOOTSTRAP_SERVERS if set; else testcontainers' Kafka where a
-    Docker engine answers; else the project's local Apache Kafka (KRaft, Java + Maven jars), removed after."""
+    Docker engine answers; else the project's local Apache Kafka (KRaft, Java + Maven jars), removed after.
+    Which one serves is logged and set in STREAMFER_TEST_BROKER (`external`, `testcontainers` or `local`)."""
     given = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
     if given:
-        yield given
+        with _broker_chosen("external", given):
+            yield given
         return
     container = _kafka_container() if _docker_engine_answers() else None
     if container is not None:
         try:
-            yield container.get_bootstrap_server()
+            with _broker_chosen("testcontainers", container.bootstrap_servers,
+                                f"image {container.image}, container {container.container_id[:12]}"):
+                yield container.bootstrap_servers
         finally:
             container.stop()
         return
@@ -110,12 +113,25 @@ def kafka_broker(state_dir: Path | None = None) -> Iterator[str]:
     # The reliability suite freezes this broker (SIGSTOP) to simulate a stall; it finds it here.
     os.environ["STREAMFER_TEST_BROKER_DIR"] = str(broker.state_dir)
     try:
-        yield state.bootstrap_servers
+        with _broker_chosen("local", state.bootstrap_servers, f"state in {broker.state_dir}"):
+            yield state.bootstrap_servers
     finally:
         os.environ.pop("STREAMFER_TEST_BROKER_DIR", None)
         broker.destroy()
         if own_dir:
             shutil.rmtree(broker.state_dir, ignore_errors=True)
+
+
+@contextmanager
+def _broker_chosen(kind: str, bootstrap: str, detail: str = "") -> Iterator[None]:
+    """Says which broker serves, in the log and in STREAMFER_TEST_BROKER, so a run can check it got the one it
+    meant to (`./dev container-check` asserts `testcontainers`)."""
+    log.info("test broker: %s on %s%s", kind, bootstrap, f" ({detail})" if detail else "")
+    os.environ["STREAMFER_TEST_BROKER"] = kind
+    try:
+        yield
+    finally:
+        os.environ.pop("STREAMFER_TEST_BROKER", None)
 
 
 def local_broker_pid() -> int | None:
