@@ -350,6 +350,70 @@ class DeadLetterSettings:
 
 
 @dataclass(frozen=True)
+class SchemaRegistrySettings:
+    """A Confluent-API Schema Registry (docs/configuration.md, Schema evolution). Empty `url`: plain Avro bodies
+    in and out, as without a registry. Secrets are read from files or an environment variable when the client is
+    made, so they never sit in Settings, logs or errors."""
+
+    # Comma-separated http(s) base URLs (Apicurio: http://host:8080/apis/ccompat/v7).
+    url: str = ""
+    # HTTP basic auth as "user:password" (a hosted registry's API key:secret), from a file or from the
+    # environment variable this NAMES; at most one of the two.
+    basic_auth_user_info_file: str = ""
+    basic_auth_user_info_env: str = ""
+    # TLS: the CA bundle the registry's certificate is checked against (empty: the system's), and a client
+    # certificate with its key (mutual TLS); https URLs only.
+    ssl_ca_location: str = ""
+    ssl_certificate_location: str = ""
+    ssl_key_location: str = ""
+    ssl_key_password_file: str = ""
+    # Each registry request's timeout; a request is tried twice, so start-up gives up within 2x this.
+    timeout_ms: int = 5_000
+    # Register the results schema under `<topics.results>-value` at start (false: only look it up, for
+    # credentials that may read the registry but not write it: register it in the roll-out instead).
+    auto_register: bool = True
+
+
+def validate_schema_registry(r: SchemaRegistrySettings, environ: Mapping[str, str] | None = None) -> list[str]:
+    """Problems with the [schema_registry] settings; with an empty url, every other one must stay unset."""
+    env = os.environ if environ is None else environ
+    p: list[str] = []
+    files = ("basic_auth_user_info_file", "ssl_ca_location", "ssl_certificate_location", "ssl_key_location",
+             "ssl_key_password_file")
+    if not r.url.strip():
+        for name in (*files, "basic_auth_user_info_env"):
+            if getattr(r, name):
+                p.append(f"schema_registry.{name}: only used with schema_registry.url set")
+        return p
+    urls = [u.strip() for u in r.url.split(",")]
+    if not all(re.fullmatch(r"https?://[^\s/]+(/\S*)?", u) for u in urls):
+        p.append("schema_registry.url: must be comma-separated http:// or https:// URLs, e.g. "
+                 "http://registry:8080/apis/ccompat/v7")
+    if not 100 <= r.timeout_ms <= 60_000:
+        p.append("schema_registry.timeout_ms: must be 100..60000")
+    if r.basic_auth_user_info_file and r.basic_auth_user_info_env:
+        p.append("schema_registry.basic_auth_user_info_file: set at most one of it and "
+                 "schema_registry.basic_auth_user_info_env")
+    elif r.basic_auth_user_info_env and ":" not in env.get(r.basic_auth_user_info_env, ""):
+        p.append(f"schema_registry.basic_auth_user_info_env: the environment variable {r.basic_auth_user_info_env} "
+                 "is not set, or not user:password")
+    for name in files:
+        value = getattr(r, name)
+        if value:
+            p.extend(_file_problems(f"schema_registry.{name}", value, secret=name != "ssl_ca_location",
+                                    allow_dir=name == "ssl_ca_location"))
+    tls = ("ssl_ca_location", "ssl_certificate_location", "ssl_key_location", "ssl_key_password_file")
+    if any(getattr(r, name) for name in tls) and not all(u.startswith("https://") for u in urls):
+        p.append("schema_registry.ssl_*: TLS settings are only used with https:// URLs in schema_registry.url")
+    if bool(r.ssl_certificate_location) != bool(r.ssl_key_location):
+        p.append("schema_registry.ssl_certificate_location: a client certificate needs its key "
+                 "(schema_registry.ssl_key_location), and a key its certificate")
+    if r.ssl_key_password_file and not r.ssl_key_location:
+        p.append("schema_registry.ssl_key_password_file: only used with schema_registry.ssl_key_location")
+    return p
+
+
+@dataclass(frozen=True)
 class Settings:
     kafka: KafkaSettings = field(default_factory=KafkaSettings)
     topics: TopicSettings = field(default_factory=TopicSettings)
@@ -360,6 +424,7 @@ class Settings:
     observability: ObservabilitySettings = field(default_factory=ObservabilitySettings)
     limits: LimitsSettings = field(default_factory=LimitsSettings)
     dlq: DeadLetterSettings = field(default_factory=DeadLetterSettings)
+    schema_registry: SchemaRegistrySettings = field(default_factory=SchemaRegistrySettings)
 
     @property
     def max_uncommitted_frames(self) -> int:
@@ -401,8 +466,10 @@ def load_settings(
         if not key.startswith(ENV_PREFIX):
             continue
         rest = key[len(ENV_PREFIX):].lower()
-        section, _, name = rest.partition("_")
-        if section in SECTIONS and name:
+        # The longest section the name starts with: WORKER_SCHEMA_REGISTRY_URL is [schema_registry] url.
+        section = max((s for s in SECTIONS if rest.startswith(s + "_")), key=len, default="")
+        name = rest[len(section) + 1:]
+        if section and name:
             raw.setdefault(section, {})[name] = value
     for section, values in (overrides or {}).items():
         raw.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
@@ -757,6 +824,7 @@ def validate(s: Settings) -> list[str]:
     need(0 <= lim.duplicate_window_frames <= 1_000_000, "limits.duplicate_window_frames: must be 0..1000000 (0 = off)")
 
     need(0 <= s.dlq.max_replays <= 1000, "dlq.max_replays: must be 0..1000 (0 = no replays)")
+    p.extend(validate_schema_registry(s.schema_registry))
     return p
 
 
