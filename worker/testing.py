@@ -576,4 +576,5 @@ def registry_frame_producer(kafka_bootstrap: str, streamfer_topics: TestTopics, 
     from worker.config import SchemaRegistrySettings
     from worker.kafka.registry import frame_serializer
 
-    return FrameProducer(kafka_bootstrap, streamfer_topics, encode=frame_serializer(SchemaRegistrySettings(url=schema_registry)))
+    serializer = frame_serializer(SchemaRegistrySettings(url=schema_registry))
+    return FrameProducer(kafka_bootstrap, streamfer_topics, encode=serializer)

@@ -259,7 +259,8 @@ def test_registry_settings_are_checked(tmp_path):
     with pytest.raises(ConfigError, match="TLS settings are only used with https"):
         ca = tmp_path / "ca.pem"
         ca.write_text("x")
-        load_settings(env={"WORKER_SCHEMA_REGISTRY_URL": "http://reg", "WORKER_SCHEMA_REGISTRY_SSL_CA_LOCATION": str(ca)})
+        load_settings(env={"WORKER_SCHEMA_REGISTRY_URL": "http://reg",
+                           "WORKER_SCHEMA_REGISTRY_SSL_CA_LOCATION": str(ca)})
 
 
 def test_credentials_are_read_when_the_client_is_made_and_never_kept_in_settings(tmp_path):

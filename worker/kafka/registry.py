@@ -99,10 +99,11 @@ def _refusal(exc: Exception, what: str, url: str, auto_register: bool) -> Operat
                              f"request gives up after schema_registry.timeout_ms)", setting="schema_registry.url")
     status = exc.http_status_code
     if status == 409:
-        return OperatorError(f"schema_registry.url: the Schema Registry at {url} refused to {what}: {exc.error_message} "
-                             f"(HTTP 409: incompatible with the subject's latest version under its compatibility "
-                             f"rule). Keep the worker's schema, or change the subject's compatibility: see Schema "
-                             f"evolution in docs/configuration.md", setting="schema_registry.url")
+        return OperatorError(f"schema_registry.url: the Schema Registry at {url} refused to {what}: "
+                             f"{exc.error_message} (HTTP 409: incompatible with the subject's latest version under "
+                             f"its compatibility rule). Keep the worker's schema, or change the subject's "
+                             f"compatibility: see Schema evolution in docs/configuration.md",
+                             setting="schema_registry.url")
     if status in (401, 403):
         return OperatorError(f"schema_registry.basic_auth_user_info_file: the Schema Registry at {url} refused to "
                              f"{what}: HTTP {status} ({exc.error_message}); check the credentials and their rights",

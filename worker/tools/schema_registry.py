@@ -95,11 +95,12 @@ def ensure_registry(cache_dir: Path = CACHE_DIR) -> Path:
     cache_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir.parent) as tmp:
         log.info("resolving %s with Maven", ARTIFACT)
-        proc = subprocess.run([mvn, "-q", "-B", "dependency:copy", f"-Dartifact={ARTIFACT}", f"-DoutputDirectory={tmp}"],
-                              cwd=tmp, capture_output=True, text=True)
+        proc = subprocess.run([mvn, "-q", "-B", "dependency:copy", f"-Dartifact={ARTIFACT}",
+                               f"-DoutputDirectory={tmp}"], cwd=tmp, capture_output=True, text=True)
         archives = list(Path(tmp).glob("*.tar.gz"))
         if proc.returncode != 0 or not archives:
-            raise SchemaRegistryError(f"mvn could not resolve {ARTIFACT}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+            raise SchemaRegistryError(f"mvn could not resolve {ARTIFACT}:\n{proc.stdout[-2000:]}\n"
+                                      f"{proc.stderr[-2000:]}")
         unpacked = Path(tmp) / "unpacked"
         with tarfile.open(archives[0]) as tar:
             tar.extractall(unpacked, filter="data")
@@ -143,7 +144,7 @@ class LocalSchemaRegistry:
         jar = ensure_registry()
         self.port = free_port()
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_dir / "schema-registry.log", "ab")  # noqa: SIM115 (closed in stop)
+        self._log = open(self.log_dir / "schema-registry.log", "ab")
         cmd = [java, f"-Xmx{self.heap_mb}m", f"-Dquarkus.http.port={self.port}", "-Dquarkus.http.host=127.0.0.1",
                # Quarkus's management interface would listen on 0.0.0.0:9000: loopback and a free port instead.
                "-Dquarkus.management.host=127.0.0.1", f"-Dquarkus.management.port={free_port()}",
