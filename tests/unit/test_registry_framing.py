@@ -242,6 +242,16 @@ def test_registration_refused_or_unreachable_is_an_operator_error_naming_the_set
     assert down.value.setting == "schema_registry.url"
 
 
+def test_without_auto_register_a_schema_not_in_the_registry_names_that_setting():
+    class LookupOnly(FakeRegistry):
+        def lookup_schema(self, subject, schema):
+            raise SchemaRegistryError(404, 40401, f"Subject {subject} not found")
+
+    with pytest.raises(Exception, match="does not have the schema to look up") as missing:
+        schema_id_for(LookupOnly(), "r-value", RESULT_SCHEMA_TEXT, False, "http://reg")
+    assert missing.value.setting == "schema_registry.auto_register"
+
+
 # -- settings -----------------------------------------------------------------------------------------------
 def test_the_registry_url_is_read_from_its_environment_variable():
     settings = load_settings(env={"WORKER_SCHEMA_REGISTRY_URL": "http://reg:8080/apis/ccompat/v7",

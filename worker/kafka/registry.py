@@ -117,7 +117,7 @@ def _refusal(exc: Exception, what: str, url: str, auto_register: bool) -> Operat
                          setting="schema_registry.url")
 
 
-def schema_id_for(client: SchemaRegistryClient, subject: str, schema_text: str, auto_register: bool, url: str) -> int:
+def schema_id_for(client: Any, subject: str, schema_text: str, auto_register: bool, url: str) -> int:
     """The id of `schema_text` under `subject`: registered (idempotent: an already registered schema gets its id),
     or only looked up; OperatorError naming the setting when the registry refuses or cannot be reached."""
     schema = Schema(schema_text, "AVRO")
@@ -125,9 +125,13 @@ def schema_id_for(client: SchemaRegistryClient, subject: str, schema_text: str, 
     try:
         if auto_register:
             return int(client.register_schema(subject, schema))
-        return int(client.lookup_schema(subject, schema).schema_id)
+        found = client.lookup_schema(subject, schema).schema_id
     except Exception as exc:  # noqa: BLE001 (SchemaRegistryError, or the HTTP client's transport/TLS errors)
         raise _refusal(exc, what, url, auto_register) from None
+    if found is None:
+        raise OperatorError(f"schema_registry.url: the Schema Registry at {url} answered the look-up of the schema "
+                            f"under subject {subject} without an id", setting="schema_registry.url")
+    return int(found)
 
 
 class WriterSchemaCache:
