@@ -22,6 +22,7 @@ from worker.kafka.access import probe_access
 from worker.kafka.client import new_client
 from worker.kafka.consumer import consumer_config
 from worker.kafka.producer import producer_config
+from worker.kafka.registry import connect_registry
 from worker.metrics import Health, Metrics, MetricsServer
 from worker.pipeline import Pipeline, RunSummary, build_pipeline
 
@@ -111,6 +112,8 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
     check_client_configs(settings)
     # Before the model loads: a wrong password or a missing ACL stops start-up in seconds, with exit code 2.
     probe_access(settings)
+    # Likewise the Schema Registry: the results schema registered (or found) under its subject, or exit 2.
+    registry = connect_registry(settings)
     server: MetricsServer | None = None
     pipeline: Pipeline | None = None
 
@@ -120,7 +123,7 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
         metrics.model_info.info({"name": executor.model_name, "version": executor.model_version,
                                  "device": executor.device_description,
                                  "labels": ",".join(executor.labels)})
-        pipeline = built = build_pipeline(settings, executor, metrics, health)
+        pipeline = built = build_pipeline(settings, executor, metrics, health, registry=registry)
         status = getattr(built.source, "broker_status", None)  # FrameSource's view of the cluster
         if status is not None:
             health.broker_problem = status.unhealthy_reason

@@ -130,8 +130,16 @@ def cmd_produce(args: argparse.Namespace) -> int:
             frames = synthetic_frames(args.count or 100, parse_shapes(args.shape), encoding, priority, run_id,
                                       tenants)
         probe_reachable(settings)
+        encode = None
+        if args.schema_registry or settings.schema_registry.url:
+            from dataclasses import replace
+
+            from worker.kafka.registry import frame_serializer
+
+            registry = settings.schema_registry
+            encode = frame_serializer(replace(registry, url=args.schema_registry or registry.url))
         report = publish(settings.kafka.bootstrap_servers, topic, frames, args.rate, keep_capture_ts=keep_capture_ts,
-                         progress=progress, properties=security_properties(settings.kafka))
+                         progress=progress, properties=security_properties(settings.kafka), encode=encode)
         if progress is not None:
             print(file=sys.stderr)  # ends the progress line
     except ProducerInputError as exc:
@@ -449,6 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "to the bulk topic unless --topic says otherwise")
     prod.add_argument("--quiet", "-q", action="store_true", help="no progress line")
     prod.add_argument("--run-id", help="prefix of the stream ids (default: random)")
+    prod.add_argument("--schema-registry", metavar="URL", help="write frames in the Confluent wire format, the "
+                      "frame schema registered under <topic>-value at this Schema Registry (default: "
+                      "schema_registry.url; neither: plain Avro bodies)")
     prod.set_defaults(func=cmd_produce)
 
     res = sub.add_parser("results", help="print moderation results as JSON lines")

@@ -33,6 +33,7 @@ from worker.inflight import InFlight
 from worker.kafka.client import ClientFactory
 from worker.kafka.consumer import FrameSource, Polled, RebalanceHandler
 from worker.kafka.producer import STUCK_GRACE_S, DoneCallback, RejectedCallback, ResultSink, output_message_limit
+from worker.kafka.registry import RegistryLink
 from worker.memorypolicy import BatchSizeLimit
 from worker.metrics import Health, Metrics
 from worker.offsets import OffsetTracker
@@ -113,7 +114,8 @@ class Pipeline:
     """Runs the worker loop until `should_stop()` is true, then drains, commits and closes."""
 
     def __init__(self, settings: Settings, source: Source, delivery: Delivery, executor: Executor,
-                 metrics: Metrics, health: Health, clock: Callable[[], float] = time.time) -> None:
+                 metrics: Metrics, health: Health, clock: Callable[[], float] = time.time,
+                 result_framing: bytes = b"") -> None:
         # One in-flight limit for the runners the executor has (build_pipeline resolved it already).
         self.settings = settings = resolve_inflight_batches(settings, executor.runner_count)
         self.source = source
@@ -131,7 +133,7 @@ class Pipeline:
         self.duplicates = DuplicateFrames(settings.limits.duplicate_window_frames)
         self.flow = FlowControl(settings, source, self.batcher, self.tracker, metrics, clock)
         self.answers = Answers(metrics, ResultContext(executor.model_name, executor.model_version,
-                                                      settings.observability.worker_id))
+                                                      settings.observability.worker_id, result_framing))
         self.reader = Reader(settings, self.tracker, self.duplicates, self.batcher, self.answers, self.flow,
                              metrics)
         self._counts = RunSummary()
@@ -360,8 +362,11 @@ class KafkaClients:
 
 
 def build_pipeline(settings: Settings, executor: Executor, metrics: Metrics, health: Health,
-                   clock: Callable[[], float] = time.time, clients: KafkaClients = KafkaClients()) -> Pipeline:
-    """The pipeline with its real parts: a Kafka consumer, producer and the delivery of the configured mode.
+                   clock: Callable[[], float] = time.time, clients: KafkaClients = KafkaClients(),
+                   registry: RegistryLink | None = None) -> Pipeline:
+    """The pipeline with its real parts: a Kafka consumer, producer and the delivery of the configured mode;
+    with `registry` (worker.kafka.registry.connect_registry), results in the Confluent wire format and
+    registry-framed frames read with their writer schemas.
 
     The worker id names the clients and the transactional id, so it must be resolved (worker.identity) first."""
     if not settings.observability.worker_id:
@@ -372,7 +377,8 @@ def build_pipeline(settings: Settings, executor: Executor, metrics: Metrics, hea
              settings.delivery.max_inflight_batches, executor.runner_count)
     assignments = Assignments()
     tracker = OffsetTracker()
-    source = FrameSource(settings, clock, assignments, consumer_factory=clients.consumer)
+    source = FrameSource(settings, clock, assignments, consumer_factory=clients.consumer,
+                         writer_schemas=registry.writer_schemas if registry else None)
     delivery: Delivery
     limit = clients.output_message_limit(settings)
     if settings.delivery.mode == "exactly_once":
@@ -392,4 +398,5 @@ def build_pipeline(settings: Settings, executor: Executor, metrics: Metrics, hea
         at_least_once = AtLeastOnceDelivery(settings, sink, source, tracker, assignments, metrics, clock)
         source.on_commit_done = at_least_once.commit_reported
         delivery = at_least_once
-    return Pipeline(settings, source, delivery, executor, metrics, health, clock)
+    return Pipeline(settings, source, delivery, executor, metrics, health, clock,
+                    result_framing=registry.result_framing if registry else b"")

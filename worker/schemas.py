@@ -1,7 +1,9 @@
 """Avro encoding of frames and moderation results; `schemas/*.avsc` are the source of truth.
 
-Messages are schemaless Avro bodies (no registry framing), so any fastavro or Avro client with the
-`.avsc` files can produce frames and read results.
+Messages are plain (schemaless) Avro bodies, so any fastavro or Avro client with the `.avsc` files can produce
+frames and read results; with a Schema Registry (`[schema_registry]`) results carry the Confluent wire format's
+5-byte header, and frames may carry it: a frame's writer schema is then resolved to the worker's. The rule that
+tells them apart is `is_registry_framed`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import fastavro
 
@@ -41,6 +43,31 @@ ENCODINGS = {e.value: e for e in Encoding}
 
 class MessageDecodeError(ValueError):
     """A Kafka message is not a valid frame: the worker dead-letters it with this message as the reason."""
+
+
+# The Confluent wire format: a magic byte 0, the writer schema's registry id (4 bytes, big-endian), the body.
+MAGIC_BYTE = 0
+FRAMING_BYTES = 5
+
+
+class WriterSchemas(Protocol):
+    """Writer schemas by registry id (worker.kafka.registry.WriterSchemaCache): a parsed fastavro schema, with
+    logical types dropped like FRAME_READ_SCHEMA's, or MessageDecodeError saying why the id cannot be read."""
+
+    def writer_schema(self, schema_id: int) -> Any: ...
+
+
+def registry_framing(schema_id: int) -> bytes:
+    """The 5 bytes a registry-framed message starts with."""
+    return bytes((MAGIC_BYTE,)) + schema_id.to_bytes(4, "big")
+
+
+def is_registry_framed(payload: bytes) -> bool:
+    """Whether a message read with a registry configured is registry-framed: its first byte is the magic byte 0.
+
+    A plain Frame body starts with its stream_id's length (an Avro zig-zag varint), which is 0 only for an empty
+    stream_id; so with a registry, a plain frame needs a non-empty stream_id (an empty one is read as framed)."""
+    return bool(payload) and payload[0] == MAGIC_BYTE
 
 
 def _load_json(name: str) -> Any:
@@ -80,6 +107,37 @@ def _read(schema: Any, payload: bytes) -> dict[str, Any]:
             f"{len(payload) - buf.tell()} trailing bytes after the Avro record (not a frame, or written with a "
             f"newer schema than this worker's: see Schema evolution in docs/configuration.md)")
     return record  # type: ignore[return-value]
+
+
+def _read_framed(reader: Any, payload: bytes, writer_schemas: WriterSchemas) -> dict[str, Any]:
+    """A registry-framed message's body, written with its id's schema, resolved to `reader` (Avro resolution:
+    fields the reader lacks are skipped, fields the writer lacks take the reader's defaults)."""
+    if len(payload) < FRAMING_BYTES:
+        raise MessageDecodeError(f"registry-framed message of {len(payload)} bytes: shorter than its "
+                                 f"{FRAMING_BYTES}-byte header (magic byte 0, 4-byte schema id)")
+    schema_id = int.from_bytes(payload[1:FRAMING_BYTES], "big")
+    writer = writer_schemas.writer_schema(schema_id)
+    buf = io.BytesIO(payload)
+    buf.seek(FRAMING_BYTES)
+    try:
+        record = fastavro.schemaless_reader(buf, writer, reader)
+    except fastavro.read.SchemaResolutionError as exc:
+        raise MessageDecodeError(f"written with registry schema id {schema_id}, which this worker's schema cannot "
+                                 f"read ({exc}): an incompatible writer schema, see Schema evolution in "
+                                 f"docs/configuration.md") from None
+    except Exception as exc:  # noqa: BLE001 (fastavro raises EOFError, ValueError, UnicodeDecodeError...)
+        raise MessageDecodeError(f"not an Avro record of registry schema id {schema_id} "
+                                 f"({type(exc).__name__}: {exc})") from None
+    if buf.tell() != len(payload):
+        raise MessageDecodeError(f"{len(payload) - buf.tell()} trailing bytes after the Avro record of registry "
+                                 f"schema id {schema_id}")
+    return record  # type: ignore[return-value]
+
+
+def _not_a_frame(payload: bytes, exc: Exception) -> MessageDecodeError:
+    hint = (" (its first byte is 0, as in the Schema Registry wire format: set schema_registry.url to read "
+            "registry-framed frames)" if is_registry_framed(payload) else "")
+    return MessageDecodeError(f"not a Frame Avro record ({type(exc).__name__}: {exc}){hint}")
 
 
 @dataclass(frozen=True)
@@ -142,21 +200,26 @@ def read_frame_record(payload: bytes) -> FrameRecord:
 
 def decode_frame(payload: bytes | None, source: SourceRef, priority: Priority, received_at: float,
                  limits: LimitsSettings = DEFAULT_LIMITS,
-                 headers: Sequence[tuple[str, bytes | None]] | None = None) -> Frame:
+                 headers: Sequence[tuple[str, bytes | None]] | None = None,
+                 writer_schemas: WriterSchemas | None = None) -> Frame:
     """Decode and sanity-check a frame message; raises MessageDecodeError with a reason a human can act on.
 
     The priority class comes from the topic (the caller), not from the record's informational field.
     `received_at` (wall seconds) is the worker's now, against which the capture time is checked. `headers`: the
-    message's Kafka headers, kept on the frame for its dead letter.
+    message's Kafka headers, kept on the frame for its dead letter. With `writer_schemas` (a registry), a
+    registry-framed message (`is_registry_framed`) is read with its writer schema; any other as a plain body.
     """
     if not payload:
         raise MessageDecodeError("empty message value")
-    try:
-        rec = _read(FRAME_READ_SCHEMA, payload)
-    except MessageDecodeError:
-        raise
-    except Exception as exc:  # noqa: BLE001 ( fastavro raises EOFError, ValueError, UnicodeDecodeError, IndexError...)
-        raise MessageDecodeError(f"not a Frame Avro record ({type(exc).__name__}: {exc})") from None
+    if writer_schemas is not None and is_registry_framed(payload):
+        rec = _read_framed(FRAME_READ_SCHEMA, payload, writer_schemas)
+    else:
+        try:
+            rec = _read(FRAME_READ_SCHEMA, payload)
+        except MessageDecodeError:
+            raise
+        except Exception as exc:  # noqa: BLE001 (fastavro raises EOFError, ValueError, UnicodeDecodeError...)
+            raise _not_a_frame(payload, exc) from None
     width, height, channels = rec["width"], rec["height"], rec["channels"]
     if width <= 0 or height <= 0:
         raise MessageDecodeError(f"impossible dimensions {width}x{height}")
@@ -222,9 +285,13 @@ def encode_result(record: dict[str, Any]) -> bytes:
     return _write(RESULT_SCHEMA, record)
 
 
-def decode_result(payload: bytes) -> dict[str, Any]:
-    """Decode a result; `capture_ts_ms` is returned as epoch milliseconds (int)."""
-    rec = _read(RESULT_SCHEMA, payload)
+def decode_result(payload: bytes, writer_schemas: WriterSchemas | None = None) -> dict[str, Any]:
+    """Decode a result; `capture_ts_ms` is returned as epoch milliseconds (int). With `writer_schemas`, a
+    registry-framed result is read with its writer schema."""
+    if writer_schemas is not None and is_registry_framed(payload):
+        rec = _read_framed(RESULT_SCHEMA, payload, writer_schemas)
+    else:
+        rec = _read(RESULT_SCHEMA, payload)
     capture = rec["capture_ts_ms"]
     if hasattr(capture, "timestamp"):
         rec["capture_ts_ms"] = int(round(capture.timestamp() * 1000))
@@ -238,12 +305,14 @@ class ResultContext:
     model_name: str
     model_version: str
     worker_id: str
+    # Written before each result's body: registry_framing(id) of the results schema with a registry, else none.
+    framing: bytes = b""
 
 
 def build_result(frame: Frame, verdict: Verdict | None, status: str, ctx: ResultContext, queued_ms: float,
                  batch_size: int, inference_ms: float, now: float) -> bytes:
-    """The encoded moderation result of one frame (verdict None for an EXPIRED frame)."""
-    return encode_result({
+    """The encoded moderation result of one frame (verdict None for an EXPIRED frame), after `ctx.framing`."""
+    return ctx.framing + encode_result({
         "stream_id": frame.stream_id,
         "frame_index": frame.frame_index,
         "tenant": frame.tenant,

@@ -45,6 +45,7 @@ from worker.config.sections import (
     KafkaSettings,
     LimitsSettings,
     ObservabilitySettings,
+    SchemaRegistrySettings,
     TopicSettings,
 )
 from worker.config.settings import SECTIONS, Settings
@@ -57,17 +58,19 @@ from worker.config.validate import (
     preprocess_thread_count,
     resolve_inflight_batches,
     validate,
+    validate_schema_registry,
     validate_security,
     warmup_frame_shapes,
 )
 
 __all__ = [
-    "ENV_PREFIX", "GROUP_INSTANCE_ID_RE", "MAX_FRAME_PIXELS_CEILING", "MAX_INFLIGHT_BATCHES", "MAX_INFLIGHT_PER_RUNNER",
-    "MAX_METRIC_TENANTS", "MAX_PREPROCESS_THREADS", "MAX_WORKER_SLOTS", "MODEL_PRESETS", "RETIRED_SETTINGS",
-    "SASL_MECHANISMS", "SECTIONS", "SECURITY_PROTOCOLS", "BatchingSettings", "ClassSettings", "ConfigError",
-    "DeadLetterSettings", "DeliveryMode", "DeliverySettings", "FieldDoc", "KafkaSettings", "LimitsSettings",
-    "LogFormat", "LogLevel", "ModelSettings", "ObservabilitySettings", "Precision", "RuntimeSettings", "Settings",
-    "TopicSettings", "field_doc", "group_instance_id_problem", "inflight_batch_limit", "load_settings",
-    "preprocess_thread_count", "resolve_inflight_batches", "setting", "validate", "validate_security",
+    "ENV_PREFIX", "GROUP_INSTANCE_ID_RE", "MAX_FRAME_PIXELS_CEILING", "MAX_INFLIGHT_BATCHES",
+    "MAX_INFLIGHT_PER_RUNNER", "MAX_METRIC_TENANTS", "MAX_PREPROCESS_THREADS", "MAX_WORKER_SLOTS", "MODEL_PRESETS",
+    "RETIRED_SETTINGS", "SASL_MECHANISMS", "SECTIONS", "SECURITY_PROTOCOLS", "BatchingSettings", "ClassSettings",
+    "ConfigError", "DeadLetterSettings", "DeliveryMode", "DeliverySettings", "FieldDoc", "KafkaSettings",
+    "LimitsSettings", "LogFormat", "LogLevel", "ModelSettings", "ObservabilitySettings", "Precision",
+    "RuntimeSettings", "SchemaRegistrySettings", "Settings", "TopicSettings", "field_doc",
+    "group_instance_id_problem", "inflight_batch_limit", "load_settings", "preprocess_thread_count",
+    "resolve_inflight_batches", "setting", "validate", "validate_schema_registry", "validate_security",
     "warmup_frame_shapes",
 ]

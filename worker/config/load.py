@@ -45,8 +45,10 @@ def load_settings(
         if not key.startswith(ENV_PREFIX):
             continue
         rest = key[len(ENV_PREFIX):].lower()
-        section, _, name = rest.partition("_")
-        if section in SECTIONS and name:
+        # The longest section the name starts with: WORKER_SCHEMA_REGISTRY_URL is [schema_registry] url.
+        section = max((s for s in SECTIONS if rest.startswith(s + "_")), key=len, default="")
+        name = rest[len(section) + 1:]
+        if section and name:
             raw.setdefault(section, {})[name] = value
     for section, values in (overrides or {}).items():
         raw.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})

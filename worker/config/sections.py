@@ -210,3 +210,30 @@ class DeadLetterSettings:
         "how many times one frame may be published again: a replayed frame that fails again is dead-lettered with its "
         "replay count, and a dead letter whose frame was replayed this many times is not replayed again (`worker dlq "
         "show` counts them), so a frame that keeps failing never loops; 0..1000, 0: no replays"))
+
+
+@dataclass(frozen=True)
+class SchemaRegistrySettings:
+    """A Confluent-API Schema Registry (docs/configuration.md, Schema evolution). Empty `url`: plain Avro bodies
+    in and out, as without a registry. Secrets are read from files or an environment variable when the client is
+    made, so they never sit in Settings, logs or errors."""
+
+    url: str = setting("", doc=(
+        "comma-separated `http://` or `https://` base URLs (env `WORKER_SCHEMA_REGISTRY_URL`; Apicurio: "
+        "`http://host:8080/apis/ccompat/v7`); empty: no registry"))
+    basic_auth_user_info_file: str = setting("", doc=(
+        "a file holding `user:password` for HTTP basic auth (a hosted registry's API key and secret)"))
+    basic_auth_user_info_env: str = setting("", doc=(
+        "the NAME of an environment variable holding `user:password` instead (at most one of the two)"))
+    ssl_ca_location: str = setting("", doc=(
+        "CA file or directory the registry's certificate is checked against (empty: the system's); `https://` only"))
+    ssl_certificate_location: str = setting("", doc=(
+        "client certificate (PEM) for mutual TLS, with `ssl_key_location`"))
+    ssl_key_location: str = setting("", doc="the client certificate's private key (PEM)")
+    ssl_key_password_file: str = setting("", doc="a file holding the key's password, if it has one")
+    timeout_ms: int = setting(5_000, ge=100, le=60_000, unit="ms", doc=(
+        "each registry request's timeout; a request is tried twice, so a registry that does not answer stops "
+        "start-up within about twice this"))
+    auto_register: bool = setting(True, doc=(
+        "register the results schema under `<topics.results>-value` at start; false: only look it up (credentials "
+        "that may not write the registry: register it in the roll-out), and exit 2 if it is not there"))

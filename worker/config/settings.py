@@ -14,6 +14,7 @@ from worker.config.sections import (
     KafkaSettings,
     LimitsSettings,
     ObservabilitySettings,
+    SchemaRegistrySettings,
     TopicSettings,
 )
 
@@ -30,6 +31,8 @@ class Settings:
                                                    doc="logs, metrics and the worker's identity")
     limits: LimitsSettings = setting(default_factory=LimitsSettings, doc="what the worker accepts from producers")
     dlq: DeadLetterSettings = setting(default_factory=DeadLetterSettings, doc="what `worker dlq replay` may do")
+    schema_registry: SchemaRegistrySettings = setting(default_factory=SchemaRegistrySettings,
+                                                      doc="a Confluent-API Schema Registry for frames and results")
 
     @property
     def max_uncommitted_frames(self) -> int:

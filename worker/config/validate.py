@@ -19,6 +19,7 @@ from worker.config.sections import (
     MAX_WORKER_SLOTS,
     DeliverySettings,
     KafkaSettings,
+    SchemaRegistrySettings,
 )
 from worker.config.settings import Settings
 from worker.frames import Priority
@@ -188,6 +189,7 @@ def validate(s: Settings) -> list[str]:
     need(0 <= lim.duplicate_window_frames <= 1_000_000, "limits.duplicate_window_frames: must be 0..1000000 (0 = off)")
 
     need(0 <= s.dlq.max_replays <= 1000, "dlq.max_replays: must be 0..1000 (0 = no replays)")
+    p.extend(validate_schema_registry(s.schema_registry))
     p.extend(bound_problems(s, named=p))
     return p
 
@@ -261,6 +263,43 @@ def validate_security(k: KafkaSettings, environ: Mapping[str, str] | None = None
             elif key in SECRET_PROPERTIES:
                 p.append(f"kafka.{field_name}: {key!r} carries a secret and is refused in the overrides; use the "
                          "kafka.sasl_* / kafka.ssl_* settings, which read secrets from files")
+    return p
+
+
+def validate_schema_registry(r: SchemaRegistrySettings, environ: Mapping[str, str] | None = None) -> list[str]:
+    """Problems with the [schema_registry] settings; with an empty url, every other one must stay unset."""
+    env = os.environ if environ is None else environ
+    p: list[str] = []
+    files = ("basic_auth_user_info_file", "ssl_ca_location", "ssl_certificate_location", "ssl_key_location",
+             "ssl_key_password_file")
+    if not r.url.strip():
+        for name in (*files, "basic_auth_user_info_env"):
+            if getattr(r, name):
+                p.append(f"schema_registry.{name}: only used with schema_registry.url set")
+        return p
+    urls = [u.strip() for u in r.url.split(",")]
+    if not all(re.fullmatch(r"https?://[^\s/]+(/\S*)?", u) for u in urls):
+        p.append("schema_registry.url: must be comma-separated http:// or https:// URLs, e.g. "
+                 "http://registry:8080/apis/ccompat/v7")
+    if r.basic_auth_user_info_file and r.basic_auth_user_info_env:
+        p.append("schema_registry.basic_auth_user_info_file: set at most one of it and "
+                 "schema_registry.basic_auth_user_info_env")
+    elif r.basic_auth_user_info_env and ":" not in env.get(r.basic_auth_user_info_env, ""):
+        p.append(f"schema_registry.basic_auth_user_info_env: the environment variable {r.basic_auth_user_info_env} "
+                 "is not set, or not user:password")
+    for name in files:
+        value = getattr(r, name)
+        if value:
+            p.extend(_file_problems(f"schema_registry.{name}", value, secret=name != "ssl_ca_location",
+                                    allow_dir=name == "ssl_ca_location"))
+    tls = ("ssl_ca_location", "ssl_certificate_location", "ssl_key_location", "ssl_key_password_file")
+    if any(getattr(r, name) for name in tls) and not all(u.startswith("https://") for u in urls):
+        p.append("schema_registry.ssl_*: TLS settings are only used with https:// URLs in schema_registry.url")
+    if bool(r.ssl_certificate_location) != bool(r.ssl_key_location):
+        p.append("schema_registry.ssl_certificate_location: a client certificate needs its key "
+                 "(schema_registry.ssl_key_location), and a key its certificate")
+    if r.ssl_key_password_file and not r.ssl_key_location:
+        p.append("schema_registry.ssl_key_password_file: only used with schema_registry.ssl_key_location")
     return p
 
 

@@ -29,7 +29,7 @@ from worker.kafka.client import ClientFactory, client_properties, new_client
 from worker.kafka.errors import UNKNOWN_TOPIC, BrokerStatus, Identity, RefusalStreak, classify_consumer_error
 from worker.kafka.membership import GroupMembership
 from worker.kafka.positions import COMMITTED_LOOKUP_TIMEOUT_S, CommittedPositions
-from worker.schemas import MessageDecodeError, decode_frame
+from worker.schemas import MessageDecodeError, WriterSchemas, decode_frame
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,8 @@ class FrameSource:
     """Consumes frames from the input topics; each message becomes a Frame or a DeadLetter, never vanishes."""
 
     def __init__(self, settings: Settings, clock: Callable[[], float] = time.time,
-                 assignments: Assignments | None = None, consumer_factory: ClientFactory = Consumer) -> None:
+                 assignments: Assignments | None = None, consumer_factory: ClientFactory = Consumer,
+                 writer_schemas: WriterSchemas | None = None) -> None:
         k = settings.kafka
         # Authentication, authorisation and reachability are reported here, not as messages (librdkafka 2.x).
         self.broker_status = BrokerStatus(unreachable_limit_s=k.session_timeout_ms / 1000.0)
@@ -154,6 +155,8 @@ class FrameSource:
         self._topics = settings.topics.input_topics()
         self._clock = clock
         self._limits = settings.limits
+        # With a Schema Registry: registry-framed frames are read with their writer schema (worker.kafka.registry).
+        self._writer_schemas = writer_schemas
         self._group = GroupMembership(settings, lambda: new_client(consumer_factory, conf, "consumer", log), clock)
         # The partitions owned and their epochs, shared with the pipeline and delivery.
         self.assignments = assignments if assignments is not None else Assignments()
@@ -260,7 +263,8 @@ class FrameSource:
             self._next_offset[tp] = source.offset + 1
             headers = msg.headers()  # None without headers; they travel into the message's dead letter
             try:
-                frame = decode_frame(msg.value(), source, self._topics[source.topic], now, self._limits, headers)
+                frame = decode_frame(msg.value(), source, self._topics[source.topic], now, self._limits, headers,
+                                     self._writer_schemas)
             except MessageDecodeError as exc:
                 polled.dead_letters.append(DeadLetter(source=source, reason=str(exc), error_type=MESSAGE_DECODE_ERROR,
                                                       payload=msg.value() or b"", key=msg.key(),

@@ -355,6 +355,8 @@ class FrameProducer:
     topics: TestTopics
     sent: list[FrameRecord] = field(default_factory=list)
     _producer: Any = field(default=None, init=False, repr=False)
+    # How a frame becomes a message on a topic: None, a plain Avro body; `registry_frame_producer`'s, registry-framed.
+    encode: Callable[[FrameRecord, str], bytes] | None = None
 
     def publish(self, frames: Iterable[FrameRecord], rate_fps: float | None = None) -> Any:
         """Publish frames to their priority's topic as a camera would: as fast as possible (a backlog) or open
@@ -366,7 +368,8 @@ class FrameProducer:
         if self._producer is None:
             self._producer = frame_producer(self.bootstrap, logger=_CLIENT_LOG)
             self._producer.list_topics(self.topics.realtime, timeout=30)
-        return send_frames(self._producer, frames, lambda rec: self.topics.for_priority(rec.priority), rate_fps)
+        return send_frames(self._producer, frames, lambda rec: self.topics.for_priority(rec.priority), rate_fps,
+                           encode=self.encode)
 
     def send(self, frames: Iterable[FrameRecord], topic: str | None = None) -> list[FrameRecord]:
         """Publish frames as given (capture_ts_ms included), keyed by stream, each to its priority's topic
@@ -384,8 +387,9 @@ class FrameProducer:
 
         producer = Producer({"bootstrap.servers": self.bootstrap, "enable.idempotence": True})
         for frame in frames:
-            producer.produce(topic or self.topics.for_priority(frame.priority), key=frame.stream_id.encode(),
-                             value=encode_frame(frame), on_delivery=delivered)
+            to = topic or self.topics.for_priority(frame.priority)
+            producer.produce(to, key=frame.stream_id.encode(), on_delivery=delivered,
+                             value=self.encode(frame, to) if self.encode else encode_frame(frame))
             producer.poll(0)
         remaining = producer.flush(60)
         assert remaining == 0 and not errors, f"{remaining} frames unacknowledged, errors: {errors[:3]}"
@@ -563,6 +567,32 @@ def frame_producer(kafka_bootstrap: str, streamfer_topics: TestTopics) -> FrameP
 @pytest.fixture
 def results_reader(kafka_bootstrap: str, streamfer_topics: TestTopics) -> ResultsReader:
     return ResultsReader(kafka_bootstrap, streamfer_topics)
+
+
+# -- a Schema Registry (Confluent API) -------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def schema_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The base URL of a real Schema Registry for the session (schema_registry.url): STREAMFER_SCHEMA_REGISTRY_URL,
+    else Apicurio Registry from Maven Central on loopback (worker.tools.schema_registry), stopped after. Skips
+    only where no Java 17+ exists."""
+    from worker.tools.schema_registry import SchemaRegistryUnavailable
+    from worker.tools.schema_registry import schema_registry as running_registry
+
+    try:
+        with running_registry(tmp_path_factory.mktemp("schema-registry")) as url:
+            yield url
+    except SchemaRegistryUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture
+def registry_frame_producer(kafka_bootstrap: str, streamfer_topics: TestTopics, schema_registry: str) -> FrameProducer:
+    """A frame_producer writing the Confluent wire format: frame.avsc registered under `<topic>-value`."""
+    from worker.config import SchemaRegistrySettings
+    from worker.kafka.registry import frame_serializer
+
+    serializer = frame_serializer(SchemaRegistrySettings(url=schema_registry))
+    return FrameProducer(kafka_bootstrap, streamfer_topics, encode=serializer)
 
 
 # -- the in-memory kit, re-exported (imported on first use: the plugin stays free of Kafka and Avro) -------------

@@ -276,13 +276,15 @@ def send_frames(producer: Producer, frames: Iterable[FrameRecord], topic_of: Cal
                 rate_fps: float | None = None, stop: Callable[[], bool] = lambda: False,
                 clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
                 keep_capture_ts: bool = False, limits: dict[str, int] | None = None,
-                progress: Callable[[int, int], None] | None = None) -> PublishReport:
+                progress: Callable[[int, int], None] | None = None,
+                encode: Callable[[FrameRecord, str], bytes] | None = None) -> PublishReport:
     """Produce frames as fast as possible, or open loop at `rate_fps`: frame i is due at start + i / rate, and
     its `capture_ts_ms` is that *intended* time, so a late send (generator or broker hiccup) shows up in the
     end-to-end latency instead of hiding it (no coordinated omission). With `keep_capture_ts` the records'
     own capture times are sent (video: the stream's timestamps). A frame over its topic's limit in `limits`
-    raises FrameTooLargeError. `progress(sent, acknowledged)` is called about once a second. Waits for every
-    acknowledgement."""
+    raises FrameTooLargeError. `progress(sent, acknowledged)` is called about once a second. `encode(frame, topic)`
+    makes each message (default: a plain Avro body; worker.kafka.registry.FrameSerializer: registry-framed).
+    Waits for every acknowledgement."""
     errors: list[str] = []
     acked = [0]
 
@@ -307,8 +309,8 @@ def send_frames(producer: Producer, frames: Iterable[FrameRecord], topic_of: Cal
             delays.append((clock() - intended) * 1000.0)
         if not keep_capture_ts:
             rec = FrameRecord(**{**rec.__dict__, "capture_ts_ms": int(intended * 1000)})
-        value = encode_frame(rec)
         topic = topic_of(rec)
+        value = encode(rec, topic) if encode is not None else encode_frame(rec)
         check_frame_fits(rec, value, topic, (limits or {}).get(topic))
         while True:
             try:
@@ -346,7 +348,8 @@ def _delivery_error(err: KafkaError) -> str:
 def publish(bootstrap_servers: str, topic: str, frames: Iterable[FrameRecord], rate_fps: float | None = None,
             clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
             keep_capture_ts: bool = False, progress: Callable[[int, int], None] | None = None,
-            properties: Mapping[str, str] | None = None) -> PublishReport:
+            properties: Mapping[str, str] | None = None,
+            encode: Callable[[FrameRecord, str], bytes] | None = None) -> PublishReport:
     """Publish frames to one topic with a producer of their own (see send_frames), refusing frames larger than
     the topic's max.message.bytes. `properties`: librdkafka security properties (worker.kafka.client)."""
     limits = topic_message_limits(bootstrap_servers, [topic], properties=properties)
@@ -354,7 +357,7 @@ def publish(bootstrap_servers: str, topic: str, frames: Iterable[FrameRecord], r
     # Connect before the clock starts, so the producer's own start-up is not charged to the frames' latency.
     producer.list_topics(topic, timeout=30)
     return send_frames(producer, frames, lambda _rec: topic, rate_fps, clock=clock, sleep=sleep,
-                       keep_capture_ts=keep_capture_ts, limits=limits, progress=progress)
+                       keep_capture_ts=keep_capture_ts, limits=limits, progress=progress, encode=encode)
 
 
 def random_run_id() -> str:
