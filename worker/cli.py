@@ -176,6 +176,7 @@ def _produce_live(args: argparse.Namespace, settings: Settings, topic: str, prio
                             backoff=Backoff(max_s=args.backoff_max), max_queued=args.max_queued_frames,
                             give_up_after=args.give_up_after)
         size = parse_size(args.resize) if args.resize else None
+        options = dict(_key_value(o) for o in args.source_option)
         import av  # noqa: F401
     except ImportError:
         print("\nerror: reading a camera needs PyAV: pip install 'streamfer[models]' (./dev setup does)",
@@ -185,9 +186,9 @@ def _produce_live(args: argparse.Namespace, settings: Settings, topic: str, prio
         print(f"\nerror: {exc}", file=sys.stderr)
         return 2
     probe_reachable(settings)
-    cameras = LiveCameras(args.from_video, video_stream_ids(args.from_video, run_id), pyav_opener(policy, size),
-                          policy, FrameFormat(priority, tenant, encoding, args.quality), fps=args.fps,
-                          max_frames=args.count)
+    cameras = LiveCameras(args.from_video, video_stream_ids(args.from_video, run_id),
+                          pyav_opener(policy, size, options), policy,
+                          FrameFormat(priority, tenant, encoding, args.quality), fps=args.fps, max_frames=args.count)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda _signum, _frame: cameras.stop())
     if args.metrics_port is not None:
@@ -206,6 +207,15 @@ def _produce_live(args: argparse.Namespace, settings: Settings, topic: str, prio
     print(json.dumps({"topic": topic, "run_id": run_id, "sent": report.sent, "acknowledged": report.acknowledged,
                       "seconds": round(report.seconds, 3), "cameras": summary}), flush=True)
     return 1 if any(c["state"] == CameraState.GIVEN_UP.value for c in summary.values()) else 0
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    from worker.tools.publish_frames import ProducerInputError
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ProducerInputError(f"bad --source-option {text!r}: use KEY=VALUE, e.g. rtsp_transport=udp")
+    return key, value
 
 
 def _progress_line(sent: int, acknowledged: int) -> None:
@@ -525,6 +535,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="give a camera up after N failed connections in a row (default: never)")
     live.add_argument("--max-queued-frames", type=int, default=4,
                       help="frames of one camera waiting to be sent; beyond, the oldest are dropped (default 4)")
+    live.add_argument("--source-option", action="append", default=[], metavar="KEY=VALUE",
+                      help="an FFmpeg option for opening the cameras, repeatable (defaults: rtsp_transport=tcp, "
+                      "analyzeduration=500000)")
     live.add_argument("--metrics-port", type=int, help="serve per-camera Prometheus metrics on this port")
     live.add_argument("--summary-every", type=float, default=30.0, metavar="SECONDS",
                       help="log a per-camera summary this often (0: only at exit; default 30)")

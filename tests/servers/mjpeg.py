@@ -27,15 +27,19 @@ def jpeg(index: int, size: tuple[int, int] = (160, 120)) -> bytes:
 
 
 class MjpegCamera:
-    """Serves `/video` as an endless multipart/x-mixed-replace stream of JPEGs at `fps`."""
+    """Serves `/video` as an endless multipart/x-mixed-replace stream of JPEGs at `fps` to each connection."""
 
     def __init__(self, fps: float = 10.0) -> None:
         self.fps = fps
+        self.connections = 0
+        self._frozen_upto = 0
         self._stop = threading.Event()
         camera = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
+                camera.connections += 1
+                me = camera.connections
                 self.send_response(200)
                 self.send_header("Content-Type", f"multipart/x-mixed-replace; boundary={BOUNDARY}")
                 self.end_headers()
@@ -43,6 +47,9 @@ class MjpegCamera:
                 index = 0
                 try:
                     while not camera._stop.is_set():
+                        if me <= camera._frozen_upto:  # frozen: the connection stays open, silent
+                            camera._stop.wait(0.05)
+                            continue
                         body = jpeg(index)
                         self.wfile.write(f"--{BOUNDARY}\r\nContent-Type: image/jpeg\r\n"
                                          f"Content-Length: {len(body)}\r\n\r\n".encode() + body + b"\r\n")
@@ -61,6 +68,10 @@ class MjpegCamera:
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}/video"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
+
+    def freeze(self) -> None:
+        """The connections open now stop sending (and stay open); later ones are served as usual."""
+        self._frozen_upto = self.connections
 
     def close(self) -> None:
         self._stop.set()
