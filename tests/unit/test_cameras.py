@@ -260,3 +260,19 @@ def test_live_cameras_interleave_streams_and_flush_what_was_read_when_stopped() 
     summary = cameras.summary()
     assert summary["a"]["sent"] == summary["b"]["sent"] == 3
     assert {c["state"] for c in summary.values()} == {"stopped"}
+
+
+def test_the_cameras_counters_are_served_for_prometheus() -> None:
+    import urllib.request
+
+    from worker.tools.cameras import serve_metrics
+
+    stats, _ = run_reader([6], LivePolicy(max_queued=4))
+    cameras = LiveCameras(["rtsp://cam"], ["run-v0-cam"], fake_opener([], FakeClock(), 0.1), LivePolicy(), FMT)
+    cameras.cameras[0] = stats
+    port = serve_metrics(cameras, 0, host="127.0.0.1")
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert 'streamfer_camera_frames_read_total{stream_id="run-v0-cam"} 6.0' in text
+    assert 'streamfer_camera_frames_dropped_total{stream_id="run-v0-cam"} 2.0' in text
+    assert 'streamfer_camera_reconnects_total{stream_id="run-v0-cam"} 1.0' in text
+    assert "streamfer_camera_seconds_since_last_frame" in text
