@@ -193,9 +193,9 @@ def test_three_cameras_one_restarted_the_others_keep_their_rate_and_it_resumes_i
     print(f"\nframes sent per second, cameras at {FPS} fps (camera v1 stopped for {restart - fault:.1f} s)")
     print(f"{'camera':<8}{'before':>8}{'during':>8}{'after':>8}{'max gap during (ms)':>22}")
     for name, before, during, after, gap in rows:
-        print(f"{name:<8}{before:>8.2f}{during:>8.2f}{after:>8.2f}{gap * 1000:>22.0f}")
+        gap_ms = "-" if gap == float("inf") else f"{gap * 1000:.0f}"
+        print(f"{name:<8}{before:>8.2f}{during:>8.2f}{after:>8.2f}{gap_ms:>22}")
     print(f"reconnect time (server back -> first frame): {reconnect_s:.2f} s; outage {outage_s:.2f} s")
-    (tmp_path / "three_cameras.json").write_text(json.dumps({"rows": rows, "reconnect_s": reconnect_s}))
 
     for name, before, during, after, gap in rows:
         if name == "v1":
@@ -242,7 +242,8 @@ def test_a_silent_camera_and_a_garbage_camera_delay_no_other_and_each_is_reporte
     assert max_gap(seen["good"], steady, seen["good"][-1]) <= 2 * INTERVAL_S + JITTER_S
     assert set(seen) == {"good"}
     assert "open timeout" in summary["silent"]["last_error"] and silent.connections >= 2
-    assert "Invalid data" in summary["garbage"]["last_error"] and garbage.connections >= 2
+    # Garbage fails however FFmpeg reads it (no format found, or one guessed and its packets refused).
+    assert summary["garbage"]["last_error"] and summary["garbage"]["read"] == 0 and garbage.connections >= 2
     messages = [r.getMessage() for r in caplog.records]
     for name in ("silent", "garbage"):
         assert any(m.startswith(f"camera {name} disconnected") for m in messages)

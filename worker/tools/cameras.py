@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import functools
 import logging
 import random
 import threading
@@ -253,7 +254,7 @@ def pyav_opener(policy: LivePolicy, size: tuple[int, int] | None = None,
             def frames() -> Iterator[Callable[[], np.ndarray]]:
                 try:
                     for frame in container.decode(stream):
-                        yield lambda frame=frame: _rgb(frame, size)
+                        yield functools.partial(_rgb, frame, size)
                 except av.ExitError:  # PyAV's read timeout interrupted FFmpeg
                     raise TimeoutError(f"no data for {policy.read_timeout_s:g} s (read timeout)") from None
 
@@ -483,6 +484,6 @@ def serve_metrics(cameras: LiveCameras, port: int, host: str = "0.0.0.0") -> int
             yield up
 
     registry = CollectorRegistry()
-    registry.register(CameraCollector())  # type: ignore[arg-type]
+    registry.register(CameraCollector())
     server, _thread = start_http_server(port, addr=host, registry=registry)
     return int(server.server_port)
