@@ -16,7 +16,7 @@ from typing import Any
 
 from worker.config import Settings, load_settings
 from worker.errors import EXIT_OPERATOR_ERROR, OperatorError
-from worker.frames import DEAD_LETTER_ERROR_TYPES, Priority
+from worker.frames import DEAD_LETTER_ERROR_TYPES, Encoding, Priority
 
 log = logging.getLogger("worker")
 
@@ -86,9 +86,9 @@ def _run_processes(args: argparse.Namespace, settings: Settings) -> int:
 
 # -- produce -----------------------------------------------------------------------------------------------
 def cmd_produce(args: argparse.Namespace) -> int:
-    from worker.frames import Encoding, Priority
     from worker.kafka.access import probe_reachable
     from worker.kafka.client import security_properties
+    from worker.tools.cameras import is_live_source
     from worker.tools.publish_frames import (
         ProducerInputError,
         VideoOptions,
@@ -116,6 +116,8 @@ def cmd_produce(args: argparse.Namespace) -> int:
     tenants = [t for t in args.tenants.split(",") if t]
     progress = None if args.quiet else _progress_line
     keep_capture_ts = False
+    if args.from_video and not args.backfill and any(is_live_source(s) for s in args.from_video):
+        return _produce_live(args, settings, topic, priority, encoding, run_id, tenants[0])
     try:
         if args.from_video:
             options = VideoOptions(fps=args.fps, size=parse_size(args.resize) if args.resize else None,
@@ -148,6 +150,80 @@ def cmd_produce(args: argparse.Namespace) -> int:
     print(json.dumps({"topic": topic, "run_id": run_id, "sent": report.sent, "acknowledged": report.acknowledged,
                       "seconds": round(report.seconds, 3), "max_send_lag_ms": round(report.max_send_lag_ms, 2)}))
     return 0
+
+
+def _produce_live(args: argparse.Namespace, settings: Settings, topic: str, priority: Priority, encoding: Encoding,
+                  run_id: str, tenant: str) -> int:
+    """Live cameras: each read on its own thread, reconnected when it fails, its freshest frames sent as they
+    are read (worker/tools/cameras.py); runs until SIGTERM/SIGINT (or --count frames per camera)."""
+    from worker.kafka.access import probe_reachable
+    from worker.kafka.client import security_properties
+    from worker.tools.cameras import (
+        LIVE_PRODUCER_PROPERTIES,
+        Backoff,
+        CameraState,
+        FrameFormat,
+        LiveCameras,
+        LivePolicy,
+        is_live_source,
+        pyav_opener,
+        serve_metrics,
+    )
+    from worker.tools.publish_frames import ProducerInputError, parse_size, publish, video_stream_ids
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        recordings = [s for s in args.from_video if not is_live_source(s)]
+        if recordings:
+            raise ProducerInputError(f"{recordings[0]!r} is a recording, the other sources live cameras: send "
+                                     "recordings in a run of their own (or all with --backfill)")
+        if args.rate:
+            raise ProducerInputError("--rate does not apply to live cameras: they send as they are read; "
+                                     "--fps samples them")
+        policy = LivePolicy(open_timeout_s=args.open_timeout, read_timeout_s=args.read_timeout,
+                            backoff=Backoff(max_s=args.backoff_max), max_queued=args.max_queued_frames,
+                            give_up_after=args.give_up_after)
+        size = parse_size(args.resize) if args.resize else None
+        options = dict(_key_value(o) for o in args.source_option)
+        import av  # noqa: F401
+    except ImportError:
+        print("\nerror: reading a camera needs PyAV: pip install 'streamfer[models]' (./dev setup does)",
+              file=sys.stderr)
+        return 2
+    except ProducerInputError as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return 2
+    probe_reachable(settings)
+    cameras = LiveCameras(args.from_video, video_stream_ids(args.from_video, run_id),
+                          pyav_opener(policy, size, options), policy,
+                          FrameFormat(priority, tenant, encoding, args.quality), fps=args.fps, max_frames=args.count)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda _signum, _frame: cameras.stop())
+    if args.metrics_port is not None:
+        log.info("camera metrics on port %d", serve_metrics(cameras, args.metrics_port))
+    next_summary = [time.monotonic() + args.summary_every]
+
+    def progress(_sent: int, _acknowledged: int) -> None:
+        if args.summary_every and time.monotonic() >= next_summary[0]:
+            next_summary[0] = time.monotonic() + args.summary_every
+            log.info("cameras: %s", json.dumps(cameras.summary()))
+
+    report = publish(settings.kafka.bootstrap_servers, topic, cameras.start().frames(), keep_capture_ts=True,
+                     progress=progress,
+                     properties={**security_properties(settings.kafka), **LIVE_PRODUCER_PROPERTIES})
+    summary = cameras.summary()
+    print(json.dumps({"topic": topic, "run_id": run_id, "sent": report.sent, "acknowledged": report.acknowledged,
+                      "seconds": round(report.seconds, 3), "cameras": summary}), flush=True)
+    return 1 if any(c["state"] == CameraState.GIVEN_UP.value for c in summary.values()) else 0
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    from worker.tools.publish_frames import ProducerInputError
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ProducerInputError(f"bad --source-option {text!r}: use KEY=VALUE, e.g. rtsp_transport=udp")
+    return key, value
 
 
 def _progress_line(sent: int, acknowledged: int) -> None:
@@ -438,7 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
     prod.add_argument("--topic", "-t", help="input topic (default: topics.realtime for a video, topics.bulk with "
                       "--backfill, else topics.standard)")
     prod.add_argument("--count", "-n", type=int, help="frames to send (default 100 synthetic; all images; for a "
-                      "video, the most per stream, default all)")
+                      "video, the most per stream, default all; a live camera stops after that many)")
     prod.add_argument("--shape", default="64x64", help="WIDTHxHEIGHT[,WIDTHxHEIGHT...] cycled (default 64x64)")
     prod.add_argument("--rate", type=float, help="frames per second, open loop (default: as fast as possible; "
                       "a video is paced by its own timestamps)")
@@ -451,10 +527,28 @@ def build_parser() -> argparse.ArgumentParser:
     prod.add_argument("--from-video", nargs="+", action="extend", metavar="FILE_OR_URL",
                       help="publish videos (files, or any URL FFmpeg opens), each as its own stream, all at once; "
                       "repeatable (needs PyAV: pip install 'streamfer[models]')")
-    prod.add_argument("--fps", type=float, help="video: sample at most this many frames per second of video")
+    prod.add_argument("--fps", type=float, help="video: sample at most this many frames per second of video (live "
+                      "cameras: per second of wall-clock time)")
     prod.add_argument("--resize", metavar="WxH", help="video: resize frames to WIDTHxHEIGHT")
     prod.add_argument("--backfill", action="store_true", help="video: send as fast as possible (not in real time), "
                       "to the bulk topic unless --topic says otherwise")
+    live = prod.add_argument_group("live cameras (rtsp://, http(s)://, ... URLs given to --from-video, no --backfill)")
+    live.add_argument("--read-timeout", type=float, default=5.0, metavar="SECONDS",
+                      help="no frame for this long is a stall: the camera is reconnected (default 5)")
+    live.add_argument("--open-timeout", type=float, default=10.0, metavar="SECONDS",
+                      help="connecting to a camera may take this long (default 10)")
+    live.add_argument("--backoff-max", type=float, default=30.0, metavar="SECONDS",
+                      help="longest wait between reconnect attempts (from 0.5 s, doubling, jittered; default 30)")
+    live.add_argument("--give-up-after", type=int, metavar="N",
+                      help="give a camera up after N failed connections in a row (default: never)")
+    live.add_argument("--max-queued-frames", type=int, default=4,
+                      help="frames of one camera waiting to be sent; beyond, the oldest are dropped (default 4)")
+    live.add_argument("--source-option", action="append", default=[], metavar="KEY=VALUE",
+                      help="an FFmpeg option for opening the cameras, repeatable (defaults: rtsp_transport=tcp, "
+                      "analyzeduration=500000)")
+    live.add_argument("--metrics-port", type=int, help="serve per-camera Prometheus metrics on this port")
+    live.add_argument("--summary-every", type=float, default=30.0, metavar="SECONDS",
+                      help="log a per-camera summary this often (0: only at exit; default 30)")
     prod.add_argument("--quiet", "-q", action="store_true", help="no progress line")
     prod.add_argument("--run-id", help="prefix of the stream ids (default: random)")
     prod.add_argument("--schema-registry", metavar="URL", help="write frames in the Confluent wire format, the "
