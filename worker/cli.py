@@ -10,13 +10,16 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from worker.config import Settings, load_settings
 from worker.errors import EXIT_OPERATOR_ERROR, OperatorError
 from worker.frames import DEAD_LETTER_ERROR_TYPES, Encoding, Priority
+
+if TYPE_CHECKING:
+    from worker.schemas import FrameRecord
 
 log = logging.getLogger("worker")
 
@@ -132,14 +135,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
             frames = synthetic_frames(args.count or 100, parse_shapes(args.shape), encoding, priority, run_id,
                                       tenants)
         probe_reachable(settings)
-        encode = None
-        if args.schema_registry or settings.schema_registry.url:
-            from dataclasses import replace
-
-            from worker.kafka.registry import frame_serializer
-
-            registry = settings.schema_registry
-            encode = frame_serializer(replace(registry, url=args.schema_registry or registry.url))
+        encode = _frame_encoder(args, settings)
         report = publish(settings.kafka.bootstrap_servers, topic, frames, args.rate, keep_capture_ts=keep_capture_ts,
                          progress=progress, properties=security_properties(settings.kafka), encode=encode)
         if progress is not None:
@@ -194,6 +190,7 @@ def _produce_live(args: argparse.Namespace, settings: Settings, topic: str, prio
         print(f"\nerror: {exc}", file=sys.stderr)
         return 2
     probe_reachable(settings)
+    encode = _frame_encoder(args, settings)
     cameras = LiveCameras(args.from_video, video_stream_ids(args.from_video, run_id),
                           pyav_opener(policy, size, options), policy,
                           FrameFormat(priority, tenant, encoding, args.quality), fps=args.fps, max_frames=args.count)
@@ -209,12 +206,25 @@ def _produce_live(args: argparse.Namespace, settings: Settings, topic: str, prio
             log.info("cameras: %s", json.dumps(cameras.summary()))
 
     report = publish(settings.kafka.bootstrap_servers, topic, cameras.start().frames(), keep_capture_ts=True,
-                     progress=progress,
+                     progress=progress, encode=encode,
                      properties={**security_properties(settings.kafka), **LIVE_PRODUCER_PROPERTIES})
     summary = cameras.summary()
     print(json.dumps({"topic": topic, "run_id": run_id, "sent": report.sent, "acknowledged": report.acknowledged,
                       "seconds": round(report.seconds, 3), "cameras": summary}), flush=True)
     return 1 if any(c["state"] == CameraState.GIVEN_UP.value for c in summary.values()) else 0
+
+
+def _frame_encoder(args: argparse.Namespace, settings: Settings) -> Callable[[FrameRecord, str], bytes] | None:
+    """The registry's wire format when `--schema-registry` or `schema_registry.url` names one; else None (plain
+    Avro bodies)."""
+    if not (args.schema_registry or settings.schema_registry.url):
+        return None
+    from dataclasses import replace
+
+    from worker.kafka.registry import frame_serializer
+
+    registry = settings.schema_registry
+    return frame_serializer(replace(registry, url=args.schema_registry or registry.url))
 
 
 def _key_value(text: str) -> tuple[str, str]:
