@@ -205,7 +205,9 @@ class ModelSettings:
     # How a frame reaches input_size: "stretch" (ignore aspect), "letterbox" (fit, pad with the mean colour),
     # "shorter_side_crop" (shorter side to resize_shorter_side, then centre crop), "stretch_crop" (stretch to
     # resize_to, then centre crop).
-    resize: Literal["stretch", "letterbox", "shorter_side_crop", "stretch_crop"] = "stretch"
+    # "pad_stretch" (pad bottom/right with black to input_size's aspect ratio, then stretch: YOLO-style exports such
+    # as NudeNet's detector).
+    resize: Literal["stretch", "letterbox", "shorter_side_crop", "stretch_crop", "pad_stretch"] = "stretch"
     # shorter_side_crop: the shorter side's length before the crop; 0 means max(input_size).
     resize_shorter_side: int = 0
     # stretch_crop: [height, width] before the crop.
@@ -218,9 +220,35 @@ class ModelSettings:
     # Off where scores must match a reference preprocessing that decodes at full size (the opennsfw preset).
     jpeg_scaled_decode: bool = True
     # The bilinear (antialiased) resize: "torch" (its uint8 kernel: like Pillow's, within one grey level of the
-    # exact filter, about a quarter of the CPU) or "pillow" (Pillow's own, to match a reference bit for bit).
-    resampler: Literal["torch", "pillow"] = "torch"
+    # exact filter, about a quarter of the CPU), "pillow" (Pillow's own, to match a reference bit for bit) or
+    # "opencv" (bilinear without antialiasing, within a grey level of OpenCV's cv2.resize INTER_LINEAR).
+    resampler: Literal["torch", "pillow", "opencv"] = "torch"
+    # -- model set and detector outputs (issue 50; worker.runtime.detection, worker.runtime.ensemble) --
+    # "scores": one [N, len(labels)] output; "detections": YOLOv8-style [N, 4 + len(labels), anchors] (centre x,
+    # centre y, width, height in input pixels, then one score per label), decoded with non-maximum suppression.
+    output: Literal["scores", "detections"] = "scores"
+    # detections: boxes below this score are dropped; overlapping boxes above iou_threshold are suppressed (per label,
+    # or across labels with class_agnostic_nms, as NudeNet's own cv2.dnn.NMSBoxes does); at most max_detections.
+    score_threshold: float = 0.25
+    iou_threshold: float = 0.45
+    class_agnostic_nms: bool = False
+    max_detections: int = 100
+    # In a model set ([models.<name>]): run this model only on the frames where the earlier model `run_if_model`
+    # scored `run_if_label` at or above `run_if_score` (a cascade); the frames it skips say so in the result.
+    run_if_model: str = ""
+    run_if_label: str = ""
+    run_if_score: float = 0.0
 
+
+# NudeNet 3.4.2's labels in its model's output order (nudenet/nudenet.py), and those that flag a frame.
+NUDENET_LABELS = (
+    "FEMALE_GENITALIA_COVERED", "FACE_FEMALE", "BUTTOCKS_EXPOSED", "FEMALE_BREAST_EXPOSED", "FEMALE_GENITALIA_EXPOSED",
+    "MALE_BREAST_EXPOSED", "ANUS_EXPOSED", "FEET_EXPOSED", "BELLY_COVERED", "FEET_COVERED", "ARMPITS_COVERED",
+    "ARMPITS_EXPOSED", "FACE_MALE", "BELLY_EXPOSED", "MALE_GENITALIA_EXPOSED", "ANUS_COVERED",
+    "FEMALE_BREAST_COVERED", "BUTTOCKS_COVERED",
+)
+NUDENET_FLAGGING = ("BUTTOCKS_EXPOSED", "FEMALE_BREAST_EXPOSED", "FEMALE_GENITALIA_EXPOSED", "ANUS_EXPOSED",
+                    "MALE_GENITALIA_EXPOSED")
 
 # model.source presets: a known model's contract (and runtime defaults sized for it), applied beneath
 # whatever the file, environment or flags set. The model file itself is resolved by worker.runtime.models.
@@ -238,6 +266,19 @@ MODEL_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
                   "std": [1.0, 1.0, 1.0], "resize": "stretch_crop", "resize_to": [256, 256],
                   "jpeg_roundtrip_quality": 0, "jpeg_scaled_decode": False, "resampler": "pillow"},
         # A ResNet-50: two warm-up batches are enough to leave first-call costs behind (8 cost ~10 s on a CPU).
+        "runtime": {"warmup_batches": 2},
+    },
+    # NudeNet's detector (YOLOv8n at 320x320, 18 body-part labels) from the nudenet wheel, preprocessed as its
+    # NudeDetector.detect: pad bottom/right to a square, cv2 bilinear resize, BGR (cv2.imread's channels, swapped
+    # twice), 0-1; its postprocessing: scores >= 0.25, NMS across labels at IoU 0.45. Only exposed sexual body
+    # parts flag a frame; faces, feet, covered parts and the like are reported but never flag.
+    "nudenet": {
+        "model": {"name": "nudenet", "version": "nudenet-3.4.2", "labels": list(NUDENET_LABELS),
+                  "never_flag": [label for label in NUDENET_LABELS if label not in NUDENET_FLAGGING],
+                  "activation": "none", "input_size": [320, 320], "input_layout": "NCHW", "channel_order": "BGR",
+                  "pixel_range": "0-1", "mean": [0.0, 0.0, 0.0], "std": [1.0, 1.0, 1.0], "resize": "pad_stretch",
+                  "jpeg_scaled_decode": False, "resampler": "opencv", "output": "detections",
+                  "score_threshold": 0.25, "iou_threshold": 0.45, "class_agnostic_nms": True},
         "runtime": {"warmup_batches": 2},
     },
 }
@@ -681,7 +722,7 @@ def validate(s: Settings) -> list[str]:
 
     m = s.model
     need(bool(m.source.strip()),
-         "model.source: must be 'builtin', a preset (opennsfw), a model file, or 'module:function'")
+         "model.source: must be 'builtin', a preset (opennsfw, nudenet), a model file, or 'module:function'")
     need(len(m.labels) >= 1 and len(set(m.labels)) == len(m.labels), "model.labels: must be non-empty and unique")
     need(set(m.thresholds) <= set(m.labels),
          f"model.thresholds: unknown labels {sorted(set(m.thresholds) - set(m.labels))} (labels: {list(m.labels)})")
@@ -705,6 +746,7 @@ def validate(s: Settings) -> list[str]:
                                         and all(a >= b for a, b in zip(m.resize_to, m.input_size))),
          "model.resize_to: stretch_crop needs [height, width], each >= model.input_size's")
     need(0 <= m.jpeg_roundtrip_quality <= 100, "model.jpeg_roundtrip_quality: must be 0 (off) or 1..100")
+    p.extend(model_output_problems(m, "model"))
 
     r = s.runtime
     need(r.device == "auto" or r.device == "cpu" or r.device.startswith("cuda"),
@@ -757,6 +799,25 @@ def validate(s: Settings) -> list[str]:
     need(0 <= lim.duplicate_window_frames <= 1_000_000, "limits.duplicate_window_frames: must be 0..1000000 (0 = off)")
 
     need(0 <= s.dlq.max_replays <= 1000, "dlq.max_replays: must be 0..1000 (0 = no replays)")
+    return p
+
+
+def model_output_problems(m: ModelSettings, where: str) -> list[str]:
+    """The detector and cascade settings of one model (`where`: "model" or "models.<name>")."""
+    p = []
+    if not 0.0 <= m.score_threshold <= 1.0 or not 0.0 < m.iou_threshold <= 1.0:
+        p.append(f"{where}.score_threshold / iou_threshold: must be in [0, 1] and (0, 1]")
+    if m.max_detections < 1:
+        p.append(f"{where}.max_detections: must be >= 1")
+    if m.output == "detections" and len(m.input_size) != 2:
+        p.append(f"{where}.output: \"detections\" needs {where}.input_size = [height, width] (boxes are mapped back "
+                 "through the resize to it)")
+    if m.resize == "pad_stretch" and len(m.input_size) != 2:
+        p.append(f"{where}.resize: \"pad_stretch\" needs {where}.input_size = [height, width]")
+    if (m.run_if_model or m.run_if_label) and where == "model":
+        p.append("model.run_if_model / run_if_label: a cascade needs a model set ([models.<name>] tables)")
+    if not 0.0 <= m.run_if_score <= 1.0:
+        p.append(f"{where}.run_if_score: must be in [0, 1]")
     return p
 
 
