@@ -168,7 +168,8 @@ def _load_executor(settings: Settings, on_graph_evicted: Callable[[int], None]) 
     Its CUDA-graph runners capture only the batch sizes the batcher can send (settings.batching)."""
     from worker.runtime import InferenceExecutor
 
-    return InferenceExecutor.from_settings(settings.model, settings.runtime, settings.batching, on_graph_evicted)
+    return InferenceExecutor.from_settings(settings.model, settings.runtime, settings.batching, on_graph_evicted,
+                                         models=settings.models)
 
 
 def _refresh_scrape_gauges(pipeline: Pipeline, metrics: Metrics) -> None:
