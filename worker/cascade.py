@@ -48,3 +48,25 @@ def combine(outputs: Sequence[ModelVerdict]) -> Verdict:
     assert first is not None
     return Verdict(scores=dict(first.scores), flagged_labels=tuple(flagged), detections=first.detections,
                    models=tuple(outputs), decided_by=deciding.model)
+
+
+def describe_outputs(verdict: Verdict) -> tuple[str, ...]:
+    """One line per model of a set (or per detector's boxes) for a person reading a check: what each found."""
+    lines = []
+    for o in verdict.models or ():
+        if o.verdict is None:
+            lines.append(f"{o.model}: {o.skipped}")
+            continue
+        lines.append(f"{o.model}: {_found(o.verdict)}" + (" (decided)" if o.model == verdict.decided_by else ""))
+    if not verdict.models and verdict.detections:
+        lines.append(_found(verdict))
+    return tuple(lines)
+
+
+def _found(v: Verdict) -> str:
+    if v.detections:
+        boxes = ", ".join(f"{d.label} {d.score:.3f} at x={d.x:.0f} y={d.y:.0f} {d.width:.0f}x{d.height:.0f}"
+                          for d in v.detections)
+        return f"{len(v.detections)} box(es): {boxes}; flagged {', '.join(v.flagged_labels) or '-'}"
+    scores = ", ".join(f"{label} {score:.4f}" for label, score in v.scores.items())
+    return f"{scores}; flagged {', '.join(v.flagged_labels) or '-'}"

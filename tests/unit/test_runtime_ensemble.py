@@ -125,3 +125,17 @@ def test_a_cascade_skips_the_detector_where_the_classifier_is_sure(tmp_path):
         else:
             assert detector.verdict == unfiltered.models[1].verdict and detector.skipped == ""
     assert 0 < skipped < len(frames)
+
+
+def test_check_model_lines_name_each_models_output_and_who_decided():
+    from worker.cascade import describe_outputs
+    from worker.tools.check_model import ImageScore, _score_table
+
+    box = Detection("FACE_FEMALE", 0.72, 173.0, 82.5, 102.5, 98.4)
+    verdict = combine([ModelVerdict("open_nsfw", "1", Verdict({"sfw": 0.9, "nsfw": 0.1}, ())),
+                       ModelVerdict("nudenet", "2", Verdict({"FACE_FEMALE": 0.72}, (), (box,)))])
+    lines = describe_outputs(verdict)
+    assert lines == ("open_nsfw: sfw 0.9000, nsfw 0.1000; flagged -",
+                     "nudenet: 1 box(es): FACE_FEMALE 0.720 at x=173 y=82 102x98; flagged - (decided)")
+    table = _score_table([ImageScore("astronaut", 512, 512, dict(verdict.scores), (), outputs=lines)])
+    assert any("FACE_FEMALE 0.720" in row for row in table) and any("open_nsfw:" in row for row in table)

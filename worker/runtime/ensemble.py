@@ -326,7 +326,7 @@ def model_set_executor(executor_class: Any, models: Sequence[ModelSettings],
         torch.set_num_threads(runtime.torch_threads)
     caps = BatchCaps.from_settings(batching) if batching is not None else BatchCaps()
     members = [SetMember.from_settings(m) for m in models]
-    set_runners, host_syncs = [], []
+    set_runners, host_syncs, kinds = [], [], []
     for device in plan.devices:
         for _ in range(runtime.instances_per_device):
             runners = []
@@ -334,6 +334,7 @@ def model_set_executor(executor_class: Any, models: Sequence[ModelSettings],
                 loaded = load_model(m, device)
                 if not set_runners:
                     host_syncs.extend(check_host_syncs(loaded, refuse=plan.cuda_graphs))
+                    kinds.append(loaded.kind)
                 policy, budget = graph_memory(memory.get(device), runtime)
                 # Every model's runners share the device's graph budget (module docstring).
                 budget = None if budget is None else budget // len(models)
@@ -346,7 +347,7 @@ def model_set_executor(executor_class: Any, models: Sequence[ModelSettings],
     executor = executor_class(
         cast(list[EagerRunner], set_runners), members[0].contract, threads, runtime.warmup_batches,
         warmup_batch_size=max(runtime.graph_batch_sizes),
-        device_description=describe(plan, f"{len(models)}-model set"),
+        device_description=describe(plan, f"{len(models)}-model set ({'+'.join(kinds)})"),
         memory=[memory[r.device] for r in set_runners] if memory else (), host_syncs=host_syncs)
     model_set = ModelSet(members, SetPreprocessor(members, buffers, executor._decode_pool, threads))
     executor.attach_model_set(model_set)
