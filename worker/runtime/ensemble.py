@@ -326,7 +326,9 @@ def model_set_executor(executor_class: Any, models: Sequence[ModelSettings],
         torch.set_num_threads(runtime.torch_threads)
     caps = BatchCaps.from_settings(batching) if batching is not None else BatchCaps()
     members = [SetMember.from_settings(m) for m in models]
-    set_runners, host_syncs, kinds = [], [], []
+    set_runners: list[ModelSetRunner] = []
+    host_syncs: list[Any] = []
+    kinds: list[str] = []
     for device in plan.devices:
         for _ in range(runtime.instances_per_device):
             runners = []
