@@ -182,3 +182,26 @@ def test_nudenet_preset_matches_the_packages_own_detections(tmp_path_factory, tm
         assert_detections_match(ours, theirs)
         found += len(ours)
     assert found >= 3  # the faces of the astronaut, the cameraman and the crop: the comparison compares boxes
+
+
+@NEEDS_NUDENET
+def test_pinning_nudenets_shape_arguments_keeps_its_output_at_another_batch_size():
+    """The pinned graph (constant reshapes, the batch left dynamic) computes what the original does, onnxruntime
+    on both, at a batch size the probes never used."""
+    import numpy as np
+    import onnx
+    import onnxruntime
+
+    from worker.runtime.models import preset_model_file
+    from worker.runtime.onnx_static import pin_shape_arguments
+
+    original = onnx.load(str(preset_model_file("nudenet")))
+    pinned, count = pin_shape_arguments(original, (2, 3, 320, 320))
+    assert count > 0
+    x = np.random.default_rng(0).random((3, 3, 320, 320), dtype=np.float32)
+
+    def run(proto):
+        session = onnxruntime.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+        return session.run(None, {"images": x})[0]
+
+    np.testing.assert_allclose(run(pinned), run(original), rtol=0, atol=1e-4)

@@ -26,7 +26,7 @@ def pin_shape_arguments(proto: Any, sample_shape: tuple[int, ...]) -> tuple[Any,
     """The graph with its run-time shape arguments made constant where the batch allows (module docstring), and
     how many it replaced. `sample_shape`: one batch of the model's input ([N, ...], N ignored)."""
     import onnx
-    from onnx import helper, numpy_helper
+    from onnx import numpy_helper
 
     graph = proto.graph
     constant = {init.name for init in graph.initializer}
@@ -59,7 +59,6 @@ def pin_shape_arguments(proto: Any, sample_shape: tuple[int, ...]) -> tuple[Any,
                 node.input[i] = f"{name}__pinned"
     pinned.graph.initializer.extend(numpy_helper.from_array(v, f"{k}__pinned") for k, v in replaced.items())
     _drop_dead_nodes(pinned.graph)
-    del helper  # imported for its side effect of making onnx's helpers available to numpy_helper
     return pinned, len(replaced)
 
 
