@@ -57,7 +57,8 @@ def describe_outputs(verdict: Verdict) -> tuple[str, ...]:
         if o.verdict is None:
             lines.append(f"{o.model}: {o.skipped}")
             continue
-        lines.append(f"{o.model}: {_found(o.verdict)}" + (" (decided)" if o.model == verdict.decided_by else ""))
+        found = _found(o.verdict) if o.verdict.detections or not o.detector else "no boxes"
+        lines.append(f"{o.model}: {found}" + (" (decided)" if o.model == verdict.decided_by else ""))
     if not verdict.models and verdict.detections:
         lines.append(_found(verdict))
     return tuple(lines)

@@ -155,6 +155,7 @@ class ModelVerdict:
     version: str
     verdict: Verdict | None
     skipped: str = ""
+    detector: bool = False  # its output is boxes (`verdict.detections`), its scores each label's best box's
 
 
 @dataclass(frozen=True)

@@ -139,3 +139,11 @@ def test_check_model_lines_name_each_models_output_and_who_decided():
                      "nudenet: 1 box(es): FACE_FEMALE 0.720 at x=173 y=82 102x98; flagged - (decided)")
     table = _score_table([ImageScore("astronaut", 512, 512, dict(verdict.scores), (), outputs=lines)])
     assert any("FACE_FEMALE 0.720" in row for row in table) and any("open_nsfw:" in row for row in table)
+
+
+def test_check_model_says_a_detector_found_no_boxes_rather_than_listing_zero_scores():
+    from worker.cascade import describe_outputs
+
+    verdict = combine([ModelVerdict("open_nsfw", "1", Verdict({"sfw": 0.9, "nsfw": 0.1}, ())),
+                       ModelVerdict("nudenet", "2", Verdict({"FACE_FEMALE": 0.0}, ()), detector=True)])
+    assert describe_outputs(verdict)[1] == "nudenet: no boxes (decided)"

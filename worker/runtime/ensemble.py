@@ -256,7 +256,8 @@ class ModelSet:
                 failures.append(FrameFailure(frames[i], f"model {member.name} raised on this frame: {message}",
                                              MODEL_ERROR))
             for i, verdict in self._verdicts(member, frames, scored, failures, alive):
-                outputs[i].append(ModelVerdict(member.name, member.contract.version, verdict))
+                outputs[i].append(ModelVerdict(member.name, member.contract.version, verdict,
+                                               detector=member.contract.detects))
         verdicts = [(frames[i], combine(outputs[i])) for i in range(len(frames)) if alive[i]]
         return BatchOutcome(verdicts=verdicts, failures=failures, batch_size=len(frames),
                             preprocess_ms=batch.preprocess_ms, inference_ms=(time.perf_counter() - t0) * 1000.0,
