@@ -209,6 +209,8 @@ def start_consumer(ctx: Context, which: str, topics: Topics, tag: str) -> Runnin
 # -- the benchmark -------------------------------------------------------------------------------------------------
 def run(ctx: Context) -> dict[str, Any]:
     """Throughput rounds of (L), (a), (b), (c) interleaved; on the mixed workload also latency at fixed rates."""
+    if getattr(ctx.shared.get("args"), "two_models", False):
+        return two_models(ctx)
     at = getattr(ctx.shared.get("args"), "latency_at", None)
     name = "batching_gain" if (ctx.workload_name, ctx.model) == ("mixed", "toy") else \
         f"batching_gain_{ctx.model}_{ctx.workload_name}"
@@ -222,6 +224,55 @@ def run(ctx: Context) -> dict[str, Any]:
         latency_result = latency(ctx, result["throughput_fps"])
         result.update(latency_result, tables=result["tables"] + latency_result["tables"])
     common.write_json(name, result)
+    return result
+
+
+# -- the two-model row (issue 50) ---------------------------------------------------------------------------------
+TWO_MODEL_BATCH = 8
+SECOND_MODEL = {"source": "nudenet"}
+
+
+def two_models(ctx: Context) -> dict[str, Any]:
+    """The run's model alone against a model set of it and the nudenet detector (one decode, both models on every
+    frame), on the executor as the worker starts it (no Kafka): frames/s and CPU-ms per frame at batch
+    TWO_MODEL_BATCH, interleaved rounds; the ratios are medians of per-round ratios."""
+    from worker.config import load_settings
+
+    rounds, tag = ctx.round_count(3, 2), f"[two models {ctx.model}/{ctx.workload_name}]"
+    one = ctx.settings()
+    both = load_settings(env={}, overrides={"models": {ctx.model: ctx.model_overrides(), "nudenet": SECOND_MODEL},
+                                            "runtime": {"torch_threads": ctx.torch_threads}})
+    executors = {"one": InferenceExecutor.from_settings(one.model, one.runtime),
+                 "set": InferenceExecutor.from_settings(both.model, both.runtime, models=both.models)}
+    names = {"one": f"{ctx.model} alone", "set": f"{ctx.model} + nudenet (model set)"}
+    try:
+        for executor in executors.values():
+            executor.warm_up()
+        cycle = frame_cycle(ctx.workload)
+
+        def measure(which: str) -> dict[str, Any]:
+            t = executor_round(executors[which], cycle, TWO_MODEL_BATCH, ctx.scale(6, 3))
+            print(f"{tag} ({which}) {t['frames_per_s']:.1f} frames/s, {t['cpu_ms_per_frame']:.1f} CPU-ms/frame",
+                  flush=True)
+            return t
+
+        trials = stats.run_rounds(stats.interleaved(list(executors), rounds), measure, lambda m: print(tag, m))
+        device = executors["one"].device_description
+    finally:
+        for executor in executors.values():
+            executor.close()
+    fps = {w: stats.figure(trials[w], "frames_per_s") for w in executors}
+    cpu = {w: stats.figure(trials[w], "cpu_ms_per_frame") for w in executors}
+    text = common.table(
+        f"two models per frame, {ctx.workload_name} workload, batch {TWO_MODEL_BATCH}: median (min-max) of {rounds} "
+        "interleaved rounds", ["executor", "frames/s", "CPU-ms/frame", "x alone (frames/s)", "x alone (CPU-ms)"],
+        [[names[w], Spread.of(list(fps[w].values())).text(), Spread.of(list(cpu[w].values())).text(),
+          stats.ratio_spread(fps[w], fps["one"]).text(2), stats.ratio_spread(cpu[w], cpu["one"]).text(2)]
+         for w in executors],
+        note=f"{device}; {ctx.torch_threads} torch thread(s); each frame decoded once for both models.")
+    result = {**header(ctx), "two_models_batch": TWO_MODEL_BATCH, "second_model": SECOND_MODEL, "rounds": rounds,
+              "two_models_trials": trials, "two_models_device": device, "tables": [text]}
+    common.write_json(f"batching_gain_two_models_{ctx.model}_{ctx.workload_name}", result)
     return result
 
 
@@ -411,8 +462,11 @@ def main(argv: list[str] | None = None) -> int:
     def configure(p: argparse.ArgumentParser) -> None:
         p.add_argument("--latency-at", type=float, default=None, metavar="FPS",
                        help="only latency, of (b) and (c), at this offered rate (no throughput rounds)")
+        p.add_argument("--two-models", action="store_true",
+                       help="only the two-model row: the model alone against it + the nudenet detector (no Kafka)")
 
-    return common.standalone(run, argv, __doc__.splitlines()[0], configure)
+    return common.standalone(run, argv, __doc__.splitlines()[0], configure,
+                             needs_broker=lambda args: not args.two_models)
 
 
 if __name__ == "__main__":

@@ -117,15 +117,45 @@ class Frame:
 
 
 @dataclass(frozen=True)
+class Detection:
+    """One box a detector found: its label and score, and where in the frame's own pixels (top-left x, y and size)."""
+
+    label: str
+    score: float
+    x: float
+    y: float
+    width: float
+    height: float
+
+
+@dataclass(frozen=True)
 class Verdict:
-    """The model's output for one frame: per-label scores and the thresholded decision."""
+    """The model's output for one frame: per-label scores and the thresholded decision.
+
+    A detector's scores are its best box's per label (0 without one), its boxes in `detections`. In a model set
+    (worker.runtime.ensemble) the frame's verdict carries every model's own in `models`, and `decided_by` names
+    the model whose output decided it."""
 
     scores: dict[str, float]
     flagged_labels: tuple[str, ...]
+    detections: tuple[Detection, ...] = ()
+    models: tuple[ModelVerdict, ...] = ()
+    decided_by: str = ""
 
     @property
     def flagged(self) -> bool:
         return bool(self.flagged_labels)
+
+
+@dataclass(frozen=True)
+class ModelVerdict:
+    """One model of a model set on one frame: its verdict, or None with the reason it did not run (a cascade)."""
+
+    model: str
+    version: str
+    verdict: Verdict | None
+    skipped: str = ""
+    detector: bool = False  # its output is boxes (`verdict.detections`), its scores each label's best box's
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import fastavro
 
 from worker.config import LimitsSettings
-from worker.frames import Encoding, Frame, Priority, SourceRef, Verdict, replay_count_of
+from worker.frames import Encoding, Frame, ModelVerdict, Priority, SourceRef, Verdict, replay_count_of
 
 
 def _schema_dir() -> Path:
@@ -331,4 +331,21 @@ def build_result(frame: Frame, verdict: Verdict | None, status: str, ctx: Result
         "inference_ms": inference_ms,
         "end_to_end_ms": max(0.0, now * 1000.0 - frame.capture_ts_ms),
         "worker_id": ctx.worker_id,
+        **model_set_fields(verdict),
     })
+
+
+# -- a model set's fields of a result (issue 50) ----------------------------------------------------------------
+def model_set_fields(verdict: Verdict | None) -> dict[str, Any]:
+    """decided_by and every model's output (`models`); empty for one model or an expired frame."""
+    if verdict is None or not verdict.models:
+        return {"decided_by": "", "models": []}
+    return {"decided_by": verdict.decided_by, "models": [_model_output(m) for m in verdict.models]}
+
+
+def _model_output(m: ModelVerdict) -> dict[str, Any]:
+    v = m.verdict
+    return {"model": m.model, "version": m.version, "ran": v is not None, "skipped_reason": m.skipped,
+            "scores": dict(v.scores) if v else {}, "flagged_labels": list(v.flagged_labels) if v else [],
+            "detections": [{"label": d.label, "score": d.score, "x": d.x, "y": d.y, "width": d.width,
+                            "height": d.height} for d in (v.detections if v else ())]}

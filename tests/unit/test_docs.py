@@ -21,6 +21,9 @@ def _fields(cls, prefix=""):
 def test_every_setting_is_documented():
     text = (DOCS / "configuration.md").read_text()
     documented = set(re.findall(r"^\| `([a-z_]+)` \|", text, flags=re.M))
-    existing = {name for section in dataclasses.fields(Settings) for name in _fields(section.default_factory())}
+    sections = [(section.name, section.default_factory()) for section in dataclasses.fields(Settings)]
+    # `models` (a model set: [models.<name>] tables of [model]'s fields) is a setting of its own.
+    existing = {name for n, default in sections
+                for name in (_fields(type(default)) if dataclasses.is_dataclass(default) else [n])}
     assert existing - documented == set(), "settings missing from docs/configuration.md"
     assert documented - existing == set(), "docs/configuration.md documents settings that do not exist"

@@ -34,7 +34,7 @@ CLASSES_KEY = "batching.classes"
 def section_types() -> dict[str, type]:
     """The sections of the TOML file ([kafka], [batching], ...) by name, in declaration order."""
     hints = typing.get_type_hints(Settings)
-    return {f.name: hints[f.name] for f in dataclasses.fields(Settings)}
+    return {f.name: hints[f.name] for f in dataclasses.fields(Settings) if dataclasses.is_dataclass(hints[f.name])}
 
 
 def _fields(cls: type) -> list[tuple[dataclasses.Field[Any], Any]]:
@@ -139,6 +139,9 @@ def _type_schema(hint: Any, entry: FieldDoc | None) -> dict[str, Any]:
         return {"type": "string"}
     if origin is Literal:
         return {"enum": list(typing.get_args(hint))}
+    if origin is tuple and dataclasses.is_dataclass(typing.get_args(hint)[0]):
+        # A set of tables, each under its own name in the file ([models.<name>]).
+        return {"type": "object", "additionalProperties": _type_schema(typing.get_args(hint)[0], None)}
     if origin is tuple:
         return {"type": "array", "items": _type_schema(typing.get_args(hint)[0], None)}
     if origin is dict:

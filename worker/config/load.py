@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from worker.config.fields import ENV_PREFIX, ConfigError
-from worker.config.model import MODEL_PRESETS
-from worker.config.settings import SECTIONS, Settings
+from worker.config.model import MODEL_PRESETS, ModelSettings
+from worker.config.settings import SECTIONS, TABLE_SECTIONS, Settings
 from worker.config.validate import validate
 
 
@@ -52,6 +52,7 @@ def load_settings(
             raw.setdefault(section, {})[name] = value
     for section, values in (overrides or {}).items():
         raw.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
+    raw_models = _first_of_model_set(raw, raw.pop("models", None), problems)
     _apply_model_preset(raw)
 
     built: dict[str, Any] = {}
@@ -59,6 +60,8 @@ def load_settings(
         built[section] = _build(section_type, raw.get(section, {}), section, problems)
     # Fields that failed to parse were left at their defaults, so range checks still run on the rest.
     settings = Settings(**built)
+    if raw_models:
+        settings = dataclasses.replace(settings, models=_build_model_set(raw_models, settings.model, problems))
     problems.extend(validate(settings))
     if problems:
         raise ConfigError(problems)
@@ -75,7 +78,57 @@ def _apply_model_preset(raw: dict[str, dict[str, Any]]) -> None:
 
 def _section_types() -> dict[str, type]:
     hints = typing.get_type_hints(Settings)
-    return {name: hints[name] for name in SECTIONS}
+    return {name: hints[name] for name in TABLE_SECTIONS}  # models: _build_model_set
+
+
+# -- a model set: [models.<name>] tables (issue 50) -----------------------------------------------------------------
+def _first_of_model_set(raw: dict[str, Any], raw_models: Any, problems: list[str]) -> dict[str, Any]:
+    """[models.<name>] given: [model] must not be, and becomes the first model's (so settings.model is it).
+    Returns the model tables ({} when none, or when they are not tables)."""
+    if raw_models is None:
+        return {}
+    if not isinstance(raw_models, dict) or not raw_models or \
+            not all(isinstance(v, dict) for v in raw_models.values()):
+        problems.append("[models]: must hold one [models.<name>] table per model (declared in the config file)")
+        return {}
+    if raw.get("model"):
+        problems.append("[model] and [models.<name>]: declare either one model ([model]) or a model set "
+                        "([models.<name>] tables), not both")
+    name, first = next(iter(raw_models.items()))
+    raw["model"] = {"name": name, **first}
+    return raw_models
+
+
+def _build_model_set(raw_models: dict[str, Any], first: ModelSettings,
+                     problems: list[str]) -> tuple[ModelSettings, ...]:
+    """Each [models.<name>] table as a ModelSettings (its preset beneath, `name` the table's name unless set),
+    checked as [model] is, and the cascade conditions against the models declared before it."""
+    out = [first]
+    for name, values in list(raw_models.items())[1:]:
+        section = {"model": {"name": name, **values}}
+        _apply_model_preset(section)
+        where = f"models.{name}"
+        inner: list[str] = []
+        member = _build(ModelSettings, section["model"], "model", inner)
+        inner.extend(q for q in validate(dataclasses.replace(Settings(), model=member)) if q.startswith("model"))
+        problems.extend(q.replace("model.", f"{where}.", 1) for q in inner if "a cascade needs a model set" not in q)
+        out.append(member)
+    for position, m in enumerate(out):
+        if not (m.run_if_model or m.run_if_label):
+            continue
+        earlier = {e.name: e for e in out[:position]}
+        where = f"models.{m.name}"
+        if m.run_if_model not in earlier:
+            problems.append(f"{where}.run_if_model: {m.run_if_model!r} is not a model declared before it "
+                            f"({', '.join(earlier) or 'none'})")
+        elif m.run_if_label not in earlier[m.run_if_model].labels:
+            problems.append(f"{where}.run_if_label: {m.run_if_label!r} is not a label of {m.run_if_model!r} "
+                            f"({list(earlier[m.run_if_model].labels)})")
+    if len({m.name for m in out}) != len(out):
+        problems.append(f"[models.<name>]: model names must differ (got {[m.name for m in out]})")
+    return tuple(out)
+
+
 
 
 # Settings that were removed, with what replaced them: a config written for an older worker is told what to change.

@@ -14,7 +14,8 @@ MAX_PREPROCESS_THREADS = 256
 @dataclass(frozen=True)
 class ModelSettings:
     source: str = setting("builtin", doc=(
-        "`builtin` (the shipped CNN with deterministic, untrained weights), a preset (`opennsfw`, below), an ONNX file"
+        "`builtin` (the shipped CNN with deterministic, untrained weights), a preset (`opennsfw`, `nudenet`: below), "
+        "an ONNX file"
         " (`*.onnx`), a TorchScript file, a `torch.export` file (`.pt2`), or a factory `package.module:function`"))
     options: dict[str, Any] = setting(default_factory=dict, doc=(
         "keyword arguments for a factory: a `[model.options]` table (`WORKER_MODEL_OPTIONS=\"k=v,k=v\"` gives "
@@ -57,10 +58,12 @@ class ModelSettings:
         "std"))
     std: tuple[float, ...] = setting((0.229, 0.224, 0.225), range="as many as `mean`, each > 0", doc=(
         "per-channel std, likewise"))
-    resize: Literal["stretch", "letterbox", "shorter_side_crop", "stretch_crop"] = setting("stretch", doc=(
+    resize: Literal["stretch", "letterbox", "shorter_side_crop", "stretch_crop", "pad_stretch"] = setting(
+        "stretch", doc=(
         "how a frame reaches `input_size`: `stretch` (ignore aspect ratio), `letterbox` (fit inside, border at the "
         "mean colour), `shorter_side_crop` (shorter side to `resize_shorter_side`, then centre crop), `stretch_crop` "
-        "(stretch to `resize_to`, then centre crop)"))
+        "(stretch to `resize_to`, then centre crop), `pad_stretch` (pad bottom/right with black to `input_size`'s "
+        "aspect ratio, then stretch: YOLO-style exports such as NudeNet's detector)"))
     resize_shorter_side: int = setting(0, ge=0, range="0 or >= each of `input_size`", unit="pixels", doc=(
         "`shorter_side_crop`: the shorter side before the crop, e.g. 256 for a 224 crop; 0 = the larger of "
         "`input_size`"))
@@ -76,12 +79,49 @@ class ModelSettings:
         "1280x720 frame for a 224x224 model decodes at 640x360. Within a grey level or two of full-size decode + the "
         "same resize on photos (more beside hard edges); false where scores must match a reference preprocessing that "
         "decodes at full size"))
-    resampler: Literal["torch", "pillow"] = setting("torch", doc=(
+    resampler: Literal["torch", "pillow", "opencv"] = setting("torch", doc=(
         "the CPU path's bilinear resize (antialiased when shrinking; the device path always uses torch's, in float32):"
         " `torch` (torch's uint8 kernel: like Pillow's, within one grey level of the exact bilinear filter, tested "
         "over random sizes and images; so the two differ by at most two, at 1 pixel in 10^7 on noise, by one at 6%; "
         "about a quarter of Pillow's CPU on this project's machine) or `pillow` (Pillow's own, to match a reference "
-        "preprocessing that uses it bit for bit)"))
+        "preprocessing that uses it bit for bit), or `opencv` (bilinear without antialiasing, bit for bit OpenCV's "
+        "`cv2.resize` INTER_LINEAR fixed-point arithmetic, which `cv2.dnn.blobFromImage` references use: NudeNet's; "
+        "numpy, several times torch's CPU)"))
+    output: Literal["scores", "detections"] = setting("scores", doc=(
+        "`scores`: one `[N, len(labels)]` output; `detections`: a YOLOv8-style detector, `[N, 4 + len(labels), "
+        "anchors]` (box centre x, y, width, height in input pixels, then a score per label), decoded after the model "
+        "on the host with non-maximum suppression and mapped back to the frame's pixels through the resize "
+        "(`worker/runtime/detection.py`); needs `input_size`. A detector's label score is its best box's (0 without "
+        "one), thresholded like a classifier's"))
+    score_threshold: float = setting(0.25, ge=0, le=1, doc=(
+        "`detections`: boxes scoring below this are dropped"))
+    iou_threshold: float = setting(0.45, gt=0, le=1, doc=(
+        "`detections`: of two boxes overlapping above this intersection over union, the lower-scoring one is "
+        "suppressed"))
+    class_agnostic_nms: bool = setting(False, doc=(
+        "`detections`: suppress across labels (`torchvision.ops.nms`, as NudeNet's `cv2.dnn.NMSBoxes`) instead of per "
+        "label (`batched_nms`)"))
+    max_detections: int = setting(100, ge=1, unit="boxes", doc=(
+        "`detections`: the most boxes kept per frame, highest scores first"))
+    run_if_model: str = setting("", range="a model declared before it in the set", doc=(
+        "in a model set (`[models.<name>]`): run this model only on the frames where the earlier model named here "
+        "scored `run_if_label` at or above `run_if_score` (a cascade); the frames it skips carry the reason in the "
+        "result (`models[].skipped_reason`)"))
+    run_if_label: str = setting("", range="a label of `run_if_model`", doc=(
+        "the cascade's label, with `run_if_model`"))
+    run_if_score: float = setting(0.0, ge=0, le=1, doc=(
+        "the cascade's score, with `run_if_model`"))
+
+
+# NudeNet 3.4.2's labels in its model's output order (nudenet/nudenet.py), and those that flag a frame.
+NUDENET_LABELS = (
+    "FEMALE_GENITALIA_COVERED", "FACE_FEMALE", "BUTTOCKS_EXPOSED", "FEMALE_BREAST_EXPOSED", "FEMALE_GENITALIA_EXPOSED",
+    "MALE_BREAST_EXPOSED", "ANUS_EXPOSED", "FEET_EXPOSED", "BELLY_COVERED", "FEET_COVERED", "ARMPITS_COVERED",
+    "ARMPITS_EXPOSED", "FACE_MALE", "BELLY_EXPOSED", "MALE_GENITALIA_EXPOSED", "ANUS_COVERED",
+    "FEMALE_BREAST_COVERED", "BUTTOCKS_COVERED",
+)
+NUDENET_FLAGGING = ("BUTTOCKS_EXPOSED", "FEMALE_BREAST_EXPOSED", "FEMALE_GENITALIA_EXPOSED", "ANUS_EXPOSED",
+                    "MALE_GENITALIA_EXPOSED")
 
 
 # model.source presets: a known model's contract (and runtime defaults sized for it), applied beneath
@@ -100,6 +140,19 @@ MODEL_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
                   "std": [1.0, 1.0, 1.0], "resize": "stretch_crop", "resize_to": [256, 256],
                   "jpeg_roundtrip_quality": 0, "jpeg_scaled_decode": False, "resampler": "pillow"},
         # A ResNet-50: two warm-up batches are enough to leave first-call costs behind (8 cost ~10 s on a CPU).
+        "runtime": {"warmup_batches": 2},
+    },
+    # NudeNet's detector (YOLOv8n at 320x320, 18 body-part labels) from the nudenet wheel, preprocessed as its
+    # NudeDetector.detect: pad bottom/right to a square, cv2 bilinear resize, BGR (cv2.imread's channels, swapped
+    # twice), 0-1; its postprocessing: scores >= 0.25, NMS across labels at IoU 0.45. Only exposed sexual body
+    # parts flag a frame; faces, feet, covered parts and the like are reported but never flag.
+    "nudenet": {
+        "model": {"name": "nudenet", "version": "nudenet-3.4.2", "labels": list(NUDENET_LABELS),
+                  "never_flag": [label for label in NUDENET_LABELS if label not in NUDENET_FLAGGING],
+                  "activation": "none", "input_size": [320, 320], "input_layout": "NCHW", "channel_order": "BGR",
+                  "pixel_range": "0-1", "mean": [0.0, 0.0, 0.0], "std": [1.0, 1.0, 1.0], "resize": "pad_stretch",
+                  "jpeg_scaled_decode": False, "resampler": "opencv", "output": "detections",
+                  "score_threshold": 0.25, "iou_threshold": 0.45, "class_agnostic_nms": True},
         "runtime": {"warmup_batches": 2},
     },
 }

@@ -33,6 +33,10 @@ class Settings:
     dlq: DeadLetterSettings = setting(default_factory=DeadLetterSettings, doc="what `worker dlq replay` may do")
     schema_registry: SchemaRegistrySettings = setting(default_factory=SchemaRegistrySettings,
                                                       doc="a Confluent-API Schema Registry for frames and results")
+    models: tuple[ModelSettings, ...] = setting(default_factory=tuple, doc=(
+        "a model set: `[models.<name>]` tables, in order, each with [model]'s fields (`model` is then the first); "
+        "every model runs on each frame and one verdict comes out (worker/runtime/ensemble.py). Empty with a "
+        "single [model]"))
 
     @property
     def max_uncommitted_frames(self) -> int:
@@ -45,3 +49,5 @@ class Settings:
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Settings)}
+# The sections that are one table of settings each; `models` is a table of [model]-like tables.
+TABLE_SECTIONS = [name for name in SECTIONS if name != "models"]

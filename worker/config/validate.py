@@ -10,7 +10,7 @@ import re
 from collections.abc import Mapping
 
 from worker.config.fields import ConfigError, field_doc
-from worker.config.model import MAX_PREPROCESS_THREADS, RuntimeSettings
+from worker.config.model import MAX_PREPROCESS_THREADS, ModelSettings, RuntimeSettings
 from worker.config.sections import (
     MAX_FRAME_PIXELS_CEILING,
     MAX_INFLIGHT_BATCHES,
@@ -113,7 +113,7 @@ def validate(s: Settings) -> list[str]:
 
     m = s.model
     need(bool(m.source.strip()),
-         "model.source: must be 'builtin', a preset (opennsfw), a model file, or 'module:function'")
+         "model.source: must be 'builtin', a preset (opennsfw, nudenet), a model file, or 'module:function'")
     need(len(m.labels) >= 1 and len(set(m.labels)) == len(m.labels), "model.labels: must be non-empty and unique")
     need(set(m.thresholds) <= set(m.labels),
          f"model.thresholds: unknown labels {sorted(set(m.thresholds) - set(m.labels))} (labels: {list(m.labels)})")
@@ -137,6 +137,7 @@ def validate(s: Settings) -> list[str]:
                                         and all(a >= b for a, b in zip(m.resize_to, m.input_size))),
          "model.resize_to: stretch_crop needs [height, width], each >= model.input_size's")
     need(0 <= m.jpeg_roundtrip_quality <= 100, "model.jpeg_roundtrip_quality: must be 0 (off) or 1..100")
+    p.extend(model_output_problems(m, "model"))
 
     r = s.runtime
     need(r.device == "auto" or r.device == "cpu" or r.device.startswith("cuda"),
@@ -191,6 +192,18 @@ def validate(s: Settings) -> list[str]:
     need(0 <= s.dlq.max_replays <= 1000, "dlq.max_replays: must be 0..1000 (0 = no replays)")
     p.extend(validate_schema_registry(s.schema_registry))
     p.extend(bound_problems(s, named=p))
+    return p
+
+
+def model_output_problems(m: ModelSettings, where: str) -> list[str]:
+    """The detector and cascade settings of one model (`where`: "model" or "models.<name>") that depend on each
+    other; their bounds are the fields' own."""
+    p = []
+    if m.output == "detections" and len(m.input_size) != 2:
+        p.append(f"{where}.output: \"detections\" needs {where}.input_size = [height, width] (boxes are mapped back "
+                 "through the resize to it)")
+    if (m.run_if_model or m.run_if_label) and where == "model":
+        p.append("model.run_if_model / run_if_label: a cascade needs a model set ([models.<name>] tables)")
     return p
 
 

@@ -54,6 +54,12 @@ class ModelContract:
     jpeg_scaled_decode: bool = True
     resampler: str = "torch"
     activation: str = "sigmoid"
+    # "scores" ([N, labels]) or "detections" (YOLOv8-style, decoded by worker.runtime.detection) and its decoding.
+    output: str = "scores"
+    score_threshold: float = 0.25
+    iou_threshold: float = 0.45
+    class_agnostic_nms: bool = False
+    max_detections: int = 100
 
     @classmethod
     def from_settings(cls, settings: ModelSettings) -> ModelContract:
@@ -80,7 +86,17 @@ class ModelContract:
             jpeg_scaled_decode=settings.jpeg_scaled_decode,
             resampler=settings.resampler,
             activation=settings.activation,
+            output=settings.output,
+            score_threshold=settings.score_threshold,
+            iou_threshold=settings.iou_threshold,
+            class_agnostic_nms=settings.class_agnostic_nms,
+            max_detections=settings.max_detections,
         )
+
+    @property
+    def detects(self) -> bool:
+        """True for a detector: its output is boxes (worker.runtime.detection), not one score per label."""
+        return self.output == "detections"
 
     @property
     def channels(self) -> int:

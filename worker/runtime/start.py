@@ -36,7 +36,8 @@ def start_runtime(settings: Settings, *, on_graph_evicted: Callable[[int], None]
     each batch size up to batching.largest_batch_size (the most frames a batch of any class may hold). An error
     after the load closes the executor and propagates: ModelContractError, or an OperatorError naming a setting."""
     t0 = time.perf_counter()
-    executor = InferenceExecutor.from_settings(settings.model, settings.runtime, settings.batching, on_graph_evicted)
+    executor = InferenceExecutor.from_settings(settings.model, settings.runtime, settings.batching, on_graph_evicted,
+                                               models=settings.models)
     try:
         if before_warm_up is not None:
             before_warm_up(executor)

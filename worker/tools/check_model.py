@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from worker.cascade import describe_outputs
 from worker.config import Settings, load_settings, warmup_frame_shapes
 from worker.errors import EXIT_OPERATOR_ERROR, OperatorError
 from worker.frames import Encoding, Frame, Priority, SourceRef
@@ -72,12 +73,15 @@ class ImageScore:
     flagged: tuple[str, ...] = ()
     error_type: str = ""
     error: str = ""
+    # A model set's per-model outputs, a detector's boxes (worker.cascade.describe_outputs), one line each.
+    outputs: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"image": self.name, "width": self.width, "height": self.height}
         if self.error_type:
             return {**out, "error_type": self.error_type, "error": self.error}
-        return {**out, "scores": {k: round(v, 6) for k, v in self.scores.items()}, "flagged": list(self.flagged)}
+        return {**out, "scores": {k: round(v, 6) for k, v in self.scores.items()}, "flagged": list(self.flagged),
+                **({"outputs": list(self.outputs)} if self.outputs else {})}
 
 
 @dataclass(frozen=True)
@@ -383,7 +387,8 @@ def score_images(executor: InferenceExecutor, images: Sequence[SampleImage], set
         outcome = executor.submit([frame], frame.shape).result()
         if outcome.verdicts:
             verdict = outcome.verdicts[0][1]
-            out.append(ImageScore(image.name, w, h, dict(verdict.scores), verdict.flagged_labels))
+            out.append(ImageScore(image.name, w, h, dict(verdict.scores), verdict.flagged_labels,
+                                  outputs=describe_outputs(verdict)))
         else:
             failure = outcome.failures[0]
             out.append(ImageScore(image.name, w, h, error_type=failure.error_type, error=failure.reason))
@@ -501,6 +506,7 @@ def _score_table(scores: Sequence[ImageScore]) -> list[str]:
             continue
         values = "  ".join(f"{s.scores[label]:>{w}.4f}" for label, w in zip(labels, widths))
         lines.append(f"  {s.name:<{name_width}}  {size:>9}  {values}  {', '.join(s.flagged) or '-'}")
+        lines.extend(f"  {'':<{name_width}}  {'':>9}  {line}" for line in s.outputs)
     return lines
 
 

@@ -47,6 +47,28 @@ def demo_model(choice: str = "auto") -> tuple[dict[str, Any], str]:
                                     "from ONNX once, then loaded from ~/.cache/streamfer)")
 
 
+def demo_sections(model_settings: dict[str, Any]) -> dict[str, Any]:
+    """The demo's model sections: with open_nsfw and the nudenet package both installed, a model set of the two
+    (the classifier and a body-part detector on every frame); else the one [model]."""
+    if model_settings.get("source") == "opennsfw" and importlib.util.find_spec("nudenet") is not None:
+        return {"models": {"open_nsfw": model_settings, "nudenet": {"source": "nudenet"}}}
+    return {"model": model_settings}
+
+
+def model_set_summary(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per model of a set: frames it ran on, frames it flagged, boxes per label, and frames it decided."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in results:
+        for m in r.get("models") or []:
+            entry = out.setdefault(m["model"], {"ran": 0, "flagged": 0, "decided": 0, "boxes": {}})
+            entry["ran"] += int(m["ran"])
+            entry["flagged"] += int(bool(m["flagged_labels"]))
+            entry["decided"] += int(r.get("decided_by") == m["model"])
+            for d in m["detections"]:
+                entry["boxes"][d["label"]] = entry["boxes"].get(d["label"], 0) + 1
+    return out
+
+
 def _video_missing() -> list[str]:
     return [m for m in ("av", "skimage") if importlib.util.find_spec(m) is None]
 
@@ -84,7 +106,7 @@ def run_demo(frames_per_topic: int | None = None, keep_broker: bool = False, rat
         settings = load_settings(env={k: v for k, v in os.environ.items() if k.startswith("WORKER_")},
                                  overrides={"kafka": {"bootstrap_servers": bootstrap, "group_id": "streamfer-demo"},
                                             "observability": {"metrics_port": 0, "log_level": "WARNING"},
-                                            "model": model_settings})
+                                            **demo_sections(model_settings)})
         settings = held.enter_context(worker_identity(settings))
         setup_logging(settings)
         ensure_topics(bootstrap, worker_topics(settings.topics), configs=frame_topic_configs(settings.topics))
@@ -147,6 +169,8 @@ def run_demo(frames_per_topic: int | None = None, keep_broker: bool = False, rat
         print(f"  results (distinct)     {len(ids)}  ({len(results)} messages)")
         print(f"  per input topic        {json.dumps(by_topic)}")
         print(f"  flagged                {sum(1 for r in results if r['flagged'])}")
+        if any(r.get("models") for r in results):
+            print(f"  per model              {json.dumps(model_set_summary(results))}")
         print(f"  batches run            {summary.batches} (mean size {summary.mean_batch_size:.1f})")
         print(f"  worker wall time       {elapsed:.2f} s (incl. model warm-up and the 3 s idle wait)")
         print(f"  end-to-end latency ms  p50 {_pct(latencies, 0.5):.1f}  p99 {_pct(latencies, 0.99):.1f}"
