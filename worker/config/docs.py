@@ -31,6 +31,11 @@ _MARKER = re.compile(r"(<!-- reference:(?P<key>[a-z_.]+) [^\n]*-->\n)(?P<body>.*
 CLASSES_KEY = "batching.classes"
 
 
+def _top_level_settings() -> list[str]:
+    hints = typing.get_type_hints(Settings)
+    return [f.name for f in dataclasses.fields(Settings) if not dataclasses.is_dataclass(hints[f.name])]
+
+
 def section_types() -> dict[str, type]:
     """The sections of the TOML file ([kafka], [batching], ...) by name, in declaration order."""
     hints = typing.get_type_hints(Settings)
@@ -91,6 +96,16 @@ def section_table(cls: type) -> str:
     return "\n".join(rows) + "\n"
 
 
+def setting_table(name: str) -> str:
+    """A top-level setting that is not a section of fields (`models`: a table of [model]-like tables)."""
+    f = next(f for f in dataclasses.fields(Settings) if f.name == name)
+    entry = field_doc(f)
+    rows = ["| field | default | range | meaning |", "|---|---|---|---|",
+            f"| `{name}` | {_cell(entry.shown_default or shown_value(_default(f)))} | {_cell(entry.range)} | "
+            f"{_cell(entry.doc)} |"]
+    return "\n".join(rows) + "\n"
+
+
 def classes_table() -> str:
     """[batching.realtime], [batching.standard], [batching.bulk]: one table, a default per class."""
     classes = [(f.name, _default(f)) for f, hint in _fields(BatchingSettings) if hint is ClassSettings]
@@ -107,6 +122,7 @@ def reference_tables() -> dict[str, str]:
     """Every generated table by its marker key: each section's name, and batching.classes."""
     tables = {name: section_table(cls) for name, cls in section_types().items()}
     tables[CLASSES_KEY] = classes_table()
+    tables.update({name: setting_table(name) for name in _top_level_settings()})
     return tables
 
 

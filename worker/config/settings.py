@@ -33,7 +33,8 @@ class Settings:
     dlq: DeadLetterSettings = setting(default_factory=DeadLetterSettings, doc="what `worker dlq replay` may do")
     schema_registry: SchemaRegistrySettings = setting(default_factory=SchemaRegistrySettings,
                                                       doc="a Confluent-API Schema Registry for frames and results")
-    models: tuple[ModelSettings, ...] = setting(default_factory=tuple, doc=(
+    models: tuple[ModelSettings, ...] = setting(default_factory=tuple, shown_default="none",
+                                                range="`[models.<name>]` tables, names unique", doc=(
         "a model set: `[models.<name>]` tables, in order, each with [model]'s fields (`model` is then the first); "
         "every model runs on each frame and one verdict comes out (worker/runtime/ensemble.py). Empty with a "
         "single [model]"))
