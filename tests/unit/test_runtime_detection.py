@@ -8,7 +8,6 @@ The package comparison needs the `models` extra (onnx, onnx2torch, onnxruntime, 
 from __future__ import annotations
 
 import importlib.util
-import io
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +15,9 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.unit.photo_frames import frame_of
 from worker.config import MODEL_PRESETS, ModelSettings, load_settings
-from worker.frames import Encoding, Frame, Priority, SourceRef
+from worker.frames import Encoding, Frame
 from worker.runtime.contract import ModelContract
 from worker.runtime.detection import decode_detections, detection_verdict, input_transform
 from worker.runtime.preprocess import Normaliser, Preprocessor, fit_to_input
@@ -124,20 +124,6 @@ def sample_photos() -> dict[str, np.ndarray]:
     photos["astronaut_and_camera"] = np.concatenate([photos["astronaut"], camera_rgb], axis=1)
     photos["astronaut_crop"] = np.ascontiguousarray(photos["astronaut"][30:330, 100:500])
     return photos
-
-
-def frame_of(pixels: np.ndarray, encoding: Encoding, index: int = 0) -> Frame:
-    if pixels.ndim == 2:
-        pixels = pixels[:, :, None]
-    h, w, c = pixels.shape
-    if encoding is Encoding.JPEG:
-        buf = io.BytesIO()
-        Image.fromarray(pixels if c == 3 else pixels[:, :, 0]).save(buf, format="JPEG", quality=90)
-        data = buf.getvalue()
-    else:
-        data = pixels.tobytes()
-    return Frame(stream_id="s", frame_index=index, tenant="t", priority=Priority.STANDARD, capture_ts_ms=0,
-                 width=w, height=h, channels=c, encoding=encoding, data=data, source=SourceRef("in", 0, index))
 
 
 def package_detections(detector, frame: Frame, tmp: Path) -> list[dict]:

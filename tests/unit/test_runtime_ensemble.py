@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
+from tests.unit.photo_frames import frame_of
 from tests.unit.test_runtime_detection import (
     NEEDS_NUDENET,
     assert_detections_match,
-    frame_of,
     package_detections,
     sample_photos,
 )

@@ -7,7 +7,6 @@ skipped with the reason when it is missing. `./dev setup` installs it.
 
 from __future__ import annotations
 
-import io
 import json
 import subprocess
 import sys
@@ -16,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
+from tests.unit.photo_frames import frame_of
 from tests.unit.replay_tolerance import replay_tolerance
 from worker.config import MODEL_PRESETS, ConfigError, load_settings
-from worker.frames import Encoding, Frame, Priority, SourceRef
+from worker.frames import Encoding, Frame
 from worker.runtime import ModelContractError, load_model
 from worker.runtime.hostsync import check_host_syncs, scan_graphs
 from worker.runtime.models import preset_model_file
@@ -71,20 +70,6 @@ def _settings(cache_dir: Path, **model: object):
     return load_settings(env={}, overrides={"model": {"cache_dir": str(cache_dir), **model}})
 
 
-def _frame(pixels: np.ndarray, encoding: Encoding, index: int = 0) -> Frame:
-    if pixels.ndim == 2:
-        pixels = pixels[:, :, None]
-    h, w, c = pixels.shape
-    if encoding is Encoding.JPEG:
-        buf = io.BytesIO()
-        Image.fromarray(pixels if c == 3 else pixels[:, :, 0]).save(buf, format="JPEG", quality=90)
-        data = buf.getvalue()
-    else:
-        data = pixels.tobytes()
-    return Frame(stream_id="s", frame_index=index, tenant="t", priority=Priority.STANDARD, capture_ts_ms=0,
-                 width=w, height=h, channels=c, encoding=encoding, data=data, source=SourceRef("in", 0, index))
-
-
 def _scores(loaded, frames: list[Frame]) -> np.ndarray:
     batch = Preprocessor(loaded.contract).prepare(frames, frames[0].shape)
     assert not batch.failures
@@ -102,7 +87,7 @@ def _reference_scores(reference, frames: list[Frame]) -> np.ndarray:
 @pytest.mark.parametrize("encoding", [Encoding.RAW_RGB8, Encoding.JPEG])
 def test_opennsfw_preset_matches_the_packages_own_scores(cache_dir, photos, reference, encoding):
     loaded = load_model(_settings(cache_dir, source="opennsfw").model)
-    frames = [_frame(p, encoding, i) for i, p in enumerate(photos.values())]
+    frames = [frame_of(p, encoding, i) for i, p in enumerate(photos.values())]
     ours, theirs = _scores(loaded, frames), _reference_scores(reference, frames)
     assert loaded.kind == "onnx" and loaded.contract.labels == ("sfw", "nsfw")
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=TOLERANCE)
@@ -112,7 +97,7 @@ def test_opennsfw_preset_matches_the_packages_own_scores(cache_dir, photos, refe
 def test_opennsfw_with_its_jpeg_round_trip_matches_the_packages_default_scores(cache_dir, photos, reference_reencoded,
                                                                                 encoding):
     loaded = load_model(_settings(cache_dir, source="opennsfw", jpeg_roundtrip_quality=75).model)
-    frames = [_frame(p, encoding, i) for i, p in enumerate(photos.values())]
+    frames = [frame_of(p, encoding, i) for i, p in enumerate(photos.values())]
     np.testing.assert_allclose(_scores(loaded, frames), _reference_scores(reference_reencoded, frames), rtol=0,
                                atol=TOLERANCE)
 
@@ -120,14 +105,14 @@ def test_opennsfw_with_its_jpeg_round_trip_matches_the_packages_default_scores(c
 def test_opennsfw_by_its_onnx_path_matches_the_packages_own_scores(cache_dir, photos, reference):
     contract = {**MODEL_PRESETS["opennsfw"]["model"], "source": str(preset_model_file("opennsfw"))}
     loaded = load_model(_settings(cache_dir, **contract).model)
-    frames = [_frame(p, Encoding.RAW_RGB8, i) for i, p in enumerate(photos.values())]
+    frames = [frame_of(p, Encoding.RAW_RGB8, i) for i, p in enumerate(photos.values())]
     np.testing.assert_allclose(_scores(loaded, frames), _reference_scores(reference, frames), rtol=0,
                                atol=TOLERANCE)
 
 
 def test_opennsfw_never_flags_a_safe_photo_as_sfw(cache_dir, photos):
     loaded = load_model(_settings(cache_dir, source="opennsfw").model)
-    scores = _scores(loaded, [_frame(photos["coffee"], Encoding.RAW_RGB8)])[0]
+    scores = _scores(loaded, [frame_of(photos["coffee"], Encoding.RAW_RGB8)])[0]
     verdict = loaded.contract.verdict(scores)
     assert verdict.scores["sfw"] > 0.9 and verdict.flagged_labels == ()
 
@@ -221,7 +206,7 @@ def test_opennsfw_on_cuda_graphs_scores_as_on_the_cpu(cache_dir, photos, referen
     s = load_settings(env={}, overrides={
         "model": {"source": "opennsfw", "cache_dir": str(cache_dir)},
         "runtime": {"device": "cuda:0", "decode": "cpu", "cuda_graphs": True, "graph_batch_sizes": [1, 2, 4, 8]}})
-    frames = [_frame(p, Encoding.JPEG, i) for i, p in enumerate(photos.values())]
+    frames = [frame_of(p, Encoding.JPEG, i) for i, p in enumerate(photos.values())]
     with InferenceExecutor.from_settings(s.model, s.runtime) as executor:
         executor.warm_up([(224, 224, 3)])
         outcome = executor.submit(frames, frames[0].shape).result(timeout=120)

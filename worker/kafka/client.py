@@ -36,15 +36,27 @@ def redact(properties: Mapping[str, Any]) -> dict[str, Any]:
 def read_password(k: KafkaSettings) -> str:
     """The SASL password, from kafka.sasl_password_file or the variable kafka.sasl_password_env names."""
     if k.sasl_password_file:
-        return _read_secret(k.sasl_password_file)
+        return read_secret(k.sasl_password_file)
     if k.sasl_password_env:
         return os.environ.get(k.sasl_password_env, "")
     return ""
 
 
-def _read_secret(path: str) -> str:
+def read_secret(path: str) -> str:
+    """A secret from its file (a password, `user:password`), read when a client is made, never kept in Settings."""
     with open(path, encoding="utf-8") as fh:
         return fh.read().strip()
+
+
+def tls_properties(ca_location: str, certificate_location: str, key_location: str,
+                   key_password_file: str) -> dict[str, str]:
+    """The TLS files as the `ssl.*` properties librdkafka and the Schema Registry client share; unset ones left out."""
+    props = {prop: value for prop, value in (("ssl.ca.location", ca_location),
+                                            ("ssl.certificate.location", certificate_location),
+                                            ("ssl.key.location", key_location)) if value}
+    if key_password_file:
+        props["ssl.key.password"] = read_secret(key_password_file)
+    return props
 
 
 def security_properties(k: KafkaSettings) -> dict[str, str]:
@@ -59,13 +71,8 @@ def security_properties(k: KafkaSettings) -> dict[str, str]:
         props["sasl.username"] = k.sasl_username
         props["sasl.password"] = read_password(k)
     if protocol.endswith("SSL"):
-        for prop, value in (("ssl.ca.location", k.ssl_ca_location),
-                            ("ssl.certificate.location", k.ssl_certificate_location),
-                            ("ssl.key.location", k.ssl_key_location)):
-            if value:
-                props[prop] = value
-        if k.ssl_key_password_file:
-            props["ssl.key.password"] = _read_secret(k.ssl_key_password_file)
+        props.update(tls_properties(k.ssl_ca_location, k.ssl_certificate_location, k.ssl_key_location,
+                                    k.ssl_key_password_file))
     return props
 
 

@@ -23,6 +23,7 @@ from confluent_kafka.schema_registry.error import SchemaRegistryError
 
 from worker.config import ConfigError, SchemaRegistrySettings, Settings
 from worker.errors import OperatorError
+from worker.kafka.client import read_secret, tls_properties
 from worker.schemas import (
     SCHEMA_DIR,
     FrameRecord,
@@ -59,26 +60,16 @@ FRAME_SCHEMA_TEXT = _schema_text("frame.avsc")
 RESULT_SCHEMA_TEXT = _schema_text("moderation_result.avsc")
 
 
-def _read_secret(path: str) -> str:
-    with open(path, encoding="utf-8") as fh:
-        return fh.read().strip()
-
-
 def client_config(r: SchemaRegistrySettings) -> dict[str, Any]:
     """SchemaRegistryClient's configuration from [schema_registry] (secrets read now, from their files)."""
     conf: dict[str, Any] = {"url": r.url, "timeout": r.timeout_ms / 1000.0, "max.retries": MAX_RETRIES,
                             "retries.wait.ms": RETRY_WAIT_MS, "retries.max.wait.ms": RETRY_WAIT_MS}
     if r.basic_auth_user_info_file:
-        conf["basic.auth.user.info"] = _read_secret(r.basic_auth_user_info_file)
+        conf["basic.auth.user.info"] = read_secret(r.basic_auth_user_info_file)
     elif r.basic_auth_user_info_env:
         conf["basic.auth.user.info"] = os.environ.get(r.basic_auth_user_info_env, "")
-    for prop, value in (("ssl.ca.location", r.ssl_ca_location),
-                        ("ssl.certificate.location", r.ssl_certificate_location),
-                        ("ssl.key.location", r.ssl_key_location)):
-        if value:
-            conf[prop] = value
-    if r.ssl_key_password_file:
-        conf["ssl.key.password"] = _read_secret(r.ssl_key_password_file)
+    conf.update(tls_properties(r.ssl_ca_location, r.ssl_certificate_location, r.ssl_key_location,
+                               r.ssl_key_password_file))
     return conf
 
 
