@@ -89,7 +89,8 @@ def test_the_worker_joins_its_group_only_once_the_model_is_warm(monkeypatch: pyt
     monkeypatch.setattr(app, "check_client_configs", lambda settings: None)
     monkeypatch.setattr(app, "probe_access", lambda settings: None)
     monkeypatch.setattr(app, "connect_registry", lambda settings: None)
-    monkeypatch.setattr(app, "build_pipeline", lambda *args, **kwargs: build_pipeline(*args, clients=clients, **kwargs))
+    monkeypatch.setattr(app, "build_pipeline",
+                        lambda *args, **kwargs: build_pipeline(*args, **{**kwargs, "clients": clients}))
     settings = load_settings(env={}, overrides={
         "model": {"source": "model_factories:tiny_model"},
         "runtime": {"device": "cpu", "warmup_batches": 1, "warmup_shapes": ["16x16"]},
