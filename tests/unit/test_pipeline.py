@@ -306,8 +306,11 @@ def test_bug9_a_partition_lost_and_reassigned_inside_one_poll_loses_nothing() ->
     assert w.committed(P0) == 7
 
 
-def test_revoked_partitions_are_finished_delivered_and_committed_before_they_go() -> None:
-    w = World("at_least_once")
+@pytest.mark.parametrize("mode", ["at_least_once", "exactly_once"])
+def test_revoked_partitions_are_finished_delivered_and_committed_before_they_go(mode: str) -> None:
+    """Inside the revoke callback (exactly-once: one transaction, with the consumer's group metadata as the
+    rebalance left it); once released, nothing of the partition is committed here any more."""
+    w = World(mode)
     w.frames(P0, 3)
     w.assign([P0])
     w.step()  # 0..2 read
@@ -315,6 +318,7 @@ def test_revoked_partitions_are_finished_delivered_and_committed_before_they_go(
     w.step()  # dispatched, then revoked inside the poll
     assert offsets(w.results(), P0) == [0, 1, 2]
     assert w.committed(P0) == 3
+    assert P0 not in w.pipeline.assignments
 
 
 def test_bug11_offsets_the_consumer_delivers_again_within_an_assignment_are_dropped() -> None:
