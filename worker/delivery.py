@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
-from confluent_kafka import KafkaException
+from confluent_kafka import KafkaError, KafkaException
 
 from worker.assignment import TP, Assignments
 from worker.config import Settings
@@ -346,15 +346,24 @@ class ExactlyOnceDelivery(Delivery):
         started = time.monotonic()
         try:
             self.sink.begin()
+            # The offsets first, before any output joins the transaction: the group coordinator refuses them
+            # (ILLEGAL_GENERATION) when a rebalance round moved the group to a new generation since this consumer
+            # last heard, which happens once per round to a worker that commits all the time. Refused here, the
+            # transaction holds nothing: its abort needs no epoch bump, and the outputs stay held for the next one.
+            try:
+                self.sink.send_offsets(points, self.committer.group_metadata(), self._call_timeout_s)
+            except KafkaException as exc:
+                self._raise_if_refused(exc.args[0])
+                if not exc.args[0].txn_requires_abort():
+                    raise
+                return self._abort_offsets_only(exc.args[0])
             sent = [self._send(out) for out in releasable]
-            self.sink.commit_transaction(points, self.committer.group_metadata(), self._call_timeout_s)
+            self.sink.commit_transaction(self._call_timeout_s)
         except TransactionStuckError as exc:
             return self._replace_stuck_sink(exc)
         except KafkaException as exc:
             err = exc.args[0]
-            refused = self.sink.access_error or classify_producer_error(err, None, self.sink.identity)
-            if refused is not None:  # an ACL or credential: no abort-and-retry can fix it
-                raise refused from None
+            self._raise_if_refused(err)
             if not err.txn_requires_abort():
                 raise
             self.metrics.commits.labels("aborted").inc()
@@ -376,6 +385,25 @@ class ExactlyOnceDelivery(Delivery):
         self.metrics.commit_latency.observe(time.monotonic() - started)
         self.commits += 1
         return CommitResult.COMMITTED
+
+    def _raise_if_refused(self, err: KafkaError) -> None:
+        """An ACL or credential refusal: no abort-and-retry can fix it."""
+        refused = self.sink.access_error or classify_producer_error(err, None, self.sink.identity)
+        if refused is not None:
+            raise refused from None
+
+    def _abort_offsets_only(self, err: KafkaError) -> CommitResult:
+        """Abort a transaction the coordinator refused the offsets of before any output joined it. Nothing was
+        produced, so nothing is read again: the held outputs and their offsets go into the next transaction (with
+        the consumer's group metadata as it is then)."""
+        self.metrics.commits.labels("aborted").inc()
+        log.info("transaction aborted before any output joined it (%s): its outputs go in the next one",
+                 err.str())
+        try:
+            self.sink.abort(self._call_timeout_s)
+        except TransactionStuckError as stuck:
+            return self._replace_stuck_sink(stuck)
+        return CommitResult.NOTHING
 
     def release(self, tps: list[TP]) -> None:
         for tp in tps:

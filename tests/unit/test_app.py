@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import sys
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
-from worker.app import freeze_startup_heap
+from worker.app import StopFlag, freeze_startup_heap
+from worker.config import load_settings
+from worker.metrics import Health
+from worker.testing.fakes import FakeConsumer, InMemoryKafka
 
 
 class Node:
@@ -50,3 +57,46 @@ def test_garbage_is_collected_before_the_heap_is_frozen(unfrozen: None) -> None:
     finally:
         gc.callbacks.remove(on_collect)
     assert sum(collected) >= 1  # freed, not frozen forever
+
+
+def test_the_worker_joins_its_group_only_once_the_model_is_warm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replacement takes partitions only when it can serve them: the consumer subscribes (joins the group) after
+    warm-up, though the pipeline and its consumer are built before it (to serve /metrics while warming)."""
+    sys.path.insert(0, str(Path(__file__).parent))  # model_factories, as model.source imports it
+    import worker.app as app
+    from worker.pipeline import build_pipeline
+
+    kafka = InMemoryKafka()
+    health = Health()
+    stop = StopFlag()
+    warm_at_subscribe: list[bool] = []
+    made_while_warm: list[bool] = []
+
+    def consumer(conf: dict[str, Any], logger: Any = None) -> FakeConsumer:
+        made_while_warm.append(health.warmed_up)
+        fake: FakeConsumer = kafka.clients.consumer(conf, logger)
+        subscribe = fake.subscribe
+
+        def subscribed(*args: Any, **kwargs: Any) -> None:
+            warm_at_subscribe.append(health.warmed_up)
+            stop.set()  # one turn is enough
+            subscribe(*args, **kwargs)
+
+        fake.subscribe = subscribed  # type: ignore[method-assign]
+        return fake
+
+    clients = dataclasses.replace(kafka.clients, consumer=consumer)
+    monkeypatch.setattr(app, "check_client_configs", lambda settings: None)
+    monkeypatch.setattr(app, "probe_access", lambda settings: None)
+    monkeypatch.setattr(app, "connect_registry", lambda settings: None)
+    monkeypatch.setattr(app, "build_pipeline",
+                        lambda *args, **kwargs: build_pipeline(*args, **{**kwargs, "clients": clients}))
+    settings = load_settings(env={}, overrides={
+        "model": {"source": "model_factories:tiny_model"},
+        "runtime": {"device": "cpu", "warmup_batches": 1, "warmup_shapes": ["16x16"]},
+        "observability": {"worker_id": "w-warm", "metrics_enabled": False}})
+
+    app.run_worker(settings, stop=stop, health=health)
+
+    assert made_while_warm == [False]  # built while the model warmed up ...
+    assert warm_at_subscribe == [True]  # ... but in the group only once it was warm

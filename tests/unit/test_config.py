@@ -113,6 +113,20 @@ def test_overrides_of_properties_the_guarantees_depend_on_are_refused():
     assert len(info.value.problems) == 3
 
 
+def test_the_heartbeat_is_at_most_a_third_of_the_session_and_has_its_own_setting():
+    """Kafka's rule: two heartbeats may be lost before the session ends. The worker owns heartbeat.interval.ms: the
+    hand-over of a moved partition waits for it (bench/handover.py)."""
+    assert load_settings(env={}).kafka.heartbeat_interval_ms == 500
+    assert load_settings(env={"WORKER_KAFKA_SESSION_TIMEOUT_MS": "6000",
+                              "WORKER_KAFKA_HEARTBEAT_INTERVAL_MS": "2000"}).kafka.heartbeat_interval_ms == 2000
+    with pytest.raises(ConfigError, match=r"kafka.heartbeat_interval_ms: must be at most kafka.session_timeout_ms / 3 "
+                                          r"\(2000 with a session of 6000 ms\), got 2001"):
+        load_settings(env={"WORKER_KAFKA_SESSION_TIMEOUT_MS": "6000", "WORKER_KAFKA_HEARTBEAT_INTERVAL_MS": "2001"})
+    with pytest.raises(ConfigError, match="kafka.consumer_overrides: 'heartbeat.interval.ms' is managed by the worker "
+                                          r"\(use kafka.heartbeat_interval_ms\)"):
+        load_settings(env={"WORKER_KAFKA_CONSUMER_OVERRIDES": "heartbeat.interval.ms=100"})
+
+
 def test_transaction_call_timeout_is_bounded():
     with pytest.raises(ConfigError, match="delivery.transaction_call_timeout_ms"):
         load_settings(env={"WORKER_DELIVERY_TRANSACTION_CALL_TIMEOUT_MS": "50"})

@@ -306,8 +306,11 @@ def test_bug9_a_partition_lost_and_reassigned_inside_one_poll_loses_nothing() ->
     assert w.committed(P0) == 7
 
 
-def test_revoked_partitions_are_finished_delivered_and_committed_before_they_go() -> None:
-    w = World("at_least_once")
+@pytest.mark.parametrize("mode", ["at_least_once", "exactly_once"])
+def test_revoked_partitions_are_finished_delivered_and_committed_before_they_go(mode: str) -> None:
+    """Inside the revoke callback (exactly-once: one transaction, with the consumer's group metadata as the
+    rebalance left it); once released, nothing of the partition is committed here any more."""
+    w = World(mode)
     w.frames(P0, 3)
     w.assign([P0])
     w.step()  # 0..2 read
@@ -315,6 +318,7 @@ def test_revoked_partitions_are_finished_delivered_and_committed_before_they_go(
     w.step()  # dispatched, then revoked inside the poll
     assert offsets(w.results(), P0) == [0, 1, 2]
     assert w.committed(P0) == 3
+    assert P0 not in w.pipeline.assignments
 
 
 def test_bug11_offsets_the_consumer_delivers_again_within_an_assignment_are_dropped() -> None:
@@ -340,6 +344,67 @@ def test_an_aborted_transaction_rewinds_and_every_frame_is_answered_once() -> No
     assert w.kafka.seeks == [(P0, 0), (P0, 0)]
     assert offsets(w.results(), P0) == [0, 1, 2]
     assert w.committed(P0) == 3
+
+
+def illegal_generation() -> KafkaError:
+    """What the group coordinator answers a transaction's offsets after a rebalance round moved the group on."""
+    return KafkaError(KafkaError.ILLEGAL_GENERATION, "Specified group generation id is not valid",
+                      txn_requires_abort=True)
+
+
+def test_offsets_refused_for_an_old_generation_abort_a_transaction_that_holds_nothing_and_nothing_is_read_again(
+        ) -> None:
+    """Issue #51: every rebalance round refused one transaction's offsets on each busy worker, and its abort
+    rewound everything read since the last commit. The offsets now go first: refused, the transaction holds no
+    output yet, and the held outputs go out with the next transaction; nothing is sought or read again."""
+    w = World("exactly_once")
+    w.frames(P0, 3)
+    w.assign([P0])
+    w.producer.send_offsets_errors.append(illegal_generation())
+    w.step(5)
+    assert w.producer.calls.count("abort") == 1
+    first = w.producer.calls.index("abort")
+    assert w.producer.calls[first - 2:first] == ["begin", "send_offsets"]  # nothing produced in the aborted one
+    assert w.kafka.seeks == [(P0, 0)]  # the assignment's seek to its committed offset, and no rewind
+    assert offsets(w.results(), P0) == [0, 1, 2]
+    assert w.committed(P0) == 3
+    assert w.pipeline.metrics.commits.labels("aborted")._value.get() == 1
+
+
+def test_an_output_never_joins_a_transaction_before_its_offsets_are_accepted() -> None:
+    w = World("exactly_once")
+    w.frames(P0, 2)
+    w.assign([P0])
+    produced_at: list[int] = []
+    produce = w.producer.produce
+
+    def produce_after_offsets(*args: Any, **kwargs: Any) -> None:
+        produced_at.append(len(w.producer.calls))
+        produce(*args, **kwargs)
+
+    w.producer.produce = produce_after_offsets  # type: ignore[method-assign]
+    w.step(4)
+    assert produced_at and all(w.producer.calls[i - 1] == "send_offsets" for i in produced_at)
+
+
+def test_offsets_refused_every_time_are_retried_each_turn_without_loss_or_duplicates() -> None:
+    w = World("exactly_once")
+    w.frames(P0, 3)
+    w.assign([P0])
+    w.producer.send_offsets_errors += [illegal_generation()] * 3
+    w.step(8)
+    assert w.producer.calls.count("abort") == 3
+    assert offsets(w.results(), P0) == [0, 1, 2] and w.committed(P0) == 3
+
+
+def test_a_refusal_of_offsets_that_is_not_abortable_stops_the_worker() -> None:
+    w = World("exactly_once")
+    w.frames(P0, 3)
+    w.assign([P0])
+    w.producer.send_offsets_errors.append(KafkaError(KafkaError._FENCED, fatal=True))
+    with pytest.raises(SinkError, match="fenced"):
+        w.step(3)
+    assert w.results() == []
 
 
 def test_bug8_a_stuck_transactional_call_is_replaced_by_a_fencing_producer() -> None:

@@ -88,7 +88,7 @@ def test_a_call_blocked_past_its_timeout_raises_instead_of_hanging(producer: Fak
     sink.begin()
     started = time.monotonic()
     with pytest.raises(TransactionStuckError, match="still blocked"):
-        sink.commit_transaction({("frames.standard", 0): 5}, object(), timeout_s=0.1)
+        sink.send_offsets({("frames.standard", 0): 5}, object(), timeout_s=0.1)
     assert time.monotonic() - started < 5.0
     assert sink.stuck
     sink.close()  # a stuck producer is abandoned: flushing it could block as well
@@ -99,7 +99,8 @@ def test_a_retriable_commit_error_is_retried_until_it_succeeds(producer: FakePro
     producer.commit_errors = [KafkaError(KafkaError._TIMED_OUT, retriable=True)] * 2
     sink = transactional_sink(producer)
     sink.begin()
-    sink.commit_transaction({("frames.standard", 0): 5}, object(), timeout_s=5.0)
+    sink.send_offsets({("frames.standard", 0): 5}, object(), timeout_s=5.0)
+    sink.commit_transaction(timeout_s=5.0)
     assert producer.calls.count("commit") == 3 and not sink.stuck
 
 
@@ -108,7 +109,7 @@ def test_a_commit_still_failing_at_its_deadline_has_an_unknown_outcome(producer:
     sink = transactional_sink(producer)
     sink.begin()
     with pytest.raises(TransactionStuckError, match="still fails"):
-        sink.commit_transaction({}, object(), timeout_s=0.3)
+        sink.commit_transaction(timeout_s=0.3)
     assert sink.stuck
 
 
@@ -117,7 +118,7 @@ def test_an_abortable_error_is_left_to_the_caller_to_abort(producer: FakeProduce
     sink = transactional_sink(producer)
     sink.begin()
     with pytest.raises(KafkaException) as info:
-        sink.commit_transaction({}, object(), timeout_s=5.0)
+        sink.commit_transaction(timeout_s=5.0)
     assert info.value.args[0].txn_requires_abort() and not sink.stuck
 
 
@@ -134,7 +135,7 @@ def test_a_transaction_with_a_refused_message_is_given_up_not_aborted_even_when_
     for offset in (1, 2):
         sink.send_result(SourceRef("frames.standard", 0, offset), b"k", b"v")
     with pytest.raises(TransactionStuckError, match="refused a message"):
-        sink.commit_transaction({}, object(), timeout_s=5.0)
+        sink.commit_transaction(timeout_s=5.0)
     assert sink.stuck and rejected == [SourceRef("frames.standard", 0, 2)]
     sink.close()
     assert "abort" not in producer.calls and "flush" not in producer.calls
@@ -205,7 +206,7 @@ def test_a_fenced_producer_names_the_setting_and_keeps_the_error(producer: FakeP
     sink = transactional_sink(producer)
     sink.begin()
     with pytest.raises(SinkError, match="fenced") as fenced:
-        sink.commit_transaction({}, object(), timeout_s=1.0)
+        sink.commit_transaction(timeout_s=1.0)
     assert fenced.value.code == KafkaError._FENCED and fenced.value.fatal
     assert fenced.value.setting == "observability.worker_id"
 
@@ -215,7 +216,7 @@ def test_a_stuck_transaction_keeps_the_error_it_kept_failing_with(producer: Fake
     sink = transactional_sink(producer)
     sink.begin()
     with pytest.raises(TransactionStuckError, match="still fails") as stuck:
-        sink.commit_transaction({}, object(), timeout_s=0.0)
+        sink.commit_transaction(timeout_s=0.0)
     assert stuck.value.code == KafkaError._TIMED_OUT and stuck.value.retriable
 
 

@@ -365,6 +365,14 @@ def test_a_seek_or_a_new_assignment_accepts_lower_offsets_again(fake: FakeConsum
     assert offsets(source.poll(10, 0.0)) == [(BULK, 2, 11)]
 
 
+def test_the_consumer_heartbeats_as_often_as_the_setting_says() -> None:
+    """A member notices a rebalance at its next heartbeat: librdkafka's 3000 ms left moved partitions unowned 3 s."""
+    assert source_module.consumer_config(SETTINGS)["heartbeat.interval.ms"] == 500
+    tuned = load_settings(env={}, overrides={"kafka": {"heartbeat_interval_ms": 1000},
+                                             "observability": {"worker_id": "host-0"}})
+    assert source_module.consumer_config(tuned)["heartbeat.interval.ms"] == 1000
+
+
 def test_fetches_wait_briefly_so_a_resumed_class_is_read_again_soon_and_overrides_still_apply() -> None:
     """Backpressure pauses and resumes partitions; with librdkafka's defaults (a fetch waits at the broker up to
     500 ms, a full prefetch queue postpones the next fetch by 1 s) each resume left the model idle that long."""

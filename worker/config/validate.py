@@ -66,6 +66,11 @@ def validate(s: Settings) -> list[str]:
          "kafka.session_timeout_ms: must be 6000..1800000 (the broker's default group.min/max.session.timeout.ms)")
     need(k.max_poll_interval_ms >= k.session_timeout_ms,
          "kafka.max_poll_interval_ms: must be >= kafka.session_timeout_ms")
+    # Kafka's rule for heartbeat.interval.ms: a third of the session at most, so two heartbeats can be lost before
+    # the coordinator takes the member's partitions away.
+    need(k.heartbeat_interval_ms * 3 <= k.session_timeout_ms,
+         f"kafka.heartbeat_interval_ms: must be at most kafka.session_timeout_ms / 3 "
+         f"({k.session_timeout_ms // 3} with a session of {k.session_timeout_ms} ms), got {k.heartbeat_interval_ms}")
     checks = (("consumer_overrides", k.consumer_overrides, PROTECTED_CONSUMER_PROPERTIES),
               ("producer_overrides", k.producer_overrides, PROTECTED_PRODUCER_PROPERTIES))
     for field_name, overrides, protected in checks:

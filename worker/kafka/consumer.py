@@ -92,6 +92,8 @@ def consumer_config(settings: Settings) -> dict[str, object]:
         "auto.offset.reset": "earliest",
         "partition.assignment.strategy": "cooperative-sticky",
         "session.timeout.ms": k.session_timeout_ms,
+        # How soon a member notices a rebalance: a moved partition has no owner for about two of these.
+        "heartbeat.interval.ms": k.heartbeat_interval_ms,
         "max.poll.interval.ms": k.max_poll_interval_ms,
         # Producers may write frames transactionally; never feed aborted frames to the model.
         "isolation.level": "read_committed",

@@ -308,17 +308,22 @@ class ResultSink:
         except KafkaException as exc:
             raise self._unusable(exc.args[0], "begin_transaction") from exc
 
-    def commit_transaction(self, offsets: dict[tuple[str, int], int], group_metadata: object,
-                           timeout_s: float = 30.0) -> None:
-        """Attach the consumed offsets to the open transaction and commit both atomically.
+    def send_offsets(self, offsets: dict[tuple[str, int], int], group_metadata: object,
+                     timeout_s: float = 30.0) -> None:
+        """Attach the consumed offsets to the open transaction; the group coordinator checks the consumer's group
+        generation here (ILLEGAL_GENERATION, abortable, once a rebalance round has moved the group on).
 
         Raises TransactionStuckError if librdkafka does not return within its timeout."""
         tps = [TopicPartition(t, p, o) for (t, p), o in offsets.items()]
-        deadline = time.monotonic() + timeout_s
         if tps:
             self._retrying(lambda: self._producer.send_offsets_to_transaction(tps, group_metadata, timeout_s),
-                           deadline, timeout_s)
-        self._retrying(lambda: self._producer.commit_transaction(timeout_s), deadline, timeout_s)
+                           time.monotonic() + timeout_s, timeout_s)
+
+    def commit_transaction(self, timeout_s: float = 30.0) -> None:
+        """Commit the open transaction: its messages and offsets, atomically.
+
+        Raises TransactionStuckError if librdkafka does not return within its timeout."""
+        self._retrying(lambda: self._producer.commit_transaction(timeout_s), time.monotonic() + timeout_s, timeout_s)
 
     def abort(self, timeout_s: float = 30.0) -> None:
         try:

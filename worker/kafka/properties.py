@@ -14,6 +14,7 @@ PROTECTED_CONSUMER_PROPERTIES = {
     "group.instance.id": "the worker id is the instance id (kafka.static_membership, observability.worker_id)",
     "session.timeout.ms": "use kafka.session_timeout_ms",
     "max.poll.interval.ms": "use kafka.max_poll_interval_ms",
+    "heartbeat.interval.ms": "use kafka.heartbeat_interval_ms",
     "enable.auto.commit": "the worker commits only offsets whose frames are done",
     "enable.auto.offset.store": "the worker commits only offsets whose frames are done",
     "isolation.level": "the worker never reads aborted (transactional) frames",

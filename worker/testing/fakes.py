@@ -218,6 +218,8 @@ class FakeProducer:
     # Broker-side refusals: a delivery report error for messages matching the predicate.
     refuse: Callable[[Produced], KafkaError | None] = lambda produced: None
     commit_errors: list[KafkaError] = field(default_factory=list)
+    # Raised by send_offsets_to_transaction in turn (ILLEGAL_GENERATION after a rebalance round, say).
+    send_offsets_errors: list[KafkaError] = field(default_factory=list)
     abort_errors: list[KafkaError] = field(default_factory=list)
     block_send_offsets: bool = False
     calls: list[str] = field(default_factory=list)
@@ -271,6 +273,8 @@ class FakeProducer:
             import threading
 
             threading.Event().wait()  # as librdkafka does when its coordinator request is never re-triggered
+        if self.send_offsets_errors:
+            raise KafkaException(self.send_offsets_errors.pop(0))
         self._transaction_offsets = {(o.topic, o.partition): o.offset for o in offsets}
 
     def commit_transaction(self, timeout: float) -> None:
