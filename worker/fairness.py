@@ -19,8 +19,9 @@ backlogged partition whose count is a chunk ahead of the least of its class is h
 chunk ahead (or no sibling is behind it any more). A chunk is two of the class's batches, or the partition's
 share of FAIR_PERIOD_S of the class's read rate when that is more: the front of the queue gets at most a chunk
 more than the back, and a partition is held at most a few times a second (each hold drops its prefetched
-messages, which are fetched again on resume). While a partition is held, polls take at most a chunk, so one poll
-does not put a partition far ahead.
+messages, which are fetched again on resume). While a class that reads has two backlogged partitions or more,
+polls take at most a chunk, so one poll does not put a partition far ahead (the first poll after a resume would
+otherwise take the whole room from the partition at the front).
 Stuck: a backlogged partition that read nothing for STUCK_S of time in which it could be read (its class not
 paused, itself not held) is left out of the least until it reads again, so a partition that cannot be read (its
 leader away) never holds its siblings for long.
@@ -131,7 +132,7 @@ class PartitionFairness:
                     self._held.discard(tp)
                 elif tp not in self._held and ahead >= chunk:
                     self._held.add(tp)
-            if cls not in paused and self._held.intersection(tps):
+            if cls not in paused:
                 limits.append(chunk)
         return FairDecision(held=frozenset(self._held), poll_limit=min(limits) if limits else None)
 

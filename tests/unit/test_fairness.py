@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from collections import deque
 
+import pytest
+
 from worker.assignment import TP
 from worker.config import BatchingSettings
-from worker.fairness import CHUNK_BATCHES, STUCK_S, PartitionFairness
+from worker.fairness import CHUNK_BATCHES, FAIR_PERIOD_S, RATE_WINDOW_S, STUCK_S, PartitionFairness
 from worker.frames import Priority
 from worker.testing import FakeClock
 
@@ -37,17 +39,32 @@ def test_a_partition_read_a_chunk_ahead_of_its_siblings_is_held_until_they_catch
     assert fair.decide(backlog, class_of, set()).held == frozenset()
     fair.record_read({(BULK_TOPIC, 0): CHUNK}, class_of)
     clock.advance(TURN_S)
-    decision = fair.decide(backlog, class_of, set())
-    assert decision.held == {(BULK_TOPIC, 0)}
-    assert decision.poll_limit == CHUNK  # while one is held, a poll cannot put another far ahead
+    assert fair.decide(backlog, class_of, set()).held == {(BULK_TOPIC, 0)}
     fair.record_read({(BULK_TOPIC, 1): CHUNK}, class_of)
     clock.advance(TURN_S)
     assert fair.decide(backlog, class_of, set()).held == {(BULK_TOPIC, 0), (BULK_TOPIC, 1)}
     fair.record_read({(BULK_TOPIC, 2): CHUNK // 2 + 1}, class_of)
     clock.advance(TURN_S)
-    decision = fair.decide(backlog, class_of, set())
-    assert decision.held == frozenset()  # less than half a chunk ahead of the least: read again
-    assert decision.poll_limit is None
+    assert fair.decide(backlog, class_of, set()).held == frozenset()  # less than half a chunk ahead: read again
+
+
+def test_polls_take_at_most_a_chunk_while_a_reading_class_has_partitions_to_keep_level() -> None:
+    fair, _clock = policy()
+    assert fair.decide(dict.fromkeys(bulk(0, 1), 1000), class_of, set()).poll_limit == CHUNK
+    # One backlogged partition has nobody to keep level with; a paused class reads nothing anyway.
+    assert fair.decide({(BULK_TOPIC, 0): 1000, (BULK_TOPIC, 1): 0}, class_of, set()).poll_limit is None
+    assert fair.decide(dict.fromkeys(bulk(0, 1), 1000), class_of, {Priority.BULK}).poll_limit is None
+
+
+def test_the_chunk_grows_with_the_class_read_rate() -> None:
+    fair, clock = policy()
+    backlog = dict.fromkeys(bulk(0, 1), 10_000)
+    for _ in range(int(RATE_WINDOW_S / TURN_S) + 1):  # 200 frames a turn: 20,000 frames/s
+        fair.decide(backlog, class_of, set())
+        fair.record_read({(BULK_TOPIC, 0): 100, (BULK_TOPIC, 1): 100}, class_of)
+        clock.advance(TURN_S)
+    limit = fair.decide(backlog, class_of, set()).poll_limit
+    assert limit is not None and limit == pytest.approx(20_000 * FAIR_PERIOD_S / 2, rel=0.05)
 
 
 def test_a_partition_with_nothing_left_in_kafka_holds_nobody() -> None:
