@@ -1,6 +1,7 @@
-"""Flow control at the consumer: which classes' partitions the loop reads now and how many frames a poll may
-take. Three rules meet here: the batcher's backpressure, the uncommitted cap, and reading by priority
-(`worker.intake`, the pure policy), for which this module sums each class's backlog in Kafka from the source."""
+"""Flow control at the consumer: which partitions the loop reads now and how many frames a poll may take. Four
+rules meet here: the batcher's backpressure, the uncommitted cap, reading by priority (`worker.intake`, the pure
+policy), for which this module sums each class's backlog in Kafka from the source, and fair reading within a class
+(`worker.fairness`), which holds the partitions read ahead of their siblings."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ from typing import Protocol
 from worker.assignment import TP
 from worker.batching import MicroBatcher
 from worker.config import Settings
+from worker.fairness import FairDecision, PartitionFairness
 from worker.frames import Priority
 from worker.intake import IntakeDecision, PriorityIntake
 from worker.metrics import Children, Metrics
 from worker.offsets import OffsetTracker
 
-# How often the classes' backlogs in Kafka are summed for reading by priority (positions and cached watermarks:
-# no broker request, ~15 us for nine partitions).
+# How often the partitions' backlogs in Kafka are read for reading by priority and fair reading (positions and
+# cached watermarks: no broker request, ~15 us for nine partitions).
 BACKLOG_REFRESH_S = 0.01
 
 
@@ -25,7 +27,10 @@ class PausableSource(Protocol):
     @property
     def paused_partitions(self) -> int: ...
 
-    def pause_classes(self, classes: set[Priority]) -> None: ...
+    @property
+    def awaiting_committed_offset(self) -> frozenset[TP]: ...
+
+    def pause_classes(self, classes: set[Priority], held: frozenset[TP] = frozenset()) -> None: ...
 
     def lag(self) -> dict[TP, int]: ...
 
@@ -43,7 +48,10 @@ class FlowControl:
         self._clock = clock
         self.intake = PriorityIntake(settings.batching, clock) if settings.batching.read_by_priority else None
         self._decision = IntakeDecision()
+        self.fairness = PartitionFairness(settings.batching, clock)
+        self._fair = FairDecision()
         self.class_of_topic = settings.topics.input_topics()
+        self._lag: dict[TP, int] = {}
         self._backlog: dict[Priority, int] = {}
         self._backlog_at = float("-inf")
         self.paused: set[Priority] = set()
@@ -65,25 +73,32 @@ class FlowControl:
         # backpressure keeps it paused anyway: small polls would only slow the others down).
         if decision.poll_limit is not None and not decision.floor_reading <= self.paused:
             room = min(room, decision.poll_limit)
+        # While a partition is held for its siblings, one poll must not put another far ahead of them.
+        if self._fair.poll_limit is not None:
+            room = min(room, self._fair.poll_limit)
         return max(0, room)
 
     def apply(self) -> None:
         """Pause what the batcher has no room for and what waits for a more urgent backlog; pause everything while
         the uncommitted cap is reached (commits are failing: what more the worker read, a lost session would
         answer again)."""
+        self._refresh_lag()
         if self.intake is not None:
             self._read_by_priority(self.intake)
         if self._tracker.uncommitted() >= self._settings.max_uncommitted_frames:
             self.paused = set(Priority)
         else:
             self.paused = self._batcher.classes_to_pause() | self._decision.paused
-        self._source.pause_classes(self.paused)
+        self._fair = self.fairness.decide(self._lag, self._class_of, self.paused,
+                                          self._source.awaiting_committed_offset)
+        self._source.pause_classes(self.paused, self._fair.held)
         self._metrics.paused_partitions.set(self._source.paused_partitions)
 
     def record_read(self, read: Counter[Priority], late: Counter[Priority], oldest_s: Mapping[Priority, float],
-                    drained: bool) -> None:
+                    drained: bool, by_partition: Mapping[TP, int]) -> None:
         """What a poll read per class (frames and dead letters), which of its frames were past their deadline, each
-        class's oldest capture time read, and whether it emptied the consumer's queue."""
+        class's oldest capture time read, whether it emptied the consumer's queue, and what it read per partition."""
+        self.fairness.record_read(by_partition, self._class_of)
         if self.intake is not None:
             self.intake.record_read(read, late, oldest_s, drained if len(self.paused) < len(Priority) else None)
 
@@ -92,15 +107,22 @@ class FlowControl:
         if self.intake is not None:
             self.intake.record_expired(expired)
 
-    def _read_by_priority(self, intake: PriorityIntake) -> None:
-        """Ask the intake policy which classes to pause for a more urgent class's backlog in Kafka."""
+    def _class_of(self, tp: TP) -> Priority:
+        return self.class_of_topic[tp[0]]
+
+    def _refresh_lag(self) -> None:
+        """Each partition's backlog in Kafka and each class's sum, every BACKLOG_REFRESH_S."""
         now = self._clock()
         if now - self._backlog_at >= BACKLOG_REFRESH_S:
             self._backlog_at = now
+            self._lag = self._source.lag()
             backlog: Counter[Priority] = Counter()
-            for (topic, _partition), lag in self._source.lag().items():
+            for (topic, _partition), lag in self._lag.items():
                 backlog[self.class_of_topic[topic]] += lag
             self._backlog = dict(backlog)
+
+    def _read_by_priority(self, intake: PriorityIntake) -> None:
+        """Ask the intake policy which classes to pause for a more urgent class's backlog in Kafka."""
         before = self._decision
         decision = self._decision = intake.decide(self._backlog)
         if decision == before:

@@ -74,8 +74,10 @@ class Reader:
             taken.outputs.extend(Output.of_dead_letter(dl) for dl in polled.dead_letters)
         by_class = Counter(f.priority for f in polled.frames)
         by_class.update(self._flow.class_of_topic[dl.source.topic] for dl in polled.dead_letters)
+        by_partition = Counter(f.source.topic_partition for f in polled.frames)
+        by_partition.update(dl.source.topic_partition for dl in polled.dead_letters)
         self._flow.record_read(by_class, Counter(f.priority for f in late),
-                               {p: ms / 1000.0 for p, ms in oldest.items()}, polled.drained)
+                               {p: ms / 1000.0 for p, ms in oldest.items()}, polled.drained, by_partition)
         return taken
 
     def _past_deadline(self, frame: Frame, now: float) -> bool:

@@ -243,6 +243,21 @@ def test_a_long_commit_interval_commits_early_rather_than_stop_at_the_uncommitte
     assert w.committed(P0) == 40
 
 
+def test_a_class_held_at_its_pending_share_reads_all_its_partitions_at_the_same_pace() -> None:
+    """Issue 51: the kit's consumer serves the lowest partition first, as librdkafka's fetch queue may; a class that
+    backpressure lets read only part of it still reads (and so answers) every backlogged partition alike."""
+    w = World(batching=BatchingSettings(rare_shape_min_count=1, max_batch_size=4, max_pending_frames=64))
+    tps = [(BULK, p) for p in range(6)]
+    for tp in tps:
+        w.frames(tp, 300)
+    w.assign(tps)
+    while len(w.results()) < 600:
+        w.step()
+    answered = Counter((t, p) for t, p, _ in w.results())
+    assert len(answered) == 6
+    assert min(answered.values()) >= 0.75 * max(answered.values())
+
+
 # -- stale work ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["at_least_once", "exactly_once"])
 def test_bug3_outputs_of_a_lost_partition_are_dropped(mode: str) -> None:

@@ -163,6 +163,7 @@ class FrameSource:
         # The partitions owned and their epochs, shared with the pipeline and delivery.
         self.assignments = assignments if assignments is not None else Assignments()
         self._paused_classes: set[Priority] = set()
+        self._held: frozenset[TP] = frozenset()  # partitions paused for their siblings (worker.fairness)
         self._paused: set[TP] = set()
         # Per partition: the offset after the last one delivered since it was assigned or sought.
         self._next_offset: dict[TP, int] = {}
@@ -306,16 +307,18 @@ class FrameSource:
             self._refusals.reset()
 
     # -- pausing -------------------------------------------------------------------------------------
-    def pause_classes(self, classes: set[Priority]) -> None:
-        """Pause exactly the partitions of these priority classes; resume the rest."""
-        if classes != self._paused_classes:
+    def pause_classes(self, classes: set[Priority], held: frozenset[TP] = frozenset()) -> None:
+        """Pause exactly the partitions of these priority classes and the `held` ones; resume the rest."""
+        if classes != self._paused_classes or held != self._held:
             self._paused_classes = set(classes)
+            self._held = held
             self._apply_pauses()
 
     def _apply_pauses(self) -> None:
-        """Pause the partitions of paused classes and those waiting for their committed offset; resume the rest."""
+        """Pause the partitions of paused classes, the held ones and those waiting for their committed offset; resume
+        the rest."""
         want = {tp for tp in self.assignments.partitions
-                if self._topics[tp[0]] in self._paused_classes or tp in self._positions}
+                if self._topics[tp[0]] in self._paused_classes or tp in self._positions or tp in self._held}
         to_pause = want - self._paused
         to_resume = self._paused - want
         if to_pause:
