@@ -8,10 +8,12 @@ threads). Variants, each round a fresh process per tree and variant, interleaved
 
 - `device`: the device data path (runtime.decode = device) with the device's work stood in: the real
   `DevicePreprocessor` does every host step (the CPU path's checks and JPEG structure walk, the staging copy, the
-  batch's bookkeeping) on the `meta` device, where a tensor has a shape and no memory, and the decode is a tensor
-  of the frame's shape (`StandInDevicePreprocessor`); the runner returns zero scores (`StandInRunner`). Pixels are
-  never decoded or read. Left out: the CUDA calls' own host cost (kernel launches, nvJPEG's host-side work, the
-  scores' copy back), which the GPU check's e2e_device section measures where a GPU is lent.
+  batch's bookkeeping) on the `meta` device, where a tensor has a shape and no memory; its decode and resize are
+  stood in (`StandInDevicePreprocessor`: one shared tensor of the frame's shape, whole regions) and the runner
+  returns zero scores (`StandInRunner`). Pixels are never decoded or read. Left out: the CUDA calls' own host cost
+  (kernel launches, nvJPEG's host-side work, the scores' copy back), which the GPU check's e2e_device section
+  measures where a GPU is lent. (torch ops on `meta` tensors run Python reference code, far costlier than a CUDA
+  launch: that is why the decode and resize are stood in rather than run on `meta`.)
 - `cpu`: the CPU data path as the worker starts it (`start_runtime`), the near-zero model (`--cpu-model null`, a
   slice of its input) or the builtin CNN (`toy`).
 
@@ -121,16 +123,22 @@ def stand_in_executor(settings: Any) -> tuple[Any, list[Any]]:
 
     contract = load_model(settings.model, "cpu").contract
     meta = torch.device("meta")
+    decoded = torch.empty((contract.channels, SHAPE[0], SHAPE[1]), dtype=torch.uint8, device=meta)
 
     class StandInDevicePreprocessor(DevicePreprocessor):
-        """The real device preprocessor with its decode stood in: each frame becomes a `meta` tensor of its shape
-        (no memory, no pixels); checks, staging and the fit to the model input run as on a GPU."""
+        """The real device preprocessor with the device's work stood in: no decode (each frame is one shared `meta`
+        tensor of its shape), no resize (the frames are the model input's size: every row's region is whole);
+        checks, staging and the batch's bookkeeping run as on a GPU."""
 
         def _to_device(self, staged: list[Any], buffer: torch.Tensor, device: torch.device,
                        failures: dict[int, Any]) -> dict[int, torch.Tensor]:
-            [buffer[s.start:s.stop] for s in staged]  # the views handed to nvJPEG / the upload
-            return {s.index: torch.empty((self.contract.channels, s.frame.height, s.frame.width), dtype=torch.uint8,
-                                         device=device) for s in staged}
+            [buffer[s.start:s.stop] for s in staged]  # the views handed to nvJPEG / the upload, as on a GPU
+            return {s.index: decoded for s in staged}
+
+        def _fit(self, out: torch.Tensor, items: list[Any]) -> list[tuple[int, int, int, int]]:
+            if any((f.height, f.width) != tuple(out.shape[1:3]) for f, _ in items):
+                raise ValueError("the stand-in fits only frames of the model input's size")
+            return [(0, 0, int(out.shape[1]), int(out.shape[2]))] * len(items)
 
     class StandInRunner:
         """A runner's interface (EagerRunner's) with the model stood in: zero scores, the input never read."""
