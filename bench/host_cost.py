@@ -280,7 +280,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                    common.workload_records(args.frames, common.new_id("hc"), WORKLOADS["jpeg224"]))
         print(f"[host_cost] published {args.frames} frames in {time.monotonic() - t:.1f}s", flush=True)
     runs: dict[str, dict[int, dict[str, Any]]] = {k: {} for k in keys}
-    broker_cpu: dict[str, dict[int, float]] = {k: {} for k in keys}
     for rnd, key in stats.rotating(keys, args.rounds):
         tree, variant = key.split("/")
         spec = {**base_spec, "tree": trees[tree], "variant": variant}
