@@ -333,5 +333,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return data
 
 
+def summary(result: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Rows for bench/results/summary.md: this tree's lock-holding CPU-ms per frame and its ceiling, per variant."""
+    import stats
+
+    rows = []
+    for key, runs in result["runs"].items():
+        tree, variant = key.split("/")
+        if tree != "this":
+            continue
+        ok = {r: x for r, x in runs.items() if "error" not in x}
+        lock, ceiling = (stats.spread(ok, k) for k in ("lock_cpu_ms_per_frame", "ceiling_fps"))
+        what = "device path, device stood in" if variant == "device" else f"CPU path, model {result['cpu_model']}"
+        rows.append((f"host CPU-ms/frame (lock-holding), 224x224 JPEG backlog, {what}, Kafka {result['kafka']}",
+                     f"**{lock.text(3)}** (ceiling {ceiling.text(0)} frames/s per process)",
+                     stats.rounds(result["rounds"])))
+    return rows
+
+
 if __name__ == "__main__":
     main()

@@ -184,6 +184,25 @@ def test_an_ff_da_inside_a_segment_before_the_scan_is_walked_not_taken_for_the_h
         check_jpeg(tricky[:scan_starts(data)[0] + len(app) + 40] + b"\xff\xd9", (512, 512))
 
 
+def test_a_known_header_whose_scan_header_is_invalid_is_refused_every_time(headers):
+    data = bytearray(jpeg_bytes(40, 24))
+    sos = data.index(b"\xff\xda")
+    count = data[sos + 4]
+    data[sos + 5 + 2 * count + 1] = 62  # Se: the sequential scan stops short of coefficient 63
+    for _ in range(2):
+        with pytest.raises(FrameDecodeError, match="does not cover all 64 coefficients"):
+            check_jpeg(bytes(data), (40, 24))
+
+
+def test_a_known_header_followed_by_a_marker_other_than_eoi_after_its_scan_is_walked_to_the_end(headers):
+    data = jpeg_bytes(40, 24)
+    check_jpeg(data, (40, 24))
+    with pytest.raises(FrameDecodeError, match="DNL marker"):
+        check_jpeg(data[:-2] + b"\xff\xdc\x00\x04\x00\x18\xff\xd9", (40, 24))
+    with pytest.raises(FrameDecodeError, match="truncated"):
+        check_jpeg(data[:-2], (40, 24))
+
+
 def test_the_header_cache_keeps_at_most_its_entries_and_headers_up_to_its_size(headers):
     for seed in range(10):
         check_jpeg(jpeg_bytes(16 + 8 * seed, 16, seed=seed), (16 + 8 * seed, 16))

@@ -179,10 +179,14 @@ def check_jpeg(data: bytes, expected_size: tuple[int, int] | None = None) -> Jpe
         header, pos = known
         if expected_size is not None and header.size != expected_size:
             raise _size_mismatch(header.size, expected_size)
-        size, progressive, restart_interval, comps = header.size, header.progressive, header.restart_interval, \
-            header.components()
         if vectorised:
             ends = _ScanEnds(data)
+        if header.whole is not None:  # one sequential scan of every component: complete if EOI follows it
+            stop = _scan_end(data, pos, header.restart_interval > 0, ends, 2, header.whole.blocks)
+            if _next_marker(data, stop)[0] == _EOI:
+                return header.whole.info
+        size, progressive, restart_interval, comps = header.size, header.progressive, header.restart_interval, \
+            header.components()
         pos = _read_scan(data, pos, header.scan, comps, progressive, restart_interval > 0, ends)
         scans = 1
     else:
@@ -216,8 +220,7 @@ def check_jpeg(data: bytes, expected_size: tuple[int, int] | None = None) -> Jpe
             if size is None:
                 raise _bad("a scan (SOS) before the frame header (SOF)")
             if scans == 0:  # everything before here was checked: the header, as the next frame may repeat it
-                HEADERS.remember(data, pos, _Header(size, progressive, restart_interval, segment,
-                                                    tuple((c.ident, c.h, c.v, c.blocks) for c in comps.values())))
+                HEADERS.remember(data, pos, _Header.at_first_scan(size, progressive, restart_interval, segment, comps))
             if vectorised and ends is None:
                 ends = _ScanEnds(data)
             pos = _read_scan(data, pos, segment, comps, progressive, restart_interval > 0, ends)
@@ -249,9 +252,33 @@ class _Header:
     restart_interval: int
     scan: bytes  # the first SOS segment's payload
     comps: tuple[tuple[int, int, int, int], ...]  # (ident, h, v, blocks) per component, in SOF order
+    whole: _WholeScan | None  # the first scan codes the whole image (sequential, every component, a valid header)
+
+    @classmethod
+    def at_first_scan(cls, size: tuple[int, int], progressive: bool, restart_interval: int, scan: bytes,
+                      comps: dict[int, _Component]) -> _Header:
+        whole = None
+        count = scan[0] if scan else 0
+        idents = set(scan[1:1 + 2 * count:2])
+        if (not progressive and len(scan) >= 1 + 2 * count + 3 and idents == set(comps) and count == len(comps)
+                and tuple(scan[1 + 2 * count:4 + 2 * count]) == (0, 63, 0)):
+            whole = _WholeScan(sum(c.blocks for c in comps.values()),
+                               JpegInfo(width=size[0], height=size[1], components=len(comps), progressive=False,
+                                        scans=1))
+        return cls(size, progressive, restart_interval, scan, tuple((c.ident, c.h, c.v, c.blocks)
+                                                                    for c in comps.values()), whole)
 
     def components(self) -> dict[int, _Component]:
         return {ident: _Component(ident, h, v, blocks) for ident, h, v, blocks in self.comps}
+
+
+@dataclass(frozen=True)
+class _WholeScan:
+    """A header whose first scan is sequential and names every component: when EOI follows that scan's data, the
+    image is complete (every coefficient coded) and reads as `info`."""
+
+    blocks: int
+    info: JpegInfo
 
 
 class HeaderCache:
@@ -421,20 +448,26 @@ def _read_scan(data: bytes, pos: int, header: bytes, comps: dict[int, _Component
         raise _bad("a sequential scan does not cover all 64 coefficients")
     if progressive and not (ss <= se <= 63 and al <= 13 and (ss == 0 or count == 1) and (ss > 0 or se == 0)):
         raise _bad(f"progressive scan with an invalid spectral range {ss}..{se} / bits {ah},{al}")
-    stop, overhead = ends.scan_data_end(data, pos, restarts) if ends else _scan_data_end(data, pos, restarts)
-    available_bits = 8 * (stop - pos - overhead)
     # Every block of a scan that codes the DC coefficient takes at least one bit (a Huffman code is >= 1 bit;
     # a refinement scan sends exactly one); a sequential scan adds at least one more (EOB or an AC code).
     # AC-only progressive scans can cover thousands of blocks with one EOB run, so they get no lower bound.
     per_block = (1 if progressive else 2) if ss == 0 else 0
-    needed_bits = per_block * sum(comps[i].blocks for i in idents)
-    if available_bits < needed_bits:
-        raise _bad(
-            f"a scan holds {available_bits} bits, fewer than the {needed_bits} its "
-            f"{sum(comps[i].blocks for i in idents)} blocks need: truncated data, or a header claiming a larger image")
+    stop = _scan_end(data, pos, restarts, ends, per_block, sum(comps[i].blocks for i in idents))
     for i in idents:
         lowest = comps[i].lowest_bit
         lowest[ss:se + 1] = [min(bit, al) for bit in lowest[ss:se + 1]] if al else [0] * (se + 1 - ss)
+    return stop
+
+
+def _scan_end(data: bytes, pos: int, restarts: bool, ends: _ScanEnds | None, per_block: int, blocks: int) -> int:
+    """Where the scan's entropy-coded data from `pos` ends, once it is known to hold at least `per_block` bits for
+    each of its `blocks` blocks."""
+    stop, overhead = ends.scan_data_end(data, pos, restarts) if ends else _scan_data_end(data, pos, restarts)
+    available_bits = 8 * (stop - pos - overhead)
+    needed_bits = per_block * blocks
+    if available_bits < needed_bits:
+        raise _bad(f"a scan holds {available_bits} bits, fewer than the {needed_bits} its {blocks} blocks need: "
+                   "truncated data, or a header claiming a larger image")
     return stop
 
 
