@@ -8,6 +8,8 @@ through silently: a few-hundred-byte JPEG whose SOF declares 12000x12000 (a deco
 short with an EOI marker after it, which libjpeg pads with grey and decodes without an error. Pillow's
 `LOAD_TRUNCATED_IMAGES` is never set here; data cut without an EOI fails both here and in Pillow. `check_frame`
 makes every check before decoding, for the device data path (`devicepath`), whose decoders are not strict.
+A camera repeats its header (tables, frame header, scan header) on every frame: a header walked once is kept by its
+bytes (`HEADERS`), and the next frame that starts with the same bytes is walked only from its scan data on.
 """
 
 from __future__ import annotations
