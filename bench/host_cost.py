@@ -311,7 +311,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"(median (min-max) over {args.rounds} interleaved rounds)",
         ["tree/variant", "lock CPU-ms/frame", "ceiling frames/s", *(f"{r} ms" for r in ROLES), "all ms",
          "frames/s", "mean batch"], rows,
-        note="lock = every thread but librdkafka's (they run no Python); ceiling = 1000 / lock (one process). "
+        note="lock = every thread but librdkafka's (they run no Python): an upper bound where C code lets the lock go "
+             "(the CPU path's decode and torch kernels); ceiling = 1000 / lock (one process). "
              f"device = the device data path, device stood in; cpu = the CPU data path, model {args.cpu_model}.")
     ratios = {}
     if args.base:
