@@ -2,10 +2,10 @@
 
 The Kafka benchmarks share one broker (the test kit's, warmed up): batching gain (with the runtime's own best, the
 limit), latency under load, scaling, the workload matrix and the batch-size A/B; the others run as their own
-processes: preprocessing cost, the batcher, and a reliability smoke (one fault, both modes). The GPU's figures come
-from `./dev gpu-check` (bench/gpu_check.py), which needs no broker. Each writes its JSON to bench/results/;
-summary.md is generated from them: date, commit, machine, every figure as median (min-max) with its rounds, and the
-headline table the README copies.
+processes: preprocessing cost, the host's CPU per frame (host_cost), the batcher, and a reliability smoke (one
+fault, both modes). The GPU's figures come from `./dev gpu-check` (bench/gpu_check.py), which needs no broker. Each
+writes its JSON to bench/results/; summary.md is generated from them: date, commit, machine, every figure as median
+(min-max) with its rounds, and the headline table the README copies.
 
     python bench/run_all.py              # everything (bench/README.md gives the time on a 2-core machine)
     python bench/run_all.py --quick      # fewer rounds, shorter runs, noisier: every benchmark end to end
@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import batcher
 import batching_gain
 import common
+import host_cost
 import latency_sweep
 import preprocess_cost
 import scaling
@@ -74,6 +75,9 @@ PROCESSES: dict[str, tuple[str, tuple[list[str], list[str]], str, Summary]] = {
                                                                "--threads", "1", "--cases",
                                                                "jpeg224_to_224,jpeg720p_to_224,jpeg720p_photo_to_224"]),
                    "preprocess_cost", preprocess_cost.summary),
+    "host": ("The host's CPU per frame (device stood in; CPU path), real loop and broker",
+             (["host_cost.py", "--rounds", "3"], ["host_cost.py", "--rounds", "2", "--frames", "3000"]), "host_cost",
+             host_cost.summary),
     "batcher": ("The micro-batcher alone", (["batcher.py"], ["batcher.py", "--frames", "20000"]), "batcher",
                 batcher.summary),
     "reliability": ("Reliability smoke (the suite: tests/reliability/run.py)",

@@ -119,6 +119,102 @@ def test_check_jpeg_reads_size_components_and_scans_without_decoding():
     assert info.scans > 1
 
 
+# -- headers walked before (decode.HEADERS) ---------------------------------------------------------------------------
+@pytest.fixture
+def headers(monkeypatch):
+    """A fresh, empty header cache for the test, counting the marker segments the walk reads one by one."""
+    cache = decode_module.HeaderCache(max_entries=4)
+    monkeypatch.setattr(decode_module, "HEADERS", cache)
+    walked = [0]
+    real = decode_module._next_marker
+
+    def counted(data, pos):
+        walked[0] += 1
+        return real(data, pos)
+
+    monkeypatch.setattr(decode_module, "_next_marker", counted)
+    cache.walked = walked
+    return cache
+
+
+@pytest.mark.parametrize("save", [{}, {"progressive": True}, {"restart_marker_blocks": 3}], ids=str)
+def test_a_header_walked_before_is_not_walked_again_and_reads_the_same(headers, save):
+    data = jpeg_bytes(40, 24, **save)
+    first = check_jpeg(data, (40, 24))
+    walked_first, headers.walked[0] = headers.walked[0], 0
+    assert check_jpeg(data, (40, 24)) == first
+    assert headers.walked[0] < walked_first  # the header's segments were not read again
+    if not save:
+        assert headers.walked[0] == 1  # only the EOI after the scan
+
+
+def test_a_frame_with_a_known_header_but_cut_short_and_closed_with_eoi_is_still_refused(headers):
+    data = jpeg_bytes(512, 512)
+    check_jpeg(data, (512, 512))
+    scan = scan_starts(data)[0]
+    with pytest.raises(FrameDecodeError, match="fewer than the .* its .* blocks need"):
+        check_jpeg(data[:scan + 40] + b"\xff\xd9", (512, 512))
+    with pytest.raises(FrameDecodeError, match="truncated"):
+        check_jpeg(data[:len(data) * 3 // 4], (512, 512))
+
+
+def test_a_progressive_frame_with_a_known_header_missing_scans_is_still_refused(headers):
+    data = JPEGS["progressive"]
+    check_jpeg(data, (96, 64))
+    with pytest.raises(FrameDecodeError, match="not fully coded|in no scan"):
+        check_jpeg(data[:scan_starts(data)[1]] + b"\xff\xd9", (96, 64))
+
+
+def test_a_known_header_is_still_held_to_the_frames_declared_size(headers):
+    data = jpeg_bytes(40, 24)
+    check_jpeg(data, (40, 24))
+    with pytest.raises(FrameDecodeError, match="JPEG decodes to 40x24, but the frame declares 24x40"):
+        check_jpeg(data, (24, 40))
+
+
+def test_an_ff_da_inside_a_segment_before_the_scan_is_walked_not_taken_for_the_header(headers):
+    """Segment payloads are not stuffed: an APP segment may hold FF DA. The cache's search finds it first, its bytes
+    match no header walked, and the walk reads the frame as it is, every time."""
+    data = jpeg_bytes(512, 512)
+    app = b"\xff\xe5" + struct.pack(">H", 2 + 8) + b"\xff\xda\x00\x04\x01\x02\x03\x04"
+    tricky = data[:2] + app + data[2:]
+    assert check_jpeg(tricky, (512, 512)) == check_jpeg(data, (512, 512))
+    assert check_jpeg(tricky, (512, 512)) == check_jpeg(data, (512, 512))
+    with pytest.raises(FrameDecodeError, match="fewer than the .* its .* blocks need"):
+        check_jpeg(tricky[:scan_starts(data)[0] + len(app) + 40] + b"\xff\xd9", (512, 512))
+
+
+def test_a_known_header_whose_scan_header_is_invalid_is_refused_every_time(headers):
+    data = bytearray(jpeg_bytes(40, 24))
+    sos = data.index(b"\xff\xda")
+    count = data[sos + 4]
+    data[sos + 5 + 2 * count + 1] = 62  # Se: the sequential scan stops short of coefficient 63
+    for _ in range(2):
+        with pytest.raises(FrameDecodeError, match="does not cover all 64 coefficients"):
+            check_jpeg(bytes(data), (40, 24))
+
+
+def test_a_known_header_followed_by_a_marker_other_than_eoi_after_its_scan_is_walked_to_the_end(headers):
+    data = jpeg_bytes(40, 24)
+    check_jpeg(data, (40, 24))
+    with pytest.raises(FrameDecodeError, match="DNL marker"):
+        check_jpeg(data[:-2] + b"\xff\xdc\x00\x04\x00\x18\xff\xd9", (40, 24))
+    with pytest.raises(FrameDecodeError, match="truncated"):
+        check_jpeg(data[:-2], (40, 24))
+
+
+def test_the_header_cache_keeps_at_most_its_entries_and_headers_up_to_its_size(headers):
+    for seed in range(10):
+        check_jpeg(jpeg_bytes(16 + 8 * seed, 16, seed=seed), (16 + 8 * seed, 16))
+    assert len(headers._known) == headers.max_entries
+    big = jpeg_bytes(16, 16, exif=b"Exif\x00\x00" + bytes(headers.max_header_bytes))
+    headers.walked[0] = 0
+    check_jpeg(big, (16, 16))
+    check_jpeg(big, (16, 16))
+    assert headers.walked[0] > 4  # walked both times: a header over the size is not kept
+    assert all(len(k) <= headers.max_header_bytes for k in headers._known)
+
+
 # -- decompression bombs ----------------------------------------------------------------------------------------------
 def test_a_jpeg_larger_than_its_frame_header_is_rejected_before_pillow_sees_it(monkeypatch):
     monkeypatch.setattr(Image, "open", lambda *a, **k: pytest.fail("Pillow was asked to open the bomb"))
