@@ -107,7 +107,7 @@ def test_a_container_that_cannot_start_leaves_a_warning_naming_the_image_and_the
     monkeypatch.setenv(IMAGE_ENV, "apache/kafka:4.1.1")
     monkeypatch.setattr(worker.tools.kafka_container, "start_kafka_container", refused)
     with caplog.at_level("WARNING", logger="worker.testing"):
-        assert worker.testing._kafka_container() is None
+        assert worker.testing.broker._kafka_container() is None
     (record,) = caplog.records
     assert "apache/kafka:4.1.1" in record.getMessage()
     assert "pull access denied" in record.getMessage() and "more detail" not in record.getMessage()
