@@ -324,6 +324,8 @@ def figures(run: Run, lost: int, duplicated: int, intended: dict[SourceRef, floa
                for c in classes.values()}
     return {
         "lost": lost, "duplicated": duplicated, "problems": problems, "frames": len(intended),
+        # How far the feeder fell behind its schedule (its lag counts in the latencies: capture = intended time).
+        "feeder_max_lag_s": round(max((f.max_send_lag_s for f in run.feeders), default=0.0), 3),
         "seconds_of_load": round(marks["feed_end"] - marks["feed_start"], 1),
         "rollout_s": round(marks["rollout_end"] - marks["rollout_start"], 1) if "rollout_start" in marks else None,
         "expired": expired, "realtime_expired": expired["realtime"], "realtime_latency": latency,
