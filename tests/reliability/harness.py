@@ -186,7 +186,9 @@ class Feeder(threading.Thread):
         self.unplaced: list[tuple[str, int, bytes | None, Sent, float]] = []
         self.errors: list[str] = []
         self.max_send_lag_s = 0.0
+        self.published = 0  # items handed to the producer (all of them unless end() cut the list short)
         self._halt = threading.Event()
+        self._end = threading.Event()
         self._producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 5,
                                    # Keep retrying through broker outages; the suite's outages are short.
                                    "message.timeout.ms": 300_000})
@@ -194,17 +196,18 @@ class Feeder(threading.Thread):
     def run(self) -> None:
         start = time.time()
         for i, item in enumerate(self.items):
-            if self._halt.is_set():
+            if self._halt.is_set() or self._end.is_set():
                 break
             intended = start + i / self.rate_fps if self.rate_fps else time.time()
             if self.rate_fps:
                 delay = intended - time.time()
-                if delay > 0:
-                    time.sleep(delay)
+                if delay > 0 and self._end.wait(delay):
+                    break
                 self.max_send_lag_s = max(self.max_send_lag_s, time.time() - intended)
             value = item.value(intended)
             sent = dataclasses.replace(item.sent, digest=digest(value))
             self._produce(item, value, sent, intended)
+            self.published += 1
             self._producer.poll(0)
         deadline = time.monotonic() + 240
         while len(self._producer) and not self._halt.is_set() and time.monotonic() < deadline:
@@ -234,6 +237,11 @@ class Feeder(threading.Thread):
     def stop(self) -> None:
         """Stop publishing and drop what is queued (the run is being abandoned)."""
         self._halt.set()
+
+    def end(self) -> None:
+        """Stop publishing the rest of the items, but deliver what was handed to the producer (an open-loop load
+        that lasts as long as the scenario needs: `Run.end_feeds`)."""
+        self._end.set()
 
     def _produce(self, item: Outgoing, value: bytes, sent: Sent, intended: float) -> None:
         def delivered(err: Any, msg: Any) -> None:
@@ -279,6 +287,16 @@ def suite_env(mode: str, unique: str, model: str = "steady_model", batch_sleep_m
     }
 
 
+def defaults_env(mode: str, unique: str) -> dict[str, str]:
+    """The worker on its own defaults (builtin model, its batching, expiry and group settings): only the delivery
+    mode and a transactional id space of the run's own, as a benchmark of a deployment measures it."""
+    return {
+        "PYTHONPATH": os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")) if p),
+        "WORKER_DELIVERY_MODE": mode,
+        "WORKER_DELIVERY_TRANSACTIONAL_ID_PREFIX": f"rel-{unique}",
+    }
+
+
 def duplicate_bound_per_fault(env: dict[str, str]) -> int:
     """At-least-once: the most frames one fault may answer twice: what one worker holds read but not committed,
     which is what it reads at most past its last confirmed commit (`delivery.max_uncommitted_frames`; by default a
@@ -299,8 +317,9 @@ class Fleet:
     it is recorded and restarted (as an orchestrator would), at most `max_restarts` times per worker."""
 
     def __init__(self, bootstrap: str, topics: TestTopics, env: dict[str, str], logdir: Path, max_restarts: int = 3,
-                 worker_ids: str = "fixed"):
+                 worker_ids: str = "fixed", test_env: bool = True):
         self.bootstrap = bootstrap
+        self.test_env = test_env  # False: the worker's own defaults, without the kit's TEST_ENV
         self.topics = topics
         self.env = env
         self.logdir = logdir
@@ -328,7 +347,7 @@ class Fleet:
         explicit = {"fixed": worker_id, "default": None,
                     "fresh": f"{worker_id}-{self._starts[worker_id]}"}[self.worker_ids]
         proc = start_worker(self.bootstrap, self.topics, extra_env=env, worker_id=explicit,
-                            log_path=str(self.log_path(worker_id)))
+                            log_path=str(self.log_path(worker_id)), test_env=self.test_env)
         self.procs[worker_id] = proc
         return proc
 
@@ -448,13 +467,13 @@ def rss_bytes(pid: int) -> int | None:
 class GroupWatch:
     """The worker group's committed offsets against the inputs' end offsets, without joining the group."""
 
-    def __init__(self, bootstrap: str, group: str, topics: Sequence[str]):
+    def __init__(self, bootstrap: str, group: str, topics: Sequence[str], partitions: int = PARTITIONS):
         # read_uncommitted: asks for committed offsets without requiring them stable, so the broker answers with
         # the last committed ones at once while a dead member's transaction holds pending offsets (a
         # read_committed client's look-up would wait, up to transaction.timeout.ms).
         self._consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False,
                                    "isolation.level": "read_uncommitted", "log_level": 0})
-        self._tps = [TopicPartition(t, p) for t in topics for p in range(PARTITIONS)]
+        self._tps = [TopicPartition(t, p) for t in topics for p in range(partitions)]
 
     def committed(self) -> int | None:
         """Messages the group has committed over all input partitions (None while the broker does not answer)."""
@@ -756,23 +775,28 @@ class Run:
     """One fault run: fresh topics and group, a fleet of workers, feeders, and at the end the audit."""
 
     def __init__(self, lab: Lab, fault: str, mode: str, *, model: str = "steady_model", batch_sleep_ms: float = 20,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, partitions: int = PARTITIONS, worker_defaults: bool = False):
+        """`worker_defaults`: the workers run on their own defaults (defaults_env; `model` and `batch_sleep_ms` are
+        then unused) instead of the suite's small batches and test model."""
         self.lab = lab
         self.fault = fault + ("" if lab.worker_ids == "fixed" else f" ({lab.worker_ids} worker ids)")
         self.mode = mode
         self.unique = uuid.uuid4().hex[:8]
-        self.topics = make_topics(lab.bootstrap, self.unique, PARTITIONS, lab.replication)
+        self.partitions = partitions
+        self.topics = make_topics(lab.bootstrap, self.unique, partitions, lab.replication)
         stamp_on_append(lab.bootstrap, [self.topics.results, self.topics.dead_letter],
                         lab.broker.client_properties() if lab.broker else {})
         slug = re.sub(r"[^a-z0-9]+", "-", self.fault.lower()).strip("-")
         self.dir = lab.workdir / f"{slug}-{mode}-{self.unique}"
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.env = suite_env(mode, self.unique, model, batch_sleep_ms)
+        self.env = defaults_env(mode, self.unique) if worker_defaults else suite_env(mode, self.unique, model,
+                                                                                      batch_sleep_ms)
         self.env["STREAMFER_REL_PROBE_DIR"] = str(self.probe_dir)
         self.env.update(env or {})
         self.probe_dir.mkdir(exist_ok=True)
-        self.fleet = Fleet(lab.bootstrap, self.topics, self.env, self.dir, worker_ids=lab.worker_ids)
-        self.watch = GroupWatch(lab.bootstrap, self.topics.group, self.topics.inputs)
+        self.fleet = Fleet(lab.bootstrap, self.topics, self.env, self.dir, worker_ids=lab.worker_ids,
+                           test_env=not worker_defaults)
+        self.watch = GroupWatch(lab.bootstrap, self.topics.group, self.topics.inputs, partitions)
         self.factory = FrameFactory(self.topics, self.unique)
         self.feeders: list[Feeder] = []
         # Messages the feeder wrote twice (see account_for_repeats), by their coordinates.
@@ -801,6 +825,16 @@ class Run:
             feeder.join()
         return feeder
 
+    def end_feeds(self, timeout_s: float = 240.0) -> None:
+        """End an open-ended load: every feeder stops publishing, delivers what it handed over, and the run expects
+        answers for what was published (not for the rest of the items)."""
+        for f in self.feeders:
+            f.end()
+        for f in self.feeders:
+            f.join(timeout_s)
+            self.expected -= len(f.items) - f.published
+            f.items = f.items[:f.published]
+
     @property
     def sent(self) -> dict[SourceRef, Sent]:
         out: dict[SourceRef, Sent] = {}
@@ -821,7 +855,7 @@ class Run:
             return
         intended = self.intended
         for topic in self.topics.inputs:
-            for partition in range(PARTITIONS):
+            for partition in range(self.partitions):
                 found = [(SourceRef(topic, partition, msg.offset()), digest(msg.value()))
                          for msg in iter_partition(self.lab.bootstrap, topic, partition)]
                 for ref, (s, original) in ledger_of_repeats(sent, found).items():
