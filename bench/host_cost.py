@@ -49,6 +49,12 @@ ROLES = ("loop", "preprocess", "decode", "inference", "librdkafka", "other")
 NO_LOCK_ROLES = ("librdkafka",)  # threads that run no Python: they never hold the interpreter lock
 
 
+def ceiling_fps(lock_cpu_ms_per_frame: float) -> float:
+    """Frames/s one process cannot exceed when its threads hold the interpreter lock this long per frame; infinite
+    when /proc's clock ticks (10 ms) saw none, as on a short run."""
+    return 1000.0 / lock_cpu_ms_per_frame if lock_cpu_ms_per_frame else float("inf")
+
+
 def role_of(thread_role: str) -> str:
     """bench/common.thread_role's name -> this benchmark's role."""
     if thread_role.startswith("rdk:"):
@@ -105,7 +111,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     lock = sum(v for k, v in per_frame.items() if k not in NO_LOCK_ROLES)
     return {"answered": answered, "wall_s": wall, "frames_per_s": answered / wall if wall else 0.0,
             "mean_batch": mean_batch, "cpu_ms_per_frame": per_frame, "total_cpu_ms_per_frame": sum(per_frame.values()),
-            "lock_cpu_ms_per_frame": lock, "ceiling_fps": 1000.0 / lock if lock else float("inf"),
+            "lock_cpu_ms_per_frame": lock, "ceiling_fps": ceiling_fps(lock),
             "threads_cpu_s": cpu, "faults": faults}
 
 

@@ -33,8 +33,14 @@ def test_the_stand_in_device_path_answers_every_frame_through_the_loop_without_d
     assert result["answered"] == 120
     per_frame = result["cpu_ms_per_frame"]
     assert result["lock_cpu_ms_per_frame"] == pytest.approx(sum(v for k, v in per_frame.items() if k != "librdkafka"))
-    assert result["ceiling_fps"] == pytest.approx(1000.0 / result["lock_cpu_ms_per_frame"])
+    assert result["ceiling_fps"] == host_cost.ceiling_fps(result["lock_cpu_ms_per_frame"])
     assert per_frame["decode"] == 0.0  # nothing ran on the CPU path's decode pool
+
+
+def test_the_ceiling_is_a_second_over_the_lock_holding_time_and_unbounded_when_none_was_seen() -> None:
+    # /proc counts thread CPU in 10 ms ticks: a short run can see none, which must not divide by zero.
+    assert host_cost.ceiling_fps(0.2) == pytest.approx(5000.0)
+    assert host_cost.ceiling_fps(0.0) == float("inf")
 
 
 def test_the_summary_rows_name_each_variant_of_this_tree_only() -> None:
