@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 from worker.batching import Batch
 from worker.frames import BatchOutcome, DeadLetter, Frame, Output, Status, Verdict
-from worker.metrics import Children, Metrics
-from worker.schemas import ResultContext, build_result, reencode_frame
+from worker.metrics import Children, Metrics, observe_many
+from worker.schemas import ResultContext, reencode_frame, result_writer, write_result
 
 # One DEBUG line per finished batch (class, shape, size, waits, padding, predicted and measured time): enable
 # with observability.log_level = "DEBUG", or this logger alone, when chasing a p99.
@@ -24,7 +24,7 @@ class Answers:
 
     def __init__(self, metrics: Metrics, context: ResultContext) -> None:
         self.metrics = metrics
-        self._context = context
+        self._writer = result_writer(context)
         self._expired = Children(metrics.frames_expired)
         self._flagged = Children(metrics.frames_flagged)
         self._queue_wait = Children(metrics.queue_wait)
@@ -42,23 +42,22 @@ class Answers:
                             (batch.released_at - oldest) * 1000.0, (outcome.started_at - batch.released_at) * 1000.0,
                             batch.padding_waste,
                             "-" if batch.predicted_s is None else f"{batch.predicted_s * 1000.0:.1f}", run_ms)
-        pixels = self._input_pixels.labels(f"{batch.shape[0]}x{batch.shape[1]}")
-        for frame in batch.frames:
-            pixels.observe(frame.height * frame.width)
+        observe_many(self._input_pixels.labels(f"{batch.shape[0]}x{batch.shape[1]}"),
+                     [frame.height * frame.width for frame in batch.frames])
         self.metrics.preprocess_latency.observe(outcome.preprocess_ms / 1000.0)
         self.metrics.inference_latency.observe(outcome.inference_ms / 1000.0)
         # A batch's frames are of its class.
-        queue_wait = self._queue_wait.labels(batch.priority.label)
-        end_to_end = self._end_to_end.labels(batch.priority.label)
         flagged: Counter[str] = Counter()
-        outputs = []
+        outputs, queued, end_to_end = [], [], []
         for frame, verdict in outcome.verdicts:
             queued_s = max(0.0, outcome.started_at - frame.received_at)
-            queue_wait.observe(queued_s)
-            end_to_end.observe(max(0.0, now - frame.capture_ts_ms / 1000.0))
+            queued.append(queued_s)
+            end_to_end.append(max(0.0, now - frame.capture_ts_ms / 1000.0))
             if verdict.flagged_labels:
                 flagged.update(verdict.flagged_labels)
             outputs.append(self._result(frame, verdict, Status.OK, queued_s * 1000.0, outcome.batch_size, run_ms, now))
+        observe_many(self._queue_wait.labels(batch.priority.label), queued)
+        observe_many(self._end_to_end.labels(batch.priority.label), end_to_end)
         for label, n in flagged.items():
             self._flagged.labels(label).inc(n)
         outputs.extend(self.dead_letter(f.frame, f.error_type, f.reason) for f in outcome.failures)
@@ -78,6 +77,6 @@ class Answers:
 
     def _result(self, frame: Frame, verdict: Verdict | None, status: Status, queued_ms: float, batch_size: int,
                 run_ms: float, now: float) -> Output:
-        value = build_result(frame, verdict, status.value, self._context, queued_ms, batch_size, run_ms, now)
+        value = write_result(self._writer, frame, verdict, status.value, queued_ms, batch_size, run_ms, now)
         # Keyed by stream so a stream's results stay ordered within one output partition.
         return Output(frame.source, frame.stream_id.encode(), value, frame.tenant, status, headers=frame.headers)

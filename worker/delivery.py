@@ -23,11 +23,12 @@ from collections.abc import Callable
 from typing import Protocol
 
 from confluent_kafka import KafkaError, KafkaException
+from prometheus_client import Counter
 
 from worker.assignment import TP, Assignments
 from worker.config import Settings
 from worker.errors import OperatorError
-from worker.frames import OUTPUT_REJECTED, DeadLetter, Output, SourceRef
+from worker.frames import OUTPUT_REJECTED, DeadLetter, Output, SourceRef, Status
 from worker.kafka.errors import classify_producer_error
 from worker.kafka.producer import (
     DoneCallback,
@@ -42,6 +43,8 @@ from worker.offsets import OffsetTracker
 log = logging.getLogger(__name__)
 
 COMMIT_FAILURE_LOG_INTERVAL_S = 10.0
+# (tenant, status) pairs whose results_produced child is remembered; past it the memory starts afresh.
+MAX_TENANT_CHILDREN = 1024
 # An asynchronous commit whose outcome librdkafka has not reported after this long (its request timeout, 60 s, is
 # long past) no longer holds back the next one.
 COMMIT_OUTCOME_WAIT_S = 120.0
@@ -82,6 +85,9 @@ class Delivery:
         self.metrics = metrics
         # Counted per acknowledged output: each label set looked up once.
         self._produced = Children(metrics.results_produced)
+        # (tenant, status) -> its results_produced child: counted per acknowledged result, so its labels (the
+        # tenant's label among them) are worked out once per tenant, not per frame. Bounded: tenants are input.
+        self._produced_by: dict[tuple[str, Status], Counter] = {}
         self._dead_lettered = Children(metrics.frames_dead_lettered)
         self.results = 0
         self.dead_lettered = 0
@@ -169,8 +175,14 @@ class Delivery:
             self._dead_lettered.labels(out.source.topic, error_type).inc()
         else:
             self.results += 1
-            self._produced.labels(self.settings.topics.results, self.metrics.tenant_label(out.tenant),
-                                  out.status.value).inc()
+            key = (out.tenant, out.status)
+            child = self._produced_by.get(key)
+            if child is None:
+                if len(self._produced_by) >= MAX_TENANT_CHILDREN:
+                    self._produced_by.clear()
+                child = self._produced_by[key] = self._produced.labels(
+                    self.settings.topics.results, self.metrics.tenant_label(out.tenant), out.status.value)
+            child.inc()
 
 
 class AtLeastOnceDelivery(Delivery):

@@ -6,11 +6,12 @@ docs/metrics.md lists the same names; tests/unit/test_deploy_manifests.py keeps 
 
 from __future__ import annotations
 
+import bisect
 import collections
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Generic, TypeVar
@@ -48,6 +49,22 @@ class Children(Generic[MetricT]):
         if child is None:
             child = self._children[values] = self._metric.labels(*values)
         return child
+
+
+def observe_many(histogram: Histogram, amounts: Iterable[float]) -> None:
+    """`histogram.observe(a)` for each of `amounts` (none NaN), as one increment of the sum and one per bucket
+    touched: a batch's frames land in a few buckets, and observe() costs about 2 us a call, which the loop paid
+    three times per frame. It uses the child's bucket bounds and values (prometheus_client's private
+    `_upper_bounds`, `_buckets`, `_sum`): tests/unit/test_metrics_observe_many.py checks that the exposition is
+    the same as observe()'s, so a prometheus_client that changes them fails there, not in production."""
+    amounts = list(amounts)
+    if not amounts:
+        return
+    histogram._raise_if_not_observable()
+    bounds = histogram._upper_bounds
+    histogram._sum.inc(sum(amounts))
+    for index, count in collections.Counter(bisect.bisect_left(bounds, a) for a in amounts).items():
+        histogram._buckets[index].inc(count)
 
 
 # The label value of every tenant without a label of its own, and of every error_type not listed below.

@@ -18,8 +18,9 @@ from typing import Any, Protocol
 
 import fastavro
 
+from worker.avrocodec import ResultWriter
 from worker.config import LimitsSettings
-from worker.frames import Encoding, Frame, ModelVerdict, Priority, SourceRef, Verdict, replay_count_of
+from worker.frames import Encoding, Frame, Priority, SourceRef, Verdict, replay_count_of
 
 
 def _schema_dir() -> Path:
@@ -309,43 +310,21 @@ class ResultContext:
     framing: bytes = b""
 
 
+def result_writer(ctx: ResultContext) -> ResultWriter:
+    """The hand-written encoder of this context's results (worker.avrocodec): hold one, it caches encodings."""
+    return ResultWriter(ctx.model_name, ctx.model_version, ctx.worker_id, ctx.framing)
+
+
+def write_result(writer: ResultWriter, frame: Frame, verdict: Verdict | None, status: str, queued_ms: float,
+                 batch_size: int, inference_ms: float, now: float) -> bytes:
+    """The encoded moderation result of one frame (verdict None for an EXPIRED frame), after the writer's framing."""
+    source = frame.source
+    return writer.write(frame.stream_id, frame.frame_index, frame.tenant, status, verdict, source.topic,
+                        source.partition, source.offset, frame.capture_ts_ms, queued_ms, batch_size, inference_ms,
+                        max(0.0, now * 1000.0 - frame.capture_ts_ms))
+
+
 def build_result(frame: Frame, verdict: Verdict | None, status: str, ctx: ResultContext, queued_ms: float,
                  batch_size: int, inference_ms: float, now: float) -> bytes:
-    """The encoded moderation result of one frame (verdict None for an EXPIRED frame), after `ctx.framing`."""
-    return ctx.framing + encode_result({
-        "stream_id": frame.stream_id,
-        "frame_index": frame.frame_index,
-        "tenant": frame.tenant,
-        "status": status,
-        "model_name": ctx.model_name,
-        "model_version": ctx.model_version,
-        "scores": dict(verdict.scores) if verdict else {},
-        "flagged": verdict.flagged if verdict else False,
-        "flagged_labels": list(verdict.flagged_labels) if verdict else [],
-        "source_topic": frame.source.topic,
-        "source_partition": frame.source.partition,
-        "source_offset": frame.source.offset,
-        "capture_ts_ms": frame.capture_ts_ms,
-        "queued_ms": queued_ms,
-        "batch_size": batch_size,
-        "inference_ms": inference_ms,
-        "end_to_end_ms": max(0.0, now * 1000.0 - frame.capture_ts_ms),
-        "worker_id": ctx.worker_id,
-        **model_set_fields(verdict),
-    })
-
-
-# -- a model set's fields of a result (issue 50) ----------------------------------------------------------------
-def model_set_fields(verdict: Verdict | None) -> dict[str, Any]:
-    """decided_by and every model's output (`models`); empty for one model or an expired frame."""
-    if verdict is None or not verdict.models:
-        return {"decided_by": "", "models": []}
-    return {"decided_by": verdict.decided_by, "models": [_model_output(m) for m in verdict.models]}
-
-
-def _model_output(m: ModelVerdict) -> dict[str, Any]:
-    v = m.verdict
-    return {"model": m.model, "version": m.version, "ran": v is not None, "skipped_reason": m.skipped,
-            "scores": dict(v.scores) if v else {}, "flagged_labels": list(v.flagged_labels) if v else [],
-            "detections": [{"label": d.label, "score": d.score, "x": d.x, "y": d.y, "width": d.width,
-                            "height": d.height} for d in (v.detections if v else ())]}
+    """`write_result` with a writer of its own: for one-off results (the loop holds a writer)."""
+    return write_result(result_writer(ctx), frame, verdict, status, queued_ms, batch_size, inference_ms, now)

@@ -209,6 +209,20 @@ def test_a_never_flag_label_is_scored_but_never_flags():
     assert contract.verdict([0.1, 0.9]).flagged_labels == ("nsfw",)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 6).flatmap(lambda n: st.tuples(
+    st.lists(st.floats(0, 1), min_size=n, max_size=n),  # thresholds
+    st.lists(st.booleans(), min_size=n, max_size=n),  # never flag
+    st.lists(st.lists(st.floats(-2, 2, width=32), min_size=n, max_size=n), max_size=8))))
+def test_a_batchs_verdicts_are_each_rows_verdict(case):
+    thresholds, never, rows = case
+    labels = tuple(f"l{i}" for i in range(len(thresholds)))
+    contract = _contract(labels=labels, thresholds=dict(zip(labels, thresholds, strict=True)),
+                         never_flag=tuple(label for label, n in zip(labels, never, strict=True) if n))
+    scores = np.array(rows, dtype=np.float32).reshape(len(rows), len(labels))
+    assert contract.verdicts(scores) == [contract.verdict(row) for row in scores]
+
+
 def test_factory_gets_model_options_as_keyword_arguments(tmp_path):
     cfg = tmp_path / "w.toml"
     cfg.write_text('[model]\nsource = "model_factories:scaled_model"\nlabels = ["a", "b"]\n'

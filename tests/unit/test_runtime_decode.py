@@ -184,6 +184,23 @@ def test_an_ff_da_inside_a_segment_before_the_scan_is_walked_not_taken_for_the_h
         check_jpeg(tricky[:scan_starts(data)[0] + len(app) + 40] + b"\xff\xd9", (512, 512))
 
 
+def test_libjpeg_reads_a_header_once_and_one_it_refuses_every_time(headers, monkeypatch):
+    """A hit stands for libjpeg-turbo's header read as well as the walk: a header is remembered only once both
+    accepted it, so one that libjpeg refuses is never a hit."""
+    reads = []
+    real = simplejpeg.decode_jpeg_header
+    monkeypatch.setattr(simplejpeg, "decode_jpeg_header", lambda data: reads.append(1) or real(data))
+    good = jpeg_bytes(32, 32)
+    for _ in range(3):
+        check_jpeg(good, (32, 32))
+    assert len(reads) == 1
+    odd = with_sampling(good, (0x13, 0x11, 0x11))  # valid JPEG, but the TurboJPEG API cannot name it
+    for _ in range(2):
+        with pytest.raises(FrameDecodeError, match="subsampling"):
+            check_jpeg(odd, (32, 32))
+    assert len(reads) == 3
+
+
 def test_a_known_header_whose_scan_header_is_invalid_is_refused_every_time(headers):
     data = bytearray(jpeg_bytes(40, 24))
     sos = data.index(b"\xff\xda")

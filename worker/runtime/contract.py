@@ -8,6 +8,8 @@ import from here, so none of them imports another to reach these.
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -111,6 +113,24 @@ class ModelContract:
         flagged = tuple(label for label in self.labels
                         if label not in self.never_flag and by_label[label] >= self.threshold_for(label))
         return Verdict(scores=by_label, flagged_labels=flagged)
+
+    def verdicts(self, scores: np.ndarray) -> list[Verdict]:
+        """`verdict` of each row of a (frames, labels) score matrix, thresholded in one comparison: the batch's
+        verdicts cost a few microseconds each instead of ten (issue 47). Rows must be finite."""
+        rows = np.asarray(scores, dtype=np.float64)
+        flags = (rows >= self._thresholds_row) & self._flaggable_row
+        labels = self.labels
+        return [Verdict(scores=dict(zip(labels, row, strict=False)),
+                        flagged_labels=tuple(itertools.compress(labels, flagged)))
+                for row, flagged in zip(rows.tolist(), flags.tolist(), strict=True)]
+
+    @functools.cached_property
+    def _thresholds_row(self) -> np.ndarray:
+        return np.array([self.threshold_for(label) for label in self.labels], dtype=np.float64)
+
+    @functools.cached_property
+    def _flaggable_row(self) -> np.ndarray:
+        return np.array([label not in self.never_flag for label in self.labels], dtype=bool)
 
     def model_input_hw(self, batch_hw: tuple[int, int]) -> tuple[int, int]:
         """The (height, width) the model sees for a batch padded to `batch_hw`."""

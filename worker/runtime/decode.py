@@ -66,14 +66,7 @@ def check_frame(frame: Frame, max_pixels: int = MAX_FRAME_PIXELS_CEILING) -> Jpe
                                    f"{h}*{w}*{c} = {expected}")
         return None
     if frame.encoding is Encoding.JPEG:
-        info = check_jpeg(frame.data, (w, h))
-        if info.components not in (1, 3, 4):
-            raise FrameDecodeError(f"JPEG has {info.components} colour components; supported: 1, 3 or 4 (CMYK)")
-        try:  # libjpeg-turbo's own header read (1.5 us): both data paths refuse the headers it refuses (sampling
-            simplejpeg.decode_jpeg_header(frame.data)  # factors its API cannot name), in its words
-        except (ValueError, RuntimeError) as exc:
-            raise FrameDecodeError(f"JPEG does not decode: {exc}") from None
-        return info
+        return check_jpeg(frame.data, (w, h))
     raise FrameDecodeError(f"unsupported encoding {frame.encoding!r}")
 
 
@@ -170,13 +163,15 @@ def check_jpeg(data: bytes, expected_size: tuple[int, int] | None = None) -> Jpe
     """Walk the JPEG's markers; FrameDecodeError unless it is one complete, supported image (of
     `expected_size` = (width, height) when given, checked as soon as the frame header is read).
     Costs one bytes.find pass over the entropy-coded data: no Huffman decoding, no pixels. A header (every
-    segment up to the first scan's) byte for byte equal to one walked before is not walked again (`HEADERS`)."""
+    segment up to the first scan's) byte for byte equal to one walked before is not walked again (`HEADERS`).
+    Last, libjpeg-turbo's own header read (`_libjpeg_reads_header`), once per header too."""
     if data[:2] != b"\xff\xd8":
         raise _bad("no SOI marker (FF D8) at the start: not a JPEG")
     n = len(data)
     vectorised = VECTOR_SCAN_MIN_BYTES <= n <= VECTOR_SCAN_MAX_BYTES
     ends: _ScanEnds | None = None  # built at the first scan: a frame refused by its header never pays for it
     known = HEADERS.lookup(data)
+    first_scan: tuple[int, _Header] | None = None  # where a header not known yet ends, and what it holds
     if known is not None:
         header, pos = known
         if expected_size is not None and header.size != expected_size:
@@ -222,7 +217,7 @@ def check_jpeg(data: bytes, expected_size: tuple[int, int] | None = None) -> Jpe
             if size is None:
                 raise _bad("a scan (SOS) before the frame header (SOF)")
             if scans == 0:  # everything before here was checked: the header, as the next frame may repeat it
-                HEADERS.remember(data, pos, _Header.at_first_scan(size, progressive, restart_interval, segment, comps))
+                first_scan = (pos, _Header.at_first_scan(size, progressive, restart_interval, segment, comps))
             if vectorised and ends is None:
                 ends = _ScanEnds(data)
             pos = _read_scan(data, pos, segment, comps, progressive, restart_interval > 0, ends)
@@ -236,7 +231,19 @@ def check_jpeg(data: bytes, expected_size: tuple[int, int] | None = None) -> Jpe
     if size is None or scans == 0:
         raise _bad("no frame header (SOF) or no scan (SOS)")
     _check_complete(comps, progressive)
+    if first_scan is not None:  # remembered only now: a hit stands for the walk and libjpeg's read of its bytes
+        _libjpeg_reads_header(data)
+        HEADERS.remember(data, *first_scan)
     return JpegInfo(width=size[0], height=size[1], components=len(comps), progressive=progressive, scans=scans)
+
+
+def _libjpeg_reads_header(data: bytes) -> None:
+    """libjpeg-turbo's own header read (1.5 us, up to the first scan: what a `HEADERS` key holds): both data paths
+    refuse the headers it refuses (sampling factors its API cannot name), in its words."""
+    try:
+        simplejpeg.decode_jpeg_header(data)
+    except (ValueError, RuntimeError) as exc:
+        raise FrameDecodeError(f"JPEG does not decode: {exc}") from None
 
 
 def _size_mismatch(size: tuple[int, int], expected: tuple[int, int]) -> FrameDecodeError:

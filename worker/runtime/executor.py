@@ -37,6 +37,7 @@ from worker.frames import (
     FrameFailure,
     Priority,
     SourceRef,
+    Verdict,
 )
 from worker.graphplan import BatchCaps
 from worker.memorypolicy import DeviceMemories, split_batch
@@ -368,13 +369,14 @@ class InferenceExecutor:
                 scored, model_failures, used_graph = _run_one_by_one(runner, batch)
                 failures.extend(model_failures)
                 bucket = 1
-        verdicts = []
-        for frame, scores in scored:
-            if np.isfinite(scores).all():
-                verdicts.append((frame, self.contract.verdict(scores)))
-            else:
-                failures.append(FrameFailure(frame, f"model output is not finite: {scores.tolist()}",
-                                             NON_FINITE_OUTPUT))
+        verdicts: list[tuple[Frame, Verdict]] = []
+        if scored:
+            scores = np.stack([row for _, row in scored])
+            finite = np.isfinite(scores).all(axis=1)
+            kept = [frame for (frame, _), ok in zip(scored, finite.tolist(), strict=True) if ok]
+            verdicts = list(zip(kept, self.contract.verdicts(scores[finite]), strict=True))
+            failures.extend(FrameFailure(frame, f"model output is not finite: {row.tolist()}", NON_FINITE_OUTPUT)
+                            for (frame, row), ok in zip(scored, finite.tolist(), strict=True) if not ok)
         return BatchOutcome(
             verdicts=verdicts,
             failures=failures,

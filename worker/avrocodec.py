@@ -1,0 +1,156 @@
+"""The result the loop writes per frame, in Avro's binary encoding, written by hand (issue 47).
+
+fastavro's schemaless writer is general: each call walks the schema through a file object, and the loop built a
+dict of 20 fields for it, about 12 us a result. `ResultWriter` knows moderation_result.avsc field by field: the
+parts every result of a worker shares (the model's name and version, the worker's id, the labels, the topics,
+the streams' ids) are encoded once and joined, about 6 us. It writes exactly what fastavro does:
+tests/unit/test_avrocodec.py compares them byte for byte on random results. A schema change must change this
+module with it (that test reads the .avsc file and fails on a field it does not know). Frames are still read by
+fastavro: a reader written the same way in Python measured no faster (4.0-5.1 us against 4.6).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+
+from worker.frames import ModelVerdict, Verdict
+
+RESULT_FIELDS = ("stream_id", "frame_index", "tenant", "status", "model_name", "model_version", "scores", "flagged",
+                 "flagged_labels", "source_topic", "source_partition", "source_offset", "capture_ts_ms",
+                 "queued_ms", "batch_size", "inference_ms", "end_to_end_ms", "worker_id", "decided_by", "models")
+STATUS_SYMBOLS = ("OK", "EXPIRED")
+
+_DOUBLE = struct.Struct("<d")
+_TWO_DOUBLES = struct.Struct("<dd")
+_FLOAT = struct.Struct("<f")
+_FLOAT32_MAX = 3.4028234663852886e38
+# Strings that repeat on every frame of a stream (ids, tenants, labels, topics): encoded once, up to this many.
+_MAX_CACHED = 4096
+
+
+# -- writing -------------------------------------------------------------------------------------------------------
+_SMALL_LONGS = tuple(bytes((n << 1,)) for n in range(64))  # 0..63: one byte each
+_STATUS = {symbol: _SMALL_LONGS[i] for i, symbol in enumerate(STATUS_SYMBOLS)}
+
+
+def write_long(n: int) -> bytes:
+    """`n` (a long: -2**63 <= n < 2**63) as a zig-zag varint."""
+    if 0 <= n < 64:
+        return _SMALL_LONGS[n]
+    if not -(1 << 63) <= n < (1 << 63):
+        raise ValueError(f"{n} does not fit Avro's long")
+    z = (n << 1) ^ (n >> 63)
+    out = bytearray()
+    while z >= 0x80:
+        out.append((z & 0x7F) | 0x80)
+        z >>= 7
+    out.append(z)
+    return bytes(out)
+
+
+def write_string(s: str) -> bytes:
+    raw = s.encode()
+    return write_long(len(raw)) + raw
+
+
+def write_float(x: float) -> bytes:
+    """As fastavro writes a float: a double past float32's range is infinity, not an error."""
+    try:
+        return _FLOAT.pack(x)
+    except OverflowError:
+        return _FLOAT.pack(float("inf") if x > _FLOAT32_MAX else float("-inf"))
+
+
+def _cached(cache: dict[str, bytes], encode: Callable[[str], bytes], s: str) -> bytes:
+    raw = cache.get(s)
+    if raw is None:
+        if len(cache) >= _MAX_CACHED:
+            cache.clear()
+        raw = cache[s] = encode(s)
+    return raw
+
+
+class ResultWriter:
+    """moderation_result.avsc records after a fixed `framing` (the registry's wire header, or nothing), for one
+    model (or model set) and worker. Thread-compatible: the loop's thread alone uses one."""
+
+    def __init__(self, model_name: str, model_version: str, worker_id: str, framing: bytes = b"") -> None:
+        self._framing = framing
+        self._model = write_string(model_name) + write_string(model_version)
+        self._worker = write_string(worker_id)
+        self._strings: dict[str, bytes] = {}
+        self._score_layouts: dict[tuple[str, ...], tuple[tuple[bytes, ...], struct.Struct]] = {}
+
+    def _string(self, s: str) -> bytes:
+        return self._strings.get(s) or _cached(self._strings, write_string, s)
+
+    def write(self, stream_id: str, frame_index: int, tenant: str, status: str, verdict: Verdict | None,
+              topic: str, partition: int, offset: int, capture_ts_ms: int, queued_ms: float, batch_size: int,
+              inference_ms: float, end_to_end_ms: float) -> bytes:
+        """One result's bytes: the verdict's scores, flags and model set (none for an EXPIRED frame)."""
+        strings = self._strings
+        parts = [self._framing, strings.get(stream_id) or self._string(stream_id), write_long(frame_index),
+                 strings.get(tenant) or self._string(tenant), _STATUS[status], self._model]
+        if verdict is None:
+            parts.append(b"\x00\x00\x00")  # no scores, not flagged, no flagged labels
+        else:
+            parts.append(self._scores(verdict.scores))
+            flagged = verdict.flagged_labels
+            parts.append(b"\x01" + self._strings_array(flagged) if flagged else b"\x00\x00")
+        parts += [strings.get(topic) or self._string(topic), write_long(partition), write_long(offset),
+                  write_long(capture_ts_ms), _DOUBLE.pack(queued_ms), write_long(batch_size),
+                  _TWO_DOUBLES.pack(inference_ms, end_to_end_ms), self._worker]
+        if verdict is None or not verdict.models:
+            parts.append(b"\x00\x00")  # decided_by "", no models
+        else:
+            parts.append(self._string(verdict.decided_by))
+            parts.append(self._models(verdict.models))
+        return b"".join(parts)
+
+    def _scores(self, scores: dict[str, float]) -> bytes:
+        """A map of floats: its labels (the same on every frame of a model) packed with its values in one call."""
+        if not scores:
+            return b"\x00"
+        labels = tuple(scores)
+        layout = self._score_layouts.get(labels) or self._score_layout(labels)
+        encoded, packer = layout
+        try:
+            return packer.pack(*[x for pair in zip(encoded, scores.values()) for x in pair]) + b"\x00"
+        except OverflowError:  # a value past float32's range: written as infinity, value by value
+            return b"".join([write_long(len(scores)),
+                             *(self._string(label) + write_float(v) for label, v in scores.items()), b"\x00"])
+
+    def _score_layout(self, labels: tuple[str, ...]) -> tuple[tuple[bytes, ...], struct.Struct]:
+        """The labels' bytes (the first after the map's block count) and the struct that interleaves them with
+        the float values."""
+        encoded = [self._string(label) for label in labels]
+        encoded[0] = write_long(len(labels)) + encoded[0]
+        if len(self._score_layouts) >= _MAX_CACHED:
+            self._score_layouts.clear()
+        layout = self._score_layouts[labels] = (tuple(encoded),
+                                                struct.Struct("<" + "".join(f"{len(e)}sf" for e in encoded)))
+        return layout
+
+    def _strings_array(self, items: tuple[str, ...] | list[str]) -> bytes:
+        if not items:
+            return b"\x00"
+        return b"".join([write_long(len(items)), *map(self._string, items), b"\x00"])
+
+    def _models(self, models: tuple[ModelVerdict, ...]) -> bytes:
+        string = self._string
+        parts = [write_long(len(models))]
+        for m in models:
+            v = m.verdict
+            parts += [string(m.model), string(m.version), b"\x01" if v is not None else b"\x00", string(m.skipped)]
+            if v is None:
+                parts.append(b"\x00\x00\x00")  # no scores, flagged labels or detections
+                continue
+            parts += [self._scores(v.scores), self._strings_array(v.flagged_labels)]
+            if v.detections:
+                parts.append(write_long(len(v.detections)))
+                parts += [string(d.label) + write_float(d.score) + write_float(d.x) + write_float(d.y)
+                          + write_float(d.width) + write_float(d.height) for d in v.detections]
+            parts.append(b"\x00")
+        parts.append(b"\x00")
+        return b"".join(parts)
