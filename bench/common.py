@@ -126,13 +126,41 @@ class Broker:
         return process_cpu_seconds(self.pid) if self.pid else None
 
 
+def listening_pid(bootstrap: str) -> int | None:
+    """The process listening on the first bootstrap address's port on this machine (Linux /proc), so an external
+    broker on the loopback address has its CPU measured too; None when none can be seen."""
+    try:
+        port = int(bootstrap.split(",")[0].rsplit(":", 1)[1])
+    except (IndexError, ValueError):
+        return None
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(f"socket:[{fields[9]}]")
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                return int(proc.name)
+        except OSError:
+            continue
+    return None
+
+
 @contextmanager
 def broker() -> Iterator[Broker]:
     """The test kit's broker (worker.testing.kafka_broker: KAFKA_BOOTSTRAP_SERVERS, else a container or the
     project's local Kafka in a temp dir, removed after)."""
     t0 = time.monotonic()
     with kafka_broker() as bootstrap:
-        pid = local_broker_pid()
+        pid = local_broker_pid() or listening_pid(bootstrap)
         if os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
             description = f"external broker {bootstrap}"
         elif pid:

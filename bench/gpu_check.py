@@ -29,6 +29,11 @@ before, last):
                saturated as the worker feeds it (2 batches in flight per runner, batches of 32), interleaved rounds:
                frames/s (and per round over 1 instance), batch p99, device memory; with --cpu the same code on CPU
                runners at batch 2 (a code-path check, not a figure to choose the default by)
+  processes    1, 2 and 3 worker processes on one GPU (`worker run --processes N` with one GPU visible), each the
+               runtime as the worker starts it (open_nsfw, device data path) saturated for the same seconds at once:
+               frames/s of all of them together, and each process's device memory (nvidia-smi's per-process figure,
+               CUDA context included, where it answers; torch's reserved memory always); with --cpu the same code on
+               the CPU at batch 2, each process's resident memory (a code-path check)
   e2e_cpu      as e2e_device, frames decoded on the host
   limit_cpu    as limit_device, frames decoded on the host, every JPEG workload
 Every executor is started as the worker starts it (worker.runtime.start_runtime). A section whose cap does not fit in
@@ -109,6 +114,8 @@ PLAN = (
          needs_cuda=True),
     Spec("instances", "instances_per_device 1/2/3 on one GPU, open_nsfw 224x224 JPEG", "gpu_check:section_instances",
          70, cpu_cap_s=90),
+    Spec("processes", "worker processes per GPU 1/2/3: frames/s together, device memory per process",
+         "gpu_check:section_processes", 90, cpu_cap_s=150),
     Spec("e2e_cpu", "end to end, CPU data path: the worker's loop over Kafka fakes, open_nsfw, 224x224 and 720p",
          "gpu_e2e:section_e2e_cpu", 60, cpu_cap_s=120),
     Spec("limit_cpu", "executor alone, saturated, CPU data path, per model and workload", "gpu_check:section_limit_cpu",
@@ -198,7 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="shorter sections (a smoke test of the script)")
     p.add_argument("--only", default="", help="comma-separated section names to run (default: all, in plan order)")
     p.add_argument("--section", nargs=3, metavar=("NAME", "TARGET", "CAP_S"), help=argparse.SUPPRESS)  # a child
+    p.add_argument("--process-child", help=argparse.SUPPRESS)  # one of section_processes's worker processes
     args = p.parse_args(argv)
+    if args.process_child:
+        process_child(json.loads(args.process_child))
+        return 0
     if args.section:
         return run_section(args)
     import torch
@@ -603,6 +614,105 @@ def section_instances(check: Check, section: Section) -> None:
                     f"{d['frames_per_s']['text']}, {d['of_one']['text']} of 1 instance (per round); batch p99 "
                     f"{d['batch_p99_ms']['text']}; {d['cpu_ms_per_frame']['text']}; {d['inflight']} in flight; "
                     f"{memory}")
+
+
+PROCESSES = (1, 2, 3)
+
+
+def section_processes(check: Check, section: Section) -> None:
+    """N worker processes on one device, as `worker run --processes N` starts them where one process cannot feed a
+    GPU (its host share caps it: bench/host_cost.py): each child process starts the runtime as the worker does
+    (open_nsfw, the device data path on a GPU), says it is ready, and on the word runs the executor saturated for
+    the same seconds as its siblings. Per N: frames/s of all together, and each process's memory at rest (after
+    warm-up and capture) and at its batches' peak."""
+    batch, seconds = (32, 0.7 if check.quick else 2.5) if check.cuda else (2, 0.3)
+    section.data = {"model": "opennsfw", "workload": "jpeg224", "batch": batch, "seconds": seconds,
+                    "device": "cuda:0" if check.cuda else "cpu", "processes": {}}
+    for n in PROCESSES:
+        children = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--process-child",
+                                      json.dumps({"cuda": check.cuda, "batch": batch, "seconds": seconds,
+                                                  "torch_threads": check.torch_threads})],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
+                    for _ in range(n)]
+        try:
+            ready = [json.loads(_last_line(c)) for c in children]
+            at_rest = _device_memory_by_pid() if check.cuda else {}
+            for c in children:
+                assert c.stdin is not None
+                c.stdin.write("go\n")
+                c.stdin.flush()
+            done = [json.loads(_last_line(c)) for c in children]
+        finally:
+            for c in children:
+                c.kill()
+                c.wait()
+        total = sum(d["frames_per_s"] for d in done)
+        per_process = [{**r, **d, "nvidia_smi_mib": at_rest.get(r["pid"])} for r, d in zip(ready, done, strict=True)]
+        section.data["processes"][str(n)] = {"frames_per_s": total, "per_process": per_process}
+        where = "one GPU" if check.cuda else "the CPU (code-path check, not a GPU figure)"
+        memory = "; ".join(_process_memory(p, check.cuda) for p in per_process)
+        each = ", ".join(f"{d['frames_per_s']:.0f}" for d in done)
+        section.add(f"{n} process(es) on {where}, batch {batch}, {seconds} s at once",
+                    f"{total:.0f} frames/s together ({each} each); {memory}")
+
+
+def _last_line(child: subprocess.Popen[str]) -> str:
+    """A child's next line of output: its JSON report (RuntimeError when it died first)."""
+    assert child.stdout is not None
+    line = child.stdout.readline()
+    if not line:
+        raise RuntimeError(f"a process child ended (exit code {child.wait()}) before it reported")
+    return line
+
+
+def _process_memory(p: dict[str, Any], cuda: bool) -> str:
+    if not cuda:
+        return f"{p['rss_mib']:.0f} MiB resident"
+    smi = "n/a" if p["nvidia_smi_mib"] is None else f"{p['nvidia_smi_mib']:.0f} MiB"
+    return (f"{smi} on the GPU by nvidia-smi (context included), torch reserved {p['reserved_mib']:.0f} MiB at rest, "
+            f"{p['peak_reserved_mib']:.0f} MiB at peak")
+
+
+def _device_memory_by_pid() -> dict[int, float]:
+    """nvidia-smi's used GPU memory (MiB) per process, CUDA context included; empty where nvidia-smi does not
+    answer."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    used: dict[int, float] = {}
+    for line in out.splitlines():
+        pid, _, mib = line.partition(",")
+        if pid.strip().isdigit() and mib.strip().replace(".", "", 1).isdigit():
+            used[int(pid)] = float(mib)
+    return used
+
+
+def process_child(spec: dict[str, Any]) -> None:
+    """One of section_processes's worker processes: start the runtime, report (pid, memory at rest), wait for the
+    word on stdin, run the executor saturated, report, exit."""
+    import resource
+
+    import torch
+    from executor_load import executor_round, frame_cycle
+
+    check = Check(cuda=spec["cuda"], out=Path("."), deadline=float("inf"), torch_threads=spec["torch_threads"],
+                  quick=False)
+    executor, _settings = executor_for(check, "opennsfw", spec["batch"], device="cuda:0" if check.cuda else "cpu")
+    cycle = frame_cycle(WORKLOADS["jpeg224"])
+    reserved = torch.cuda.memory_reserved(0) / MIB if check.cuda else 0.0
+    print(json.dumps({"pid": os.getpid(), "reserved_mib": reserved}), flush=True)
+    sys.stdin.readline()
+    try:
+        if check.cuda:
+            torch.cuda.reset_peak_memory_stats(0)
+        run = executor_round(executor, cycle, spec["batch"], spec["seconds"])
+    finally:
+        executor.close()
+    print(json.dumps({"frames_per_s": run["frames_per_s"], "cpu_ms_per_frame": run["cpu_ms_per_frame"],
+                      "peak_reserved_mib": torch.cuda.max_memory_reserved(0) / MIB if check.cuda else 0.0,
+                      "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}), flush=True)
 
 
 # -- output ------------------------------------------------------------------------------------------------------

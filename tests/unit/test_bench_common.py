@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -53,3 +55,13 @@ def test_a_workloads_consecutive_frames_are_its_streams_in_turn() -> None:
     assert len({r.stream_id for r in first}) == streams  # one burst: every stream once
     assert [r.stream_id for r in first] == [r.stream_id for r in second]
     assert {(r.width, r.height) for r in first} == {(1280, 720), (1920, 1080)}
+
+
+def test_the_process_listening_on_a_bootstrap_port_is_found_so_an_external_brokers_cpu_is_measured() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert common.listening_pid(f"127.0.0.1:{port},other:9092") == os.getpid()
+    assert common.listening_pid(f"127.0.0.1:{port}") is None  # closed: nobody listens
+    assert common.listening_pid("no-port") is None

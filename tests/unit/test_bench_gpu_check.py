@@ -7,6 +7,7 @@ section is: in a process of its own."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -110,3 +111,16 @@ def test_the_dev_script_installs_the_carried_wheels_by_their_pinned_names() -> N
     body = dev[dev.index("gpu_check() {"):dev.index("\n}\n", dev.index("gpu_check() {"))]
     install = body[body.index("pip install"):]
     assert "$GPU_WHEELS" in install and ".whl/*.whl" not in install
+
+
+def test_the_processes_section_reads_nvidia_smis_memory_per_process_and_nothing_where_it_does_not_answer(
+        tmp_path, monkeypatch) -> None:
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\nprintf '4242, 1530\\n4243, 1498.5\\nnot a row\\n'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert gpu_check._device_memory_by_pid() == {4242: 1530.0, 4243: 1498.5}
+    fake.write_text("#!/bin/sh\nexit 9\n")
+    assert gpu_check._device_memory_by_pid() == {}
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    assert gpu_check._device_memory_by_pid() == {}
