@@ -9,10 +9,12 @@ transit (producer linger, fetch) is not in it, so the knee is conservative. The 
 batching.standard.latency_budget_ms.
 
     python bench/latency_sweep.py [--quick]
+    python bench/latency_sweep.py --capacity 1300 --levels 0.25,0.5   # fixed rates: compare settings or trees
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -115,13 +117,18 @@ def knee_of(levels: list[dict[str, Any]], budget: float, top: float) -> tuple[st
 
 
 def run(ctx: Context) -> dict[str, Any]:
-    # The worker's saturated frames/s: batching_gain's (c) in the same run, else measured here.
-    capacity_source = "batching gain's (c), median" if "capacity_fps" in ctx.shared else "1 run"
+    # The worker's saturated frames/s: given (--capacity), batching_gain's (c) in the same run, else measured here.
+    given, chosen = getattr(ctx.shared.get("args"), "capacity", None), getattr(ctx.shared.get("args"), "levels", None)
+    if given:
+        ctx.shared["capacity_fps"] = given
+    capacity_source = ("given (--capacity)" if given else
+                       "batching gain's (c), median" if "capacity_fps" in ctx.shared else "1 run")
     if "capacity_fps" not in ctx.shared:
         ctx.shared["capacity_fps"] = common.worker_round(ctx, common.backlog(ctx, "swc", int(ctx.scale(4000, 2000)))[0],
                                                          tag="swc")["frames_per_s"]
     cap, budget = float(ctx.shared["capacity_fps"]), budget_ms(ctx)
-    levels, standard_share = QUICK_LEVELS if ctx.quick else LEVELS, ctx.workload.classes[Priority.STANDARD].share
+    levels = tuple(chosen) if chosen else QUICK_LEVELS if ctx.quick else LEVELS
+    standard_share = ctx.workload.classes[Priority.STANDARD].share
     print(f"\n[sweep] capacity {cap:.0f} frames/s, budget {budget['budget_ms']:.1f} ms, levels {levels}", flush=True)
     topics = common.topics(ctx.bootstrap, "sw")
     producer = FrameProducer(ctx.bootstrap, topics)
@@ -198,5 +205,11 @@ def markdown_levels(result: dict[str, Any]) -> str:
     return "\n".join(common.markdown_table(list(COLUMNS)[:12], [[c(lv) for c in cells] for lv in result["levels"]]))
 
 
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--capacity", type=float, help="frames/s the levels are shares of (default: measured here)")
+    p.add_argument("--levels", type=lambda v: [float(x) for x in v.split(",")],
+                   help="comma-separated shares of capacity (default: the full or quick set)")
+
+
 if __name__ == "__main__":
-    raise SystemExit(common.standalone(run, None, __doc__.splitlines()[0]))
+    raise SystemExit(common.standalone(run, None, __doc__.splitlines()[0], configure))
