@@ -138,7 +138,12 @@ def stand_in_executor(settings: Any) -> tuple[Any, list[Any]]:
 
         def _to_device(self, staged: list[Any], buffer: torch.Tensor, device: torch.device,
                        failures: dict[int, Any]) -> dict[int, torch.Tensor]:
-            [buffer[s.start:s.stop] for s in staged]  # the views handed to nvJPEG / the upload, as on a GPU
+            # The views handed to nvJPEG, cut as the tree's own _to_device cuts them (every frame is a JPEG here).
+            if hasattr(self, "_jpeg_views"):
+                if staged:
+                    self._jpeg_views(staged, buffer)
+            else:  # a tree from before DevicePreprocessor._jpeg_views
+                [buffer[s.start:s.stop] for s in staged]
             return {s.index: decoded for s in staged}
 
         def _fit(self, out: torch.Tensor, items: list[Any]) -> list[tuple[int, int, int, int]]:

@@ -4,6 +4,7 @@ outputs to delivery."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import Counter
 from collections.abc import Sequence
@@ -11,7 +12,7 @@ from collections.abc import Sequence
 from worker.batching import Batch
 from worker.frames import BatchOutcome, DeadLetter, Frame, Output, Status, Verdict
 from worker.metrics import Children, Metrics, observe_many
-from worker.schemas import ResultContext, reencode_frame, result_writer, write_result
+from worker.schemas import ResultContext, reencode_frame, result_writer
 
 # One DEBUG line per finished batch (class, shape, size, waits, padding, predicted and measured time): enable
 # with observability.log_level = "DEBUG", or this logger alone, when chasing a p99.
@@ -47,27 +48,24 @@ class Answers:
         self.metrics.preprocess_latency.observe(outcome.preprocess_ms / 1000.0)
         self.metrics.inference_latency.observe(outcome.inference_ms / 1000.0)
         # A batch's frames are of its class.
-        flagged: Counter[str] = Counter()
-        outputs, queued, end_to_end = [], [], []
-        for frame, verdict in outcome.verdicts:
-            queued_s = max(0.0, outcome.started_at - frame.received_at)
-            queued.append(queued_s)
-            end_to_end.append(max(0.0, now - frame.capture_ts_ms / 1000.0))
-            if verdict.flagged_labels:
-                flagged.update(verdict.flagged_labels)
-            outputs.append(self._result(frame, verdict, Status.OK, queued_s * 1000.0, outcome.batch_size, run_ms, now))
+        queued = [max(0.0, outcome.started_at - frame.received_at) for frame, _ in outcome.verdicts]
         observe_many(self._queue_wait.labels(batch.priority.label), queued)
-        observe_many(self._end_to_end.labels(batch.priority.label), end_to_end)
+        observe_many(self._end_to_end.labels(batch.priority.label),
+                     [max(0.0, now - frame.capture_ts_ms / 1000.0) for frame, _ in outcome.verdicts])
+        flagged = Counter(itertools.chain.from_iterable(verdict.flagged_labels for _, verdict in outcome.verdicts))
         for label, n in flagged.items():
             self._flagged.labels(label).inc(n)
+        results = [(frame, verdict, queued_s * 1000.0) for (frame, verdict), queued_s in zip(outcome.verdicts, queued,
+                                                                                              strict=True)]
+        outputs = self._results(results, Status.OK, outcome.batch_size, run_ms, now)
         outputs.extend(self.dead_letter(f.frame, f.error_type, f.reason) for f in outcome.failures)
         return outputs
 
     def expired(self, frames: Sequence[Frame], now: float) -> list[Output]:
         """EXPIRED results for frames past their class's max_age_ms (in the batcher, or already when read)."""
         self.metrics.count_by_tenant(self._expired, frames)
-        return [self._result(frame, None, Status.EXPIRED, (now - frame.received_at) * 1000.0, 0, 0.0, now)
-                for frame in frames]
+        return self._results([(frame, None, (now - frame.received_at) * 1000.0) for frame in frames], Status.EXPIRED,
+                             0, 0.0, now)
 
     @staticmethod
     def dead_letter(frame: Frame, error_type: str, reason: str) -> Output:
@@ -75,8 +73,9 @@ class Answers:
                         key=frame.stream_id.encode(), headers=frame.headers)
         return Output.of_dead_letter(dl, frame.tenant)
 
-    def _result(self, frame: Frame, verdict: Verdict | None, status: Status, queued_ms: float, batch_size: int,
-                run_ms: float, now: float) -> Output:
-        value = write_result(self._writer, frame, verdict, status.value, queued_ms, batch_size, run_ms, now)
+    def _results(self, results: Sequence[tuple[Frame, Verdict | None, float]], status: Status, batch_size: int,
+                 run_ms: float, now: float) -> list[Output]:
+        values = self._writer.write_frames(results, status.value, batch_size, run_ms, now * 1000.0)
         # Keyed by stream so a stream's results stay ordered within one output partition.
-        return Output(frame.source, frame.stream_id.encode(), value, frame.tenant, status, headers=frame.headers)
+        return [Output(frame.source, frame.stream_id.encode(), value, frame.tenant, status, headers=frame.headers)
+                for (frame, _, _), value in zip(results, values, strict=True)]

@@ -315,16 +315,9 @@ def result_writer(ctx: ResultContext) -> ResultWriter:
     return ResultWriter(ctx.model_name, ctx.model_version, ctx.worker_id, ctx.framing)
 
 
-def write_result(writer: ResultWriter, frame: Frame, verdict: Verdict | None, status: str, queued_ms: float,
-                 batch_size: int, inference_ms: float, now: float) -> bytes:
-    """The encoded moderation result of one frame (verdict None for an EXPIRED frame), after the writer's framing."""
-    source = frame.source
-    return writer.write(frame.stream_id, frame.frame_index, frame.tenant, status, verdict, source.topic,
-                        source.partition, source.offset, frame.capture_ts_ms, queued_ms, batch_size, inference_ms,
-                        max(0.0, now * 1000.0 - frame.capture_ts_ms))
-
-
 def build_result(frame: Frame, verdict: Verdict | None, status: str, ctx: ResultContext, queued_ms: float,
                  batch_size: int, inference_ms: float, now: float) -> bytes:
-    """`write_result` with a writer of its own: for one-off results (the loop holds a writer)."""
-    return write_result(result_writer(ctx), frame, verdict, status, queued_ms, batch_size, inference_ms, now)
+    """The encoded moderation result of one frame (verdict None for an EXPIRED frame), after `ctx.framing`, by a
+    writer of its own: for one-off results (the loop holds a writer and writes a batch's results at once)."""
+    return result_writer(ctx).write_frames([(frame, verdict, queued_ms)], status, batch_size, inference_ms,
+                                           now * 1000.0)[0]

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from worker.avrocodec import RESULT_FIELDS, STATUS_SYMBOLS, ResultWriter, write_long
-from worker.frames import Detection, ModelVerdict, Verdict
+from worker.frames import Detection, Encoding, Frame, ModelVerdict, Priority, SourceRef, Verdict
 from worker.schemas import RESULT_SCHEMA, SCHEMA_DIR
 
 LONG = st.integers(-(2**63), 2**63 - 1)
@@ -71,29 +71,42 @@ def _reference(verdict, fields) -> dict:
             "models": [model(m) for m in verdict.models] if sets else []}
 
 
+def _frame(stream_id: str, frame_index: int, tenant: str, topic: str, partition: int, offset: int,
+           capture_ts_ms: int) -> Frame:
+    return Frame(stream_id=stream_id, frame_index=frame_index, tenant=tenant, priority=Priority.STANDARD,
+                 capture_ts_ms=capture_ts_ms, width=1, height=1, channels=3, encoding=Encoding.RAW_RGB8,
+                 data=bytes(3), source=SourceRef(topic, partition, offset))
+
+
+FRAMES = st.builds(_frame, TEXT, LONG, TEXT, st.sampled_from(["frames.standard", "t", "é"]), INT, LONG, LONG)
+
+
 @settings(max_examples=300, deadline=None)
-@given(st.none() | VERDICTS | SET_VERDICTS, TEXT, TEXT, TEXT, st.fixed_dictionaries({
-    "stream_id": TEXT, "frame_index": LONG, "tenant": TEXT, "status": st.sampled_from(STATUS_SYMBOLS),
-    "source_topic": TEXT, "source_partition": INT, "source_offset": LONG, "capture_ts_ms": LONG,
-    "queued_ms": st.floats(allow_nan=False), "batch_size": INT, "inference_ms": st.floats(allow_nan=False),
-    "end_to_end_ms": st.floats(allow_nan=False)}), st.binary(max_size=5))
-def test_a_result_is_written_byte_for_byte_as_fastavro_writes_it(verdict, model_name, model_version, worker_id,
-                                                                  fields, framing):
+@given(st.lists(st.tuples(FRAMES, st.none() | VERDICTS | SET_VERDICTS, st.floats(allow_nan=False)), max_size=4),
+       TEXT, TEXT, TEXT, st.sampled_from(STATUS_SYMBOLS), INT, st.floats(allow_nan=False),
+       st.floats(-1e15, 1e15), st.binary(max_size=5))
+def test_a_batchs_results_are_written_byte_for_byte_as_fastavro_writes_each(results, model_name, model_version,
+                                                                            worker_id, status, batch_size,
+                                                                            inference_ms, now_ms, framing):
     writer = ResultWriter(model_name, model_version, worker_id, framing)
-    for _ in range(2):  # the second time from the writer's cache of encoded strings
-        written = writer.write(fields["stream_id"], fields["frame_index"], fields["tenant"], fields["status"],
-                               verdict, fields["source_topic"], fields["source_partition"], fields["source_offset"],
-                               fields["capture_ts_ms"], fields["queued_ms"], fields["batch_size"],
-                               fields["inference_ms"], fields["end_to_end_ms"])
-        expected = _reference(verdict, {**fields, "model_name": model_name, "model_version": model_version,
-                                        "worker_id": worker_id})
-        assert written == framing + _fastavro_bytes(RESULT_SCHEMA, expected)
+    for _ in range(2):  # the second time from the writer's caches of encoded strings and partitions
+        written = writer.write_frames(results, status, batch_size, inference_ms, now_ms)
+        assert len(written) == len(results)
+        for value, (frame, verdict, queued_ms) in zip(written, results, strict=True):
+            expected = _reference(verdict, {
+                "stream_id": frame.stream_id, "frame_index": frame.frame_index, "tenant": frame.tenant,
+                "status": status, "model_name": model_name, "model_version": model_version,
+                "source_topic": frame.source.topic, "source_partition": frame.source.partition,
+                "source_offset": frame.source.offset, "capture_ts_ms": frame.capture_ts_ms, "queued_ms": queued_ms,
+                "batch_size": batch_size, "inference_ms": inference_ms,
+                "end_to_end_ms": max(0.0, now_ms - frame.capture_ts_ms), "worker_id": worker_id})
+            assert value == framing + _fastavro_bytes(RESULT_SCHEMA, expected)
 
 
 def test_a_score_past_float32s_range_is_written_as_infinity_as_fastavro_writes_it():
     writer = ResultWriter("m", "1", "w")
     verdict = Verdict({"big": 1e39, "small": -1e39}, ())
-    written = writer.write("s", 0, "t", "OK", verdict, "topic", 0, 0, 0, 0.0, 1, 0.0, 0.0)
+    [written] = writer.write_frames([(_frame("s", 0, "t", "topic", 0, 0, 0), verdict, 0.0)], "OK", 1, 0.0, 0.0)
     expected = _reference(verdict, {"stream_id": "s", "frame_index": 0, "tenant": "t", "status": "OK",
                                     "model_name": "m", "model_version": "1", "source_topic": "topic",
                                     "source_partition": 0, "source_offset": 0, "capture_ts_ms": 0, "queued_ms": 0.0,
