@@ -76,6 +76,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     import gpu_e2e
     from workloads import WORKLOADS, model_settings
 
+    from worker.app import freeze_startup_heap
     from worker.config import load_settings
 
     frames = spec["frames"]
@@ -89,8 +90,11 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                   **({"source": "nullmodel:null_model"} if model == "null" else {})},
         "runtime": {"device": "cpu", "warmup_shapes": ["224x224"], "decode": "cpu"},
         "observability": {"worker_id": f"host-cost-{spec['variant']}"}})
-    executor, costs = (stand_in_executor(settings) if spec["variant"] == "device"
-                       else gpu_e2e.start_executor(settings, freeze_heap=True))
+    if spec["variant"] == "device":
+        executor, costs = stand_in_executor(settings)
+        freeze_startup_heap()  # as the worker does after its start (gpu_e2e.start_executor does it for the CPU path)
+    else:
+        executor, costs = gpu_e2e.start_executor(settings, freeze_heap=True)
     try:
         if spec["kafka"] == "fakes":
             records = common.workload_records(frames, common.new_id("hc"), WORKLOADS["jpeg224"])
