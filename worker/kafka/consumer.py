@@ -236,16 +236,19 @@ class FrameSource:
         polled = Polled(frames=[], dead_letters=[], committed_offset_waits=self._positions.take_new_unknowns(),
                         drained=len(messages) < max_messages)
         rewound: set[TP] = set()
+        # Read once per poll (rebalance callbacks run inside consume(), not in this loop): a frame per message.
+        epoch_of, waiting, next_offset = self.assignments.epoch, self._positions.waiting, self._next_offset
+        topics, limits, writer_schemas = self._topics, self._limits, self._writer_schemas
         for msg in messages:
             err = msg.error()
             if err is not None:
                 self._handle_error(err)
                 continue
             tp: TP = (msg.topic() or "", msg.partition() or 0)
-            epoch = self.assignments.epoch(tp)
+            epoch = epoch_of(tp)
             if epoch is None:
                 continue  # fetched before a rebalance served inside this poll took the partition away
-            if tp in self._positions:
+            if tp in waiting:
                 # Assigned in this poll, or fetched before its pause. A rebalance callback runs inside consume(),
                 # so one call can return messages of a partition from before it was revoked or lost *and* of its
                 # re-assignment (confluent-kafka-python #1013): all are dropped; the seek to its committed offset
@@ -255,7 +258,7 @@ class FrameSource:
             # librdkafka can rewind a partition it was not asked to (seen once in 18 exactly-once SIGKILL runs,
             # right after an assignment, with pauses and resumes) and deliver offsets it already delivered;
             # they are in the pipeline already, and a second copy would get a second result.
-            expected = self._next_offset.get(tp)
+            expected = next_offset.get(tp)
             if expected is not None and source.offset < expected:
                 polled.redelivered += 1
                 if tp not in rewound:
@@ -263,11 +266,10 @@ class FrameSource:
                     log.warning("the consumer delivered %s again from offset %d (already read up to %d): dropping "
                                 "the offsets already read", tp, source.offset, expected - 1)
                 continue
-            self._next_offset[tp] = source.offset + 1
+            next_offset[tp] = source.offset + 1
             headers = msg.headers()  # None without headers; they travel into the message's dead letter
             try:
-                frame = decode_frame(msg.value(), source, self._topics[source.topic], now, self._limits, headers,
-                                     self._writer_schemas)
+                frame = decode_frame(msg.value(), source, topics[source.topic], now, limits, headers, writer_schemas)
             except MessageDecodeError as exc:
                 polled.dead_letters.append(DeadLetter(source=source, reason=str(exc), error_type=MESSAGE_DECODE_ERROR,
                                                       payload=msg.value() or b"", key=msg.key(),
