@@ -282,10 +282,32 @@ def test_scores_are_copied_without_blocking_then_waited_for_on_one_reused_blocki
     assert first.base is None  # its own memory: the pinned block goes back at once
 
 
-def test_on_a_cpu_scores_are_read_as_they_are():
+def test_on_a_cpu_scores_are_copied_off_the_device_tensor():
     scores = torch.rand(3, 2)
     out = ScoresToHost(None)(scores)
-    assert out.dtype == np.float32 and np.shares_memory(out, scores.numpy())
+    assert out.dtype == np.float32 and not np.shares_memory(out, scores.numpy())
+    np.testing.assert_array_equal(out, scores.numpy())
+
+
+class _InputView(nn.Module):
+    """A model whose scores are a view of its input: of the Normaliser's buffer, reused by the next batch."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, 0, 0, :5]
+
+
+def test_a_batchs_scores_survive_the_next_batch_that_reuses_the_cpu_runners_input_buffer():
+    contract = ModelContract.from_settings(ModelSettings(activation="none"))
+    runner = EagerRunner(_InputView(), contract, torch.device("cpu"))
+    first_pixels, second_pixels = _batch(4), torch.full((4, *SHAPE), 255, dtype=torch.uint8)
+    first = runner.run(first_pixels).scores
+    kept = first.copy()
+    second = runner.run(second_pixels).scores
+    np.testing.assert_array_equal(first, kept)
+    assert not np.array_equal(first, second)
+    with torch.inference_mode():
+        expected = Normaliser(contract)(first_pixels)[:, 0, 0, :5].numpy()
+    np.testing.assert_array_equal(first, expected)
 
 
 # --- after a failed capture, eager for good (issue 45, item 3); CudaGraphRunner's logic without a GPU ---

@@ -53,7 +53,7 @@ def blocking_event() -> torch.cuda.Event:
 class ScoresToHost:
     """A batch's scores from the device to the host: copied asynchronously into pinned memory on the runner's
     stream, then waited for on a blocking event (so the inference thread sleeps, not spins, through the batch).
-    On a CPU (no stream) the scores are already on the host: `.numpy()` as ever."""
+    On a CPU (no stream) the scores are already on the host: copied off them."""
 
     def __init__(self, stream: torch.cuda.Stream | None, make_event: Callable[[], torch.cuda.Event] = blocking_event,
                  pin_memory: bool = True) -> None:
@@ -63,8 +63,8 @@ class ScoresToHost:
         self._done: torch.cuda.Event | None = None  # one per runner, recorded again for every batch
 
     def __call__(self, scores: torch.Tensor) -> np.ndarray:
-        if self.stream is None:
-            return scores.to("cpu").numpy()
+        if self.stream is None:  # a copy: the scores may be a view of the runner's reused input (Normaliser._output)
+            return scores.to("cpu").numpy().copy()
         host = torch.empty(scores.shape, dtype=scores.dtype, pin_memory=self._pin_memory)
         host.copy_(scores, non_blocking=True)
         if self._done is None:
