@@ -279,7 +279,7 @@ class ModelSet:
             return []
         c = member.contract
         if not c.detects:
-            return [(i, c.verdict(out)) for i, out in finite]
+            return list(zip([i for i, _ in finite], c.verdicts(np.stack([out for _, out in finite])), strict=True))
         transforms = [input_transform(c, (frames[i].height, frames[i].width)) for i, _ in finite]
         decoded = decode_detections(np.stack([out for _, out in finite]), transforms, c)
         return [(i, detection_verdict(c, dets)) for (i, _), dets in zip(finite, decoded, strict=True)]

@@ -386,10 +386,14 @@ class InferenceExecutor:
         if scored:
             scores = np.stack([row for _, row in scored])
             finite = np.isfinite(scores).all(axis=1)
-            kept = [frame for (frame, _), ok in zip(scored, finite.tolist(), strict=True) if ok]
+            kept = []
+            for (frame, row), ok in zip(scored, finite.tolist(), strict=True):
+                if ok:
+                    kept.append(frame)
+                else:
+                    failures.append(FrameFailure(frame, f"model output is not finite: {row.tolist()}",
+                                                 NON_FINITE_OUTPUT))
             verdicts = list(zip(kept, self.contract.verdicts(scores[finite]), strict=True))
-            failures.extend(FrameFailure(frame, f"model output is not finite: {row.tolist()}", NON_FINITE_OUTPUT)
-                            for (frame, row), ok in zip(scored, finite.tolist(), strict=True) if not ok)
         return BatchOutcome(
             verdicts=verdicts,
             failures=failures,
