@@ -45,8 +45,8 @@ from worker.runtime.contract import ModelContract
 from worker.runtime.decode import FrameDecodeError, decode_frame
 from worker.runtime.detection import decode_detections, detection_verdict, input_transform
 from worker.runtime.deviceplan import DevicePlan, describe, device_memories, graph_memory
+from worker.runtime.engine import load_engine_model, make_engine_runner
 from worker.runtime.hostsync import check_host_syncs
-from worker.runtime.models import load_model
 from worker.runtime.preprocess import (
     HostBatch,
     HostBuffers,
@@ -57,7 +57,7 @@ from worker.runtime.preprocess import (
     stage_to_device,
     to_channels,
 )
-from worker.runtime.runners import EagerRunner, make_runner
+from worker.runtime.runners import EagerRunner
 
 log = logging.getLogger(__name__)
 
@@ -330,27 +330,30 @@ def model_set_executor(executor_class: Any, models: Sequence[ModelSettings],
     set_runners: list[ModelSetRunner] = []
     host_syncs: list[Any] = []
     kinds: list[str] = []
+    engines: list[str] = []
     for device in plan.devices:
         for _ in range(runtime.instances_per_device):
             runners = []
             for m in models:
-                loaded = load_model(m, device)
+                loaded = load_engine_model(m, runtime, device)  # issue 61: worker.runtime.engine
                 if not set_runners:
                     host_syncs.extend(check_host_syncs(loaded, refuse=plan.cuda_graphs))
-                    kinds.append(loaded.kind)
+                    kinds.append(loaded.kind if loaded.engine == "torch" else f"{loaded.kind} on {loaded.engine}")
+                    engines.append(loaded.engine)
                 policy, budget = graph_memory(memory.get(device), runtime)
                 # Every model's runners share the device's graph budget (module docstring).
                 budget = None if budget is None else budget // len(models)
-                runners.append(make_runner(loaded.module, loaded.contract, device, plan.precision, plan.cuda_graphs,
-                                           plan.buckets, runtime.warmup_batches, caps, policy, budget,
-                                           on_graph_evicted))
+                runners.append(make_engine_runner(loaded.module, loaded.contract, device, plan.precision,
+                                                  plan.cuda_graphs, plan.buckets, runtime.warmup_batches, caps, policy,
+                                                  budget, on_graph_evicted))
             set_runners.append(ModelSetRunner(members, runners))
     buffers = HostBuffers(pin_memory=plan.devices[0].type == "cuda")
     threads = preprocess_thread_count(runtime)
     executor = executor_class(
         cast(list[EagerRunner], set_runners), members[0].contract, threads, runtime.warmup_batches,
         warmup_batch_size=max(runtime.graph_batch_sizes),
-        device_description=describe(plan, f"{len(models)}-model set ({'+'.join(kinds)})"),
+        device_description=describe(plan, f"{len(models)}-model set ({'+'.join(kinds)})",
+                                    "+".join(sorted(set(engines)))),
         memory=[memory[r.device] for r in set_runners] if memory else (), host_syncs=host_syncs)
     model_set = ModelSet(members, SetPreprocessor(members, buffers, executor._decode_pool, threads))
     executor.attach_model_set(model_set)

@@ -51,12 +51,13 @@ from worker.runtime.deviceplan import (
     graph_memory,
     resolve_plan,
 )
+from worker.runtime.engine import load_engine_model, make_engine_runner
 from worker.runtime.hostsync import HostSync, check_host_syncs
-from worker.runtime.models import LoadedModel, ModelContract, load_model
+from worker.runtime.models import LoadedModel, ModelContract
 from worker.runtime.preprocess import HostBatch, HostBuffers, Preprocessor, stage_to_device
 from worker.runtime.prioritypool import PriorityPool
 from worker.runtime.profiling import ProfileRequest
-from worker.runtime.runners import EagerRunner, RunResult, make_runner
+from worker.runtime.runners import EagerRunner, RunResult
 from worker.threadnames import name_os_thread
 
 if TYPE_CHECKING:
@@ -154,8 +155,10 @@ class InferenceExecutor:
         tells the CUDA-graph runners which batch sizes can reach them (none: memory alone bounds them);
         `on_graph_evicted` is called with the number of graphs a runner released for its memory budget.
         `models`: a model set (settings.models, `model` its first): worker.runtime.ensemble builds it."""
-        if len(models) > 1:
+        if len(models) > 1 or model.output == "detections":  # a lone detector: a set of one decodes its boxes
             from worker.runtime.ensemble import model_set_executor
+
+            models = models or (model,)
 
             plan = dataclasses.replace(resolve_plan(runtime), decode_on_device=False)  # decoded once, on the host
             return model_set_executor(cls, models, runtime, batching, on_graph_evicted, plan)
@@ -167,16 +170,20 @@ class InferenceExecutor:
         memory = device_memories(plan, runtime)
         caps = BatchCaps.from_settings(batching) if batching is not None else BatchCaps()
         # Each runner gets its own copy of the model, loaded and validated on its device.
-        loaded = [load_model(model, device) for device in plan.devices for _ in range(runtime.instances_per_device)]
+        # issue 61: the engine per (device, model) (worker.runtime.engine): onnxruntime for ONNX on a CPU, else torch.
+        loaded = [load_engine_model(model, runtime, device) for device in plan.devices
+                  for _ in range(runtime.instances_per_device)]
         # Before any capture: refused when graphs are to be used, a warning otherwise (every copy is the same model).
         host_syncs = check_host_syncs(loaded[0], refuse=plan.cuda_graphs)
         runners = []
         for m in loaded:
             policy, budget = graph_memory(memory.get(m.device), runtime)
-            runners.append(make_runner(m.module, m.contract, m.device, plan.precision, plan.cuda_graphs, plan.buckets,
-                                       runtime.warmup_batches, caps, policy, budget, on_graph_evicted))
+            runners.append(make_engine_runner(m.module, m.contract, m.device, plan.precision, plan.cuda_graphs,
+                                              plan.buckets, runtime.warmup_batches, caps, policy, budget,
+                                              on_graph_evicted))
         return cls(runners, loaded[0].contract, preprocess_thread_count(runtime), runtime.warmup_batches,
-                   warmup_batch_size=max(runtime.graph_batch_sizes), device_description=describe(plan, loaded[0].kind),
+                   warmup_batch_size=max(runtime.graph_batch_sizes),
+                   device_description=describe(plan, loaded[0].kind, loaded[0].engine),
                    memory=[memory[r.device] for r in runners] if memory else (),
                    decode_on_device=plan.decode_on_device, loaded=loaded[0], host_syncs=host_syncs)
 
