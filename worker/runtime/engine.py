@@ -190,6 +190,8 @@ class OnnxRuntimeRunner(EagerRunner):
     """EagerRunner with the model's forward in an onnxruntime session (`OnnxRuntimeModel`); `precision` is the
     session's model file's (fp32, or int8 quantised), not an autocast."""
 
+    tunes_threads = False  # the session's threads are its own (session_threads)
+
     def __init__(self, model: OnnxRuntimeModel, contract: ModelContract, precision: str = "fp32") -> None:
         super().__init__(model, contract, torch.device("cpu"), "fp32")
         self.model = model

@@ -269,8 +269,11 @@ class InferenceExecutor:
     def _submit_to(self, slot: _Slot, frames: list[Frame], shape: tuple[int, int, int],
                    priority: Priority) -> concurrent.futures.Future[BatchOutcome]:
         """Queue the batch's preparation and inference on this runner. The caller holds the lock."""
+        # issue 61: an idle CPU runner prepares the batch on its own thread: nothing runs there to overlap with, and
+        # the hand-off through the preprocessing pool cost two thread wake-ups per batch at low load.
+        idle_cpu = slot.load == 0 and not self._device_memory  # no memory policy: the runners are on a CPU
         slot.load += len(frames)
-        if self._profile is not None and not self._profile.done.done():
+        if idle_cpu or (self._profile is not None and not self._profile.done.done()):
             # The torch profiler records only the thread it runs in: while recording, preprocessing runs on
             # the runner's thread so both stages are in the trace (those batches lose the overlap).
             prepared: concurrent.futures.Future[HostBatch] = concurrent.futures.Future()
