@@ -31,7 +31,7 @@ from workloads import WORKLOADS, model_settings
 
 from worker.app import freeze_startup_heap
 from worker.config import ConfigError, Settings, load_settings
-from worker.frames import Encoding, Priority, SourceRef
+from worker.frames import TP, Encoding, Priority, SourceRef
 from worker.metrics import Health, Metrics
 from worker.pipeline import KafkaClients, RunSummary, build_pipeline
 from worker.runtime.start import start_runtime
@@ -41,7 +41,6 @@ from worker.threadnames import name_os_thread
 from worker.tools.publish_frames import encode_pixels
 from worker.tools.sample_video import PHOTOS, photo
 
-TP = tuple[str, int]
 # Warm-up timings of (frame shape, batch size, seconds) that seed the batcher's cost model (Pipeline.seed_costs).
 Costs = list[tuple[tuple[int, int, int], int, float]]
 OFFERED_FPS = 800.0

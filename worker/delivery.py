@@ -25,10 +25,10 @@ from typing import Protocol
 from confluent_kafka import KafkaError, KafkaException
 from prometheus_client import Counter
 
-from worker.assignment import TP, Assignments
+from worker.assignment import Assignments
 from worker.config import Settings
 from worker.errors import OperatorError
-from worker.frames import OUTPUT_REJECTED, DeadLetter, Output, SourceRef, Status
+from worker.frames import OUTPUT_REJECTED, TP, DeadLetter, Output, SourceRef, Status
 from worker.kafka.errors import classify_producer_error
 from worker.kafka.producer import (
     DoneCallback,

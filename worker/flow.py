@@ -9,11 +9,10 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
-from worker.assignment import TP
 from worker.batching import MicroBatcher
 from worker.config import Settings
 from worker.fairness import FairDecision, PartitionFairness
-from worker.frames import Priority
+from worker.frames import TP, Priority
 from worker.intake import IntakeDecision, PriorityIntake
 from worker.metrics import Children, Metrics
 from worker.offsets import OffsetTracker

@@ -20,7 +20,7 @@ from typing import Protocol
 from confluent_kafka import Consumer, Producer
 
 from worker.answers import Answers
-from worker.assignment import TP, Assignments
+from worker.assignment import Assignments
 from worker.batching import Batch, MicroBatcher, batch_shape
 from worker.config import Settings, resolve_inflight_batches
 from worker.costmodel import CostModel
@@ -28,7 +28,7 @@ from worker.dedup import DuplicateFrames
 from worker.delivery import AtLeastOnceDelivery, CommitResult, Delivery, ExactlyOnceDelivery
 from worker.errors import StreamferError
 from worker.flow import FlowControl
-from worker.frames import BatchOutcome, Frame, Output, Priority
+from worker.frames import TP, BatchOutcome, Frame, Output, Priority
 from worker.inflight import InFlight
 from worker.kafka.client import ClientFactory
 from worker.kafka.consumer import FrameSource, Polled, RebalanceHandler
