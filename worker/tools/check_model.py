@@ -535,16 +535,13 @@ def describe_input(c: ModelContract) -> str:
 
 def describe_output(c: ModelContract) -> str:
     flaggable = [label for label in c.labels if label not in c.never_flag]
+    each = ", ".join(f"{label} >= {c.threshold_for(label):g}" for label in flaggable) or "no label"
+    if c.detects:  # many labels, few of them flaggable: those are named
+        return (f"boxes of {len(c.labels)} labels (score >= {c.score_threshold:g}, NMS IoU {c.iou_threshold:g}, "
+                f"at most {c.max_detections}); a label's score is its best box's; flags at {each}")
     thresholds = {c.threshold_for(label) for label in flaggable}
-    if len(thresholds) == 1 and len(flaggable) > 1:
-        flags = f"{thresholds.pop():g} (any label)"
-    else:
-        flags = ", ".join(f"{label} >= {c.threshold_for(label):g}" for label in flaggable) or "no label"
-    if c.detects:
-        text = (f"boxes of {', '.join(c.labels)} (score >= {c.score_threshold:g}, NMS IoU {c.iou_threshold:g}, "
-                f"at most {c.max_detections}); a label's score is its best box's; flags at {flags}")
-    else:
-        text = f"{', '.join(c.labels)} (activation {c.activation}); flags at {flags}"
+    flags = f"{thresholds.pop():g} (any label)" if len(thresholds) == 1 and len(flaggable) > 1 else each
+    text = f"{', '.join(c.labels)} (activation {c.activation}); flags at {flags}"
     if c.never_flag:
         text += f"; never flags {', '.join(label for label in c.labels if label in c.never_flag)}"
     return text
