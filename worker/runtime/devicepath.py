@@ -10,10 +10,10 @@ is tested without a GPU) and raw frames copied as uint8. Each group of frames of
 (bilinear, antialiased when shrinking, in float32 and rounded once), cropped or letterboxed as the
 `ModelContract` says, in torch on the device, into the runner's uint8 NHWC rows; the runner normalises them in
 its graph as on the CPU path. With a model set each frame is decoded once and resized for each model into that
-model's rows; its models must then take one channel count (`deviceplan.device_decode_serves`). On CUDA the decode runs on a stream of its own (`OrderedDecode`: nvJPEG writes
-from its own stream into memory allocated on the caller's, without waiting for it), the rest on the runner's
-copy stream, and the batch's `ready_event` marks its end. A batched decode that fails is retried frame by frame,
-so only the frame that fails is reported.
+model's rows; its models must then take one channel count (`deviceplan.device_decode_serves`). On CUDA the decode
+runs on a stream of its own (`OrderedDecode`: nvJPEG writes from its own stream into memory allocated on the
+caller's, without waiting for it), the rest on the runner's copy stream, and the batch's `ready_event` marks
+its end. A batched decode that fails is retried frame by frame, so only the frame that fails is reported.
 
 Where it differs from the CPU path (`preprocess.Preprocessor`): JPEGs are decoded at full size (no
 `jpeg_scaled_decode`); the resize is torch's float filter whatever `resampler` says (within a grey level of
