@@ -245,3 +245,7 @@ class SchemaRegistrySettings:
     auto_register: bool = setting(True, doc=(
         "register the results schema under `<topics.results>-value` at start; false: only look it up (credentials "
         "that may not write the registry: register it in the roll-out), and exit 2 if it is not there"))
+    max_held_bytes_per_partition: int = setting(16 * 1024 * 1024, ge=1, unit="bytes", doc=(
+        "frames whose writer schema the registry has not given yet (it is down, or slow) wait on their partition, "
+        "in order, never dead-lettered; a partition holding this many message bytes is paused until they are "
+        "released. Other partitions read on"))
