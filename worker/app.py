@@ -129,8 +129,12 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
                                profile=profile if settings.observability.profile_endpoint else None).start()
         log.info("metrics on http://%s:%d/metrics", settings.observability.metrics_host, server.port)
 
+    wait_started = time.monotonic()
+
     def waiting(why: str | None) -> None:
+        """Start-up waits for the Schema Registry: /readyz and the registry gauge say so."""
         health.waiting_for = why
+        metrics.schema_registry_unanswered.set(0.0 if why is None else time.monotonic() - wait_started)
 
     def serve_while_warming(loaded: InferenceExecutor) -> None:
         """Once the model loaded: the pipeline, whose /metrics are served (not ready) while the runtime warms up."""

@@ -297,6 +297,8 @@ class FrameSource:
                 continue
             polled.frames.append(frame)
         if writer_schemas is not None:
+            if polled.held:
+                writer_schemas.ask_due()
             polled.held_frames = writer_schemas.held_frames
             if writer_schemas.paused != self._held_paused:
                 self._apply_pauses()

@@ -151,15 +151,19 @@ class HeldFrames:
                 self.outage.answered()  # a permanent answer is an answer
                 self._lookup_outcomes["permanent"].inc()
                 self._hold.failed(schema_id, failure.reason, transient=False)
-                log.warning("registry schema id %d: %s; its frames are dead-lettered", schema_id, failure.reason)
-        for schema_id in self._hold.due_lookups():
-            self._lookups.ask(schema_id)
+                log.warning("%s: its frames are dead-lettered", failure.reason)
+        self.ask_due()
         released = self._hold.release() if self._hold.held_frames else []
         self._metrics.frames_held_for_schema.set(self._hold.held_frames)
         if not self._hold.held_frames and self.outage.since is not None and not self._hold.waiting_ids:
             self.outage.since = None  # nothing waits for the registry any more (partitions revoked)
         self._metrics.schema_registry_unanswered.set(self.outage.unanswered_s())
         return released
+
+    def ask_due(self) -> None:
+        """Start the lookups due: ids new frames wait for, and those whose backoff ended."""
+        for schema_id in self._hold.due_lookups():
+            self._lookups.ask(schema_id)
 
     def drop(self, tps: list[TP]) -> int:
         """Forget the held messages of partitions revoked, lost or rewound: their next reading reads them again."""
