@@ -186,3 +186,26 @@ def test_a_revoked_partition_drops_its_held_frames_uncommitted() -> None:
     finally:
         client.frozen.set()
         pipeline.source.close()
+
+
+def test_a_held_frame_released_past_its_max_age_is_answered_expired() -> None:
+    client = FakeRegistryClient()
+    client.frozen.clear()
+    kafka, clock, metrics = InMemoryKafka(), FakeClock(), Metrics()
+    realtime = (SETTINGS.topics.realtime, 0)
+    kafka.send(realtime, *(registry_framing(5) + frame_value("late", i) for i in range(3)))
+    link = RegistryLink(b"", SchemaRegistrySettings(url="http://registry.invalid"), client)
+    pipeline = build_pipeline(SETTINGS, FakeExecutor(), metrics, Health(), clock, clients=kafka.clients,
+                              registry=link)
+    pipeline.source.subscribe(pipeline._on_assign, pipeline._on_revoke, pipeline._on_lost)
+    try:
+        turn_until(pipeline, clock, lambda: held(metrics) == 3, "the realtime frames held")
+        clock.advance(SETTINGS.batching.realtime.max_age_ms / 1000.0)  # the registry stays away past their deadline
+        client.frozen.set()
+        turn_until(pipeline, clock, lambda: len(kafka.results()) == 3, "the held frames answered")
+        assert [(r["frame_index"], r["status"]) for r in kafka.results()] == [(0, "EXPIRED"), (1, "EXPIRED"),
+                                                                              (2, "EXPIRED")]
+        assert kafka.dead_letters() == []
+    finally:
+        client.frozen.set()
+        pipeline.source.close()

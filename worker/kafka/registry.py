@@ -240,8 +240,8 @@ CONNECT_BACKOFF_MAX_S = 30.0
 
 
 def connect_registry(settings: Settings, waiting: Callable[[str | None], None] = lambda why: None,
-                     should_stop: Callable[[], bool] = lambda: False,
-                     sleep: Callable[[float], None] = time.sleep) -> RegistryLink | None:
+                     should_stop: Callable[[], bool] = lambda: False, sleep: Callable[[float], None] = time.sleep,
+                     clock: Callable[[], float] = time.monotonic) -> RegistryLink | None:
     """With schema_registry.url set: the results schema registered (or looked up) under `<topics.results>-value`.
     A registry that cannot be reached (or answers HTTP 5xx/429) is tried again with backoff, `waiting(why)` told
     each time (None once it answered): /readyz shows it. A refusal (401/403, an incompatible schema, a missing one
@@ -262,11 +262,11 @@ def connect_registry(settings: Settings, waiting: Callable[[str | None], None] =
             if failures == 1:
                 log.warning("%s; waiting for it (asked again with backoff up to %.0fs)", exc, CONNECT_BACKOFF_MAX_S)
             waiting(f"the Schema Registry at {r.url}, which does not answer (try {failures}; next in {wait_s:.0f}s)")
-            deadline = time.monotonic() + wait_s
-            while time.monotonic() < deadline:
+            deadline = clock() + wait_s
+            while clock() < deadline:
                 if should_stop():
                     raise
-                sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+                sleep(min(0.1, max(0.0, deadline - clock())))
     waiting(None)
     if failures:
         log.info("schema registry %s answered after %d failed tries", r.url, failures)
