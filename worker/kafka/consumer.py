@@ -250,8 +250,9 @@ class FrameSource:
         now = self._clock()
         polled = Polled(frames=[], dead_letters=[], committed_offset_waits=self._positions.take_new_unknowns(),
                         drained=len(messages) < max_messages)
-        if self._writer_schemas is not None:
-            self._release_held(self._writer_schemas, polled, now)
+        if self._writer_schemas is not None:  # what the registry's answers released, ahead of this poll's messages
+            polled.frames, polled.dead_letters, polled.released = self._writer_schemas.decode_released(
+                now, self._topics, self._limits, self.assignments.is_current)
         rewound: set[TP] = set()
         # Read once per poll (rebalance callbacks run inside consume(), not in this loop): a frame per message.
         epoch_of, waiting, next_offset = self.assignments.epoch, self._positions.waiting, self._next_offset
@@ -303,27 +304,6 @@ class FrameSource:
             if writer_schemas.paused != self._held_paused:
                 self._apply_pauses()
         return polled
-
-    def _release_held(self, held: HeldFrames, polled: Polled, now: float) -> None:
-        """Decode (or dead-letter) what the registry's answers released, in order, ahead of this poll's messages.
-        Deadlines apply as to any frame read now: one held past its max age is answered EXPIRED."""
-        for released in held.release():
-            source, msg = released.message
-            if not self.assignments.is_current(source):
-                continue  # its partition was revoked since (dropped then); never answered for an old epoch
-            polled.released.add(source)
-            headers = msg.headers()
-            try:
-                if released.reason is not None:
-                    raise MessageDecodeError(released.reason)
-                frame = decode_frame(msg.value(), source, self._topics[source.topic], now, self._limits, headers,
-                                     held)
-            except MessageDecodeError as exc:
-                polled.dead_letters.append(DeadLetter(source=source, reason=str(exc), error_type=MESSAGE_DECODE_ERROR,
-                                                      payload=msg.value() or b"", key=msg.key(),
-                                                      headers=tuple(headers) if headers else ()))
-                continue
-            polled.frames.append(frame)
 
     def _handle_error(self, err: KafkaError) -> None:
         if err.code() == KafkaError._PARTITION_EOF:

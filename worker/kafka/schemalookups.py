@@ -12,13 +12,15 @@ import concurrent.futures
 import logging
 import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from worker.config import LimitsSettings
 from worker.errors import StreamferError
+from worker.frames import MESSAGE_DECODE_ERROR, DeadLetter, Frame, Priority, SourceRef
 from worker.metrics import Metrics
 from worker.schemahold import TP, Released, SchemaHold
-from worker.schemas import FRAMING_BYTES, MessageDecodeError, is_registry_framed
+from worker.schemas import FRAMING_BYTES, MessageDecodeError, decode_frame, is_registry_framed
 from worker.threadnames import name_os_thread
 
 log = logging.getLogger(__name__)
@@ -159,6 +161,32 @@ class HeldFrames:
             self.outage.since = None  # nothing waits for the registry any more (partitions revoked)
         self._metrics.schema_registry_unanswered.set(self.outage.unanswered_s())
         return released
+
+    def decode_released(self, now: float, priorities: Mapping[str, Priority], limits: LimitsSettings,
+                        is_current: Callable[[SourceRef], bool]) -> tuple[list[Frame], list[DeadLetter],
+                                                                          set[SourceRef]]:
+        """What the registry's answers released, in order per partition: decoded frames, dead letters (a permanent
+        answer, or a body that does not decode with its writer schema) and their sources (tracked when they were
+        held). Deadlines apply as to any frame read now: one held past its max age is answered EXPIRED."""
+        frames: list[Frame] = []
+        dead_letters: list[DeadLetter] = []
+        sources: set[SourceRef] = set()
+        for released in self.release():
+            source, msg = released.message
+            if not is_current(source):
+                continue  # its partition was revoked since (dropped then): never answered for an old epoch
+            sources.add(source)
+            headers = msg.headers()
+            try:
+                if released.reason is not None:
+                    raise MessageDecodeError(released.reason)
+                frames.append(decode_frame(msg.value(), source, priorities[source.topic], now, limits, headers,
+                                           self))
+            except MessageDecodeError as exc:
+                dead_letters.append(DeadLetter(source=source, reason=str(exc), error_type=MESSAGE_DECODE_ERROR,
+                                               payload=msg.value() or b"", key=msg.key(),
+                                               headers=tuple(headers) if headers else ()))
+        return frames, dead_letters, sources
 
     def ask_due(self) -> None:
         """Start the lookups due: ids new frames wait for, and those whose backoff ended."""
