@@ -115,6 +115,10 @@ def test_a_frozen_registry_holds_framed_frames_and_never_slows_plain_ones(
         assert {by_status[(f.stream_id, f.frame_index)] for f in framed} == {"OK"}
         expired = [key for key in by_status if key[0].startswith("plain") and by_status[key] == "EXPIRED"]
         assert expired == [], f"{len(expired)} realtime frames expired at a {REALTIME_MAX_AGE_MS} ms max age"
+        plain_ms = sorted(r["end_to_end_ms"] for r in results if r["stream_id"].startswith("plain"))
+        print(f"realtime end-to-end during and after the freeze: {len(plain_ms)} frames, p50 "
+              f"{plain_ms[len(plain_ms) // 2]:.0f} ms, p99 {plain_ms[int(len(plain_ms) * 0.99)]:.0f} ms, "
+              f"max {plain_ms[-1]:.0f} ms")
 
         metrics = worker.metrics()
         assert sample(metrics, "streamfer_schema_lookups_total", '{outcome="transient"}') >= 1
