@@ -12,13 +12,13 @@ from typing import Any
 
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
-from worker.config import ObservabilitySettings, SchemaRegistrySettings, Settings
+from worker.config import DeliverySettings, ObservabilitySettings, SchemaRegistrySettings, Settings
 from worker.frames import HEADER_ERROR, HEADER_ERROR_TYPE, MESSAGE_DECODE_ERROR
 from worker.kafka.registry import FRAME_SCHEMA_TEXT, RegistryLink
 from worker.metrics import Health, Metrics
 from worker.pipeline import Pipeline, build_pipeline
 from worker.schemas import registry_framing
-from worker.testing import FakeClock, FakeExecutor, InMemoryKafka, frame_value, ledger
+from worker.testing import FakeClock, FakeExecutor, InMemoryKafka, abortable, frame_value, ledger
 
 SETTINGS = Settings(observability=ObservabilitySettings(worker_id="w0"))
 FRAMED = (SETTINGS.topics.bulk, 0)
@@ -55,14 +55,14 @@ class FakeRegistryClient:
         return Registered()
 
 
-def loop(client: FakeRegistryClient, max_held_bytes: int = 1 << 20) -> tuple[Pipeline, InMemoryKafka, Metrics,
-                                                                                FakeClock]:
+def loop(client: FakeRegistryClient, max_held_bytes: int = 1 << 20, settings: Settings = SETTINGS
+         ) -> tuple[Pipeline, InMemoryKafka, Metrics, FakeClock]:
     kafka, clock, metrics = InMemoryKafka(), FakeClock(), Metrics()
     kafka.send(FRAMED, *(registry_framing(5) + frame_value("framed", i) for i in range(6)))
     kafka.send(PLAIN, *(frame_value("plain", i) for i in range(6)))
     link = RegistryLink(b"", SchemaRegistrySettings(url="http://registry.invalid",
                                                     max_held_bytes_per_partition=max_held_bytes), client)
-    pipeline = build_pipeline(SETTINGS, FakeExecutor(), metrics, Health(), clock, clients=kafka.clients,
+    pipeline = build_pipeline(settings, FakeExecutor(), metrics, Health(), clock, clients=kafka.clients,
                               registry=link)
     pipeline.source.subscribe(pipeline._on_assign, pipeline._on_revoke, pipeline._on_lost)
     return pipeline, kafka, metrics, clock
@@ -205,6 +205,35 @@ def test_a_held_frame_released_past_its_max_age_is_answered_expired() -> None:
         turn_until(pipeline, clock, lambda: len(kafka.results()) == 3, "the held frames answered")
         assert [(r["frame_index"], r["status"]) for r in kafka.results()] == [(0, "EXPIRED"), (1, "EXPIRED"),
                                                                               (2, "EXPIRED")]
+        assert kafka.dead_letters() == []
+    finally:
+        client.frozen.set()
+        pipeline.source.close()
+
+
+def test_exactly_once_commits_up_to_a_held_frame_and_a_rewind_drops_and_rereads_it() -> None:
+    client = FakeRegistryClient()
+    client.frozen.clear()
+    settings = Settings(observability=ObservabilitySettings(worker_id="w0"),
+                        delivery=DeliverySettings(mode="exactly_once"))
+    pipeline, kafka, metrics, clock = loop(client, settings=settings)
+    try:
+        turn_until(pipeline, clock, lambda: kafka.committed.get(PLAIN) == 6 and held(metrics) == 6,
+                   "the plain partition committed in a transaction, the framed one held")
+        assert kafka.committed.get(FRAMED, 0) == 0
+        # A transaction that must abort rewinds every partition to its committed offset: the held frames are
+        # dropped with the rest and read (and held) again, never answered twice.
+        assert kafka.consumer is not None
+        seeks = len(kafka.consumer.seeks)
+        kafka.producers[-1].commit_errors.append(abortable())
+        kafka.send(PLAIN, frame_value("plain", 6))
+        turn_until(pipeline, clock, lambda: kafka.committed.get(PLAIN) == 7, "the plain partition after the rewind")
+        assert (FRAMED, 0) in kafka.consumer.seeks[seeks:]  # rewound: read again from its committed offset
+        assert held(metrics) == 6
+        client.frozen.set()
+        turn_until(pipeline, clock, lambda: kafka.committed.get(FRAMED) == 6, "the framed partition committed")
+        assert ledger(kafka.results()) == {(stream, i): 1 for stream in ("plain", "framed") for i in range(6)} | {
+            ("plain", 6): 1}
         assert kafka.dead_letters() == []
     finally:
         client.frozen.set()

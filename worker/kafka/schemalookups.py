@@ -97,6 +97,10 @@ class RegistryOutage:
                         "yet are held on their partitions and it is asked again with backoff; nothing is "
                         "dead-lettered for it", self._url, reason)
 
+    def nothing_waits(self) -> None:
+        """No frame waits for the registry any more (their partitions were revoked): no outage to report."""
+        self.since = None
+
     def unanswered_s(self) -> float:
         """Seconds since the registry last answered, while it does not (0 when its last lookup was answered)."""
         return 0.0 if self.since is None else max(0.0, self._clock() - self.last_answer)
@@ -157,8 +161,8 @@ class HeldFrames:
         self.ask_due()
         released = self._hold.release() if self._hold.held_frames else []
         self._metrics.frames_held_for_schema.set(self._hold.held_frames)
-        if not self._hold.held_frames and self.outage.since is not None and not self._hold.waiting_ids:
-            self.outage.since = None  # nothing waits for the registry any more (partitions revoked)
+        if not self._hold.held_frames:
+            self.outage.nothing_waits()
         self._metrics.schema_registry_unanswered.set(self.outage.unanswered_s())
         return released
 
