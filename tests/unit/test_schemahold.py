@@ -169,3 +169,4 @@ def test_a_dropped_partition_forgets_its_held_frames_and_nothing_asks_for_their_
     clock.advance(10)
     assert hold.due_lookups() == [8]  # 7: nothing waits for it any more
     assert hold.waiting_ids == {8: 1}
+

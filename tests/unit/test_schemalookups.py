@@ -15,6 +15,7 @@ from confluent_kafka.schema_registry.error import SchemaRegistryError
 from worker.config import DeliverySettings, ObservabilitySettings, SchemaRegistrySettings, Settings
 from worker.frames import HEADER_ERROR, HEADER_ERROR_TYPE, MESSAGE_DECODE_ERROR
 from worker.kafka.registry import FRAME_SCHEMA_TEXT, RegistryLink
+from worker.kafka.schemalookups import RegistryOutage
 from worker.metrics import Health, Metrics
 from worker.pipeline import Pipeline, build_pipeline
 from worker.schemas import registry_framing
@@ -238,3 +239,18 @@ def test_exactly_once_commits_up_to_a_held_frame_and_a_rewind_drops_and_rereads_
     finally:
         client.frozen.set()
         pipeline.source.close()
+
+
+def test_an_outage_is_counted_from_the_first_request_left_unanswered_not_from_the_last_answer() -> None:
+    clock = FakeClock()
+    outage = RegistryOutage("http://registry", clock)
+    clock.advance(3 * 24 * 3600.0)  # days with nothing to look up
+    asked_at = clock.now
+    clock.advance(5.0)  # the request's timeout
+    outage.failed("ReadTimeout", asked_at)
+    assert outage.unanswered_s() == 5.0
+    clock.advance(10.0)
+    outage.failed("ReadTimeout", clock.now - 5.0)  # a retry: the same outage
+    assert outage.unanswered_s() == 15.0
+    outage.answered()
+    assert outage.unanswered_s() == 0.0

@@ -73,26 +73,28 @@ class RegistryLookups:
 
 class RegistryOutage:
     """Whether the registry answers, as the lookups see it: one log line when it stops answering and one when it
-    is back, the seconds since it last answered (while it does not), and /readyz's line about it."""
+    is back, the seconds it has not answered (while it does not), and /readyz's line about it."""
 
     def __init__(self, url: str, clock: Callable[[], float] = time.monotonic) -> None:
         self._url = url
-        self._clock = clock
+        self.clock = clock
         self.last_answer = clock()
-        self.since: float | None = None  # the first failed lookup of the current outage
+        # When the first request the registry left unanswered in the current outage was sent; None: no outage.
+        self.since: float | None = None
         self.reason = ""
 
     def answered(self) -> None:
         if self.since is not None:
             log.info("schema registry %s answers again after %.1fs: held frames are released", self._url,
-                     self._clock() - self.since)
+                     self.clock() - self.since)
             self.since = None
-        self.last_answer = self._clock()
+        self.last_answer = self.clock()
 
-    def failed(self, reason: str) -> None:
+    def failed(self, reason: str, asked_at: float) -> None:
+        """A lookup sent at `asked_at` failed for a transient reason."""
         self.reason = reason
         if self.since is None:
-            self.since = self._clock()
+            self.since = max(asked_at, self.last_answer)
             log.warning("schema registry %s does not answer (%s): frames that need a writer schema it has not given "
                         "yet are held on their partitions and it is asked again with backoff; nothing is "
                         "dead-lettered for it", self._url, reason)
@@ -102,8 +104,9 @@ class RegistryOutage:
         self.since = None
 
     def unanswered_s(self) -> float:
-        """Seconds since the registry last answered, while it does not (0 when its last lookup was answered)."""
-        return 0.0 if self.since is None else max(0.0, self._clock() - self.last_answer)
+        """Seconds since the registry last answered, counted from the first request it left unanswered (a worker
+        that had nothing to ask for days is not days into an outage); 0 when its last lookup was answered."""
+        return 0.0 if self.since is None else max(0.0, self.clock() - self.since)
 
 
 class HeldFrames:
@@ -120,6 +123,8 @@ class HeldFrames:
         self._metrics = metrics
         self._lookup_outcomes = {outcome: metrics.schema_lookups.labels(outcome)
                                  for outcome in ("found", "transient", "permanent")}
+        self._clock = outage.clock
+        self._asked_at: dict[int, float] = {}  # when each running lookup was sent
 
     def writer_schema(self, schema_id: int) -> Any:
         """The writer schema of a message that was not held: known, or failed permanently (MessageDecodeError)."""
@@ -144,13 +149,14 @@ class HeldFrames:
     def release(self) -> list[Released[Any]]:
         """Take the lookups' answers, start those due, and return what may go on now, in order per partition."""
         for schema_id, schema, failure in self._lookups.answers():
+            asked_at = self._asked_at.pop(schema_id, self._clock())
             if failure is None:
                 self.outage.answered()
                 self._lookup_outcomes["found"].inc()
                 self._hold.found(schema_id, schema)
                 log.info("registry schema id %d resolved (writer schema of framed frames)", schema_id)
             elif failure.transient:
-                self.outage.failed(failure.reason)
+                self.outage.failed(failure.reason, asked_at)
                 self._lookup_outcomes["transient"].inc()
                 self._hold.failed(schema_id, failure.reason, transient=True)
             else:
@@ -195,6 +201,7 @@ class HeldFrames:
     def ask_due(self) -> None:
         """Start the lookups due: ids new frames wait for, and those whose backoff ended."""
         for schema_id in self._hold.due_lookups():
+            self._asked_at[schema_id] = self._clock()
             self._lookups.ask(schema_id)
 
     def drop(self, tps: list[TP]) -> int:
