@@ -178,8 +178,9 @@ class Metrics:
                                             "Frames held on their partition until the registry gives their writer "
                                             "schema (and the frames behind them on that partition).", registry=r)
         self.schema_registry_unanswered = Gauge("streamfer_schema_registry_unanswered_seconds",
-                                                "Seconds since the Schema Registry last answered, while its lookups "
-                                                "fail for a transient reason; 0 once it answers.", registry=r)
+                                                "Seconds the Schema Registry has not answered, from the first lookup "
+                                                "it left unanswered, while lookups fail for a transient reason; 0 "
+                                                "once it answers.", registry=r)
         self.ready = Gauge("streamfer_ready", "1 when assigned, consuming and warmed up.", registry=r)
         # /healthz as Prometheus sees it: a number to alert on before the liveness probe gives up.
         self.loop_stalled = Gauge("streamfer_loop_stalled_seconds",
