@@ -69,6 +69,8 @@ def observe_many(histogram: Histogram, amounts: Iterable[float]) -> None:
 
 # The label value of every tenant without a label of its own, and of every error_type not listed below.
 OTHER = "other"
+# streamfer_schema_lookups_total's outcomes (worker.kafka.schemalookups).
+SCHEMA_LOOKUP_OUTCOMES = ("found", "transient", "permanent")
 # The dead letters' error_type values (the worker's own classes); anything else is counted as "other".
 
 
@@ -174,6 +176,8 @@ class Metrics:
                                       "(unreachable, timeout, HTTP 5xx/429: frames held, asked again), permanent "
                                       "(unknown id, unreadable schema: frames dead-lettered).", ["outcome"],
                                       registry=r)
+        for outcome in SCHEMA_LOOKUP_OUTCOMES:  # every outcome's series from the start, as dashboards expect
+            self.schema_lookups.labels(outcome)
         self.frames_held_for_schema = Gauge("streamfer_frames_held_for_schema",
                                             "Frames held on their partition until the registry gives their writer "
                                             "schema (and the frames behind them on that partition).", registry=r)

@@ -18,7 +18,7 @@ from typing import Any
 from worker.config import LimitsSettings
 from worker.errors import StreamferError
 from worker.frames import MESSAGE_DECODE_ERROR, DeadLetter, Frame, Priority, SourceRef
-from worker.metrics import Metrics
+from worker.metrics import SCHEMA_LOOKUP_OUTCOMES, Metrics
 from worker.schemahold import TP, Released, SchemaHold
 from worker.schemas import FRAMING_BYTES, MessageDecodeError, decode_frame, is_registry_framed
 from worker.threadnames import name_os_thread
@@ -121,8 +121,7 @@ class HeldFrames:
         self._hold = hold
         self.outage = outage
         self._metrics = metrics
-        self._lookup_outcomes = {outcome: metrics.schema_lookups.labels(outcome)
-                                 for outcome in ("found", "transient", "permanent")}
+        self._lookup_outcomes = {outcome: metrics.schema_lookups.labels(outcome) for outcome in SCHEMA_LOOKUP_OUTCOMES}
         self._clock = outage.clock
         self._asked_at: dict[int, float] = {}  # when each running lookup was sent
 
