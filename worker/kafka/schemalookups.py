@@ -52,11 +52,9 @@ class RegistryLookups:
 
     def answers(self) -> list[LookupAnswer]:
         out = []
-        while True:
-            try:
-                out.append(self._answers.get_nowait())
-            except queue.Empty:
-                return out
+        while not self._answers.empty():  # the loop is the only reader
+            out.append(self._answers.get_nowait())
+        return out
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -147,7 +145,10 @@ class HeldFrames:
 
     def release(self) -> list[Released[Any]]:
         """Take the lookups' answers, start those due, and return what may go on now, in order per partition."""
-        for schema_id, schema, failure in self._lookups.answers():
+        answers = self._lookups.answers()
+        if not answers and not self._hold.held_frames and self.outage.since is None:
+            return []  # every poll without a registry matter: nothing to do
+        for schema_id, schema, failure in answers:
             asked_at = self._asked_at.pop(schema_id, self._clock())
             if failure is None:
                 self.outage.answered()
