@@ -5,6 +5,7 @@ no password ever appears in its output."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,12 +13,13 @@ from pathlib import Path
 import pytest
 from confluent_kafka.admin import AclBindingFilter, AclOperation, AclPermissionType, ResourcePatternType, ResourceType
 
+from worker.cli import main
 from worker.config import load_settings
 from worker.frames import Encoding, Priority
 from worker.kafka.access import worker_acls
 from worker.kafka.roles import frame_producer
 from worker.kafka.topics import ensure_topics
-from worker.tools.local_broker import WORKER_USER, LocalKafka
+from worker.tools.local_broker import ADMIN_USER, WORKER_USER, LocalKafka
 from worker.tools.publish_frames import send_frames, synthetic_frames
 from worker.tools.read_results import read_results
 
@@ -128,6 +130,31 @@ def test_scram_sha_256_credentials_answer_every_frame(secured: LocalKafka, uniqu
     assert rc == 0, output[-3000:]
     counts = ledger(read_results(secured.kafka_settings(), topics.results, idle_timeout_s=1.0))
     assert set(counts) == sent
+
+
+def test_the_tools_reach_the_secured_cluster_with_the_kafka_settings_as_the_worker_does(
+        secured: LocalKafka, unique: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`worker results`, `worker lag` and `worker dlq show` make their clients from the same [kafka] settings as the
+    worker (as the super user here: the worker's own ACLs do not let it read its results)."""
+    topics = _topics(secured, unique)
+    _grant(secured, topics, "at_least_once")
+    sent = _publish(secured, topics, unique)
+    rc, _seconds, output = _run(secured, topics, "at_least_once", tmp_path / "worker.log")
+    assert rc == 0, output[-3000:]
+    for key, value in {**secured.worker_env(user=ADMIN_USER), **topics.env(),
+                       "WORKER_KAFKA_BOOTSTRAP_SERVERS": secured.kafka_settings().bootstrap_servers}.items():
+        monkeypatch.setenv(key, value)
+    capsys.readouterr()
+
+    assert main(["results", "--topic", topics.results, "--count", str(len(sent))]) == 0
+    results = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert set(ledger(results)) == sent
+    assert main(["lag", "--json"]) == 0
+    (group,) = json.loads(capsys.readouterr().out)["groups"]
+    assert group["group"] == topics.group and all(p["lag"] == 0 for p in group["partitions"])
+    assert main(["dlq", "show", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["total"] == 0
 
 
 @pytest.mark.parametrize("mode", MODES)
