@@ -73,6 +73,12 @@ def test_the_plugin_loads_the_kit_only_when_asked() -> None:
     subprocess.run([sys.executable, "-c", check], cwd=ROOT, check=True)
 
 
+def test_the_kit_imports_without_pytest() -> None:
+    """The helpers serve the benchmarks and scripts too: only the plugin module (worker.testing.plugin) needs pytest."""
+    check = "import sys, worker.testing as t; t.FrameProducer, t.run_worker; assert 'pytest' not in sys.modules"
+    subprocess.run([sys.executable, "-c", check], cwd=ROOT, check=True)
+
+
 def test_no_kit_module_shadows_a_name_the_kit_exports() -> None:
     """Importing a submodule sets it on the package: a module `ledger` would replace the function `ledger`."""
     import worker.testing as kit
