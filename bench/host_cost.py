@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -66,12 +65,11 @@ def role_of(thread_role: str) -> str:
 
 # -- the child: one round of one variant on one tree ---------------------------------------------------------------
 def child(spec: dict[str, Any]) -> dict[str, Any]:
-    """Runs in a fresh process against the round's tree: imports its `worker` before bench/common would put this
-    repository's first on sys.path."""
-    sys.path.insert(0, spec["tree"])
+    """Runs in a fresh process against the round's tree (common.run_child puts it on sys.path): imports its
+    `worker` before bench/common would put this repository's first."""
     import worker  # noqa: F401 (the round's tree, whatever is inserted later)
 
-    sys.path.insert(1, str(HERE))
+    # isort: split
     import common
     import gpu_e2e
     from workloads import WORKLOADS, model_settings
@@ -142,12 +140,8 @@ def stand_in_executor(settings: Any) -> tuple[Any, list[Any]]:
 
         def _to_device(self, staged: list[Any], buffer: torch.Tensor, device: torch.device,
                        failures: dict[int, Any]) -> dict[int, torch.Tensor]:
-            # The views handed to nvJPEG, cut as the tree's own _to_device cuts them (every frame is a JPEG here).
-            if hasattr(self, "_jpeg_views"):
-                if staged:
-                    self._jpeg_views(staged, buffer)
-            else:  # a tree from before DevicePreprocessor._jpeg_views
-                [buffer[s.start:s.stop] for s in staged]
+            if staged:  # the views handed to nvJPEG, cut as _to_device cuts them (every frame is a JPEG here)
+                self._jpeg_views(staged, buffer)
             return {s.index: decoded for s in staged}
 
         def _fit(self, out: torch.Tensor, items: list[Any]) -> list[tuple[int, int, int, int]]:
@@ -200,61 +194,20 @@ def broker_run(settings: Any, executor: Any, costs: list[Any], total: int,
                common: Any) -> tuple[int, float, dict[str, float], float]:
     """The worker's loop with librdkafka's clients on the published backlog (a fresh group) until every frame is
     answered; its thread CPU over that time (group join included, the final drain and close not), by role."""
-    import threading
-
     from worker.metrics import Health, Metrics
     from worker.pipeline import build_pipeline
-    from worker.threadnames import name_os_thread
 
     pipeline = build_pipeline(settings, executor, Metrics(settings=settings), Health())
     pipeline.seed_costs(costs)
-    named, go, finished, release = (threading.Event() for _ in range(4))
-    box: dict[str, Any] = {}
 
-    def done() -> bool:
-        if pipeline.delivery.results + pipeline.delivery.dead_lettered < total:
-            return False
-        if "cpu1" not in box:  # read here: closing the clients ends librdkafka's threads, and /proc forgets them
-            box["cpu1"], box["t1"] = common.thread_cpu_seconds(os.getpid()), time.time()
-        return True
+    def answered() -> int:
+        return pipeline.delivery.results + pipeline.delivery.dead_lettered
 
-    def loop() -> None:
-        name_os_thread()
-        named.set()
-        go.wait()
-        try:
-            box["summary"] = pipeline.run(done)
-        except BaseException as exc:  # noqa: BLE001 (re-raised below)
-            box["error"] = exc
-        finally:
-            finished.set()
-            release.wait()  # alive until its CPU time is read
-
-    thread = threading.Thread(target=loop, name="loop", daemon=True)
-    thread.start()
-    named.wait()
-    cpu0, t0 = common.thread_cpu_seconds(os.getpid()), time.time()
-    go.set()
-    finished.wait()
-    release.set()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    cpu1, wall = box["cpu1"], box["t1"] - t0
-    answered = pipeline.delivery.results + pipeline.delivery.dead_lettered
-    return answered, wall, {r: cpu1[r] - cpu0.get(r, 0.0) for r in cpu1}, box["summary"].mean_batch_size
+    run = common.run_pipeline_thread(pipeline, lambda: answered() >= total)
+    return answered(), run.wall_s, run.thread_cpu_s, run.summary.mean_batch_size
 
 
 # -- the parent: rounds, table, JSON -------------------------------------------------------------------------------
-def run_child(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
-                          capture_output=True, text=True, timeout=timeout_s, cwd=spec["tree"])
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-1500:]}"}
-    return json.loads(lines[-1])
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -301,7 +254,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.kafka == "broker":
             spec.update(bootstrap=bootstrap, topics_env=common.topics(bootstrap, "hc", inputs_of=inputs).env())
         cpu0 = common.machine_cpu_seconds()
-        result = run_child(spec, timeout_s=900)
+        try:
+            result = common.run_child(__file__, spec, Path(spec["tree"]), timeout_s=900)
+        except RuntimeError as exc:  # a failed round is reported with the others
+            result = {"error": str(exc)[-1500:]}
         cpu1 = common.machine_cpu_seconds()
         result["machine_cpu_s"] = [b - a for a, b in zip(cpu0, cpu1)]
         runs[key][rnd] = result

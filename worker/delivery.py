@@ -20,15 +20,14 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol
 
 from confluent_kafka import KafkaError, KafkaException
 from prometheus_client import Counter
 
-from worker.assignment import TP, Assignments
+from worker.assignment import Assignments
 from worker.config import Settings
 from worker.errors import OperatorError
-from worker.frames import OUTPUT_REJECTED, DeadLetter, Output, SourceRef, Status
+from worker.frames import OUTPUT_REJECTED, TP, DeadLetter, Output, SourceRef, Status
 from worker.kafka.errors import classify_producer_error
 from worker.kafka.producer import (
     DoneCallback,
@@ -39,6 +38,7 @@ from worker.kafka.producer import (
 )
 from worker.metrics import Children, Metrics
 from worker.offsets import OffsetTracker
+from worker.ports import Source as Committer
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +55,6 @@ class CommitResult(enum.Enum):
     NOTHING = "nothing"  # nothing new to commit, or not due yet
     COMMITTED = "committed"  # requested (at-least-once: asynchronously) or committed (exactly-once)
     REWIND = "rewind"  # what was read since the last commit is void: read it again from the committed offsets
-
-
-class Committer(Protocol):
-    """What delivery needs of the consumer (worker.kafka.consumer.FrameSource)."""
-
-    def commit(self, points: dict[TP, int], asynchronous: bool = False) -> None: ...
-
-    def group_metadata(self) -> object: ...
 
 
 SinkFactory = Callable[[DoneCallback, RejectedCallback], ResultSink]

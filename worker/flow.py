@@ -7,38 +7,25 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Mapping
-from typing import Protocol
 
-from worker.assignment import TP
 from worker.batching import MicroBatcher
 from worker.config import Settings
 from worker.fairness import FairDecision, PartitionFairness
-from worker.frames import Priority
+from worker.frames import TP, Priority
 from worker.intake import IntakeDecision, PriorityIntake
 from worker.metrics import Children, Metrics
 from worker.offsets import OffsetTracker
+from worker.ports import Source
 
 # How often the partitions' backlogs in Kafka are read for reading by priority and fair reading (positions and
 # cached watermarks: no broker request, ~15 us for nine partitions).
 BACKLOG_REFRESH_S = 0.01
 
 
-class PausableSource(Protocol):
-    @property
-    def paused_partitions(self) -> int: ...
-
-    @property
-    def awaiting_committed_offset(self) -> frozenset[TP]: ...
-
-    def pause_classes(self, classes: set[Priority], held: frozenset[TP] = frozenset()) -> None: ...
-
-    def lag(self) -> dict[TP, int]: ...
-
-
 class FlowControl:
     """Pauses and resumes the source's classes once per turn, and sizes the next poll."""
 
-    def __init__(self, settings: Settings, source: PausableSource, batcher: MicroBatcher, tracker: OffsetTracker,
+    def __init__(self, settings: Settings, source: Source, batcher: MicroBatcher, tracker: OffsetTracker,
                  metrics: Metrics, clock: Callable[[], float]) -> None:
         self._settings = settings
         self._source = source

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 # A Kafka message's headers as confluent-kafka gives them: (name, value) pairs, names may repeat.
 Headers = tuple[tuple[str, bytes | None], ...]
+# A topic partition: (topic, partition).
+TP = tuple[str, int]
 
 # The context a dead letter carries in its headers (worker/kafka/producer.py), after the input message's own headers.
 HEADER_ERROR = "streamfer.error"

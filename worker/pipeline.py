@@ -13,14 +13,12 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Protocol
 
 from confluent_kafka import Consumer, Producer
 
 from worker.answers import Answers
-from worker.assignment import TP, Assignments
+from worker.assignment import Assignments
 from worker.batching import Batch, MicroBatcher, batch_shape
 from worker.config import Settings, resolve_inflight_batches
 from worker.costmodel import CostModel
@@ -28,15 +26,15 @@ from worker.dedup import DuplicateFrames
 from worker.delivery import AtLeastOnceDelivery, CommitResult, Delivery, ExactlyOnceDelivery
 from worker.errors import StreamferError
 from worker.flow import FlowControl
-from worker.frames import BatchOutcome, Frame, Output, Priority
+from worker.frames import TP, BatchOutcome, Output, Priority
 from worker.inflight import InFlight
 from worker.kafka.client import ClientFactory
-from worker.kafka.consumer import FrameSource, Polled, RebalanceHandler
+from worker.kafka.consumer import FrameSource
 from worker.kafka.producer import STUCK_GRACE_S, DoneCallback, RejectedCallback, ResultSink, output_message_limit
 from worker.kafka.registry import RegistryLink
-from worker.memorypolicy import BatchSizeLimit
 from worker.metrics import Health, Metrics
 from worker.offsets import OffsetTracker
+from worker.ports import Executor, Source
 from worker.reading import Reader
 from worker.schemas import ResultContext
 
@@ -48,54 +46,6 @@ POLL_BATCH = 500
 INFLIGHT_POLL_S = 0.002
 IDLE_POLL_S = 0.1
 LAG_REFRESH_S = 1.0
-
-
-class Executor(Protocol):
-    """What the pipeline needs from the runtime (worker.runtime.InferenceExecutor)."""
-
-    preferred_batch_sizes: tuple[int, ...]
-    # The model's fixed input (height, width), or None when it takes each batch's own size.
-    model_input_hw: tuple[int, int] | None
-    model_name: str
-    model_version: str
-
-    @property
-    def memory_policy(self) -> BatchSizeLimit | None:
-        """Device memory peaks per shape measured at warm-up (CUDA), or None: a cap on each shape's batch size."""
-
-    @property
-    def runner_count(self) -> int:
-        """Runners that execute batches at once: the loop keeps each of them fed."""
-
-    def submit(self, frames: Sequence[Frame], shape: tuple[int, int, int],
-               priority: Priority = Priority.BULK) -> Future[BatchOutcome]: ...
-
-
-class Source(Protocol):
-    """What the pipeline needs from the consumer side (worker.kafka.consumer.FrameSource)."""
-
-    assignments: Assignments
-
-    @property
-    def paused_partitions(self) -> int: ...
-
-    def subscribe(self, on_assign: RebalanceHandler, on_revoke: RebalanceHandler,
-                  on_lost: RebalanceHandler) -> None: ...
-
-    def poll(self, max_messages: int, timeout_s: float) -> Polled: ...
-
-    def pause_classes(self, classes: set[Priority], held: frozenset[TP] = frozenset()) -> None: ...
-
-    @property
-    def awaiting_committed_offset(self) -> frozenset[TP]: ...
-
-    def seek_to_committed(self, tps: list[TP]) -> None: ...
-
-    def caught_up(self) -> bool: ...
-
-    def lag(self) -> dict[TP, int]: ...
-
-    def close(self) -> None: ...
 
 
 @dataclass

@@ -24,7 +24,7 @@ from confluent_kafka import (
 from worker.assignment import Assignments
 from worker.config import Settings, group_instance_id_problem
 from worker.errors import OperatorError, StreamferError
-from worker.frames import MESSAGE_DECODE_ERROR, DeadLetter, Frame, Priority, SourceRef
+from worker.frames import MESSAGE_DECODE_ERROR, TP, DeadLetter, Frame, Priority, SourceRef
 from worker.kafka.client import ClientFactory, client_properties, new_client
 from worker.kafka.errors import UNKNOWN_TOPIC, BrokerStatus, Identity, RefusalStreak, classify_consumer_error
 from worker.kafka.membership import GroupMembership
@@ -33,7 +33,6 @@ from worker.schemas import MessageDecodeError, WriterSchemas, decode_frame
 
 log = logging.getLogger(__name__)
 
-TP = tuple[str, int]
 
 @dataclass
 class Polled:

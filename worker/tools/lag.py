@@ -21,11 +21,10 @@ from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from worker.config import Settings
 from worker.errors import OperatorError
-from worker.frames import Priority
+from worker.frames import TP, Priority
 from worker.kafka.roles import admin_client, frame_peeker
 from worker.schemas import MessageDecodeError, read_frame_record
 
-TP = tuple[str, int]
 # Exit code when a --fail-above threshold is exceeded (0: within; 2: an operator error, as for every command).
 EXIT_ABOVE_THRESHOLD = 3
 OTHER_CLASS = "other"
