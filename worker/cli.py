@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from worker.config import Settings, load_settings
-from worker.errors import EXIT_OPERATOR_ERROR, OperatorError
+from worker.errors import EXIT_INTERNAL_ERROR, EXIT_OPERATOR_ERROR, OperatorError, StartError
 from worker.frames import DEAD_LETTER_ERROR_TYPES, Priority
 
 log = logging.getLogger("worker")
@@ -213,6 +213,8 @@ def cmd_check_model(args: argparse.Namespace) -> int:
     # The worker's own log lines only when asked: the report says what they would (the host-sync warning too).
     logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
+    if args.verbose:  # and the traceback of an unexpected error (exit 70), which is logged at DEBUG
+        logging.getLogger("worker").setLevel(logging.DEBUG)
     images, images_from = load_images(args.images)
     report = check_model(args.config, args.model, images, images_from, require_graphs=args.require_graphs,
                          max_batch=args.max_batch)
@@ -326,18 +328,20 @@ def _add_check_model_parser(sub: Any) -> None:
                            description="Start the runtime as `worker run` does (same settings, same code: load, "
                            "contract, host-sync check, warm-up and, on a GPU, the CUDA-graph captures; no Kafka), "
                            "then score images sent as JPEG frames and time a batch per runtime.graph_batch_sizes "
-                           "bucket. Exit 0: the worker would start and every image has scores; 1: an image got no "
-                           "score; 2: the worker would not start (the reason is printed).")
+                           "bucket; with a model set, every model. Exit 0: the worker would start and every image has "
+                           "scores; 1: an image got no score; 2: the worker would not start (the reason is printed); "
+                           "70: an unexpected error (one line naming it; --verbose for the traceback).")
     check.add_argument("--config", "-c", help="TOML settings file, as for `worker run` (WORKER_* variables apply too)")
-    check.add_argument("--model", "-m", metavar="SOURCE", help="model.source: builtin, opennsfw, a .onnx, .pt or "
-                       ".pt2 file, or package.module:function (default: the settings')")
+    check.add_argument("--model", "-m", metavar="SOURCE", help="model.source: builtin, opennsfw, nudenet, a .onnx, "
+                       ".pt or .pt2 file, or package.module:function (default: the settings')")
     check.add_argument("--images", metavar="DIR", help="score the images in DIR instead of the scikit-image photos")
     check.add_argument("--require-graphs", action="store_true", help="host syncs in forward exit 2 on any machine, "
                        "as on a GPU with runtime.cuda_graphs = true (default: a warning where graphs are not used)")
     check.add_argument("--max-batch", type=_count_arg, metavar="N", help="time batch sizes up to N (default: every "
                        "bucket on a GPU, up to 8 on a CPU; 0: no timing)")
     check.add_argument("--json", action="store_true", help="one JSON object instead of the text report")
-    check.add_argument("--verbose", "-v", action="store_true", help="the worker's log lines on stderr")
+    check.add_argument("--verbose", "-v", action="store_true", help="the worker's log lines on stderr (and the "
+                       "traceback of an unexpected error)")
     check.set_defaults(func=cmd_check_model)
 
 
@@ -464,6 +468,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f" (change: {exc.setting})" if exc.setting and exc.setting not in str(exc) else ""
         print(f"error: {exc}{where}", file=sys.stderr)
         return EXIT_OPERATOR_ERROR
+    except StartError as exc:
+        # Not an operator's to fix, and not a crash-loop's either: one line, the traceback in the debug log.
+        log.debug("start-up failed", exc_info=exc)
+        print(f"error: {exc} (exit {EXIT_INTERNAL_ERROR}; its traceback in the debug log: "
+              "WORKER_OBSERVABILITY_LOG_LEVEL=DEBUG)", file=sys.stderr)
+        return EXIT_INTERNAL_ERROR
 
 
 if __name__ == "__main__":

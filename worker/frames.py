@@ -135,7 +135,7 @@ class Verdict:
     """The model's output for one frame: per-label scores and the thresholded decision.
 
     A detector's scores are its best box's per label (0 without one), its boxes in `detections`. In a model set
-    (worker.runtime.ensemble) the frame's verdict carries every model's own in `models`, and `decided_by` names
+    (worker.runtime.modelset) the frame's verdict carries every model's own in `models`, and `decided_by` names
     the model whose output decided it."""
 
     scores: dict[str, float]

@@ -69,6 +69,8 @@ def observe_many(histogram: Histogram, amounts: Iterable[float]) -> None:
 
 # The label value of every tenant without a label of its own, and of every error_type not listed below.
 OTHER = "other"
+# streamfer_schema_lookups_total's outcomes (worker.kafka.schemalookups).
+SCHEMA_LOOKUP_OUTCOMES = ("found", "transient", "permanent")
 # The dead letters' error_type values (the worker's own classes); anything else is counted as "other".
 
 
@@ -168,6 +170,21 @@ class Metrics:
             "captured graph run eager.", registry=r)
         self.cuda_graph_captures_stopped.set_function(
             lambda: 0.0 if captures_stop.reason is None else 1.0)
+        # The Schema Registry as the frames' writer-schema lookups see it (worker.kafka.schemalookups).
+        self.schema_lookups = Counter("streamfer_schema_lookups_total",
+                                      "Writer-schema lookups at the Schema Registry, by outcome: found, transient "
+                                      "(unreachable, timeout, HTTP 5xx/429: frames held, asked again), permanent "
+                                      "(unknown id, unreadable schema: frames dead-lettered).", ["outcome"],
+                                      registry=r)
+        for outcome in SCHEMA_LOOKUP_OUTCOMES:  # every outcome's series from the start, as dashboards expect
+            self.schema_lookups.labels(outcome)
+        self.frames_held_for_schema = Gauge("streamfer_frames_held_for_schema",
+                                            "Frames held on their partition until the registry gives their writer "
+                                            "schema (and the frames behind them on that partition).", registry=r)
+        self.schema_registry_unanswered = Gauge("streamfer_schema_registry_unanswered_seconds",
+                                                "Seconds the Schema Registry has not answered, from the first lookup "
+                                                "it left unanswered, while lookups fail for a transient reason; 0 "
+                                                "once it answers.", registry=r)
         self.ready = Gauge("streamfer_ready", "1 when assigned, consuming and warmed up.", registry=r)
         # /healthz as Prometheus sees it: a number to alert on before the liveness probe gives up.
         self.loop_stalled = Gauge("streamfer_loop_stalled_seconds",
@@ -233,6 +250,10 @@ class Health:
     # Why the worker cannot use the cluster now (refused, or unreachable too long), or None: the consumer's
     # BrokerStatus.unhealthy_reason, attached by run_worker.
     broker_problem: Callable[[], str | None] | None = None
+    # What start-up waits for (the Schema Registry), or None; and the registry's trouble while running, or None:
+    # /readyz says both (the latter without turning not ready: the worker still serves everything else).
+    waiting_for: str | None = None
+    registry_problem: Callable[[], str | None] | None = None
 
     def beat(self) -> None:
         self.last_beat = self.clock()
@@ -253,6 +274,15 @@ class Health:
     @property
     def ready(self) -> bool:
         return self.live and self.warmed_up and self.assigned
+
+    @property
+    def degraded(self) -> str:
+        """/readyz's note on a dependency start-up waits for or the loop works around ("" when none)."""
+        notes = [f"waiting for {self.waiting_for}"] if self.waiting_for else []
+        problem = self.registry_problem() if self.registry_problem is not None else None
+        if problem:
+            notes.append(problem)
+        return "".join(f"; {note}" for note in notes)
 
 
 class MetricsServer:
@@ -283,9 +313,9 @@ class MetricsServer:
                                          f"{health_ref.stalled_for:.0f}s\n".encode())
                 elif path == "/readyz":
                     ok = health_ref.ready
-                    body = b"ready\n" if ok else (
-                        f"not ready: warmed_up={health_ref.warmed_up} assigned={health_ref.assigned}\n".encode())
-                    self._reply(200 if ok else 503, body)
+                    text = "ready" if ok else (
+                        f"not ready: warmed_up={health_ref.warmed_up} assigned={health_ref.assigned}")
+                    self._reply(200 if ok else 503, f"{text}{health_ref.degraded}\n".encode())
                 elif path == "/debug/profile" and profile_hook is not None:
                     self._profile(self.path)
                 else:

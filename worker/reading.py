@@ -43,8 +43,10 @@ class Reader:
     def take(self, polled: Polled, now: float) -> Taken:
         # Track in each partition's offset order (the tracker refuses an offset below one already read).
         read = [f.source for f in polled.frames]
-        if polled.dead_letters:
-            read = sorted(read + [d.source for d in polled.dead_letters])
+        if polled.dead_letters or polled.held:
+            read = sorted(read + [d.source for d in polled.dead_letters] + polled.held)
+        if polled.released:  # held by an earlier poll, tracked then
+            read = [ref for ref in read if ref not in polled.released]
         for ref in read:
             self._tracker.track(ref.topic_partition, ref.offset)
         taken = Taken()

@@ -1,7 +1,8 @@
 """The Confluent wire format against a real Schema Registry (Apicurio Registry, started by the test kit's
 `schema_registry` fixture) and a real broker: results a downstream `AvroDeserializer` reads, frames framed,
 plain and written with a newer compatible schema all answered, an incompatible schema refused by the registry,
-an unknown schema id dead-lettered, and a registry that refuses or cannot be reached stopping start-up (exit 2)."""
+an unknown schema id dead-lettered, and a registry that refuses the results schema stopping start-up (exit 2).
+One that cannot be reached is waited for: tests/integration/test_registry_outage.py."""
 
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ from worker.errors import OperatorError
 from worker.frames import HEADER_ERROR, HEADER_ERROR_TYPE, MESSAGE_DECODE_ERROR, Encoding, Priority
 from worker.kafka.registry import FRAME_SCHEMA_TEXT, FrameSerializer, subject_of
 from worker.schemas import registry_framing
-from worker.tools.local_broker import free_port
 from worker.tools.publish_frames import synthetic_frames
 from worker.tools.read_results import iter_messages
 
@@ -32,7 +32,7 @@ from .helpers import ledger, start_worker
 
 pytestmark = pytest.mark.integration
 
-# The bound an operator gets: a worker whose registry refuses its schema or is down exits within this long.
+# The bound an operator gets: a worker whose registry refuses its schema exits within this long.
 EXIT_BOUND_S = 30.0
 
 
@@ -158,18 +158,6 @@ def test_a_results_schema_the_registry_refuses_stops_start_up_with_exit_2(
     assert rc == 2, output[-3000:]
     assert seconds < EXIT_BOUND_S
     assert "schema_registry.url" in output and "HTTP 409" in output and subject in output
-    assert "Traceback" not in output
-
-
-def test_a_registry_that_cannot_be_reached_stops_start_up_within_seconds_naming_the_setting(
-        kafka_bootstrap, streamfer_topics, tmp_path):
-    url = f"http://127.0.0.1:{free_port()}/apis/ccompat/v7"  # nothing listens there
-
-    rc, seconds, output = _run(kafka_bootstrap, streamfer_topics, tmp_path, url)
-
-    assert rc == 2, output[-3000:]
-    assert seconds < EXIT_BOUND_S
-    assert f"schema_registry.url: cannot reach the Schema Registry at {url}" in output
     assert "Traceback" not in output
 
 

@@ -88,7 +88,7 @@ def test_the_worker_joins_its_group_only_once_the_model_is_warm(monkeypatch: pyt
     clients = dataclasses.replace(kafka.clients, consumer=consumer)
     monkeypatch.setattr(app, "check_client_configs", lambda settings: None)
     monkeypatch.setattr(app, "probe_access", lambda settings: None)
-    monkeypatch.setattr(app, "connect_registry", lambda settings: None)
+    monkeypatch.setattr(app, "connect_registry", lambda settings, **kwargs: None)
     monkeypatch.setattr(app, "build_pipeline",
                         lambda *args, **kwargs: build_pipeline(*args, **{**kwargs, "clients": clients}))
     settings = load_settings(env={}, overrides={

@@ -146,10 +146,10 @@ def test_frames_of_one_batch_are_decoded_on_several_threads_at_once(monkeypatch)
         preprocessor = Preprocessor(CONTRACT, pool=pool, workers=2)
         decode_one = preprocessor._decode_one
 
-        def meeting_decode(frame, batch_h, batch_w, out=None):
+        def meeting_decode(frame, batch_hw, out):
             if frame.frame_index in (0, 2):  # the first frame of each chunk
                 barrier.wait()
-            return decode_one(frame, batch_h, batch_w, out)
+            return decode_one(frame, batch_hw, out)
 
         monkeypatch.setattr(preprocessor, "_decode_one", meeting_decode)
         batch = preprocessor.prepare([raw_frame(i, 8, 8) for i in range(4)], (8, 8, 3))
@@ -185,7 +185,8 @@ def _float_reference(contract: ModelContract, frames, shape) -> np.ndarray:
     bias = (np.asarray(contract.mean, dtype=np.float32).reshape(c, 1, 1)
             / np.asarray(contract.std, dtype=np.float32).reshape(c, 1, 1)).astype(np.float32)
     for row, frame in enumerate(frames):
-        pixels, (top, left) = preprocessor._decode_one(frame, shape[0], shape[1])
+        decoded = preprocessor._decode_one(frame, shape[:2], None)
+        pixels, (top, left) = preprocessor._fit(decoded, contract, frame)
         chw = out[row].transpose(2, 0, 1) if contract.input_layout == "NHWC" else out[row]
         h, w = pixels.shape[:2]
         region = chw[:, top:top + h, left:left + w]

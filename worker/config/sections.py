@@ -246,8 +246,13 @@ class SchemaRegistrySettings:
     ssl_key_location: str = setting("", doc="the client certificate's private key (PEM)")
     ssl_key_password_file: str = setting("", doc="a file holding the key's password, if it has one")
     timeout_ms: int = setting(5_000, ge=100, le=60_000, unit="ms", doc=(
-        "each registry request's timeout; a request is tried twice, so a registry that does not answer stops "
-        "start-up within about twice this"))
+        "each registry request's timeout. Start-up tries a request twice, then waits for a registry that does not "
+        "answer (with backoff, `/readyz` saying why); a writer-schema lookup is tried once, off the loop, and asked "
+        "again with backoff while its frames wait"))
     auto_register: bool = setting(True, doc=(
         "register the results schema under `<topics.results>-value` at start; false: only look it up (credentials "
         "that may not write the registry: register it in the roll-out), and exit 2 if it is not there"))
+    max_held_bytes_per_partition: int = setting(16 * 1024 * 1024, ge=1, unit="bytes", doc=(
+        "frames whose writer schema the registry has not given yet (it is down, or slow) wait on their partition, "
+        "in order, never dead-lettered; a partition holding this many message bytes is paused until they are "
+        "released. Other partitions read on"))

@@ -29,7 +29,8 @@ from worker.kafka.client import ClientFactory, client_properties, new_client
 from worker.kafka.errors import UNKNOWN_TOPIC, BrokerStatus, Identity, RefusalStreak, classify_consumer_error
 from worker.kafka.membership import GroupMembership
 from worker.kafka.positions import COMMITTED_LOOKUP_TIMEOUT_S, CommittedPositions
-from worker.schemas import MessageDecodeError, WriterSchemas, decode_frame
+from worker.kafka.schemalookups import HeldFrames
+from worker.schemas import MessageDecodeError, decode_frame
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,11 @@ class Polled:
     # The poll returned fewer messages than asked for: it took all the consumer had fetched, so the worker is
     # level with what the broker has sent it (a backlog's polls come back full).
     drained: bool = False
+    # Messages read and held until the registry gives their writer schema (worker.kafka.schemalookups): tracked now,
+    # answered by a later poll, whose frames and dead letters then include them (`released`: not tracked again).
+    held: list[SourceRef] = field(default_factory=list)
+    released: set[SourceRef] = field(default_factory=set)
+    held_frames: int = 0  # all held now
 
 
 @dataclass(frozen=True)
@@ -137,7 +143,7 @@ class FrameSource:
 
     def __init__(self, settings: Settings, clock: Callable[[], float] = time.time,
                  assignments: Assignments | None = None, consumer_factory: ClientFactory = Consumer,
-                 writer_schemas: WriterSchemas | None = None) -> None:
+                 writer_schemas: HeldFrames | None = None) -> None:
         k = settings.kafka
         # Authentication, authorisation and reachability are reported here, not as messages (librdkafka 2.x).
         self.broker_status = BrokerStatus(unreachable_limit_s=k.session_timeout_ms / 1000.0)
@@ -156,8 +162,10 @@ class FrameSource:
         self._topics = settings.topics.input_topics()
         self._clock = clock
         self._limits = settings.limits
-        # With a Schema Registry: registry-framed frames are read with their writer schema (worker.kafka.registry).
+        # With a Schema Registry: registry-framed frames are read with their writer schema, held on their partition
+        # while it is looked up (worker.kafka.schemalookups).
         self._writer_schemas = writer_schemas
+        self._held_paused: frozenset[TP] = frozenset()
         self._group = GroupMembership(settings, lambda: new_client(consumer_factory, conf, "consumer", log), clock)
         # The partitions owned and their epochs, shared with the pipeline and delivery.
         self.assignments = assignments if assignments is not None else Assignments()
@@ -207,10 +215,17 @@ class FrameSource:
 
     def _forget(self, tps: list[TP]) -> None:
         self.assignments.release(tps)
+        if self._writer_schemas is not None:
+            self._writer_schemas.drop(tps)  # uncommitted: the next owner reads them again
         for tp in tps:
             self._paused.discard(tp)
             self._next_offset.pop(tp, None)
         self._positions.forget(tps)
+
+    @property
+    def held_for_schemas(self) -> HeldFrames | None:
+        """The frames held for their writer schemas (with a registry), for /readyz and tests."""
+        return self._writer_schemas
 
     @property
     def assignment(self) -> frozenset[TP]:
@@ -234,6 +249,9 @@ class FrameSource:
         now = self._clock()
         polled = Polled(frames=[], dead_letters=[], committed_offset_waits=self._positions.take_new_unknowns(),
                         drained=len(messages) < max_messages)
+        if self._writer_schemas is not None:  # what the registry's answers released, ahead of this poll's messages
+            polled.frames, polled.dead_letters, polled.released = self._writer_schemas.decode_released(
+                now, self._topics, self._limits, self.assignments.is_current)
         rewound: set[TP] = set()
         # Read once per poll (rebalance callbacks run inside consume(), not in this loop): a frame per message.
         epoch_of, waiting, next_offset = self.assignments.epoch, self._positions.waiting, self._next_offset
@@ -266,6 +284,9 @@ class FrameSource:
                                 "the offsets already read", tp, source.offset, expected - 1)
                 continue
             next_offset[tp] = source.offset + 1
+            if writer_schemas is not None and writer_schemas.admit(tp, (source, msg), msg.value()):
+                polled.held.append(source)
+                continue
             headers = msg.headers()  # None without headers; they travel into the message's dead letter
             try:
                 frame = decode_frame(msg.value(), source, topics[source.topic], now, limits, headers, writer_schemas)
@@ -275,6 +296,12 @@ class FrameSource:
                                                       headers=tuple(headers) if headers else ()))
                 continue
             polled.frames.append(frame)
+        if writer_schemas is not None:
+            if polled.held:
+                writer_schemas.ask_due()
+            polled.held_frames = writer_schemas.held_frames
+            if writer_schemas.paused != self._held_paused:
+                self._apply_pauses()
         return polled
 
     def _handle_error(self, err: KafkaError) -> None:
@@ -318,8 +345,10 @@ class FrameSource:
     def _apply_pauses(self) -> None:
         """Pause the partitions of paused classes, the held ones and those waiting for their committed offset; resume
         the rest."""
+        self._held_paused = self._writer_schemas.paused if self._writer_schemas is not None else frozenset()
         want = {tp for tp in self.assignments.partitions
-                if self._topics[tp[0]] in self._paused_classes or tp in self._positions or tp in self._held}
+                if self._topics[tp[0]] in self._paused_classes or tp in self._positions or tp in self._held
+                or tp in self._held_paused}
         to_pause = want - self._paused
         to_resume = self._paused - want
         if to_pause:
@@ -424,9 +453,12 @@ class FrameSource:
         self._seek_awaiting()
 
     def _await_committed(self, tps: list[TP]) -> None:
-        """Mark partitions to be sought to their committed offsets by the next look-up (paused until then)."""
+        """Mark partitions to be sought to their committed offsets by the next look-up (paused until then); what
+        they held for the registry is read again from there."""
         for tp in tps:
             self._next_offset.pop(tp, None)
+        if self._writer_schemas is not None:
+            self._writer_schemas.drop(tps)
         self._positions.wait(tps)
 
     @property
@@ -482,6 +514,8 @@ class FrameSource:
     def close(self) -> None:
         """Leave the group (a final revoke; see worker.kafka.membership for a static member) and close."""
         self._group.close(holds_partitions=bool(self.assignments.partitions))
+        if self._writer_schemas is not None:
+            self._writer_schemas.close()
 
     def _commit_reported(self, err: KafkaError | None, partitions: list[TopicPartition]) -> None:
         if self.on_commit_done is not None:
