@@ -92,13 +92,11 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
 # -- results -----------------------------------------------------------------------------------------------
 def cmd_results(args: argparse.Namespace) -> int:
-    from worker.kafka.client import security_properties
     from worker.schemas import decode_result
     from worker.tools.read_results import iter_messages
 
     settings = _settings(args)
-    for msg in iter_messages(settings.kafka.bootstrap_servers, args.topic, args.count, args.idle_timeout,
-                             follow=args.follow, properties=security_properties(settings.kafka)):
+    for msg in iter_messages(settings.kafka, args.topic, args.count, args.idle_timeout, follow=args.follow):
         print(json.dumps(decode_result(msg.value())), flush=True)
     return 0
 
@@ -106,7 +104,6 @@ def cmd_results(args: argparse.Namespace) -> int:
 # -- topics / broker / demo --------------------------------------------------------------------------------
 def cmd_topics(args: argparse.Namespace) -> int:
     from worker.kafka.access import probe_reachable
-    from worker.kafka.client import security_properties
     from worker.kafka.topics import (
         ensure_topics,
         frame_topic_configs,
@@ -117,14 +114,12 @@ def cmd_topics(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     probe_reachable(settings)
-    bootstrap = settings.kafka.bootstrap_servers
-    properties = security_properties(settings.kafka)
-    created = ensure_topics(bootstrap, worker_topics(settings.topics), args.partitions,
+    created = ensure_topics(settings.kafka, worker_topics(settings.topics), args.partitions,
                             configs=frame_topic_configs(settings.topics, args.max_frame_bytes),
-                            replication=args.replication_factor, properties=properties)
+                            replication=args.replication_factor)
     # Topics made before (by an older version, or by hand) may still refuse large frames.
-    raised = raise_message_limits(bootstrap, [t for t in frame_topics(settings.topics) if t not in created],
-                                  args.max_frame_bytes, properties=properties)
+    raised = raise_message_limits(settings.kafka, [t for t in frame_topics(settings.topics) if t not in created],
+                                  args.max_frame_bytes)
     print(json.dumps({"created": created, "max_message_bytes_raised": raised,
                       "max_frame_bytes": args.max_frame_bytes}))
     return 0

@@ -31,8 +31,9 @@ from worker.frames import (
     DeadLetter,
     SourceRef,
 )
-from worker.kafka.client import ClientFactory, client_properties, new_client, security_properties
+from worker.kafka.client import ClientFactory, new_client
 from worker.kafka.errors import BrokerAccessError, Identity, classify_producer_error
+from worker.kafka.roles import LIBRDKAFKA_MIN_MESSAGE_MAX_BYTES, output_producer_properties
 from worker.kafka.topics import topic_message_limits
 from worker.threadnames import name_os_thread
 
@@ -114,22 +115,15 @@ class TransactionStuckError(SinkError):
     producer with the same transactional id fences it and aborts its open transaction."""
 
 
-# librdkafka's range for message.max.bytes.
-LIBRDKAFKA_MIN_MESSAGE_MAX_BYTES = 1_000
-# A record batch's header (61 bytes) plus one record's framing and the dead letters' headers' names, rounded up.
-RECORD_FRAMING_HEADROOM_BYTES = 512
-
-
 def output_message_limit(settings: Settings, timeout_s: float = 5.0) -> int | None:
     """The smallest max.message.bytes of the results and dead-letter topics, as the broker reports it.
 
-    The producer's own limits are set to it, so that librdkafka never builds a batch the broker refuses as a
-    whole (one oversized output would take its batch-mates down with it) and an output too large for the topic
-    is refused at produce() time, alone. None when the topics cannot be described (then librdkafka's defaults
-    apply, as they match the broker's)."""
+    The producer's own limits are set to it (worker.kafka.roles.output_producer_properties), so that librdkafka
+    never builds a batch the broker refuses as a whole (one oversized output would take its batch-mates down with
+    it) and an output too large for the topic is refused at produce() time, alone. None when the topics cannot be
+    described (then librdkafka's defaults apply, as they match the broker's)."""
     topics = [settings.topics.results, settings.topics.dead_letter]
-    limits = topic_message_limits(settings.kafka.bootstrap_servers, topics, timeout_s,
-                                  security_properties(settings.kafka))
+    limits = topic_message_limits(settings.kafka, topics, timeout_s)
     if len(limits) < len(topics):
         log.warning("could not read max.message.bytes of %s; the producer keeps librdkafka's default limits",
                     sorted(set(topics) - set(limits)))
@@ -142,35 +136,13 @@ def producer_config(settings: Settings, transactional_id: str | None = None,
     """The worker's librdkafka producer configuration (transactional with an id), then the overrides.
 
     `max_message_bytes` (output_message_limit) bounds both one message and one batch."""
-    conf: dict[str, Any] = {
-        **client_properties(settings.kafka),  # bootstrap.servers + the [kafka] security settings
-        "enable.idempotence": True,
-        "acks": "all",
-        "linger.ms": 2,
-        "client.id": settings.observability.worker_id,
-        # Keep retrying through broker restarts; the frame's offset stays uncommitted meanwhile.
-        "message.timeout.ms": 300_000,
-    }
-    if transactional_id:
-        conf["transactional.id"] = transactional_id
-        # The broker aborts a transaction left open this long. A crashed worker's open transaction holds
-        # back read_committed readers of the results and its partitions' committed offsets until then
-        # (unless a worker with the same id starts first and fences it), so keep it short: a transaction
-        # lasts one loop turn, and a call outliving transaction_call_timeout_ms replaces the producer.
-        # librdkafka requires message.timeout.ms <= transaction.timeout.ms; an aborted transaction is
-        # replayed from the committed offsets, so a shorter timeout loses nothing.
-        txn_timeout_ms = 3 * settings.delivery.transaction_call_timeout_ms
-        conf["transaction.timeout.ms"] = txn_timeout_ms
-        conf["message.timeout.ms"] = txn_timeout_ms
-    if max_message_bytes is not None:
-        # librdkafka counts key and value against message.max.bytes, the broker the whole record batch: the
-        # headroom keeps a message that passes here from being refused by the broker (which would fail its
-        # transaction, or its whole batch).
-        bound = max(LIBRDKAFKA_MIN_MESSAGE_MAX_BYTES, max_message_bytes - RECORD_FRAMING_HEADROOM_BYTES)
-        conf["message.max.bytes"] = bound
-        conf["batch.size"] = bound
-    conf.update(settings.kafka.producer_overrides)
-    return conf
+    # The broker aborts a transaction left open this long. A crashed worker's open transaction holds back
+    # read_committed readers of the results and its partitions' committed offsets until then (unless a worker
+    # with the same id starts first and fences it), so keep it short: a transaction lasts one loop turn, and a
+    # call outliving transaction_call_timeout_ms replaces the producer. An aborted transaction is replayed from
+    # the committed offsets, so the shorter message timeout it brings loses nothing.
+    return output_producer_properties(settings.kafka, settings.observability.worker_id, max_message_bytes,
+                                      transactional_id, 3 * settings.delivery.transaction_call_timeout_ms)
 
 
 class ResultSink:
