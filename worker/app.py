@@ -25,6 +25,7 @@ from worker.kafka.producer import producer_config
 from worker.kafka.registry import connect_registry
 from worker.metrics import Health, Metrics, MetricsServer
 from worker.pipeline import Pipeline, RunSummary, build_pipeline
+from worker.tracing import setup_tracing
 
 if TYPE_CHECKING:
     from worker.runtime import InferenceExecutor
@@ -114,6 +115,7 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
     probe_access(settings)
     # Likewise the Schema Registry: the results schema registered (or found) under its subject, or exit 2.
     registry = connect_registry(settings)
+    tracing = setup_tracing(settings, metrics)
     server: MetricsServer | None = None
     pipeline: Pipeline | None = None
 
@@ -123,7 +125,7 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
         metrics.model_info.info({"name": executor.model_name, "version": executor.model_version,
                                  "device": executor.device_description,
                                  "labels": ",".join(executor.labels)})
-        pipeline = built = build_pipeline(settings, executor, metrics, health, registry=registry)
+        pipeline = built = build_pipeline(settings, executor, metrics, health, registry=registry, tracing=tracing)
         status = getattr(built.source, "broker_status", None)  # FrameSource's view of the cluster
         if status is not None:
             health.broker_problem = status.unhealthy_reason
@@ -161,6 +163,7 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
             executor.close()
         if server is not None:
             server.stop()
+        tracing.shutdown()
 
 
 def freeze_startup_heap() -> int:
