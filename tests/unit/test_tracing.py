@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -63,6 +63,17 @@ class TimedExecutor:
         return future
 
 
+STARTED: list[Tracing] = []
+
+
+@pytest.fixture(autouse=True)
+def _stop_export_threads() -> Iterator[None]:
+    """Each test's tracing is shut down after it: no export thread outlives its test."""
+    yield
+    while STARTED:
+        STARTED.pop().shutdown(1.0)
+
+
 class World:
     """A pipeline over fakes with tracing as given (`tracing(settings, metrics)`), every produced message kept."""
 
@@ -84,6 +95,7 @@ class World:
         self.clock = FakeClock()
         self.metrics = Metrics()
         self.tracing = make_tracing(self.settings, self.metrics)
+        STARTED.append(self.tracing)
         clients = KafkaClients(consumer=consumer, producer=producer, output_message_limit=lambda settings: None)
         self.pipeline: Pipeline = build_pipeline(self.settings, TimedExecutor(self.clock), self.metrics, Health(),
                                                  self.clock, clients=clients, tracing=self.tracing)

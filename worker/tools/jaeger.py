@@ -30,6 +30,9 @@ CONFIG = ROOT / "deploy" / "jaeger" / "config.yaml"
 BUILD = ROOT / "deploy" / "jaeger" / "build.sh"
 DEFAULT_BINARY = Path(os.environ.get("STREAMFER_JAEGER_CACHE", Path.home() / ".cache" / "streamfer" / "jaeger")) \
     / f"jaeger-{JAEGER_VERSION}"
+# Where deploy/jaeger/build-ui.sh leaves the UI the Go module's binary lacks.
+DEFAULT_UI = Path(os.environ.get("STREAMFER_JAEGER_CACHE", Path.home() / ".cache" / "streamfer" / "jaeger")) \
+    / f"ui-{JAEGER_VERSION}"
 START_TIMEOUT_S = 60.0
 
 
@@ -38,6 +41,14 @@ def jaeger_binary() -> Path | None:
     named = os.environ.get("STREAMFER_JAEGER")
     path = Path(named) if named else DEFAULT_BINARY
     return path if path.is_file() and os.access(path, os.X_OK) else None
+
+
+def ui_assets() -> Path | None:
+    """A built jaeger-ui for Jaeger's UI (deploy/jaeger/build-ui.sh), or None: `STREAMFER_JAEGER_UI`, else the
+    build's default place."""
+    named = os.environ.get("STREAMFER_JAEGER_UI")
+    path = Path(named) if named else DEFAULT_UI
+    return path if (path / "index.html").is_file() else None
 
 
 @dataclass(frozen=True)
@@ -108,7 +119,9 @@ def run_jaeger(binary: Path, log: IO[bytes] | None = None) -> Iterator[Jaeger]:
     """Jaeger on free loopback ports until the block ends; raises RuntimeError if it does not answer in time."""
     ports = {name: str(free_port()) for name in ("JAEGER_OTLP_HTTP_PORT", "JAEGER_QUERY_PORT",
                                                  "JAEGER_QUERY_GRPC_PORT", "JAEGER_METRICS_PORT")}
-    process = subprocess.Popen([str(binary), "--config", str(CONFIG)], env={**os.environ, **ports},
+    ui = ui_assets()
+    env = {**os.environ, **ports, "JAEGER_UI_ASSETS": str(ui) if ui else ""}
+    process = subprocess.Popen([str(binary), "--config", str(CONFIG)], env=env,
                                stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=str(CONFIG.parent))
     jaeger = Jaeger(f"http://127.0.0.1:{ports['JAEGER_OTLP_HTTP_PORT']}",
                     f"http://127.0.0.1:{ports['JAEGER_QUERY_PORT']}")
