@@ -156,9 +156,15 @@ def _produce_live(args: argparse.Namespace, settings: Settings, topic: str, prio
             next_summary[0] = time.monotonic() + args.summary_every
             log.info("cameras: %s", json.dumps(cameras.summary()))
 
-    report = publish(settings.kafka.bootstrap_servers, topic, cameras.start().frames(), keep_capture_ts=True,
-                     progress=progress, encode=encode,
-                     properties={**security_properties(settings.kafka), **LIVE_PRODUCER_PROPERTIES})
+    traced = _send_tracing(args, settings)
+    try:
+        report = publish(settings.kafka.bootstrap_servers, topic, cameras.start().frames(), keep_capture_ts=True,
+                         progress=progress, encode=encode,
+                         properties={**security_properties(settings.kafka), **LIVE_PRODUCER_PROPERTIES},
+                         headers=traced.headers if traced is not None else None)
+    finally:
+        if traced is not None:
+            traced.shutdown()
     summary = cameras.summary()
     print(json.dumps({"topic": topic, "run_id": run_id, "sent": report.sent, "acknowledged": report.acknowledged,
                       "seconds": round(report.seconds, 3), "cameras": summary}), flush=True)
