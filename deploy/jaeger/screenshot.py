@@ -44,7 +44,7 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "images" / "trace.png")
-    parser.add_argument("--size", default="1400,760", help="the window, WIDTH,HEIGHT")
+    parser.add_argument("--size", default="1800,470", help="the window, WIDTH,HEIGHT")
     args = parser.parse_args()
     bootstrap = os.environ["KAFKA_BOOTSTRAP_SERVERS"]
     binary = jaeger_binary()
