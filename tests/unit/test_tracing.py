@@ -4,6 +4,7 @@ exemplars on /metrics, and tracing off: no spans, no headers."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
@@ -379,9 +380,25 @@ def test_a_bad_endpoint_or_ratio_stops_start_up_naming_the_setting(env: dict[str
 
 
 def test_tracing_settings_load_from_the_environment() -> None:
-    s = load_settings(env={"WORKER_TRACING_ENDPOINT": "http://collector:4318", "WORKER_TRACING_SAMPLE_RATIO": "1"})
+    s = load_settings(env={"WORKER_TRACING_ENDPOINT": "http://collector:4318", "WORKER_TRACING_SAMPLE_RATIO": "1",
+                           "WORKER_TRACING_RESOURCE_ATTRIBUTES": "deployment.environment=prod,k8s.pod.name=w-1"})
     assert (s.tracing.endpoint, s.tracing.sample_ratio, s.tracing.service_name) \
         == ("http://collector:4318", 1.0, "streamfer-worker")
+    assert s.tracing.resource_attributes == {"deployment.environment": "prod", "k8s.pod.name": "w-1"}
+
+
+def test_spans_carry_the_service_name_the_worker_id_and_the_resource_attributes() -> None:
+    exporter = InMemorySpanExporter()
+    w = World(lambda settings, metrics: setup_tracing(dataclasses.replace(settings, tracing=TracingSettings(
+        endpoint="http://127.0.0.1:4318", service_name="moderation", resource_attributes={"k8s.pod.name": "w-1"})),
+        metrics, exporter=exporter))
+    w.send(1, {0: traceparent()})
+    w.step(3)
+    found = spans(w, exporter)
+    assert len(found) == 6  # process, queued, send; batch, preprocess, inference
+    for span in found:
+        assert {k: span.resource.attributes.get(k) for k in ("service.name", "service.instance.id", "k8s.pod.name")} \
+            == {"service.name": "moderation", "service.instance.id": "w0", "k8s.pod.name": "w-1"}
 
 
 # -- worker produce --traceparent ------------------------------------------------------------------------------------
