@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
@@ -444,3 +445,19 @@ def test_worker_produce_sends_no_headers_without_traceparent() -> None:
     frames = synthetic_frames(1, [(8, 8)], Encoding.RAW_RGB8, Priority.REALTIME, "run1", ["t"])
     send_frames(producer, frames, lambda _rec: REALTIME)  # type: ignore[arg-type]
     assert producer.sent[0]["headers"] is None
+
+
+def test_shutdown_gives_up_on_a_collector_that_hangs_within_its_timeout() -> None:
+    counted: list[tuple[str, int]] = []
+    exporter = BlockedExporter()
+    processor = DroppingSpanProcessor(exporter, max_queued=8, on_dropped=lambda r, n: counted.append((r, n)),
+                                      interval_s=0.01)
+    span: Any = object()
+    processor.on_end(span)
+    assert exporter.entered.wait(10)  # the export thread is stuck in the collector
+    processor.on_end(span)
+    started = time.monotonic()
+    processor.shutdown(0.3)
+    assert time.monotonic() - started < 5  # bounded by its timeout, not by the collector
+    assert counted == [("shutdown", 1)]  # the span still queued
+    exporter.release.set()

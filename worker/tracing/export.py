@@ -68,8 +68,11 @@ class DroppingSpanProcessor(SpanProcessor):
             self._export_queued()
 
     def _export_queued(self, deadline: float | None = None) -> bool:
-        """Export what is queued, a batch at a time; False if `deadline` (monotonic) came first."""
-        with self._export_lock:
+        """Export what is queued, a batch at a time; False if `deadline` (monotonic) came first, also while another
+        export (the thread's, to a collector that hangs) holds the exporter."""
+        if not self._export_lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
+            return False
+        try:
             while self._queue:
                 if deadline is not None and time.monotonic() >= deadline:
                     return False
@@ -82,7 +85,9 @@ class DroppingSpanProcessor(SpanProcessor):
                 if result is not SpanExportResult.SUCCESS:
                     self._on_dropped("export_failed", len(batch))
                     self._warn(len(batch))
-        return True
+            return True
+        finally:
+            self._export_lock.release()
 
     def _warn(self, n: int) -> None:
         now = time.monotonic()
@@ -100,8 +105,9 @@ class DroppingSpanProcessor(SpanProcessor):
             return
         self._stopping = True
         self._wake.set()
+        deadline = time.monotonic() + timeout_s
         self._thread.join(timeout_s)
-        self._export_queued(time.monotonic() + timeout_s)
+        self._export_queued(deadline)
         dropped = len(self._queue)
         if dropped:
             self._queue.clear()
