@@ -461,3 +461,23 @@ def test_shutdown_gives_up_on_a_collector_that_hangs_within_its_timeout() -> Non
     assert time.monotonic() - started < 5  # bounded by its timeout, not by the collector
     assert counted == [("shutdown", 1)]  # the span still queued
     exporter.release.set()
+
+
+def test_a_collector_that_is_gone_is_counted_and_logged_once_not_per_export(caplog: pytest.LogCaptureFixture) -> None:
+    from worker.tools.local_broker import free_port
+
+    settings = Settings(tracing=TracingSettings(endpoint=f"http://127.0.0.1:{free_port()}", export_timeout_ms=200),
+                        observability=ObservabilitySettings(worker_id="w0"))
+    metrics = Metrics()
+    tracing = setup_tracing(settings, metrics)
+    STARTED.append(tracing)
+    exporter_lines = 0
+    for _ in range(3):
+        w = World(lambda s, m: tracing)
+        w.send(1, {0: traceparent()})
+        w.step(3)
+        caplog.clear()
+        tracing.flush()
+        exporter_lines += sum(r.name.startswith("opentelemetry.exporter") for r in caplog.records)
+    assert dropped(metrics, "export_failed") == 3 * 6  # connection refused: every span of the three frames
+    assert exporter_lines <= 1

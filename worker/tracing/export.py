@@ -25,6 +25,31 @@ WARN_EVERY_S = 60.0
 
 # reason, spans
 DropCounter = Callable[[str, int], None]
+# The OTLP exporter's logger, which logs every failed export (one a second while the collector is away).
+OTLP_LOGGER = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
+
+
+class OncePer(logging.Filter):
+    """Lets one record through per `interval_s`: the first says why exports fail, the counter says how many."""
+
+    def __init__(self, interval_s: float = WARN_EVERY_S) -> None:
+        super().__init__()
+        self._interval_s = interval_s
+        self._last = float("-inf")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = time.monotonic()
+        if now - self._last < self._interval_s:
+            return False
+        self._last = now
+        return True
+
+
+def quiet_exporter_logs() -> None:
+    """The OTLP exporter's failures logged once a minute (once per process, however many tracings start)."""
+    logger = logging.getLogger(OTLP_LOGGER)
+    if not any(isinstance(f, OncePer) for f in logger.filters):
+        logger.addFilter(OncePer())
 
 
 class DroppingSpanProcessor(SpanProcessor):

@@ -30,7 +30,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from worker.frames import BatchOutcome, Frame, Headers, Output, SourceRef
 from worker.tracing import TRACE_HEADERS, TRACEPARENT, FrameTraces, Tracing, trace_context_of, traces_url
-from worker.tracing.export import DroppingSpanProcessor
+from worker.tracing.export import DroppingSpanProcessor, quiet_exporter_logs
 
 if TYPE_CHECKING:
     from worker.batching import Batch
@@ -72,6 +72,7 @@ class OtelTracing(Tracing):
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
             exporter = OTLPSpanExporter(endpoint=traces_url(t.endpoint), timeout=t.export_timeout_ms / 1000.0)
+            quiet_exporter_logs()
         dropped = metrics.trace_spans_dropped if metrics is not None else None
         self._processor = DroppingSpanProcessor(
             exporter, t.max_queued_spans,
