@@ -82,6 +82,8 @@ def exemplar(trace_id: str | None) -> dict[str, str] | None:
     return None if trace_id is None else {"trace_id": trace_id}
 
 
+# Why a trace span was not exported (worker/tracing/export.py).
+TRACE_DROP_REASONS = ("queue_full", "export_failed", "shutdown")
 # The label value of every tenant without a label of its own, and of every error_type not listed below.
 OTHER = "other"
 # The dead letters' error_type values (the worker's own classes); anything else is counted as "other".
@@ -198,6 +200,8 @@ class Metrics:
                                            "Trace spans not exported, by reason: queue_full (the collector is slower "
                                            "than the worker, or gone), export_failed, shutdown.", ["reason"],
                                            registry=r)
+        for reason in TRACE_DROP_REASONS:  # at 0 from the start: a rate over them needs no first drop
+            self.trace_spans_dropped.labels(reason)
         self.input_pixels = Histogram("streamfer_input_pixels",
                                       "Pixels (height x width) of each frame run, by the batch's padded shape.",
                                       ["shape"], buckets=PIXEL_BUCKETS, registry=r)
