@@ -26,6 +26,7 @@ from worker.kafka.producer import producer_config
 from worker.kafka.registry import connect_registry
 from worker.metrics import Health, Metrics, MetricsServer
 from worker.pipeline import Pipeline, RunSummary, build_pipeline
+from worker.tracing import setup_tracing
 
 if TYPE_CHECKING:
     from worker.runtime import InferenceExecutor
@@ -113,6 +114,7 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
     check_client_configs(settings)
     # Before the model loads: a wrong password or a missing ACL stops start-up in seconds, with exit code 2.
     probe_access(settings)
+    tracing = setup_tracing(settings, metrics)
     server: MetricsServer | None = None
     pipeline: Pipeline | None = None
     executor: InferenceExecutor | None = None
@@ -143,7 +145,8 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
         metrics.model_info.info({"name": loaded.model_name, "version": loaded.model_version,
                                  "device": loaded.device_description,
                                  "labels": ",".join(loaded.labels)})
-        pipeline = build_pipeline(settings, loaded, metrics, health, registry=registry)
+        pipeline = build_pipeline(settings, loaded, metrics, health, registry=registry,
+                                  tracing=tracing)
         status = getattr(pipeline.source, "broker_status", None)  # FrameSource's view of the cluster
         if status is not None:
             health.broker_problem = status.unhealthy_reason
@@ -176,6 +179,7 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
             executor.close()
         if server is not None:
             server.stop()
+        tracing.shutdown()
 
 
 def freeze_startup_heap() -> int:

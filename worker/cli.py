@@ -408,6 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
     live.add_argument("--metrics-port", type=int, help="serve per-camera Prometheus metrics on this port")
     live.add_argument("--summary-every", type=float, default=30.0, metavar="SECONDS",
                       help="log a per-camera summary this often (0: only at exit; default 30)")
+    prod.add_argument("--traceparent", action="store_true", help="send each frame in a trace of its own: a W3C "
+                      "`traceparent` header, from a `send <topic>` span exported to tracing.endpoint when it is set; "
+                      "the worker continues the trace (docs/troubleshooting.md)")
     prod.add_argument("--quiet", "-q", action="store_true", help="no progress line")
     prod.add_argument("--run-id", help="prefix of the stream ids (default: random)")
     prod.add_argument("--schema-registry", metavar="URL", help="write frames in the Confluent wire format, the "

@@ -147,7 +147,7 @@ class Delivery:
         if out.dead_letter is not None:
             self.sink.send_dead_letter(out.dead_letter)
         else:
-            self.sink.send_result(out.source, out.key or b"", out.value)
+            self.sink.send_result(out.source, out.key or b"", out.value, out.result_headers)
 
     @staticmethod
     def _replacement(out: Output, reason: str) -> Output:

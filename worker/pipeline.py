@@ -37,6 +37,7 @@ from worker.offsets import OffsetTracker
 from worker.ports import Executor, Source
 from worker.reading import Reader
 from worker.schemas import ResultContext
+from worker.tracing import TRACING_OFF, Tracing
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class Pipeline:
 
     def __init__(self, settings: Settings, source: Source, delivery: Delivery, executor: Executor,
                  metrics: Metrics, health: Health, clock: Callable[[], float] = time.time,
-                 result_framing: bytes = b"") -> None:
+                 result_framing: bytes = b"", tracing: Tracing = TRACING_OFF) -> None:
         # One in-flight limit for the runners the executor has (build_pipeline resolved it already).
         self.settings = settings = resolve_inflight_batches(settings, executor.runner_count)
         self.source = source
@@ -85,8 +86,11 @@ class Pipeline:
                                     executor.memory_policy, executor.model_input_hw)
         self.duplicates = DuplicateFrames(settings.limits.duplicate_window_frames)
         self.flow = FlowControl(settings, source, self.batcher, self.tracker, metrics, clock)
+        self.tracing = tracing
+        tracing.describe_runtime(executor.model_name, executor.model_version,
+                                 getattr(executor, "device_description", ""))
         self.answers = Answers(metrics, ResultContext(executor.model_name, executor.model_version,
-                                                      settings.observability.worker_id, result_framing))
+                                                      settings.observability.worker_id, result_framing), tracing)
         self.reader = Reader(settings, self.tracker, self.duplicates, self.batcher, self.answers, self.flow,
                              metrics)
         self._counts = RunSummary()
@@ -218,6 +222,7 @@ class Pipeline:
         if self._outputs:
             outputs, self._outputs = self._outputs, []
             self.delivery.emit(outputs)
+            self.tracing.handed_over(outputs)
 
     def _commit(self, final: bool = False) -> None:
         if self.delivery.commit(final) is CommitResult.REWIND:
@@ -317,10 +322,11 @@ class KafkaClients:
 
 def build_pipeline(settings: Settings, executor: Executor, metrics: Metrics, health: Health,
                    clock: Callable[[], float] = time.time, clients: KafkaClients = KafkaClients(),
-                   registry: RegistryLink | None = None) -> Pipeline:
+                   registry: RegistryLink | None = None, tracing: Tracing = TRACING_OFF) -> Pipeline:
     """The pipeline with its real parts: a Kafka consumer, producer and the delivery of the configured mode;
     with `registry` (worker.kafka.registry.connect_registry), results in the Confluent wire format and
-    registry-framed frames read with their writer schemas.
+    registry-framed frames read with their writer schemas; with `tracing` (worker.tracing.setup_tracing), frames'
+    spans and results' trace context.
 
     The worker id names the clients and the transactional id, so it must be resolved (worker.identity) first."""
     if not settings.observability.worker_id:
@@ -353,4 +359,4 @@ def build_pipeline(settings: Settings, executor: Executor, metrics: Metrics, hea
         source.on_commit_done = at_least_once.commit_reported
         delivery = at_least_once
     return Pipeline(settings, source, delivery, executor, metrics, health, clock,
-                    result_framing=registry.result_framing if registry else b"")
+                    result_framing=registry.result_framing if registry else b"", tracing=tracing)

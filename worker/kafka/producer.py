@@ -29,6 +29,7 @@ from worker.frames import (
     HEADER_SOURCE_TOPIC,
     HEADER_WORKER_ID,
     DeadLetter,
+    Headers,
     SourceRef,
 )
 from worker.kafka.client import ClientFactory, new_client
@@ -178,8 +179,9 @@ class ResultSink:
             self._init_transactions()
 
     # -- producing -----------------------------------------------------------------------------------
-    def send_result(self, source: SourceRef, key: bytes, value: bytes) -> None:
-        self._produce(self._results_topic, source, key, value, headers=None)
+    def send_result(self, source: SourceRef, key: bytes, value: bytes, headers: Headers = ()) -> None:
+        """`headers`: the result's own (its trace context, worker.tracing), none when empty."""
+        self._produce(self._results_topic, source, key, value, headers=list(headers) if headers else None)
 
     def send_dead_letter(self, dl: DeadLetter) -> None:
         """The input message's own headers (a replayed frame's replay count among them), then the context."""

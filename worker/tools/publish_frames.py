@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from confluent_kafka import KafkaError, KafkaException
 
-from worker.frames import Encoding, Priority
+from worker.frames import Encoding, Headers, Priority
 from worker.kafka.client import Cluster
 from worker.kafka.roles import frame_producer
 from worker.kafka.topics import topic_message_limits
@@ -269,13 +269,15 @@ def send_frames(producer: Any, frames: Iterable[FrameRecord], topic_of: Callable
                 clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
                 keep_capture_ts: bool = False, limits: dict[str, int] | None = None,
                 progress: Callable[[int, int], None] | None = None,
-                encode: Callable[[FrameRecord, str], bytes] | None = None) -> PublishReport:
+                encode: Callable[[FrameRecord, str], bytes] | None = None,
+                headers: Callable[[FrameRecord, str], Headers] | None = None) -> PublishReport:
     """Produce frames as fast as possible, or open loop at `rate_fps`: frame i is due at start + i / rate, and
     its `capture_ts_ms` is that *intended* time, so a late send (generator or broker hiccup) shows up in the
     end-to-end latency instead of hiding it (no coordinated omission). With `keep_capture_ts` the records'
     own capture times are sent (video: the stream's timestamps). A frame over its topic's limit in `limits`
     raises FrameTooLargeError. `progress(sent, acknowledged)` is called about once a second. `encode(frame, topic)`
-    makes each message (default: a plain Avro body; worker.kafka.registry.FrameSerializer: registry-framed).
+    makes each message (default: a plain Avro body; worker.kafka.registry.FrameSerializer: registry-framed);
+    `headers(frame, topic)` its headers (worker.tracing.producer.FrameSendTracing: a `traceparent`).
     Waits for every acknowledgement."""
     errors: list[str] = []
     acked = [0]
@@ -306,7 +308,8 @@ def send_frames(producer: Any, frames: Iterable[FrameRecord], topic_of: Callable
         check_frame_fits(rec, value, topic, (limits or {}).get(topic))
         while True:
             try:
-                producer.produce(topic, key=rec.stream_id.encode(), value=value, on_delivery=delivered)
+                producer.produce(topic, key=rec.stream_id.encode(), value=value, on_delivery=delivered,
+                                 headers=list(headers(rec, topic)) if headers is not None else None)
                 break
             except BufferError:
                 producer.poll(0.05)  # local queue full: serve acknowledgements to make room
@@ -341,7 +344,8 @@ def publish(cluster: Cluster, topic: str, frames: Iterable[FrameRecord], rate_fp
             clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
             keep_capture_ts: bool = False, progress: Callable[[int, int], None] | None = None,
             encode: Callable[[FrameRecord, str], bytes] | None = None,
-            queue_max_kbytes: int | None = None) -> PublishReport:
+            queue_max_kbytes: int | None = None,
+            headers: Callable[[FrameRecord, str], Headers] | None = None) -> PublishReport:
     """Publish frames to one topic with a producer of their own (see send_frames), refusing frames larger than
     the topic's max.message.bytes. `queue_max_kbytes`: bound the producer's local queue (live cameras)."""
     limits = topic_message_limits(cluster, [topic])
@@ -349,7 +353,8 @@ def publish(cluster: Cluster, topic: str, frames: Iterable[FrameRecord], rate_fp
     # Connect before the clock starts, so the producer's own start-up is not charged to the frames' latency.
     producer.list_topics(topic, timeout=30)
     return send_frames(producer, frames, lambda _rec: topic, rate_fps, clock=clock, sleep=sleep,
-                       keep_capture_ts=keep_capture_ts, limits=limits, progress=progress, encode=encode)
+                       keep_capture_ts=keep_capture_ts, limits=limits, progress=progress, encode=encode,
+                       headers=headers)
 
 
 def random_run_id() -> str:
