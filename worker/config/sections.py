@@ -267,7 +267,7 @@ class TracingSettings:
     endpoint: str = setting("", doc=(
         "the OTLP/HTTP collector's base URL, e.g. `http://127.0.0.1:4318` (spans are posted to `<endpoint>/v1/traces`"
         "; a URL already ending in `/v1/traces` is used as it is); empty: tracing off"))
-    sample_ratio: float = setting(0.01, ge=0.0, le=1.0, doc=(
+    sample_ratio: float = setting(0.01, ge=0.0, le=1.0, hint="a share of frames; NaN is refused too", doc=(
         "share of frames without a `traceparent` header the worker starts a trace for; parent-based: a frame whose "
         "`traceparent` is sampled is always traced, one whose `traceparent` is not sampled never (its result still "
         "carries the header). Measured cost (`bench/tracing_cost.py`): see docs/troubleshooting.md"))

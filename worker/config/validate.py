@@ -273,8 +273,6 @@ def validate_tracing(t: TracingSettings) -> list[str]:
     if t.endpoint and not re.fullmatch(r"https?://[^\s/:]+(:\d{1,5})?(/\S*)?", t.endpoint):
         p.append(f"tracing.endpoint: {t.endpoint!r} is not an http:// or https:// URL of an OTLP/HTTP collector, "
                  "e.g. http://127.0.0.1:4318 (empty: tracing off)")
-    if not 0.0 <= t.sample_ratio <= 1.0:  # NaN too
-        p.append(f"tracing.sample_ratio: must be in [0, 1] (a share of frames), got {t.sample_ratio}")
     if not t.service_name.strip():
         p.append("tracing.service_name: must not be empty (it is the service.name of every span)")
     return p

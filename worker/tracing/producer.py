@@ -14,7 +14,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from worker.config import Settings
 from worker.frames import Headers
 from worker.schemas import FrameRecord
-from worker.tracing import traces_url
+from worker.tracing.context import traces_url
 from worker.tracing.export import DroppingSpanProcessor
 
 _PROPAGATOR = TraceContextTextMapPropagator()

@@ -29,7 +29,7 @@ from opentelemetry.trace import Link, Span, SpanKind, get_current_span, set_span
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from worker.frames import BatchOutcome, Frame, Headers, Output, SourceRef
-from worker.tracing import TRACE_HEADERS, TRACEPARENT, FrameTraces, Tracing, trace_context_of, traces_url
+from worker.tracing.context import TRACE_HEADERS, TRACEPARENT, FrameTraces, Tracing, trace_context_of, traces_url
 from worker.tracing.export import DroppingSpanProcessor, quiet_exporter_logs
 
 if TYPE_CHECKING:
