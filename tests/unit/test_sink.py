@@ -73,12 +73,9 @@ def producer():
     fake.release.set()  # let an abandoned call's thread end
 
 
-def transactional_sink(producer: FakeProducer,
-                       on_rejected: Callable[[SourceRef, str], None] = lambda source, reason: None,
-                       sleep: Callable[[float], None] = time.sleep) -> ResultSink:
+def transactional_sink(producer: FakeProducer, sleep: Callable[[float], None] = time.sleep) -> ResultSink:
     """A transactional sink over the fake producer; a call stuck past its timeout is given up 0.05 s later."""
-    return ResultSink(Settings(), on_done=lambda source: None, on_rejected=on_rejected,
-                      transactional_id="streamfer-w0", producer_factory=lambda conf, logger=None: producer,
+    return ResultSink(Settings(), transactional_id="streamfer-w0", producer_factory=lambda conf, logger=None: producer,
                       stuck_grace_s=0.05, sleep=sleep)
 
 
@@ -129,14 +126,15 @@ def test_a_transaction_with_a_refused_message_is_given_up_not_aborted_even_when_
     refused = KafkaError(KafkaError.MSG_SIZE_TOO_LARGE)
     producer.report_errors = [None, refused]
     producer.commit_errors = [KafkaError(KafkaError.MSG_SIZE_TOO_LARGE, txn_requires_abort=True)]
-    rejected: list[SourceRef] = []
-    sink = transactional_sink(producer, on_rejected=lambda source, reason: rejected.append(source))
+    sink = transactional_sink(producer)
     sink.begin()
     for offset in (1, 2):
         sink.send_result(SourceRef("frames.standard", 0, offset), b"k", b"v")
     with pytest.raises(TransactionStuckError, match="refused a message"):
         sink.commit_transaction(timeout_s=5.0)
-    assert sink.stuck and rejected == [SourceRef("frames.standard", 0, 2)]
+    reports = sink.reports()  # served inside the call, returned to the caller (delivery) afterwards
+    assert sink.stuck and [r.source for r in reports.refused] == [SourceRef("frames.standard", 0, 2)]
+    assert reports.acknowledged == [SourceRef("frames.standard", 0, 1)]
     sink.close()
     assert "abort" not in producer.calls and "flush" not in producer.calls
 
@@ -222,9 +220,8 @@ def test_a_stuck_transaction_keeps_the_error_it_kept_failing_with(producer: Fake
 
 def test_a_fatal_delivery_report_is_raised_with_its_kafka_error() -> None:
     fake = FakeProducer(report_errors=[KafkaError(KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER, fatal=True)])
-    sink = ResultSink(Settings(), on_done=lambda source: None, on_rejected=lambda source, reason: None,
-                      producer_factory=lambda conf, logger=None: fake)
+    sink = ResultSink(Settings(), producer_factory=lambda conf, logger=None: fake)
     sink.send_dead_letter(DeadLetter(SourceRef("frames.standard", 0, 3, 1), "bad", "decode", b"x"))
-    sink.poll(0)
+    assert sink.poll(0).error is sink.fatal_error
     assert sink.fatal_error is not None and sink.fatal_error.code == KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER
     assert sink.fatal_error.fatal and "frames.standard" in str(sink.fatal_error)
