@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -24,7 +25,7 @@ from worker.kafka.consumer import consumer_config
 from worker.kafka.producer import producer_config
 from worker.kafka.registry import connect_registry
 from worker.metrics import Health, Metrics, MetricsServer
-from worker.pipeline import Pipeline, RunSummary, build_pipeline
+from worker.pipeline import RunSummary, build_pipeline
 
 if TYPE_CHECKING:
     from worker.runtime import InferenceExecutor
@@ -114,53 +115,48 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
     probe_access(settings)
     # Likewise the Schema Registry: the results schema registered (or found) under its subject, or exit 2.
     registry = connect_registry(settings)
-    server: MetricsServer | None = None
-    pipeline: Pipeline | None = None
-
-    def serve_while_warming(executor: InferenceExecutor) -> None:
-        """Once the model loaded: the pipeline, and /metrics served (not ready) while the runtime warms up."""
-        nonlocal pipeline, server
-        metrics.model_info.info({"name": executor.model_name, "version": executor.model_version,
-                                 "device": executor.device_description,
-                                 "labels": ",".join(executor.labels)})
-        pipeline = built = build_pipeline(settings, executor, metrics, health, registry=registry)
-        status = getattr(built.source, "broker_status", None)  # FrameSource's view of the cluster
-        if status is not None:
-            health.broker_problem = status.unhealthy_reason
-        if settings.observability.metrics_enabled:
-            def profile(batches: int) -> str:
-                return executor.profile(batches, tempfile.gettempdir()).result(PROFILE_TIMEOUT_S)
-
-            server = MetricsServer(metrics, health, settings.observability.metrics_host,
-                                   settings.observability.metrics_port,
-                                   before_scrape=lambda: _refresh_scrape_gauges(built, metrics),
-                                   profile=profile if settings.observability.profile_endpoint else None).start()
-            log.info("metrics on http://%s:%d/metrics", settings.observability.metrics_host, server.port)
-
     # Imported here: torch loads with the runtime, not with the CLI.
     from worker.runtime.start import start_runtime
 
-    executor: InferenceExecutor | None = None
-    try:
-        # The model loads (ModelContractError, or an OperatorError naming its setting: exit 2), warms up and is
-        # calibrated as in every other start of the runtime (worker.runtime.start).
-        runtime = start_runtime(settings, on_graph_evicted=metrics.cuda_graph_evictions.inc,
-                                before_warm_up=serve_while_warming)
-        executor = runtime.executor
-        assert pipeline is not None  # built by serve_while_warming
-        pipeline.seed_costs(runtime.calibration)
-        health.warmed_up = True
-        log.info("model %s:%s warmed up on %s in %.1fs", executor.model_name, executor.model_version,
-                 executor.device_description, time.monotonic() - started)
-        frozen = freeze_startup_heap()
-        log.info("start-up heap frozen: %d objects that garbage collections no longer walk", frozen)
-        return pipeline.run(stop or StopFlag().install(), exit_when_idle_s)
-    finally:
-        health.alive = False
-        if executor is not None:
-            executor.close()
-        if server is not None:
-            server.stop()
+    # What runs beside the loop (the metrics server, the executor) is stopped when it ends, in reverse order.
+    with contextlib.ExitStack() as running:
+        try:
+            def serve_while_warming(executor: InferenceExecutor) -> None:
+                """Once the model loaded: /metrics served (not ready) while the runtime warms up."""
+                metrics.model_info.info({"name": executor.model_name, "version": executor.model_version,
+                                         "device": executor.device_description,
+                                         "labels": ",".join(executor.labels)})
+                if settings.observability.metrics_enabled:
+                    def profile(batches: int) -> str:
+                        return executor.profile(batches, tempfile.gettempdir()).result(PROFILE_TIMEOUT_S)
+
+                    server = MetricsServer(metrics, health, settings.observability.metrics_host,
+                                           settings.observability.metrics_port,
+                                           before_scrape=lambda: _refresh_scrape_gauges(health, metrics),
+                                           profile=profile if settings.observability.profile_endpoint else None)
+                    running.callback(server.start().stop)
+                    log.info("metrics on http://%s:%d/metrics", settings.observability.metrics_host, server.port)
+
+            # The model loads (ModelContractError, or an OperatorError naming its setting: exit 2), warms up and is
+            # calibrated as in every other start of the runtime (worker.runtime.start).
+            runtime = start_runtime(settings, on_graph_evicted=metrics.cuda_graph_evictions.inc,
+                                    before_warm_up=serve_while_warming)
+            executor = runtime.executor
+            running.callback(executor.close)
+            health.warmed_up = True
+            log.info("model %s:%s warmed up on %s in %.1fs", executor.model_name, executor.model_version,
+                     executor.device_description, time.monotonic() - started)
+            # Built once the runtime is warm: its consumer joins the group when the loop runs.
+            pipeline = build_pipeline(settings, executor, metrics, health, registry=registry)
+            status = getattr(pipeline.source, "broker_status", None)  # FrameSource's view of the cluster
+            if status is not None:
+                health.broker_problem = status.unhealthy_reason
+            pipeline.seed_costs(runtime.calibration)
+            frozen = freeze_startup_heap()
+            log.info("start-up heap frozen: %d objects that garbage collections no longer walk", frozen)
+            return pipeline.run(stop or StopFlag().install(), exit_when_idle_s)
+        finally:
+            health.alive = False
 
 
 def freeze_startup_heap() -> int:
@@ -181,8 +177,8 @@ def check_client_configs(settings: Settings) -> None:
     new_client(Producer, producer_config(settings), "producer")
 
 
-def _refresh_scrape_gauges(pipeline: Pipeline, metrics: Metrics) -> None:
-    metrics.ready.set(1 if pipeline.health.ready else 0)
+def _refresh_scrape_gauges(health: Health, metrics: Metrics) -> None:
+    metrics.ready.set(1 if health.ready else 0)
     try:
         import torch
 
