@@ -16,7 +16,8 @@ from confluent_kafka import KafkaError, KafkaException
 import worker.kafka.producer as sink_module
 from worker.config import Settings
 from worker.frames import DeadLetter, SourceRef
-from worker.kafka.producer import ResultSink, SinkError, TransactionStuckError
+from worker.kafka.producer import DeliveryReports, Refusal, ResultSink, SinkError, TransactionStuckError
+from worker.testing import FakeProducer as KitProducer
 
 
 @dataclass
@@ -225,3 +226,20 @@ def test_a_fatal_delivery_report_is_raised_with_its_kafka_error() -> None:
     assert sink.poll(0).error is sink.fatal_error
     assert sink.fatal_error is not None and sink.fatal_error.code == KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER
     assert sink.fatal_error.fatal and "frames.standard" in str(sink.fatal_error)
+
+
+def test_delivery_reports_are_returned_by_the_next_poll_once_those_a_flush_served_too() -> None:
+    """The sink calls nobody back: what librdkafka reported (in a flush as well) is what its next poll returns."""
+    kit = KitProducer({}, refuse=lambda produced: KafkaError(KafkaError.MSG_SIZE_TOO_LARGE)
+                      if produced.value == b"big" else None)
+    sink = ResultSink(Settings(), producer_factory=lambda conf, logger=None: kit)
+    first, second, third = (SourceRef("frames.bulk", 0, offset, 1) for offset in (1, 2, 3))
+    sink.send_result(first, b"k", b"v")
+    assert sink.poll(0) == DeliveryReports(acknowledged=[first])
+    sink.send_result(second, b"k", b"big")
+    sink.send_result(third, b"k", b"v")
+    assert sink.flush(1.0) == 0
+    reports = sink.poll(0)
+    assert reports.acknowledged == [third] and [r.source for r in reports.refused] == [second]
+    assert isinstance(reports.refused[0], Refusal) and "refused it" in reports.refused[0].reason
+    assert sink.poll(0) == DeliveryReports()
