@@ -117,9 +117,7 @@ class RunSummary:
 
 
 class Pipeline:
-    """Runs the worker loop until `should_stop()` is true, then drains, commits and closes.
-
-    `settings` has its in-flight limit resolved for the executor's runners (build_pipeline does it, once)."""
+    """Runs the worker loop until `should_stop()` is true, then drains, commits and closes (build_pipeline)."""
 
     def __init__(self, settings: Settings, source: Source, delivery: Delivery, executor: Executor,
                  metrics: Metrics, health: Health, clock: Callable[[], float] = time.time,
@@ -279,9 +277,7 @@ class Pipeline:
         self.delivery.acknowledge(self.delivery.sink.poll(0))
 
     def _commit(self, final: bool = False) -> None:
-        """A final commit (partitions given up, the worker stopping) first waits for every output produced to be
-        acknowledged and hands those reports over, so that all that is done is committed."""
-        if final:
+        if final:  # all that is done: every output produced acknowledged, and its report handed over
             self.delivery.finish()
             self._acknowledge()
         if self.delivery.commit(final) is CommitResult.REWIND:
@@ -319,11 +315,8 @@ class Pipeline:
         self.metrics.ready.set(1 if self.health.ready else 0)
 
     def _on_revoke(self, tps: list[TP], commits: list[CommitOutcome]) -> None:
-        """Finish what was read from the revoked partitions, deliver and commit it, then let them go.
-
-        Runs inside the source's poll (librdkafka's rebalance callback), which gives the partitions up as this
-        returns: the final commit must land here. `commits` are the commit outcomes served before the revocation:
-        delivery takes them first, so a failed earlier commit is offered again in the final one."""
+        """Inside the source's poll, which gives the partitions up as this returns: deliver and commit what was read
+        from them. `commits`, the outcomes served before it, go first: a failed commit is made again in this one."""
         self.metrics.rebalances.labels("revoke").inc()
         self._last_activity = self.clock()
         log.info("partitions revoked: %s", sorted(tps))
@@ -347,8 +340,7 @@ class Pipeline:
         self._release(tps)
         self.health.assigned = bool(self.assignments.partitions - lost)
 
-    def _release(self, tps: list[TP]) -> None:
-        """Forget the pipeline's state of partitions given up; the source releases their assignment after this."""
+    def _release(self, tps: list[TP]) -> None:  # their assignment: the source releases it after this
         self.delivery.release(tps)
         self.duplicates.release(tps)
         for topic, partition in tps:
