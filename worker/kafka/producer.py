@@ -1,8 +1,9 @@
 """The Kafka producer side: moderation results and dead letters, with delivery reports.
 
-At-least-once: an idempotent producer; `on_done(source)` fires only when the broker acknowledged the
-message, and a failed delivery is produced again, never dropped. Exactly-once: a transactional producer whose
-calls (begin, send_offsets_to_transaction + commit_transaction, abort) are guarded against librdkafka blocking;
+At-least-once: an idempotent producer; a source offset is reported acknowledged (in what `ResultSink.poll`
+returns) only when the broker has its message, and a failed delivery is produced again, never dropped.
+Exactly-once: a transactional producer whose calls (begin, send_offsets_to_transaction + commit_transaction,
+abort) are guarded against librdkafka blocking;
 worker.delivery.ExactlyOnceDelivery opens one transaction per loop turn, holding the outputs released that turn
 (of any number of batches) and the consumed offsets.
 """
@@ -14,6 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
@@ -40,8 +42,6 @@ from worker.threadnames import name_os_thread
 
 log = logging.getLogger(__name__)
 
-DoneCallback = Callable[[SourceRef], None]
-RejectedCallback = Callable[[SourceRef, str], None]
 T = TypeVar("T")
 
 # A transactional call still blocked this long past its own timeout is stuck (librdkafka issues #5456, #5511:
@@ -146,19 +146,39 @@ def producer_config(settings: Settings, transactional_id: str | None = None,
                                       transactional_id, 3 * settings.delivery.transaction_call_timeout_ms)
 
 
-class ResultSink:
-    """Produces encoded results and dead letters; reports each source offset as done once acknowledged."""
+@dataclass(frozen=True)
+class Refusal:
+    """The broker refused the output of `source` for good (too large, invalid): it can never be produced as it is."""
 
-    def __init__(self, settings: Settings, on_done: DoneCallback, on_rejected: RejectedCallback,
-                 transactional_id: str | None = None, max_message_bytes: int | None = None,
+    source: SourceRef
+    reason: str
+
+
+@dataclass(frozen=True)
+class DeliveryReports:
+    """What librdkafka reported since the last `ResultSink.poll`, in the order served: the source offsets whose
+    output the broker has, the outputs it refused, and an error nothing but a restart fixes (sticky: every later
+    poll carries it too)."""
+
+    acknowledged: list[SourceRef] = field(default_factory=list)
+    refused: list[Refusal] = field(default_factory=list)
+    error: StreamferError | None = None
+
+
+class ResultSink:
+    """Produces encoded results and dead letters; its poll returns the delivery reports served since the last one
+    (served by flush and transactional calls too), for the caller to hand on: it calls nobody back."""
+
+    def __init__(self, settings: Settings, transactional_id: str | None = None, max_message_bytes: int | None = None,
                  producer_factory: ClientFactory = Producer, stuck_grace_s: float = STUCK_GRACE_S,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         conf = producer_config(settings, transactional_id, max_message_bytes)
         self._results_topic = settings.topics.results
         self._dlq_topic = settings.topics.dead_letter
         self._worker_id = settings.observability.worker_id
-        self._on_done = on_done
-        self._on_rejected = on_rejected
+        # Delivery reports served and not yet returned by poll (see DeliveryReports).
+        self._acknowledged: list[SourceRef] = []
+        self._refused: list[Refusal] = []
         self._sleep = sleep
         self.identity = Identity.of(settings, transactional_id)
         # Set by a delivery report the cluster refused (ACL, credentials): the pipeline raises it (exit 2).
@@ -200,7 +220,7 @@ class ResultSink:
                  headers: list[tuple[str, str | bytes | None]] | None) -> None:
         def delivered(err: KafkaError | None, _msg: Any) -> None:
             if err is None:
-                self._on_done(source)
+                self._acknowledged.append(source)
                 return
             refused = classify_producer_error(err, topic, self.identity)
             if refused is not None:  # no retry helps: stop the worker (exit 2) instead of producing again
@@ -212,7 +232,7 @@ class ResultSink:
             if err.code() in PER_MESSAGE_ERRORS:
                 # Producing it again would fail again: the caller replaces it (in exactly-once, after the
                 # transaction that held it is given up).
-                self._on_rejected(source, f"{topic} refused it: {err.str()}")
+                self._refused.append(Refusal(source, f"{topic} refused it: {err.str()}"))
                 self.transaction_refused = self.transactional
                 return
             if self.transactional:
@@ -241,12 +261,20 @@ class ResultSink:
                                           setting="kafka.producer_overrides (message.max.bytes)") from None
                 raise SinkError(f"producing to {topic} failed: {err.str()}", err) from exc
 
-    def poll(self, timeout_s: float = 0.0) -> int:
-        """Serve delivery callbacks."""
-        return self._producer.poll(timeout_s)
+    def poll(self, timeout_s: float = 0.0) -> DeliveryReports:
+        """Serve librdkafka's delivery reports; returns every report served since the last poll."""
+        self._producer.poll(timeout_s)
+        return self.reports()
+
+    def reports(self) -> DeliveryReports:
+        """The reports served since the last poll, without serving more (a stuck producer's, before it goes)."""
+        acknowledged, refused = self._acknowledged, self._refused
+        self._acknowledged, self._refused = [], []
+        return DeliveryReports(acknowledged, refused, self.access_error or self.fatal_error)
 
     def flush(self, timeout_s: float) -> int:
-        """Wait for outstanding deliveries; returns how many are still outstanding."""
+        """Wait for outstanding deliveries; returns how many are still outstanding. Their reports are returned by
+        the next poll."""
         return self._producer.flush(timeout_s)
 
     # -- transactions (exactly-once) ------------------------------------------------------------------
