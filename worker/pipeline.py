@@ -86,12 +86,9 @@ class Pipeline:
         self.duplicates = DuplicateFrames(settings.limits.duplicate_window_frames)
         self.flow = FlowControl(settings, source, self.batcher, self.tracker, metrics, clock)
         self.tracing = tracing
-        tracing.describe_runtime(executor.model_name, executor.model_version,
-                                 getattr(executor, "device_description", ""))
         self.answers = Answers(metrics, ResultContext(executor.model_name, executor.model_version,
                                                       settings.observability.worker_id, result_framing), tracing)
-        self.reader = Reader(settings, self.tracker, self.duplicates, self.batcher, self.answers, self.flow,
-                             metrics)
+        self.reader = Reader(settings, self.tracker, self.duplicates, self.batcher, self.answers, self.flow, metrics)
         self._counts = RunSummary()
         self._inflight = InFlight(self.batcher, executor, settings.delivery.max_inflight_batches,
                                   settings.batching.release_when_idle, metrics)
@@ -347,6 +344,7 @@ def build_pipeline(settings: Settings, executor: Executor, metrics: Metrics, hea
     settings = resolve_inflight_batches(settings, executor.runner_count)
     log.info("in-flight batches: %d for %d runner(s), and one more for realtime",
              settings.delivery.max_inflight_batches, executor.runner_count)
+    tracing.describe_runtime(executor.model_name, executor.model_version, getattr(executor, "device_description", ""))
     tracker = OffsetTracker()
     source = FrameSource(settings, clock, consumer_factory=clients.consumer,
                          writer_schemas=registry.held_frames(metrics) if registry else None)
