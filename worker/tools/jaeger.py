@@ -30,7 +30,8 @@ CONFIG = ROOT / "deploy" / "jaeger" / "config.yaml"
 BUILD = ROOT / "deploy" / "jaeger" / "build.sh"
 DEFAULT_BINARY = Path(os.environ.get("STREAMFER_JAEGER_CACHE", Path.home() / ".cache" / "streamfer" / "jaeger")) \
     / f"jaeger-{JAEGER_VERSION}"
-# Where deploy/jaeger/build-ui.sh leaves the UI the Go module's binary lacks.
+# Where a built jaeger-ui may be put for the UI the Go module's binary lacks (its assets come from jaeger-ui's own
+# npm project, which this project does not build): STREAMFER_JAEGER_UI, else here.
 DEFAULT_UI = Path(os.environ.get("STREAMFER_JAEGER_CACHE", Path.home() / ".cache" / "streamfer" / "jaeger")) \
     / f"ui-{JAEGER_VERSION}"
 START_TIMEOUT_S = 60.0
@@ -44,8 +45,8 @@ def jaeger_binary() -> Path | None:
 
 
 def ui_assets() -> Path | None:
-    """A built jaeger-ui for Jaeger's UI (deploy/jaeger/build-ui.sh), or None: `STREAMFER_JAEGER_UI`, else the
-    build's default place."""
+    """A built jaeger-ui (its `build/` folder, with index.html) for Jaeger's UI, or None: `STREAMFER_JAEGER_UI`, else
+    DEFAULT_UI. Only the docs' trace picture needs it; the tests read traces from the query API."""
     named = os.environ.get("STREAMFER_JAEGER_UI")
     path = Path(named) if named else DEFAULT_UI
     return path if (path / "index.html").is_file() else None
