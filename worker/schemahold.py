@@ -6,10 +6,12 @@ transient reason (unreachable, timeout, HTTP 5xx or 429) is tried again with a g
 paused once its held bytes reach a bound; when the id becomes known the held frames are released in offset
 order. Only a permanent answer (an unknown id, a schema the worker cannot read) makes them dead letters.
 
-A partition keeps its order: once a frame of it is held, every later message of that partition waits behind it
-(framed or not), so what is answered is always a prefix of what was read, the byte bound bounds what the
-partition has read and not answered, and a held partition never runs ahead into offsets a commit cannot pass.
-Other partitions flow untouched.
+Only framed frames are held. A framed frame waits when its id is not known or when an earlier framed frame of its
+partition still waits: a stream's frames share a key, hence a partition, and are answered in order, so framed
+frames keep their order among themselves. An unframed frame needs no registry and is never held, even on a
+partition that holds framed frames: it flows on at once (the consumer tracks every offset as it is read, held or
+not, so the partition's commit still stops at its earliest held frame). The byte bound counts held bytes; a
+partition paused at it reads nothing, its unframed frames included. Other partitions flow untouched.
 
 Pure policy: no Kafka, no HTTP; time from an injected clock. The Kafka edge (worker.kafka.schemalookups) runs
 the lookups and feeds their answers in.
@@ -23,7 +25,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-TP = tuple[str, int]
+from worker.frames import TP
+
 M = TypeVar("M")
 
 # Transient failures are retried after BACKOFF_INITIAL_S, doubling up to BACKOFF_MAX_S.
@@ -55,8 +58,8 @@ class _Lookup:
 
 @dataclass(frozen=True)
 class Released(Generic[M]):
-    """A held message let go: decode it now (`reason` None: its id is known, or it needs none), or dead-letter it
-    with `reason` (its id failed permanently)."""
+    """A held frame let go: decode it now (`reason` None: its id is known), or dead-letter it with `reason` (its id
+    failed permanently)."""
 
     message: M
     reason: str | None
@@ -66,11 +69,11 @@ class Released(Generic[M]):
 class _Held(Generic[M]):
     message: M
     nbytes: int
-    schema_id: int | None  # None: unframed (held only for its partition's order)
+    schema_id: int
 
 
 class SchemaHold(Generic[M]):
-    """Per writer-schema id a lookup state, per partition the ordered queue of held messages; see the module
+    """Per writer-schema id a lookup state, per partition the ordered queue of held framed frames; see the module
     docstring. `held_bytes_max`: a partition holding this many bytes is paused
     (schema_registry.max_held_bytes_per_partition)."""
 
@@ -92,27 +95,26 @@ class SchemaHold(Generic[M]):
 
     # -- reading ----------------------------------------------------------------------------------------------
     def must_hold(self, tp: TP, schema_id: int | None) -> bool:
-        """Whether a message just read must wait: its partition already holds one, or its writer-schema id is
-        neither known nor permanently failed."""
-        if tp in self._queues:
-            return True
+        """Whether a message just read must wait: it is framed (`schema_id` not None) and its partition already
+        holds a framed frame, or its id is neither known nor permanently failed. An unframed one never waits."""
         if schema_id is None:
             return False
+        if tp in self._queues:
+            return True
         lookup = self._current(schema_id)
         return lookup is None or lookup.state not in (LookupState.KNOWN, LookupState.FAILED)
 
-    def hold(self, tp: TP, message: M, nbytes: int, schema_id: int | None) -> None:
-        """Queue a message behind its partition's held ones (call when must_hold says so)."""
+    def hold(self, tp: TP, message: M, nbytes: int, schema_id: int) -> None:
+        """Queue a framed frame behind its partition's held ones (call when must_hold says so)."""
         queue = self._queues.get(tp)
         if queue is None:
             queue = self._queues[tp] = deque()
         queue.append(_Held(message, nbytes, schema_id))
         self._bytes[tp] += nbytes
         self.held_frames += 1
-        if schema_id is not None:
-            self._waiting[schema_id] += 1
-            if self._current(schema_id) is None:
-                self._lookups[schema_id] = _Lookup(LookupState.PENDING)
+        self._waiting[schema_id] += 1
+        if self._current(schema_id) is None:
+            self._lookups[schema_id] = _Lookup(LookupState.PENDING)
 
     def schema(self, schema_id: int) -> Any:
         """The known schema of an id, else None."""
@@ -174,22 +176,19 @@ class SchemaHold(Generic[M]):
 
     # -- releasing ------------------------------------------------------------------------------------------------
     def release(self) -> list[Released[M]]:
-        """What may go on now, per partition in offset order: the head of each queue while its id is known (or it
-        needs none) or failed permanently. A partition whose queue empties holds nothing any more."""
+        """What may go on now, per partition in offset order: the head of each queue while its id is known or failed
+        permanently. A partition whose queue empties holds nothing any more."""
         out: list[Released[M]] = []
         for tp in list(self._queues):
             queue = self._queues[tp]
             while queue:
                 head = queue[0]
-                reason: str | None = None
-                if head.schema_id is not None:
-                    lookup = self._current(head.schema_id)
-                    if lookup is None or lookup.state not in (LookupState.KNOWN, LookupState.FAILED):
-                        break
-                    reason = lookup.reason if lookup.state is LookupState.FAILED else None
+                lookup = self._current(head.schema_id)
+                if lookup is None or lookup.state not in (LookupState.KNOWN, LookupState.FAILED):
+                    break
                 queue.popleft()
                 self._unhold(tp, head)
-                out.append(Released(head.message, reason))
+                out.append(Released(head.message, lookup.reason if lookup.state is LookupState.FAILED else None))
             if not queue:
                 del self._queues[tp]
         return out
@@ -226,13 +225,12 @@ class SchemaHold(Generic[M]):
         self._bytes[tp] -= held.nbytes
         if self._bytes[tp] <= 0:
             del self._bytes[tp]
-        if held.schema_id is not None:
-            self._waiting[held.schema_id] -= 1
-            if self._waiting[held.schema_id] <= 0:
-                del self._waiting[held.schema_id]
-                lookup = self._lookups.get(held.schema_id)
-                if lookup is not None and lookup.state in (LookupState.PENDING, LookupState.RETRYING):
-                    del self._lookups[held.schema_id]  # nothing waits for it: ask again only when a frame needs it
+        self._waiting[held.schema_id] -= 1
+        if self._waiting[held.schema_id] <= 0:
+            del self._waiting[held.schema_id]
+            lookup = self._lookups.get(held.schema_id)
+            if lookup is not None and lookup.state in (LookupState.PENDING, LookupState.RETRYING):
+                del self._lookups[held.schema_id]  # nothing waits for it: ask again only when a frame needs it
 
     def _current(self, schema_id: int) -> _Lookup | None:
         """The id's lookup, with a remembered permanent failure forgotten once it is due to be asked again."""
