@@ -154,7 +154,7 @@ class Pipeline:
             timeout = IDLE_POLL_S if due is None else min(IDLE_POLL_S, max(0.0, due - self.clock()))
         polled = self.source.poll(min(POLL_BATCH, max(room, 1)), timeout)
         self._input_drained = polled.drained
-        self.flow.held_frames = polled.held_frames
+        self.flow.pinned_frames = polled.pinned_frames
         if polled.redelivered:
             self.metrics.redelivered.inc(polled.redelivered)
         if polled.committed_offset_waits:
@@ -332,7 +332,8 @@ def build_pipeline(settings: Settings, executor: Executor, metrics: Metrics, hea
     assignments = Assignments()
     tracker = OffsetTracker()
     source = FrameSource(settings, clock, assignments, consumer_factory=clients.consumer,
-                         writer_schemas=registry.held_frames(metrics) if registry else None)
+                         writer_schemas=registry.held_frames(metrics, settings.max_uncommitted_frames)
+                         if registry else None)
     delivery: Delivery
     limit = clients.output_message_limit(settings)
     if settings.delivery.mode == "exactly_once":

@@ -10,8 +10,11 @@ Only framed frames are held. A framed frame waits when its id is not known or wh
 partition still waits: a stream's frames share a key, hence a partition, and are answered in order, so framed
 frames keep their order among themselves. An unframed frame needs no registry and is never held, even on a
 partition that holds framed frames: it flows on at once (the consumer tracks every offset as it is read, held or
-not, so the partition's commit still stops at its earliest held frame). The byte bound counts held bytes; a
-partition paused at it reads nothing, its unframed frames included. Other partitions flow untouched.
+not, so the partition's commit still stops at its earliest held frame). A holding partition is paused when its held
+bytes reach a bound, or when the unframed frames that passed its held ones reach a count: those are answered but
+cannot be committed until the held ones are, so the count bounds what a crash would answer again, as the worker's
+uncommitted cap does (which, counting them, would otherwise pause every partition). A paused partition reads
+nothing, its unframed frames included. Other partitions flow untouched.
 
 Pure policy: no Kafka, no HTTP; time from an injected clock. The Kafka edge (worker.kafka.schemalookups) runs
 the lookups and feeds their answers in.
@@ -75,12 +78,15 @@ class _Held(Generic[M]):
 class SchemaHold(Generic[M]):
     """Per writer-schema id a lookup state, per partition the ordered queue of held framed frames; see the module
     docstring. `held_bytes_max`: a partition holding this many bytes is paused
-    (schema_registry.max_held_bytes_per_partition)."""
+    (schema_registry.max_held_bytes_per_partition); `passed_frames_max`: so is one past whose held frames this many
+    unframed frames flowed (delivery.max_uncommitted_frames)."""
 
-    def __init__(self, held_bytes_max: int, clock: Callable[[], float], backoff_initial_s: float = BACKOFF_INITIAL_S,
+    def __init__(self, held_bytes_max: int, passed_frames_max: int, clock: Callable[[], float],
+                 backoff_initial_s: float = BACKOFF_INITIAL_S,
                  backoff_max_s: float = BACKOFF_MAX_S, permanent_retry_s: float = PERMANENT_RETRY_S,
                  max_failed_ids: int = MAX_FAILED_IDS) -> None:
         self._held_bytes_max = held_bytes_max
+        self._passed_frames_max = passed_frames_max
         self._clock = clock
         self._backoff_initial_s = backoff_initial_s
         self._backoff_max_s = backoff_max_s
@@ -91,7 +97,10 @@ class SchemaHold(Generic[M]):
         self._queues: dict[TP, deque[_Held[M]]] = {}
         self._bytes: Counter[TP] = Counter()
         self._waiting: Counter[int] = Counter()  # held frames per schema id
+        # Unframed frames read on each holding partition since it began holding (answered, not committable).
+        self._passed: Counter[TP] = Counter()
         self.held_frames = 0
+        self.passed_frames = 0
 
     # -- reading ----------------------------------------------------------------------------------------------
     def must_hold(self, tp: TP, schema_id: int | None) -> bool:
@@ -115,6 +124,13 @@ class SchemaHold(Generic[M]):
         self._waiting[schema_id] += 1
         if self._current(schema_id) is None:
             self._lookups[schema_id] = _Lookup(LookupState.PENDING)
+
+    def passed(self, tp: TP) -> None:
+        """An unframed frame of `tp` flowed on (never held): while `tp` holds frames, its offset cannot be committed
+        until they are answered, so it counts towards the partition's pause."""
+        if tp in self._queues:
+            self._passed[tp] += 1
+            self.passed_frames += 1
 
     def schema(self, schema_id: int) -> Any:
         """The known schema of an id, else None."""
@@ -191,6 +207,7 @@ class SchemaHold(Generic[M]):
                 out.append(Released(head.message, lookup.reason if lookup.state is LookupState.FAILED else None))
             if not queue:
                 del self._queues[tp]
+                self._forget_passed(tp)
         return out
 
     def drop(self, tps: Iterable[TP]) -> int:
@@ -201,12 +218,23 @@ class SchemaHold(Generic[M]):
             for held in queue or ():
                 self._unhold(tp, held)
                 dropped += 1
+            self._forget_passed(tp)
         return dropped
 
     @property
     def paused(self) -> frozenset[TP]:
-        """Partitions holding at least `held_bytes_max` bytes: read no further until some are released."""
-        return frozenset(tp for tp, n in self._bytes.items() if n >= self._held_bytes_max)
+        """Partitions holding at least `held_bytes_max` bytes, or past whose held frames `passed_frames_max` unframed
+        ones flowed: read no further until they are released."""
+        if not self._queues:
+            return frozenset()
+        return frozenset(tp for tp in self._queues
+                         if self._bytes[tp] >= self._held_bytes_max or self._passed[tp] >= self._passed_frames_max)
+
+    @property
+    def pinned_frames(self) -> int:
+        """Frames read on the holding partitions since they began holding, held or passed: offsets no commit passes
+        until the registry answers."""
+        return self.held_frames + self.passed_frames
 
     @property
     def held_partitions(self) -> frozenset[TP]:
@@ -231,6 +259,9 @@ class SchemaHold(Generic[M]):
             lookup = self._lookups.get(held.schema_id)
             if lookup is not None and lookup.state in (LookupState.PENDING, LookupState.RETRYING):
                 del self._lookups[held.schema_id]  # nothing waits for it: ask again only when a frame needs it
+
+    def _forget_passed(self, tp: TP) -> None:
+        self.passed_frames -= self._passed.pop(tp, 0)
 
     def _current(self, schema_id: int) -> _Lookup | None:
         """The id's lookup, with a remembered permanent failure forgotten once it is due to be asked again."""

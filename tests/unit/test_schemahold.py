@@ -12,16 +12,20 @@ A, B = ("frames.standard", 0), ("frames.standard", 1)
 SCHEMA = {"type": "record", "name": "Frame", "fields": []}
 
 
-def policy(clock: FakeClock, held_bytes_max: int = 1000) -> SchemaHold[str]:
-    return SchemaHold(held_bytes_max, clock, backoff_initial_s=0.5, backoff_max_s=4.0, permanent_retry_s=30.0)
+def policy(clock: FakeClock, held_bytes_max: int = 1000, passed_frames_max: int = 100) -> SchemaHold[str]:
+    return SchemaHold(held_bytes_max, passed_frames_max, clock, backoff_initial_s=0.5, backoff_max_s=4.0,
+                      permanent_retry_s=30.0)
 
 
 def read(hold: SchemaHold[str], tp: tuple[str, int], message: str, schema_id: int | None, nbytes: int = 10) -> bool:
-    """What the consumer does with each message: hold it when the policy says so; True when held."""
+    """What the consumer does with each message (worker.kafka.schemalookups.HeldFrames.admit): hold it when the
+    policy says so; True when held."""
     if hold.must_hold(tp, schema_id):
         assert schema_id is not None, "an unframed message held"
         hold.hold(tp, message, nbytes, schema_id)
         return True
+    if schema_id is None:
+        hold.passed(tp)
     return False
 
 
@@ -183,6 +187,27 @@ def test_the_byte_bound_counts_held_framed_bytes_only() -> None:
     assert hold.held_bytes(A) == 60 and hold.paused == frozenset()
     read(hold, A, "a1", 3, nbytes=40)  # framed behind a0 (its id unknown too): held and counted
     assert hold.paused == {A}
+
+
+def test_a_partition_past_whose_held_frames_the_bound_of_unframed_frames_flowed_is_paused_until_released() -> None:
+    hold = policy(FakeClock(), passed_frames_max=3)
+    for i in range(5):
+        read(hold, B, f"b{i}", None)  # a partition that holds nothing: its unframed frames count for nothing
+    read(hold, A, "a0", 7)
+    read(hold, A, "u0", None)
+    read(hold, A, "u1", None)
+    assert hold.paused == frozenset() and hold.pinned_frames == 3
+    read(hold, A, "u2", None)
+    assert hold.paused == {A}  # three answered past a0, none committable until a0 is: read no further
+    assert hold.pinned_frames == 4
+    hold.due_lookups()
+    hold.found(7, SCHEMA)
+    hold.release()
+    assert hold.paused == frozenset() and hold.pinned_frames == 0
+    read(hold, A, "a1", 8)
+    read(hold, A, "u3", None)
+    assert hold.pinned_frames == 2 and hold.paused == frozenset()  # counted afresh from the new hold
+    assert hold.drop([A]) == 1 and hold.pinned_frames == 0
 
 
 def test_a_dropped_partition_forgets_its_held_frames_and_nothing_asks_for_their_id() -> None:

@@ -147,6 +147,36 @@ def test_unframed_frames_on_a_partition_holding_framed_ones_are_answered_and_its
         pipeline.source.close()
 
 
+def test_a_long_outage_pauses_a_partition_past_whose_held_frame_the_uncommitted_cap_flowed_and_no_other() -> None:
+    """Unframed frames answered past a held one cannot be committed: at the uncommitted cap their partition pauses,
+    not every partition (as the cap itself would)."""
+    client = FakeRegistryClient()
+    client.frozen.clear()
+    settings = Settings(observability=ObservabilitySettings(worker_id="w0"),
+                        delivery=DeliverySettings(max_uncommitted_frames=64))
+    kafka, clock, metrics = InMemoryKafka(), FakeClock(), Metrics()
+    kafka.send(FRAMED, registry_framing(5) + frame_value("framed", 0), *(frame_value("behind", i) for i in range(200)))
+    kafka.send(PLAIN, *(frame_value("plain", i) for i in range(200)))
+    link = RegistryLink(b"", SchemaRegistrySettings(url="http://registry.invalid"), client)
+    pipeline = build_pipeline(settings, FakeExecutor(), metrics, Health(), clock, clients=kafka.clients,
+                              registry=link)
+    pipeline.source.subscribe(pipeline._on_assign, pipeline._on_revoke, pipeline._on_lost)
+    try:
+        turn_until(pipeline, clock, lambda: kafka.committed.get(PLAIN) == 200, "the other partition committed")
+        assert kafka.consumer is not None and FRAMED in kafka.consumer.paused
+        behind = len(streams(kafka).get("behind", []))
+        assert 64 <= behind < 200  # paused at the cap (within one poll), not read to its end
+        assert kafka.committed.get(FRAMED, 0) == 0
+        client.frozen.set()
+        turn_until(pipeline, clock, lambda: kafka.committed.get(FRAMED) == 201, "the held partition committed")
+        assert ledger(kafka.results()) == {("framed", 0): 1} | {(s, i): 1 for s in ("behind", "plain")
+                                                                 for i in range(200)}
+        assert kafka.dead_letters() == []
+    finally:
+        client.frozen.set()
+        pipeline.source.close()
+
+
 def test_a_registry_failing_for_a_transient_reason_is_asked_again_and_nothing_is_dead_lettered() -> None:
     client = FakeRegistryClient()
     client.error = SchemaRegistryError(503, 50301, "Service Unavailable")

@@ -53,7 +53,9 @@ class Polled:
     # answered by a later poll, whose frames and dead letters then include them (`released`: not tracked again).
     held: list[SourceRef] = field(default_factory=list)
     released: set[SourceRef] = field(default_factory=set)
-    held_frames: int = 0  # all held now
+    # All held now, with the unframed frames answered past them on their partitions: offsets no commit passes until
+    # the registry answers (HeldFrames.pinned_frames).
+    pinned_frames: int = 0
 
 
 @dataclass(frozen=True)
@@ -299,7 +301,7 @@ class FrameSource:
         if writer_schemas is not None:
             if polled.held:
                 writer_schemas.ask_due()
-            polled.held_frames = writer_schemas.held_frames
+            polled.pinned_frames = writer_schemas.pinned_frames
             if writer_schemas.paused != self._held_paused:
                 self._apply_pauses()
         return polled

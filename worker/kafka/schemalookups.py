@@ -141,7 +141,8 @@ class HeldFrames:
         """Hold `message` (True) when it is registry-framed and its writer schema is not known yet or its partition
         already holds a framed one; an unframed message is never held."""
         if value is None or len(value) < FRAMING_BYTES or not is_registry_framed(value):
-            return False  # unframed: it needs no registry (SchemaHold.must_hold)
+            self._hold.passed(tp)  # unframed: it needs no registry, never waits (SchemaHold.must_hold)
+            return False
         schema_id = int.from_bytes(value[1:FRAMING_BYTES], "big")
         if not self._hold.must_hold(tp, schema_id):
             return False
@@ -222,6 +223,11 @@ class HeldFrames:
     @property
     def held_frames(self) -> int:
         return self._hold.held_frames
+
+    @property
+    def pinned_frames(self) -> int:
+        """Frames held, and unframed ones answered past them: offsets no commit passes until the registry answers."""
+        return self._hold.pinned_frames
 
     def problem(self) -> str | None:
         """/readyz's line while frames wait for an unanswering registry, else None."""
