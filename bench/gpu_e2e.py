@@ -180,11 +180,12 @@ class Run:
 
 def run_loop(settings: Settings, executor: Any, messages: list[Message],
              costs: Costs | None = None, deadline_s: float = 60.0,
-             cuda_device: Any = None) -> Run:
+             cuda_device: Any = None, tracing: Any = None) -> Run:
     """Build the real pipeline over the fakes (a fresh group: nothing committed), feed it `messages` on their
     schedule, and run its loop (common.run_pipeline_thread) until every message is answered, or until `deadline_s`
     after the last one was due (then it stops and drains, as on SIGTERM: what it never read stays uncommitted).
-    Wall time and thread CPU end when it is told to stop."""
+    Wall time and thread CPU end when it is told to stop.
+    `tracing`: worker.tracing's, for the pipeline (bench/tracing_cost.py); None builds it as a tree without it."""
     consumers: list[TimedConsumer] = []
     producers: list[FakeProducer] = []
 
@@ -197,7 +198,8 @@ def run_loop(settings: Settings, executor: Any, messages: list[Message],
         return producers[-1]
 
     clients = KafkaClients(consumer=consumer, producer=producer, output_message_limit=lambda _settings: None)
-    pipeline = build_pipeline(settings, executor, Metrics(settings=settings), Health(), clients=clients)
+    pipeline = build_pipeline(settings, executor, Metrics(settings=settings), Health(), clients=clients,
+                              **({"tracing": tracing} if tracing is not None else {}))
     pipeline.seed_costs(costs or [])
     consumers[0].rebalance("assign", sorted({m.tp for m in messages}))
     total = len(messages)

@@ -90,7 +90,8 @@ class Member:
 
     def _run(self) -> None:
         try:
-            self._source.subscribe(lambda tps: self._event("assign", tps), lambda tps: self._event("revoke", tps),
+            self._source.subscribe(lambda tps: self._event("assign", tps),
+                                   lambda tps, _commits: self._event("revoke", tps),
                                    lambda tps: self._event("lost", tps))
             while not self._stop.is_set():
                 self._source.poll(100, 0.05)

@@ -9,7 +9,7 @@ threads). Variants, each round a fresh process per tree and variant, interleaved
 - `device`: the device data path (runtime.decode = device) with the device's work stood in: the real
   `DevicePreprocessor` does every host step (the CPU path's checks and JPEG structure walk, the staging copy, the
   batch's bookkeeping) on the `meta` device, where a tensor has a shape and no memory; its decode and resize are
-  stood in (`StandInDevicePreprocessor`: one shared tensor of the frame's shape, whole regions) and the runner
+  stood in (`DeviceSteps` of its own: one shared tensor of the frame's shape, whole regions) and the runner
   returns zero scores (`StandInRunner`). Pixels are never decoded or read. Left out: the CUDA calls' own host cost
   (kernel launches, nvJPEG's host-side work, the scores' copy back), which the GPU check's e2e_device section
   measures where a GPU is lent. (torch ops on `meta` tensors run Python reference code, far costlier than a CUDA
@@ -124,7 +124,7 @@ def stand_in_executor(settings: Any) -> tuple[Any, list[Any]]:
     import torch
 
     from worker.config import preprocess_thread_count, warmup_frame_shapes
-    from worker.runtime.devicepath import ByteStaging, DevicePreprocessor
+    from worker.runtime.devicepath import DeviceSteps
     from worker.runtime.executor import InferenceExecutor
     from worker.runtime.models import load_model
     from worker.runtime.runners import RunResult
@@ -133,21 +133,16 @@ def stand_in_executor(settings: Any) -> tuple[Any, list[Any]]:
     meta = torch.device("meta")
     decoded = torch.empty((contract.channels, SHAPE[0], SHAPE[1]), dtype=torch.uint8, device=meta)
 
-    class StandInDevicePreprocessor(DevicePreprocessor):
-        """The real device preprocessor with the device's work stood in: no decode (each frame is one shared `meta`
-        tensor of its shape), no resize (the frames are the model input's size: every row's region is whole);
-        checks, staging and the batch's bookkeeping run as on a GPU."""
+    def stand_in_decode(data: list[torch.Tensor], mode: Any, device: torch.device) -> list[torch.Tensor]:
+        """No decode: each frame is one shared `meta` tensor of its shape (the real preprocessor checks, stages and
+        cuts the JPEGs' views as on a GPU)."""
+        return [decoded] * len(data)
 
-        def _to_device(self, staged: list[Any], buffer: torch.Tensor, device: torch.device,
-                       failures: dict[int, Any]) -> dict[int, torch.Tensor]:
-            if staged:  # the views handed to nvJPEG, cut as _to_device cuts them (every frame is a JPEG here)
-                self._jpeg_views(staged, buffer)
-            return {s.index: decoded for s in staged}
-
-        def _fit(self, out: torch.Tensor, items: list[Any]) -> list[tuple[int, int, int, int]]:
-            if any((f.height, f.width) != tuple(out.shape[1:3]) for f, _ in items):
-                raise ValueError("the stand-in fits only frames of the model input's size")
-            return [(0, 0, int(out.shape[1]), int(out.shape[2]))] * len(items)
+    def stand_in_fit(images: torch.Tensor, contract: Any) -> tuple[torch.Tensor, tuple[int, int]]:
+        """No resize: the frames are the model input's size, so every row's region is whole."""
+        if tuple(images.shape[2:]) != contract.input_size:
+            raise ValueError("the stand-in fits only frames of the model input's size")
+        return images, (0, 0)
 
     class StandInRunner:
         """A runner's interface (EagerRunner's) with the model stood in: zero scores, the input never read."""
@@ -168,13 +163,10 @@ def stand_in_executor(settings: Any) -> tuple[Any, list[Any]]:
             n = int(pixels.shape[0])
             return RunResult(np.zeros((n, len(contract.labels)), dtype=np.float32), n, False)
 
-    threads = preprocess_thread_count(settings.runtime)
-    executor = InferenceExecutor([StandInRunner()], contract, threads,  # type: ignore[list-item]
+    executor = InferenceExecutor([StandInRunner()], contract, preprocess_thread_count(settings.runtime),  # type: ignore[list-item]
                                  settings.runtime.warmup_batches, decode_on_device=True,
+                                 device_steps=DeviceSteps(decode=stand_in_decode, fit=stand_in_fit),
                                  device_description="stand-in device (meta)")
-    # The executor builds the real DevicePreprocessor; this one differs only in its decode.
-    executor._device_preprocessor = StandInDevicePreprocessor(contract, ByteStaging(), pool=executor._decode_pool,
-                                                              workers=threads)
     shapes = warmup_frame_shapes(settings)
     executor.warm_up(shapes)
     return executor, executor.calibrate(shapes, settings.batching.largest_batch_size)

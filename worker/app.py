@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import gc
 import json
 import logging
@@ -12,6 +14,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import Consumer, Producer
@@ -25,7 +28,8 @@ from worker.kafka.consumer import consumer_config
 from worker.kafka.producer import producer_config
 from worker.kafka.registry import connect_registry
 from worker.metrics import Health, Metrics, MetricsServer
-from worker.pipeline import Pipeline, RunSummary, build_pipeline
+from worker.pipeline import RunSummary, build_pipeline
+from worker.tracing import setup_tracing
 
 if TYPE_CHECKING:
     from worker.runtime import InferenceExecutor
@@ -113,69 +117,75 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
     check_client_configs(settings)
     # Before the model loads: a wrong password or a missing ACL stops start-up in seconds, with exit code 2.
     probe_access(settings)
-    server: MetricsServer | None = None
-    pipeline: Pipeline | None = None
-    executor: InferenceExecutor | None = None
-    if settings.observability.metrics_enabled:
-        # Served from here on: /readyz says what start-up waits for (the Schema Registry, the model's warm-up).
-        def profile(batches: int) -> str:
-            if executor is None:
-                raise StreamferError("the model is still loading: profile once it is warm")
-            return executor.profile(batches, tempfile.gettempdir()).result(PROFILE_TIMEOUT_S)
-
-        server = MetricsServer(metrics, health, settings.observability.metrics_host,
-                               settings.observability.metrics_port,
-                               before_scrape=lambda: _refresh_scrape_gauges(pipeline, metrics),
-                               profile=profile if settings.observability.profile_endpoint else None).start()
-        log.info("metrics on http://%s:%d/metrics", settings.observability.metrics_host, server.port)
-
-    wait_started = time.monotonic()
-
-    def waiting(why: str | None) -> None:
-        """Start-up waits for the Schema Registry: /readyz and the registry gauge say so."""
-        health.waiting_for = why
-        metrics.schema_registry_unanswered.set(0.0 if why is None else time.monotonic() - wait_started)
-
-    def serve_while_warming(loaded: InferenceExecutor) -> None:
-        """Once the model loaded: the pipeline, whose /metrics are served (not ready) while the runtime warms up."""
-        nonlocal pipeline, executor
-        executor = loaded
-        metrics.model_info.info({"name": loaded.model_name, "version": loaded.model_version,
-                                 "device": loaded.device_description,
-                                 "labels": ",".join(loaded.labels)})
-        pipeline = build_pipeline(settings, loaded, metrics, health, registry=registry)
-        status = getattr(pipeline.source, "broker_status", None)  # FrameSource's view of the cluster
-        if status is not None:
-            health.broker_problem = status.unhealthy_reason
-        held = getattr(pipeline.source, "held_for_schemas", None)
-        if held is not None:
-            health.registry_problem = held.problem
-
+    tracing = setup_tracing(settings, metrics)
     # Imported here: torch loads with the runtime, not with the CLI.
     from worker.runtime.start import start_runtime
 
-    try:
-        # Likewise the Schema Registry: the results schema registered (or found) under its subject, or exit 2 when it
-        # refuses; while it cannot be reached, start-up waits with backoff (worker.kafka.registry.connect_registry).
-        registry = connect_registry(settings, waiting=waiting, should_stop=stop or (lambda: False))
-        # The model loads (ModelContractError, or an OperatorError naming its setting: exit 2), warms up and is
-        # calibrated as in every other start of the runtime (worker.runtime.start).
-        runtime = start_runtime(settings, on_graph_evicted=metrics.cuda_graph_evictions.inc,
-                                before_warm_up=serve_while_warming)
-        assert pipeline is not None  # built by serve_while_warming
-        pipeline.seed_costs(runtime.calibration)
-        health.warmed_up = True
-        log.info("model %s:%s warmed up on %s in %.1fs", runtime.executor.model_name, runtime.executor.model_version,
-                 runtime.executor.device_description, time.monotonic() - started)
-        frozen = freeze_startup_heap()
-        log.info("start-up heap frozen: %d objects that garbage collections no longer walk", frozen)
-        return pipeline.run(stop or StopFlag().install(), exit_when_idle_s)
-    finally:
-        health.alive = False
-        if executor is not None:
-            executor.close()
-        if server is not None:
-            server.stop()
+    # The runtime once its model loaded, handed to /profile (which answers "still loading" until then).
+    loaded: Future[InferenceExecutor] = Future()
+    # What runs beside the loop (tracing's exporter, the metrics server, the executor) is stopped when it ends, in
+    # reverse order.
+    with contextlib.ExitStack() as running:
+        running.callback(tracing.shutdown)
+        try:
+            if settings.observability.metrics_enabled:
+                # Served from here on: /readyz says what start-up waits for (the Schema Registry, the warm-up).
+                server = MetricsServer(metrics, health, settings.observability.metrics_host,
+                                       settings.observability.metrics_port,
+                                       before_scrape=lambda: _refresh_scrape_gauges(health, metrics),
+                                       profile=functools.partial(_profile, loaded)
+                                       if settings.observability.profile_endpoint else None)
+                running.callback(server.start().stop)
+                log.info("metrics on http://%s:%d/metrics", settings.observability.metrics_host, server.port)
+
+            wait_started = time.monotonic()
+
+            def waiting(why: str | None) -> None:
+                """Start-up waits for the Schema Registry: /readyz and the registry gauge say so."""
+                health.waiting_for = why
+                metrics.schema_registry_unanswered.set(0.0 if why is None else time.monotonic() - wait_started)
+
+            # Likewise the Schema Registry: the results schema registered (or found) under its subject, or exit 2
+            # when it refuses; while it cannot be reached, start-up waits with backoff (kafka.registry).
+            registry = connect_registry(settings, waiting=waiting, should_stop=stop or (lambda: False))
+
+            def serve_while_warming(executor: InferenceExecutor) -> None:
+                """Once the model loaded: its description on /metrics, and /profile can reach it."""
+                metrics.model_info.info({"name": executor.model_name, "version": executor.model_version,
+                                         "device": executor.device_description,
+                                         "labels": ",".join(executor.labels)})
+                loaded.set_result(executor)
+
+            # The model loads (ModelContractError, or an OperatorError naming its setting: exit 2), warms up and is
+            # calibrated as in every other start of the runtime (worker.runtime.start).
+            runtime = start_runtime(settings, on_graph_evicted=metrics.cuda_graph_evictions.inc,
+                                    before_warm_up=serve_while_warming)
+            executor = runtime.executor
+            running.callback(executor.close)
+            health.warmed_up = True
+            log.info("model %s:%s warmed up on %s in %.1fs", executor.model_name, executor.model_version,
+                     executor.device_description, time.monotonic() - started)
+            # Built once the runtime is warm: its consumer joins the group when the loop runs.
+            pipeline = build_pipeline(settings, executor, metrics, health, registry=registry, tracing=tracing)
+            status = getattr(pipeline.source, "broker_status", None)  # FrameSource's view of the cluster
+            if status is not None:
+                health.broker_problem = status.unhealthy_reason
+            held = getattr(pipeline.source, "held_for_schemas", None)
+            if held is not None:
+                health.registry_problem = held.problem
+            pipeline.seed_costs(runtime.calibration)
+            frozen = freeze_startup_heap()
+            log.info("start-up heap frozen: %d objects that garbage collections no longer walk", frozen)
+            return pipeline.run(stop or StopFlag().install(), exit_when_idle_s)
+        finally:
+            health.alive = False
+
+
+def _profile(loaded: Future[InferenceExecutor], batches: int) -> str:
+    """/profile: a profile of the next `batches` batches, once the model loaded."""
+    if not loaded.done():
+        raise StreamferError("the model is still loading: profile once it is warm")
+    return loaded.result().profile(batches, tempfile.gettempdir()).result(PROFILE_TIMEOUT_S)
 
 
 def freeze_startup_heap() -> int:
@@ -196,9 +206,8 @@ def check_client_configs(settings: Settings) -> None:
     new_client(Producer, producer_config(settings), "producer")
 
 
-def _refresh_scrape_gauges(pipeline: Pipeline | None, metrics: Metrics) -> None:
-    if pipeline is not None:
-        metrics.ready.set(1 if pipeline.health.ready else 0)
+def _refresh_scrape_gauges(health: Health, metrics: Metrics) -> None:
+    metrics.ready.set(1 if health.ready else 0)
     try:
         import torch
 

@@ -92,13 +92,11 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
 # -- results -----------------------------------------------------------------------------------------------
 def cmd_results(args: argparse.Namespace) -> int:
-    from worker.kafka.client import security_properties
     from worker.schemas import decode_result
     from worker.tools.read_results import iter_messages
 
     settings = _settings(args)
-    for msg in iter_messages(settings.kafka.bootstrap_servers, args.topic, args.count, args.idle_timeout,
-                             follow=args.follow, properties=security_properties(settings.kafka)):
+    for msg in iter_messages(settings.kafka, args.topic, args.count, args.idle_timeout, follow=args.follow):
         print(json.dumps(decode_result(msg.value())), flush=True)
     return 0
 
@@ -106,7 +104,6 @@ def cmd_results(args: argparse.Namespace) -> int:
 # -- topics / broker / demo --------------------------------------------------------------------------------
 def cmd_topics(args: argparse.Namespace) -> int:
     from worker.kafka.access import probe_reachable
-    from worker.kafka.client import security_properties
     from worker.kafka.topics import (
         ensure_topics,
         frame_topic_configs,
@@ -117,14 +114,12 @@ def cmd_topics(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     probe_reachable(settings)
-    bootstrap = settings.kafka.bootstrap_servers
-    properties = security_properties(settings.kafka)
-    created = ensure_topics(bootstrap, worker_topics(settings.topics), args.partitions,
+    created = ensure_topics(settings.kafka, worker_topics(settings.topics), args.partitions,
                             configs=frame_topic_configs(settings.topics, args.max_frame_bytes),
-                            replication=args.replication_factor, properties=properties)
+                            replication=args.replication_factor)
     # Topics made before (by an older version, or by hand) may still refuse large frames.
-    raised = raise_message_limits(bootstrap, [t for t in frame_topics(settings.topics) if t not in created],
-                                  args.max_frame_bytes, properties=properties)
+    raised = raise_message_limits(settings.kafka, [t for t in frame_topics(settings.topics) if t not in created],
+                                  args.max_frame_bytes)
     print(json.dumps({"created": created, "max_message_bytes_raised": raised,
                       "max_frame_bytes": args.max_frame_bytes}))
     return 0
@@ -413,6 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
     live.add_argument("--metrics-port", type=int, help="serve per-camera Prometheus metrics on this port")
     live.add_argument("--summary-every", type=float, default=30.0, metavar="SECONDS",
                       help="log a per-camera summary this often (0: only at exit; default 30)")
+    prod.add_argument("--traceparent", action="store_true", help="send each frame in a trace of its own: a W3C "
+                      "`traceparent` header, from a `send <topic>` span exported to tracing.endpoint when it is set; "
+                      "the worker continues the trace (docs/troubleshooting.md)")
     prod.add_argument("--quiet", "-q", action="store_true", help="no progress line")
     prod.add_argument("--run-id", help="prefix of the stream ids (default: random)")
     prod.add_argument("--schema-registry", metavar="URL", help="write frames in the Confluent wire format, the "

@@ -187,7 +187,8 @@ class Output:
     """The one message to produce for one source offset: an encoded result or a dead letter.
 
     Every offset read ends in exactly one Output (or is left uncommitted for the next owner). `headers`: the
-    input message's, for the reference-only dead letter that replaces an output the broker refuses."""
+    input message's, for the reference-only dead letter that replaces an output the broker refuses.
+    `result_headers`: the result message's own (its W3C trace context, worker.tracing; empty with tracing off)."""
 
     source: SourceRef
     key: bytes | None
@@ -196,6 +197,7 @@ class Output:
     status: Status
     dead_letter: DeadLetter | None = None
     headers: Headers = field(repr=False, default=())
+    result_headers: Headers = field(repr=False, default=())
 
     @staticmethod
     def of_dead_letter(dl: DeadLetter, tenant: str = "unknown") -> Output:

@@ -17,8 +17,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.samples import Exemplar
 
 from worker.config import Settings
 from worker.frames import DEAD_LETTER_ERROR_TYPES, Frame
@@ -51,12 +52,15 @@ class Children(Generic[MetricT]):
         return child
 
 
-def observe_many(histogram: Histogram, amounts: Iterable[float]) -> None:
+def observe_many(histogram: Histogram, amounts: Iterable[float],
+                 trace_ids: Sequence[str | None] | None = None) -> None:
     """`histogram.observe(a)` for each of `amounts` (none NaN), as one increment of the sum and one per bucket
     touched: a batch's frames land in a few buckets, and observe() costs about 2 us a call, which the loop paid
     three times per frame. It uses the child's bucket bounds and values (prometheus_client's private
     `_upper_bounds`, `_buckets`, `_sum`): tests/unit/test_metrics_observe_many.py checks that the exposition is
-    the same as observe()'s, so a prometheus_client that changes them fails there, not in production."""
+    the same as observe()'s, so a prometheus_client that changes them fails there, not in production.
+    `trace_ids`: per amount, a sampled frame's trace id (worker.tracing) or None; each id becomes its bucket's
+    OpenMetrics exemplar, as `observe(a, {"trace_id": id})` makes it."""
     amounts = list(amounts)
     if not amounts:
         return
@@ -65,8 +69,21 @@ def observe_many(histogram: Histogram, amounts: Iterable[float]) -> None:
     histogram._sum.inc(sum(amounts))
     for index, count in collections.Counter(bisect.bisect_left(bounds, a) for a in amounts).items():
         histogram._buckets[index].inc(count)
+    if trace_ids is not None:
+        now = time.time()
+        for amount, trace_id in zip(amounts, trace_ids, strict=True):
+            if trace_id is not None:
+                histogram._buckets[bisect.bisect_left(bounds, amount)].set_exemplar(
+                    Exemplar({"trace_id": trace_id}, amount, now))
 
 
+def exemplar(trace_id: str | None) -> dict[str, str] | None:
+    """The exemplar of an `observe()` for a sampled frame's trace id, None without one."""
+    return None if trace_id is None else {"trace_id": trace_id}
+
+
+# Why a trace span was not exported (worker/tracing/export.py).
+TRACE_DROP_REASONS = ("queue_full", "export_failed", "shutdown")
 # The label value of every tenant without a label of its own, and of every error_type not listed below.
 OTHER = "other"
 # streamfer_schema_lookups_total's outcomes (worker.kafka.schemalookups).
@@ -197,6 +214,12 @@ class Metrics:
         self.batch_time_ratio = Histogram("streamfer_batch_time_ratio",
                                           "Measured / predicted run time (preprocess + inference) per batch.",
                                           buckets=PREDICTION_RATIO_BUCKETS, registry=r)
+        self.trace_spans_dropped = Counter("streamfer_trace_spans_dropped_total",
+                                           "Trace spans not exported, by reason: queue_full (the collector is slower "
+                                           "than the worker, or gone), export_failed, shutdown.", ["reason"],
+                                           registry=r)
+        for reason in TRACE_DROP_REASONS:  # at 0 from the start: a rate over them needs no first drop
+            self.trace_spans_dropped.labels(reason)
         self.input_pixels = Histogram("streamfer_input_pixels",
                                       "Pixels (height x width) of each frame run, by the batch's padded shape.",
                                       ["shape"], buckets=PIXEL_BUCKETS, registry=r)
@@ -230,8 +253,11 @@ class Metrics:
         """The `error_type` label value of a dead letter: one of DEAD_LETTER_ERROR_TYPES, else "other"."""
         return error_type if error_type in DEAD_LETTER_ERROR_TYPES else OTHER
 
-    def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+    def exposition_for(self, accept: str) -> tuple[bytes, str]:
+        """The exposition in the format the scraper's Accept header asks for, and its content type: OpenMetrics
+        (which carries the latency histograms' exemplars) when it asks for it, else Prometheus' text format."""
+        encode, content_type = choose_encoder(accept)
+        return encode(self.registry), content_type
 
 
 @dataclass
@@ -301,7 +327,7 @@ class MetricsServer:
                     metrics_ref.loop_stalled.set(health_ref.stalled_for)
                     if hook is not None:
                         hook()
-                    self._reply(200, metrics_ref.exposition(), CONTENT_TYPE_LATEST)
+                    self._reply(200, *metrics_ref.exposition_for(self.headers.get("Accept", "")))
                 elif path == "/healthz":
                     if health_ref.live:
                         self._reply(200, b"ok\n")

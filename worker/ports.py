@@ -13,18 +13,20 @@ from worker.frames import TP, BatchOutcome, Frame, Priority
 from worker.memorypolicy import BatchSizeLimit
 
 if TYPE_CHECKING:  # names only: the policy modules that take a Source never load the Kafka edge
-    from worker.kafka.consumer import Polled, RebalanceHandler
+    from worker.kafka.consumer import Polled, RebalanceHandler, RevokeHandler
 
 
 class Source(Protocol):
     """What the loop needs from the consumer side (worker.kafka.consumer.FrameSource)."""
 
-    assignments: Assignments
+    # Owned by the source (assigned and released in its rebalance callbacks); read by the loop and delivery.
+    @property
+    def assignments(self) -> Assignments: ...
 
     @property
     def paused_partitions(self) -> int: ...
 
-    def subscribe(self, on_assign: RebalanceHandler, on_revoke: RebalanceHandler,
+    def subscribe(self, on_assign: RebalanceHandler, on_revoke: RevokeHandler,
                   on_lost: RebalanceHandler) -> None: ...
 
     def poll(self, max_messages: int, timeout_s: float) -> Polled: ...

@@ -65,8 +65,10 @@ def framed_with(schema_id: int, schema: dict, frame) -> bytes:
 def test_plain_framed_and_newer_framed_frames_get_results_a_downstream_avro_deserializer_reads(
         schema_registry, streamfer_worker, streamfer_topics, frame_producer, registry_frame_producer, kafka_bootstrap):
     topics = streamfer_topics
-    framed = registry_frame_producer.send_synthetic(6, "standard", run_id="framed")
-    plain = frame_producer.send_synthetic(4, "standard", run_id="plain")
+    framed = list(synthetic_frames(6, [(32, 32)], Encoding.RAW_RGB8, Priority.STANDARD, "framed"))
+    registry_frame_producer.publish(framed)
+    plain = list(synthetic_frames(4, [(32, 32)], Encoding.RAW_RGB8, Priority.STANDARD, "plain"))
+    frame_producer.publish(plain)
     # The producer rolls out a newer compatible frame schema first (BACKWARD, as a Confluent registry defaults to).
     registry = client(schema_registry)
     subject = subject_of(topics.standard)
@@ -95,7 +97,8 @@ def test_plain_framed_and_newer_framed_frames_get_results_a_downstream_avro_dese
 
 def test_a_framed_frame_with_an_unknown_schema_id_is_dead_lettered_with_the_reason(
         schema_registry, streamfer_worker, streamfer_topics, frame_producer, results_reader):
-    good = frame_producer.send_synthetic(2, "standard", run_id="good")
+    good = list(synthetic_frames(2, [(32, 32)], Encoding.RAW_RGB8, Priority.STANDARD, "good"))
+    frame_producer.publish(good)
     unknown = registry_framing(987_654) + b"\x02\x00"
     frame_producer.send_raw(streamfer_topics.standard, unknown, key=b"cam-unknown")
 

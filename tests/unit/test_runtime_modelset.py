@@ -9,6 +9,7 @@ otherwise.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 from pathlib import Path
@@ -257,9 +258,13 @@ def test_a_set_is_decoded_once_on_either_path_and_each_model_gets_its_own_input(
     from worker.runtime import devicepath
 
     decoded: list[int] = []
-    decode_jpegs = devicepath.decode_jpegs
-    monkeypatch.setattr(devicepath, "decode_jpegs",
-                        lambda data, *rest: decoded.append(len(data)) or decode_jpegs(data, *rest))
+
+    def counted(data, *rest):
+        decoded.append(len(data))
+        return devicepath.decode_jpegs(data, *rest)
+
+    # The executor's DevicePreprocessor takes the default steps: these, which count the batched decodes.
+    monkeypatch.setattr(devicepath, "DeviceSteps", functools.partial(devicepath.DeviceSteps, decode=counted))
     path = tmp_path / "set.toml"
     path.write_text(DEVICE_SET)
     settings = load_settings(path, env={}, overrides={"runtime": {"device": "cpu", "decode": decode,

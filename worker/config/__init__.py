@@ -56,6 +56,7 @@ from worker.config.sections import (
     ObservabilitySettings,
     SchemaRegistrySettings,
     TopicSettings,
+    TracingSettings,
 )
 from worker.config.settings import SECTIONS, Settings
 from worker.config.validate import (
@@ -74,7 +75,7 @@ __all__ = [
     "RETIRED_SETTINGS", "SASL_MECHANISMS", "SECTIONS", "SECURITY_PROTOCOLS", "BatchingSettings", "ClassSettings",
     "ConfigError", "DeadLetterSettings", "DeliveryMode", "DeliverySettings", "FieldDoc", "KafkaSettings",
     "LimitsSettings", "LogFormat", "LogLevel", "ModelSettings", "ObservabilitySettings", "Precision",
-    "RuntimeSettings", "SchemaRegistrySettings", "Settings", "TopicSettings", "field_doc",
+    "RuntimeSettings", "SchemaRegistrySettings", "Settings", "TopicSettings", "TracingSettings", "field_doc",
     "group_instance_id_problem", "inflight_batch_limit", "load_settings", "parse_size", "preprocess_thread_count",
     "resolve_inflight_batches", "setting", "validate", "validate_schema_registry", "validate_security",
     "warmup_frame_shapes",

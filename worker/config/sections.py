@@ -258,3 +258,29 @@ class SchemaRegistrySettings:
         "framed frames whose writer schema the registry has not given yet (it is down, or slow) wait on their "
         "partition, in order, never dead-lettered (unframed frames flow on); a partition holding this many message "
         "bytes of them is paused, its unframed frames too, until they are released. Other partitions read on"))
+
+
+@dataclass(frozen=True)
+class TracingSettings:
+    """OpenTelemetry traces of frames (worker/tracing.py, docs/troubleshooting.md): W3C trace context read from and
+    written to Kafka headers, spans exported over OTLP/HTTP. Off (no spans, no header changes) with `endpoint`
+    empty."""
+
+    endpoint: str = setting("", doc=(
+        "the OTLP/HTTP collector's base URL, e.g. `http://127.0.0.1:4318` (spans are posted to `<endpoint>/v1/traces`"
+        "; a URL already ending in `/v1/traces` is used as it is); empty: tracing off"))
+    sample_ratio: float = setting(0.01, ge=0.0, le=1.0, hint="a share of frames; NaN is refused too", doc=(
+        "share of frames without a `traceparent` header the worker starts a trace for; parent-based: a frame whose "
+        "`traceparent` is sampled is always traced, one whose `traceparent` is not sampled never (its result still "
+        "carries the header). Measured cost (`bench/tracing_cost.py`): see docs/troubleshooting.md"))
+    service_name: str = setting("streamfer-worker", doc=(
+        "the `service.name` resource attribute of the worker's spans"))
+    resource_attributes: dict[str, str] = setting(default_factory=dict, doc=(
+        "more resource attributes on every span (`deployment.environment`, `k8s.pod.name`, ...)"))
+    max_queued_spans: int = setting(8192, ge=64, le=1_000_000, unit="spans", doc=(
+        "finished spans held for export; beyond, new spans are dropped and counted in "
+        "`streamfer_trace_spans_dropped_total{reason=\"queue_full\"}`, so a collector that is slow or gone never "
+        "holds the worker back"))
+    export_timeout_ms: int = setting(5_000, ge=100, le=60_000, unit="ms", doc=(
+        "each export request's timeout; a failed export's spans are dropped and counted "
+        "(`reason=\"export_failed\"`)"))

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from worker.config.derived import parse_size
 from worker.config.fields import field_doc
 from worker.config.model import ModelSettings
-from worker.config.sections import MAX_METRIC_TENANTS, KafkaSettings, SchemaRegistrySettings
+from worker.config.sections import MAX_METRIC_TENANTS, KafkaSettings, SchemaRegistrySettings, TracingSettings
 from worker.config.settings import Settings
 from worker.frames import Priority
 from worker.kafka.properties import (
@@ -141,6 +141,7 @@ def validate(s: Settings) -> list[str]:
          "observability.metric_tenants: each must be a non-empty tenant of at most limits.max_identifier_bytes bytes")
 
     p.extend(validate_schema_registry(s.schema_registry))
+    p.extend(validate_tracing(s.tracing))
     p.extend(bound_problems(s, named=p))
     return p
 
@@ -263,6 +264,17 @@ def validate_schema_registry(r: SchemaRegistrySettings, environ: Mapping[str, st
                  "(schema_registry.ssl_key_location), and a key its certificate")
     if r.ssl_key_password_file and not r.ssl_key_location:
         p.append("schema_registry.ssl_key_password_file: only used with schema_registry.ssl_key_location")
+    return p
+
+
+def validate_tracing(t: TracingSettings) -> list[str]:
+    """Problems with the [tracing] settings: caught at start-up, not by the exporter's first failing request."""
+    p: list[str] = []
+    if t.endpoint and not re.fullmatch(r"https?://[^\s/:]+(:\d{1,5})?(/\S*)?", t.endpoint):
+        p.append(f"tracing.endpoint: {t.endpoint!r} is not an http:// or https:// URL of an OTLP/HTTP collector, "
+                 "e.g. http://127.0.0.1:4318 (empty: tracing off)")
+    if not t.service_name.strip():
+        p.append("tracing.service_name: must not be empty (it is the service.name of every span)")
     return p
 
 

@@ -1,6 +1,7 @@
 """The Kafka consumer side: subscription to the per-priority input topics, decoding, pausing by class,
-rebalance callbacks and offset commits. The I/O only: where a partition is read from is decided in
-worker.kafka.positions, what is read and what is done in the pipeline.
+rebalance callbacks, offset commits and their outcomes (returned by the poll that served them). The I/O only:
+where a partition is read from is decided in worker.kafka.positions, what is read and what is done in the
+pipeline.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from worker.kafka.errors import UNKNOWN_TOPIC, BrokerStatus, Identity, RefusalSt
 from worker.kafka.membership import GroupMembership
 from worker.kafka.positions import COMMITTED_LOOKUP_TIMEOUT_S, CommittedPositions
 from worker.kafka.schemalookups import HeldFrames
+from worker.offsets import CommitOutcome
 from worker.schemas import MessageDecodeError, decode_frame
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,9 @@ class Polled:
     # All held now, with the unframed frames answered past them on their partitions: offsets no commit passes until
     # the registry answers (HeldFrames.pinned_frames).
     pinned_frames: int = 0
+    # The outcomes of offset commits served since the last poll (asynchronous ones arrive in a later poll), for
+    # the loop to hand to delivery.
+    commits: list[CommitOutcome] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,10 @@ class CommittedOffsets:
 
 
 RebalanceHandler = Callable[[list[TP]], None]
+# Called inside consume() with the partitions being revoked and the commit outcomes served before it (the loop has
+# not seen them yet): when it returns, librdkafka gives the partitions up, so it must deliver and commit (or end
+# the transaction of) what is done of them before returning.
+RevokeHandler = Callable[[list[TP], list[CommitOutcome]], None]
 
 
 # Consumer fetch timing (see consumer_config): a resumed partition's frames arrive within ~0.1 s, not 0.5-1 s;
@@ -144,8 +153,7 @@ class FrameSource:
     """Consumes frames from the input topics; each message becomes a Frame or a DeadLetter, never vanishes."""
 
     def __init__(self, settings: Settings, clock: Callable[[], float] = time.time,
-                 assignments: Assignments | None = None, consumer_factory: ClientFactory = Consumer,
-                 writer_schemas: HeldFrames | None = None) -> None:
+                 consumer_factory: ClientFactory = Consumer, writer_schemas: HeldFrames | None = None) -> None:
         k = settings.kafka
         # Authentication, authorisation and reachability are reported here, not as messages (librdkafka 2.x).
         self.broker_status = BrokerStatus(unreachable_limit_s=k.session_timeout_ms / 1000.0)
@@ -158,8 +166,8 @@ class FrameSource:
         # Broker states for /healthz: the only sign librdkafka gives that a lost cluster is back.
         conf["stats_cb"] = self._on_stats
         conf["statistics.interval.ms"] = 5000
-        # The outcome of every commit (asynchronous ones are served by a later poll) goes to `on_commit_done`.
-        self.on_commit_done: Callable[[dict[TP, int], list[TP], str | None], None] | None = None
+        # The outcome of every commit, served inside a consume(): kept until the poll returns it (Polled.commits).
+        self._commit_outcomes: list[CommitOutcome] = []
         conf["on_commit"] = self._commit_reported
         self._topics = settings.topics.input_topics()
         self._clock = clock
@@ -169,8 +177,9 @@ class FrameSource:
         self._writer_schemas = writer_schemas
         self._held_paused: frozenset[TP] = frozenset()
         self._group = GroupMembership(settings, lambda: new_client(consumer_factory, conf, "consumer", log), clock)
-        # The partitions owned and their epochs, shared with the pipeline and delivery.
-        self.assignments = assignments if assignments is not None else Assignments()
+        # The partitions owned and their epochs: assigned and released here only, in the rebalance callbacks; the
+        # pipeline and delivery read them.
+        self.assignments = Assignments()
         self._paused_classes: set[Priority] = set()
         self._held: frozenset[TP] = frozenset()  # partitions paused for their siblings (worker.fairness)
         self._paused: set[TP] = set()
@@ -180,8 +189,9 @@ class FrameSource:
         self._positions = CommittedPositions(clock)
 
     # -- subscription and rebalances ---------------------------------------------------------------
-    def subscribe(self, on_assign: RebalanceHandler, on_revoke: RebalanceHandler, on_lost: RebalanceHandler) -> None:
-        """Subscribe to all input topics. Handlers get incremental (cooperative) partition lists."""
+    def subscribe(self, on_assign: RebalanceHandler, on_revoke: RevokeHandler, on_lost: RebalanceHandler) -> None:
+        """Subscribe to all input topics. Handlers get incremental (cooperative) partition lists, while the partitions
+        are still in `assignments`; this source releases them once the handler returned."""
 
         def assigned(consumer: Consumer, partitions: list[TopicPartition]) -> None:
             tps = [(p.topic, p.partition) for p in partitions]
@@ -199,7 +209,7 @@ class FrameSource:
 
         def revoked(consumer: Consumer, partitions: list[TopicPartition]) -> None:
             tps = [(p.topic, p.partition) for p in partitions]
-            on_revoke(tps)
+            on_revoke(tps, self._take_commit_outcomes())
             self._forget(tps)
 
         self._on_lost = on_lost
@@ -250,7 +260,7 @@ class FrameSource:
                 messages += self._consumer.consume(num_messages=max_messages - 1, timeout=0)
         now = self._clock()
         polled = Polled(frames=[], dead_letters=[], committed_offset_waits=self._positions.take_new_unknowns(),
-                        drained=len(messages) < max_messages)
+                        drained=len(messages) < max_messages, commits=self._take_commit_outcomes())
         if self._writer_schemas is not None:  # what the registry's answers released, ahead of this poll's messages
             polled.frames, polled.dead_letters, polled.released = self._writer_schemas.decode_released(
                 now, self._topics, self._limits, self.assignments.is_current)
@@ -370,7 +380,7 @@ class FrameSource:
     def commit(self, points: dict[TP, int], asynchronous: bool = False) -> None:
         """Commit offsets of partitions still assigned (a revoked one belongs to someone else).
 
-        Asynchronous commits report their outcome through `on_commit_done` (served by a later poll)."""
+        Every commit's outcome comes back in `Polled.commits` (an asynchronous one's in a later poll)."""
         offsets = [TopicPartition(t, p, o) for (t, p), o in points.items() if (t, p) in self.assignments]
         if not offsets:
             return
@@ -520,12 +530,15 @@ class FrameSource:
             self._writer_schemas.close()
 
     def _commit_reported(self, err: KafkaError | None, partitions: list[TopicPartition]) -> None:
-        if self.on_commit_done is not None:
-            self.on_commit_done(*_commit_outcome(err, partitions))
+        """librdkafka's commit callback (served inside consume()): recorded, returned by the poll."""
+        self._commit_outcomes.append(_commit_outcome(err, partitions))
+
+    def _take_commit_outcomes(self) -> list[CommitOutcome]:
+        outcomes, self._commit_outcomes = self._commit_outcomes, []
+        return outcomes
 
 
-def _commit_outcome(err: KafkaError | None,
-                    partitions: list[TopicPartition]) -> tuple[dict[TP, int], list[TP], str | None]:
+def _commit_outcome(err: KafkaError | None, partitions: list[TopicPartition]) -> CommitOutcome:
     """Adapt librdkafka's commit callback: the offsets the broker now has, the failed partitions and why."""
     failed = [(p.topic, p.partition) for p in partitions if err is not None or p.error is not None]
     committed = {(p.topic, p.partition): p.offset for p in partitions
@@ -533,4 +546,4 @@ def _commit_outcome(err: KafkaError | None,
     reason = None
     if failed:
         reason = err.str() if err is not None else "; ".join(p.error.str() for p in partitions if p.error)
-    return committed, failed, reason
+    return CommitOutcome(committed, failed, reason)

@@ -173,14 +173,17 @@ class DevicePreprocessor:
     takes the same channel count (`deviceplan.device_decode_serves` sends other sets to the host path).
 
     With a `pool` of `workers` threads, the host part of a JPEG round trip (`model.jpeg_roundtrip_quality`) is
-    spread across them; `prepare` must then not itself run on that pool."""
+    spread across them; `prepare` must then not itself run on that pool. `steps`: the decode and the resize it runs
+    on the device (`DeviceSteps`; by default torchvision's decode and `fit_on_device`)."""
 
     def __init__(self, contracts: ModelContract | Sequence[ModelContract], staging: ByteStaging | None = None,
-                 pool: concurrent.futures.Executor | None = None, workers: int = 1, streams: StreamRegistry = STREAMS):
+                 pool: concurrent.futures.Executor | None = None, workers: int = 1, streams: StreamRegistry = STREAMS,
+                 steps: DeviceSteps | None = None):
         self.contracts = (contracts,) if isinstance(contracts, ModelContract) else tuple(contracts)
         if len({c.channels for c in self.contracts}) != 1:
             raise ValueError("DevicePreprocessor decodes to one channel count: every model must take the same")
         self.contract = contract = self.contracts[0]
+        self._steps = steps or DeviceSteps()
         self.staging = staging or ByteStaging()
         self._pool = pool if workers > 1 else None
         self._workers = workers
@@ -230,8 +233,7 @@ class DevicePreprocessor:
         """The decoded frames fitted to one model's input, on the device (`pixels` is `device_pixels`)."""
         hwc = (*contract.model_input_hw((shape[0], shape[1])), contract.channels)
         out = torch.zeros((len(items), *hwc), dtype=torch.uint8, device=device)
-        # The first model's through the two-argument form, which bench/host_cost.py's stand-in overrides.
-        regions = self._fit(out, items) if contract is self.contract else self._fit(out, items, contract)
+        regions = self._fit(out, items, contract)
         if contract.jpeg_roundtrip_quality and items:
             out = self._roundtrip(out, regions, contract.jpeg_roundtrip_quality)
         full = (0, 0, hwc[0], hwc[1])
@@ -281,7 +283,7 @@ class DevicePreprocessor:
             if device.type == "cuda":
                 decoded = self._decoder(device)(data, self._mode, device, torch.cuda.current_stream(device))
             else:
-                decoded = decode_jpegs(data, self._mode, device)
+                decoded = self._steps.decode(data, self._mode, device)
             for s, image in zip(jpegs, decoded):
                 expected = (self.contract.channels, s.frame.height, s.frame.width)
                 if isinstance(image, FrameDecodeError):
@@ -306,15 +308,13 @@ class DevicePreprocessor:
             decoder = self._decoders.get(device)
             if decoder is None:
                 stream = self._streams.take(device, "the device path's decoding", self)
-                decoder = self._decoders[device] = OrderedDecode(stream)
+                decoder = self._decoders[device] = OrderedDecode(stream, decode=self._steps.decode)
             return decoder
 
     def _fit(self, out: torch.Tensor, items: list[tuple[Frame, torch.Tensor]],
-             contract: ModelContract | None = None) -> list[tuple[int, int, int, int]]:
-        """Write each item's pixels into its row of `out`, resized / cropped / letterboxed per `contract` (default:
-        the first model's), frames of one size together; each row's (top, left, height, width) region of real
-        pixels."""
-        contract = contract or self.contract
+             contract: ModelContract) -> list[tuple[int, int, int, int]]:
+        """Write each item's pixels into its row of `out`, resized / cropped / letterboxed per `contract`, frames
+        of one size together; each row's (top, left, height, width) region of real pixels."""
         regions: list[tuple[int, int, int, int]] = [(0, 0, 0, 0)] * len(items)
         by_size: dict[tuple[int, int], list[int]] = {}
         for row, (_, image) in enumerate(items):
@@ -323,7 +323,7 @@ class DevicePreprocessor:
             per_call = max(1, RESIZE_CHUNK_BYTES // (4 * contract.channels * h * w))
             for lo in range(0, len(rows), per_call):
                 chunk = rows[lo:lo + per_call]
-                pixels, (top, left) = fit_on_device(torch.stack([items[r][1] for r in chunk]), contract)
+                pixels, (top, left) = self._steps.fit(torch.stack([items[r][1] for r in chunk]), contract)
                 ph, pw = int(pixels.shape[2]), int(pixels.shape[3])
                 # Rows in a run (every frame of a batch of one size) as a slice: an index tensor is a host->device
                 # copy from pageable memory, which waits.
@@ -400,6 +400,16 @@ def decode_jpegs(data: list[torch.Tensor], mode: tvio.ImageReadMode,
         except Exception as exc:  # noqa: BLE001 (this frame alone fails)
             out.append(_decode_error(exc))
     return out
+
+
+@dataclass(frozen=True)
+class DeviceSteps:
+    """What the device does to a batch: decode its JPEGs, and fit frames of one size into a model's input. A
+    benchmark without a device stands them in (bench/host_cost.py); the rest of DevicePreprocessor runs as it is."""
+
+    decode: Callable[[list[torch.Tensor], tvio.ImageReadMode, torch.device],
+                     list[torch.Tensor | FrameDecodeError]] = decode_jpegs
+    fit: Callable[[torch.Tensor, ModelContract], tuple[torch.Tensor, tuple[int, int]]] = fit_on_device
 
 
 def check_device_decode(device: torch.device | str) -> None:

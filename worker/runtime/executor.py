@@ -51,7 +51,7 @@ from worker.runtime.runners import ModelRunner, make_runner
 from worker.threadnames import name_os_thread
 
 if TYPE_CHECKING:
-    from worker.runtime.devicepath import DevicePreprocessor
+    from worker.runtime.devicepath import DevicePreprocessor, DeviceSteps
 
 log = logging.getLogger(__name__)
 
@@ -88,11 +88,13 @@ class InferenceExecutor:
     def __init__(self, runners: Sequence[ModelRunner | Sequence[ModelRunner]], models: ModelContract | ModelSet,
                  preprocess_threads: int = 1, warmup_batches: int = 8, warmup_batch_size: int = 1,
                  device_description: str = "", memory: Sequence[DeviceMemory] = (), decode_on_device: bool = False,
-                 loaded: Sequence[LoadedModel] = (), host_syncs: Sequence[HostSync] = ()):
+                 loaded: Sequence[LoadedModel] = (), host_syncs: Sequence[HostSync] = (),
+                 device_steps: DeviceSteps | None = None):
         """`runners`: per device instance, one runner per model of `models` (a single model's: a runner each);
         `models`: the set, or the contract of a single model. `memory`: on GPUs, each instance's device memory
         (instances of one device share the same object); empty on CPU, where nothing bounds a batch by memory.
-        `decode_on_device`: the device data path (runtime.decode). `loaded` (one per model) and `host_syncs`: what
+        `decode_on_device`: the device data path (runtime.decode), its device steps `device_steps` (default: the
+        real decode and resize; bench/host_cost.py stands them in). `loaded` (one per model) and `host_syncs`: what
         start-up loaded and found (`from_settings` passes them; `worker check-model` reports them)."""
         self.model_set = models if isinstance(models, ModelSet) else ModelSet.of(models)
         per_slot = [tuple(r) if isinstance(r, Sequence) else (r,) for r in runners]
@@ -128,7 +130,7 @@ class InferenceExecutor:
         self._preprocessor = Preprocessor(contracts, buffers, pool=self._decode_pool, workers=preprocess_threads)
         # The device data path (runtime.decode): decode and resize on the runners' device instead.
         self._device_preprocessor: DevicePreprocessor | None = (
-            _device_preprocessor(contracts, buffers.pin_memory, self._decode_pool, preprocess_threads)
+            _device_preprocessor(contracts, buffers.pin_memory, self._decode_pool, preprocess_threads, device_steps)
             if decode_on_device else None)
         # Devices in the order first seen: each runner's DeviceMemory identifies its device (one device on CPU).
         self._device_memory: list[DeviceMemory] = list({id(m): m for m in memory}.values())
@@ -447,10 +449,10 @@ def _timed(outcome: BatchOutcome) -> float:
 
 
 def _device_preprocessor(contracts: Sequence[ModelContract], pin_memory: bool, pool: concurrent.futures.Executor,
-                         workers: int) -> DevicePreprocessor:
+                         workers: int, steps: DeviceSteps | None) -> DevicePreprocessor:
     # Imported here: torchvision takes ~1.3 s to import on the 2-core VM, which only the device path needs.
     from worker.runtime.devicepath import ByteStaging, DevicePreprocessor
 
-    return DevicePreprocessor(contracts, ByteStaging(pin_memory=pin_memory), pool=pool, workers=workers)
+    return DevicePreprocessor(contracts, ByteStaging(pin_memory=pin_memory), pool=pool, workers=workers, steps=steps)
 
 

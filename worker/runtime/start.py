@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from worker.config import Settings, resolve_inflight_batches, warmup_frame_shapes
+from worker.config import Settings, warmup_frame_shapes
 from worker.errors import StartError, StreamferError
 from worker.runtime.executor import InferenceExecutor
 
@@ -33,9 +33,9 @@ def start_runtime(settings: Settings, *, on_graph_evicted: Callable[[int], None]
                   calibrate: bool = True) -> StartedRuntime:
     """Load and validate the model on every device (InferenceExecutor.from_settings with the batching settings,
     so CUDA graphs are captured only for batch sizes the batcher can send), call `before_warm_up(executor)` (the
-    worker serves /metrics from there; check-model reports what loaded, and may refuse by raising), check the
-    in-flight limit for its runners, warm up, then, where runtime.calibrate_batch_sizes and `calibrate`, time
-    each batch size up to batching.largest_batch_size (the most frames a batch of any class may hold). An error
+    worker serves /metrics from there; check-model reports what loaded, and may refuse by raising), warm up, then,
+    where runtime.calibrate_batch_sizes and `calibrate`, time each batch size up to batching.largest_batch_size
+    (the most frames a batch of any class may hold). An error
     after the load closes the executor and propagates: ModelContractError, or an OperatorError naming a setting;
     anything unexpected in the load, warm-up or calibration as a StartError naming the step (exit 70)."""
     t0 = time.perf_counter()
@@ -46,7 +46,6 @@ def start_runtime(settings: Settings, *, on_graph_evicted: Callable[[int], None]
     try:
         if before_warm_up is not None:
             before_warm_up(executor)  # the caller's errors are its own: they propagate as they are
-        resolve_inflight_batches(settings, executor.runner_count)
         shapes = warmup_frame_shapes(settings)
         with _naming("warming up", f"{executor.model_name} on {executor.device_description}"):
             executor.warm_up(shapes)
