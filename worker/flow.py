@@ -42,9 +42,10 @@ class FlowControl:
         self._backlog: dict[Priority, int] = {}
         self._backlog_at = float("-inf")
         self.paused: set[Priority] = set()
-        # Frames held for their writer schema (worker.kafka.schemalookups): read, not answered, and bounded by their
-        # partitions' pauses; they do not count against the uncommitted cap, which would stop every partition.
-        self.held_frames = 0
+        # Frames held for their writer schema and the unframed ones answered past them (worker.schemahold): offsets
+        # no commit passes until the registry answers, bounded by their partitions' pauses; they do not count against
+        # the uncommitted cap, which would stop every partition.
+        self.pinned_frames = 0
         self._priority_paused = Children(metrics.priority_paused)
         self._priority_pauses = Children(metrics.priority_pauses)
         self._unservable = Children(metrics.backlog_unservable)
@@ -56,7 +57,7 @@ class FlowControl:
     def room(self) -> int:
         """Frames the loop may read now: the batcher's room (no class still reading past its share), and what is
         left under the uncommitted cap."""
-        uncommitted_room = self._settings.max_uncommitted_frames - (self._tracker.uncommitted() - self.held_frames)
+        uncommitted_room = self._settings.max_uncommitted_frames - (self._tracker.uncommitted() - self.pinned_frames)
         room = min(self._batcher.poll_room(self.paused), uncommitted_room)
         decision = self._decision
         # While a class reads its floor share, polls stay small so it does not pass its share by much (not while
@@ -75,7 +76,7 @@ class FlowControl:
         self._refresh_lag()
         if self.intake is not None:
             self._read_by_priority(self.intake)
-        if self._tracker.uncommitted() - self.held_frames >= self._settings.max_uncommitted_frames:
+        if self._tracker.uncommitted() - self.pinned_frames >= self._settings.max_uncommitted_frames:
             self.paused = set(Priority)
         else:
             self.paused = self._batcher.classes_to_pause() | self._decision.paused

@@ -196,8 +196,9 @@ class Metrics:
         for outcome in SCHEMA_LOOKUP_OUTCOMES:  # every outcome's series from the start, as dashboards expect
             self.schema_lookups.labels(outcome)
         self.frames_held_for_schema = Gauge("streamfer_frames_held_for_schema",
-                                            "Frames held on their partition until the registry gives their writer "
-                                            "schema (and the frames behind them on that partition).", registry=r)
+                                            "Framed frames held on their partition until the registry gives their "
+                                            "writer schema (with the framed frames read after them there).",
+                                            registry=r)
         self.schema_registry_unanswered = Gauge("streamfer_schema_registry_unanswered_seconds",
                                                 "Seconds the Schema Registry has not answered, from the first lookup "
                                                 "it left unanswered, while lookups fail for a transient reason; 0 "

@@ -156,7 +156,7 @@ class Pipeline:
         if polled.commits:
             self.delivery.commits_reported(polled.commits)
         self._input_drained = polled.drained
-        self.flow.held_frames = polled.held_frames
+        self.flow.pinned_frames = polled.pinned_frames
         if polled.redelivered:
             self.metrics.redelivered.inc(polled.redelivered)
         if polled.committed_offset_waits:
@@ -347,7 +347,8 @@ def build_pipeline(settings: Settings, executor: Executor, metrics: Metrics, hea
     tracing.describe_runtime(executor.model_name, executor.model_version, getattr(executor, "device_description", ""))
     tracker = OffsetTracker()
     source = FrameSource(settings, clock, consumer_factory=clients.consumer,
-                         writer_schemas=registry.held_frames(metrics) if registry else None)
+                         writer_schemas=registry.held_frames(metrics, settings.max_uncommitted_frames)
+                         if registry else None)
     delivery: Delivery
     limit = clients.output_message_limit(settings)
     if settings.delivery.mode == "exactly_once":

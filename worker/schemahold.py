@@ -6,10 +6,15 @@ transient reason (unreachable, timeout, HTTP 5xx or 429) is tried again with a g
 paused once its held bytes reach a bound; when the id becomes known the held frames are released in offset
 order. Only a permanent answer (an unknown id, a schema the worker cannot read) makes them dead letters.
 
-A partition keeps its order: once a frame of it is held, every later message of that partition waits behind it
-(framed or not), so what is answered is always a prefix of what was read, the byte bound bounds what the
-partition has read and not answered, and a held partition never runs ahead into offsets a commit cannot pass.
-Other partitions flow untouched.
+Only framed frames are held. A framed frame waits when its id is not known or when an earlier framed frame of its
+partition still waits: a stream's frames share a key, hence a partition, and are answered in order, so framed
+frames keep their order among themselves. An unframed frame needs no registry and is never held, even on a
+partition that holds framed frames: it flows on at once (the consumer tracks every offset as it is read, held or
+not, so the partition's commit still stops at its earliest held frame). A holding partition is paused when its held
+bytes reach a bound, or when the unframed frames that passed its held ones reach a count: those are answered but
+cannot be committed until the held ones are, so the count bounds what a crash would answer again, as the worker's
+uncommitted cap does (which, counting them, would otherwise pause every partition). A paused partition reads
+nothing, its unframed frames included. Other partitions flow untouched.
 
 Pure policy: no Kafka, no HTTP; time from an injected clock. The Kafka edge (worker.kafka.schemalookups) runs
 the lookups and feeds their answers in.
@@ -23,7 +28,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-TP = tuple[str, int]
+from worker.frames import TP
+
 M = TypeVar("M")
 
 # Transient failures are retried after BACKOFF_INITIAL_S, doubling up to BACKOFF_MAX_S.
@@ -55,8 +61,8 @@ class _Lookup:
 
 @dataclass(frozen=True)
 class Released(Generic[M]):
-    """A held message let go: decode it now (`reason` None: its id is known, or it needs none), or dead-letter it
-    with `reason` (its id failed permanently)."""
+    """A held frame let go: decode it now (`reason` None: its id is known), or dead-letter it with `reason` (its id
+    failed permanently)."""
 
     message: M
     reason: str | None
@@ -66,18 +72,21 @@ class Released(Generic[M]):
 class _Held(Generic[M]):
     message: M
     nbytes: int
-    schema_id: int | None  # None: unframed (held only for its partition's order)
+    schema_id: int
 
 
 class SchemaHold(Generic[M]):
-    """Per writer-schema id a lookup state, per partition the ordered queue of held messages; see the module
+    """Per writer-schema id a lookup state, per partition the ordered queue of held framed frames; see the module
     docstring. `held_bytes_max`: a partition holding this many bytes is paused
-    (schema_registry.max_held_bytes_per_partition)."""
+    (schema_registry.max_held_bytes_per_partition); `passed_frames_max`: so is one past whose held frames this many
+    unframed frames flowed (delivery.max_uncommitted_frames)."""
 
-    def __init__(self, held_bytes_max: int, clock: Callable[[], float], backoff_initial_s: float = BACKOFF_INITIAL_S,
+    def __init__(self, held_bytes_max: int, passed_frames_max: int, clock: Callable[[], float],
+                 backoff_initial_s: float = BACKOFF_INITIAL_S,
                  backoff_max_s: float = BACKOFF_MAX_S, permanent_retry_s: float = PERMANENT_RETRY_S,
                  max_failed_ids: int = MAX_FAILED_IDS) -> None:
         self._held_bytes_max = held_bytes_max
+        self._passed_frames_max = passed_frames_max
         self._clock = clock
         self._backoff_initial_s = backoff_initial_s
         self._backoff_max_s = backoff_max_s
@@ -88,31 +97,40 @@ class SchemaHold(Generic[M]):
         self._queues: dict[TP, deque[_Held[M]]] = {}
         self._bytes: Counter[TP] = Counter()
         self._waiting: Counter[int] = Counter()  # held frames per schema id
+        # Unframed frames read on each holding partition since it began holding (answered, not committable).
+        self._passed: Counter[TP] = Counter()
         self.held_frames = 0
+        self.passed_frames = 0
 
     # -- reading ----------------------------------------------------------------------------------------------
     def must_hold(self, tp: TP, schema_id: int | None) -> bool:
-        """Whether a message just read must wait: its partition already holds one, or its writer-schema id is
-        neither known nor permanently failed."""
-        if tp in self._queues:
-            return True
+        """Whether a message just read must wait: it is framed (`schema_id` not None) and its partition already
+        holds a framed frame, or its id is neither known nor permanently failed. An unframed one never waits."""
         if schema_id is None:
             return False
+        if tp in self._queues:
+            return True
         lookup = self._current(schema_id)
         return lookup is None or lookup.state not in (LookupState.KNOWN, LookupState.FAILED)
 
-    def hold(self, tp: TP, message: M, nbytes: int, schema_id: int | None) -> None:
-        """Queue a message behind its partition's held ones (call when must_hold says so)."""
+    def hold(self, tp: TP, message: M, nbytes: int, schema_id: int) -> None:
+        """Queue a framed frame behind its partition's held ones (call when must_hold says so)."""
         queue = self._queues.get(tp)
         if queue is None:
             queue = self._queues[tp] = deque()
         queue.append(_Held(message, nbytes, schema_id))
         self._bytes[tp] += nbytes
         self.held_frames += 1
-        if schema_id is not None:
-            self._waiting[schema_id] += 1
-            if self._current(schema_id) is None:
-                self._lookups[schema_id] = _Lookup(LookupState.PENDING)
+        self._waiting[schema_id] += 1
+        if self._current(schema_id) is None:
+            self._lookups[schema_id] = _Lookup(LookupState.PENDING)
+
+    def passed(self, tp: TP) -> None:
+        """An unframed frame of `tp` flowed on (never held): while `tp` holds frames, its offset cannot be committed
+        until they are answered, so it counts towards the partition's pause."""
+        if tp in self._queues:
+            self._passed[tp] += 1
+            self.passed_frames += 1
 
     def schema(self, schema_id: int) -> Any:
         """The known schema of an id, else None."""
@@ -174,24 +192,22 @@ class SchemaHold(Generic[M]):
 
     # -- releasing ------------------------------------------------------------------------------------------------
     def release(self) -> list[Released[M]]:
-        """What may go on now, per partition in offset order: the head of each queue while its id is known (or it
-        needs none) or failed permanently. A partition whose queue empties holds nothing any more."""
+        """What may go on now, per partition in offset order: the head of each queue while its id is known or failed
+        permanently. A partition whose queue empties holds nothing any more."""
         out: list[Released[M]] = []
         for tp in list(self._queues):
             queue = self._queues[tp]
             while queue:
                 head = queue[0]
-                reason: str | None = None
-                if head.schema_id is not None:
-                    lookup = self._current(head.schema_id)
-                    if lookup is None or lookup.state not in (LookupState.KNOWN, LookupState.FAILED):
-                        break
-                    reason = lookup.reason if lookup.state is LookupState.FAILED else None
+                lookup = self._current(head.schema_id)
+                if lookup is None or lookup.state not in (LookupState.KNOWN, LookupState.FAILED):
+                    break
                 queue.popleft()
                 self._unhold(tp, head)
-                out.append(Released(head.message, reason))
+                out.append(Released(head.message, lookup.reason if lookup.state is LookupState.FAILED else None))
             if not queue:
                 del self._queues[tp]
+                self._forget_passed(tp)
         return out
 
     def drop(self, tps: Iterable[TP]) -> int:
@@ -202,12 +218,23 @@ class SchemaHold(Generic[M]):
             for held in queue or ():
                 self._unhold(tp, held)
                 dropped += 1
+            self._forget_passed(tp)
         return dropped
 
     @property
     def paused(self) -> frozenset[TP]:
-        """Partitions holding at least `held_bytes_max` bytes: read no further until some are released."""
-        return frozenset(tp for tp, n in self._bytes.items() if n >= self._held_bytes_max)
+        """Partitions holding at least `held_bytes_max` bytes, or past whose held frames `passed_frames_max` unframed
+        ones flowed: read no further until they are released."""
+        if not self._queues:
+            return frozenset()
+        return frozenset(tp for tp in self._queues
+                         if self._bytes[tp] >= self._held_bytes_max or self._passed[tp] >= self._passed_frames_max)
+
+    @property
+    def pinned_frames(self) -> int:
+        """Frames read on the holding partitions since they began holding, held or passed: offsets no commit passes
+        until the registry answers."""
+        return self.held_frames + self.passed_frames
 
     @property
     def held_partitions(self) -> frozenset[TP]:
@@ -226,13 +253,15 @@ class SchemaHold(Generic[M]):
         self._bytes[tp] -= held.nbytes
         if self._bytes[tp] <= 0:
             del self._bytes[tp]
-        if held.schema_id is not None:
-            self._waiting[held.schema_id] -= 1
-            if self._waiting[held.schema_id] <= 0:
-                del self._waiting[held.schema_id]
-                lookup = self._lookups.get(held.schema_id)
-                if lookup is not None and lookup.state in (LookupState.PENDING, LookupState.RETRYING):
-                    del self._lookups[held.schema_id]  # nothing waits for it: ask again only when a frame needs it
+        self._waiting[held.schema_id] -= 1
+        if self._waiting[held.schema_id] <= 0:
+            del self._waiting[held.schema_id]
+            lookup = self._lookups.get(held.schema_id)
+            if lookup is not None and lookup.state in (LookupState.PENDING, LookupState.RETRYING):
+                del self._lookups[held.schema_id]  # nothing waits for it: ask again only when a frame needs it
+
+    def _forget_passed(self, tp: TP) -> None:
+        self.passed_frames -= self._passed.pop(tp, 0)
 
     def _current(self, schema_id: int) -> _Lookup | None:
         """The id's lookup, with a remembered permanent failure forgotten once it is due to be asked again."""

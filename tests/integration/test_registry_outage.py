@@ -3,9 +3,11 @@ registry (Apicurio, the kit's LocalSchemaRegistry, a process of this test's own 
 
 The registry is frozen (SIGSTOP: it accepts connections and never answers, as in a long pause or behind a dead
 proxy) for longer than twice its timeout while frames framed with a writer-schema id the worker has never seen
-and plain realtime frames flow. None of the framed frames may be dead-lettered and all are answered once it
-resumes; the realtime frames' latency stays inside their 2 s max age; /readyz and /metrics tell the story. And
-a worker starting while the registry is away waits for it, saying so on /readyz."""
+and plain realtime frames flow, and plain frames follow the framed ones on their very partition. None of the
+framed frames may be dead-lettered and all are answered once it resumes; the realtime frames' latency stays inside
+their 2 s max age; the plain frames behind the held ones are answered while the registry is still frozen (an
+unframed frame is never held); /readyz and /metrics tell the story. And a worker starting while the registry is
+away waits for it, saying so on /readyz."""
 
 from __future__ import annotations
 
@@ -24,8 +26,10 @@ from confluent_kafka.schema_registry import Schema
 
 from worker.frames import Encoding, Priority
 from worker.kafka.registry import subject_of
+from worker.schemas import FRAMING_BYTES, decode_result, encode_frame
 from worker.testing import TestTopics, run_worker, synthetic_frames, wait_for
 from worker.tools.local_broker import free_port
+from worker.tools.read_results import iter_messages
 from worker.tools.schema_registry import LocalSchemaRegistry, SchemaRegistryUnavailable
 
 from .test_schema_registry import client, framed_with, newer_frame_schema, read_back
@@ -37,6 +41,8 @@ FREEZE_S = 6.0
 FRAMED = 30
 REALTIME_FPS = 20
 REALTIME_MAX_AGE_MS = 2_000
+SAME_PARTITION = 20  # plain frames sent after the framed ones to their partition, at SAME_PARTITION_FPS
+SAME_PARTITION_FPS = 10
 
 
 @pytest.fixture
@@ -62,6 +68,12 @@ def sample(metrics: str, name: str, labels: str = "") -> float:
     return 0.0
 
 
+def read_back_while_frozen(bootstrap: str, topic: str) -> list[dict]:
+    """The results as the worker wrote them, read with its own results schema past their framing: a downstream
+    deserializer would ask the frozen registry for the id, and wait."""
+    return [decode_result(m.value()[FRAMING_BYTES:]) for m in iter_messages(bootstrap, topic, idle_timeout_s=0.5)]
+
+
 def test_a_frozen_registry_holds_framed_frames_and_never_slows_plain_ones(
         own_registry: LocalSchemaRegistry, kafka_bootstrap: str, streamfer_topics: TestTopics, frame_producer,
         results_reader, tmp_path: Path) -> None:
@@ -77,6 +89,7 @@ def test_a_frozen_registry_holds_framed_frames_and_never_slows_plain_ones(
         framed = synthetic_frames(FRAMED, [(32, 32)], Encoding.RAW_RGB8, Priority.STANDARD, "framed")
         realtime = synthetic_frames(int(REALTIME_FPS * (FREEZE_S + 2)), [(32, 32)], Encoding.RAW_RGB8,
                                     Priority.REALTIME, "plain")
+        behind = synthetic_frames(SAME_PARTITION, [(32, 32)], Encoding.RAW_RGB8, Priority.STANDARD, "behind")
 
         os.kill(own_registry.pid, signal.SIGSTOP)
         frozen_at = time.monotonic()
@@ -86,8 +99,21 @@ def test_a_frozen_registry_holds_framed_frames_and_never_slows_plain_ones(
         now_ms = int(time.time() * 1000)
         for frame in framed:
             frame = dataclasses.replace(frame, capture_ts_ms=now_ms)
-            producer.produce(topics.standard, framed_with(writer_id, schema, frame), key=frame.stream_id.encode())
+            producer.produce(topics.standard, framed_with(writer_id, schema, frame), key=frame.stream_id.encode(),
+                             partition=0)
         assert producer.flush(30) == 0
+
+        def publish_behind() -> None:
+            """Plain frames on the framed ones' partition, after them: they must not wait for the registry."""
+            for frame in behind:
+                frame = dataclasses.replace(frame, capture_ts_ms=int(time.time() * 1000))
+                producer.produce(topics.standard, encode_frame(frame), key=frame.stream_id.encode(), partition=0)
+                producer.poll(0)
+                time.sleep(1 / SAME_PARTITION_FPS)  # the send rate, not a wait for a condition
+            producer.flush(30)
+
+        behind_publisher = threading.Thread(target=publish_behind, daemon=True)
+        behind_publisher.start()
 
         # While it is frozen: the framed frames are held, /readyz (still 200) and /metrics say why.
         def held_and_said() -> bool:
@@ -98,11 +124,25 @@ def test_a_frozen_registry_holds_framed_frames_and_never_slows_plain_ones(
                     and sample(metrics, "streamfer_schema_registry_unanswered_seconds") > 0)
 
         wait_for(held_and_said, FREEZE_S - (time.monotonic() - frozen_at), "the framed frames held, and said so")
+        behind_keys = {(f.stream_id, f.frame_index) for f in behind}
+        answered_behind: list[dict] = []
+
+        def behind_answered() -> bool:
+            answered_behind[:] = [r for r in read_back_while_frozen(kafka_bootstrap, topics.results)
+                                  if (r["stream_id"], r["frame_index"]) in behind_keys]
+            return len(answered_behind) == SAME_PARTITION
+
+        # Still frozen (until SIGCONT below, however long this takes): the plain frames behind the held ones on
+        # their partition are answered all the same.
+        wait_for(behind_answered, 30, "the plain frames behind the held ones answered while the registry is frozen",
+                 interval_s=0.5)
+        assert {r["status"] for r in answered_behind} == {"OK"}
+        assert max(r["end_to_end_ms"] for r in answered_behind) < REALTIME_MAX_AGE_MS
         time.sleep(max(0.0, FREEZE_S - (time.monotonic() - frozen_at)))  # the freeze itself
         os.kill(own_registry.pid, signal.SIGCONT)
         publisher.join(timeout=60)
 
-        expected = {(f.stream_id, f.frame_index) for f in framed + realtime}
+        expected = {(f.stream_id, f.frame_index) for f in framed + realtime + behind}
         results: list[dict] = []
 
         def all_answered() -> bool:

@@ -116,6 +116,67 @@ def test_a_hung_registry_holds_framed_frames_while_plain_frames_are_answered_and
         pipeline.source.close()
 
 
+def test_unframed_frames_on_a_partition_holding_framed_ones_are_answered_and_its_commit_stops_at_the_first_held(
+        ) -> None:
+    client = FakeRegistryClient()
+    client.frozen.clear()
+    kafka, clock, metrics = InMemoryKafka(), FakeClock(), Metrics()
+    mixed = (SETTINGS.topics.bulk, 2)
+    # Offsets 0, 2, 4, 6, 8 unframed ("plain"), 1, 3, 5, 7, 9 framed with an id the worker has never seen.
+    kafka.send(mixed, *(registry_framing(5) + frame_value("framed", i // 2) if i % 2 else frame_value("plain", i // 2)
+                        for i in range(10)))
+    link = RegistryLink(b"", SchemaRegistrySettings(url="http://registry.invalid"), client)
+    pipeline = build_pipeline(SETTINGS, FakeExecutor(), metrics, Health(), clock, clients=kafka.clients,
+                              registry=link)
+    pipeline.source.subscribe(pipeline._on_assign, pipeline._on_revoke, pipeline._on_lost)
+    try:
+        turn_until(pipeline, clock, lambda: len(kafka.results()) == 5, "the unframed frames answered")
+        for _ in range(50):  # commits run on while the lookup hangs
+            pipeline.step()
+            clock.advance(0.1)
+        assert streams(kafka) == {"plain": list(range(5))}
+        assert held(metrics) == 5
+        assert kafka.committed.get(mixed) == 1  # up to the earliest held offset, never past it
+        client.frozen.set()
+        turn_until(pipeline, clock, lambda: kafka.committed.get(mixed) == 10, "the partition committed to its end")
+        assert streams(kafka)["framed"] == list(range(5))  # in order among themselves
+        assert ledger(kafka.results()) == {(stream, i): 1 for stream in ("plain", "framed") for i in range(5)}
+        assert kafka.dead_letters() == []
+    finally:
+        client.frozen.set()
+        pipeline.source.close()
+
+
+def test_a_long_outage_pauses_a_partition_past_whose_held_frame_the_uncommitted_cap_flowed_and_no_other() -> None:
+    """Unframed frames answered past a held one cannot be committed: at the uncommitted cap their partition pauses,
+    not every partition (as the cap itself would)."""
+    client = FakeRegistryClient()
+    client.frozen.clear()
+    settings = Settings(observability=ObservabilitySettings(worker_id="w0"),
+                        delivery=DeliverySettings(max_uncommitted_frames=64))
+    kafka, clock, metrics = InMemoryKafka(), FakeClock(), Metrics()
+    kafka.send(FRAMED, registry_framing(5) + frame_value("framed", 0), *(frame_value("behind", i) for i in range(200)))
+    kafka.send(PLAIN, *(frame_value("plain", i) for i in range(200)))
+    link = RegistryLink(b"", SchemaRegistrySettings(url="http://registry.invalid"), client)
+    pipeline = build_pipeline(settings, FakeExecutor(), metrics, Health(), clock, clients=kafka.clients,
+                              registry=link)
+    pipeline.source.subscribe(pipeline._on_assign, pipeline._on_revoke, pipeline._on_lost)
+    try:
+        turn_until(pipeline, clock, lambda: kafka.committed.get(PLAIN) == 200, "the other partition committed")
+        assert kafka.consumer is not None and FRAMED in kafka.consumer.paused
+        behind = len(streams(kafka).get("behind", []))
+        assert 64 <= behind < 200  # paused at the cap (within one poll), not read to its end
+        assert kafka.committed.get(FRAMED, 0) == 0
+        client.frozen.set()
+        turn_until(pipeline, clock, lambda: kafka.committed.get(FRAMED) == 201, "the held partition committed")
+        assert ledger(kafka.results()) == {("framed", 0): 1} | {(s, i): 1 for s in ("behind", "plain")
+                                                                 for i in range(200)}
+        assert kafka.dead_letters() == []
+    finally:
+        client.frozen.set()
+        pipeline.source.close()
+
+
 def test_a_registry_failing_for_a_transient_reason_is_asked_again_and_nothing_is_dead_lettered() -> None:
     client = FakeRegistryClient()
     client.error = SchemaRegistryError(503, 50301, "Service Unavailable")

@@ -138,7 +138,9 @@ class DeliverySettings:
         "so while commits fail (a coordinator away) what a lost session or crash answers again stays bounded. 0: "
         "`batching.max_pending_frames` + (the in-flight limit, `max_inflight_batches` as resolved for the runners, + "
         "1, realtime's reserved slot) x the largest class `max_batch_size`. With a long `commit_interval_ms` the "
-        "worker commits early once half of it is used"))
+        "worker commits early once half of it is used. Offsets a frame held for its writer schema pins (it, and the "
+        "frames of its partition answered past it) are bounded per partition instead: that partition pauses at this "
+        "many (`schema_registry`)"))
     transaction_call_timeout_ms: int = setting(10_000, ge=1_000, le=300_000, unit="ms", doc=(
         "exactly-once: how long sending a transaction's offsets and committing it may take; past it (plus 5 s for a "
         "call blocked inside librdkafka) the producer is replaced, which fences the old one and aborts its "
@@ -253,9 +255,9 @@ class SchemaRegistrySettings:
         "register the results schema under `<topics.results>-value` at start; false: only look it up (credentials "
         "that may not write the registry: register it in the roll-out), and exit 2 if it is not there"))
     max_held_bytes_per_partition: int = setting(16 * 1024 * 1024, ge=1, unit="bytes", doc=(
-        "frames whose writer schema the registry has not given yet (it is down, or slow) wait on their partition, "
-        "in order, never dead-lettered; a partition holding this many message bytes is paused until they are "
-        "released. Other partitions read on"))
+        "framed frames whose writer schema the registry has not given yet (it is down, or slow) wait on their "
+        "partition, in order, never dead-lettered (unframed frames flow on); a partition holding this many message "
+        "bytes of them is paused, its unframed frames too, until they are released. Other partitions read on"))
 
 
 @dataclass(frozen=True)

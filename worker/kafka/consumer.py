@@ -55,7 +55,9 @@ class Polled:
     # answered by a later poll, whose frames and dead letters then include them (`released`: not tracked again).
     held: list[SourceRef] = field(default_factory=list)
     released: set[SourceRef] = field(default_factory=set)
-    held_frames: int = 0  # all held now
+    # All held now, with the unframed frames answered past them on their partitions: offsets no commit passes until
+    # the registry answers (HeldFrames.pinned_frames).
+    pinned_frames: int = 0
     # The outcomes of offset commits served since the last poll (asynchronous ones arrive in a later poll), for
     # the loop to hand to delivery.
     commits: list[CommitOutcome] = field(default_factory=list)
@@ -309,7 +311,7 @@ class FrameSource:
         if writer_schemas is not None:
             if polled.held:
                 writer_schemas.ask_due()
-            polled.held_frames = writer_schemas.held_frames
+            polled.pinned_frames = writer_schemas.pinned_frames
             if writer_schemas.paused != self._held_paused:
                 self._apply_pauses()
         return polled

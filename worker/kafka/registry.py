@@ -226,11 +226,13 @@ class RegistryLink:
     # Lookups retry on the hold policy's backoff, not the client's (worker.schemahold).
     lookup_client: Any
 
-    def held_frames(self, metrics: Metrics, clock: Callable[[], float] = time.monotonic) -> HeldFrames:
-        """The consumer's writer schemas: looked up off the loop, frames held meanwhile (worker.kafka.schemalookups)."""
+    def held_frames(self, metrics: Metrics, passed_frames_max: int,
+                    clock: Callable[[], float] = time.monotonic) -> HeldFrames:
+        """The consumer's writer schemas: looked up off the loop, frames held meanwhile (worker.kafka.schemalookups);
+        `passed_frames_max`: see worker.schemahold.SchemaHold."""
         client = self.lookup_client
         return HeldFrames(RegistryLookups(lambda schema_id: fetch_writer_schema(client, schema_id)),
-                          SchemaHold(self.settings.max_held_bytes_per_partition, clock),
+                          SchemaHold(self.settings.max_held_bytes_per_partition, passed_frames_max, clock),
                           RegistryOutage(self.settings.url, clock), metrics)
 
 

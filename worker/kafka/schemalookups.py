@@ -1,9 +1,10 @@
 """Writer-schema lookups off the loop thread, and the frames held for them (the policy: worker.schemahold).
 
 The loop never waits for the Schema Registry: a registry-framed frame whose writer-schema id is not known yet is
-held on its partition while one lookup thread asks the registry (with its own timeout, no client retries: the
-policy's backoff decides when to ask again). Each poll the consumer hands the thread's answers to the policy and
-takes back what it may release, in order. An outage is one log line when it starts and one when it ends.
+held on its partition, with the framed frames read after it there (unframed frames flow on), while one lookup
+thread asks the registry (with its own timeout, no client retries: the policy's backoff decides when to ask again).
+Each poll the consumer hands the thread's answers to the policy and takes back what it may release, in order. An
+outage is one log line when it starts and one when it ends.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from typing import Any
 
 from worker.config import LimitsSettings
 from worker.errors import StreamferError
-from worker.frames import MESSAGE_DECODE_ERROR, DeadLetter, Frame, Priority, SourceRef
+from worker.frames import MESSAGE_DECODE_ERROR, TP, DeadLetter, Frame, Priority, SourceRef
 from worker.metrics import SCHEMA_LOOKUP_OUTCOMES, Metrics
-from worker.schemahold import TP, Released, SchemaHold
+from worker.schemahold import Released, SchemaHold
 from worker.schemas import FRAMING_BYTES, MessageDecodeError, decode_frame, is_registry_framed
 from worker.threadnames import name_os_thread
 
@@ -108,10 +109,12 @@ class RegistryOutage:
 
 
 class HeldFrames:
-    """The consumer's side of the registry: writer schemas for decode_frame (`writer_schema`), the messages held
-    until their schema is known (`admit`, `release`) and the partitions to pause for them (`paused`).
+    """The consumer's side of the registry: writer schemas for decode_frame (`writer_schema`), the framed messages
+    held until their schema is known (`admit`, `release`) and the partitions to pause for them (`paused`).
 
-    Messages are kept as read (with their SourceRef): the consumer decodes them when they are released."""
+    Messages are kept as read (with their SourceRef): the consumer decodes them when they are released. The consumer
+    tracks a held message's offset when it reads it, so no commit passes it while later unframed frames of its
+    partition are answered."""
 
     def __init__(self, lookups: RegistryLookups, hold: SchemaHold[Any], outage: RegistryOutage,
                  metrics: Metrics) -> None:
@@ -135,12 +138,15 @@ class HeldFrames:
         raise MessageDecodeError(reason)
 
     def admit(self, tp: TP, message: Any, value: bytes | None) -> bool:
-        """Hold `message` (True) when its writer schema is not known yet or its partition already holds one."""
-        schema_id = (int.from_bytes(value[1:FRAMING_BYTES], "big")
-                     if value is not None and len(value) >= FRAMING_BYTES and is_registry_framed(value) else None)
+        """Hold `message` (True) when it is registry-framed and its writer schema is not known yet or its partition
+        already holds a framed one; an unframed message is never held."""
+        if value is None or len(value) < FRAMING_BYTES or not is_registry_framed(value):
+            self._hold.passed(tp)  # unframed: it needs no registry, never waits (SchemaHold.must_hold)
+            return False
+        schema_id = int.from_bytes(value[1:FRAMING_BYTES], "big")
         if not self._hold.must_hold(tp, schema_id):
             return False
-        self._hold.hold(tp, message, len(value) if value else 0, schema_id)
+        self._hold.hold(tp, message, len(value), schema_id)
         return True
 
     def release(self) -> list[Released[Any]]:
@@ -217,6 +223,11 @@ class HeldFrames:
     @property
     def held_frames(self) -> int:
         return self._hold.held_frames
+
+    @property
+    def pinned_frames(self) -> int:
+        """Frames held, and unframed ones answered past them: offsets no commit passes until the registry answers."""
+        return self._hold.pinned_frames
 
     def problem(self) -> str | None:
         """/readyz's line while frames wait for an unanswering registry, else None."""
