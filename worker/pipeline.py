@@ -36,6 +36,7 @@ from worker.metrics import Health, Metrics
 from worker.offsets import OffsetTracker
 from worker.ports import Executor, Source
 from worker.reading import Reader
+from worker.reuse import FrameReuse
 from worker.schemas import ResultContext
 
 log = logging.getLogger(__name__)
@@ -87,8 +88,11 @@ class Pipeline:
         self.flow = FlowControl(settings, source, self.batcher, self.tracker, metrics, clock)
         self.answers = Answers(metrics, ResultContext(executor.model_name, executor.model_version,
                                                       settings.observability.worker_id, result_framing))
+        # Verdict reuse (issue 59), this worker's own: a class with reuse_max_age_ms 0 never reaches it.
+        self.reuse = FrameReuse({p: settings.batching.for_class(p).reuse_max_age_ms for p in Priority},
+                                settings.batching.reuse_change_threshold)
         self.reader = Reader(settings, self.tracker, self.duplicates, self.batcher, self.answers, self.flow,
-                             metrics)
+                             metrics, self.reuse)
         self._counts = RunSummary()
         self._inflight = InFlight(self.batcher, executor, settings.delivery.max_inflight_batches,
                                   settings.batching.release_when_idle, metrics)
@@ -204,6 +208,7 @@ class Pipeline:
         self._counts.batches += 1
         self._counts.frames_batched += outcome.batch_size
         self._outputs.extend(self.answers.of_batch(batch, outcome, self.clock()))
+        self._outputs.extend(self.reader.verdicts_known(outcome, self.clock()))
 
     def _expire(self) -> None:
         expired = self.batcher.pop_expired()
@@ -211,6 +216,7 @@ class Pipeline:
             return
         self._counts.expired += len(expired)
         self._outputs.extend(self.answers.expired(expired, self.clock()))
+        self._outputs.extend(self.reader.expired(expired, self.clock()))
         self.flow.record_expired(Counter(f.priority for f in expired))
 
     # -- producing and committing ---------------------------------------------------------------------------
@@ -226,6 +232,7 @@ class Pipeline:
     def _rewind(self) -> None:
         """Delivery voided what was read since the last commit: drop all of it and read it again."""
         self.batcher.discard(lambda _frame: True)
+        self.reuse.clear()
         self._inflight.finished(wait=True)  # let them finish; their outputs are stale with the rest
         self._outputs.clear()
         assigned = sorted(self.assignments.partitions)
@@ -280,6 +287,10 @@ class Pipeline:
         self.assignments.release(tps)
         self.delivery.release(tps)
         self.duplicates.release(tps)
+        self.reuse.release(tps)
+        if self.reuse.any_enabled:  # frames verdict reuse offered again while the partitions were being finished
+            released = set(tps)
+            self.batcher.discard(lambda f: f.source.topic_partition in released)
         for topic, partition in tps:
             try:
                 self.metrics.consumer_lag.remove(topic, str(partition))
@@ -290,9 +301,12 @@ class Pipeline:
         """Graceful stop: no new input; run everything pending, deliver, commit."""
         self.source.pause_classes(set(Priority))
         self._expire()
-        for batch in self.batcher.flush():
-            self._inflight.dispatch(batch)
-        self._collect_finished(wait=True)
+        while True:  # a reference that fails sends the frames held for it (verdict reuse) to the batcher again
+            for batch in self.batcher.flush():
+                self._inflight.dispatch(batch)
+            self._collect_finished(wait=True)
+            if not self.batcher.pending_frames:
+                break
         self._emit()
         self._commit(final=True)
         summary = self.summary

@@ -1,0 +1,50 @@
+"""A frame's thumbnail for verdict reuse (worker.reuse): a small grayscale picture, and how much two differ.
+
+A JPEG is decoded by libjpeg-turbo at 1/8 scale in grayscale (its scaled IDCT skips most of the pixel work, after
+the same safety checks as a full decode), a raw frame is subsampled; either is then area-averaged to at most
+THUMB_SIDE x THUMB_SIDE. Averaging thousands of pixels per thumbnail pixel is what makes the difference robust to
+sensor noise and compression noise while a cut, a flash or a large object entering moves it far.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from worker.frames import Encoding, Frame
+from worker.runtime.decode import decode_frame
+
+THUMB_SIDE = 32
+# A raw frame is read every RAW_STEP-th pixel before averaging: the thumbnail averages blocks anyway.
+RAW_STEP = 4
+
+# libjpeg's grayscale is the luma of JFIF's YCbCr: raw RGB frames are weighed the same.
+_LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)
+
+Thumbnail = np.ndarray  # (h, w) float32, 0..255
+
+
+def thumbnail(frame: Frame) -> Thumbnail:
+    """The frame's thumbnail; raises worker.runtime.decode.FrameDecodeError when its pixels do not decode."""
+    if frame.encoding is Encoding.JPEG:
+        gray = decode_frame(frame, channels=1, min_hw=(1, 1))[:, :, 0]  # 1/8 scale: jpeg_scale picks 8
+    else:
+        pixels = decode_frame(frame, channels=frame.channels)
+        sub = pixels[::RAW_STEP, ::RAW_STEP].astype(np.float32)
+        gray = sub @ _LUMA if sub.shape[2] == 3 else sub.mean(axis=2)
+    return _area_average(gray)
+
+
+def _area_average(gray: np.ndarray) -> Thumbnail:
+    """Blocks of the image averaged to at most THUMB_SIDE per side (the ragged last rows and columns dropped)."""
+    h, w = gray.shape
+    by, bx = -(-h // THUMB_SIDE), -(-w // THUMB_SIDE)
+    th, tw = max(1, h // by), max(1, w // bx)
+    blocks = gray[:th * by, :tw * bx].reshape(th, by, tw, bx)
+    return blocks.mean(axis=(1, 3), dtype=np.float32)
+
+
+def change(a: Thumbnail, b: Thumbnail) -> float:
+    """Mean absolute difference of two thumbnails of the same size, 0..255 (different sizes: 255)."""
+    if a.shape != b.shape:
+        return 255.0
+    return float(np.abs(a - b).mean())
