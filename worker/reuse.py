@@ -75,6 +75,11 @@ class FrameReuse:
         return len(self._streams)
 
     @property
+    def partitions(self) -> set[TP]:
+        """The partitions whose streams have a reference kept."""
+        return {(topic, partition) for topic, partition, _ in self._streams}
+
+    @property
     def held(self) -> int:
         """Frames waiting for a reference's verdict."""
         return sum(len(ref.waiting) for ref in self._inflight.values())
