@@ -17,7 +17,6 @@ from worker.kafka.consumer import Polled
 from worker.metrics import Children, Metrics
 from worker.offsets import OffsetTracker
 from worker.reuse import Decision, FrameReuse, Reused
-from worker.runtime.decode import FrameDecodeError
 from worker.thumbnail import Thumbnail, thumbnail
 
 
@@ -105,9 +104,8 @@ class Reader:
         """The frame to the batcher (a new reference), to `reused` (answered now), or held by the policy."""
         assert self._reuse is not None
         if thumb is None:
-            try:
-                thumb = thumbnail(frame)
-            except FrameDecodeError:
+            thumb = thumbnail(frame)
+            if thumb is None:
                 self._batcher.add(frame)  # the runtime dead-letters it, with the reason
                 return
         decision = self._reuse.offer(frame, thumb)

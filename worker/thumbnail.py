@@ -8,10 +8,11 @@ sensor noise and compression noise while a cut, a flash or a large object enteri
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from worker.frames import Encoding, Frame
-from worker.runtime.decode import decode_frame
 
 THUMB_SIDE = 32
 # A raw frame is read every RAW_STEP-th pixel before averaging: the thumbnail averages blocks anyway.
@@ -23,15 +24,24 @@ _LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)
 Thumbnail = np.ndarray  # (h, w) float32, 0..255
 
 
-def thumbnail(frame: Frame) -> Thumbnail:
-    """The frame's thumbnail; raises worker.runtime.decode.FrameDecodeError when its pixels do not decode."""
+def thumbnail(frame: Frame) -> Thumbnail | None:
+    """The frame's thumbnail, or None when its pixels do not decode (the runtime dead-letters it, with the reason).
+
+    The decoder is imported here, not at the top: worker.runtime's package loads torch, which the loop's modules
+    leave to the runtime (a worker with reuse on has it loaded already)."""
+    from worker.runtime.decode import FrameDecodeError, decode_frame
+
+    try:
+        return _area_average(_gray(frame, decode_frame))
+    except FrameDecodeError:
+        return None
+
+
+def _gray(frame: Frame, decode_frame: Callable[..., np.ndarray]) -> np.ndarray:
     if frame.encoding is Encoding.JPEG:
-        gray = decode_frame(frame, channels=1, min_hw=(1, 1))[:, :, 0]  # 1/8 scale: jpeg_scale picks 8
-    else:
-        pixels = decode_frame(frame, channels=frame.channels)
-        sub = pixels[::RAW_STEP, ::RAW_STEP].astype(np.float32)
-        gray = sub @ _LUMA if sub.shape[2] == 3 else sub.mean(axis=2)
-    return _area_average(gray)
+        return decode_frame(frame, channels=1, min_hw=(1, 1))[:, :, 0]  # 1/8 scale: jpeg_scale picks 8
+    sub = decode_frame(frame, channels=frame.channels)[::RAW_STEP, ::RAW_STEP].astype(np.float32)
+    return sub @ _LUMA if sub.shape[2] == 3 else sub.mean(axis=2)
 
 
 def _area_average(gray: np.ndarray) -> Thumbnail:
