@@ -1,13 +1,14 @@
 """Verdict reuse (issue 59, worker/reuse.py): what it spares and what it costs, on H.264 clips of real photos.
 
 1. accuracy: a clip made here with PyAV (libx264) from scikit-image's photos, per photo: a static camera with
-   sensor noise (Gaussian, sigma 3 per channel, every frame), a 3-frame flash of another photo in its middle, a
-   slow pan (2 px a frame), then a cut to the next photo; 25 fps, 1280x720, decoded and sent as JPEG as
+   sensor noise (Gaussian, sigma 3 per channel, every frame), a 3-frame flash of another photo in its middle, an
+   object entering (a square of another photo, 5% of the frame, for 6 frames), a slow pan (2 px a frame), then a
+   cut to the next photo; 25 fps, 1280x720, decoded and sent as JPEG as
    `worker produce --from-video` does. Every frame is scored by open_nsfw; the reuse policy then runs over the
    frames in order (a reused frame gets its reference's verdict) for several change thresholds. Per threshold:
    the share of frames reused, verdict agreement with scoring every frame (the preset's threshold 0.5, and a
    stricter one at the clip's median nsfw score, where decisions flip easily), the largest and p99 nsfw-score
-   difference on a reused frame, and the cuts, flashes and flash ends reused (must be 0).
+   difference on a reused frame, and the cuts, flashes, objects entering or leaving reused (must be 0).
 2. thumbnail cost: worker.thumbnail.thumbnail (libjpeg-turbo's 1/8 grayscale decode, area-averaged) against the
    full RGB decode the runtime gives a frame, per 720p and 1080p JPEG, median of repeats.
 3. throughput: the worker's loop (worker.pipeline over the in-memory Kafka kit, the real open_nsfw runtime) on a
@@ -56,7 +57,8 @@ STATIC_FRAMES = 40
 PAN_FRAMES = 40
 PAN_PX_PER_FRAME = 2
 FLASH_FRAMES = 3
-THRESHOLDS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
+OBJECT_AT, OBJECT_FRAMES, OBJECT_SHARE = 30, 6, 0.05  # an object of 5% of the frame, for 6 frames
+THRESHOLDS = (2.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0)
 MAX_AGE_MS = 1000.0
 JPEG_QUALITY = 90
 
@@ -79,6 +81,11 @@ def scenario(rng: np.random.Generator) -> tuple[list[np.ndarray], dict[int, str]
     for n, name in enumerate(PHOTOS):
         base = _crop(photo(name), 0, width, height)
         flash = _crop(photo(PHOTOS[(n + 2) % len(PHOTOS)]), 0, width, height)
+        # An object enters: a square of another photo pasted in a corner, OBJECT_SHARE of the frame.
+        entered = base.copy()
+        side = round((OBJECT_SHARE * width * height) ** 0.5)
+        entered[40:40 + side, 40:40 + side] = np.asarray(Image.fromarray(photo(PHOTOS[(n + 1) % len(PHOTOS)]))
+                                                        .resize((side, side), Image.Resampling.BILINEAR))
         if n:
             events[len(out)] = "cut"
         for i in range(STATIC_FRAMES):
@@ -88,9 +95,16 @@ def scenario(rng: np.random.Generator) -> tuple[list[np.ndarray], dict[int, str]
                     events[len(out)] = "flash"
                 picture = flash
                 shown.append((n + 2) % len(PHOTOS))
+            elif OBJECT_AT <= i < OBJECT_AT + OBJECT_FRAMES:
+                if i == OBJECT_AT:
+                    events[len(out)] = "object enters"
+                picture = entered
+                shown.append(100 + n)
             else:
                 if i == mid + FLASH_FRAMES:
                     events[len(out)] = "flash end"
+                if i == OBJECT_AT + OBJECT_FRAMES:
+                    events[len(out)] = "object leaves"
                 picture = base
                 shown.append(n)
             noisy = picture.astype(np.float32) + rng.normal(0, NOISE_SIGMA, picture.shape).astype(np.float32)
@@ -277,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             frames = h264_jpeg_frames(pictures, Path(tmp))
         acc = out["accuracy"] = accuracy(executor, frames, must_score, shown)
-        table(f"verdict reuse on {acc['frames']} frames of H.264 photo clips ({acc['events']} cuts/flashes/ends), "
+        table(f"verdict reuse on {acc['frames']} frames of H.264 photo clips ({acc['events']} cuts, flashes, objects), "
               f"max age {MAX_AGE_MS:.0f} ms",
               ["threshold", "reused", "agree@0.5", f"agree@{acc['strict_threshold']:.3f}", "max diff", "p99 diff",
                "events reused", "other picture"],

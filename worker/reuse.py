@@ -4,11 +4,12 @@ answered with that frame's verdict, without taking a batch slot or running the m
 Pure policy: no Kafka, no torch, no clock (ages are by capture time). Per stream (its partition and stream id)
 the policy keeps the reference, the last frame it sent to be scored: its thumbnail (worker.thumbnail), shape,
 capture time, frame index and verdict once known. A frame is reused when its thumbnail differs from the
-reference's by less than the threshold, the reference is at most the class's `reuse_max_age_ms` older by capture
-time, and both have the same shape; otherwise it is scored and becomes the reference. A frame whose reference
-is still in flight is held here until the reference's verdict arrives (`scored`); a reference that ends
-without one (`ended`: dead letter, EXPIRED) hands its held frames back to be offered again, so none is lost.
-The streams kept are bounded (least recently seen dropped first) and a released partition's state goes with it.
+reference's by less than the threshold (worker.thumbnail.change), the reference is at most the class's
+`reuse_max_age_ms` older by capture time, and both have the same shape; otherwise it is scored and becomes the
+reference. A frame whose reference is still in flight is held here until the reference's verdict arrives
+(`scored`); a reference that ends without one (`ended`: dead letter, EXPIRED) hands its held frames back to be
+offered again, so none is lost. The streams kept are bounded (least recently seen dropped first) and a released
+partition's state goes with it.
 """
 
 from __future__ import annotations

@@ -213,8 +213,19 @@ def test_sensor_noise_moves_the_thumbnail_little_and_a_different_picture_far():
     noisy = np.clip(pixels + rng.normal(0, 4, pixels.shape), 0, 255).astype(np.uint8)
     base, same, other = (thumbnail(jpeg_frame(p)) for p in (pixels, noisy, 255 - pixels))
     assert base is not None and same is not None and other is not None
-    assert change(base, same) < 1.0
-    assert change(base, other) > 20.0
+    assert change(base, same) < 3.0
+    assert change(base, other) > 50.0
+
+
+def test_a_small_object_entering_a_corner_moves_the_change_far_past_noise():
+    rng = np.random.default_rng(2)
+    pixels = gradient(720, 1280)
+    noisy = np.clip(pixels + rng.normal(0, 4, pixels.shape), 0, 255).astype(np.uint8)
+    entered = noisy.copy()
+    entered[40:100, 40:100] = 255  # 60x60 pixels: 0.4% of the frame
+    base, same, moved = (thumbnail(jpeg_frame(p)) for p in (pixels, noisy, entered))
+    assert base is not None and same is not None and moved is not None
+    assert change(base, moved) > 8.0 > 3 * change(base, same)
 
 
 def test_thumbnails_of_different_sizes_differ_completely():

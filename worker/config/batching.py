@@ -8,7 +8,7 @@ from worker.config.fields import setting
 from worker.frames import Priority
 
 # The default change threshold of verdict reuse (bench/reuse.py measured it; docs/operations.md).
-REUSE_CHANGE_THRESHOLD = 1.0
+REUSE_CHANGE_THRESHOLD = 8.0
 
 
 @dataclass(frozen=True)
@@ -77,13 +77,13 @@ class BatchingSettings:
         "tensor bytes (counted as for `max_batch_bytes`) held before the source pauses; a poll reads no more than fit "
         "at the largest frame seen, so only frames larger than any before can pass it, by one poll"))
     reuse_change_threshold: float = setting(REUSE_CHANGE_THRESHOLD, gt=0, le=255, doc=(
-        "for classes with `reuse_max_age_ms`: the mean absolute difference (0..255) of two frames' 32x32 grayscale "
-        "thumbnails below which a frame counts as unchanged from its reference. On H.264 clips of real photos "
-        "(bench/reuse.py) sensor noise moved it at most 0.23 from frame to frame and every cut or flash at least 51; "
-        "at 1.0 the largest open_nsfw score difference on a reused frame (0.008) was the model's own frame-to-frame "
-        "jitter. Higher reuses more of a slow pan (2.0: 75% of that clip against 53%) and misses larger local "
-        "changes: an object covering a share `a` of the frame with a brightness difference `d` moves it by about "
-        "`a x d`"))
+        "for classes with `reuse_max_age_ms`: the largest difference (0..255) between the cells of two frames' "
+        "grayscale thumbnails (at most 32x32 cells, each the mean of its block of the frame) below which a frame "
+        "counts as unchanged from its reference. On H.264 clips of real photos (bench/reuse.py) sensor noise moved "
+        "it at most 1.3 from frame to frame and every cut, flash, or object of 5% of the frame entering or leaving "
+        "at least 84; at 8 no reused frame's open_nsfw score differed from its own by more than 0.016. Higher "
+        "reuses more of a slow pan (16: 72% of that clip against 54%) and lets smaller changes through: a change "
+        "must move one cell's mean brightness (a block of about 40x23 pixels at 720p) by the threshold to be scored"))
     realtime: ClassSettings = setting(default_factory=lambda: ClassSettings(
         max_wait_ms=5, max_age_ms=2_000, weight=8, latency_budget_ms=250, pending_share=1.0), doc=(
         "the realtime class: the [batching.realtime] table"))
