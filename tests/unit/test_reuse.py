@@ -8,6 +8,8 @@ import io
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from worker.frames import Encoding, Frame, Priority, SourceRef, Verdict
@@ -235,3 +237,75 @@ def test_thumbnails_of_different_sizes_differ_completely():
 def test_a_jpeg_that_does_not_decode_has_no_thumbnail():
     bad = jpeg_frame(gradient(64, 64))
     assert thumbnail(dataclasses.replace(bad, data=bad.data[:200])) is None
+
+
+# -- the invariant, over random traffic ------------------------------------------------------------------------
+
+OPS = st.lists(st.one_of(
+    st.tuples(st.just("frame"), st.integers(0, 2), st.integers(0, 1), st.sampled_from([100, 101, 150])),
+    st.tuples(st.just("verdict"), st.integers(0, 50)), st.tuples(st.just("fail"), st.integers(0, 50)),
+    st.tuples(st.just("release"), st.integers(0, 1))), max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(OPS, st.integers(1, 3))
+def test_every_frame_ends_scored_reused_or_released_once_and_a_reuse_is_of_an_earlier_scored_frame(ops, bound):
+    """A driver plays the loop: frames offered (SCORE goes in flight), verdicts and failures of frames in flight
+    in any order, frames a failed reference hands back offered again, partitions released. At the end every frame
+    offered was scored, failed, reused or released exactly once."""
+    reuse = policy(max_age_ms=10_000, max_streams=bound)
+    inflight: list[Frame] = []
+    outcome: dict[tuple[str, int], str] = {}
+    verdict_of: dict[tuple[str, int], Verdict] = {}
+    next_index: dict[str, int] = {}
+    frames_of: dict[int, list[Frame]] = {0: [], 1: []}  # offered frames by partition, not yet ended
+
+    def ended(f: Frame, how: str) -> None:
+        key = (f.stream_id, f.frame_index)
+        assert key not in outcome, f"{key} ended twice: {outcome[key]} and {how}"
+        outcome[key] = how
+        frames_of[f.source.partition].remove(f)
+
+    def reused(r: Reused) -> None:
+        ref = (r.frame.stream_id, r.reference)
+        assert outcome.get(ref) == "scored" and r.reference < r.frame.frame_index and r.verdict is verdict_of[ref]
+        ended(r.frame, "reused")
+
+    def offer(f: Frame, thumb: np.ndarray) -> None:
+        decision = reuse.offer(f, thumb)
+        if decision is Decision.SCORE:
+            inflight.append(f)
+        elif isinstance(decision, Reused):
+            reused(decision)
+
+    def finish(f: Frame, ok: bool) -> None:
+        inflight.remove(f)
+        if ok:
+            verdict_of[(f.stream_id, f.frame_index)] = v = Verdict({"nsfw": f.frame_index / 100}, ())
+            ended(f, "scored")
+            for r in reuse.scored(f, v):
+                reused(r)
+        else:
+            ended(f, "failed")
+            for held, thumb in reuse.ended(f):
+                offer(held, thumb)
+
+    for op in ops:
+        if op[0] == "frame":
+            _, s, partition, level = op
+            stream = f"s{s}p{partition}"
+            index = next_index[stream] = next_index.get(stream, -1) + 1
+            f = frame(index, capture_ms=40 * index, stream=stream, partition=partition)
+            f = dataclasses.replace(f, source=SourceRef(TOPIC, partition, 1000 * s + index))
+            frames_of[partition].append(f)
+            offer(f, thumb(level))
+        elif op[0] in ("verdict", "fail") and inflight:
+            finish(inflight[op[1] % len(inflight)], op[0] == "verdict")
+        elif op[0] == "release":
+            reuse.release([(TOPIC, op[1])])
+            for f in list(frames_of[op[1]]):
+                ended(f, "released")
+            inflight[:] = [f for f in inflight if f.source.partition != op[1]]
+    while inflight:
+        finish(inflight[0], True)
+    assert frames_of == {0: [], 1: []} and reuse.held == 0
