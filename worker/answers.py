@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from worker.batching import Batch
 from worker.frames import BatchOutcome, DeadLetter, Frame, Output, Status, Verdict
 from worker.metrics import Children, Metrics, exemplar, observe_many
+from worker.reuse import Reused
 from worker.schemas import ResultContext, reencode_frame, result_writer
 from worker.tracing import TRACING_OFF, FrameTraces, Tracing
 
@@ -33,6 +34,8 @@ class Answers:
         self._queue_wait = Children(metrics.queue_wait)
         self._end_to_end = Children(metrics.end_to_end_latency)
         self._input_pixels = Children(metrics.input_pixels)
+        self._reused = Children(metrics.frames_reused)
+        self._scored = Children(metrics.frames_scored)
 
     def of_batch(self, batch: Batch, outcome: BatchOutcome, now: float) -> list[Output]:
         """A finished batch's results (OK) and dead letters (frames the runtime refused)."""
@@ -47,6 +50,7 @@ class Answers:
                             "-" if batch.predicted_s is None else f"{batch.predicted_s * 1000.0:.1f}", run_ms)
         observe_many(self._input_pixels.labels(f"{batch.shape[0]}x{batch.shape[1]}"),
                      [frame.height * frame.width for frame in batch.frames])
+        self._scored.labels(batch.priority.label).inc(len(outcome.verdicts))
         traces = self.tracing.answer_batch(batch, outcome, now) if self.tracing.enabled else None
         trace_ids, first = (traces.trace_ids, exemplar(traces.first_trace_id)) if traces else (None, None)
         self.metrics.preprocess_latency.observe(outcome.preprocess_ms / 1000.0, first)
@@ -72,6 +76,19 @@ class Answers:
         return self._results([(frame, None, (now - frame.received_at) * 1000.0) for frame in frames], Status.EXPIRED,
                              0, 0.0, now, traces)
 
+    def reused(self, reused: Sequence[Reused], now: float) -> list[Output]:
+        """OK results for frames answered with their stream's reference verdict (worker.reuse): batch size and
+        inference time 0, `reused_from_frame` the reference's frame_index."""
+        outputs: list[Output] = []
+        for (reference, _), group in itertools.groupby(reused, key=lambda r: (r.reference, r.frame.priority)):
+            frames = list(group)
+            self._reused.labels(frames[0].frame.priority.label).inc(len(frames))
+            observe_many(self._end_to_end.labels(frames[0].frame.priority.label),
+                         [max(0.0, now - r.frame.capture_ts_ms / 1000.0) for r in frames])
+            outputs += self._results([(r.frame, r.verdict, (now - r.frame.received_at) * 1000.0) for r in frames],
+                                     Status.OK, 0, 0.0, now, reused_from=reference)
+        return outputs
+
     @staticmethod
     def dead_letter(frame: Frame, error_type: str, reason: str) -> Output:
         dl = DeadLetter(source=frame.source, reason=reason, error_type=error_type, payload=reencode_frame(frame),
@@ -79,8 +96,9 @@ class Answers:
         return Output.of_dead_letter(dl, frame.tenant)
 
     def _results(self, results: Sequence[tuple[Frame, Verdict | None, float]], status: Status, batch_size: int,
-                 run_ms: float, now: float, traces: FrameTraces | None = None) -> list[Output]:
-        values = self._writer.write_frames(results, status.value, batch_size, run_ms, now * 1000.0)
+                 run_ms: float, now: float, traces: FrameTraces | None = None,
+                 reused_from: int | None = None) -> list[Output]:
+        values = self._writer.write_frames(results, status.value, batch_size, run_ms, now * 1000.0, reused_from)
         # Keyed by stream so a stream's results stay ordered within one output partition.
         if traces is None:
             return [Output(frame.source, frame.stream_id.encode(), value, frame.tenant, status, headers=frame.headers)

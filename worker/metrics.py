@@ -119,6 +119,15 @@ class Metrics:
                                             ["topic", "error_type"], registry=r)
         self.frames_flagged = Counter("streamfer_frames_flagged_total", "Frames the model flagged, by label.",
                                       ["label"], registry=r)
+        self.frames_scored = Counter("streamfer_frames_scored_total", "Frames the model ran on, by class.",
+                                     ["priority"], registry=r)
+        self.frames_reused = Counter("streamfer_frames_reused_total",
+                                     "Frames answered with an earlier frame's verdict of their stream, the picture "
+                                     "unchanged (batching.<class>.reuse_max_age_ms), by class.", ["priority"],
+                                     registry=r)
+        self.reuse_streams = Gauge("streamfer_reuse_streams",
+                                   "Streams whose reference frame verdict reuse keeps (bounded, least recently seen "
+                                   "dropped first).", registry=r)
         self.batch_size = Histogram("streamfer_batch_size", "Frames per executed batch.", ["priority", "lane"],
                                     buckets=BATCH_SIZE_BUCKETS, registry=r)
         self.queue_wait = Histogram("streamfer_queue_wait_seconds",

@@ -36,6 +36,7 @@ from worker.metrics import Health, Metrics
 from worker.offsets import CommitOutcome, OffsetTracker
 from worker.ports import Executor, Source
 from worker.reading import Reader
+from worker.reuse import FrameReuse
 from worker.schemas import ResultContext
 from worker.tracing import TRACING_OFF, Tracing
 
@@ -88,7 +89,11 @@ class Pipeline:
         self.tracing = tracing
         self.answers = Answers(metrics, ResultContext(executor.model_name, executor.model_version,
                                                       settings.observability.worker_id, result_framing), tracing)
-        self.reader = Reader(settings, self.tracker, self.duplicates, self.batcher, self.answers, self.flow, metrics)
+        # Verdict reuse (issue 59), this worker's own: a class with reuse_max_age_ms 0 never reaches it.
+        self.reuse = FrameReuse({p: settings.batching.for_class(p).reuse_max_age_ms for p in Priority},
+                                settings.batching.reuse_change_threshold)
+        self.reader = Reader(settings, self.tracker, self.duplicates, self.batcher, self.answers, self.flow, metrics,
+                             self.reuse)
         self._counts = RunSummary()
         self._inflight = InFlight(self.batcher, executor, settings.delivery.max_inflight_batches,
                                   settings.batching.release_when_idle, metrics)
@@ -206,6 +211,7 @@ class Pipeline:
         self._counts.batches += 1
         self._counts.frames_batched += outcome.batch_size
         self._outputs.extend(self.answers.of_batch(batch, outcome, self.clock()))
+        self._outputs.extend(self.reader.verdicts_known(outcome, self.clock()))
 
     def _expire(self) -> None:
         expired = self.batcher.pop_expired()
@@ -213,6 +219,7 @@ class Pipeline:
             return
         self._counts.expired += len(expired)
         self._outputs.extend(self.answers.expired(expired, self.clock()))
+        self._outputs.extend(self.reader.expired(expired, self.clock()))
         self.flow.record_expired(Counter(f.priority for f in expired))
 
     # -- producing and committing ---------------------------------------------------------------------------
@@ -238,6 +245,7 @@ class Pipeline:
         transaction's reports go to delivery first: an output refused in it is dead-lettered when read again."""
         self._acknowledge()
         self.batcher.discard(lambda _frame: True)
+        self.reuse.clear()
         self._inflight.finished(wait=True)  # let them finish; their outputs are stale with the rest
         self._outputs.clear()
         assigned = sorted(self.assignments.partitions)
@@ -293,6 +301,10 @@ class Pipeline:
     def _release(self, tps: list[TP]) -> None:  # their assignment: the source releases it after this
         self.delivery.release(tps)
         self.duplicates.release(tps)
+        self.reuse.release(tps)
+        if self.reuse.any_enabled:  # frames verdict reuse offered again while the partitions were being finished
+            released = set(tps)
+            self.batcher.discard(lambda f: f.source.topic_partition in released)
         for topic, partition in tps:
             try:
                 self.metrics.consumer_lag.remove(topic, str(partition))
@@ -303,9 +315,12 @@ class Pipeline:
         """Graceful stop: no new input; run everything pending, deliver, commit."""
         self.source.pause_classes(set(Priority))
         self._expire()
-        for batch in self.batcher.flush():
-            self._inflight.dispatch(batch)
-        self._collect_finished(wait=True)
+        while True:  # a reference that fails sends the frames held for it (verdict reuse) to the batcher again
+            for batch in self.batcher.flush():
+                self._inflight.dispatch(batch)
+            self._collect_finished(wait=True)
+            if not self.batcher.pending_frames:
+                break
         self._emit()
         self._commit(final=True)
         summary = self.summary

@@ -12,10 +12,12 @@ from worker.batching import MicroBatcher
 from worker.config import Settings
 from worker.dedup import DuplicateFrames, duplicate_reason
 from worker.flow import FlowControl
-from worker.frames import DUPLICATE_FRAME, Frame, Output, Priority
+from worker.frames import DUPLICATE_FRAME, BatchOutcome, Frame, Output, Priority
 from worker.kafka.consumer import Polled
 from worker.metrics import Children, Metrics
 from worker.offsets import OffsetTracker
+from worker.reuse import Decision, FrameReuse, Reused
+from worker.thumbnail import Thumbnail, thumbnail
 
 
 @dataclass
@@ -30,7 +32,8 @@ class Reader:
     """Sorts each poll's messages to their first stage; see the module docstring."""
 
     def __init__(self, settings: Settings, tracker: OffsetTracker, duplicates: DuplicateFrames,
-                 batcher: MicroBatcher, answers: Answers, flow: FlowControl, metrics: Metrics) -> None:
+                 batcher: MicroBatcher, answers: Answers, flow: FlowControl, metrics: Metrics,
+                 reuse: FrameReuse | None = None) -> None:
         self._tracker = tracker
         self._duplicates = duplicates
         self._batcher = batcher
@@ -39,6 +42,8 @@ class Reader:
         self._metrics = metrics
         self._consumed = Children(metrics.frames_consumed)
         self._max_age_s = {p: settings.batching.for_class(p).max_age_ms / 1000.0 for p in Priority}
+        # Verdict reuse, for the classes that turn it on (None: no class does, and no frame pays for it).
+        self._reuse = reuse if reuse is not None and reuse.any_enabled else None
 
     def take(self, polled: Polled, now: float) -> Taken:
         # Track in each partition's offset order (the tracker refuses an offset below one already read).
@@ -53,6 +58,7 @@ class Reader:
         if polled.frames:
             self._metrics.count_by_tenant(self._consumed, polled.frames)
         late: list[Frame] = []
+        reused: list[Reused] = []
         oldest: dict[Priority, int] = {}  # capture_ts_ms of the oldest frame read, per class
         for frame in polled.frames:
             if frame.capture_ts_ms < oldest.get(frame.priority, frame.capture_ts_ms + 1):
@@ -65,8 +71,14 @@ class Reader:
                                                                duplicate_reason(identity, first)))
             elif self._past_deadline(frame, now):
                 late.append(frame)  # answered EXPIRED at the cost of reading it: no batcher, no runtime
-            else:
+            elif self._reuse is None or not self._reuse.enabled(frame.priority):
                 self._batcher.add(frame)
+            else:
+                self._score_or_reuse(frame, None, reused)
+        if reused:
+            taken.outputs.extend(self._answers.reused(reused, now))
+        if self._reuse is not None:
+            self._metrics.reuse_streams.set(self._reuse.streams)
         if late:
             taken.outputs.extend(self._answers.expired(late, now))
             taken.expired = len(late)
@@ -86,3 +98,40 @@ class Reader:
         """The batcher's expiry rule (capture + class max_age_ms < now), applied as a frame is read."""
         max_age_s = self._max_age_s[frame.priority]
         return max_age_s > 0 and frame.capture_ts_ms / 1000.0 + max_age_s < now
+
+    # -- verdict reuse (worker.reuse) -------------------------------------------------------------------------
+    def _score_or_reuse(self, frame: Frame, thumb: Thumbnail | None, reused: list[Reused]) -> None:
+        """The frame to the batcher (a new reference), to `reused` (answered now), or held by the policy."""
+        assert self._reuse is not None
+        if thumb is None:
+            thumb = thumbnail(frame)
+            if thumb is None:
+                self._batcher.add(frame)  # the runtime dead-letters it, with the reason
+                return
+        decision = self._reuse.offer(frame, thumb)
+        if decision is Decision.SCORE:
+            self._batcher.add(frame)
+        elif isinstance(decision, Reused):
+            reused.append(decision)
+
+    def verdicts_known(self, outcome: BatchOutcome, now: float) -> list[Output]:
+        """Frames held for a reference of this batch answered with its verdict; those held for a reference that
+        failed offered again (scored, or held for a new reference)."""
+        if self._reuse is None:
+            return []
+        reused = [r for frame, verdict in outcome.verdicts for r in self._reuse.scored(frame, verdict)]
+        for failure in outcome.failures:
+            for frame, thumb in self._reuse.ended(failure.frame):
+                self._score_or_reuse(frame, thumb, reused)
+        return self._answers.reused(reused, now) if reused else []
+
+    def expired(self, frames: list[Frame], now: float) -> list[Output]:
+        """Frames answered EXPIRED: those held for one of them as their reference are offered again (each
+        expires in turn by its own deadline, never lost)."""
+        if self._reuse is None:
+            return []
+        reused: list[Reused] = []
+        for ended in frames:
+            for frame, thumb in self._reuse.ended(ended):
+                self._score_or_reuse(frame, thumb, reused)
+        return self._answers.reused(reused, now) if reused else []

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from worker.config.fields import setting
 from worker.frames import Priority
 
+# The default change threshold of verdict reuse (bench/reuse.py measured it; docs/operations.md).
+REUSE_CHANGE_THRESHOLD = 8.0
+
 
 @dataclass(frozen=True)
 class ClassSettings:
@@ -32,6 +35,12 @@ class ClassSettings:
         "cost model's choice (within it) and a realtime backlog (counted in realtime batches) follow it; CUDA graphs "
         "are captured up to the largest of the classes', since a runner runs every class's batches, and warm-up "
         "calibrates sizes up to it. `max_pending_frames` and `delivery.max_uncommitted_frames` must hold the largest"))
+    reuse_max_age_ms: float = setting(0.0, ge=0, unit="ms", hint="0 = off", doc=(
+        "verdict reuse (opt-in): a frame whose picture differs from its stream's last scored frame (the reference) by "
+        "less than `batching.reuse_change_threshold`, with the same shape, captured at most this long after the "
+        "reference, is answered with the reference's verdict (`reused_from_frame` in the result) without running the "
+        "model; any larger change is scored and becomes the reference. A change smaller than the threshold that "
+        "lasts less than this is missed. 0 = off (no thumbnail is computed). See [operations.md](operations.md)"))
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,14 @@ class BatchingSettings:
     max_pending_bytes: int = setting(512 * 1024 * 1024, ge=1024, unit="bytes", doc=(
         "tensor bytes (counted as for `max_batch_bytes`) held before the source pauses; a poll reads no more than fit "
         "at the largest frame seen, so only frames larger than any before can pass it, by one poll"))
+    reuse_change_threshold: float = setting(REUSE_CHANGE_THRESHOLD, gt=0, le=255, doc=(
+        "for classes with `reuse_max_age_ms`: the largest difference (0..255) between the cells of two frames' "
+        "grayscale thumbnails (at most 32x32 cells, each the mean of its block of the frame) below which a frame "
+        "counts as unchanged from its reference. On H.264 clips of real photos (bench/reuse.py) sensor noise moved "
+        "it at most 1.3 from frame to frame and every cut, flash, or object of 5% of the frame entering or leaving "
+        "at least 84; at 8 no reused frame's open_nsfw score differed from its own by more than 0.016. Higher "
+        "reuses more of a slow pan (16: 72% of that clip against 54%) and lets smaller changes through: a change "
+        "must move one cell's mean brightness (a block of about 40x23 pixels at 720p) by the threshold to be scored"))
     realtime: ClassSettings = setting(default_factory=lambda: ClassSettings(
         max_wait_ms=5, max_age_ms=2_000, weight=8, latency_budget_ms=250, pending_share=1.0), doc=(
         "the realtime class: the [batching.realtime] table"))
