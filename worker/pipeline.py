@@ -36,7 +36,6 @@ from worker.metrics import Health, Metrics
 from worker.offsets import CommitOutcome, OffsetTracker
 from worker.ports import Executor, Source
 from worker.reading import Reader
-from worker.reuse import FrameReuse
 from worker.schemas import ResultContext
 from worker.tracing import TRACING_OFF, Tracing
 
@@ -89,11 +88,7 @@ class Pipeline:
         self.tracing = tracing
         self.answers = Answers(metrics, ResultContext(executor.model_name, executor.model_version,
                                                       settings.observability.worker_id, result_framing), tracing)
-        # Verdict reuse (issue 59), this worker's own: a class with reuse_max_age_ms 0 never reaches it.
-        self.reuse = FrameReuse({p: settings.batching.for_class(p).reuse_max_age_ms for p in Priority},
-                                settings.batching.reuse_change_threshold)
-        self.reader = Reader(settings, self.tracker, self.duplicates, self.batcher, self.answers, self.flow, metrics,
-                             self.reuse)
+        self.reader = Reader(settings, self.tracker, self.duplicates, self.batcher, self.answers, self.flow, metrics)
         self._counts = RunSummary()
         self._inflight = InFlight(self.batcher, executor, settings.delivery.max_inflight_batches,
                                   settings.batching.release_when_idle, metrics)
@@ -162,19 +157,12 @@ class Pipeline:
             self.delivery.commits_reported(polled.commits)
         self._input_drained = polled.drained
         self.flow.pinned_frames = polled.pinned_frames
-        if polled.redelivered:
-            self.metrics.redelivered.inc(polled.redelivered)
-        if polled.committed_offset_waits:
-            self.metrics.committed_offset_waits.inc(polled.committed_offset_waits)
         if polled.frames or polled.dead_letters:
             self._last_activity = self.clock()
         taken = self.reader.take(polled, self.clock())
         self._outputs.extend(taken.outputs)
         self._counts.expired += taken.expired
         self._counts.consumed += len(polled.frames) + len(polled.dead_letters)
-        self.metrics.inflight_frames.set(self.tracker.in_flight())
-        self.metrics.uncommitted_frames.set(self.tracker.uncommitted())
-        self.metrics.inflight_bytes.set(self.batcher.pending_bytes)
 
     def _idle_for(self) -> float:
         if self._last_activity is None:
@@ -245,7 +233,7 @@ class Pipeline:
         transaction's reports go to delivery first: an output refused in it is dead-lettered when read again."""
         self._acknowledge()
         self.batcher.discard(lambda _frame: True)
-        self.reuse.clear()
+        self.reader.forget_all()
         self._inflight.finished(wait=True)  # let them finish; their outputs are stale with the rest
         self._outputs.clear()
         assigned = sorted(self.assignments.partitions)
@@ -301,10 +289,7 @@ class Pipeline:
     def _release(self, tps: list[TP]) -> None:  # their assignment: the source releases it after this
         self.delivery.release(tps)
         self.duplicates.release(tps)
-        self.reuse.release(tps)
-        if self.reuse.any_enabled:  # frames verdict reuse offered again while the partitions were being finished
-            released = set(tps)
-            self.batcher.discard(lambda f: f.source.topic_partition in released)
+        self.reader.release(tps)
         for topic, partition in tps:
             try:
                 self.metrics.consumer_lag.remove(topic, str(partition))
@@ -315,12 +300,11 @@ class Pipeline:
         """Graceful stop: no new input; run everything pending, deliver, commit."""
         self.source.pause_classes(set(Priority))
         self._expire()
-        while True:  # a reference that fails sends the frames held for it (verdict reuse) to the batcher again
+        # Until nothing is pending: a reference that fails sends the frames held for it (verdict reuse) back.
+        while self.batcher.pending_frames or self._inflight:
             for batch in self.batcher.flush():
                 self._inflight.dispatch(batch)
             self._collect_finished(wait=True)
-            if not self.batcher.pending_frames:
-                break
         self._emit()
         self._commit(final=True)
         summary = self.summary

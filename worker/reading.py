@@ -12,7 +12,7 @@ from worker.batching import MicroBatcher
 from worker.config import Settings
 from worker.dedup import DuplicateFrames, duplicate_reason
 from worker.flow import FlowControl
-from worker.frames import DUPLICATE_FRAME, BatchOutcome, Frame, Output, Priority
+from worker.frames import DUPLICATE_FRAME, TP, BatchOutcome, Frame, Output, Priority
 from worker.kafka.consumer import Polled
 from worker.metrics import Children, Metrics
 from worker.offsets import OffsetTracker
@@ -32,8 +32,7 @@ class Reader:
     """Sorts each poll's messages to their first stage; see the module docstring."""
 
     def __init__(self, settings: Settings, tracker: OffsetTracker, duplicates: DuplicateFrames,
-                 batcher: MicroBatcher, answers: Answers, flow: FlowControl, metrics: Metrics,
-                 reuse: FrameReuse | None = None) -> None:
+                 batcher: MicroBatcher, answers: Answers, flow: FlowControl, metrics: Metrics) -> None:
         self._tracker = tracker
         self._duplicates = duplicates
         self._batcher = batcher
@@ -42,8 +41,11 @@ class Reader:
         self._metrics = metrics
         self._consumed = Children(metrics.frames_consumed)
         self._max_age_s = {p: settings.batching.for_class(p).max_age_ms / 1000.0 for p in Priority}
-        # Verdict reuse, for the classes that turn it on (None: no class does, and no frame pays for it).
-        self._reuse = reuse if reuse is not None and reuse.any_enabled else None
+        # Verdict reuse (issue 59), this worker's own, for the classes that turn it on (`_reuse` None: no class
+        # does, and no frame pays for it).
+        self.reuse = FrameReuse({p: settings.batching.for_class(p).reuse_max_age_ms for p in Priority},
+                                settings.batching.reuse_change_threshold)
+        self._reuse = self.reuse if self.reuse.any_enabled else None
 
     def take(self, polled: Polled, now: float) -> Taken:
         # Track in each partition's offset order (the tracker refuses an offset below one already read).
@@ -92,7 +94,18 @@ class Reader:
         by_partition.update(dl.source.topic_partition for dl in polled.dead_letters)
         self._flow.record_read(by_class, Counter(f.priority for f in late),
                                {p: ms / 1000.0 for p, ms in oldest.items()}, polled.drained, by_partition)
+        self._record(polled)
         return taken
+
+    def _record(self, polled: Polled) -> None:
+        """The poll's counters, and the gauges of what is read and not yet done."""
+        if polled.redelivered:
+            self._metrics.redelivered.inc(polled.redelivered)
+        if polled.committed_offset_waits:
+            self._metrics.committed_offset_waits.inc(polled.committed_offset_waits)
+        self._metrics.inflight_frames.set(self._tracker.in_flight())
+        self._metrics.uncommitted_frames.set(self._tracker.uncommitted())
+        self._metrics.inflight_bytes.set(self._batcher.pending_bytes)
 
     def _past_deadline(self, frame: Frame, now: float) -> bool:
         """The batcher's expiry rule (capture + class max_age_ms < now), applied as a frame is read."""
@@ -100,6 +113,18 @@ class Reader:
         return max_age_s > 0 and frame.capture_ts_ms / 1000.0 + max_age_s < now
 
     # -- verdict reuse (worker.reuse) -------------------------------------------------------------------------
+    def release(self, tps: list[TP]) -> None:
+        """Partitions given up: their streams' references forgotten, and the frames verdict reuse offered again
+        while the partitions were being finished taken back from the batcher (the next owner reads them)."""
+        if self._reuse is not None:
+            self._reuse.release(tps)
+            released = set(tps)
+            self._batcher.discard(lambda f: f.source.topic_partition in released)
+
+    def forget_all(self) -> None:
+        """A rewind: everything read since the last commit is read again, references included."""
+        self.reuse.clear()
+
     def _score_or_reuse(self, frame: Frame, thumb: Thumbnail | None, reused: list[Reused]) -> None:
         """The frame to the batcher (a new reference), to `reused` (answered now), or held by the policy."""
         assert self._reuse is not None
