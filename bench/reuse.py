@@ -43,7 +43,7 @@ from worker.frames import Encoding, Frame, Priority, SourceRef, Verdict
 from worker.metrics import Health, Metrics
 from worker.pipeline import build_pipeline
 from worker.reuse import Decision, FrameReuse
-from worker.runtime.decode import check_frame, decode_frame
+from worker.runtime.decode import check_frame, decode_pixels
 from worker.runtime.start import start_runtime
 from worker.schemas import FrameRecord, encode_frame
 from worker.testing import InMemoryKafka
@@ -220,7 +220,7 @@ def thumbnail_cost(repeats: int) -> list[dict[str, Any]]:
     for size in ((1280, 720), (1920, 1080)):
         frame = jpeg_frame(_crop(photo("astronaut"), 0, *size), 0, "cost")
         parts: dict[str, Callable[[], Any]] = {
-            "full_decode": lambda f=frame: decode_frame(f), "thumbnail": lambda f=frame: thumbnail(f),
+            "full_decode": lambda f=frame: decode_pixels(f), "thumbnail": lambda f=frame: thumbnail(f),
             "check_walk": lambda f=frame: check_frame(f),
             "scaled_decode": lambda f=frame: simplejpeg.decode_jpeg(f.data, colorspace="GRAY", min_height=1,
                                                                       min_width=1)}

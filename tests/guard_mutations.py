@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DELIVERY, SOURCE, PIPELINE = "worker/delivery.py", "worker/kafka/consumer.py", "worker/pipeline.py"
-FLOW, READING = "worker/flow.py", "worker/reading.py"
+FLOW, READING = "worker/flow.py", "worker/admission.py"
 
 # (guard, file, the code that implements it, the code without it)
 MUTATIONS = [

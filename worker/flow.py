@@ -1,7 +1,8 @@
 """Flow control at the consumer: which partitions the loop reads now and how many frames a poll may take. Four
-rules meet here: the batcher's backpressure, the uncommitted cap, reading by priority (`worker.intake`, the pure
-policy), for which this module sums each class's backlog in Kafka from the source, and fair reading within a class
-(`worker.fairness`), which holds the partitions read ahead of their siblings."""
+rules meet here: the batcher's backpressure, the uncommitted cap, reading by priority
+(`worker.priority_reading`, the pure policy), for which this module sums each class's backlog in Kafka from the
+source, and fair reading within a class (`worker.fairness`), which holds the partitions read ahead of their
+siblings."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from worker.batching import MicroBatcher
 from worker.config import Settings
 from worker.fairness import FairDecision, PartitionFairness
 from worker.frames import TP, Priority
-from worker.intake import IntakeDecision, PriorityIntake
 from worker.metrics import Children, Metrics
 from worker.offsets import OffsetTracker
 from worker.ports import Source
+from worker.priority_reading import PriorityReading, PriorityReadingDecision
 
 # How often the partitions' backlogs in Kafka are read for reading by priority and fair reading (positions and
 # cached watermarks: no broker request, ~15 us for nine partitions).
@@ -33,8 +34,8 @@ class FlowControl:
         self._tracker = tracker
         self._metrics = metrics
         self._clock = clock
-        self.intake = PriorityIntake(settings.batching, clock) if settings.batching.read_by_priority else None
-        self._decision = IntakeDecision()
+        self.by_priority = PriorityReading(settings.batching, clock) if settings.batching.read_by_priority else None
+        self._decision = PriorityReadingDecision()
         self.fairness = PartitionFairness(settings.batching, clock)
         self._fair = FairDecision()
         self.class_of_topic = settings.topics.input_topics()
@@ -74,8 +75,8 @@ class FlowControl:
         the uncommitted cap is reached (commits are failing: what more the worker read, a lost session would
         answer again)."""
         self._refresh_lag()
-        if self.intake is not None:
-            self._read_by_priority(self.intake)
+        if self.by_priority is not None:
+            self._read_by_priority(self.by_priority)
         if self._tracker.uncommitted() - self.pinned_frames >= self._settings.max_uncommitted_frames:
             self.paused = set(Priority)
         else:
@@ -90,13 +91,13 @@ class FlowControl:
         """What a poll read per class (frames and dead letters), which of its frames were past their deadline, each
         class's oldest capture time read, whether it emptied the consumer's queue, and what it read per partition."""
         self.fairness.record_read(by_partition, self._class_of)
-        if self.intake is not None:
-            self.intake.record_read(read, late, oldest_s, drained if len(self.paused) < len(Priority) else None)
+        if self.by_priority is not None:
+            self.by_priority.record_read(read, late, oldest_s, drained if len(self.paused) < len(Priority) else None)
 
     def record_expired(self, expired: Counter[Priority]) -> None:
         """Frames that expired waiting for a batch, per class."""
-        if self.intake is not None:
-            self.intake.record_expired(expired)
+        if self.by_priority is not None:
+            self.by_priority.record_expired(expired)
 
     def _class_of(self, tp: TP) -> Priority:
         return self.class_of_topic[tp[0]]
@@ -112,10 +113,10 @@ class FlowControl:
                 backlog[self.class_of_topic[topic]] += lag
             self._backlog = dict(backlog)
 
-    def _read_by_priority(self, intake: PriorityIntake) -> None:
-        """Ask the intake policy which classes to pause for a more urgent class's backlog in Kafka."""
+    def _read_by_priority(self, policy: PriorityReading) -> None:
+        """Ask the reading-by-priority policy which classes to pause for a more urgent class's backlog in Kafka."""
         before = self._decision
-        decision = self._decision = intake.decide(self._backlog)
+        decision = self._decision = policy.decide(self._backlog)
         if decision == before:
             return
         for p in Priority:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from confluent_kafka import Consumer, Producer
 
+from worker.admission import Admission
 from worker.answers import Answers
 from worker.batching import Batch, MicroBatcher, batch_shape
 from worker.config import Settings, resolve_inflight_batches
@@ -35,7 +36,6 @@ from worker.kafka.registry import RegistryLink
 from worker.metrics import Health, Metrics
 from worker.offsets import CommitOutcome, OffsetTracker
 from worker.ports import Executor, Source
-from worker.reading import Reader
 from worker.schemas import ResultContext
 from worker.tracing import TRACING_OFF, Tracing
 
@@ -88,7 +88,8 @@ class Pipeline:
         self.tracing = tracing
         self.answers = Answers(metrics, ResultContext(executor.model_name, executor.model_version,
                                                       settings.observability.worker_id, result_framing), tracing)
-        self.reader = Reader(settings, self.tracker, self.duplicates, self.batcher, self.answers, self.flow, metrics)
+        self.admission = Admission(settings, self.tracker, self.duplicates, self.batcher, self.answers, self.flow,
+                                   metrics)
         self._counts = RunSummary()
         self._inflight = InFlight(self.batcher, executor, settings.delivery.max_inflight_batches,
                                   settings.batching.release_when_idle, metrics)
@@ -159,7 +160,7 @@ class Pipeline:
         self.flow.pinned_frames = polled.pinned_frames
         if polled.frames or polled.dead_letters:
             self._last_activity = self.clock()
-        taken = self.reader.take(polled, self.clock())
+        taken = self.admission.take(polled, self.clock())
         self._outputs.extend(taken.outputs)
         self._counts.expired += taken.expired
         self._counts.consumed += len(polled.frames) + len(polled.dead_letters)
@@ -199,7 +200,7 @@ class Pipeline:
         self._counts.batches += 1
         self._counts.frames_batched += outcome.batch_size
         self._outputs.extend(self.answers.of_batch(batch, outcome, self.clock()))
-        self._outputs.extend(self.reader.verdicts_known(outcome, self.clock()))
+        self._outputs.extend(self.admission.verdicts_known(outcome, self.clock()))
 
     def _expire(self) -> None:
         expired = self.batcher.pop_expired()
@@ -207,7 +208,7 @@ class Pipeline:
             return
         self._counts.expired += len(expired)
         self._outputs.extend(self.answers.expired(expired, self.clock()))
-        self._outputs.extend(self.reader.expired(expired, self.clock()))
+        self._outputs.extend(self.admission.expired(expired, self.clock()))
         self.flow.record_expired(Counter(f.priority for f in expired))
 
     # -- producing and committing ---------------------------------------------------------------------------
@@ -233,7 +234,7 @@ class Pipeline:
         transaction's reports go to delivery first: an output refused in it is dead-lettered when read again."""
         self._acknowledge()
         self.batcher.discard(lambda _frame: True)
-        self.reader.forget_all()
+        self.admission.forget_all()
         self._inflight.finished(wait=True)  # let them finish; their outputs are stale with the rest
         self._outputs.clear()
         assigned = sorted(self.assignments.partitions)
@@ -289,7 +290,7 @@ class Pipeline:
     def _release(self, tps: list[TP]) -> None:  # their assignment: the source releases it after this
         self.delivery.release(tps)
         self.duplicates.release(tps)
-        self.reader.release(tps)
+        self.admission.release(tps)
         for topic, partition in tps:
             try:
                 self.metrics.consumer_lag.remove(topic, str(partition))

@@ -29,18 +29,18 @@ def thumbnail(frame: Frame) -> Thumbnail | None:
 
     The decoder is imported here, not at the top: worker.runtime's package loads torch, which the loop's modules
     leave to the runtime (a worker with reuse on has it loaded already)."""
-    from worker.runtime.decode import FrameDecodeError, decode_frame
+    from worker.runtime.decode import FrameDecodeError, decode_pixels
 
     try:
-        return _area_average(_gray(frame, decode_frame))
+        return _area_average(_gray(frame, decode_pixels))
     except FrameDecodeError:
         return None
 
 
-def _gray(frame: Frame, decode_frame: Callable[..., np.ndarray]) -> np.ndarray:
+def _gray(frame: Frame, decode_pixels: Callable[..., np.ndarray]) -> np.ndarray:
     if frame.encoding is Encoding.JPEG:
-        return decode_frame(frame, channels=1, min_hw=(1, 1))[:, :, 0]  # 1/8 scale: jpeg_scale picks 8
-    sub = decode_frame(frame, channels=frame.channels)[::RAW_STEP, ::RAW_STEP].astype(np.float32)
+        return decode_pixels(frame, channels=1, min_hw=(1, 1))[:, :, 0]  # 1/8 scale: jpeg_scale picks 8
+    sub = decode_pixels(frame, channels=frame.channels)[::RAW_STEP, ::RAW_STEP].astype(np.float32)
     return sub @ _LUMA if sub.shape[2] == 3 else sub.mean(axis=2)
 
 

@@ -107,14 +107,14 @@ def test_reused_frames_are_answered_once_never_committed_before_their_reference_
     a = start(kafka_bootstrap, topics, "a")
     workers.append(a)
     wait_for(lambda: reused(a) + scored(a) >= sent, WAIT_S, "the first worker answers the backlog")
-    assert a.pipeline.reader.reuse.partitions == {(topics.realtime, p) for p in range(PARTITIONS)}
+    assert a.pipeline.admission.reuse.partitions == {(topics.realtime, p) for p in range(PARTITIONS)}
 
     b = start(kafka_bootstrap, topics, "b")  # a join: one partition moves from a to b
     workers.append(b)
     wait_for(lambda: realtime_owned(a) == realtime_owned(b) == 1, WAIT_S,
              "the two workers share the realtime partitions")
     # The partition a gave up took its streams' state with it.
-    assert a.pipeline.reader.reuse.partitions <= a.pipeline.assignments.partitions
+    assert a.pipeline.admission.reuse.partitions <= a.pipeline.assignments.partitions
     sent += publish(kafka_bootstrap, topics, FRAMES_PER_ROUND)
 
     results = ResultsReader(kafka_bootstrap, topics).read(sent, timeout_s=WAIT_S)

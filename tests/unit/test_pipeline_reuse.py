@@ -91,7 +91,7 @@ def test_a_reused_frame_is_not_committed_before_its_reference_is_answered() -> N
     w.assign([RT0])
     w.step(4)
     assert results(w) == {} and w.committed(RT0) in (None, 0)
-    assert w.pipeline.reader.reuse.held == 4
+    assert w.pipeline.admission.reuse.held == 4
     w.executor.release()
     w.step(3)
     assert sorted(results(w)) == [0, 1, 2, 3, 4] and w.committed(RT0) == 5
@@ -133,10 +133,10 @@ def test_a_revoked_partition_leaves_no_reuse_state_and_its_next_reading_scores_a
     w.kafka.append(RT0, *(picture("cam", i, 80) for i in range(3)))
     w.assign([RT0])
     w.step(3)
-    assert w.pipeline.reader.reuse.streams == 1
+    assert w.pipeline.admission.reuse.streams == 1
     w.kafka.rebalance("revoke", [RT0])
     w.step()
-    assert w.pipeline.reader.reuse.streams == 0 and w.committed(RT0) == 3
+    assert w.pipeline.admission.reuse.streams == 0 and w.committed(RT0) == 3
     w.kafka.append(RT0, *(picture("cam", i, 80) for i in range(3, 5)))
     w.assign([RT0])
     w.step(3)
@@ -150,7 +150,7 @@ def test_a_lost_partition_drops_its_held_frames_uncommitted() -> None:
     w.step(3)
     w.kafka.rebalance("lost", [RT0])
     w.step()
-    assert w.pipeline.reader.reuse.streams == 0 and w.pipeline.reader.reuse.held == 0
+    assert w.pipeline.admission.reuse.streams == 0 and w.pipeline.admission.reuse.held == 0
     w.executor.release()  # the stale batch finishes: nothing of the lost partition is answered or committed
     w.step(2)
     assert results(w) == {} and w.committed(RT0) in (None, 0)
@@ -172,5 +172,5 @@ def test_with_reuse_off_every_frame_is_scored_and_no_stream_is_kept() -> None:
     w.step(4)
     assert ran(w) == [0, 1, 2, 3, 4]
     assert all(r["reused_from_frame"] is None for r in results(w).values())
-    assert w.pipeline.reader.reuse.streams == 0
+    assert w.pipeline.admission.reuse.streams == 0
     assert offsets(w.results(), RT0) == [0, 1, 2, 3, 4]

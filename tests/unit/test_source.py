@@ -20,9 +20,9 @@ import worker.kafka.consumer as source_module
 from worker.config import KafkaSettings, ObservabilitySettings, Settings, load_settings
 from worker.errors import OperatorError, StreamferError
 from worker.frames import Priority
+from worker.kafka.committed import COMMITTED_LOOKUP_TIMEOUT_S, COMMITTED_RETRY_FIRST_S
 from worker.kafka.consumer import FrameSource
 from worker.kafka.membership import REFENCED_WITHIN_S, SourceError
-from worker.kafka.positions import COMMITTED_LOOKUP_TIMEOUT_S, COMMITTED_RETRY_FIRST_S
 from worker.offsets import CommitOutcome
 from worker.testing import FakeClock, FakeMessage, frame_value
 from worker.testing import FakeConsumer as KitConsumer

@@ -1,6 +1,6 @@
 """The Kafka consumer side: subscription to the per-priority input topics, decoding, pausing by class,
 rebalance callbacks, offset commits and their outcomes (returned by the poll that served them). The I/O only:
-where a partition is read from is decided in worker.kafka.positions, what is read and what is done in the
+where a partition is read from is decided in worker.kafka.committed, what is read and what is done in the
 pipeline.
 """
 
@@ -27,9 +27,9 @@ from worker.config import Settings, group_instance_id_problem
 from worker.errors import OperatorError, StreamferError
 from worker.frames import MESSAGE_DECODE_ERROR, TP, DeadLetter, Frame, Priority, SourceRef
 from worker.kafka.client import ClientFactory, client_properties, new_client
+from worker.kafka.committed import COMMITTED_LOOKUP_TIMEOUT_S, CommittedPositions
 from worker.kafka.errors import UNKNOWN_TOPIC, BrokerStatus, Identity, RefusalStreak, classify_consumer_error
 from worker.kafka.membership import GroupMembership
-from worker.kafka.positions import COMMITTED_LOOKUP_TIMEOUT_S, CommittedPositions
 from worker.kafka.schemalookups import HeldFrames
 from worker.offsets import CommitOutcome
 from worker.schemas import MessageDecodeError, decode_frame
@@ -479,7 +479,7 @@ class FrameSource:
         return self._positions.waiting
 
     def _seek_awaiting(self) -> None:
-        """Ask for the committed offsets of the waiting partitions that are due (worker.kafka.positions decides
+        """Ask for the committed offsets of the waiting partitions that are due (worker.kafka.committed decides
         which, and how many per poll); seek and resume those answered."""
         sought = False
         # Highest class first, so its fetches start first (in topic-name order bulk went first after each

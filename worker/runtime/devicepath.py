@@ -44,7 +44,7 @@ import torchvision.io as tvio
 from PIL import Image
 
 from worker.frames import Frame
-from worker.runtime.decode import FrameDecodeError, check_frame, decode_frame
+from worker.runtime.decode import FrameDecodeError, check_frame, decode_pixels
 from worker.runtime.models import ModelContract
 from worker.runtime.preprocess import (
     HostBatch,
@@ -250,7 +250,7 @@ class DevicePreprocessor:
             return _Staged(index, frame)
         # A raw frame is uploaded as it is (its channels converted as on the CPU path); a CMYK JPEG (print files,
         # never video) is decoded on the host as on the CPU path, which neither nvJPEG nor libjpeg's RGB output do.
-        pixels = decode_frame(frame, frame.channels if info is None else self.contract.channels)
+        pixels = decode_pixels(frame, frame.channels if info is None else self.contract.channels)
         return _Staged(index, frame, np.ascontiguousarray(to_channels(pixels, self.contract.channels)))
 
     def _stage(self, staged: list[_Staged]) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch
 from PIL import Image
 
 from worker.frames import Encoding, Frame
-from worker.runtime.decode import FrameDecodeError, decode_frame, fitting_row
+from worker.runtime.decode import FrameDecodeError, decode_pixels, fitting_row
 from worker.runtime.models import ModelContract
 
 
@@ -365,7 +365,7 @@ class Preprocessor:
             targets = [resize_target(c, (frame.height, frame.width)) for c in self.contracts]
             if all(t is not None for t in targets):
                 min_hw = (max(cast(tuple, t)[0] for t in targets), max(cast(tuple, t)[1] for t in targets))
-        return decode_frame(frame, channels, min_hw=min_hw, out=out)
+        return decode_pixels(frame, channels, min_hw=min_hw, out=out)
 
     @staticmethod
     def _fit(decoded: np.ndarray, contract: ModelContract, frame: Frame,

@@ -21,14 +21,14 @@ from worker.thumbnail import Thumbnail, thumbnail
 
 
 @dataclass
-class Taken:
+class Admitted:
     """What the loop answers at once for one poll (the rest is in the batcher)."""
 
     outputs: list[Output] = field(default_factory=list)
     expired: int = 0  # frames answered EXPIRED as they were read
 
 
-class Reader:
+class Admission:
     """Sorts each poll's messages to their first stage; see the module docstring."""
 
     def __init__(self, settings: Settings, tracker: OffsetTracker, duplicates: DuplicateFrames,
@@ -47,7 +47,7 @@ class Reader:
                                 settings.batching.reuse_change_threshold)
         self._reuse = self.reuse if self.reuse.any_enabled else None
 
-    def take(self, polled: Polled, now: float) -> Taken:
+    def take(self, polled: Polled, now: float) -> Admitted:
         # Track in each partition's offset order (the tracker refuses an offset below one already read).
         read = [f.source for f in polled.frames]
         if polled.dead_letters or polled.held:
@@ -56,7 +56,7 @@ class Reader:
             read = [ref for ref in read if ref not in polled.released]
         for ref in read:
             self._tracker.track(ref.topic_partition, ref.offset)
-        taken = Taken()
+        taken = Admitted()
         if polled.frames:
             self._metrics.count_by_tenant(self._consumed, polled.frames)
         late: list[Frame] = []
