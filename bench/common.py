@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -51,6 +51,10 @@ from worker.testing import (  # noqa: E402
     wait_committed,
 )
 from worker.testing import TestTopics as Topics  # noqa: E402
+from worker.threadnames import name_os_thread  # noqa: E402
+
+if TYPE_CHECKING:
+    from worker.pipeline import Pipeline, RunSummary
 
 RESULTS_DIR = REPO / "bench" / "results"
 STREAMS_PER_SHAPE = 6  # keys per shape: spreads a topic's frames over its partitions
@@ -499,6 +503,79 @@ def offered_round(ctx: Context, start: Callable[[Topics], RunningWorker], tag: s
             "cpu_ms_per_frame": level["consumer_cpu_ms_per_frame"], "log": str(proc.log_path),
             "kept_up": level["drained"] and len(results) >= level["load"]["sent"]
             and level["drain_after_load_s"] <= KEPT_UP_DRAIN_S}
+
+
+# -- the worker's loop in this process, a benchmark's child process -------------------------------------------------
+@dataclass
+class LoopRun:
+    """What `run_pipeline_thread` measured, from the go to the moment `should_stop` first said yes (the drain and
+    the clients' close after it left out): the loop's summary, the wall time and this process's thread CPU by role
+    (thread_role)."""
+
+    summary: RunSummary
+    wall_s: float
+    thread_cpu_s: dict[str, float]
+
+
+def run_pipeline_thread(pipeline: Pipeline, should_stop: Callable[[], bool],
+                        before_go: Callable[[], None] | None = None) -> LoopRun:
+    """Run `pipeline` in a thread named "loop", as the worker's (worker.threadnames: /proc and py-spy name it),
+    until `should_stop`. Its CPU is read in the loop thread when `should_stop` first says yes, since closing the
+    clients ends librdkafka's threads and /proc forgets an ended thread. `before_go` runs once the thread is named,
+    just before the clock starts (a GPU's peak memory reset). An error of the loop is raised here."""
+    named, go = threading.Event(), threading.Event()
+    box: dict[str, Any] = {}
+
+    def stop() -> bool:
+        if not should_stop():
+            return False
+        if "cpu1" not in box:
+            box["cpu1"], box["t1"] = thread_cpu_seconds(os.getpid()), time.time()
+        return True
+
+    def loop() -> None:
+        name_os_thread()
+        named.set()
+        go.wait()
+        try:
+            box["summary"] = pipeline.run(stop)
+        except BaseException as exc:  # noqa: BLE001 (re-raised below, in the caller's thread)
+            box["error"] = exc
+
+    thread = threading.Thread(target=loop, name="loop", daemon=True)
+    thread.start()
+    named.wait()
+    if before_go is not None:
+        before_go()
+    cpu0, t0 = thread_cpu_seconds(os.getpid()), time.time()
+    go.set()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    if "cpu1" not in box:
+        raise RuntimeError("the loop ended before should_stop said so")
+    cpu1 = box["cpu1"]
+    return LoopRun(box["summary"], box["t1"] - t0, {role: cpu1[role] - cpu0.get(role, 0.0) for role in cpu1})
+
+
+def child_command(script: str | Path, spec: Any, flag: str = "--child") -> list[str]:
+    """The command that runs `script` again in a fresh interpreter as a child: `python SCRIPT --child SPEC_JSON`."""
+    return [sys.executable, str(Path(script).resolve()), flag, json.dumps(spec, default=json_default)]
+
+
+def run_child(script: str | Path, spec: Any, tree: Path = REPO, timeout_s: float = 900.0) -> Any:
+    """Run `script --child SPEC_JSON` (child_command) against `tree`'s `worker` (PYTHONPATH and working directory
+    `tree`; the script's own folder comes first on sys.path, as Python puts it there), and return the JSON value on
+    the last line it printed; RuntimeError with its exit code and the end of its stderr when it fails. The child
+    reads --child before it imports this module, which would put this repository's worker first on sys.path."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    done = subprocess.run(child_command(script, spec), capture_output=True, text=True, timeout=timeout_s, env=env,
+                          cwd=tree)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        raise RuntimeError(f"{Path(script).name} --child {json.dumps(spec, default=json_default)[:200]}: exit "
+                           f"{done.returncode}\n{done.stderr.strip()[-3000:]}")
+    return json.loads(lines[-1])
 
 
 # -- output ----------------------------------------------------------------------------------------------------

@@ -204,14 +204,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch CPU threads (default: torch's own with CUDA, 1 with --cpu)")
     p.add_argument("--quick", action="store_true", help="shorter sections (a smoke test of the script)")
     p.add_argument("--only", default="", help="comma-separated section names to run (default: all, in plan order)")
-    p.add_argument("--section", nargs=3, metavar=("NAME", "TARGET", "CAP_S"), help=argparse.SUPPRESS)  # a child
+    p.add_argument("--section", help=argparse.SUPPRESS)  # a section's own process (run_one)
     p.add_argument("--process-child", help=argparse.SUPPRESS)  # one of section_processes's worker processes
     args = p.parse_args(argv)
     if args.process_child:
         process_child(json.loads(args.process_child))
         return 0
     if args.section:
-        return run_section(args)
+        return run_section(json.loads(args.section))
     import torch
 
     cuda = torch.cuda.is_available() and not args.cpu
@@ -263,11 +263,11 @@ def run_one(spec: Spec, cap: float, opts: Options) -> Section:
     print(f"\n[gpu-check] {spec.name}: {spec.title} (cap {cap:.0f}s)", flush=True)
     stale = opts.out / "sections" / f"{spec.name}.json"
     stale.unlink(missing_ok=True)
-    argv = [sys.executable, str(Path(__file__).resolve()), "--section", spec.name, spec.target, f"{cap:.1f}",
-            "--out", str(opts.out), "--torch-threads", str(opts.torch_threads)]
-    argv += ["--cpu"] * (not opts.cuda) + ["--quick"] * opts.quick
+    argv = common.child_command(__file__, {
+        "name": spec.name, "title": spec.title, "target": spec.target, "cap_s": cap, "out": str(opts.out),
+        "torch_threads": opts.torch_threads, "cuda": opts.cuda, "quick": opts.quick}, "--section")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
-               PYTHONUNBUFFERED="1", GPU_CHECK_SECTION_TITLE=spec.title)
+               PYTHONUNBUFFERED="1")
     started = time.monotonic()
     proc = subprocess.Popen(argv, cwd=REPO, env=env, start_new_session=True)
     timed_out = False
@@ -288,20 +288,20 @@ def run_one(spec: Spec, cap: float, opts: Options) -> Section:
     return section
 
 
-def run_section(args: argparse.Namespace) -> int:
-    """In a section's own process: call its target, writing its file as it goes and when it ends."""
-    name, target, cap = args.section[0], args.section[1], float(args.section[2])
-    if args.torch_threads:  # read by torch when a section imports it (the sections that need torch import it)
-        os.environ["OMP_NUM_THREADS"] = str(args.torch_threads)
+def run_section(spec: dict[str, Any]) -> int:
+    """In a section's own process (run_one's `spec`): call its target, writing its file as it goes and when it
+    ends."""
+    name, target, cap, out = spec["name"], spec["target"], spec["cap_s"], Path(spec["out"])
+    if spec["torch_threads"]:  # read by torch when a section imports it (the sections that need torch import it)
+        os.environ["OMP_NUM_THREADS"] = str(spec["torch_threads"])
     cuda = False
-    if not args.cpu:
+    if spec["cuda"]:
         import torch
 
         cuda = torch.cuda.is_available()
     # Its deadline a little inside the cap, so a section that watches it ends by itself and writes its file.
-    check = Check(cuda, args.out, time.monotonic() + cap - min(5.0, cap * 0.1), args.torch_threads, args.quick)
-    section = Section(name, os.environ.get("GPU_CHECK_SECTION_TITLE", name), status="running", out=args.out,
-                      cap_s=cap)
+    check = Check(cuda, out, time.monotonic() + cap - min(5.0, cap * 0.1), spec["torch_threads"], spec["quick"])
+    section = Section(name, spec["title"], status="running", out=out, cap_s=cap)
     section.write()
     started = time.monotonic()
     module, function = target.split(":")
@@ -629,11 +629,9 @@ def section_processes(check: Check, section: Section) -> None:
     section.data = {"model": "opennsfw", "workload": "jpeg224", "batch": batch, "seconds": seconds,
                     "device": "cuda:0" if check.cuda else "cpu", "processes": {}}
     for n in PROCESSES:
-        children = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--process-child",
-                                      json.dumps({"cuda": check.cuda, "batch": batch, "seconds": seconds,
-                                                  "torch_threads": check.torch_threads})],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
-                    for _ in range(n)]
+        spec = {"cuda": check.cuda, "batch": batch, "seconds": seconds, "torch_threads": check.torch_threads}
+        children = [subprocess.Popen(common.child_command(__file__, spec, "--process-child"), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, cwd=REPO) for _ in range(n)]
         try:
             ready = [json.loads(_last_line(c)) for c in children]
             at_rest = _device_memory_by_pid() if check.cuda else {}

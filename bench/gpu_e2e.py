@@ -17,13 +17,12 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
-import os
 import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import common
 import stats
@@ -37,11 +36,12 @@ from worker.pipeline import KafkaClients, RunSummary, build_pipeline
 from worker.runtime.start import start_runtime
 from worker.schemas import FrameRecord, decode_result, encode_frame
 from worker.testing import FakeConsumer, FakeProducer, FrameLedger
-from worker.threadnames import name_os_thread
 from worker.tools.publish_frames import encode_pixels
 from worker.tools.sample_video import PHOTOS, photo
 
-TP = tuple[str, int]
+if TYPE_CHECKING:  # a name only: host_cost.py runs this module against older trees, which lack it
+    from worker.frames import TP
+
 # Warm-up timings of (frame shape, batch size, seconds) that seed the batcher's cost model (Pipeline.seed_costs).
 Costs = list[tuple[tuple[int, int, int], int, float]]
 OFFERED_FPS = 800.0
@@ -180,10 +180,12 @@ class Run:
 
 def run_loop(settings: Settings, executor: Any, messages: list[Message],
              costs: Costs | None = None, deadline_s: float = 60.0,
-             cuda_device: Any = None) -> Run:
+             cuda_device: Any = None, tracing: Any = None) -> Run:
     """Build the real pipeline over the fakes (a fresh group: nothing committed), feed it `messages` on their
-    schedule, and run its loop in a thread named "loop" until every message is answered, or until `deadline_s`
-    after the last one was due (then it stops and drains, as on SIGTERM: what it never read stays uncommitted)."""
+    schedule, and run its loop (common.run_pipeline_thread) until every message is answered, or until `deadline_s`
+    after the last one was due (then it stops and drains, as on SIGTERM: what it never read stays uncommitted).
+    Wall time and thread CPU end when it is told to stop.
+    `tracing`: worker.tracing's, for the pipeline (bench/tracing_cost.py); None builds it as a tree without it."""
     consumers: list[TimedConsumer] = []
     producers: list[FakeProducer] = []
 
@@ -196,7 +198,8 @@ def run_loop(settings: Settings, executor: Any, messages: list[Message],
         return producers[-1]
 
     clients = KafkaClients(consumer=consumer, producer=producer, output_message_limit=lambda _settings: None)
-    pipeline = build_pipeline(settings, executor, Metrics(settings=settings), Health(), clients=clients)
+    pipeline = build_pipeline(settings, executor, Metrics(settings=settings), Health(), clients=clients,
+                              **({"tracing": tracing} if tracing is not None else {}))
     pipeline.seed_costs(costs or [])
     consumers[0].rebalance("assign", sorted({m.tp for m in messages}))
     total = len(messages)
@@ -211,39 +214,13 @@ def run_loop(settings: Settings, executor: Any, messages: list[Message],
             return True
         return False
 
-    named, go, finished, release = (threading.Event() for _ in range(4))
-    box: dict[str, Any] = {}
-
-    def loop() -> None:
-        name_os_thread()
-        named.set()
-        go.wait()
-        try:
-            box["summary"] = pipeline.run(should_stop)
-        except BaseException as exc:  # noqa: BLE001 (re-raised by the caller)
-            box["error"] = exc
-        finally:
-            finished.set()
-            release.wait()  # alive until its CPU time is read (/proc counts live threads only)
-
-    thread = threading.Thread(target=loop, name="loop", daemon=True)
-    thread.start()
-    named.wait()
-    if cuda_device is not None:
+    def reset_peak() -> None:
         import torch
 
         torch.cuda.synchronize(cuda_device)
         torch.cuda.reset_peak_memory_stats(cuda_device)
-    cpu0 = common.thread_cpu_seconds(os.getpid())
-    t0 = time.time()
-    go.set()
-    finished.wait()
-    wall = time.time() - t0
-    cpu1 = common.thread_cpu_seconds(os.getpid())
-    release.set()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
+
+    run = common.run_pipeline_thread(pipeline, should_stop, before_go=reset_peak if cuda_device is not None else None)
     peak = None
     if cuda_device is not None:
         import torch
@@ -252,8 +229,8 @@ def run_loop(settings: Settings, executor: Any, messages: list[Message],
     results = [decode_result(m.value) for p in producers for m in p.visible if m.topic == settings.topics.results]
     dead = sum(1 for p in producers for m in p.visible if m.topic == settings.topics.dead_letter)
     return Run(messages=messages, results=results, dead_letters=dead, committed=dict(consumers[0].group_committed),
-               summary=box["summary"], stopped_at_deadline=stopped.is_set(), wall_s=wall,
-               thread_cpu_s={role: cpu1[role] - cpu0.get(role, 0.0) for role in cpu1}, gpu_peak_bytes=peak)
+               summary=run.summary, stopped_at_deadline=stopped.is_set(), wall_s=run.wall_s,
+               thread_cpu_s=run.thread_cpu_s, gpu_peak_bytes=peak)
 
 
 # -- what a run shows -----------------------------------------------------------------------------------------------

@@ -34,9 +34,9 @@ import stats
 from stats import Spread
 
 from worker.config import Settings, load_settings
+from worker.frames import TP
 from worker.kafka.consumer import FrameSource
 
-TP = tuple[str, int]
 PARTITIONS = 6  # per input topic, as in issue #51's rollout
 SETTLE_TIMEOUT_S = 90.0
 DEFAULT_HEARTBEATS = (3000, 1000, 500)
@@ -90,7 +90,8 @@ class Member:
 
     def _run(self) -> None:
         try:
-            self._source.subscribe(lambda tps: self._event("assign", tps), lambda tps: self._event("revoke", tps),
+            self._source.subscribe(lambda tps: self._event("assign", tps),
+                                   lambda tps, _commits: self._event("revoke", tps),
                                    lambda tps: self._event("lost", tps))
             while not self._stop.is_set():
                 self._source.poll(100, 0.05)

@@ -9,7 +9,7 @@ threads). Variants, each round a fresh process per tree and variant, interleaved
 - `device`: the device data path (runtime.decode = device) with the device's work stood in: the real
   `DevicePreprocessor` does every host step (the CPU path's checks and JPEG structure walk, the staging copy, the
   batch's bookkeeping) on the `meta` device, where a tensor has a shape and no memory; its decode and resize are
-  stood in (`StandInDevicePreprocessor`: one shared tensor of the frame's shape, whole regions) and the runner
+  stood in (`DeviceSteps` of its own: one shared tensor of the frame's shape, whole regions) and the runner
   returns zero scores (`StandInRunner`). Pixels are never decoded or read. Left out: the CUDA calls' own host cost
   (kernel launches, nvJPEG's host-side work, the scores' copy back), which the GPU check's e2e_device section
   measures where a GPU is lent. (torch ops on `meta` tensors run Python reference code, far costlier than a CUDA
@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -66,12 +65,11 @@ def role_of(thread_role: str) -> str:
 
 # -- the child: one round of one variant on one tree ---------------------------------------------------------------
 def child(spec: dict[str, Any]) -> dict[str, Any]:
-    """Runs in a fresh process against the round's tree: imports its `worker` before bench/common would put this
-    repository's first on sys.path."""
-    sys.path.insert(0, spec["tree"])
+    """Runs in a fresh process against the round's tree (common.run_child puts it on sys.path): imports its
+    `worker` before bench/common would put this repository's first."""
     import worker  # noqa: F401 (the round's tree, whatever is inserted later)
 
-    sys.path.insert(1, str(HERE))
+    # isort: split
     import common
     import gpu_e2e
     from workloads import WORKLOADS, model_settings
@@ -126,7 +124,7 @@ def stand_in_executor(settings: Any) -> tuple[Any, list[Any]]:
     import torch
 
     from worker.config import preprocess_thread_count, warmup_frame_shapes
-    from worker.runtime.devicepath import ByteStaging, DevicePreprocessor
+    from worker.runtime.devicepath import DeviceSteps
     from worker.runtime.executor import InferenceExecutor
     from worker.runtime.models import load_model
     from worker.runtime.runners import RunResult
@@ -135,25 +133,16 @@ def stand_in_executor(settings: Any) -> tuple[Any, list[Any]]:
     meta = torch.device("meta")
     decoded = torch.empty((contract.channels, SHAPE[0], SHAPE[1]), dtype=torch.uint8, device=meta)
 
-    class StandInDevicePreprocessor(DevicePreprocessor):
-        """The real device preprocessor with the device's work stood in: no decode (each frame is one shared `meta`
-        tensor of its shape), no resize (the frames are the model input's size: every row's region is whole);
-        checks, staging and the batch's bookkeeping run as on a GPU."""
+    def stand_in_decode(data: list[torch.Tensor], mode: Any, device: torch.device) -> list[torch.Tensor]:
+        """No decode: each frame is one shared `meta` tensor of its shape (the real preprocessor checks, stages and
+        cuts the JPEGs' views as on a GPU)."""
+        return [decoded] * len(data)
 
-        def _to_device(self, staged: list[Any], buffer: torch.Tensor, device: torch.device,
-                       failures: dict[int, Any]) -> dict[int, torch.Tensor]:
-            # The views handed to nvJPEG, cut as the tree's own _to_device cuts them (every frame is a JPEG here).
-            if hasattr(self, "_jpeg_views"):
-                if staged:
-                    self._jpeg_views(staged, buffer)
-            else:  # a tree from before DevicePreprocessor._jpeg_views
-                [buffer[s.start:s.stop] for s in staged]
-            return {s.index: decoded for s in staged}
-
-        def _fit(self, out: torch.Tensor, items: list[Any]) -> list[tuple[int, int, int, int]]:
-            if any((f.height, f.width) != tuple(out.shape[1:3]) for f, _ in items):
-                raise ValueError("the stand-in fits only frames of the model input's size")
-            return [(0, 0, int(out.shape[1]), int(out.shape[2]))] * len(items)
+    def stand_in_fit(images: torch.Tensor, contract: Any) -> tuple[torch.Tensor, tuple[int, int]]:
+        """No resize: the frames are the model input's size, so every row's region is whole."""
+        if tuple(images.shape[2:]) != contract.input_size:
+            raise ValueError("the stand-in fits only frames of the model input's size")
+        return images, (0, 0)
 
     class StandInRunner:
         """A runner's interface (EagerRunner's) with the model stood in: zero scores, the input never read."""
@@ -174,13 +163,10 @@ def stand_in_executor(settings: Any) -> tuple[Any, list[Any]]:
             n = int(pixels.shape[0])
             return RunResult(np.zeros((n, len(contract.labels)), dtype=np.float32), n, False)
 
-    threads = preprocess_thread_count(settings.runtime)
-    executor = InferenceExecutor([StandInRunner()], contract, threads,  # type: ignore[list-item]
+    executor = InferenceExecutor([StandInRunner()], contract, preprocess_thread_count(settings.runtime),  # type: ignore[list-item]
                                  settings.runtime.warmup_batches, decode_on_device=True,
+                                 device_steps=DeviceSteps(decode=stand_in_decode, fit=stand_in_fit),
                                  device_description="stand-in device (meta)")
-    # The executor builds the real DevicePreprocessor; this one differs only in its decode.
-    executor._device_preprocessor = StandInDevicePreprocessor(contract, ByteStaging(), pool=executor._decode_pool,
-                                                              workers=threads)
     shapes = warmup_frame_shapes(settings)
     executor.warm_up(shapes)
     return executor, executor.calibrate(shapes, settings.batching.largest_batch_size)
@@ -200,61 +186,20 @@ def broker_run(settings: Any, executor: Any, costs: list[Any], total: int,
                common: Any) -> tuple[int, float, dict[str, float], float]:
     """The worker's loop with librdkafka's clients on the published backlog (a fresh group) until every frame is
     answered; its thread CPU over that time (group join included, the final drain and close not), by role."""
-    import threading
-
     from worker.metrics import Health, Metrics
     from worker.pipeline import build_pipeline
-    from worker.threadnames import name_os_thread
 
     pipeline = build_pipeline(settings, executor, Metrics(settings=settings), Health())
     pipeline.seed_costs(costs)
-    named, go, finished, release = (threading.Event() for _ in range(4))
-    box: dict[str, Any] = {}
 
-    def done() -> bool:
-        if pipeline.delivery.results + pipeline.delivery.dead_lettered < total:
-            return False
-        if "cpu1" not in box:  # read here: closing the clients ends librdkafka's threads, and /proc forgets them
-            box["cpu1"], box["t1"] = common.thread_cpu_seconds(os.getpid()), time.time()
-        return True
+    def answered() -> int:
+        return pipeline.delivery.results + pipeline.delivery.dead_lettered
 
-    def loop() -> None:
-        name_os_thread()
-        named.set()
-        go.wait()
-        try:
-            box["summary"] = pipeline.run(done)
-        except BaseException as exc:  # noqa: BLE001 (re-raised below)
-            box["error"] = exc
-        finally:
-            finished.set()
-            release.wait()  # alive until its CPU time is read
-
-    thread = threading.Thread(target=loop, name="loop", daemon=True)
-    thread.start()
-    named.wait()
-    cpu0, t0 = common.thread_cpu_seconds(os.getpid()), time.time()
-    go.set()
-    finished.wait()
-    release.set()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    cpu1, wall = box["cpu1"], box["t1"] - t0
-    answered = pipeline.delivery.results + pipeline.delivery.dead_lettered
-    return answered, wall, {r: cpu1[r] - cpu0.get(r, 0.0) for r in cpu1}, box["summary"].mean_batch_size
+    run = common.run_pipeline_thread(pipeline, lambda: answered() >= total)
+    return answered(), run.wall_s, run.thread_cpu_s, run.summary.mean_batch_size
 
 
 # -- the parent: rounds, table, JSON -------------------------------------------------------------------------------
-def run_child(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
-                          capture_output=True, text=True, timeout=timeout_s, cwd=spec["tree"])
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-1500:]}"}
-    return json.loads(lines[-1])
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -301,7 +246,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.kafka == "broker":
             spec.update(bootstrap=bootstrap, topics_env=common.topics(bootstrap, "hc", inputs_of=inputs).env())
         cpu0 = common.machine_cpu_seconds()
-        result = run_child(spec, timeout_s=900)
+        try:
+            result = common.run_child(__file__, spec, Path(spec["tree"]), timeout_s=900)
+        except RuntimeError as exc:  # a failed round is reported with the others
+            result = {"error": str(exc)[-1500:]}
         cpu1 = common.machine_cpu_seconds()
         result["machine_cpu_s"] = [b - a for a, b in zip(cpu0, cpu1)]
         runs[key][rnd] = result

@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -162,22 +160,20 @@ def main() -> int:
         "offered frames/s over the nominal capacity (batches of 32); realtime's small batches take more of it, so bulk "
         "is overloaded at 0.45"))
     parser.add_argument("--out", type=Path, default=HERE / "results" / "partition_fairness.json")
-    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # one round, in the round's tree (common.run_child)
     args = parser.parse_args()
     if args.child:
-        seconds, load, seed = args.child
-        print(json.dumps(one_round(float(seconds), float(load), int(seed))))
+        print(json.dumps(one_round(**json.loads(args.child))))
         return 0
+    sys.path.insert(0, str(HERE))
+    import common  # the parent only: it puts this repository's worker first on sys.path
+
     trees = {"this": HERE.parent, **({"base": args.base.resolve()} if args.base else {})}
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
     for r in range(args.rounds):
         for name, tree in (trees.items() if r % 2 == 0 else reversed(trees.items())):
-            out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", str(args.seconds),
-                                  str(args.load), str(r)], capture_output=True, text=True, timeout=1800,
-                                 env={**os.environ, "PYTHONPATH": str(tree)}, cwd=tree)
-            if out.returncode:
-                raise RuntimeError(f"{name} round {r}: exit {out.returncode}\n{out.stderr[-3000:]}")
-            row = json.loads(out.stdout.strip().splitlines()[-1])
+            row = common.run_child(__file__, {"seconds": args.seconds, "load": args.load, "seed": r}, tree,
+                                   timeout_s=1800)
             row["figures"] = {cls: class_figures(g) for cls, g in row["gaps_s"].items()}
             runs[name].append(row)
             print(f"round {r} {name}: " + "; ".join(

@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -149,12 +147,14 @@ def main() -> int:
     parser.add_argument("--cases", default="default", help=f"comma-separated cases or groups ({', '.join(GROUPS)})")
     parser.add_argument("--threads", default="1,default", help="this tree's preprocess_threads variants")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "preprocess_cost.json")
-    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # one round, in the round's tree (common.run_child)
     args = parser.parse_args()
     if args.child:
-        case, threads, batch, seconds, data_path = args.child
+        spec = json.loads(args.child)
+        case = spec["case"]
         print(json.dumps(startup_round(STARTUP[case]) if case in STARTUP else
-                         one_round(case, threads, int(batch), float(seconds), Path(data_path).read_bytes())))
+                         one_round(case, spec["threads"], spec["batch"], spec["seconds"],
+                                   Path(spec["data"]).read_bytes())))
         return 0
     cases = [c for name in args.cases.split(",") for c in GROUPS.get(name, [name])]
     if unknown := [c for c in cases if c not in CASES and c not in STARTUP]:
@@ -177,12 +177,8 @@ def main() -> int:
 
         def child(case: str, name: str) -> dict[str, Any]:
             tree, threads = variants[case][name]
-            out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", case, threads,
-                                  str(args.batch), str(args.seconds), str(Path(tmp) / case)], capture_output=True,
-                                 text=True, env={**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{HERE}"}, timeout=900)
-            if out.returncode:
-                raise RuntimeError(f"{case} {name}: exit {out.returncode}\n{out.stderr[-3000:]}")
-            row = json.loads(out.stdout.strip().splitlines()[-1])
+            row = common.run_child(__file__, {"case": case, "threads": threads, "batch": args.batch,
+                                              "seconds": args.seconds, "data": str(Path(tmp) / case)}, Path(tree))
             print(f"{case} {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()), flush=True)
             return row
 

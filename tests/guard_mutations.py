@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DELIVERY, SOURCE, PIPELINE = "worker/delivery.py", "worker/kafka/consumer.py", "worker/pipeline.py"
-FLOW, READING = "worker/flow.py", "worker/reading.py"
+FLOW, READING = "worker/flow.py", "worker/admission.py"
 
 # (guard, file, the code that implements it, the code without it)
 MUTATIONS = [
@@ -26,14 +26,14 @@ MUTATIONS = [
      "            if not self.assignments.is_current(out.source):\n                continue\n            tp =",
      "            tp ="),
     ("messages of a partition awaiting its committed offset dropped", SOURCE,
-     "            if tp in self._positions:\n", "            if False:\n"),
+     "            if tp in waiting:\n", "            if False:\n"),
     ("re-deliveries within an assignment dropped", SOURCE,
      "if expected is not None and source.offset < expected:", "if False:"),
     ("an aborted transaction rewinds", DELIVERY,
      "                return self._replace_stuck_sink(stuck)\n            return self._rewind()",
      "                return self._replace_stuck_sink(stuck)\n            return CommitResult.NOTHING"),
     ("a stuck producer is replaced", DELIVERY,
-     "        self.sink = self._sink_factory(self.on_ack, self.on_rejected)\n        return self._rewind()",
+     "        self.sink = self._sink_factory()\n        return self._rewind()",
      "        return CommitResult.NOTHING"),
     ("reading pauses at the uncommitted cap", FLOW,
      "        if self._tracker.uncommitted() >= self._settings.max_uncommitted_frames:",
@@ -54,6 +54,8 @@ MUTATIONS = [
     ("revoked partitions are committed before they go", PIPELINE,
      "        self._emit()\n        self._commit(final=True)\n        self._release(tps)",
      "        self._release(tps)"),
+    ("commit outcomes served before a revocation reach its final commit", PIPELINE,
+     "        self.delivery.commits_reported(commits)\n", ""),
     ("repeated frames dead-lettered", READING, "            if first is not None:\n", "            if False:\n"),
 ]
 

@@ -11,8 +11,10 @@ from collections.abc import Sequence
 
 from worker.batching import Batch
 from worker.frames import BatchOutcome, DeadLetter, Frame, Output, Status, Verdict
-from worker.metrics import Children, Metrics, observe_many
+from worker.metrics import Children, Metrics, exemplar, observe_many
+from worker.reuse import Reused
 from worker.schemas import ResultContext, reencode_frame, result_writer
+from worker.tracing import TRACING_OFF, FrameTraces, Tracing
 
 # One DEBUG line per finished batch (class, shape, size, waits, padding, predicted and measured time): enable
 # with observability.log_level = "DEBUG", or this logger alone, when chasing a p99.
@@ -23,14 +25,17 @@ class Answers:
     """Builds the outputs of finished batches, expired frames and refused ones, and counts them in the metrics
     (each labelled metric's children looked up once: the loop touches them per frame)."""
 
-    def __init__(self, metrics: Metrics, context: ResultContext) -> None:
+    def __init__(self, metrics: Metrics, context: ResultContext, tracing: Tracing = TRACING_OFF) -> None:
         self.metrics = metrics
+        self.tracing = tracing
         self._writer = result_writer(context)
         self._expired = Children(metrics.frames_expired)
         self._flagged = Children(metrics.frames_flagged)
         self._queue_wait = Children(metrics.queue_wait)
         self._end_to_end = Children(metrics.end_to_end_latency)
         self._input_pixels = Children(metrics.input_pixels)
+        self._reused = Children(metrics.frames_reused)
+        self._scored = Children(metrics.frames_scored)
 
     def of_batch(self, batch: Batch, outcome: BatchOutcome, now: float) -> list[Output]:
         """A finished batch's results (OK) and dead letters (frames the runtime refused)."""
@@ -45,27 +50,44 @@ class Answers:
                             "-" if batch.predicted_s is None else f"{batch.predicted_s * 1000.0:.1f}", run_ms)
         observe_many(self._input_pixels.labels(f"{batch.shape[0]}x{batch.shape[1]}"),
                      [frame.height * frame.width for frame in batch.frames])
-        self.metrics.preprocess_latency.observe(outcome.preprocess_ms / 1000.0)
-        self.metrics.inference_latency.observe(outcome.inference_ms / 1000.0)
+        self._scored.labels(batch.priority.label).inc(len(outcome.verdicts))
+        traces = self.tracing.answer_batch(batch, outcome, now) if self.tracing.enabled else None
+        trace_ids, first = (traces.trace_ids, exemplar(traces.first_trace_id)) if traces else (None, None)
+        self.metrics.preprocess_latency.observe(outcome.preprocess_ms / 1000.0, first)
+        self.metrics.inference_latency.observe(outcome.inference_ms / 1000.0, first)
         # A batch's frames are of its class.
         queued = [max(0.0, outcome.started_at - frame.received_at) for frame, _ in outcome.verdicts]
-        observe_many(self._queue_wait.labels(batch.priority.label), queued)
+        observe_many(self._queue_wait.labels(batch.priority.label), queued, trace_ids)
         observe_many(self._end_to_end.labels(batch.priority.label),
-                     [max(0.0, now - frame.capture_ts_ms / 1000.0) for frame, _ in outcome.verdicts])
+                     [max(0.0, now - frame.capture_ts_ms / 1000.0) for frame, _ in outcome.verdicts], trace_ids)
         flagged = Counter(itertools.chain.from_iterable(verdict.flagged_labels for _, verdict in outcome.verdicts))
         for label, n in flagged.items():
             self._flagged.labels(label).inc(n)
         results = [(frame, verdict, queued_s * 1000.0) for (frame, verdict), queued_s in zip(outcome.verdicts, queued,
                                                                                               strict=True)]
-        outputs = self._results(results, Status.OK, outcome.batch_size, run_ms, now)
+        outputs = self._results(results, Status.OK, outcome.batch_size, run_ms, now, traces)
         outputs.extend(self.dead_letter(f.frame, f.error_type, f.reason) for f in outcome.failures)
         return outputs
 
     def expired(self, frames: Sequence[Frame], now: float) -> list[Output]:
         """EXPIRED results for frames past their class's max_age_ms (in the batcher, or already when read)."""
         self.metrics.count_by_tenant(self._expired, frames)
+        traces = self.tracing.answer_expired(frames, now) if self.tracing.enabled else None
         return self._results([(frame, None, (now - frame.received_at) * 1000.0) for frame in frames], Status.EXPIRED,
-                             0, 0.0, now)
+                             0, 0.0, now, traces)
+
+    def reused(self, reused: Sequence[Reused], now: float) -> list[Output]:
+        """OK results for frames answered with their stream's reference verdict (worker.reuse): batch size and
+        inference time 0, `reused_from_frame` the reference's frame_index."""
+        outputs: list[Output] = []
+        for (reference, _), group in itertools.groupby(reused, key=lambda r: (r.reference, r.frame.priority)):
+            frames = list(group)
+            self._reused.labels(frames[0].frame.priority.label).inc(len(frames))
+            observe_many(self._end_to_end.labels(frames[0].frame.priority.label),
+                         [max(0.0, now - r.frame.capture_ts_ms / 1000.0) for r in frames])
+            outputs += self._results([(r.frame, r.verdict, (now - r.frame.received_at) * 1000.0) for r in frames],
+                                     Status.OK, 0, 0.0, now, reused_from=reference)
+        return outputs
 
     @staticmethod
     def dead_letter(frame: Frame, error_type: str, reason: str) -> Output:
@@ -74,8 +96,13 @@ class Answers:
         return Output.of_dead_letter(dl, frame.tenant)
 
     def _results(self, results: Sequence[tuple[Frame, Verdict | None, float]], status: Status, batch_size: int,
-                 run_ms: float, now: float) -> list[Output]:
-        values = self._writer.write_frames(results, status.value, batch_size, run_ms, now * 1000.0)
+                 run_ms: float, now: float, traces: FrameTraces | None = None,
+                 reused_from: int | None = None) -> list[Output]:
+        values = self._writer.write_frames(results, status.value, batch_size, run_ms, now * 1000.0, reused_from)
         # Keyed by stream so a stream's results stay ordered within one output partition.
-        return [Output(frame.source, frame.stream_id.encode(), value, frame.tenant, status, headers=frame.headers)
-                for (frame, _, _), value in zip(results, values, strict=True)]
+        if traces is None:
+            return [Output(frame.source, frame.stream_id.encode(), value, frame.tenant, status, headers=frame.headers)
+                    for (frame, _, _), value in zip(results, values, strict=True)]
+        return [Output(frame.source, frame.stream_id.encode(), value, frame.tenant, status, headers=frame.headers,
+                       result_headers=sent)
+                for (frame, _, _), value, sent in zip(results, values, traces.headers, strict=True)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import gc
 import json
 import logging
@@ -12,11 +14,13 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import Consumer, Producer
 
 from worker.config import Settings
+from worker.errors import StreamferError
 from worker.identity import worker_identity
 from worker.kafka.access import probe_access
 from worker.kafka.client import new_client
@@ -24,7 +28,8 @@ from worker.kafka.consumer import consumer_config
 from worker.kafka.producer import producer_config
 from worker.kafka.registry import connect_registry
 from worker.metrics import Health, Metrics, MetricsServer
-from worker.pipeline import Pipeline, RunSummary, build_pipeline
+from worker.pipeline import RunSummary, build_pipeline
+from worker.tracing import setup_tracing
 
 if TYPE_CHECKING:
     from worker.runtime import InferenceExecutor
@@ -112,55 +117,75 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
     check_client_configs(settings)
     # Before the model loads: a wrong password or a missing ACL stops start-up in seconds, with exit code 2.
     probe_access(settings)
-    # Likewise the Schema Registry: the results schema registered (or found) under its subject, or exit 2.
-    registry = connect_registry(settings)
-    server: MetricsServer | None = None
-    pipeline: Pipeline | None = None
-
-    def serve_while_warming(executor: InferenceExecutor) -> None:
-        """Once the model loaded: the pipeline, and /metrics served (not ready) while the runtime warms up."""
-        nonlocal pipeline, server
-        metrics.model_info.info({"name": executor.model_name, "version": executor.model_version,
-                                 "device": executor.device_description,
-                                 "labels": ",".join(executor.labels)})
-        pipeline = built = build_pipeline(settings, executor, metrics, health, registry=registry)
-        status = getattr(built.source, "broker_status", None)  # FrameSource's view of the cluster
-        if status is not None:
-            health.broker_problem = status.unhealthy_reason
-        if settings.observability.metrics_enabled:
-            def profile(batches: int) -> str:
-                return executor.profile(batches, tempfile.gettempdir()).result(PROFILE_TIMEOUT_S)
-
-            server = MetricsServer(metrics, health, settings.observability.metrics_host,
-                                   settings.observability.metrics_port,
-                                   before_scrape=lambda: _refresh_scrape_gauges(built, metrics),
-                                   profile=profile if settings.observability.profile_endpoint else None).start()
-            log.info("metrics on http://%s:%d/metrics", settings.observability.metrics_host, server.port)
-
+    tracing = setup_tracing(settings, metrics)
     # Imported here: torch loads with the runtime, not with the CLI.
     from worker.runtime.start import start_runtime
 
-    executor: InferenceExecutor | None = None
-    try:
-        # The model loads (ModelContractError, or an OperatorError naming its setting: exit 2), warms up and is
-        # calibrated as in every other start of the runtime (worker.runtime.start).
-        runtime = start_runtime(settings, on_graph_evicted=metrics.cuda_graph_evictions.inc,
-                                before_warm_up=serve_while_warming)
-        executor = runtime.executor
-        assert pipeline is not None  # built by serve_while_warming
-        pipeline.seed_costs(runtime.calibration)
-        health.warmed_up = True
-        log.info("model %s:%s warmed up on %s in %.1fs", executor.model_name, executor.model_version,
-                 executor.device_description, time.monotonic() - started)
-        frozen = freeze_startup_heap()
-        log.info("start-up heap frozen: %d objects that garbage collections no longer walk", frozen)
-        return pipeline.run(stop or StopFlag().install(), exit_when_idle_s)
-    finally:
-        health.alive = False
-        if executor is not None:
-            executor.close()
-        if server is not None:
-            server.stop()
+    # The runtime once its model loaded, handed to /profile (which answers "still loading" until then).
+    loaded: Future[InferenceExecutor] = Future()
+    # What runs beside the loop (tracing's exporter, the metrics server, the executor) is stopped when it ends, in
+    # reverse order.
+    with contextlib.ExitStack() as running:
+        running.callback(tracing.shutdown)
+        try:
+            if settings.observability.metrics_enabled:
+                # Served from here on: /readyz says what start-up waits for (the Schema Registry, the warm-up).
+                server = MetricsServer(metrics, health, settings.observability.metrics_host,
+                                       settings.observability.metrics_port,
+                                       before_scrape=lambda: _refresh_scrape_gauges(health, metrics),
+                                       profile=functools.partial(_profile, loaded)
+                                       if settings.observability.profile_endpoint else None)
+                running.callback(server.start().stop)
+                log.info("metrics on http://%s:%d/metrics", settings.observability.metrics_host, server.port)
+
+            wait_started = time.monotonic()
+
+            def waiting(why: str | None) -> None:
+                """Start-up waits for the Schema Registry: /readyz and the registry gauge say so."""
+                health.waiting_for = why
+                metrics.schema_registry_unanswered.set(0.0 if why is None else time.monotonic() - wait_started)
+
+            # Likewise the Schema Registry: the results schema registered (or found) under its subject, or exit 2
+            # when it refuses; while it cannot be reached, start-up waits with backoff (kafka.registry).
+            registry = connect_registry(settings, waiting=waiting, should_stop=stop or (lambda: False))
+
+            def serve_while_warming(executor: InferenceExecutor) -> None:
+                """Once the model loaded: its description on /metrics, and /profile can reach it."""
+                metrics.model_info.info({"name": executor.model_name, "version": executor.model_version,
+                                         "device": executor.device_description,
+                                         "labels": ",".join(executor.labels)})
+                loaded.set_result(executor)
+
+            # The model loads (ModelContractError, or an OperatorError naming its setting: exit 2), warms up and is
+            # calibrated as in every other start of the runtime (worker.runtime.start).
+            runtime = start_runtime(settings, on_graph_evicted=metrics.cuda_graph_evictions.inc,
+                                    before_warm_up=serve_while_warming)
+            executor = runtime.executor
+            running.callback(executor.close)
+            health.warmed_up = True
+            log.info("model %s:%s warmed up on %s in %.1fs", executor.model_name, executor.model_version,
+                     executor.device_description, time.monotonic() - started)
+            # Built once the runtime is warm: its consumer joins the group when the loop runs.
+            pipeline = build_pipeline(settings, executor, metrics, health, registry=registry, tracing=tracing)
+            status = getattr(pipeline.source, "broker_status", None)  # FrameSource's view of the cluster
+            if status is not None:
+                health.broker_problem = status.unhealthy_reason
+            held = getattr(pipeline.source, "held_for_schemas", None)
+            if held is not None:
+                health.registry_problem = held.problem
+            pipeline.seed_costs(runtime.calibration)
+            frozen = freeze_startup_heap()
+            log.info("start-up heap frozen: %d objects that garbage collections no longer walk", frozen)
+            return pipeline.run(stop or StopFlag().install(), exit_when_idle_s)
+        finally:
+            health.alive = False
+
+
+def _profile(loaded: Future[InferenceExecutor], batches: int) -> str:
+    """/profile: a profile of the next `batches` batches, once the model loaded."""
+    if not loaded.done():
+        raise StreamferError("the model is still loading: profile once it is warm")
+    return loaded.result().profile(batches, tempfile.gettempdir()).result(PROFILE_TIMEOUT_S)
 
 
 def freeze_startup_heap() -> int:
@@ -181,8 +206,8 @@ def check_client_configs(settings: Settings) -> None:
     new_client(Producer, producer_config(settings), "producer")
 
 
-def _refresh_scrape_gauges(pipeline: Pipeline, metrics: Metrics) -> None:
-    metrics.ready.set(1 if pipeline.health.ready else 0)
+def _refresh_scrape_gauges(health: Health, metrics: Metrics) -> None:
+    metrics.ready.set(1 if health.ready else 0)
     try:
         import torch
 

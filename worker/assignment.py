@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from worker.frames import SourceRef
-
-TP = tuple[str, int]
+from worker.frames import TP, SourceRef
 
 
 class Assignments:

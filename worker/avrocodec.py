@@ -18,7 +18,8 @@ from worker.frames import Frame, ModelVerdict, Verdict
 
 RESULT_FIELDS = ("stream_id", "frame_index", "tenant", "status", "model_name", "model_version", "scores", "flagged",
                  "flagged_labels", "source_topic", "source_partition", "source_offset", "capture_ts_ms",
-                 "queued_ms", "batch_size", "inference_ms", "end_to_end_ms", "worker_id", "decided_by", "models")
+                 "queued_ms", "batch_size", "inference_ms", "end_to_end_ms", "worker_id", "decided_by", "models",
+                 "reused_from_frame")
 STATUS_SYMBOLS = ("OK", "EXPIRED")
 
 _DOUBLE = struct.Struct("<d")
@@ -82,10 +83,13 @@ class ResultWriter:
         return raw
 
     def write_frames(self, results: Sequence[tuple[Frame, Verdict | None, float]], status: str, batch_size: int,
-                     inference_ms: float, now_ms: float) -> list[bytes]:
+                     inference_ms: float, now_ms: float, reused_from: int | None = None) -> list[bytes]:
         """The bytes of each (frame, verdict, queued_ms) of one batch (verdict None for an EXPIRED frame): what the
-        batch's results share (status, batch size, inference time) is encoded once."""
+        batch's results share (status, batch size, inference time) is encoded once. `reused_from`: the frames were
+        answered with the verdict of that frame_index of their stream (worker.reuse), the model not run on them."""
         strings, string, framing, worker = self._strings, self._string, self._framing, self._worker
+        # The union ["null", "long"]: branch 0 (null), or branch 1 and the long.
+        reuse = b"\x00" if reused_from is None else b"\x02" + write_long(reused_from)
         status_and_model = _STATUS[status] + self._model
         size = write_long(batch_size)
         out = []
@@ -106,7 +110,7 @@ class ResultWriter:
                 self._partitions.get((source.topic, source.partition)) or self._partition(source.topic,
                                                                                           source.partition),
                 write_long(source.offset), write_long(capture), _DOUBLE.pack(queued_ms), size,
-                _TWO_DOUBLES.pack(inference_ms, max(0.0, now_ms - capture)), worker, model_set)))
+                _TWO_DOUBLES.pack(inference_ms, max(0.0, now_ms - capture)), worker, model_set, reuse)))
         return out
 
     def _partition(self, topic: str, partition: int) -> bytes:

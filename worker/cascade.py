@@ -1,4 +1,5 @@
-"""A model set's policy, pure: which frames a cascaded model runs on, and the one verdict of a frame.
+"""A model set's policy, pure: which frames a cascaded model runs on, and the one verdict of a frame (a single model
+is a set of one: its verdict is the model's own).
 
 A model with a cascade condition (`run_if_model`, `run_if_label`, `run_if_score`) runs only on the frames where
 that earlier model ran and scored the label at or above the score; the others are skipped with the reason,
@@ -35,7 +36,10 @@ class CascadeRule:
 
 
 def combine(outputs: Sequence[ModelVerdict]) -> Verdict:
-    """One verdict from every model's output on a frame, in the set's order (module docstring)."""
+    """One verdict from every model's output on a frame, in the set's order (module docstring). A set of one gives
+    its model's own verdict: `models` and `decided_by` stay empty, as a single model's result always had them."""
+    if len(outputs) == 1 and outputs[0].verdict is not None:
+        return outputs[0].verdict
     ran = [o for o in outputs if o.verdict is not None]
     if not ran:
         raise ValueError("combine: no model ran on the frame (the first model always does)")

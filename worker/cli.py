@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from worker.config import Settings, load_settings
-from worker.errors import EXIT_OPERATOR_ERROR, OperatorError
+from worker.errors import EXIT_INTERNAL_ERROR, EXIT_OPERATOR_ERROR, OperatorError, StartError
 from worker.frames import DEAD_LETTER_ERROR_TYPES, Priority
 
 log = logging.getLogger("worker")
@@ -92,13 +92,11 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
 # -- results -----------------------------------------------------------------------------------------------
 def cmd_results(args: argparse.Namespace) -> int:
-    from worker.kafka.client import security_properties
     from worker.schemas import decode_result
     from worker.tools.read_results import iter_messages
 
     settings = _settings(args)
-    for msg in iter_messages(settings.kafka.bootstrap_servers, args.topic, args.count, args.idle_timeout,
-                             follow=args.follow, properties=security_properties(settings.kafka)):
+    for msg in iter_messages(settings.kafka, args.topic, args.count, args.idle_timeout, follow=args.follow):
         print(json.dumps(decode_result(msg.value())), flush=True)
     return 0
 
@@ -106,7 +104,6 @@ def cmd_results(args: argparse.Namespace) -> int:
 # -- topics / broker / demo --------------------------------------------------------------------------------
 def cmd_topics(args: argparse.Namespace) -> int:
     from worker.kafka.access import probe_reachable
-    from worker.kafka.client import security_properties
     from worker.kafka.topics import (
         ensure_topics,
         frame_topic_configs,
@@ -117,14 +114,12 @@ def cmd_topics(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     probe_reachable(settings)
-    bootstrap = settings.kafka.bootstrap_servers
-    properties = security_properties(settings.kafka)
-    created = ensure_topics(bootstrap, worker_topics(settings.topics), args.partitions,
+    created = ensure_topics(settings.kafka, worker_topics(settings.topics), args.partitions,
                             configs=frame_topic_configs(settings.topics, args.max_frame_bytes),
-                            replication=args.replication_factor, properties=properties)
+                            replication=args.replication_factor)
     # Topics made before (by an older version, or by hand) may still refuse large frames.
-    raised = raise_message_limits(bootstrap, [t for t in frame_topics(settings.topics) if t not in created],
-                                  args.max_frame_bytes, properties=properties)
+    raised = raise_message_limits(settings.kafka, [t for t in frame_topics(settings.topics) if t not in created],
+                                  args.max_frame_bytes)
     print(json.dumps({"created": created, "max_message_bytes_raised": raised,
                       "max_frame_bytes": args.max_frame_bytes}))
     return 0
@@ -218,6 +213,8 @@ def cmd_check_model(args: argparse.Namespace) -> int:
     # The worker's own log lines only when asked: the report says what they would (the host-sync warning too).
     logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
+    if args.verbose:  # and the traceback of an unexpected error (exit 70), which is logged at DEBUG
+        logging.getLogger("worker").setLevel(logging.DEBUG)
     images, images_from = load_images(args.images)
     report = check_model(args.config, args.model, images, images_from, require_graphs=args.require_graphs,
                          max_batch=args.max_batch)
@@ -331,18 +328,20 @@ def _add_check_model_parser(sub: Any) -> None:
                            description="Start the runtime as `worker run` does (same settings, same code: load, "
                            "contract, host-sync check, warm-up and, on a GPU, the CUDA-graph captures; no Kafka), "
                            "then score images sent as JPEG frames and time a batch per runtime.graph_batch_sizes "
-                           "bucket. Exit 0: the worker would start and every image has scores; 1: an image got no "
-                           "score; 2: the worker would not start (the reason is printed).")
+                           "bucket; with a model set, every model. Exit 0: the worker would start and every image has "
+                           "scores; 1: an image got no score; 2: the worker would not start (the reason is printed); "
+                           "70: an unexpected error (one line naming it; --verbose for the traceback).")
     check.add_argument("--config", "-c", help="TOML settings file, as for `worker run` (WORKER_* variables apply too)")
-    check.add_argument("--model", "-m", metavar="SOURCE", help="model.source: builtin, opennsfw, a .onnx, .pt or "
-                       ".pt2 file, or package.module:function (default: the settings')")
+    check.add_argument("--model", "-m", metavar="SOURCE", help="model.source: builtin, opennsfw, nudenet, a .onnx, "
+                       ".pt or .pt2 file, or package.module:function (default: the settings')")
     check.add_argument("--images", metavar="DIR", help="score the images in DIR instead of the scikit-image photos")
     check.add_argument("--require-graphs", action="store_true", help="host syncs in forward exit 2 on any machine, "
                        "as on a GPU with runtime.cuda_graphs = true (default: a warning where graphs are not used)")
     check.add_argument("--max-batch", type=_count_arg, metavar="N", help="time batch sizes up to N (default: every "
                        "bucket on a GPU, up to 8 on a CPU; 0: no timing)")
     check.add_argument("--json", action="store_true", help="one JSON object instead of the text report")
-    check.add_argument("--verbose", "-v", action="store_true", help="the worker's log lines on stderr")
+    check.add_argument("--verbose", "-v", action="store_true", help="the worker's log lines on stderr (and the "
+                       "traceback of an unexpected error)")
     check.set_defaults(func=cmd_check_model)
 
 
@@ -409,6 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
     live.add_argument("--metrics-port", type=int, help="serve per-camera Prometheus metrics on this port")
     live.add_argument("--summary-every", type=float, default=30.0, metavar="SECONDS",
                       help="log a per-camera summary this often (0: only at exit; default 30)")
+    prod.add_argument("--traceparent", action="store_true", help="send each frame in a trace of its own: a W3C "
+                      "`traceparent` header, from a `send <topic>` span exported to tracing.endpoint when it is set; "
+                      "the worker continues the trace (docs/troubleshooting.md)")
     prod.add_argument("--quiet", "-q", action="store_true", help="no progress line")
     prod.add_argument("--run-id", help="prefix of the stream ids (default: random)")
     prod.add_argument("--schema-registry", metavar="URL", help="write frames in the Confluent wire format, the "
@@ -469,6 +471,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f" (change: {exc.setting})" if exc.setting and exc.setting not in str(exc) else ""
         print(f"error: {exc}{where}", file=sys.stderr)
         return EXIT_OPERATOR_ERROR
+    except StartError as exc:
+        # Not an operator's to fix, and not a crash-loop's either: one line, the traceback in the debug log.
+        log.debug("start-up failed", exc_info=exc)
+        print(f"error: {exc} (exit {EXIT_INTERNAL_ERROR}; its traceback in the debug log: "
+              "WORKER_OBSERVABILITY_LOG_LEVEL=DEBUG)", file=sys.stderr)
+        return EXIT_INTERNAL_ERROR
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
-TP = tuple[str, int]
+from worker.frames import TP
+
 FrameIdentity = tuple[str, int, int]  # (stream_id, frame_index, replay_count)
 
 

@@ -8,7 +8,9 @@ One class per delivery mode behind one small interface, so the loop never asks w
   one transaction together with those offsets; an aborted or stuck transaction is reported as `REWIND`, and
   the loop reads again from the committed offsets.
 
-Work of a partition epoch that is no longer current (see worker.assignment) is dropped here, in one place.
+The loop hands delivery what the Kafka edges returned: the sink's delivery reports (`acknowledge`) and the
+consumer's commit outcomes (`commits_reported`); nothing here is called back. Work of a partition epoch that is no
+longer current (see worker.assignment) is dropped here, in one place.
 An output the client or broker refuses (too large, invalid) is replaced by a reference-only dead letter, so no
 single input can stop its partition.
 """
@@ -20,25 +22,19 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol
 
 from confluent_kafka import KafkaError, KafkaException
 from prometheus_client import Counter
 
-from worker.assignment import TP, Assignments
+from worker.assignment import Assignments
 from worker.config import Settings
 from worker.errors import OperatorError
-from worker.frames import OUTPUT_REJECTED, DeadLetter, Output, SourceRef, Status
+from worker.frames import OUTPUT_REJECTED, TP, DeadLetter, Output, SourceRef, Status
 from worker.kafka.errors import classify_producer_error
-from worker.kafka.producer import (
-    DoneCallback,
-    MessageRejected,
-    RejectedCallback,
-    ResultSink,
-    TransactionStuckError,
-)
+from worker.kafka.producer import DeliveryReports, MessageRejected, Refusal, ResultSink, TransactionStuckError
 from worker.metrics import Children, Metrics
-from worker.offsets import OffsetTracker
+from worker.offsets import CommitOutcome, OffsetTracker
+from worker.ports import Source as Committer
 
 log = logging.getLogger(__name__)
 
@@ -57,15 +53,8 @@ class CommitResult(enum.Enum):
     REWIND = "rewind"  # what was read since the last commit is void: read it again from the committed offsets
 
 
-class Committer(Protocol):
-    """What delivery needs of the consumer (worker.kafka.consumer.FrameSource)."""
-
-    def commit(self, points: dict[TP, int], asynchronous: bool = False) -> None: ...
-
-    def group_metadata(self) -> object: ...
-
-
-SinkFactory = Callable[[DoneCallback, RejectedCallback], ResultSink]
+# Makes the producer of results and dead letters: once, and again when a stuck transactional one is replaced.
+SinkFactory = Callable[[], ResultSink]
 
 
 class DeliveryError(OperatorError):
@@ -92,7 +81,7 @@ class Delivery:
         self.results = 0
         self.dead_lettered = 0
         self.commits = 0
-        self.sink = sink_factory(self.on_ack, self.on_rejected)
+        self.sink = sink_factory()
 
     # -- the interface the loop uses -------------------------------------------------------------------
     def emit(self, outputs: list[Output]) -> None:
@@ -106,31 +95,31 @@ class Delivery:
         for tp in tps:
             self.tracker.forget(tp)
 
+    def acknowledge(self, reports: DeliveryReports) -> None:
+        """Take the sink's delivery reports (the loop hands them over each turn, and before a final commit); stop
+        on a producer error that nothing but a restart can fix."""
+        for refusal in reports.refused:
+            self._refused(refusal)
+        if reports.error is not None:
+            raise reports.error
+
+    def commits_reported(self, outcomes: list[CommitOutcome]) -> None:
+        """Outcomes of the consumer's offset commits (Polled.commits); only at-least-once commits through it."""
+
     def finish(self) -> None:
-        """Before partitions are given up or the worker stops: wait for what was produced to be acknowledged."""
+        """Before a final commit (partitions given up, the worker stopping): wait for what was produced to be
+        acknowledged. The loop then hands the sink's reports to `acknowledge`."""
 
     @property
     def busy(self) -> bool:
         """Outputs not yet delivered."""
         return False
 
-    def poll(self) -> None:
-        """Serve delivery reports; stop on a producer error that nothing but a restart can fix."""
-        self.sink.poll(0)
-        if self.sink.access_error is not None:
-            raise self.sink.access_error
-        if self.sink.fatal_error is not None:
-            raise self.sink.fatal_error
-
     def close(self) -> None:
         self.sink.close()
 
-    # -- callbacks from the sink (served by sink.poll / flush, on the loop thread) ----------------------
-    def on_ack(self, source: SourceRef) -> None:
-        """The broker has the output of `source`."""
-
-    def on_rejected(self, source: SourceRef, reason: str) -> None:
-        """The broker refused the output of `source` for good."""
+    def _refused(self, refusal: Refusal) -> None:
+        """The broker refused the output of `refusal.source` for good."""
 
     # -- shared ----------------------------------------------------------------------------------------
     def _send(self, out: Output) -> Output:
@@ -155,7 +144,7 @@ class Delivery:
         if out.dead_letter is not None:
             self.sink.send_dead_letter(out.dead_letter)
         else:
-            self.sink.send_result(out.source, out.key or b"", out.value)
+            self.sink.send_result(out.source, out.key or b"", out.value, out.result_headers)
 
     @staticmethod
     def _replacement(out: Output, reason: str) -> Output:
@@ -211,20 +200,25 @@ class AtLeastOnceDelivery(Delivery):
             if self.assignments.is_current(out.source):
                 self._awaiting_ack[out.source] = self._send(out)
 
-    def on_ack(self, source: SourceRef) -> None:
-        out = self._awaiting_ack.pop(source, None)
-        if out is None or not self.assignments.is_current(source):
-            return  # an acknowledgement of a partition given up since: the next owner redoes its frame
-        self._count(out)
-        self.tracker.mark_done(source.topic_partition, source.offset)
+    def acknowledge(self, reports: DeliveryReports) -> None:
+        """An acknowledged output's offset is done; a refused one is replaced by its reference dead letter."""
+        awaiting, is_current = self._awaiting_ack, self.assignments.is_current
+        for source in reports.acknowledged:
+            out = awaiting.pop(source, None)
+            if out is None or not is_current(source):
+                continue  # an acknowledgement of a partition given up since: the next owner redoes its frame
+            self._count(out)
+            self.tracker.mark_done(source.topic_partition, source.offset)
+        super().acknowledge(reports)
 
-    def on_rejected(self, source: SourceRef, reason: str) -> None:
+    def _refused(self, refusal: Refusal) -> None:
+        source = refusal.source
         out = self._awaiting_ack.get(source)
         if out is None or not self.assignments.is_current(source):
             return
         if out.dead_letter is not None and out.dead_letter.error_type == OUTPUT_REJECTED:
-            raise self._dead_letter_topic_refuses(reason)
-        self._awaiting_ack[source] = self._send(self._replacement(out, reason))
+            raise self._dead_letter_topic_refuses(refusal.reason)
+        self._awaiting_ack[source] = self._send(self._replacement(out, refusal.reason))
 
     @property
     def busy(self) -> bool:
@@ -238,7 +232,7 @@ class AtLeastOnceDelivery(Delivery):
 
     def commit(self, final: bool = False) -> CommitResult:
         """Commit the watermark: asynchronously in the loop (a synchronous commit would stall it for a broker
-        round trip per batch), after a flush and synchronously before partitions are given up."""
+        round trip per batch), synchronously before partitions are given up (after `finish` and `acknowledge`)."""
         now = self.clock()
         if not final and self._awaiting_outcome(now):
             return CommitResult.NOTHING
@@ -247,13 +241,11 @@ class AtLeastOnceDelivery(Delivery):
         if not final and now - self._last_commit < self.settings.delivery.commit_interval_ms / 1000.0 \
                 and self.tracker.uncommitted() < self.settings.max_uncommitted_frames // 2:
             return CommitResult.NOTHING
-        if final:
-            self.finish()
         # A partition given up since is someone else's to commit.
         points = {tp: point for tp, point in self.tracker.commit_points().items() if tp in self.assignments}
         if not points:
             return CommitResult.NOTHING
-        # librdkafka reports every commit, synchronous ones too, to the commit callback, in order.
+        # librdkafka reports every commit, synchronous ones too, in order: they come back through commits_reported.
         self._commits_in_flight.append(time.monotonic())
         try:
             self.committer.commit(points, asynchronous=not final)
@@ -279,12 +271,17 @@ class AtLeastOnceDelivery(Delivery):
         self._outcome_awaited_since = None
         return False
 
-    def commit_reported(self, committed: dict[TP, int], failed: list[TP], reason: str | None) -> None:
+    def commits_reported(self, outcomes: list[CommitOutcome]) -> None:
+        for outcome in outcomes:
+            self._commit_reported(outcome)
+
+    def _commit_reported(self, outcome: CommitOutcome) -> None:
         """Outcome of a commit, served by a consumer poll; a failed partition's commit point is offered again."""
         self._outcome_awaited_since = None
         if self._commits_in_flight:
             self.metrics.commit_latency.observe(time.monotonic() - self._commits_in_flight.popleft())
-        self.tracker.commit_confirmed(committed)
+        self.tracker.commit_confirmed(outcome.committed)
+        failed, reason = outcome.failed, outcome.reason
         if not failed:
             self.metrics.commits.labels("ok").inc()
             return
@@ -318,7 +315,7 @@ class ExactlyOnceDelivery(Delivery):
         self._held: dict[TP, dict[int, Output]] = {}
         # Offsets whose output a broker refused inside a transaction (which then aborted): when read again,
         # they are dead-lettered by reference at once.
-        self._refused: dict[tuple[TP, int], str] = {}
+        self._refused_offsets: dict[tuple[TP, int], str] = {}
 
     @property
     def _call_timeout_s(self) -> float:
@@ -330,7 +327,7 @@ class ExactlyOnceDelivery(Delivery):
             if not self.assignments.is_current(out.source):
                 continue
             tp = out.source.topic_partition
-            refused = self._refused.get((tp, out.source.offset))
+            refused = self._refused_offsets.get((tp, out.source.offset))
             if refused is not None:
                 out = self._replacement(out, refused)
             self._held.setdefault(tp, {})[out.source.offset] = out
@@ -340,9 +337,10 @@ class ExactlyOnceDelivery(Delivery):
     def busy(self) -> bool:
         return any(self._held.values())
 
-    def on_rejected(self, source: SourceRef, reason: str) -> None:
+    def _refused(self, refusal: Refusal) -> None:
         # The transaction fails to commit and is aborted; the frame is read again and dead-lettered then.
-        self._refused[(source.topic_partition, source.offset)] = reason
+        source = refusal.source
+        self._refused_offsets[(source.topic_partition, source.offset)] = refusal.reason
 
     def commit(self, final: bool = False) -> CommitResult:
         """Produce the outputs below each partition's commit point and commit those offsets, atomically.
@@ -392,7 +390,8 @@ class ExactlyOnceDelivery(Delivery):
         self.tracker.commit_confirmed(points)
         # A refused offset is remembered until its reference dead letter is committed (a later transaction may
         # fail for another reason and read it again).
-        self._refused = {(tp, o): r for (tp, o), r in self._refused.items() if o >= points.get(tp, -1)}
+        self._refused_offsets = {(tp, o): r for (tp, o), r in self._refused_offsets.items()
+                                 if o >= points.get(tp, -1)}
         self.metrics.commits.labels("ok").inc()
         self.metrics.commit_latency.observe(time.monotonic() - started)
         self.commits += 1
@@ -429,8 +428,11 @@ class ExactlyOnceDelivery(Delivery):
         the committed offsets. Nothing of the stuck transaction is visible to a read_committed reader."""
         self.metrics.commits.labels("timed_out").inc()
         log.error("%s: replacing the transactional producer and rewinding to the committed offsets", exc)
+        # Its refusals served so far name the offsets to dead-letter by reference when read again.
+        for refusal in self.sink.reports().refused:
+            self._refused(refusal)
         self.sink.close()
-        self.sink = self._sink_factory(self.on_ack, self.on_rejected)
+        self.sink = self._sink_factory()
         return self._rewind()
 
     def _rewind(self) -> CommitResult:

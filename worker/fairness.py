@@ -32,9 +32,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from worker.assignment import TP
 from worker.config import BatchingSettings
-from worker.frames import Priority
+from worker.frames import TP, Priority
 
 FAIR_PERIOD_S = 0.25
 STUCK_S = 2.0

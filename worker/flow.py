@@ -1,44 +1,32 @@
 """Flow control at the consumer: which partitions the loop reads now and how many frames a poll may take. Four
-rules meet here: the batcher's backpressure, the uncommitted cap, reading by priority (`worker.intake`, the pure
-policy), for which this module sums each class's backlog in Kafka from the source, and fair reading within a class
-(`worker.fairness`), which holds the partitions read ahead of their siblings."""
+rules meet here: the batcher's backpressure, the uncommitted cap, reading by priority
+(`worker.priority_reading`, the pure policy), for which this module sums each class's backlog in Kafka from the
+source, and fair reading within a class (`worker.fairness`), which holds the partitions read ahead of their
+siblings."""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Mapping
-from typing import Protocol
 
-from worker.assignment import TP
 from worker.batching import MicroBatcher
 from worker.config import Settings
 from worker.fairness import FairDecision, PartitionFairness
-from worker.frames import Priority
-from worker.intake import IntakeDecision, PriorityIntake
+from worker.frames import TP, Priority
 from worker.metrics import Children, Metrics
 from worker.offsets import OffsetTracker
+from worker.ports import Source
+from worker.priority_reading import PriorityReading, PriorityReadingDecision
 
 # How often the partitions' backlogs in Kafka are read for reading by priority and fair reading (positions and
 # cached watermarks: no broker request, ~15 us for nine partitions).
 BACKLOG_REFRESH_S = 0.01
 
 
-class PausableSource(Protocol):
-    @property
-    def paused_partitions(self) -> int: ...
-
-    @property
-    def awaiting_committed_offset(self) -> frozenset[TP]: ...
-
-    def pause_classes(self, classes: set[Priority], held: frozenset[TP] = frozenset()) -> None: ...
-
-    def lag(self) -> dict[TP, int]: ...
-
-
 class FlowControl:
     """Pauses and resumes the source's classes once per turn, and sizes the next poll."""
 
-    def __init__(self, settings: Settings, source: PausableSource, batcher: MicroBatcher, tracker: OffsetTracker,
+    def __init__(self, settings: Settings, source: Source, batcher: MicroBatcher, tracker: OffsetTracker,
                  metrics: Metrics, clock: Callable[[], float]) -> None:
         self._settings = settings
         self._source = source
@@ -46,8 +34,8 @@ class FlowControl:
         self._tracker = tracker
         self._metrics = metrics
         self._clock = clock
-        self.intake = PriorityIntake(settings.batching, clock) if settings.batching.read_by_priority else None
-        self._decision = IntakeDecision()
+        self.by_priority = PriorityReading(settings.batching, clock) if settings.batching.read_by_priority else None
+        self._decision = PriorityReadingDecision()
         self.fairness = PartitionFairness(settings.batching, clock)
         self._fair = FairDecision()
         self.class_of_topic = settings.topics.input_topics()
@@ -55,6 +43,10 @@ class FlowControl:
         self._backlog: dict[Priority, int] = {}
         self._backlog_at = float("-inf")
         self.paused: set[Priority] = set()
+        # Frames held for their writer schema and the unframed ones answered past them (worker.schemahold): offsets
+        # no commit passes until the registry answers, bounded by their partitions' pauses; they do not count against
+        # the uncommitted cap, which would stop every partition.
+        self.pinned_frames = 0
         self._priority_paused = Children(metrics.priority_paused)
         self._priority_pauses = Children(metrics.priority_pauses)
         self._unservable = Children(metrics.backlog_unservable)
@@ -66,7 +58,7 @@ class FlowControl:
     def room(self) -> int:
         """Frames the loop may read now: the batcher's room (no class still reading past its share), and what is
         left under the uncommitted cap."""
-        uncommitted_room = self._settings.max_uncommitted_frames - self._tracker.uncommitted()
+        uncommitted_room = self._settings.max_uncommitted_frames - (self._tracker.uncommitted() - self.pinned_frames)
         room = min(self._batcher.poll_room(self.paused), uncommitted_room)
         decision = self._decision
         # While a class reads its floor share, polls stay small so it does not pass its share by much (not while
@@ -83,9 +75,9 @@ class FlowControl:
         the uncommitted cap is reached (commits are failing: what more the worker read, a lost session would
         answer again)."""
         self._refresh_lag()
-        if self.intake is not None:
-            self._read_by_priority(self.intake)
-        if self._tracker.uncommitted() >= self._settings.max_uncommitted_frames:
+        if self.by_priority is not None:
+            self._read_by_priority(self.by_priority)
+        if self._tracker.uncommitted() - self.pinned_frames >= self._settings.max_uncommitted_frames:
             self.paused = set(Priority)
         else:
             self.paused = self._batcher.classes_to_pause() | self._decision.paused
@@ -99,13 +91,13 @@ class FlowControl:
         """What a poll read per class (frames and dead letters), which of its frames were past their deadline, each
         class's oldest capture time read, whether it emptied the consumer's queue, and what it read per partition."""
         self.fairness.record_read(by_partition, self._class_of)
-        if self.intake is not None:
-            self.intake.record_read(read, late, oldest_s, drained if len(self.paused) < len(Priority) else None)
+        if self.by_priority is not None:
+            self.by_priority.record_read(read, late, oldest_s, drained if len(self.paused) < len(Priority) else None)
 
     def record_expired(self, expired: Counter[Priority]) -> None:
         """Frames that expired waiting for a batch, per class."""
-        if self.intake is not None:
-            self.intake.record_expired(expired)
+        if self.by_priority is not None:
+            self.by_priority.record_expired(expired)
 
     def _class_of(self, tp: TP) -> Priority:
         return self.class_of_topic[tp[0]]
@@ -121,10 +113,10 @@ class FlowControl:
                 backlog[self.class_of_topic[topic]] += lag
             self._backlog = dict(backlog)
 
-    def _read_by_priority(self, intake: PriorityIntake) -> None:
-        """Ask the intake policy which classes to pause for a more urgent class's backlog in Kafka."""
+    def _read_by_priority(self, policy: PriorityReading) -> None:
+        """Ask the reading-by-priority policy which classes to pause for a more urgent class's backlog in Kafka."""
         before = self._decision
-        decision = self._decision = intake.decide(self._backlog)
+        decision = self._decision = policy.decide(self._backlog)
         if decision == before:
             return
         for p in Priority:

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 # A Kafka message's headers as confluent-kafka gives them: (name, value) pairs, names may repeat.
 Headers = tuple[tuple[str, bytes | None], ...]
+# A topic partition: (topic, partition).
+TP = tuple[str, int]
 
 # The context a dead letter carries in its headers (worker/kafka/producer.py), after the input message's own headers.
 HEADER_ERROR = "streamfer.error"
@@ -133,7 +135,7 @@ class Verdict:
     """The model's output for one frame: per-label scores and the thresholded decision.
 
     A detector's scores are its best box's per label (0 without one), its boxes in `detections`. In a model set
-    (worker.runtime.ensemble) the frame's verdict carries every model's own in `models`, and `decided_by` names
+    (worker.runtime.modelset) the frame's verdict carries every model's own in `models`, and `decided_by` names
     the model whose output decided it."""
 
     scores: dict[str, float]
@@ -185,7 +187,8 @@ class Output:
     """The one message to produce for one source offset: an encoded result or a dead letter.
 
     Every offset read ends in exactly one Output (or is left uncommitted for the next owner). `headers`: the
-    input message's, for the reference-only dead letter that replaces an output the broker refuses."""
+    input message's, for the reference-only dead letter that replaces an output the broker refuses.
+    `result_headers`: the result message's own (its W3C trace context, worker.tracing; empty with tracing off)."""
 
     source: SourceRef
     key: bytes | None
@@ -194,6 +197,7 @@ class Output:
     status: Status
     dead_letter: DeadLetter | None = None
     headers: Headers = field(repr=False, default=())
+    result_headers: Headers = field(repr=False, default=())
 
     @staticmethod
     def of_dead_letter(dl: DeadLetter, tenant: str = "unknown") -> Output:

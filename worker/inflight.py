@@ -6,18 +6,12 @@ batch never waits behind a running bulk batch)."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Protocol
 
 from worker.batching import Batch, MicroBatcher
-from worker.frames import BatchOutcome, Frame, Priority
+from worker.frames import BatchOutcome, Priority
 from worker.metrics import Children, Metrics
-
-
-class Runtime(Protocol):
-    def submit(self, frames: Sequence[Frame], shape: tuple[int, int, int],
-               priority: Priority = Priority.BULK) -> Future[BatchOutcome]: ...
+from worker.ports import Executor as Runtime
 
 
 class InFlight:

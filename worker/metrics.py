@@ -17,8 +17,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.samples import Exemplar
 
 from worker.config import Settings
 from worker.frames import DEAD_LETTER_ERROR_TYPES, Frame
@@ -51,12 +52,15 @@ class Children(Generic[MetricT]):
         return child
 
 
-def observe_many(histogram: Histogram, amounts: Iterable[float]) -> None:
+def observe_many(histogram: Histogram, amounts: Iterable[float],
+                 trace_ids: Sequence[str | None] | None = None) -> None:
     """`histogram.observe(a)` for each of `amounts` (none NaN), as one increment of the sum and one per bucket
     touched: a batch's frames land in a few buckets, and observe() costs about 2 us a call, which the loop paid
     three times per frame. It uses the child's bucket bounds and values (prometheus_client's private
     `_upper_bounds`, `_buckets`, `_sum`): tests/unit/test_metrics_observe_many.py checks that the exposition is
-    the same as observe()'s, so a prometheus_client that changes them fails there, not in production."""
+    the same as observe()'s, so a prometheus_client that changes them fails there, not in production.
+    `trace_ids`: per amount, a sampled frame's trace id (worker.tracing) or None; each id becomes its bucket's
+    OpenMetrics exemplar, as `observe(a, {"trace_id": id})` makes it."""
     amounts = list(amounts)
     if not amounts:
         return
@@ -65,10 +69,25 @@ def observe_many(histogram: Histogram, amounts: Iterable[float]) -> None:
     histogram._sum.inc(sum(amounts))
     for index, count in collections.Counter(bisect.bisect_left(bounds, a) for a in amounts).items():
         histogram._buckets[index].inc(count)
+    if trace_ids is not None:
+        now = time.time()
+        for amount, trace_id in zip(amounts, trace_ids, strict=True):
+            if trace_id is not None:
+                histogram._buckets[bisect.bisect_left(bounds, amount)].set_exemplar(
+                    Exemplar({"trace_id": trace_id}, amount, now))
 
 
+def exemplar(trace_id: str | None) -> dict[str, str] | None:
+    """The exemplar of an `observe()` for a sampled frame's trace id, None without one."""
+    return None if trace_id is None else {"trace_id": trace_id}
+
+
+# Why a trace span was not exported (worker/tracing/export.py).
+TRACE_DROP_REASONS = ("queue_full", "export_failed", "shutdown")
 # The label value of every tenant without a label of its own, and of every error_type not listed below.
 OTHER = "other"
+# streamfer_schema_lookups_total's outcomes (worker.kafka.schemalookups).
+SCHEMA_LOOKUP_OUTCOMES = ("found", "transient", "permanent")
 # The dead letters' error_type values (the worker's own classes); anything else is counted as "other".
 
 
@@ -100,6 +119,15 @@ class Metrics:
                                             ["topic", "error_type"], registry=r)
         self.frames_flagged = Counter("streamfer_frames_flagged_total", "Frames the model flagged, by label.",
                                       ["label"], registry=r)
+        self.frames_scored = Counter("streamfer_frames_scored_total", "Frames the model ran on, by class.",
+                                     ["priority"], registry=r)
+        self.frames_reused = Counter("streamfer_frames_reused_total",
+                                     "Frames answered with an earlier frame's verdict of their stream, the picture "
+                                     "unchanged (batching.<class>.reuse_max_age_ms), by class.", ["priority"],
+                                     registry=r)
+        self.reuse_streams = Gauge("streamfer_reuse_streams",
+                                   "Streams whose reference frame verdict reuse keeps (bounded, least recently seen "
+                                   "dropped first).", registry=r)
         self.batch_size = Histogram("streamfer_batch_size", "Frames per executed batch.", ["priority", "lane"],
                                     buckets=BATCH_SIZE_BUCKETS, registry=r)
         self.queue_wait = Histogram("streamfer_queue_wait_seconds",
@@ -168,6 +196,22 @@ class Metrics:
             "captured graph run eager.", registry=r)
         self.cuda_graph_captures_stopped.set_function(
             lambda: 0.0 if captures_stop.reason is None else 1.0)
+        # The Schema Registry as the frames' writer-schema lookups see it (worker.kafka.schemalookups).
+        self.schema_lookups = Counter("streamfer_schema_lookups_total",
+                                      "Writer-schema lookups at the Schema Registry, by outcome: found, transient "
+                                      "(unreachable, timeout, HTTP 5xx/429: frames held, asked again), permanent "
+                                      "(unknown id, unreadable schema: frames dead-lettered).", ["outcome"],
+                                      registry=r)
+        for outcome in SCHEMA_LOOKUP_OUTCOMES:  # every outcome's series from the start, as dashboards expect
+            self.schema_lookups.labels(outcome)
+        self.frames_held_for_schema = Gauge("streamfer_frames_held_for_schema",
+                                            "Framed frames held on their partition until the registry gives their "
+                                            "writer schema (with the framed frames read after them there).",
+                                            registry=r)
+        self.schema_registry_unanswered = Gauge("streamfer_schema_registry_unanswered_seconds",
+                                                "Seconds the Schema Registry has not answered, from the first lookup "
+                                                "it left unanswered, while lookups fail for a transient reason; 0 "
+                                                "once it answers.", registry=r)
         self.ready = Gauge("streamfer_ready", "1 when assigned, consuming and warmed up.", registry=r)
         # /healthz as Prometheus sees it: a number to alert on before the liveness probe gives up.
         self.loop_stalled = Gauge("streamfer_loop_stalled_seconds",
@@ -179,6 +223,12 @@ class Metrics:
         self.batch_time_ratio = Histogram("streamfer_batch_time_ratio",
                                           "Measured / predicted run time (preprocess + inference) per batch.",
                                           buckets=PREDICTION_RATIO_BUCKETS, registry=r)
+        self.trace_spans_dropped = Counter("streamfer_trace_spans_dropped_total",
+                                           "Trace spans not exported, by reason: queue_full (the collector is slower "
+                                           "than the worker, or gone), export_failed, shutdown.", ["reason"],
+                                           registry=r)
+        for reason in TRACE_DROP_REASONS:  # at 0 from the start: a rate over them needs no first drop
+            self.trace_spans_dropped.labels(reason)
         self.input_pixels = Histogram("streamfer_input_pixels",
                                       "Pixels (height x width) of each frame run, by the batch's padded shape.",
                                       ["shape"], buckets=PIXEL_BUCKETS, registry=r)
@@ -212,8 +262,11 @@ class Metrics:
         """The `error_type` label value of a dead letter: one of DEAD_LETTER_ERROR_TYPES, else "other"."""
         return error_type if error_type in DEAD_LETTER_ERROR_TYPES else OTHER
 
-    def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+    def exposition_for(self, accept: str) -> tuple[bytes, str]:
+        """The exposition in the format the scraper's Accept header asks for, and its content type: OpenMetrics
+        (which carries the latency histograms' exemplars) when it asks for it, else Prometheus' text format."""
+        encode, content_type = choose_encoder(accept)
+        return encode(self.registry), content_type
 
 
 @dataclass
@@ -233,6 +286,10 @@ class Health:
     # Why the worker cannot use the cluster now (refused, or unreachable too long), or None: the consumer's
     # BrokerStatus.unhealthy_reason, attached by run_worker.
     broker_problem: Callable[[], str | None] | None = None
+    # What start-up waits for (the Schema Registry), or None; and the registry's trouble while running, or None:
+    # /readyz says both (the latter without turning not ready: the worker still serves everything else).
+    waiting_for: str | None = None
+    registry_problem: Callable[[], str | None] | None = None
 
     def beat(self) -> None:
         self.last_beat = self.clock()
@@ -254,6 +311,15 @@ class Health:
     def ready(self) -> bool:
         return self.live and self.warmed_up and self.assigned
 
+    @property
+    def degraded(self) -> str:
+        """/readyz's note on a dependency start-up waits for or the loop works around ("" when none)."""
+        notes = [f"waiting for {self.waiting_for}"] if self.waiting_for else []
+        problem = self.registry_problem() if self.registry_problem is not None else None
+        if problem:
+            notes.append(problem)
+        return "".join(f"; {note}" for note in notes)
+
 
 class MetricsServer:
     """Serves /metrics, /healthz and /readyz on one port, in a daemon thread."""
@@ -270,7 +336,7 @@ class MetricsServer:
                     metrics_ref.loop_stalled.set(health_ref.stalled_for)
                     if hook is not None:
                         hook()
-                    self._reply(200, metrics_ref.exposition(), CONTENT_TYPE_LATEST)
+                    self._reply(200, *metrics_ref.exposition_for(self.headers.get("Accept", "")))
                 elif path == "/healthz":
                     if health_ref.live:
                         self._reply(200, b"ok\n")
@@ -283,9 +349,9 @@ class MetricsServer:
                                          f"{health_ref.stalled_for:.0f}s\n".encode())
                 elif path == "/readyz":
                     ok = health_ref.ready
-                    body = b"ready\n" if ok else (
-                        f"not ready: warmed_up={health_ref.warmed_up} assigned={health_ref.assigned}\n".encode())
-                    self._reply(200 if ok else 503, body)
+                    text = "ready" if ok else (
+                        f"not ready: warmed_up={health_ref.warmed_up} assigned={health_ref.assigned}")
+                    self._reply(200 if ok else 503, f"{text}{health_ref.degraded}\n".encode())
                 elif path == "/debug/profile" and profile_hook is not None:
                     self._profile(self.path)
                 else:

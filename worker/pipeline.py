@@ -4,7 +4,8 @@ One thread owns the consumer, the batcher, the offset tracker and the producer; 
 on its own threads and hands back futures of `BatchOutcome`s. Every message read ends in exactly one of: a
 result (OK or EXPIRED), a dead letter, or (on revocation, or as stale work) being left uncommitted for the
 partition's next reading. When an output counts as delivered and what may be committed is decided by
-`worker.delivery`; the loop asks it after each turn and rewinds when it says so.
+`worker.delivery`; the loop hands it what the Kafka edges returned (the sink's delivery reports, the consumer's
+commit outcomes), asks it to commit each turn, and rewinds when it says so.
 """
 
 from __future__ import annotations
@@ -13,14 +14,12 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Protocol
 
 from confluent_kafka import Consumer, Producer
 
+from worker.admission import Admission
 from worker.answers import Answers
-from worker.assignment import TP, Assignments
 from worker.batching import Batch, MicroBatcher, batch_shape
 from worker.config import Settings, resolve_inflight_batches
 from worker.costmodel import CostModel
@@ -28,17 +27,17 @@ from worker.dedup import DuplicateFrames
 from worker.delivery import AtLeastOnceDelivery, CommitResult, Delivery, ExactlyOnceDelivery
 from worker.errors import StreamferError
 from worker.flow import FlowControl
-from worker.frames import BatchOutcome, Frame, Output, Priority
+from worker.frames import TP, BatchOutcome, Output, Priority
 from worker.inflight import InFlight
 from worker.kafka.client import ClientFactory
-from worker.kafka.consumer import FrameSource, Polled, RebalanceHandler
-from worker.kafka.producer import STUCK_GRACE_S, DoneCallback, RejectedCallback, ResultSink, output_message_limit
+from worker.kafka.consumer import FrameSource
+from worker.kafka.producer import STUCK_GRACE_S, ResultSink, output_message_limit
 from worker.kafka.registry import RegistryLink
-from worker.memorypolicy import BatchSizeLimit
 from worker.metrics import Health, Metrics
-from worker.offsets import OffsetTracker
-from worker.reading import Reader
+from worker.offsets import CommitOutcome, OffsetTracker
+from worker.ports import Executor, Source
 from worker.schemas import ResultContext
+from worker.tracing import TRACING_OFF, Tracing
 
 log = logging.getLogger(__name__)
 
@@ -48,54 +47,6 @@ POLL_BATCH = 500
 INFLIGHT_POLL_S = 0.002
 IDLE_POLL_S = 0.1
 LAG_REFRESH_S = 1.0
-
-
-class Executor(Protocol):
-    """What the pipeline needs from the runtime (worker.runtime.InferenceExecutor)."""
-
-    preferred_batch_sizes: tuple[int, ...]
-    # The model's fixed input (height, width), or None when it takes each batch's own size.
-    model_input_hw: tuple[int, int] | None
-    model_name: str
-    model_version: str
-
-    @property
-    def memory_policy(self) -> BatchSizeLimit | None:
-        """Device memory peaks per shape measured at warm-up (CUDA), or None: a cap on each shape's batch size."""
-
-    @property
-    def runner_count(self) -> int:
-        """Runners that execute batches at once: the loop keeps each of them fed."""
-
-    def submit(self, frames: Sequence[Frame], shape: tuple[int, int, int],
-               priority: Priority = Priority.BULK) -> Future[BatchOutcome]: ...
-
-
-class Source(Protocol):
-    """What the pipeline needs from the consumer side (worker.kafka.consumer.FrameSource)."""
-
-    assignments: Assignments
-
-    @property
-    def paused_partitions(self) -> int: ...
-
-    def subscribe(self, on_assign: RebalanceHandler, on_revoke: RebalanceHandler,
-                  on_lost: RebalanceHandler) -> None: ...
-
-    def poll(self, max_messages: int, timeout_s: float) -> Polled: ...
-
-    def pause_classes(self, classes: set[Priority], held: frozenset[TP] = frozenset()) -> None: ...
-
-    @property
-    def awaiting_committed_offset(self) -> frozenset[TP]: ...
-
-    def seek_to_committed(self, tps: list[TP]) -> None: ...
-
-    def caught_up(self) -> bool: ...
-
-    def lag(self) -> dict[TP, int]: ...
-
-    def close(self) -> None: ...
 
 
 @dataclass
@@ -114,13 +65,12 @@ class RunSummary:
 
 
 class Pipeline:
-    """Runs the worker loop until `should_stop()` is true, then drains, commits and closes."""
+    """Runs the worker loop until `should_stop()` is true, then drains, commits and closes (build_pipeline)."""
 
     def __init__(self, settings: Settings, source: Source, delivery: Delivery, executor: Executor,
                  metrics: Metrics, health: Health, clock: Callable[[], float] = time.time,
-                 result_framing: bytes = b"") -> None:
-        # One in-flight limit for the runners the executor has (build_pipeline resolved it already).
-        self.settings = settings = resolve_inflight_batches(settings, executor.runner_count)
+                 result_framing: bytes = b"", tracing: Tracing = TRACING_OFF) -> None:
+        self.settings = settings
         self.source = source
         self.delivery = delivery
         self.executor = executor
@@ -135,10 +85,11 @@ class Pipeline:
                                     executor.memory_policy, executor.model_input_hw)
         self.duplicates = DuplicateFrames(settings.limits.duplicate_window_frames)
         self.flow = FlowControl(settings, source, self.batcher, self.tracker, metrics, clock)
+        self.tracing = tracing
         self.answers = Answers(metrics, ResultContext(executor.model_name, executor.model_version,
-                                                      settings.observability.worker_id, result_framing))
-        self.reader = Reader(settings, self.tracker, self.duplicates, self.batcher, self.answers, self.flow,
-                             metrics)
+                                                      settings.observability.worker_id, result_framing), tracing)
+        self.admission = Admission(settings, self.tracker, self.duplicates, self.batcher, self.answers, self.flow,
+                                   metrics)
         self._counts = RunSummary()
         self._inflight = InFlight(self.batcher, executor, settings.delivery.max_inflight_batches,
                                   settings.batching.release_when_idle, metrics)
@@ -182,14 +133,14 @@ class Pipeline:
         return self.summary
 
     def step(self) -> None:
-        """One turn: collect finished batches, expire, dispatch, produce, take delivery reports, commit, pause or
-        resume, poll, refresh the lag gauge."""
+        """One turn: collect finished batches, expire, dispatch, produce, hand delivery the sink's delivery reports,
+        commit, pause or resume, poll (handing delivery the commit outcomes it returns), refresh the lag gauge."""
         self.health.beat()
         self._collect_finished()
         self._expire()
         self._dispatch_due()
         self._emit()
-        self.delivery.poll()
+        self._acknowledge()
         self._commit()
         self.flow.apply()
         self._poll_input()
@@ -203,20 +154,16 @@ class Pipeline:
             due = self.batcher.next_due()
             timeout = IDLE_POLL_S if due is None else min(IDLE_POLL_S, max(0.0, due - self.clock()))
         polled = self.source.poll(min(POLL_BATCH, max(room, 1)), timeout)
+        if polled.commits:
+            self.delivery.commits_reported(polled.commits)
         self._input_drained = polled.drained
-        if polled.redelivered:
-            self.metrics.redelivered.inc(polled.redelivered)
-        if polled.committed_offset_waits:
-            self.metrics.committed_offset_waits.inc(polled.committed_offset_waits)
+        self.flow.pinned_frames = polled.pinned_frames
         if polled.frames or polled.dead_letters:
             self._last_activity = self.clock()
-        taken = self.reader.take(polled, self.clock())
+        taken = self.admission.take(polled, self.clock())
         self._outputs.extend(taken.outputs)
         self._counts.expired += taken.expired
         self._counts.consumed += len(polled.frames) + len(polled.dead_letters)
-        self.metrics.inflight_frames.set(self.tracker.in_flight())
-        self.metrics.uncommitted_frames.set(self.tracker.uncommitted())
-        self.metrics.inflight_bytes.set(self.batcher.pending_bytes)
 
     def _idle_for(self) -> float:
         if self._last_activity is None:
@@ -253,6 +200,7 @@ class Pipeline:
         self._counts.batches += 1
         self._counts.frames_batched += outcome.batch_size
         self._outputs.extend(self.answers.of_batch(batch, outcome, self.clock()))
+        self._outputs.extend(self.admission.verdicts_known(outcome, self.clock()))
 
     def _expire(self) -> None:
         expired = self.batcher.pop_expired()
@@ -260,6 +208,7 @@ class Pipeline:
             return
         self._counts.expired += len(expired)
         self._outputs.extend(self.answers.expired(expired, self.clock()))
+        self._outputs.extend(self.admission.expired(expired, self.clock()))
         self.flow.record_expired(Counter(f.priority for f in expired))
 
     # -- producing and committing ---------------------------------------------------------------------------
@@ -267,14 +216,25 @@ class Pipeline:
         if self._outputs:
             outputs, self._outputs = self._outputs, []
             self.delivery.emit(outputs)
+            self.tracing.handed_over(outputs)
+
+    def _acknowledge(self) -> None:
+        """The sink's delivery reports, served since the last turn, handed to delivery."""
+        self.delivery.acknowledge(self.delivery.sink.poll(0))
 
     def _commit(self, final: bool = False) -> None:
+        if final:  # all that is done: every output produced acknowledged, and its report handed over
+            self.delivery.finish()
+            self._acknowledge()
         if self.delivery.commit(final) is CommitResult.REWIND:
             self._rewind()
 
     def _rewind(self) -> None:
-        """Delivery voided what was read since the last commit: drop all of it and read it again."""
+        """Delivery voided what was read since the last commit: drop all of it and read it again. The aborted
+        transaction's reports go to delivery first: an output refused in it is dead-lettered when read again."""
+        self._acknowledge()
         self.batcher.discard(lambda _frame: True)
+        self.admission.forget_all()
         self._inflight.finished(wait=True)  # let them finish; their outputs are stale with the rest
         self._outputs.clear()
         assigned = sorted(self.assignments.partitions)
@@ -301,11 +261,13 @@ class Pipeline:
         self.health.assigned = bool(self.assignments.partitions)
         self.metrics.ready.set(1 if self.health.ready else 0)
 
-    def _on_revoke(self, tps: list[TP]) -> None:
-        """Finish what was read from the revoked partitions, deliver and commit it, then let them go."""
+    def _on_revoke(self, tps: list[TP], commits: list[CommitOutcome]) -> None:
+        """Inside the source's poll, which gives the partitions up as this returns: deliver and commit what was read
+        from them. `commits`, the outcomes served before it, go first: a failed commit is made again in this one."""
         self.metrics.rebalances.labels("revoke").inc()
         self._last_activity = self.clock()
         log.info("partitions revoked: %s", sorted(tps))
+        self.delivery.commits_reported(commits)
         revoked = set(tps)
         # Frames not yet in a batch stay uncommitted: the next owner reads them again.
         self.batcher.discard(lambda f: f.source.topic_partition in revoked)
@@ -325,10 +287,10 @@ class Pipeline:
         self._release(tps)
         self.health.assigned = bool(self.assignments.partitions - lost)
 
-    def _release(self, tps: list[TP]) -> None:
-        self.assignments.release(tps)
+    def _release(self, tps: list[TP]) -> None:  # their assignment: the source releases it after this
         self.delivery.release(tps)
         self.duplicates.release(tps)
+        self.admission.release(tps)
         for topic, partition in tps:
             try:
                 self.metrics.consumer_lag.remove(topic, str(partition))
@@ -339,9 +301,11 @@ class Pipeline:
         """Graceful stop: no new input; run everything pending, deliver, commit."""
         self.source.pause_classes(set(Priority))
         self._expire()
-        for batch in self.batcher.flush():
-            self._inflight.dispatch(batch)
-        self._collect_finished(wait=True)
+        # Until nothing is pending: a reference that fails sends the frames held for it (verdict reuse) back.
+        while self.batcher.pending_frames or self._inflight:
+            for batch in self.batcher.flush():
+                self._inflight.dispatch(batch)
+            self._collect_finished(wait=True)
         self._emit()
         self._commit(final=True)
         summary = self.summary
@@ -366,40 +330,40 @@ class KafkaClients:
 
 def build_pipeline(settings: Settings, executor: Executor, metrics: Metrics, health: Health,
                    clock: Callable[[], float] = time.time, clients: KafkaClients = KafkaClients(),
-                   registry: RegistryLink | None = None) -> Pipeline:
+                   registry: RegistryLink | None = None, tracing: Tracing = TRACING_OFF) -> Pipeline:
     """The pipeline with its real parts: a Kafka consumer, producer and the delivery of the configured mode;
     with `registry` (worker.kafka.registry.connect_registry), results in the Confluent wire format and
-    registry-framed frames read with their writer schemas.
+    registry-framed frames read with their writer schemas; with `tracing` (worker.tracing.setup_tracing), frames'
+    spans and results' trace context.
 
     The worker id names the clients and the transactional id, so it must be resolved (worker.identity) first."""
     if not settings.observability.worker_id:
         raise StreamferError("observability.worker_id is empty: resolve it (worker.identity.worker_identity) before "
                              "building the pipeline")
+    # The one place the in-flight limit is resolved: every part reads it from these settings.
     settings = resolve_inflight_batches(settings, executor.runner_count)
     log.info("in-flight batches: %d for %d runner(s), and one more for realtime",
              settings.delivery.max_inflight_batches, executor.runner_count)
-    assignments = Assignments()
+    tracing.describe_runtime(executor.model_name, executor.model_version, getattr(executor, "device_description", ""))
     tracker = OffsetTracker()
-    source = FrameSource(settings, clock, assignments, consumer_factory=clients.consumer,
-                         writer_schemas=registry.writer_schemas if registry else None)
+    source = FrameSource(settings, clock, consumer_factory=clients.consumer,
+                         writer_schemas=registry.held_frames(metrics, settings.max_uncommitted_frames)
+                         if registry else None)
     delivery: Delivery
     limit = clients.output_message_limit(settings)
     if settings.delivery.mode == "exactly_once":
         transactional_id = f"{settings.delivery.transactional_id_prefix}-{settings.observability.worker_id}"
 
-        def transactional_sink(on_done: DoneCallback, on_rejected: RejectedCallback) -> ResultSink:
-            return ResultSink(settings, on_done, on_rejected, transactional_id=transactional_id,
-                              max_message_bytes=limit, producer_factory=clients.producer,
-                              stuck_grace_s=clients.stuck_grace_s)
-
-        delivery = ExactlyOnceDelivery(settings, transactional_sink, source, tracker, assignments, metrics)
-    else:
-        def sink(on_done: DoneCallback, on_rejected: RejectedCallback) -> ResultSink:
-            return ResultSink(settings, on_done, on_rejected, max_message_bytes=limit,
+        def transactional_sink() -> ResultSink:
+            return ResultSink(settings, transactional_id=transactional_id, max_message_bytes=limit,
                               producer_factory=clients.producer, stuck_grace_s=clients.stuck_grace_s)
 
-        at_least_once = AtLeastOnceDelivery(settings, sink, source, tracker, assignments, metrics, clock)
-        source.on_commit_done = at_least_once.commit_reported
-        delivery = at_least_once
+        delivery = ExactlyOnceDelivery(settings, transactional_sink, source, tracker, source.assignments, metrics)
+    else:
+        def sink() -> ResultSink:
+            return ResultSink(settings, max_message_bytes=limit, producer_factory=clients.producer,
+                              stuck_grace_s=clients.stuck_grace_s)
+
+        delivery = AtLeastOnceDelivery(settings, sink, source, tracker, source.assignments, metrics, clock)
     return Pipeline(settings, source, delivery, executor, metrics, health, clock,
-                    result_framing=registry.result_framing if registry else b"")
+                    result_framing=registry.result_framing if registry else b"", tracing=tracing)

@@ -21,6 +21,7 @@ from worker.testing import (
     http_get,
     ledger,
     make_topics,
+    synthetic_frames,
     uncommitted,
     wait_for,
 )
@@ -105,8 +106,9 @@ def test_worker_in_the_image_serves_drains_and_passes_its_healthcheck(container:
     wait_for(lambda: answered("/readyz"), 120, "/readyz to answer 200 (warmed up, partitions assigned)", 0.2)
 
     producer = FrameProducer(kafka_bootstrap, container.topics)
-    frames = producer.send_synthetic(30, priority="realtime", shapes=[(32, 32), (48, 32)])
-    frames += producer.send_synthetic(30, priority="standard", shapes=[(64, 48)])
+    frames = synthetic_frames(30, [(32, 32), (48, 32)], priority="realtime")
+    frames += synthetic_frames(30, [(64, 48)], priority="standard")
+    producer.publish(frames)
     results = ResultsReader(kafka_bootstrap, container.topics).read(len(frames), timeout_s=120)
     assert ledger(results) == {(f.stream_id, f.frame_index): 1 for f in frames}
     assert {r["worker_id"] for r in results} == {f"image-{name.rsplit('-', 1)[1]}"}

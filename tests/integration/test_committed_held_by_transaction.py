@@ -110,7 +110,7 @@ def make_source(bootstrap: str, topics: Topics, worker_id: str) -> FrameSource:
     overrides["kafka"].update(bootstrap_servers=bootstrap, session_timeout_ms=6000)
     overrides["observability"] = {"worker_id": worker_id, "metrics_enabled": False}
     source = FrameSource(load_settings(env={}, overrides=overrides))
-    source.subscribe(lambda tps: None, lambda tps: None, lambda tps: None)
+    source.subscribe(lambda tps: None, lambda tps, commits: None, lambda tps: None)
     return source
 
 

@@ -84,7 +84,7 @@ def test_dead_letters_replayed_after_the_cause_is_fixed_are_scored_once_and_a_fr
                   tenant=f"tenant-{i % 2}") for i in range(18)]
     poisoned = ids([f for f in good if f.frame_index % 4 == 0])
     broken = [frame(f"broken-{unique}", j, b"\xff\xd8 not a JPEG", encoding=Encoding.JPEG) for j in range(2)]
-    FrameProducer(kafka_bootstrap, topics).send(good + broken)
+    FrameProducer(kafka_bootstrap, topics).publish(good + broken, keep_capture_ts=True)
 
     # 1. The cause: a model that fails on the marked frames.
     run_until_idle(kafka_bootstrap, topics, tmp_path / "poisoned.log", {**env, **POISON_MODEL})
@@ -147,7 +147,8 @@ def test_frames_refused_by_reference_are_replayed_from_their_input_topic_while_i
     pixels = unmarked_pixels(2, 2).tobytes()
     short = [frame(f"s{unique}", i, pixels, side=2) for i in range(3)]
     long = [frame(f"L{unique}-{i}".ljust(256, "x"), 0, pixels, tenant="t".ljust(256, "y"), side=2) for i in range(3)]
-    FrameProducer(kafka_bootstrap, topics).send([f for pair in zip(short, long) for f in pair])  # offsets 0..5
+    interleaved = [f for pair in zip(short, long) for f in pair]  # offsets 0..5
+    FrameProducer(kafka_bootstrap, topics).publish(interleaved, keep_capture_ts=True)
     run_until_idle(kafka_bootstrap, topics, tmp_path / "refused.log", env)
     reader = ResultsReader(kafka_bootstrap, topics)
     assert set(ledger(reader.read_all(idle_timeout_s=1.0))) == ids(short)
@@ -228,13 +229,14 @@ def test_lag_while_the_worker_is_stopped_and_after_it_caught_up_agrees_with_kafk
     cli = Cli(capsys, monkeypatch, kafka_bootstrap, topics)
     pixels = unmarked_pixels(32, 32).tobytes()
     producer = FrameProducer(kafka_bootstrap, topics)
-    producer.send([frame(f"cam{i % 6}-{unique}", i, pixels) for i in range(30)])
+    producer.publish([frame(f"cam{i % 6}-{unique}", i, pixels) for i in range(30)], keep_capture_ts=True)
     run_until_idle(kafka_bootstrap, topics, tmp_path / "first.log", {})
 
     # Stopped, with 24 frames captured 10 minutes ago still to do (expiry is off in the test kit's settings).
     old_ms = int(time.time() * 1000) - 600_000
     sent_at = time.time()
-    producer.send([frame(f"cam{i % 6}-{unique}", 100 + i, pixels, capture_ts_ms=old_ms) for i in range(24)])
+    producer.publish([frame(f"cam{i % 6}-{unique}", 100 + i, pixels, capture_ts_ms=old_ms) for i in range(24)],
+                     keep_capture_ts=True)
     stopped = cli.json("lag")
     [group] = stopped["groups"]
     assert group["group"] == topics.group and group["state"] == "Empty" and group["members"] == []
@@ -265,8 +267,8 @@ def test_lag_while_the_worker_is_stopped_and_after_it_caught_up_agrees_with_kafk
 def test_lag_of_a_group_that_never_ran_counts_from_the_first_offset(kafka_bootstrap, unique, capsys, monkeypatch):
     topics = make_topics(kafka_bootstrap, unique, partitions=1)
     cli = Cli(capsys, monkeypatch, kafka_bootstrap, topics)
-    FrameProducer(kafka_bootstrap, topics).send([frame(f"c{unique}", i, unmarked_pixels(2, 2).tobytes(), side=2)
-                                                 for i in range(5)])
+    FrameProducer(kafka_bootstrap, topics).publish([frame(f"c{unique}", i, unmarked_pixels(2, 2).tobytes(), side=2)
+                                                    for i in range(5)], keep_capture_ts=True)
     report = cli.json("lag")
     [group] = report["groups"]
     assert group["state"] == "Dead" and report["totals"]["standard"]["lag"] == 5

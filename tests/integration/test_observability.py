@@ -42,11 +42,12 @@ def busy_worker(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) 
                                   "batching": {"realtime": {"max_age_ms": 2000}}})
     try:
         producer = FrameProducer(kafka_bootstrap, topics)
-        fresh = producer.send_synthetic(40, priority="standard", shapes=[(32, 32), (40, 32)])
+        fresh = list(synthetic_frames(40, [(32, 32), (40, 32)], Encoding.RAW_RGB8, Priority.STANDARD, "fresh"))
+        producer.publish(fresh)
         old_ms = int(time.time() * 1000) - 60_000
         stale = [dataclasses.replace(f, capture_ts_ms=old_ms)
                  for f in synthetic_frames(5, [(32, 32)], Encoding.RAW_RGB8, Priority.REALTIME, "stale")]
-        producer.send(stale)
+        producer.publish(stale, keep_capture_ts=True)
         producer.send_raw(topics.standard, b"not a frame")
         results = ResultsReader(kafka_bootstrap, topics).read(len(fresh) + len(stale))
         assert {r["status"] for r in results} == {"OK", "EXPIRED"}

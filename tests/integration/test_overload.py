@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 
 from worker.frames import Encoding, Priority
+from worker.kafka.roles import frame_producer
 from worker.schemas import FrameRecord, encode_frame
-from worker.tools.publish_frames import frame_producer, publish, send_frames, synthetic_frames
+from worker.tools.publish_frames import publish, send_frames, synthetic_frames
 from worker.tools.read_results import read_dead_letters, read_results
 
 from .helpers import TestTopics, ledger, make_topics, start_worker

@@ -5,20 +5,22 @@ no password ever appears in its output."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from confluent_kafka import Producer
 from confluent_kafka.admin import AclBindingFilter, AclOperation, AclPermissionType, ResourcePatternType, ResourceType
 
+from worker.cli import main
 from worker.config import load_settings
 from worker.frames import Encoding, Priority
 from worker.kafka.access import worker_acls
+from worker.kafka.roles import frame_producer
 from worker.kafka.topics import ensure_topics
-from worker.tools.local_broker import WORKER_USER, LocalKafka
-from worker.tools.publish_frames import FRAME_PRODUCER_CONFIG, send_frames, synthetic_frames
+from worker.tools.local_broker import ADMIN_USER, WORKER_USER, LocalKafka
+from worker.tools.publish_frames import send_frames, synthetic_frames
 from worker.tools.read_results import read_results
 
 from .helpers import TestTopics as Topics
@@ -44,10 +46,7 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalKafka]:
 def _topics(broker: LocalKafka, unique: str) -> Topics:
     t = Topics(realtime=f"s{unique}.realtime", standard=f"s{unique}.standard", bulk=f"s{unique}.bulk",
                    results=f"s{unique}.results", dead_letter=f"s{unique}.dlq", group=f"g{unique}")
-    st = broker.state()
-    assert st is not None
-    ensure_topics(st.bootstrap_servers, [t.realtime, t.standard, t.bulk, t.results, t.dead_letter], 3,
-                  properties=broker.client_properties())
+    ensure_topics(broker.kafka_settings(), [t.realtime, t.standard, t.bulk, t.results, t.dead_letter], 3)
     return t
 
 
@@ -65,8 +64,7 @@ def _grant(broker: LocalKafka, topics: Topics, mode: str, without: AclOperation 
 
 
 def _publish(broker: LocalKafka, topics: Topics, unique: str) -> set[tuple[str, int]]:
-    producer = Producer({"bootstrap.servers": broker.state().bootstrap_servers,  # type: ignore[union-attr]
-                         **broker.client_properties(), **FRAME_PRODUCER_CONFIG})
+    producer = frame_producer(broker.kafka_settings())
     sent: set[tuple[str, int]] = set()
     for priority, topic in zip(Priority, topics.inputs):
         frames = list(synthetic_frames(FRAMES_PER_TOPIC, [(32, 32)], Encoding.RAW_RGB8, priority, unique))
@@ -115,8 +113,7 @@ def test_scram_sha_512_over_sasl_ssl_with_the_worker_acls_answers_every_frame(
     rc, _seconds, output = _run(secured, topics, mode, tmp_path / "worker.log")
 
     assert rc == 0, output[-3000:]
-    counts = ledger(read_results(secured.state().bootstrap_servers, topics.results,  # type: ignore[union-attr]
-                                 idle_timeout_s=1.0, properties=secured.client_properties()))
+    counts = ledger(read_results(secured.kafka_settings(), topics.results, idle_timeout_s=1.0))
     assert set(counts) == sent
     assert max(counts.values()) == 1
     _assert_no_secret(secured, output)
@@ -131,9 +128,33 @@ def test_scram_sha_256_credentials_answer_every_frame(secured: LocalKafka, uniqu
                                 env={"WORKER_KAFKA_SASL_MECHANISM": "SCRAM-SHA-256"})
 
     assert rc == 0, output[-3000:]
-    counts = ledger(read_results(secured.state().bootstrap_servers, topics.results,  # type: ignore[union-attr]
-                                 idle_timeout_s=1.0, properties=secured.client_properties()))
+    counts = ledger(read_results(secured.kafka_settings(), topics.results, idle_timeout_s=1.0))
     assert set(counts) == sent
+
+
+def test_the_tools_reach_the_secured_cluster_with_the_kafka_settings_as_the_worker_does(
+        secured: LocalKafka, unique: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`worker results`, `worker lag` and `worker dlq show` make their clients from the same [kafka] settings as the
+    worker (as the super user here: the worker's own ACLs do not let it read its results)."""
+    topics = _topics(secured, unique)
+    _grant(secured, topics, "at_least_once")
+    sent = _publish(secured, topics, unique)
+    rc, _seconds, output = _run(secured, topics, "at_least_once", tmp_path / "worker.log")
+    assert rc == 0, output[-3000:]
+    for key, value in {**secured.worker_env(user=ADMIN_USER), **topics.env(),
+                       "WORKER_KAFKA_BOOTSTRAP_SERVERS": secured.kafka_settings().bootstrap_servers}.items():
+        monkeypatch.setenv(key, value)
+    capsys.readouterr()
+
+    assert main(["results", "--topic", topics.results, "--count", str(len(sent))]) == 0
+    results = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert set(ledger(results)) == sent
+    assert main(["lag", "--json"]) == 0
+    (group,) = json.loads(capsys.readouterr().out)["groups"]
+    assert group["group"] == topics.group and all(p["lag"] == 0 for p in group["partitions"])
+    assert main(["dlq", "show", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["total"] == 0
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -209,8 +230,7 @@ def test_read_acls_revoked_under_a_running_worker_stop_it_with_exit_2(
     bootstrap = secured.state().bootstrap_servers  # type: ignore[union-attr]
     proc = start_worker(bootstrap, topics, extra_env=extra, log_path=str(log))
     try:
-        read_results(bootstrap, topics.results, until=lambda rs: len(rs) >= len(sent), timeout_s=120,
-                     properties=secured.client_properties())
+        read_results(secured.kafka_settings(), topics.results, until=lambda rs: len(rs) >= len(sent), timeout_s=120)
         principal = f"User:{WORKER_USER}"
         removed = secured.delete_acls([AclBindingFilter(ResourceType.TOPIC, name, ResourcePatternType.LITERAL,
                                                         principal, None, AclOperation.READ, AclPermissionType.ANY)

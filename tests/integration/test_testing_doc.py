@@ -32,9 +32,9 @@ def test_the_example_is_a_test_file() -> None:
 
 def test_the_documented_example_passes_against_the_real_worker(kafka_bootstrap: str, tmp_path: Path) -> None:
     (tmp_path / "test_example.py").write_text(example_code(), encoding="utf-8")
-    installed = any(ep.name == "worker.testing" for ep in entry_points(group="pytest11"))
+    installed = any(ep.name == "worker.testing.plugin" for ep in entry_points(group="pytest11"))
     # A checkout that is not pip-installed lacks the entry point: load the plugin by name instead.
-    plugin = [] if installed else ["-p", "worker.testing"]
+    plugin = [] if installed else ["-p", "worker.testing.plugin"]
     env = dict(os.environ, KAFKA_BOOTSTRAP_SERVERS=kafka_bootstrap,
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin,

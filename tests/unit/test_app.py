@@ -60,8 +60,8 @@ def test_garbage_is_collected_before_the_heap_is_frozen(unfrozen: None) -> None:
 
 
 def test_the_worker_joins_its_group_only_once_the_model_is_warm(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A replacement takes partitions only when it can serve them: the consumer subscribes (joins the group) after
-    warm-up, though the pipeline and its consumer are built before it (to serve /metrics while warming)."""
+    """A replacement takes partitions only when it can serve them: the pipeline and its consumer are built once the
+    runtime has started (warmed up), and the consumer subscribes (joins the group) when the loop runs."""
     sys.path.insert(0, str(Path(__file__).parent))  # model_factories, as model.source imports it
     import worker.app as app
     from worker.pipeline import build_pipeline
@@ -88,7 +88,7 @@ def test_the_worker_joins_its_group_only_once_the_model_is_warm(monkeypatch: pyt
     clients = dataclasses.replace(kafka.clients, consumer=consumer)
     monkeypatch.setattr(app, "check_client_configs", lambda settings: None)
     monkeypatch.setattr(app, "probe_access", lambda settings: None)
-    monkeypatch.setattr(app, "connect_registry", lambda settings: None)
+    monkeypatch.setattr(app, "connect_registry", lambda settings, **kwargs: None)
     monkeypatch.setattr(app, "build_pipeline",
                         lambda *args, **kwargs: build_pipeline(*args, **{**kwargs, "clients": clients}))
     settings = load_settings(env={}, overrides={
@@ -98,5 +98,5 @@ def test_the_worker_joins_its_group_only_once_the_model_is_warm(monkeypatch: pyt
 
     app.run_worker(settings, stop=stop, health=health)
 
-    assert made_while_warm == [False]  # built while the model warmed up ...
-    assert warm_at_subscribe == [True]  # ... but in the group only once it was warm
+    assert made_while_warm == [True]
+    assert warm_at_subscribe == [True]

@@ -84,13 +84,14 @@ FRAMES = st.builds(_frame, TEXT, LONG, TEXT, st.sampled_from(["frames.standard",
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(FRAMES, st.none() | VERDICTS | SET_VERDICTS, st.floats(allow_nan=False)), max_size=4),
        TEXT, TEXT, TEXT, st.sampled_from(STATUS_SYMBOLS), INT, st.floats(allow_nan=False),
-       st.floats(-1e15, 1e15), st.binary(max_size=5))
+       st.floats(-1e15, 1e15), st.binary(max_size=5), st.none() | LONG)
 def test_a_batchs_results_are_written_byte_for_byte_as_fastavro_writes_each(results, model_name, model_version,
                                                                             worker_id, status, batch_size,
-                                                                            inference_ms, now_ms, framing):
+                                                                            inference_ms, now_ms, framing,
+                                                                            reused_from):
     writer = ResultWriter(model_name, model_version, worker_id, framing)
     for _ in range(2):  # the second time from the writer's caches of encoded strings and partitions
-        written = writer.write_frames(results, status, batch_size, inference_ms, now_ms)
+        written = writer.write_frames(results, status, batch_size, inference_ms, now_ms, reused_from)
         assert len(written) == len(results)
         for value, (frame, verdict, queued_ms) in zip(written, results, strict=True):
             expected = _reference(verdict, {
@@ -99,7 +100,8 @@ def test_a_batchs_results_are_written_byte_for_byte_as_fastavro_writes_each(resu
                 "source_topic": frame.source.topic, "source_partition": frame.source.partition,
                 "source_offset": frame.source.offset, "capture_ts_ms": frame.capture_ts_ms, "queued_ms": queued_ms,
                 "batch_size": batch_size, "inference_ms": inference_ms,
-                "end_to_end_ms": max(0.0, now_ms - frame.capture_ts_ms), "worker_id": worker_id})
+                "end_to_end_ms": max(0.0, now_ms - frame.capture_ts_ms), "worker_id": worker_id,
+                "reused_from_frame": reused_from})
             assert value == framing + _fastavro_bytes(RESULT_SCHEMA, expected)
 
 
@@ -110,7 +112,35 @@ def test_a_score_past_float32s_range_is_written_as_infinity_as_fastavro_writes_i
     expected = _reference(verdict, {"stream_id": "s", "frame_index": 0, "tenant": "t", "status": "OK",
                                     "model_name": "m", "model_version": "1", "source_topic": "topic",
                                     "source_partition": 0, "source_offset": 0, "capture_ts_ms": 0, "queued_ms": 0.0,
-                                    "batch_size": 1, "inference_ms": 0.0, "end_to_end_ms": 0.0, "worker_id": "w"})
+                                    "batch_size": 1, "inference_ms": 0.0, "end_to_end_ms": 0.0, "worker_id": "w",
+                                    "reused_from_frame": None})
     assert written == _fastavro_bytes(RESULT_SCHEMA, expected)
     assert fastavro.schemaless_reader(io.BytesIO(written), RESULT_SCHEMA, None)["scores"] == {
         "big": float("inf"), "small": float("-inf")}
+
+
+def _old_result_schema() -> dict:
+    """moderation_result.avsc as it was before `reused_from_frame` (issue 59)."""
+    schema = json.loads((SCHEMA_DIR / "moderation_result.avsc").read_text())
+    schema["fields"] = [f for f in schema["fields"] if f["name"] != "reused_from_frame"]
+    return schema
+
+
+def _result_fields(**extra) -> dict:
+    return {"stream_id": "s", "frame_index": 7, "tenant": "t", "status": "OK", "model_name": "m",
+            "model_version": "1", "scores": {"nsfw": 0.25}, "flagged": False, "flagged_labels": [],
+            "source_topic": "frames", "source_partition": 0, "source_offset": 3, "capture_ts_ms": 5,
+            "queued_ms": 0.0, "batch_size": 0, "inference_ms": 0.0, "end_to_end_ms": 1.0, "worker_id": "w", **extra}
+
+
+def test_an_old_reader_reads_a_reused_result_and_a_new_reader_reads_an_old_result():
+    old, new = fastavro.parse_schema(_old_result_schema()), fastavro.parse_schema(
+        json.loads((SCHEMA_DIR / "moderation_result.avsc").read_text()))
+    [written] = ResultWriter("m", "1", "w").write_frames([(_frame("s", 7, "t", "frames", 0, 3, 5),
+                                                           Verdict({"nsfw": 0.25}, ()), 0.0)], "OK", 0, 0.0, 6.0, 4)
+    as_old = fastavro.schemaless_reader(io.BytesIO(written), new, old)
+    assert "reused_from_frame" not in as_old and as_old["frame_index"] == 7 and as_old["scores"] == {"nsfw": 0.25}
+    old_bytes = _fastavro_bytes(old, _result_fields())
+    as_new = fastavro.schemaless_reader(io.BytesIO(old_bytes), old, new)
+    assert as_new["reused_from_frame"] is None and as_new["source_offset"] == 3
+    assert fastavro.schemaless_reader(io.BytesIO(written), new, None)["reused_from_frame"] == 4

@@ -1,10 +1,12 @@
-"""bench/common.py: the batch-size figures taken from results, and how an offered load is sent in step."""
+"""bench/common.py: the batch-size figures taken from results, how an offered load is sent in step, the worker's loop
+run in a thread of this process, and a benchmark's child process against a source tree."""
 
 from __future__ import annotations
 
 import os
 import socket
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -65,3 +67,62 @@ def test_the_process_listening_on_a_bootstrap_port_is_found_so_an_external_broke
         assert common.listening_pid(f"127.0.0.1:{port},other:9092") == os.getpid()
     assert common.listening_pid(f"127.0.0.1:{port}") is None  # closed: nobody listens
     assert common.listening_pid("no-port") is None
+
+
+# -- the loop in a thread, a child process ----------------------------------------------------------------------
+def test_the_loop_runs_in_a_thread_named_loop_until_told_to_stop_and_its_cpu_is_counted_by_role() -> None:
+    from worker.config import ObservabilitySettings, Settings
+    from worker.metrics import Health, Metrics
+    from worker.pipeline import build_pipeline
+    from worker.testing import FakeClock, InMemoryKafka
+    from worker.testing.fakes import FakeExecutor, frame_value
+
+    kafka, clock = InMemoryKafka(), FakeClock()
+    settings = Settings(observability=ObservabilitySettings(worker_id="bench-loop"))
+    kafka.send((settings.topics.realtime, 0), *(frame_value("s", i) for i in range(20)))
+    pipeline = build_pipeline(settings, FakeExecutor(), Metrics(), Health(), clock, clients=kafka.clients)
+    asked_in: set[str] = set()
+
+    def answered() -> bool:
+        asked_in.add(threading.current_thread().name)
+        clock.advance(0.01)
+        return pipeline.delivery.results == 20
+
+    run = common.run_pipeline_thread(pipeline, answered)
+    assert asked_in == {"loop"}
+    assert run.summary.consumed == 20 and pipeline.delivery.results == 20
+    assert run.wall_s > 0 and "loop" in run.thread_cpu_s and all(s >= 0 for s in run.thread_cpu_s.values())
+
+
+def test_an_error_of_the_loop_is_raised_in_the_caller_and_a_loop_that_ends_unasked_is_one() -> None:
+    class Failing:
+        def run(self, should_stop: object) -> None:
+            raise ValueError("the loop broke")
+
+    class Quitting:
+        def run(self, should_stop: object) -> SimpleNamespace:
+            return SimpleNamespace()
+
+    with pytest.raises(ValueError, match="the loop broke"):
+        common.run_pipeline_thread(Failing(), lambda: False)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="ended before should_stop said so"):
+        common.run_pipeline_thread(Quitting(), lambda: False)  # type: ignore[arg-type]
+
+
+def test_a_child_runs_against_the_trees_worker_and_hands_back_the_json_on_its_last_line(tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    (tree / "worker").mkdir(parents=True)
+    (tree / "worker" / "__init__.py").write_text("")
+    script = tmp_path / "bench_child.py"
+    script.write_text("import json, os, sys\nimport worker\nprint('a line before')\n"
+                      "print(json.dumps({'worker': worker.__file__, 'cwd': os.getcwd(), 'argv': sys.argv[1:]}))\n")
+    out = common.run_child(script, {"round": 1}, tree, timeout_s=60)
+    assert out == {"worker": str(tree / "worker" / "__init__.py"), "cwd": str(tree),
+                   "argv": ["--child", '{"round": 1}']}
+
+
+def test_a_child_that_fails_is_an_error_naming_its_exit_code_and_the_end_of_its_stderr(tmp_path: Path) -> None:
+    script = tmp_path / "bench_child.py"
+    script.write_text("import sys\nsys.stderr.write('the round broke')\nsys.exit(3)\n")
+    with pytest.raises(RuntimeError, match=r"bench_child.py --child \{\}: exit 3\nthe round broke"):
+        common.run_child(script, {}, tmp_path, timeout_s=60)

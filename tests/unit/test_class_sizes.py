@@ -8,7 +8,7 @@ from pathlib import Path
 
 WORKER = Path(__file__).resolve().parents[2] / "worker"
 MAX_CLASS_LINES = 400
-# The loop only orchestrates: reading (worker.reading), flow control (worker.flow), the runtime's batches
+# The loop only orchestrates: reading (worker.admission), flow control (worker.flow), the runtime's batches
 # (worker.inflight) and the answers with their metrics (worker.answers) each live in their own module.
 MAX_PIPELINE_LINES = 250
 

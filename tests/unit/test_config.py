@@ -199,7 +199,9 @@ def test_class_max_batch_sizes_default_to_the_global_one():
 def test_a_class_max_batch_size_out_of_range_is_named(value):
     with pytest.raises(ConfigError) as err:
         load_settings(env={"WORKER_BATCHING_REALTIME_MAX_BATCH_SIZE": value})
-    assert "batching.realtime.max_batch_size: must be 0 (= batching.max_batch_size) or 1..4096" in err.value.problems
+    assert err.value.problems == [
+        "batching.realtime.max_batch_size: must be 0..4096 frames (0 = batching.max_batch_size)"]
+    assert err.value.setting == "batching.realtime.max_batch_size"
 
 
 def test_the_pending_frames_cap_must_hold_the_largest_class_batch():

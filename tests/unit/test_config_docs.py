@@ -117,6 +117,8 @@ def _outside(kind: Any, entry: FieldDoc) -> list[float]:
 
 
 BOUNDED = sorted(_bounded_fields(), key=lambda row: row[0])
+# Fields whose bound a check across fields words better, and so replaces: `0 (derived) or >= the largest batch`.
+CROSS_CHECKED = {"delivery.max_uncommitted_frames", "model.resize_shorter_side"}
 
 
 @pytest.mark.parametrize(("name", "kind", "entry", "default"), BOUNDED, ids=[row[0] for row in BOUNDED])
@@ -126,7 +128,10 @@ def test_a_value_just_outside_a_documented_bound_is_refused_naming_the_setting(n
         env = {"WORKER_" + name.replace(".", "_").upper(): str(value)}
         with pytest.raises(ConfigError) as err:
             load_settings(env=env)
-        assert any(name in p.split(":", 1)[0] for p in err.value.problems), (env, err.value.problems)
+        about = [p for p in err.value.problems if name in p.split(":", 1)[0]]
+        assert about, (env, err.value.problems)
+        # The bound's own problem, not a hand-written one restating it (validate holds only what a bound cannot say).
+        assert entry.bound_problem(name) in about or name in CROSS_CHECKED, (env, about)
 
 
 def test_every_documented_bound_holds_its_default():
@@ -147,6 +152,7 @@ class _Inner:
 @dataclasses.dataclass(frozen=True)
 class _Section:
     frames: int = setting(5, ge=1, le=10, unit="frames", doc="a count")
+    wait_ms: float = setting(0.0, ge=0, unit="ms", hint="0 = no wait", doc="a wait")
     inner: _Inner = setting(default_factory=_Inner, doc="a table")
 
 
@@ -156,5 +162,19 @@ def test_a_field_declared_with_bounds_is_checked_without_a_check_of_its_own():
         "frames: must be 1..10 frames", "inner.share: must be (0, 1]"]
 
 
-def test_a_hand_written_problem_about_the_field_wins_over_the_generic_one():
-    assert bound_problems(_Section(frames=0), named=["frames: must be 1..10 (0 would stall)"]) == []
+def test_a_bound_problem_names_the_setting_its_bounds_and_its_hint_and_the_docs_show_the_hint():
+    assert bound_problems(_Section(wait_ms=-1), named=[]) == ["wait_ms: must be >= 0 ms (0 = no wait)"]
+    wait = field_doc(next(f for f in dataclasses.fields(_Section) if f.name == "wait_ms"))
+    assert wait.range_text() == ">= 0 ms; 0 = no wait"
+
+
+def test_a_bound_violation_at_load_is_refused_naming_the_setting_with_its_hint():
+    with pytest.raises(ConfigError) as err:
+        load_settings(env={"WORKER_LIMITS_DUPLICATE_WINDOW_FRAMES": "-1"})
+    assert err.value.problems == ["limits.duplicate_window_frames: must be 0..1000000 frames (0 = off)"]
+    assert err.value.setting == "limits.duplicate_window_frames"
+    assert "limits.duplicate_window_frames: must be 0..1000000 frames (0 = off)" in str(err.value)
+
+
+def test_a_check_across_fields_about_the_field_wins_over_its_bound():
+    assert bound_problems(_Section(frames=0), named=["frames: must be 1..inner.share x 20"]) == []

@@ -538,6 +538,18 @@ def test_grafana_loads_the_dashboard_from_its_mount() -> None:
     assert mounts["/etc/grafana/provisioning"] == GRAFANA_PROVISIONING
 
 
+def test_dashboard_latency_panels_show_exemplars_linked_to_their_traces() -> None:
+    latency = [p for p in dashboard_panels() if any("_seconds_bucket" in t["expr"] and "commit" not in t["expr"]
+                                                    for t in p.get("targets", []))]
+    assert {p["title"] for p in latency} == {"Queue wait", "Preprocess and inference per batch", "End to end"}
+    for panel in latency:
+        assert all(t.get("exemplar") is True for t in panel["targets"]), panel["title"]
+    (doc,) = yaml_docs(GRAFANA_PROVISIONING / "datasources" / "prometheus.yml")
+    (destination,) = doc["datasources"][0]["jsonData"]["exemplarTraceIdDestinations"]
+    assert destination["name"] == "trace_id" and destination["url"].endswith("/trace/$${__value.raw}")
+    assert "--enable-feature=exemplar-storage" in service("prometheus")["command"]
+
+
 def test_dashboard_uses_the_provisioned_datasource() -> None:
     (doc,) = yaml_docs(GRAFANA_PROVISIONING / "datasources" / "prometheus.yml")
     variables = {v["name"]: v for v in dashboard()["templating"]["list"]}

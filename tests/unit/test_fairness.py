@@ -8,10 +8,9 @@ from collections import deque
 
 import pytest
 
-from worker.assignment import TP
 from worker.config import BatchingSettings
 from worker.fairness import CHUNK_BATCHES, FAIR_PERIOD_S, RATE_WINDOW_S, STUCK_S, PartitionFairness
-from worker.frames import Priority
+from worker.frames import TP, Priority
 from worker.testing import FakeClock
 
 BULK_TOPIC, STD_TOPIC = "frames.bulk", "frames.standard"

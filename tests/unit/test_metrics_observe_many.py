@@ -39,3 +39,22 @@ def test_observe_many_refuses_a_labelled_histogram_without_its_labels_as_observe
         h.observe(1.0)
     with pytest.raises(ValueError, match="missing label values"):
         observe_many(h, [1.0])
+
+
+def test_observe_many_sets_the_exemplars_observe_would_and_none_for_unsampled_frames(monkeypatch):
+    monkeypatch.setattr("time.time", lambda: 1_800_000_000.0)  # the exemplars' timestamps
+    one, many = CollectorRegistry(), CollectorRegistry()
+    by_one = Histogram("h", "help", buckets=LATENCY_BUCKETS_S, registry=one)
+    by_many = Histogram("h", "help", buckets=LATENCY_BUCKETS_S, registry=many)
+    amounts = [0.004, 0.3, 0.0045, 2.5]
+    trace_ids = ["a" * 32, None, "b" * 32, None]
+    for a, t in zip(amounts, trace_ids, strict=True):
+        by_one.observe(a, {"trace_id": t} if t else None)
+    observe_many(by_many, amounts, trace_ids)
+
+    def exemplars(registry: CollectorRegistry) -> dict:
+        return {s.labels["le"]: s.exemplar for m in registry.collect() for s in m.samples if s.name == "h_bucket"}
+
+    assert exemplars(many) == exemplars(one)
+    assert exemplars(many)["0.005"].labels == {"trace_id": "b" * 32}  # the bucket's latest traced frame
+    assert exemplars(many)["0.5"] is None

@@ -336,6 +336,24 @@ def test_revoked_partitions_are_finished_delivered_and_committed_before_they_go(
     assert P0 not in w.pipeline.assignments
 
 
+def test_a_commit_that_failed_just_before_a_revocation_is_made_again_before_the_partition_goes() -> None:
+    """Its outcome is served in the same consume() as the revoke, before the loop saw it: the revoke handler gets
+    it, so the final commit offers that commit point again instead of taking it as committed."""
+    w = World("at_least_once")
+    w.frames(P0, 3)
+    w.kafka.commit_error = KafkaError(KafkaError.REBALANCE_IN_PROGRESS)
+    w.assign([P0])
+    w.step(4)  # every commit fails and is made again the next turn
+    assert offsets(w.results(), P0) == [0, 1, 2] and w.committed(P0) is None
+    w.kafka.hold_commit_reports = True
+    w.step()  # the commit of 3 is sent again, fails, and its outcome is not served yet
+    w.kafka.commit_error = None
+    w.kafka.hold_commit_reports = False
+    w.kafka.rebalance("revoke", [P0])
+    w.step()
+    assert w.committed(P0) == 3
+
+
 def test_bug11_offsets_the_consumer_delivers_again_within_an_assignment_are_dropped() -> None:
     w = World("exactly_once")
     w.frames(P0, 4)

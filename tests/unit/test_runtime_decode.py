@@ -20,7 +20,7 @@ from PIL import Image, ImageFile
 
 import worker.runtime.decode as decode_module
 from worker.frames import Encoding, Frame, Priority, SourceRef
-from worker.runtime.decode import FrameDecodeError, check_jpeg, decode_frame, jpeg_scale
+from worker.runtime.decode import FrameDecodeError, check_jpeg, decode_pixels, jpeg_scale
 from worker.runtime.models import ModelContract
 from worker.runtime.preprocess import fit_to_input, resize_target
 from worker.testing.pixels import photo_like
@@ -97,20 +97,20 @@ def bomb(declared: int = 12000) -> bytes:
                          ids=str)
 def test_a_complete_jpeg_decodes_to_what_pillow_decodes(save):
     data = jpeg_bytes(67, 45, **save)
-    pixels = decode_frame(frame(data, 67, 45))
+    pixels = decode_pixels(frame(data, 67, 45))
     expected = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
     np.testing.assert_array_equal(pixels, expected)
 
 
 @pytest.mark.parametrize("mode", ["L", "CMYK"])
 def test_grey_and_cmyk_jpegs_decode_to_the_models_channels(mode):
-    assert decode_frame(frame(jpeg_bytes(16, 8, mode=mode), 16, 8)).shape == (8, 16, 3)
+    assert decode_pixels(frame(jpeg_bytes(16, 8, mode=mode), 16, 8)).shape == (8, 16, 3)
 
 
 def test_bytes_after_the_eoi_marker_are_ignored_as_pillow_does():
     data = jpeg_bytes(16, 16)
-    np.testing.assert_array_equal(decode_frame(frame(data + b"camera trailer", 16, 16)),
-                                  decode_frame(frame(data, 16, 16)))
+    np.testing.assert_array_equal(decode_pixels(frame(data + b"camera trailer", 16, 16)),
+                                  decode_pixels(frame(data, 16, 16)))
 
 
 def test_check_jpeg_reads_size_components_and_scans_without_decoding():
@@ -236,27 +236,27 @@ def test_the_header_cache_keeps_at_most_its_entries_and_headers_up_to_its_size(h
 def test_a_jpeg_larger_than_its_frame_header_is_rejected_before_pillow_sees_it(monkeypatch):
     monkeypatch.setattr(Image, "open", lambda *a, **k: pytest.fail("Pillow was asked to open the bomb"))
     with pytest.raises(FrameDecodeError, match="JPEG decodes to 12000x12000, but the frame declares 64x64"):
-        decode_frame(frame(bomb(12000), 64, 64))
+        decode_pixels(frame(bomb(12000), 64, 64))
 
 
 def test_a_jpeg_whose_header_matches_but_whose_data_is_far_too_short_is_rejected_before_pillow(monkeypatch):
     monkeypatch.setattr(Image, "open", lambda *a, **k: pytest.fail("Pillow was asked to open the bomb"))
     with pytest.raises(FrameDecodeError, match="a scan holds .* bits, fewer than the .* its .* blocks need"):
-        decode_frame(frame(bomb(8000), 8000, 8000), max_pixels=8000 * 8000)
+        decode_pixels(frame(bomb(8000), 8000, 8000), max_pixels=8000 * 8000)
 
 
 def test_a_frame_over_the_pixel_limit_is_rejected_whatever_its_encoding():
     with pytest.raises(FrameDecodeError, match="exceeds the 100-pixel limit"):
-        decode_frame(frame(bytes(11 * 10 * 3), 11, 10, Encoding.RAW_RGB8), max_pixels=100)
+        decode_pixels(frame(bytes(11 * 10 * 3), 11, 10, Encoding.RAW_RGB8), max_pixels=100)
     with pytest.raises(FrameDecodeError, match="exceeds the 100-pixel limit"):
-        decode_frame(frame(jpeg_bytes(11, 10), 11, 10), max_pixels=100)
+        decode_pixels(frame(jpeg_bytes(11, 10), 11, 10), max_pixels=100)
 
 
 _MEASURE = """
 import io, json, sys
 from PIL import Image
 from worker.frames import Encoding, Frame, Priority, SourceRef
-from worker.runtime.decode import FrameDecodeError, decode_frame
+from worker.runtime.decode import FrameDecodeError, decode_pixels
 
 how, width, height, max_pixels = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 data = sys.stdin.buffer.read()
@@ -274,7 +274,7 @@ rss_before = status_kb("VmRSS") * 1024
 outcome = "decoded"
 try:
     if how == "worker":
-        decode_frame(frame, max_pixels=max_pixels)
+        decode_pixels(frame, max_pixels=max_pixels)
     else:  # what the worker did before: Pillow decodes whatever the JPEG's header says
         with Image.open(io.BytesIO(data)) as img:
             img.load()
@@ -330,14 +330,14 @@ def test_a_jpeg_cut_anywhere_is_a_decode_error(kind, share, vectorised):
     data = JPEGS[kind]
     cut = data[:int(len(data) * share)]
     with scan_walk(vectorised), pytest.raises(FrameDecodeError, match="JPEG does not decode"):
-        decode_frame(frame(cut, 96, 64))
+        decode_pixels(frame(cut, 96, 64))
 
 
 @pytest.mark.parametrize("vectorised", [False, True])
 @pytest.mark.parametrize("kind", sorted(JPEGS))
 def test_a_jpeg_missing_only_its_last_byte_is_a_decode_error(kind, vectorised):
     with scan_walk(vectorised), pytest.raises(FrameDecodeError, match="truncated"):
-        decode_frame(frame(JPEGS[kind][:-1], 96, 64))
+        decode_pixels(frame(JPEGS[kind][:-1], 96, 64))
 
 
 @pytest.mark.parametrize("kind", sorted(JPEGS))
@@ -372,7 +372,7 @@ def test_truncated_data_stays_an_error_even_if_something_sets_pillows_load_trunc
     monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
     data = JPEGS["baseline"]
     with pytest.raises(FrameDecodeError, match="truncated"):
-        decode_frame(frame(data[:len(data) * 3 // 4], 96, 64))
+        decode_pixels(frame(data[:len(data) * 3 // 4], 96, 64))
 
 
 @pytest.mark.parametrize("vectorised", [False, True])
@@ -383,7 +383,7 @@ def test_a_progressive_jpeg_cut_after_a_scan_and_closed_with_eoi_is_a_decode_err
         partial = data[:start] + b"\xff\xd9"
         Image.open(io.BytesIO(partial)).load()  # what the worker used to score
         with scan_walk(vectorised), pytest.raises(FrameDecodeError, match="not fully coded|in no scan"):
-            decode_frame(frame(partial, 96, 64))
+            decode_pixels(frame(partial, 96, 64))
 
 
 @pytest.mark.parametrize("vectorised", [False, True])
@@ -393,28 +393,28 @@ def test_a_baseline_jpeg_cut_to_a_sliver_of_its_scan_and_closed_with_eoi_is_a_de
     partial = data[:scan + 40] + b"\xff\xd9"
     Image.open(io.BytesIO(partial)).load()  # libjpeg pads the missing blocks grey, without an error
     with scan_walk(vectorised), pytest.raises(FrameDecodeError, match="fewer than the .* its .* blocks need"):
-        decode_frame(frame(partial, 512, 512))
+        decode_pixels(frame(partial, 512, 512))
 
 
 @pytest.mark.parametrize("vectorised", [False, True])
 def test_a_baseline_jpeg_cut_in_half_and_closed_with_eoi_is_a_decode_error(vectorised):
     data = JPEGS["baseline"]
     with scan_walk(vectorised), pytest.raises(FrameDecodeError):
-        decode_frame(frame(data[:len(data) // 2] + b"\xff\xd9", 96, 64))
+        decode_pixels(frame(data[:len(data) // 2] + b"\xff\xd9", 96, 64))
 
 
 # -- not a supported JPEG -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("marker, name", [(0xC9, "arithmetic"), (0xC3, "lossless"), (0xC5, "hierarchical")])
 def test_jpeg_coding_processes_other_than_huffman_baseline_or_progressive_are_refused(marker, name):
     with pytest.raises(FrameDecodeError, match=f"unsupported coding process \\(SOF FF {marker:02X}\\)"):
-        decode_frame(frame(with_sof_marker(jpeg_bytes(16, 16), marker), 16, 16))
+        decode_pixels(frame(with_sof_marker(jpeg_bytes(16, 16), marker), 16, 16))
 
 
 def test_a_png_marked_jpeg_is_refused_by_the_structure_check():
     buf = io.BytesIO()
     Image.new("RGB", (16, 16)).save(buf, format="PNG")
     with pytest.raises(FrameDecodeError, match="no SOI marker"):
-        decode_frame(frame(buf.getvalue(), 16, 16))
+        decode_pixels(frame(buf.getvalue(), 16, 16))
 
 
 @settings(max_examples=300, deadline=None)
@@ -423,7 +423,7 @@ def test_any_bytes_after_a_jpeg_header_decode_or_fail_with_frame_decode_error(ju
     data = JPEGS[kind]
     scan = scan_starts(data)[0]
     try:
-        decode_frame(frame(data[:scan] + junk, 96, 64))
+        decode_pixels(frame(data[:scan] + junk, 96, 64))
     except FrameDecodeError as exc:
         assert str(exc)
 
@@ -447,7 +447,7 @@ def test_stray_bytes_between_segments_are_corrupt_data_and_refused():
     after_app0 = 4 + struct.unpack_from(">H", data, 4)[0]
     padded = data[:after_app0] + b"\x00\x00" + data[after_app0:]
     with pytest.raises(FrameDecodeError, match="extraneous bytes"):
-        decode_frame(frame(padded, 16, 16))
+        decode_pixels(frame(padded, 16, 16))
 
 
 # -- decoding at a reduced DCT scale ----------------------------------------------------------------------------------
@@ -461,8 +461,8 @@ def test_the_jpeg_scale_is_the_largest_reduction_still_at_least_the_size_needed(
 
 def test_a_jpeg_is_decoded_at_the_reduced_scale_libjpeg_rounds_up_to():
     data = jpeg_bytes(1000, 563)
-    assert decode_frame(frame(data, 1000, 563), min_hw=(140, 200)).shape == (141, 250, 3)  # 1/4
-    assert decode_frame(frame(data, 1000, 563), min_hw=(70, 125)).shape == (71, 125, 3)  # 1/8
+    assert decode_pixels(frame(data, 1000, 563), min_hw=(140, 200)).shape == (141, 250, 3)  # 1/4
+    assert decode_pixels(frame(data, 1000, 563), min_hw=(70, 125)).shape == (71, 125, 3)  # 1/8
 
 
 @pytest.mark.parametrize("resize, extra", [("stretch", {}), ("letterbox", {}),
@@ -479,10 +479,10 @@ def test_scaled_decode_then_resize_stays_close_to_full_decode_then_the_same_resi
     data.save(buf, format="JPEG", quality=90)
     jpeg = frame(buf.getvalue(), 1280, 720)
     target = resize_target(contract, (720, 1280))
-    scaled_pixels = decode_frame(jpeg, min_hw=target)
+    scaled_pixels = decode_pixels(jpeg, min_hw=target)
     assert scaled_pixels.shape[0] < 720  # the test is about a reduced decode
     scaled, scaled_offset = fit_to_input(scaled_pixels, contract, (720, 1280))
-    full, full_offset = fit_to_input(decode_frame(jpeg), contract)
+    full, full_offset = fit_to_input(decode_pixels(jpeg), contract)
     assert scaled.shape == full.shape and scaled_offset == full_offset
     diff = np.abs(scaled.astype(int) - full.astype(int))
     assert diff.mean() < 1.5 and np.percentile(diff, 99) <= 10
@@ -491,7 +491,7 @@ def test_scaled_decode_then_resize_stays_close_to_full_decode_then_the_same_resi
 def test_a_scaled_decode_still_checks_the_jpeg_before_libjpeg_sees_it(monkeypatch):
     monkeypatch.setattr(simplejpeg, "decode_jpeg", lambda *a, **k: pytest.fail("libjpeg was asked to decode"))
     with pytest.raises(FrameDecodeError, match="JPEG decodes to 12000x12000, but the frame declares 64x64"):
-        decode_frame(frame(bomb(12000), 64, 64), min_hw=(8, 8))
+        decode_pixels(frame(bomb(12000), 64, 64), min_hw=(8, 8))
 
 
 def test_a_scaled_decode_of_corrupt_scan_data_is_a_decode_error_strict_libjpeg_reports():
@@ -502,7 +502,7 @@ def test_a_scaled_decode_of_corrupt_scan_data_is_a_decode_error_strict_libjpeg_r
     check_jpeg(corrupt)
     simplejpeg.decode_jpeg(corrupt, strict=False, min_height=64, min_width=64)  # lenient libjpeg: grey blocks
     with pytest.raises(FrameDecodeError, match="Corrupt JPEG data"):
-        decode_frame(frame(corrupt, 512, 512), min_hw=(64, 64))
+        decode_pixels(frame(corrupt, 512, 512), min_hw=(64, 64))
 
 
 # -- the walk over entropy-coded data ------------------------------------------------------------------------------

@@ -419,10 +419,10 @@ def test_a_part_whose_preparation_fails_comes_back_as_failures_beside_the_scored
     with InferenceExecutor(runners, TINY, memory=memory) as ex:
         prepare = ex._prepare
 
-        def staging_fails_on_the_third_device(batch_frames, shape, runner):
-            if runner is runners[2]:
+        def staging_fails_on_the_third_device(batch_frames, shape, slot):
+            if slot.runners[0] is runners[2]:
                 raise RuntimeError("CUDA error: an illegal memory access was encountered")
-            return prepare(batch_frames, shape, runner)
+            return prepare(batch_frames, shape, slot)
 
         monkeypatch.setattr(ex, "_prepare", staging_fails_on_the_third_device)
         outcome = ex.submit(frames(0, 10), SHAPE).result(WAIT_S)

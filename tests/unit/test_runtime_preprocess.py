@@ -20,7 +20,7 @@ from model_factories import jpeg_frame, pixels, raw_frame
 from worker.config import ModelSettings
 from worker.runtime import FrameDecodeError
 from worker.runtime.models import ModelContract
-from worker.runtime.preprocess import HostBuffers, Normaliser, Preprocessor, decode_frame, fit_to_input
+from worker.runtime.preprocess import HostBuffers, Normaliser, Preprocessor, decode_pixels, fit_to_input
 
 CONTRACT = ModelContract.from_settings(ModelSettings())
 WAIT_S = 10.0
@@ -39,26 +39,26 @@ def _model_input(batch, contract=CONTRACT) -> torch.Tensor:
 # --- decode ---
 
 def test_raw_frame_decodes_to_its_pixels():
-    np.testing.assert_array_equal(decode_frame(raw_frame(1, 6, 5)), pixels(1, 6, 5))
+    np.testing.assert_array_equal(decode_pixels(raw_frame(1, 6, 5)), pixels(1, 6, 5))
 
 
 def test_raw_frame_with_wrong_byte_count_is_a_decode_error():
     with pytest.raises(FrameDecodeError, match="has 10 bytes, expected .* = 96"):
-        decode_frame(raw_frame(1, 4, 8, data=b"x" * 10))
+        decode_pixels(raw_frame(1, 4, 8, data=b"x" * 10))
 
 
 def test_frame_with_zero_dimension_is_a_decode_error():
     with pytest.raises(FrameDecodeError, match="must be > 0"):
-        decode_frame(raw_frame(1, 0, 8, data=b""))
+        decode_pixels(raw_frame(1, 0, 8, data=b""))
 
 
 def test_raw_frame_with_other_channel_count_than_the_model_is_a_decode_error():
     with pytest.raises(FrameDecodeError, match="4 channels; the model takes 3"):
-        decode_frame(raw_frame(1, 2, 2, data=b"\0" * 16, channels=4))
+        decode_pixels(raw_frame(1, 2, 2, data=b"\0" * 16, channels=4))
 
 
 def test_jpeg_frame_decodes_to_rgb_of_its_declared_size():
-    img = decode_frame(jpeg_frame(2, 24, 40))
+    img = decode_pixels(jpeg_frame(2, 24, 40))
     assert img.shape == (24, 40, 3) and img.dtype == np.uint8
     # JPEG is lossy: close to the source pixels, not equal.
     assert np.abs(img.astype(int) - pixels(2, 24, 40).astype(int)).mean() < 40
@@ -66,19 +66,19 @@ def test_jpeg_frame_decodes_to_rgb_of_its_declared_size():
 
 def test_corrupt_jpeg_is_a_decode_error():
     with pytest.raises(FrameDecodeError, match="JPEG does not decode"):
-        decode_frame(jpeg_frame(3, data=b"\xff\xd8\xff\xe0 not really a jpeg"))
+        decode_pixels(jpeg_frame(3, data=b"\xff\xd8\xff\xe0 not really a jpeg"))
 
 
 def test_truncated_jpeg_is_a_decode_error():
     whole = jpeg_frame(3, 32, 32).data
     with pytest.raises(FrameDecodeError, match="JPEG does not decode"):
-        decode_frame(jpeg_frame(3, 32, 32, data=whole[: len(whole) // 2]))
+        decode_pixels(jpeg_frame(3, 32, 32, data=whole[: len(whole) // 2]))
 
 
 def test_jpeg_whose_size_differs_from_the_declared_one_is_a_decode_error():
     frame = jpeg_frame(4, 24, 40, declared=(40, 24))
     with pytest.raises(FrameDecodeError, match="decodes to 40x24, but the frame declares 24x40"):
-        decode_frame(frame)
+        decode_pixels(frame)
 
 
 # --- batch layout ---
@@ -146,10 +146,10 @@ def test_frames_of_one_batch_are_decoded_on_several_threads_at_once(monkeypatch)
         preprocessor = Preprocessor(CONTRACT, pool=pool, workers=2)
         decode_one = preprocessor._decode_one
 
-        def meeting_decode(frame, batch_h, batch_w, out=None):
+        def meeting_decode(frame, batch_hw, out):
             if frame.frame_index in (0, 2):  # the first frame of each chunk
                 barrier.wait()
-            return decode_one(frame, batch_h, batch_w, out)
+            return decode_one(frame, batch_hw, out)
 
         monkeypatch.setattr(preprocessor, "_decode_one", meeting_decode)
         batch = preprocessor.prepare([raw_frame(i, 8, 8) for i in range(4)], (8, 8, 3))
@@ -185,7 +185,8 @@ def _float_reference(contract: ModelContract, frames, shape) -> np.ndarray:
     bias = (np.asarray(contract.mean, dtype=np.float32).reshape(c, 1, 1)
             / np.asarray(contract.std, dtype=np.float32).reshape(c, 1, 1)).astype(np.float32)
     for row, frame in enumerate(frames):
-        pixels, (top, left) = preprocessor._decode_one(frame, shape[0], shape[1])
+        decoded = preprocessor._decode_one(frame, shape[:2], None)
+        pixels, (top, left) = preprocessor._fit(decoded, contract, frame)
         chw = out[row].transpose(2, 0, 1) if contract.input_layout == "NHWC" else out[row]
         h, w = pixels.shape[:2]
         region = chw[:, top:top + h, left:left + w]
@@ -271,7 +272,7 @@ def test_idle_host_buffers_are_bounded_least_recently_used_shape_first():
 
 def test_the_jpeg_scale_is_not_reduced_when_the_contract_says_full_size_decode(monkeypatch):
     seen = []
-    monkeypatch.setattr("worker.runtime.preprocess.decode_frame",
+    monkeypatch.setattr("worker.runtime.preprocess.decode_pixels",
                         lambda frame, channels, min_hw=None, out=None: seen.append(min_hw) or pixels(0, 64, 64))
     for scaled in (True, False):
         contract = ModelContract.from_settings(ModelSettings(input_size=(16, 16), jpeg_scaled_decode=scaled))
@@ -300,7 +301,7 @@ def test_a_jpeg_of_the_rows_size_is_decoded_into_its_row_with_the_same_pixels(mo
 
     frames = [jpeg_frame(i, 24, 32) for i in range(3)]  # 24 high, 32 wide
     identity = {"pixel_range": "0-255", "mean": (0.0,) * 3, "std": (1.0,) * 3}
-    real = preprocess_module.decode_frame
+    real = preprocess_module.decode_pixels
     into_row: list[bool] = []
 
     def spying_decode(frame, channels, min_hw=None, out=None):
@@ -308,7 +309,7 @@ def test_a_jpeg_of_the_rows_size_is_decoded_into_its_row_with_the_same_pixels(mo
         into_row.append(out is not None and pixels_ is out)
         return pixels_
 
-    monkeypatch.setattr(preprocess_module, "decode_frame", spying_decode)
+    monkeypatch.setattr(preprocess_module, "decode_pixels", spying_decode)
     for input_hw, expect_into_row in (((24, 32), True), ((12, 16), True), ((20, 20), False)):
         contract = ModelContract.from_settings(ModelSettings(input_size=input_hw, **identity))
         buffers = HostBuffers()
@@ -325,9 +326,9 @@ def test_a_jpeg_of_the_rows_size_is_decoded_into_its_row_with_the_same_pixels(mo
 def test_decode_into_a_row_of_another_shape_leaves_it_alone():
     frame = jpeg_frame(0, 24, 32)
     wrong = np.full((24, 31, 3), 5, dtype=np.uint8)
-    pixels_ = decode_frame(frame, out=wrong)
+    pixels_ = decode_pixels(frame, out=wrong)
     assert pixels_.shape == (24, 32, 3) and not np.shares_memory(pixels_, wrong) and (wrong == 5).all()
     grey_row = np.zeros((24, 32, 1), dtype=np.uint8)
-    grey = decode_frame(frame, channels=1, out=grey_row)
+    grey = decode_pixels(frame, channels=1, out=grey_row)
     assert grey is grey_row
-    np.testing.assert_array_equal(grey, decode_frame(frame, channels=1))
+    np.testing.assert_array_equal(grey, decode_pixels(frame, channels=1))

@@ -362,7 +362,7 @@ def test_each_batch_counts_its_release_reason_and_its_measured_over_predicted_ti
     assert registry.get_sample_value("streamfer_batch_time_ratio_sum") == pytest.approx(0.5)
 
 
-# -- reading by priority (worker.intake): when reading, not the model, is the bottleneck ---------------------------
+# -- reading by priority (worker.priority_reading): when reading, not the model, is the bottleneck ---------------
 READ_S = 0.001  # loop time per message read: the worker reads at most 1000 messages a second
 
 

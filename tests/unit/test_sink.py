@@ -16,7 +16,8 @@ from confluent_kafka import KafkaError, KafkaException
 import worker.kafka.producer as sink_module
 from worker.config import Settings
 from worker.frames import DeadLetter, SourceRef
-from worker.kafka.producer import ResultSink, SinkError, TransactionStuckError
+from worker.kafka.producer import DeliveryReports, Refusal, ResultSink, SinkError, TransactionStuckError
+from worker.testing import FakeProducer as KitProducer
 
 
 @dataclass
@@ -73,12 +74,9 @@ def producer():
     fake.release.set()  # let an abandoned call's thread end
 
 
-def transactional_sink(producer: FakeProducer,
-                       on_rejected: Callable[[SourceRef, str], None] = lambda source, reason: None,
-                       sleep: Callable[[float], None] = time.sleep) -> ResultSink:
+def transactional_sink(producer: FakeProducer, sleep: Callable[[float], None] = time.sleep) -> ResultSink:
     """A transactional sink over the fake producer; a call stuck past its timeout is given up 0.05 s later."""
-    return ResultSink(Settings(), on_done=lambda source: None, on_rejected=on_rejected,
-                      transactional_id="streamfer-w0", producer_factory=lambda conf, logger=None: producer,
+    return ResultSink(Settings(), transactional_id="streamfer-w0", producer_factory=lambda conf, logger=None: producer,
                       stuck_grace_s=0.05, sleep=sleep)
 
 
@@ -129,14 +127,15 @@ def test_a_transaction_with_a_refused_message_is_given_up_not_aborted_even_when_
     refused = KafkaError(KafkaError.MSG_SIZE_TOO_LARGE)
     producer.report_errors = [None, refused]
     producer.commit_errors = [KafkaError(KafkaError.MSG_SIZE_TOO_LARGE, txn_requires_abort=True)]
-    rejected: list[SourceRef] = []
-    sink = transactional_sink(producer, on_rejected=lambda source, reason: rejected.append(source))
+    sink = transactional_sink(producer)
     sink.begin()
     for offset in (1, 2):
         sink.send_result(SourceRef("frames.standard", 0, offset), b"k", b"v")
     with pytest.raises(TransactionStuckError, match="refused a message"):
         sink.commit_transaction(timeout_s=5.0)
-    assert sink.stuck and rejected == [SourceRef("frames.standard", 0, 2)]
+    reports = sink.reports()  # served inside the call, returned to the caller (delivery) afterwards
+    assert sink.stuck and [r.source for r in reports.refused] == [SourceRef("frames.standard", 0, 2)]
+    assert reports.acknowledged == [SourceRef("frames.standard", 0, 1)]
     sink.close()
     assert "abort" not in producer.calls and "flush" not in producer.calls
 
@@ -222,9 +221,25 @@ def test_a_stuck_transaction_keeps_the_error_it_kept_failing_with(producer: Fake
 
 def test_a_fatal_delivery_report_is_raised_with_its_kafka_error() -> None:
     fake = FakeProducer(report_errors=[KafkaError(KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER, fatal=True)])
-    sink = ResultSink(Settings(), on_done=lambda source: None, on_rejected=lambda source, reason: None,
-                      producer_factory=lambda conf, logger=None: fake)
+    sink = ResultSink(Settings(), producer_factory=lambda conf, logger=None: fake)
     sink.send_dead_letter(DeadLetter(SourceRef("frames.standard", 0, 3, 1), "bad", "decode", b"x"))
-    sink.poll(0)
+    assert sink.poll(0).error is sink.fatal_error
     assert sink.fatal_error is not None and sink.fatal_error.code == KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER
     assert sink.fatal_error.fatal and "frames.standard" in str(sink.fatal_error)
+
+
+def test_delivery_reports_are_returned_by_the_next_poll_once_those_a_flush_served_too() -> None:
+    """The sink calls nobody back: what librdkafka reported (in a flush as well) is what its next poll returns."""
+    kit = KitProducer({}, refuse=lambda produced: KafkaError(KafkaError.MSG_SIZE_TOO_LARGE)
+                      if produced.value == b"big" else None)
+    sink = ResultSink(Settings(), producer_factory=lambda conf, logger=None: kit)
+    first, second, third = (SourceRef("frames.bulk", 0, offset, 1) for offset in (1, 2, 3))
+    sink.send_result(first, b"k", b"v")
+    assert sink.poll(0) == DeliveryReports(acknowledged=[first])
+    sink.send_result(second, b"k", b"big")
+    sink.send_result(third, b"k", b"v")
+    assert sink.flush(1.0) == 0
+    reports = sink.poll(0)
+    assert reports.acknowledged == [third] and [r.source for r in reports.refused] == [second]
+    assert isinstance(reports.refused[0], Refusal) and "refused it" in reports.refused[0].reason
+    assert sink.poll(0) == DeliveryReports()

@@ -20,10 +20,12 @@ import worker.kafka.consumer as source_module
 from worker.config import KafkaSettings, ObservabilitySettings, Settings, load_settings
 from worker.errors import OperatorError, StreamferError
 from worker.frames import Priority
+from worker.kafka.committed import COMMITTED_LOOKUP_TIMEOUT_S, COMMITTED_RETRY_FIRST_S
 from worker.kafka.consumer import FrameSource
 from worker.kafka.membership import REFENCED_WITHIN_S, SourceError
-from worker.kafka.positions import COMMITTED_LOOKUP_TIMEOUT_S, COMMITTED_RETRY_FIRST_S
+from worker.offsets import CommitOutcome
 from worker.testing import FakeClock, FakeMessage, frame_value
+from worker.testing import FakeConsumer as KitConsumer
 
 REALTIME = Settings().topics.realtime
 BULK = Settings().topics.bulk
@@ -136,7 +138,7 @@ def make_source(fake: FakeConsumer, settings: Settings = SETTINGS
 def subscribed(source: FrameSource) -> list[tuple[str, list[tuple[str, int]]]]:
     """Subscribe `source`; the partitions assigned, revoked and lost, in the order the pipeline is told."""
     events: list[tuple[str, list[tuple[str, int]]]] = []
-    source.subscribe(lambda tps: events.append(("assign", tps)), lambda tps: events.append(("revoke", tps)),
+    source.subscribe(lambda tps: events.append(("assign", tps)), lambda tps, commits: events.append(("revoke", tps)),
                      lambda tps: events.append(("lost", tps)))
     return events
 
@@ -497,7 +499,7 @@ def test_a_dynamic_member_or_one_holding_nothing_just_closes(fake: FakeConsumer)
 def test_the_consumer_is_closed_even_when_the_final_revoke_fails(fake: FakeConsumer) -> None:
     source = FrameSource(SETTINGS, clock=fake.clock, consumer_factory=lambda conf, logger=None: fake)
 
-    def failing(tps: list[tuple[str, int]]) -> None:
+    def failing(tps: list[tuple[str, int]], commits: list[CommitOutcome]) -> None:
         raise RuntimeError("revoke handler failed")
 
     source.subscribe(lambda tps: None, failing, lambda tps: None)
@@ -567,3 +569,46 @@ def test_any_other_fatal_consumer_error_stops_the_worker(fake: FakeConsumer) -> 
     fake.script = [[("error", KafkaError(KafkaError._FATAL, "Fatal error: something else"))]]
     with pytest.raises(SourceError, match="something else"):
         source.poll(10, 0.0)
+
+
+# -- commit outcomes and the assignment's owner (over the test kit's in-memory consumer) ----------------------------
+def kit_source() -> tuple[FrameSource, KitConsumer]:
+    made: list[KitConsumer] = []
+
+    def consumer(conf: dict[str, Any], logger: Any = None) -> KitConsumer:
+        made.append(KitConsumer(conf))
+        return made[-1]
+
+    source = FrameSource(SETTINGS, clock=FakeClock(), consumer_factory=consumer)
+    return source, made[0]
+
+
+def test_commit_outcomes_come_back_in_the_poll_that_served_them_once() -> None:
+    source, kafka = kit_source()
+    source.subscribe(lambda tps: None, lambda tps, commits: None, lambda tps: None)
+    kafka.rebalance("assign", [(BULK, 0), (BULK, 1)])
+    source.poll(10, 0.0)
+    source.commit({(BULK, 0): 3}, asynchronous=True)
+    kafka.commit_error = KafkaError(KafkaError.REBALANCE_IN_PROGRESS)
+    source.commit({(BULK, 1): 5}, asynchronous=True)
+    assert source.poll(10, 0.0).commits == [
+        CommitOutcome({(BULK, 0): 3}, [], None),
+        CommitOutcome({}, [(BULK, 1)], KafkaError(KafkaError.REBALANCE_IN_PROGRESS).str())]
+    assert source.poll(10, 0.0).commits == []
+
+
+def test_a_revoke_handler_gets_the_outcomes_served_before_it_while_its_partitions_are_still_assigned() -> None:
+    """The loop has not seen those outcomes yet, and its final commit must see a failed one (to offer its commit
+    point again); the source alone releases the partitions, once the handler returned."""
+    source, kafka = kit_source()
+    seen: list[tuple[list[tuple[str, int]], list[CommitOutcome], bool]] = []
+    source.subscribe(lambda tps: None,
+                     lambda tps, commits: seen.append((tps, commits, (BULK, 0) in source.assignments)),
+                     lambda tps: None)
+    kafka.rebalance("assign", [(BULK, 0)])
+    source.poll(10, 0.0)
+    source.commit({(BULK, 0): 3}, asynchronous=True)
+    kafka.rebalance("revoke", [(BULK, 0)])
+    polled = source.poll(10, 0.0)
+    assert seen == [([(BULK, 0)], [CommitOutcome({(BULK, 0): 3}, [], None)], True)]
+    assert polled.commits == [] and (BULK, 0) not in source.assignments

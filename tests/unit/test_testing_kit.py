@@ -40,10 +40,10 @@ def test_the_worker_reads_those_env_vars_back_as_the_same_settings() -> None:
 def test_the_entry_point_and_the_conftest_name_the_plugin_alike() -> None:
     # pytest skips a pytest_plugins entry already registered under that name: the same name means once.
     entry_points = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["pytest11"]
-    assert entry_points == {"worker.testing": "worker.testing"}
+    assert entry_points == {"worker.testing.plugin": "worker.testing.plugin"}
     conftest = ast.parse((ROOT / "tests" / "conftest.py").read_text())
     (assign,) = [n for n in conftest.body if isinstance(n, ast.Assign) and n.targets[0].id == "pytest_plugins"]
-    assert ast.literal_eval(assign.value) == ["worker.testing"]
+    assert ast.literal_eval(assign.value) == ["worker.testing.plugin"]
 
 
 # -- the in-memory kit ----------------------------------------------------------------------------------------------
@@ -68,8 +68,14 @@ def test_the_docs_example_runs_the_real_loop_over_the_kit_as_written() -> None:
 
 def test_the_plugin_loads_the_kit_only_when_asked() -> None:
     """pytest loads the plugin in every session where streamfer is installed: Kafka and Avro wait for first use."""
-    check = ("import sys, worker.testing as t; assert 'confluent_kafka' not in sys.modules; "
+    check = ("import sys, worker.testing.plugin, worker.testing as t; assert 'confluent_kafka' not in sys.modules; "
              "assert 'fastavro' not in sys.modules; t.FakeConsumer; assert 'confluent_kafka' in sys.modules")
+    subprocess.run([sys.executable, "-c", check], cwd=ROOT, check=True)
+
+
+def test_the_kit_imports_without_pytest() -> None:
+    """The helpers serve the benchmarks and scripts too: only the plugin module (worker.testing.plugin) needs pytest."""
+    check = "import sys, worker.testing as t; t.FrameProducer, t.run_worker; assert 'pytest' not in sys.modules"
     subprocess.run([sys.executable, "-c", check], cwd=ROOT, check=True)
 
 

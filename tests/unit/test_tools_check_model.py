@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -112,6 +113,89 @@ def test_open_nsfw_prints_its_scores_on_the_photos_and_exits_0(cache_dir: Path) 
         assert abs(float(sfw) + float(nsfw) - 1.0) < 2e-4 and flagged == "-"  # public-domain photos: safe
     assert "not timed above --max-batch: 4, 8, 16, 32" in out
     assert out.rstrip().endswith("ok: the worker would start with this model (exit 0)")
+
+
+NUDENET_MISSING = [m for m in ("onnx", "onnx2torch", "nudenet", "skimage") if importlib.util.find_spec(m) is None]
+
+
+@pytest.mark.skipif(bool(NUDENET_MISSING), reason=f"needs the models extra ({', '.join(NUDENET_MISSING)} "
+                    "missing): pip install -e '.[models]'")
+def test_the_nudenet_detector_alone_scores_the_photos_with_its_boxes_and_exits_0(
+        cache_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORKER_MODEL_CACHE_DIR", str(cache_dir))
+    code, report = check_json(capsys, "--model", "nudenet", "--max-batch", "1")
+    assert code == 0 and report["would_start"] and [m["name"] for m in report["models"]] == ["nudenet"]
+    astronaut = next(row for row in report["scores"] if row["image"] == "astronaut")
+    assert astronaut["scores"]["FACE_FEMALE"] > 0.5 and astronaut["outputs"][0].startswith("1 box(es): FACE_FEMALE")
+    assert [t["not_scored"] for t in report["timing"]["batches"]] == [0]
+
+
+# --- a model set: every model shown ---
+
+MODEL_SET = """
+[models.first]
+source = "builtin"
+
+[models.second]
+source = "model_factories:tiny_model"
+run_if_model = "first"
+run_if_label = "nudity"
+run_if_score = 0.0
+"""
+
+
+def test_a_model_set_shows_every_model_and_each_ones_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                                            ) -> None:
+    Image.fromarray(np.full((48, 64, 3), 90, dtype=np.uint8)).save(tmp_path / "grey.png")
+    config = tmp_path / "set.toml"
+    config.write_text(MODEL_SET)
+    argv = ("--config", str(config), "--images", str(tmp_path), "--max-batch", "0")
+    code, report = check_json(capsys, *argv)
+    assert code == 0 and [(m["name"], m["source"], m["kind"]) for m in report["models"]] == [
+        ("first", "builtin", "builtin"), ("second", "model_factories:tiny_model", "factory")]
+    assert report["models"][1]["runs_if"] == "first scored nudity >= 0" and report["model"]["kind"] == "builtin+factory"
+    [row] = report["scores"]
+    assert [line.split(":")[0] for line in row["outputs"]] == ["first", "second"]
+    code, out = check(capsys, *argv)
+    lines = out.splitlines()
+    assert lines[0].startswith("models       2, in this order: first, second; each frame decoded once")
+    assert [line.split(":")[0] for line in lines if line.startswith("model ")] == [
+        "model        builtin", "model        model_factories"]
+    assert "runs if      first scored nudity >= 0 (else skipped, the reason in the result)" in lines
+    assert sum(line.startswith("input ") for line in lines) == 2 == sum(line.startswith("output ") for line in lines)
+
+
+# --- an unexpected error: exit 70, one line ---
+
+def test_an_unexpected_error_at_start_up_exits_70_with_one_line_naming_the_step(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken_warm_up(self: object, shapes: object) -> None:
+        raise IndexError("boolean index did not match indexed array along axis 1\nsecond line")
+
+    monkeypatch.setattr(executor_module.InferenceExecutor, "warm_up", broken_warm_up)
+    Image.fromarray(np.full((48, 64, 3), 90, dtype=np.uint8)).save(tmp_path / "grey.png")
+    code, out = check(capsys, "--model", "builtin", "--images", str(tmp_path))
+    assert code == 70
+    assert re.fullmatch(r"crashed \(exit 70\): the runtime failed warming up streamfer-moderation-cnn on cpu .*, "
+                        r"builtin model, frames decoded on the host: IndexError: boolean index did not match indexed "
+                        r"array along axis 1 \(the traceback: --verbose\)", out.splitlines()[-1])
+    assert "Traceback" not in out + capsys.readouterr().err
+
+
+def test_worker_run_exits_70_with_one_line_when_start_up_fails_unexpectedly(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker import cli
+    from worker.errors import StartError
+
+    def failing_run(args: object) -> int:
+        raise StartError("the runtime failed loading the model nudenet: IndexError: boolean index did not match")
+
+    monkeypatch.setattr(cli, "cmd_run", failing_run)
+    assert main(["run"]) == 70
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "error: the runtime failed loading the model nudenet: IndexError: boolean index did not match (exit 70; its "
+        "traceback in the debug log: WORKER_OBSERVABILITY_LOG_LEVEL=DEBUG)"]
 
 
 # --- a host sync in forward ---
@@ -256,6 +340,7 @@ def test_help_fits_on_a_screen(capsys: pytest.CaptureFixture[str], monkeypatch: 
         main(["check-model", "--help"])
     out = capsys.readouterr().out
     assert exit_.value.code == 0 and out.startswith("usage: worker check-model")
+    assert "nudenet" in out and "70: an unexpected error" in " ".join(out.split())
     assert len(out.splitlines()) <= 30, out
 
 

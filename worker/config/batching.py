@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from worker.config.fields import setting
 from worker.frames import Priority
 
+# The default change threshold of verdict reuse (bench/reuse.py measured it; docs/operations.md).
+REUSE_CHANGE_THRESHOLD = 8.0
+
 
 @dataclass(frozen=True)
 class ClassSettings:
@@ -19,19 +22,25 @@ class ClassSettings:
     weight: int = setting(ge=1, doc=(
         "share of dispatch turns when several classes have due batches and every more urgent one has slack (under "
         "overload, classes with a deadline go first: bulk waits)"))
-    latency_budget_ms: float = setting(0.0, ge=0, unit="ms", doc=(
+    latency_budget_ms: float = setting(0.0, ge=0, unit="ms", hint="0 = no budget", doc=(
         "end-to-end target (capture to result): batches are cut and released early enough for the oldest frame to "
         "finish within it (by the cost model), and the class goes ahead of less urgent ones when it is at risk; 0 = no"
         " budget"))
     pending_share: float = setting(1.0, gt=0, le=1, doc=(
         "share of `max_pending_frames` / `max_pending_bytes` the class's own frames may hold before it pauses and "
         "waits in Kafka; `standard + bulk` must stay below 1 so realtime always has room"))
-    max_batch_size: int = setting(0, ge=0, le=4096, unit="frames", doc=(
+    max_batch_size: int = setting(0, ge=0, le=4096, unit="frames", hint="0 = batching.max_batch_size", doc=(
         "most frames in one batch of this class (0..4096; 0 = `batching.max_batch_size`), e.g. realtime 8 while bulk "
         "runs 32. The batcher (full trigger, preferred sizes and runner buckets above it ignored for the class), the "
         "cost model's choice (within it) and a realtime backlog (counted in realtime batches) follow it; CUDA graphs "
         "are captured up to the largest of the classes', since a runner runs every class's batches, and warm-up "
         "calibrates sizes up to it. `max_pending_frames` and `delivery.max_uncommitted_frames` must hold the largest"))
+    reuse_max_age_ms: float = setting(0.0, ge=0, unit="ms", hint="0 = off", doc=(
+        "verdict reuse (opt-in): a frame whose picture differs from its stream's last scored frame (the reference) by "
+        "less than `batching.reuse_change_threshold`, with the same shape, captured at most this long after the "
+        "reference, is answered with the reference's verdict (`reused_from_frame` in the result) without running the "
+        "model; any larger change is scored and becomes the reference. A change smaller than the threshold that "
+        "lasts less than this is missed. 0 = off (no thumbnail is computed). See [operations.md](operations.md)"))
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,14 @@ class BatchingSettings:
     max_pending_bytes: int = setting(512 * 1024 * 1024, ge=1024, unit="bytes", doc=(
         "tensor bytes (counted as for `max_batch_bytes`) held before the source pauses; a poll reads no more than fit "
         "at the largest frame seen, so only frames larger than any before can pass it, by one poll"))
+    reuse_change_threshold: float = setting(REUSE_CHANGE_THRESHOLD, gt=0, le=255, doc=(
+        "for classes with `reuse_max_age_ms`: the largest difference (0..255) between the cells of two frames' "
+        "grayscale thumbnails (at most 32x32 cells, each the mean of its block of the frame) below which a frame "
+        "counts as unchanged from its reference. On H.264 clips of real photos (bench/reuse.py) sensor noise moved "
+        "it at most 1.3 from frame to frame and every cut, flash, or object of 5% of the frame entering or leaving "
+        "at least 84; at 8 no reused frame's open_nsfw score differed from its own by more than 0.016. Higher "
+        "reuses more of a slow pan (16: 72% of that clip against 54%) and lets smaller changes through: a change "
+        "must move one cell's mean brightness (a block of about 40x23 pixels at 720p) by the threshold to be scored"))
     realtime: ClassSettings = setting(default_factory=lambda: ClassSettings(
         max_wait_ms=5, max_age_ms=2_000, weight=8, latency_budget_ms=250, pending_share=1.0), doc=(
         "the realtime class: the [batching.realtime] table"))
@@ -83,10 +100,10 @@ class BatchingSettings:
         "updates it; a size known only from warm-up is scaled by how much slower live batches ran than their warm-up "
         "timing), within each class's `latency_budget_ms`; false: the static sizes (`max_batch_size`, "
         "`preferred_batch_sizes`) trigger releases"))
-    max_blocking_ms: float = setting(0.0, ge=0, unit="ms", doc=(
+    max_blocking_ms: float = setting(0.0, ge=0, unit="ms", hint="0 = half of realtime.latency_budget_ms", doc=(
         "longest a standard or bulk batch may be predicted to run, so a realtime batch waits behind at most one such "
         "batch (a running batch cannot be preempted); 0 = half of `realtime.latency_budget_ms`"))
-    realtime_quiet_ms: float = setting(2_000.0, ge=0, unit="ms", doc=(
+    realtime_quiet_ms: float = setting(2_000.0, ge=0, unit="ms", hint="0 = standard and bulk always bounded", doc=(
         "the `max_blocking_ms` bound holds while realtime is present: a realtime frame pending, or one arrived within "
         "this long. After a quiet spell standard and bulk batches fill to full size (throughput on a backlog with no "
         "realtime traffic); the first realtime frame after it may wait behind one such batch. 0 = always bounded"))
@@ -101,7 +118,7 @@ class BatchingSettings:
         "`max_age_ms`, the partitions of every less urgent class are paused (`docs/architecture.md`, Scheduling). A "
         "steady stream within capacity pauses nothing. false: every assigned partition is read and only the batcher's "
         "rules (`pending_share`, a realtime backlog in the batcher) pause classes"))
-    lower_class_read_floor: float = setting(0.05, ge=0, le=0.5, doc=(
+    lower_class_read_floor: float = setting(0.05, ge=0, le=0.5, hint="a share of the messages read; 0 = none", doc=(
         "the share of the messages read (over the last 5 s) that a class paused for a more urgent class's backlog "
         "still reads, so it never starves; it holds only while no more urgent backlogged class expires frames. 0..0.5;"
         " 0 = none"))

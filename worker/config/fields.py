@@ -37,9 +37,10 @@ class ConfigError(OperatorError, ValueError):
 @dataclass(frozen=True)
 class FieldDoc:
     """A setting's reference entry. `ge`/`gt`/`le`/`lt`: bounds that do not depend on another setting; `validate`
-    enforces them (a hand-written check with a better message wins, tests/unit/test_config_docs.py holds the two
-    to each other). `range` says in words what they cannot (a bound set by another setting); `shown_default`
-    replaces a default computed at start-up (the worker id)."""
+    enforces them with no check of their own (tests/unit/test_config_docs.py holds the two to each other). `range`
+    says in words what they cannot (a bound set by another setting); `hint` what a bound's error and the docs'
+    range column add to the bounds (what 0 means, why the limit); `shown_default` replaces a default computed at
+    start-up (the worker id)."""
 
     doc: str
     unit: str = ""
@@ -48,6 +49,7 @@ class FieldDoc:
     le: float | None = None
     lt: float | None = None
     range: str = ""
+    hint: str = ""
     shown_default: str = ""
 
     def bounds_text(self) -> str:
@@ -66,11 +68,15 @@ class FieldDoc:
         return f"{text} {self.unit}".strip()
 
     def range_text(self) -> str:
-        """What the docs' range column shows: the bounds, then `range` in words."""
+        """What the docs' range column shows: the bounds, then `range` and `hint` in words."""
         bounds = self.bounds_text()
         if bounds:
-            return "; ".join(t for t in (bounds, self.range) if t)
+            return "; ".join(t for t in (bounds, self.range, self.hint) if t)
         return f"{self.range} ({self.unit})" if self.range and self.unit else self.range or self.unit
+
+    def bound_problem(self, name: str) -> str:
+        """The problem a value outside the bounds gets: the setting, the bounds and the hint."""
+        return f"{name}: must be {self.bounds_text()}" + (f" ({self.hint})" if self.hint else "")
 
     def holds(self, value: float) -> bool:
         """Whether `value` is within the numeric bounds."""
@@ -85,9 +91,9 @@ def _num(x: float) -> str:
 def setting(default: Any = dataclasses.MISSING, *, doc: str,
             default_factory: Callable[[], Any] | Any = dataclasses.MISSING, unit: str = "",
             ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None,
-            range: str = "", shown_default: str = "") -> Any:
+            range: str = "", hint: str = "", shown_default: str = "") -> Any:
     """A dataclass field whose metadata is its reference entry (FieldDoc): what the docs and JSON Schema show."""
-    meta = {"doc": FieldDoc(doc=doc, unit=unit, ge=ge, gt=gt, le=le, lt=lt, range=range,
+    meta = {"doc": FieldDoc(doc=doc, unit=unit, ge=ge, gt=gt, le=le, lt=lt, range=range, hint=hint,
                             shown_default=shown_default)}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)

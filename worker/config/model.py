@@ -69,7 +69,7 @@ class ModelSettings:
         "`input_size`"))
     resize_to: tuple[int, ...] = setting((), range="[height, width] each >= `input_size`'s", unit="pixels", doc=(
         "`stretch_crop`: `[height, width]` before the crop, each >= `input_size`"))
-    jpeg_roundtrip_quality: int = setting(0, ge=0, le=100, doc=(
+    jpeg_roundtrip_quality: int = setting(0, ge=0, le=100, hint="0 = off", doc=(
         "JPEG-encode and decode the resized image at this quality before normalising, as some reference preprocessing "
         "does (open_nsfw's package by default); 0 = off. On the CPU path 1.65x the preprocessing CPU of a 224x224 "
         "frame (Presets, below); on the device path the rows go back to the host for it"))
@@ -197,11 +197,11 @@ class RuntimeSettings:
         "first, while the graphs fit their memory budget), before the worker turns ready; other sizes and buckets run "
         "eager until they recur, then are captured"))
     preprocess_threads: int | Literal["auto"] = setting("auto",
-        ge=0, le=MAX_PREPROCESS_THREADS, range="or `auto`", doc=(
+        ge=0, le=MAX_PREPROCESS_THREADS, hint="or `auto`; `auto` or 0 = one per CPU core", doc=(
         "decode/resize threads, overlapping inference; `auto` (or 0) = one per CPU core this process may use. The "
         "frames of one batch are decoded in parallel across them (JPEG decode and resizing release the GIL). On a "
         "CPU-only machine the model's `torch_threads` share the same cores"))
-    torch_threads: int = setting(0, ge=0, doc=(
+    torch_threads: int = setting(0, ge=0, hint="0 = torch's default", doc=(
         "CPU intra-op threads of the model, torch's or onnxruntime's session's (0 = torch's default, one per "
         "physical core)"))
     instances_per_device: int = setting(1, ge=1, le=16, doc=(

@@ -40,7 +40,9 @@ class KafkaSettings:
         "one id fencing each other) stops it with exit 2 naming `observability.worker_id`. `false`: dynamic "
         "membership, where a restarted process waits for its predecessor's session (`session_timeout_ms`) to expire. "
         "Replaces `group_instance_id` (refused with that hint). See [deploy.md](deploy.md#worker-ids-and-restarts)"))
-    session_timeout_ms: int = setting(45_000, ge=6_000, le=1_800_000, unit="ms", doc=(
+    session_timeout_ms: int = setting(45_000, ge=6_000, le=1_800_000, unit="ms",
+                                      hint=("the broker's default group.min/max.session.timeout.ms: outside them "
+                                            "joining the group fails"), doc=(
         "group session timeout (6000..1800000, the broker's default bounds): how long a member that died without a "
         "successor under its id keeps its partitions"))
     heartbeat_interval_ms: int = setting(500, ge=100, range="at most session_timeout_ms / 3", unit="ms",
@@ -122,7 +124,8 @@ class DeliverySettings:
         "`runtime.instances_per_device`), 1..8: with 2 each runner has one batch running and the next one prepared "
         "behind it (decoded, copied to its device), so on a backlog every runner is busy"))
     max_inflight_batches: int = setting(0,
-        ge=0, le=MAX_INFLIGHT_BATCHES, range="0 or >= the runner count", unit="batches", doc=(
+        ge=0, le=MAX_INFLIGHT_BATCHES, range="0 or >= the runner count", unit="batches",
+        hint="0 = inflight_batches_per_runner x runners", doc=(
         "all runners together: 0 = `inflight_batches_per_runner` x runners (logged at start-up); a number (1..1024) "
         "caps the total instead and must be at least the runner count, or start-up stops naming this setting (some "
         "runners would never get a batch). One more slot is always reserved for a realtime batch"))
@@ -135,7 +138,9 @@ class DeliverySettings:
         "so while commits fail (a coordinator away) what a lost session or crash answers again stays bounded. 0: "
         "`batching.max_pending_frames` + (the in-flight limit, `max_inflight_batches` as resolved for the runners, + "
         "1, realtime's reserved slot) x the largest class `max_batch_size`. With a long `commit_interval_ms` the "
-        "worker commits early once half of it is used"))
+        "worker commits early once half of it is used. Offsets a frame held for its writer schema pins (it, and the "
+        "frames of its partition answered past it) are bounded per partition instead: that partition pauses at this "
+        "many (`schema_registry`)"))
     transaction_call_timeout_ms: int = setting(10_000, ge=1_000, le=300_000, unit="ms", doc=(
         "exactly-once: how long sending a transaction's offsets and committing it may take; past it (plus 5 s for a "
         "call blocked inside librdkafka) the producer is replaced, which fences the old one and aborts its "
@@ -149,7 +154,7 @@ class DeliverySettings:
 class ObservabilitySettings:
     metrics_enabled: bool = setting(True, doc=(
         "serve `/metrics`, `/healthz`, `/readyz`"))
-    metrics_port: int = setting(9400, ge=0, le=65535, doc=(
+    metrics_port: int = setting(9400, ge=0, le=65535, hint="0 picks a free port", doc=(
         "their port (0 picks a free one and logs it)"))
     metrics_host: str = setting("0.0.0.0", doc=(
         "bind address"))
@@ -170,7 +175,8 @@ class ObservabilitySettings:
         "the dead member's place in the group (see [deploy.md](deploy.md#worker-ids-and-restarts)). Set it, and it "
         "wins (no slot is taken); it must then be unique among the running workers of a transactional id prefix and of"
         " a consumer group"))
-    worker_slot: int = setting(-1, ge=-1, le=MAX_WORKER_SLOTS - 1, range="only with worker_id unset", doc=(
+    worker_slot: int = setting(-1, ge=-1, le=MAX_WORKER_SLOTS - 1, range="only with worker_id unset",
+                               hint="-1: the lowest slot free on this host", doc=(
         "the slot of the default worker id: -1 takes the lowest one free on this host; N takes slot N, and start-up "
         "fails (exit 2, naming the process holding it) while another process holds it. Only with `worker_id` unset. "
         "`worker run --processes N` gives its children slots S..S+N-1 (S is this setting, 0 when -1)"))
@@ -184,7 +190,8 @@ class ObservabilitySettings:
     metric_tenants: tuple[str, ...] = setting((), range="at most 1000, each 1..limits.max_identifier_bytes bytes", doc=(
         "tenants that get a `tenant` label value of their own on the per-tenant metrics; when set, every other tenant "
         "is counted as `other` (see docs/metrics.md, Tenant label)"))
-    max_metric_tenants: int = setting(100, ge=0, le=MAX_METRIC_TENANTS, doc=(
+    max_metric_tenants: int = setting(100, ge=0, le=MAX_METRIC_TENANTS,
+                                      hint="each tenant adds series to every scrape", doc=(
         "when `metric_tenants` is empty: the first this many tenants seen (each at most `limits.max_identifier_bytes` "
         "long) get a label of their own, the rest are `other`; 0..1000"))
 
@@ -193,7 +200,8 @@ class ObservabilitySettings:
 class LimitsSettings:
     """What the worker accepts from producers: bounds that keep one bad or hostile message cheap."""
 
-    max_frame_pixels: int = setting(4096 * 4096, ge=1, le=MAX_FRAME_PIXELS_CEILING, unit="pixels", doc=(
+    max_frame_pixels: int = setting(4096 * 4096, ge=1, le=MAX_FRAME_PIXELS_CEILING, unit="pixels",
+                                    hint="16384x16384 at most", doc=(
         "largest frame, width x height (4096x4096: takes 1920x1080, 3840x2160 and 4096x2160; raise to 33177600 for "
         "8K); 1..268435456. Checked on the message header (`MessageDecodeError`) and, for a JPEG, on the JPEG's own "
         "header before any pixel is decoded (`FrameDecodeError`)"))
@@ -202,10 +210,10 @@ class LimitsSettings:
     min_capture_ts_ms: int = setting(_YEAR_2000_MS, ge=1, unit="ms since the epoch", doc=(
         "earliest `capture_ts_ms` accepted (2000-01-01T00:00:00Z): an earlier one is a producer bug (0, unset, "
         "negative, or seconds sent as milliseconds)"))
-    max_capture_skew_ms: int = setting(60_000, ge=0, le=86_400_000, unit="ms", doc=(
+    max_capture_skew_ms: int = setting(60_000, ge=0, le=86_400_000, unit="ms", hint="one day at most", doc=(
         "how far in the future (by the worker's clock) `capture_ts_ms` may be: producer clock skew; 0..86400000. "
         "Further ahead is a broken clock or a wrong unit (microseconds)"))
-    duplicate_window_frames: int = setting(4096, ge=0, le=1_000_000, unit="frames", doc=(
+    duplicate_window_frames: int = setting(4096, ge=0, le=1_000_000, unit="frames", hint="0 = off", doc=(
         "per input partition, how many recent frame identities `(stream_id, frame_index)` are remembered to catch a "
         "repeated frame (see Repeated frames below); 0 turns detection off; 0..1000000"))
 
@@ -214,7 +222,7 @@ class LimitsSettings:
 class DeadLetterSettings:
     """How `worker dlq replay` treats the dead-letter topic (the worker itself only writes it)."""
 
-    max_replays: int = setting(3, ge=0, le=1000, doc=(
+    max_replays: int = setting(3, ge=0, le=1000, hint="0 = no replays", doc=(
         "how many times one frame may be published again: a replayed frame that fails again is dead-lettered with its "
         "replay count, and a dead letter whose frame was replayed this many times is not replayed again (`worker dlq "
         "show` counts them), so a frame that keeps failing never loops; 0..1000, 0: no replays"))
@@ -240,8 +248,39 @@ class SchemaRegistrySettings:
     ssl_key_location: str = setting("", doc="the client certificate's private key (PEM)")
     ssl_key_password_file: str = setting("", doc="a file holding the key's password, if it has one")
     timeout_ms: int = setting(5_000, ge=100, le=60_000, unit="ms", doc=(
-        "each registry request's timeout; a request is tried twice, so a registry that does not answer stops "
-        "start-up within about twice this"))
+        "each registry request's timeout. Start-up tries a request twice, then waits for a registry that does not "
+        "answer (with backoff, `/readyz` saying why); a writer-schema lookup is tried once, off the loop, and asked "
+        "again with backoff while its frames wait"))
     auto_register: bool = setting(True, doc=(
         "register the results schema under `<topics.results>-value` at start; false: only look it up (credentials "
         "that may not write the registry: register it in the roll-out), and exit 2 if it is not there"))
+    max_held_bytes_per_partition: int = setting(16 * 1024 * 1024, ge=1, unit="bytes", doc=(
+        "framed frames whose writer schema the registry has not given yet (it is down, or slow) wait on their "
+        "partition, in order, never dead-lettered (unframed frames flow on); a partition holding this many message "
+        "bytes of them is paused, its unframed frames too, until they are released. Other partitions read on"))
+
+
+@dataclass(frozen=True)
+class TracingSettings:
+    """OpenTelemetry traces of frames (worker/tracing.py, docs/troubleshooting.md): W3C trace context read from and
+    written to Kafka headers, spans exported over OTLP/HTTP. Off (no spans, no header changes) with `endpoint`
+    empty."""
+
+    endpoint: str = setting("", doc=(
+        "the OTLP/HTTP collector's base URL, e.g. `http://127.0.0.1:4318` (spans are posted to `<endpoint>/v1/traces`"
+        "; a URL already ending in `/v1/traces` is used as it is); empty: tracing off"))
+    sample_ratio: float = setting(0.01, ge=0.0, le=1.0, hint="a share of frames; NaN is refused too", doc=(
+        "share of frames without a `traceparent` header the worker starts a trace for; parent-based: a frame whose "
+        "`traceparent` is sampled is always traced, one whose `traceparent` is not sampled never (its result still "
+        "carries the header). Measured cost (`bench/tracing_cost.py`): see docs/troubleshooting.md"))
+    service_name: str = setting("streamfer-worker", doc=(
+        "the `service.name` resource attribute of the worker's spans"))
+    resource_attributes: dict[str, str] = setting(default_factory=dict, doc=(
+        "more resource attributes on every span (`deployment.environment`, `k8s.pod.name`, ...)"))
+    max_queued_spans: int = setting(8192, ge=64, le=1_000_000, unit="spans", doc=(
+        "finished spans held for export; beyond, new spans are dropped and counted in "
+        "`streamfer_trace_spans_dropped_total{reason=\"queue_full\"}`, so a collector that is slow or gone never "
+        "holds the worker back"))
+    export_timeout_ms: int = setting(5_000, ge=100, le=60_000, unit="ms", doc=(
+        "each export request's timeout; a failed export's spans are dropped and counted "
+        "(`reason=\"export_failed\"`)"))

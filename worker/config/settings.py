@@ -16,6 +16,7 @@ from worker.config.sections import (
     ObservabilitySettings,
     SchemaRegistrySettings,
     TopicSettings,
+    TracingSettings,
 )
 
 
@@ -33,11 +34,14 @@ class Settings:
     dlq: DeadLetterSettings = setting(default_factory=DeadLetterSettings, doc="what `worker dlq replay` may do")
     schema_registry: SchemaRegistrySettings = setting(default_factory=SchemaRegistrySettings,
                                                       doc="a Confluent-API Schema Registry for frames and results")
+    tracing: TracingSettings = setting(default_factory=TracingSettings,
+                                       doc="OpenTelemetry traces of frames through Kafka headers")
     models: tuple[ModelSettings, ...] = setting(default_factory=tuple, shown_default="none",
                                                 range="`[models.<name>]` tables, names unique", doc=(
         "a model set: `[models.<name>]` tables, in order, each with [model]'s fields (`model` is then the first); "
-        "every model runs on each frame and one verdict comes out (worker/runtime/ensemble.py). Empty with a "
-        "single [model]"))
+        "each frame is decoded once and runs through the models in order, a model with a `run_if_model` condition "
+        "only where it holds (a cascade), and one verdict comes out (worker/runtime/modelset.py). Empty with a "
+        "single [model], which runs as a set of one"))
 
     @property
     def max_uncommitted_frames(self) -> int:

@@ -1,5 +1,7 @@
-"""Checks across fields and of ranges, run once when settings load, and the values derived from validated settings.
-Each problem names the field as it is written in the config file and says what it accepts."""
+"""The checks run once when settings load: every field against the bounds its `setting` declares (`bound_problems`,
+no code per field), and here what a bound cannot say: checks across fields, of strings, lists and tables, and of
+the [kafka] and [schema_registry] security settings. Each problem names the field as it is written in the config
+file and says what it accepts. The values derived from valid settings are in worker/config/derived.py."""
 
 from __future__ import annotations
 
@@ -9,18 +11,10 @@ import os
 import re
 from collections.abc import Mapping
 
-from worker.config.fields import ConfigError, field_doc
-from worker.config.model import MAX_PREPROCESS_THREADS, ModelSettings, RuntimeSettings
-from worker.config.sections import (
-    MAX_FRAME_PIXELS_CEILING,
-    MAX_INFLIGHT_BATCHES,
-    MAX_INFLIGHT_PER_RUNNER,
-    MAX_METRIC_TENANTS,
-    MAX_WORKER_SLOTS,
-    DeliverySettings,
-    KafkaSettings,
-    SchemaRegistrySettings,
-)
+from worker.config.derived import parse_size
+from worker.config.fields import field_doc
+from worker.config.model import ModelSettings
+from worker.config.sections import MAX_METRIC_TENANTS, KafkaSettings, SchemaRegistrySettings, TracingSettings
 from worker.config.settings import Settings
 from worker.frames import Priority
 from worker.kafka.properties import (
@@ -51,7 +45,7 @@ def group_instance_id_problem(worker_id: str) -> str | None:
 
 
 def validate(s: Settings) -> list[str]:
-    """Cross-field and range checks; each problem names the field as it is written in the config file."""
+    """Every problem of `s`; each names the field as it is written in the config file."""
     p: list[str] = []
 
     def need(ok: bool, message: str) -> None:
@@ -61,9 +55,6 @@ def validate(s: Settings) -> list[str]:
     k = s.kafka
     need(bool(k.bootstrap_servers.strip()), "kafka.bootstrap_servers: must not be empty (host:port[,host:port])")
     need(bool(k.group_id.strip()), "kafka.group_id: must not be empty")
-    # The broker's defaults group.min/max.session.timeout.ms: outside them JoinGroup fails forever.
-    need(6_000 <= k.session_timeout_ms <= 1_800_000,
-         "kafka.session_timeout_ms: must be 6000..1800000 (the broker's default group.min/max.session.timeout.ms)")
     need(k.max_poll_interval_ms >= k.session_timeout_ms,
          "kafka.max_poll_interval_ms: must be >= kafka.session_timeout_ms")
     # Kafka's rule for heartbeat.interval.ms: a third of the session at most, so two heartbeats can be lost before
@@ -85,36 +76,20 @@ def validate(s: Settings) -> list[str]:
     need(len(set(names)) == len(names), "topics: input, results and dead_letter topics must all differ")
 
     b = s.batching
-    need(1 <= b.max_batch_size <= 4096, "batching.max_batch_size: must be 1..4096")
     need(all(1 <= x <= b.largest_batch_size for x in b.preferred_batch_sizes),
          "batching.preferred_batch_sizes: each must be 1..the largest max_batch_size of any class")
-    need(0.0 <= b.padding_waste_max < 1.0, "batching.padding_waste_max: must be in [0, 1)")
-    need(b.max_batch_bytes >= 1024, "batching.max_batch_bytes: must be >= 1024")
     need(b.tensor_dtype_bytes in (1, 2, 4, 8), "batching.tensor_dtype_bytes: must be 1, 2, 4 or 8")
-    need(b.rare_shape_min_count >= 1, "batching.rare_shape_min_count: must be >= 1")
-    need(b.rare_shape_window_ms > 0, "batching.rare_shape_window_ms: must be > 0")
-    need(1 <= b.fallback_max_batch_size <= b.max_batch_size,
-         "batching.fallback_max_batch_size: must be 1..batching.max_batch_size")
+    need(b.fallback_max_batch_size <= b.max_batch_size,
+         "batching.fallback_max_batch_size: must be <= batching.max_batch_size")
     need(b.max_pending_frames >= b.largest_batch_size,
          "batching.max_pending_frames: must be >= the largest max_batch_size of any class")
-    need(b.max_pending_bytes >= 1024, "batching.max_pending_bytes: must be >= 1024")
     for prio in Priority:
         c = b.for_class(prio)
-        need(0 <= c.max_wait_ms <= 1000, f"batching.{prio.label}.max_wait_ms: must be 0..1000")
         need(c.max_age_ms == 0 or c.max_age_ms >= c.max_wait_ms,
              f"batching.{prio.label}.max_age_ms: must be 0 (no expiry) or >= its max_wait_ms")
-        need(c.weight >= 1, f"batching.{prio.label}.weight: must be >= 1")
-        need(c.latency_budget_ms >= 0, f"batching.{prio.label}.latency_budget_ms: must be >= 0 (0: no budget)")
-        need(0 < c.pending_share <= 1, f"batching.{prio.label}.pending_share: must be in (0, 1]")
-        need(0 <= c.max_batch_size <= 4096,
-             f"batching.{prio.label}.max_batch_size: must be 0 (= batching.max_batch_size) or 1..4096")
     need(b.standard.pending_share + b.bulk.pending_share < 1,
          "batching.standard.pending_share + batching.bulk.pending_share: must be < 1, so realtime always has room")
-    need(b.max_blocking_ms >= 0, "batching.max_blocking_ms: must be >= 0 (0: half of realtime.latency_budget_ms)")
-    need(b.realtime_quiet_ms >= 0, "batching.realtime_quiet_ms: must be >= 0 (0: standard and bulk always bounded)")
     need(all(w >= 1 for w in b.tenant_weights.values()), "batching.tenant_weights: each weight must be >= 1")
-    need(0 <= b.lower_class_read_floor <= 0.5,
-         "batching.lower_class_read_floor: must be in [0, 0.5] (a share of the messages read; 0: none)")
 
     m = s.model
     need(bool(m.source.strip()),
@@ -122,8 +97,7 @@ def validate(s: Settings) -> list[str]:
     need(len(m.labels) >= 1 and len(set(m.labels)) == len(m.labels), "model.labels: must be non-empty and unique")
     need(set(m.thresholds) <= set(m.labels),
          f"model.thresholds: unknown labels {sorted(set(m.thresholds) - set(m.labels))} (labels: {list(m.labels)})")
-    need(all(0.0 <= v <= 1.0 for v in [*m.thresholds.values(), m.default_threshold]),
-         "model.thresholds / model.default_threshold: must be in [0, 1]")
+    need(all(0.0 <= v <= 1.0 for v in m.thresholds.values()), "model.thresholds: each must be in [0, 1]")
     need(set(m.never_flag) <= set(m.labels),
          f"model.never_flag: unknown labels {sorted(set(m.never_flag) - set(m.labels))} (labels: {list(m.labels)})")
     need(not set(m.labels) <= set(m.never_flag), "model.never_flag: lists every label, so no frame could be flagged")
@@ -141,7 +115,6 @@ def validate(s: Settings) -> list[str]:
     need(m.resize != "stretch_crop" or (len(m.resize_to) == 2 and len(m.input_size) == 2
                                         and all(a >= b for a, b in zip(m.resize_to, m.input_size))),
          "model.resize_to: stretch_crop needs [height, width], each >= model.input_size's")
-    need(0 <= m.jpeg_roundtrip_quality <= 100, "model.jpeg_roundtrip_quality: must be 0 (off) or 1..100")
     p.extend(model_output_problems(m, "model"))
 
     r = s.runtime
@@ -149,34 +122,15 @@ def validate(s: Settings) -> list[str]:
          "runtime.device: must be auto, cpu, cuda or cuda:N")
     need(len(r.graph_batch_sizes) >= 1 and all(x >= 1 for x in r.graph_batch_sizes),
          "runtime.graph_batch_sizes: must list at least one size >= 1")
-    need(r.warmup_batches >= 0, "runtime.warmup_batches: must be >= 0")
-    need(all(_parse_size(x) is not None for x in r.warmup_shapes),
+    need(all(parse_size(x) is not None for x in r.warmup_shapes),
          "runtime.warmup_shapes: each must be WIDTHxHEIGHT with positive integers, e.g. 1280x720")
-    need(r.preprocess_threads == "auto" or 0 <= r.preprocess_threads <= MAX_PREPROCESS_THREADS,
-         f"runtime.preprocess_threads: must be \"auto\" or 0..{MAX_PREPROCESS_THREADS} (0 = auto: one per CPU core)")
-    need(r.torch_threads >= 0, "runtime.torch_threads: must be >= 0")
-    need(1 <= r.instances_per_device <= 16, "runtime.instances_per_device: must be 1..16")
-    need(0 < r.memory_fraction <= 1, "runtime.memory_fraction: must be in (0, 1]")
 
     d = s.delivery
     need(bool(d.transactional_id_prefix.strip()), "delivery.transactional_id_prefix: must not be empty")
-    need(1 <= d.inflight_batches_per_runner <= MAX_INFLIGHT_PER_RUNNER,
-         f"delivery.inflight_batches_per_runner: must be 1..{MAX_INFLIGHT_PER_RUNNER}")
-    need(0 <= d.max_inflight_batches <= MAX_INFLIGHT_BATCHES,
-         f"delivery.max_inflight_batches: must be 0 (inflight_batches_per_runner x runners) or "
-         f"1..{MAX_INFLIGHT_BATCHES}")
-    need(d.commit_interval_ms >= 0, "delivery.commit_interval_ms: must be >= 0")
     need(d.max_uncommitted_frames == 0 or d.max_uncommitted_frames >= b.largest_batch_size,
          "delivery.max_uncommitted_frames: must be 0 (derived) or >= the largest max_batch_size of any class")
-    need(1_000 <= d.transaction_call_timeout_ms <= 300_000,
-         "delivery.transaction_call_timeout_ms: must be 1000..300000")
 
     o = s.observability
-    need(0 <= o.metrics_port <= 65535, "observability.metrics_port: must be 0..65535 (0 picks a free port)")
-    need(0 <= o.max_metric_tenants <= MAX_METRIC_TENANTS,
-         f"observability.max_metric_tenants: must be 0..{MAX_METRIC_TENANTS} (each tenant adds series to every scrape)")
-    need(-1 <= o.worker_slot < MAX_WORKER_SLOTS,
-         f"observability.worker_slot: must be -1 (the lowest free slot) or 0..{MAX_WORKER_SLOTS - 1}")
     need(o.worker_slot < 0 or not o.worker_id,
          "observability.worker_slot: names the slot of the default worker id; with observability.worker_id set it "
          "would be ignored, so unset one of them")
@@ -186,16 +140,8 @@ def validate(s: Settings) -> list[str]:
     need(all(0 < len(t.encode()) <= s.limits.max_identifier_bytes for t in o.metric_tenants),
          "observability.metric_tenants: each must be a non-empty tenant of at most limits.max_identifier_bytes bytes")
 
-    lim = s.limits
-    need(1 <= lim.max_frame_pixels <= MAX_FRAME_PIXELS_CEILING,
-         f"limits.max_frame_pixels: must be 1..{MAX_FRAME_PIXELS_CEILING} (16384x16384)")
-    need(1 <= lim.max_identifier_bytes <= 65_536, "limits.max_identifier_bytes: must be 1..65536")
-    need(lim.min_capture_ts_ms >= 1, "limits.min_capture_ts_ms: must be >= 1 (epoch milliseconds)")
-    need(0 <= lim.max_capture_skew_ms <= 86_400_000, "limits.max_capture_skew_ms: must be 0..86400000 (one day)")
-    need(0 <= lim.duplicate_window_frames <= 1_000_000, "limits.duplicate_window_frames: must be 0..1000000 (0 = off)")
-
-    need(0 <= s.dlq.max_replays <= 1000, "dlq.max_replays: must be 0..1000 (0 = no replays)")
     p.extend(validate_schema_registry(s.schema_registry))
+    p.extend(validate_tracing(s.tracing))
     p.extend(bound_problems(s, named=p))
     return p
 
@@ -213,9 +159,9 @@ def model_output_problems(m: ModelSettings, where: str) -> list[str]:
 
 
 def bound_problems(value: object, named: list[str], where: str = "") -> list[str]:
-    """Every field outside the bounds its `setting` declares (ge/gt/le/lt), except those a problem in `named`
-    already names: a field declared with bounds is checked with no code here, and a hand-written check above,
-    whose message says more, wins."""
+    """Every field outside the bounds its `setting` declares (ge/gt/le/lt), with the field's hint, except those a
+    problem in `named` already names: a check across fields above (e.g. `0 or >= the largest max_batch_size`) says
+    more about the field than its bound alone."""
     out: list[str] = []
     for f in dataclasses.fields(value):  # type: ignore[arg-type]
         current, path = getattr(value, f.name), f"{where}{f.name}"
@@ -224,8 +170,8 @@ def bound_problems(value: object, named: list[str], where: str = "") -> list[str
             continue
         entry = field_doc(f)
         numeric = isinstance(current, int | float) and not isinstance(current, bool)
-        if numeric and not entry.holds(current) and not any(path in p.split(":", 1)[0] for p in named):
-            out.append(f"{path}: must be {entry.bounds_text()}")
+        if numeric and not entry.holds(current) and not any(p.split(":", 1)[0] == path for p in named):
+            out.append(entry.bound_problem(path))
     return out
 
 
@@ -321,6 +267,17 @@ def validate_schema_registry(r: SchemaRegistrySettings, environ: Mapping[str, st
     return p
 
 
+def validate_tracing(t: TracingSettings) -> list[str]:
+    """Problems with the [tracing] settings: caught at start-up, not by the exporter's first failing request."""
+    p: list[str] = []
+    if t.endpoint and not re.fullmatch(r"https?://[^\s/:]+(:\d{1,5})?(/\S*)?", t.endpoint):
+        p.append(f"tracing.endpoint: {t.endpoint!r} is not an http:// or https:// URL of an OTLP/HTTP collector, "
+                 "e.g. http://127.0.0.1:4318 (empty: tracing off)")
+    if not t.service_name.strip():
+        p.append("tracing.service_name: must not be empty (it is the service.name of every span)")
+    return p
+
+
 def _file_problems(setting: str, path: str, secret: bool, allow_dir: bool = False) -> list[str]:
     if allow_dir and os.path.isdir(path):
         return []
@@ -331,51 +288,3 @@ def _file_problems(setting: str, path: str, secret: bool, allow_dir: bool = Fals
     if secret and os.path.getsize(path) == 0:
         return [f"{setting}: {path} is empty"]
     return []
-
-
-def _parse_size(text: str) -> tuple[int, int] | None:
-    try:
-        w, h = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        return None
-    return (w, h) if w > 0 and h > 0 else None
-
-
-def preprocess_thread_count(runtime: RuntimeSettings) -> int:
-    """runtime.preprocess_threads resolved: "auto" and 0 mean the CPU cores this process may run on."""
-    if runtime.preprocess_threads not in ("auto", 0):
-        return int(runtime.preprocess_threads)
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(cores, MAX_PREPROCESS_THREADS))
-
-
-def inflight_batch_limit(delivery: DeliverySettings, runners: int) -> int:
-    """Batches the loop keeps in flight, besides realtime's reserved slot: delivery.max_inflight_batches, or (0)
-    inflight_batches_per_runner for each runner, so every runner has work on a backlog. ConfigError when a set
-    limit is below the runner count: some runners would never get a batch."""
-    if delivery.max_inflight_batches == 0:
-        return delivery.inflight_batches_per_runner * runners
-    if delivery.max_inflight_batches < runners:
-        raise ConfigError([
-            f"delivery.max_inflight_batches: {delivery.max_inflight_batches} leaves runners idle: the runtime has "
-            f"{runners} runners (runtime.instances_per_device x devices); set 0 (derived: "
-            f"delivery.inflight_batches_per_runner x runners = {delivery.inflight_batches_per_runner * runners}) "
-            f"or at least {runners}"])
-    return delivery.max_inflight_batches
-
-
-def resolve_inflight_batches(s: Settings, runners: int) -> Settings:
-    """The settings with delivery.max_inflight_batches resolved for the runtime's `runners` (inflight_batch_limit),
-    so every stage reads one limit (the loop, and the uncommitted cap derived from it). Idempotent."""
-    limit = inflight_batch_limit(s.delivery, runners)
-    return dataclasses.replace(s, delivery=dataclasses.replace(s.delivery, max_inflight_batches=limit))
-
-
-def warmup_frame_shapes(s: Settings) -> list[tuple[int, int, int]]:
-    """runtime.warmup_shapes as (height, width, channels) frame shapes; channels follow the model's mean."""
-    channels = len(s.model.mean)
-    sizes = [size for size in map(_parse_size, s.runtime.warmup_shapes) if size is not None]
-    return [(h, w, channels) for w, h in sizes]

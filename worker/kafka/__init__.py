@@ -1,6 +1,8 @@
 """The Kafka edge: every librdkafka client of the worker and its tools, and every workaround for its behaviour.
 
 - `client`: bootstrap and security properties, the properties the worker owns, making a client.
+- `roles`: one factory per role for the tools' and the test kit's clients (frame producer, transactional output
+  producer, results / dead-letter / frame readers, offsets reader, admin), each role's properties defined once.
 - `consumer`: `FrameSource`, the consumer of the per-priority input topics (pause/resume, rebalances, commits).
 - `positions`: pure policy: which assigned partitions wait for their committed offsets before they are read.
 - `membership`: the worker's place in its consumer group (static membership, fencing, leaving).

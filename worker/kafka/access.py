@@ -13,14 +13,14 @@ from confluent_kafka.admin import (
     AclBinding,
     AclOperation,
     AclPermissionType,
-    AdminClient,
     ResourcePatternType,
     ResourceType,
 )
 
 from worker.config import Settings
-from worker.kafka.client import client_properties, principal_of
+from worker.kafka.client import principal_of
 from worker.kafka.errors import AUTHORIZATION, UNKNOWN_TOPIC, BrokerAccessError, Identity, access_error, cause_of
+from worker.kafka.roles import admin_client
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +59,8 @@ def probe_reachable(settings: Settings, timeout_s: float = PROBE_TIMEOUT_S) -> b
 def _probe_admin(settings: Settings) -> Any:
     identity = Identity.of(settings)
     refusals: list[Any] = []
-    conf: dict[str, Any] = {**client_properties(settings.kafka), "log_level": 3,
-                            "error_cb": lambda err: refusals.append(access_error(err, identity))}
-    admin: Any = AdminClient(conf, logger=log)
+    admin: Any = admin_client(settings.kafka, logger=log,
+                              error_cb=lambda err: refusals.append(access_error(err, identity)))
     admin.refusals = refusals
     return admin
 

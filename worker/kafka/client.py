@@ -1,7 +1,7 @@
 """Where every Kafka client of the worker and its tools starts: bootstrap.servers and the [kafka] security
-settings as librdkafka properties (one mapping for the consumer, the producer, the admin clients, the results
-reader, `worker produce` and `worker topics`), the principal the cluster will see, and making a client so that
-a property librdkafka refuses is a ConfigError naming the setting.
+settings as librdkafka properties (one mapping for every client: the worker's consumer and producer, and each
+role of worker.kafka.roles), the principal the cluster will see, and making a client so that a property
+librdkafka refuses is a ConfigError naming the setting.
 
 Passwords are read from their file or environment variable only when a client is made; they never enter
 `Settings`, logs, errors or metrics.
@@ -21,10 +21,15 @@ from worker.config import ConfigError, KafkaSettings
 from worker.kafka.properties import SECRET_PROPERTIES
 
 REDACTED = "[redacted]"
+# The clients whose properties kafka.<role>_overrides extends.
+OVERRIDDEN_ROLES = ("consumer", "producer")
 
 # What makes a librdkafka client from its properties, called as `factory(conf, logger=...)`: confluent_kafka's
 # Consumer or Producer, or an in-memory stand-in with the same API (the unit tests' and the GPU check's fakes).
 ClientFactory = Callable[..., Any]
+# Where a client connects and as whom: the [kafka] section, or a bare bootstrap address (a plaintext broker: the
+# test kit's and the benchmarks').
+Cluster = KafkaSettings | str
 
 
 def redact(properties: Mapping[str, Any]) -> dict[str, Any]:
@@ -76,9 +81,14 @@ def security_properties(k: KafkaSettings) -> dict[str, str]:
     return props
 
 
-def client_properties(k: KafkaSettings) -> dict[str, str]:
+def bootstrap_of(cluster: Cluster) -> str:
+    return cluster if isinstance(cluster, str) else cluster.bootstrap_servers
+
+
+def client_properties(cluster: Cluster) -> dict[str, str]:
     """bootstrap.servers plus the security properties: what every client of the worker starts from."""
-    return {"bootstrap.servers": k.bootstrap_servers, **security_properties(k)}
+    security = {} if isinstance(cluster, str) else security_properties(cluster)
+    return {"bootstrap.servers": bootstrap_of(cluster), **security}
 
 
 def principal_of(k: KafkaSettings) -> str:
@@ -106,10 +116,11 @@ def _certificate_subject(path: str) -> str:
 
 
 def new_client(factory: ClientFactory, conf: Mapping[str, Any], role: str, logger: logging.Logger | None = None) -> Any:
-    """A librdkafka client (`factory`: Consumer or Producer) made from `conf`; librdkafka validates every property
-    here, without connecting, so a refused one is a ConfigError naming kafka.<role>_overrides."""
+    """A librdkafka client (`factory`: Consumer, Producer or AdminClient) made from `conf`; librdkafka validates
+    every property here, without connecting, so a refused one is a ConfigError naming the [kafka] settings (and
+    kafka.<role>_overrides for the consumer and the producer, which take overrides)."""
     try:
         return factory(conf, logger=logger) if logger is not None else factory(conf)
     except KafkaException as exc:
-        raise ConfigError([f"kafka.{role}_overrides / kafka settings: librdkafka rejected the {role} "
-                           f"configuration: {exc.args[0].str()}"]) from None
+        where = f"kafka.{role}_overrides / kafka settings" if role in OVERRIDDEN_ROLES else "kafka settings"
+        raise ConfigError([f"{where}: librdkafka rejected the {role} configuration: {exc.args[0].str()}"]) from None

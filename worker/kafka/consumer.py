@@ -1,6 +1,7 @@
 """The Kafka consumer side: subscription to the per-priority input topics, decoding, pausing by class,
-rebalance callbacks and offset commits. The I/O only: where a partition is read from is decided in
-worker.kafka.positions, what is read and what is done in the pipeline.
+rebalance callbacks, offset commits and their outcomes (returned by the poll that served them). The I/O only:
+where a partition is read from is decided in worker.kafka.committed, what is read and what is done in the
+pipeline.
 """
 
 from __future__ import annotations
@@ -24,16 +25,17 @@ from confluent_kafka import (
 from worker.assignment import Assignments
 from worker.config import Settings, group_instance_id_problem
 from worker.errors import OperatorError, StreamferError
-from worker.frames import MESSAGE_DECODE_ERROR, DeadLetter, Frame, Priority, SourceRef
+from worker.frames import MESSAGE_DECODE_ERROR, TP, DeadLetter, Frame, Priority, SourceRef
 from worker.kafka.client import ClientFactory, client_properties, new_client
+from worker.kafka.committed import COMMITTED_LOOKUP_TIMEOUT_S, CommittedPositions
 from worker.kafka.errors import UNKNOWN_TOPIC, BrokerStatus, Identity, RefusalStreak, classify_consumer_error
 from worker.kafka.membership import GroupMembership
-from worker.kafka.positions import COMMITTED_LOOKUP_TIMEOUT_S, CommittedPositions
-from worker.schemas import MessageDecodeError, WriterSchemas, decode_frame
+from worker.kafka.schemalookups import HeldFrames
+from worker.offsets import CommitOutcome
+from worker.schemas import MessageDecodeError, decode_frame
 
 log = logging.getLogger(__name__)
 
-TP = tuple[str, int]
 
 @dataclass
 class Polled:
@@ -49,6 +51,16 @@ class Polled:
     # The poll returned fewer messages than asked for: it took all the consumer had fetched, so the worker is
     # level with what the broker has sent it (a backlog's polls come back full).
     drained: bool = False
+    # Messages read and held until the registry gives their writer schema (worker.kafka.schemalookups): tracked now,
+    # answered by a later poll, whose frames and dead letters then include them (`released`: not tracked again).
+    held: list[SourceRef] = field(default_factory=list)
+    released: set[SourceRef] = field(default_factory=set)
+    # All held now, with the unframed frames answered past them on their partitions: offsets no commit passes until
+    # the registry answers (HeldFrames.pinned_frames).
+    pinned_frames: int = 0
+    # The outcomes of offset commits served since the last poll (asynchronous ones arrive in a later poll), for
+    # the loop to hand to delivery.
+    commits: list[CommitOutcome] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,10 @@ class CommittedOffsets:
 
 
 RebalanceHandler = Callable[[list[TP]], None]
+# Called inside consume() with the partitions being revoked and the commit outcomes served before it (the loop has
+# not seen them yet): when it returns, librdkafka gives the partitions up, so it must deliver and commit (or end
+# the transaction of) what is done of them before returning.
+RevokeHandler = Callable[[list[TP], list[CommitOutcome]], None]
 
 
 # Consumer fetch timing (see consumer_config): a resumed partition's frames arrive within ~0.1 s, not 0.5-1 s;
@@ -137,8 +153,7 @@ class FrameSource:
     """Consumes frames from the input topics; each message becomes a Frame or a DeadLetter, never vanishes."""
 
     def __init__(self, settings: Settings, clock: Callable[[], float] = time.time,
-                 assignments: Assignments | None = None, consumer_factory: ClientFactory = Consumer,
-                 writer_schemas: WriterSchemas | None = None) -> None:
+                 consumer_factory: ClientFactory = Consumer, writer_schemas: HeldFrames | None = None) -> None:
         k = settings.kafka
         # Authentication, authorisation and reachability are reported here, not as messages (librdkafka 2.x).
         self.broker_status = BrokerStatus(unreachable_limit_s=k.session_timeout_ms / 1000.0)
@@ -151,17 +166,20 @@ class FrameSource:
         # Broker states for /healthz: the only sign librdkafka gives that a lost cluster is back.
         conf["stats_cb"] = self._on_stats
         conf["statistics.interval.ms"] = 5000
-        # The outcome of every commit (asynchronous ones are served by a later poll) goes to `on_commit_done`.
-        self.on_commit_done: Callable[[dict[TP, int], list[TP], str | None], None] | None = None
+        # The outcome of every commit, served inside a consume(): kept until the poll returns it (Polled.commits).
+        self._commit_outcomes: list[CommitOutcome] = []
         conf["on_commit"] = self._commit_reported
         self._topics = settings.topics.input_topics()
         self._clock = clock
         self._limits = settings.limits
-        # With a Schema Registry: registry-framed frames are read with their writer schema (worker.kafka.registry).
+        # With a Schema Registry: registry-framed frames are read with their writer schema, held on their partition
+        # while it is looked up (worker.kafka.schemalookups).
         self._writer_schemas = writer_schemas
+        self._held_paused: frozenset[TP] = frozenset()
         self._group = GroupMembership(settings, lambda: new_client(consumer_factory, conf, "consumer", log), clock)
-        # The partitions owned and their epochs, shared with the pipeline and delivery.
-        self.assignments = assignments if assignments is not None else Assignments()
+        # The partitions owned and their epochs: assigned and released here only, in the rebalance callbacks; the
+        # pipeline and delivery read them.
+        self.assignments = Assignments()
         self._paused_classes: set[Priority] = set()
         self._held: frozenset[TP] = frozenset()  # partitions paused for their siblings (worker.fairness)
         self._paused: set[TP] = set()
@@ -171,8 +189,9 @@ class FrameSource:
         self._positions = CommittedPositions(clock)
 
     # -- subscription and rebalances ---------------------------------------------------------------
-    def subscribe(self, on_assign: RebalanceHandler, on_revoke: RebalanceHandler, on_lost: RebalanceHandler) -> None:
-        """Subscribe to all input topics. Handlers get incremental (cooperative) partition lists."""
+    def subscribe(self, on_assign: RebalanceHandler, on_revoke: RevokeHandler, on_lost: RebalanceHandler) -> None:
+        """Subscribe to all input topics. Handlers get incremental (cooperative) partition lists, while the partitions
+        are still in `assignments`; this source releases them once the handler returned."""
 
         def assigned(consumer: Consumer, partitions: list[TopicPartition]) -> None:
             tps = [(p.topic, p.partition) for p in partitions]
@@ -190,7 +209,7 @@ class FrameSource:
 
         def revoked(consumer: Consumer, partitions: list[TopicPartition]) -> None:
             tps = [(p.topic, p.partition) for p in partitions]
-            on_revoke(tps)
+            on_revoke(tps, self._take_commit_outcomes())
             self._forget(tps)
 
         self._on_lost = on_lost
@@ -208,10 +227,17 @@ class FrameSource:
 
     def _forget(self, tps: list[TP]) -> None:
         self.assignments.release(tps)
+        if self._writer_schemas is not None:
+            self._writer_schemas.drop(tps)  # uncommitted: the next owner reads them again
         for tp in tps:
             self._paused.discard(tp)
             self._next_offset.pop(tp, None)
         self._positions.forget(tps)
+
+    @property
+    def held_for_schemas(self) -> HeldFrames | None:
+        """The frames held for their writer schemas (with a registry), for /readyz and tests."""
+        return self._writer_schemas
 
     @property
     def assignment(self) -> frozenset[TP]:
@@ -234,7 +260,10 @@ class FrameSource:
                 messages += self._consumer.consume(num_messages=max_messages - 1, timeout=0)
         now = self._clock()
         polled = Polled(frames=[], dead_letters=[], committed_offset_waits=self._positions.take_new_unknowns(),
-                        drained=len(messages) < max_messages)
+                        drained=len(messages) < max_messages, commits=self._take_commit_outcomes())
+        if self._writer_schemas is not None:  # what the registry's answers released, ahead of this poll's messages
+            polled.frames, polled.dead_letters, polled.released = self._writer_schemas.decode_released(
+                now, self._topics, self._limits, self.assignments.is_current)
         rewound: set[TP] = set()
         # Read once per poll (rebalance callbacks run inside consume(), not in this loop): a frame per message.
         epoch_of, waiting, next_offset = self.assignments.epoch, self._positions.waiting, self._next_offset
@@ -267,6 +296,9 @@ class FrameSource:
                                 "the offsets already read", tp, source.offset, expected - 1)
                 continue
             next_offset[tp] = source.offset + 1
+            if writer_schemas is not None and writer_schemas.admit(tp, (source, msg), msg.value()):
+                polled.held.append(source)
+                continue
             headers = msg.headers()  # None without headers; they travel into the message's dead letter
             try:
                 frame = decode_frame(msg.value(), source, topics[source.topic], now, limits, headers, writer_schemas)
@@ -276,6 +308,12 @@ class FrameSource:
                                                       headers=tuple(headers) if headers else ()))
                 continue
             polled.frames.append(frame)
+        if writer_schemas is not None:
+            if polled.held:
+                writer_schemas.ask_due()
+            polled.pinned_frames = writer_schemas.pinned_frames
+            if writer_schemas.paused != self._held_paused:
+                self._apply_pauses()
         return polled
 
     def _handle_error(self, err: KafkaError) -> None:
@@ -319,8 +357,10 @@ class FrameSource:
     def _apply_pauses(self) -> None:
         """Pause the partitions of paused classes, the held ones and those waiting for their committed offset; resume
         the rest."""
+        self._held_paused = self._writer_schemas.paused if self._writer_schemas is not None else frozenset()
         want = {tp for tp in self.assignments.partitions
-                if self._topics[tp[0]] in self._paused_classes or tp in self._positions or tp in self._held}
+                if self._topics[tp[0]] in self._paused_classes or tp in self._positions or tp in self._held
+                or tp in self._held_paused}
         to_pause = want - self._paused
         to_resume = self._paused - want
         if to_pause:
@@ -340,7 +380,7 @@ class FrameSource:
     def commit(self, points: dict[TP, int], asynchronous: bool = False) -> None:
         """Commit offsets of partitions still assigned (a revoked one belongs to someone else).
 
-        Asynchronous commits report their outcome through `on_commit_done` (served by a later poll)."""
+        Every commit's outcome comes back in `Polled.commits` (an asynchronous one's in a later poll)."""
         offsets = [TopicPartition(t, p, o) for (t, p), o in points.items() if (t, p) in self.assignments]
         if not offsets:
             return
@@ -425,9 +465,12 @@ class FrameSource:
         self._seek_awaiting()
 
     def _await_committed(self, tps: list[TP]) -> None:
-        """Mark partitions to be sought to their committed offsets by the next look-up (paused until then)."""
+        """Mark partitions to be sought to their committed offsets by the next look-up (paused until then); what
+        they held for the registry is read again from there."""
         for tp in tps:
             self._next_offset.pop(tp, None)
+        if self._writer_schemas is not None:
+            self._writer_schemas.drop(tps)
         self._positions.wait(tps)
 
     @property
@@ -436,7 +479,7 @@ class FrameSource:
         return self._positions.waiting
 
     def _seek_awaiting(self) -> None:
-        """Ask for the committed offsets of the waiting partitions that are due (worker.kafka.positions decides
+        """Ask for the committed offsets of the waiting partitions that are due (worker.kafka.committed decides
         which, and how many per poll); seek and resume those answered."""
         sought = False
         # Highest class first, so its fetches start first (in topic-name order bulk went first after each
@@ -483,14 +526,19 @@ class FrameSource:
     def close(self) -> None:
         """Leave the group (a final revoke; see worker.kafka.membership for a static member) and close."""
         self._group.close(holds_partitions=bool(self.assignments.partitions))
+        if self._writer_schemas is not None:
+            self._writer_schemas.close()
 
     def _commit_reported(self, err: KafkaError | None, partitions: list[TopicPartition]) -> None:
-        if self.on_commit_done is not None:
-            self.on_commit_done(*_commit_outcome(err, partitions))
+        """librdkafka's commit callback (served inside consume()): recorded, returned by the poll."""
+        self._commit_outcomes.append(_commit_outcome(err, partitions))
+
+    def _take_commit_outcomes(self) -> list[CommitOutcome]:
+        outcomes, self._commit_outcomes = self._commit_outcomes, []
+        return outcomes
 
 
-def _commit_outcome(err: KafkaError | None,
-                    partitions: list[TopicPartition]) -> tuple[dict[TP, int], list[TP], str | None]:
+def _commit_outcome(err: KafkaError | None, partitions: list[TopicPartition]) -> CommitOutcome:
     """Adapt librdkafka's commit callback: the offsets the broker now has, the failed partitions and why."""
     failed = [(p.topic, p.partition) for p in partitions if err is not None or p.error is not None]
     committed = {(p.topic, p.partition): p.offset for p in partitions
@@ -498,4 +546,4 @@ def _commit_outcome(err: KafkaError | None,
     reason = None
     if failed:
         reason = err.str() if err is not None else "; ".join(p.error.str() for p in partitions if p.error)
-    return committed, failed, reason
+    return CommitOutcome(committed, failed, reason)

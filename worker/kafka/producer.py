@@ -1,8 +1,9 @@
 """The Kafka producer side: moderation results and dead letters, with delivery reports.
 
-At-least-once: an idempotent producer; `on_done(source)` fires only when the broker acknowledged the
-message, and a failed delivery is produced again, never dropped. Exactly-once: a transactional producer whose
-calls (begin, send_offsets_to_transaction + commit_transaction, abort) are guarded against librdkafka blocking;
+At-least-once: an idempotent producer; a source offset is reported acknowledged (in what `ResultSink.poll`
+returns) only when the broker has its message, and a failed delivery is produced again, never dropped.
+Exactly-once: a transactional producer whose calls (begin, send_offsets_to_transaction + commit_transaction,
+abort) are guarded against librdkafka blocking;
 worker.delivery.ExactlyOnceDelivery opens one transaction per loop turn, holding the outputs released that turn
 (of any number of batches) and the consumed offsets.
 """
@@ -14,6 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
@@ -29,17 +31,17 @@ from worker.frames import (
     HEADER_SOURCE_TOPIC,
     HEADER_WORKER_ID,
     DeadLetter,
+    Headers,
     SourceRef,
 )
-from worker.kafka.client import ClientFactory, client_properties, new_client, security_properties
+from worker.kafka.client import ClientFactory, new_client
 from worker.kafka.errors import BrokerAccessError, Identity, classify_producer_error
+from worker.kafka.roles import LIBRDKAFKA_MIN_MESSAGE_MAX_BYTES, output_producer_properties
 from worker.kafka.topics import topic_message_limits
 from worker.threadnames import name_os_thread
 
 log = logging.getLogger(__name__)
 
-DoneCallback = Callable[[SourceRef], None]
-RejectedCallback = Callable[[SourceRef, str], None]
 T = TypeVar("T")
 
 # A transactional call still blocked this long past its own timeout is stuck (librdkafka issues #5456, #5511:
@@ -114,22 +116,15 @@ class TransactionStuckError(SinkError):
     producer with the same transactional id fences it and aborts its open transaction."""
 
 
-# librdkafka's range for message.max.bytes.
-LIBRDKAFKA_MIN_MESSAGE_MAX_BYTES = 1_000
-# A record batch's header (61 bytes) plus one record's framing and the dead letters' headers' names, rounded up.
-RECORD_FRAMING_HEADROOM_BYTES = 512
-
-
 def output_message_limit(settings: Settings, timeout_s: float = 5.0) -> int | None:
     """The smallest max.message.bytes of the results and dead-letter topics, as the broker reports it.
 
-    The producer's own limits are set to it, so that librdkafka never builds a batch the broker refuses as a
-    whole (one oversized output would take its batch-mates down with it) and an output too large for the topic
-    is refused at produce() time, alone. None when the topics cannot be described (then librdkafka's defaults
-    apply, as they match the broker's)."""
+    The producer's own limits are set to it (worker.kafka.roles.output_producer_properties), so that librdkafka
+    never builds a batch the broker refuses as a whole (one oversized output would take its batch-mates down with
+    it) and an output too large for the topic is refused at produce() time, alone. None when the topics cannot be
+    described (then librdkafka's defaults apply, as they match the broker's)."""
     topics = [settings.topics.results, settings.topics.dead_letter]
-    limits = topic_message_limits(settings.kafka.bootstrap_servers, topics, timeout_s,
-                                  security_properties(settings.kafka))
+    limits = topic_message_limits(settings.kafka, topics, timeout_s)
     if len(limits) < len(topics):
         log.warning("could not read max.message.bytes of %s; the producer keeps librdkafka's default limits",
                     sorted(set(topics) - set(limits)))
@@ -142,50 +137,48 @@ def producer_config(settings: Settings, transactional_id: str | None = None,
     """The worker's librdkafka producer configuration (transactional with an id), then the overrides.
 
     `max_message_bytes` (output_message_limit) bounds both one message and one batch."""
-    conf: dict[str, Any] = {
-        **client_properties(settings.kafka),  # bootstrap.servers + the [kafka] security settings
-        "enable.idempotence": True,
-        "acks": "all",
-        "linger.ms": 2,
-        "client.id": settings.observability.worker_id,
-        # Keep retrying through broker restarts; the frame's offset stays uncommitted meanwhile.
-        "message.timeout.ms": 300_000,
-    }
-    if transactional_id:
-        conf["transactional.id"] = transactional_id
-        # The broker aborts a transaction left open this long. A crashed worker's open transaction holds
-        # back read_committed readers of the results and its partitions' committed offsets until then
-        # (unless a worker with the same id starts first and fences it), so keep it short: a transaction
-        # lasts one loop turn, and a call outliving transaction_call_timeout_ms replaces the producer.
-        # librdkafka requires message.timeout.ms <= transaction.timeout.ms; an aborted transaction is
-        # replayed from the committed offsets, so a shorter timeout loses nothing.
-        txn_timeout_ms = 3 * settings.delivery.transaction_call_timeout_ms
-        conf["transaction.timeout.ms"] = txn_timeout_ms
-        conf["message.timeout.ms"] = txn_timeout_ms
-    if max_message_bytes is not None:
-        # librdkafka counts key and value against message.max.bytes, the broker the whole record batch: the
-        # headroom keeps a message that passes here from being refused by the broker (which would fail its
-        # transaction, or its whole batch).
-        bound = max(LIBRDKAFKA_MIN_MESSAGE_MAX_BYTES, max_message_bytes - RECORD_FRAMING_HEADROOM_BYTES)
-        conf["message.max.bytes"] = bound
-        conf["batch.size"] = bound
-    conf.update(settings.kafka.producer_overrides)
-    return conf
+    # The broker aborts a transaction left open this long. A crashed worker's open transaction holds back
+    # read_committed readers of the results and its partitions' committed offsets until then (unless a worker
+    # with the same id starts first and fences it), so keep it short: a transaction lasts one loop turn, and a
+    # call outliving transaction_call_timeout_ms replaces the producer. An aborted transaction is replayed from
+    # the committed offsets, so the shorter message timeout it brings loses nothing.
+    return output_producer_properties(settings.kafka, settings.observability.worker_id, max_message_bytes,
+                                      transactional_id, 3 * settings.delivery.transaction_call_timeout_ms)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """The broker refused the output of `source` for good (too large, invalid): it can never be produced as it is."""
+
+    source: SourceRef
+    reason: str
+
+
+@dataclass(frozen=True)
+class DeliveryReports:
+    """What librdkafka reported since the last `ResultSink.poll`, in the order served: the source offsets whose
+    output the broker has, the outputs it refused, and an error nothing but a restart fixes (sticky: every later
+    poll carries it too)."""
+
+    acknowledged: list[SourceRef] = field(default_factory=list)
+    refused: list[Refusal] = field(default_factory=list)
+    error: StreamferError | None = None
 
 
 class ResultSink:
-    """Produces encoded results and dead letters; reports each source offset as done once acknowledged."""
+    """Produces encoded results and dead letters; its poll returns the delivery reports served since the last one
+    (served by flush and transactional calls too), for the caller to hand on: it calls nobody back."""
 
-    def __init__(self, settings: Settings, on_done: DoneCallback, on_rejected: RejectedCallback,
-                 transactional_id: str | None = None, max_message_bytes: int | None = None,
+    def __init__(self, settings: Settings, transactional_id: str | None = None, max_message_bytes: int | None = None,
                  producer_factory: ClientFactory = Producer, stuck_grace_s: float = STUCK_GRACE_S,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         conf = producer_config(settings, transactional_id, max_message_bytes)
         self._results_topic = settings.topics.results
         self._dlq_topic = settings.topics.dead_letter
         self._worker_id = settings.observability.worker_id
-        self._on_done = on_done
-        self._on_rejected = on_rejected
+        # Delivery reports served and not yet returned by poll (see DeliveryReports).
+        self._acknowledged: list[SourceRef] = []
+        self._refused: list[Refusal] = []
         self._sleep = sleep
         self.identity = Identity.of(settings, transactional_id)
         # Set by a delivery report the cluster refused (ACL, credentials): the pipeline raises it (exit 2).
@@ -206,8 +199,9 @@ class ResultSink:
             self._init_transactions()
 
     # -- producing -----------------------------------------------------------------------------------
-    def send_result(self, source: SourceRef, key: bytes, value: bytes) -> None:
-        self._produce(self._results_topic, source, key, value, headers=None)
+    def send_result(self, source: SourceRef, key: bytes, value: bytes, headers: Headers = ()) -> None:
+        """`headers`: the result's own (its trace context, worker.tracing), none when empty."""
+        self._produce(self._results_topic, source, key, value, headers=list(headers) if headers else None)
 
     def send_dead_letter(self, dl: DeadLetter) -> None:
         """The input message's own headers (a replayed frame's replay count among them), then the context."""
@@ -226,7 +220,7 @@ class ResultSink:
                  headers: list[tuple[str, str | bytes | None]] | None) -> None:
         def delivered(err: KafkaError | None, _msg: Any) -> None:
             if err is None:
-                self._on_done(source)
+                self._acknowledged.append(source)
                 return
             refused = classify_producer_error(err, topic, self.identity)
             if refused is not None:  # no retry helps: stop the worker (exit 2) instead of producing again
@@ -238,7 +232,7 @@ class ResultSink:
             if err.code() in PER_MESSAGE_ERRORS:
                 # Producing it again would fail again: the caller replaces it (in exactly-once, after the
                 # transaction that held it is given up).
-                self._on_rejected(source, f"{topic} refused it: {err.str()}")
+                self._refused.append(Refusal(source, f"{topic} refused it: {err.str()}"))
                 self.transaction_refused = self.transactional
                 return
             if self.transactional:
@@ -267,12 +261,20 @@ class ResultSink:
                                           setting="kafka.producer_overrides (message.max.bytes)") from None
                 raise SinkError(f"producing to {topic} failed: {err.str()}", err) from exc
 
-    def poll(self, timeout_s: float = 0.0) -> int:
-        """Serve delivery callbacks."""
-        return self._producer.poll(timeout_s)
+    def poll(self, timeout_s: float = 0.0) -> DeliveryReports:
+        """Serve librdkafka's delivery reports; returns every report served since the last poll."""
+        self._producer.poll(timeout_s)
+        return self.reports()
+
+    def reports(self) -> DeliveryReports:
+        """The reports served since the last poll, without serving more (a stuck producer's, before it goes)."""
+        acknowledged, refused = self._acknowledged, self._refused
+        self._acknowledged, self._refused = [], []
+        return DeliveryReports(acknowledged, refused, self.access_error or self.fatal_error)
 
     def flush(self, timeout_s: float) -> int:
-        """Wait for outstanding deliveries; returns how many are still outstanding."""
+        """Wait for outstanding deliveries; returns how many are still outstanding. Their reports are returned by
+        the next poll."""
         return self._producer.flush(timeout_s)
 
     # -- transactions (exactly-once) ------------------------------------------------------------------

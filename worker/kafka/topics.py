@@ -12,7 +12,6 @@ from collections.abc import Iterable, Mapping
 
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import (
-    AdminClient,
     AlterConfigOpType,
     ConfigEntry,
     ConfigResource,
@@ -20,6 +19,8 @@ from confluent_kafka.admin import (
 )
 
 from worker.config import TopicSettings
+from worker.kafka.client import Cluster
+from worker.kafka.roles import admin_client
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +44,11 @@ def frame_topic_configs(topics: TopicSettings, max_frame_bytes: int = DEFAULT_MA
     return {name: {"max.message.bytes": str(max_frame_bytes)} for name in frame_topics(topics)}
 
 
-def ensure_topics(bootstrap_servers: str, names: list[str], partitions: int = 3, replication: int = 1,
-                  timeout_s: float = 30.0, configs: Mapping[str, Mapping[str, str]] | None = None,
-                  properties: Mapping[str, str] | None = None) -> list[str]:
+def ensure_topics(cluster: Cluster, names: list[str], partitions: int = 3, replication: int = 1,
+                  timeout_s: float = 30.0, configs: Mapping[str, Mapping[str, str]] | None = None) -> list[str]:
     """Create the topics that do not exist yet (with `configs[name]`); returns the ones created. Existing
-    topics are left alone. `properties`: librdkafka security properties (worker.kafka.client)."""
-    admin = AdminClient({"bootstrap.servers": bootstrap_servers, **(properties or {})})
+    topics are left alone."""
+    admin = admin_client(cluster)
     existing = set(admin.list_topics(timeout=timeout_s).topics)
     missing = [n for n in names if n not in existing]
     if not missing:
@@ -69,13 +69,12 @@ def ensure_topics(bootstrap_servers: str, names: list[str], partitions: int = 3,
     return created
 
 
-def topic_message_limits(bootstrap_servers: str, topics: Iterable[str], timeout_s: float = 10.0,
-                         properties: Mapping[str, str] | None = None) -> dict[str, int]:
+def topic_message_limits(cluster: Cluster, topics: Iterable[str], timeout_s: float = 10.0) -> dict[str, int]:
     """Each topic's `max.message.bytes` as the broker reports it; topics it cannot describe are left out."""
     topics = set(topics)
     if not topics:
         return {}
-    admin = AdminClient({"bootstrap.servers": bootstrap_servers, **(properties or {})})
+    admin = admin_client(cluster)
     futures = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, t) for t in topics])
     limits = {}
     for resource, fut in futures.items():
@@ -88,14 +87,13 @@ def topic_message_limits(bootstrap_servers: str, topics: Iterable[str], timeout_
     return limits
 
 
-def raise_message_limits(bootstrap_servers: str, names: list[str], max_message_bytes: int,
-                         timeout_s: float = 30.0, properties: Mapping[str, str] | None = None) -> list[str]:
+def raise_message_limits(cluster: Cluster, names: list[str], max_message_bytes: int,
+                         timeout_s: float = 30.0) -> list[str]:
     """Raise `max.message.bytes` of existing topics below `max_message_bytes` (never lower one); returns them."""
-    low = [n for n, limit in topic_message_limits(bootstrap_servers, names, timeout_s, properties).items()
-           if limit < max_message_bytes]
+    low = [n for n, limit in topic_message_limits(cluster, names, timeout_s).items() if limit < max_message_bytes]
     if not low:
         return []
-    admin = AdminClient({"bootstrap.servers": bootstrap_servers, **(properties or {})})
+    admin = admin_client(cluster)
     entry = ConfigEntry("max.message.bytes", str(max_message_bytes),
                         incremental_operation=AlterConfigOpType.SET)
     futures = admin.incremental_alter_configs(

@@ -33,7 +33,7 @@ class FrameDecodeError(StreamferError):
     """One frame's pixels are unusable (corrupt JPEG, wrong byte count, zero or mismatched dimensions)."""
 
 
-def decode_frame(frame: Frame, channels: int = 3, max_pixels: int = MAX_FRAME_PIXELS_CEILING,
+def decode_pixels(frame: Frame, channels: int = 3, max_pixels: int = MAX_FRAME_PIXELS_CEILING,
                  min_hw: tuple[int, int] | None = None, out: np.ndarray | None = None) -> np.ndarray:
     """The frame's pixels as a (height, width, channels) uint8 array, or FrameDecodeError saying why not.
 
@@ -51,7 +51,7 @@ def decode_frame(frame: Frame, channels: int = 3, max_pixels: int = MAX_FRAME_PI
 
 
 def check_frame(frame: Frame, max_pixels: int = MAX_FRAME_PIXELS_CEILING) -> JpegInfo | None:
-    """Every check `decode_frame` makes before decoding a pixel, for a decoder elsewhere (the device data path):
+    """Every check `decode_pixels` makes before decoding a pixel, for a decoder elsewhere (the device data path):
     dimensions, the pixel limit, a RAW_RGB8 frame's byte count, a JPEG's structure walk against its frame header
     and its components. Returns the JPEG's `JpegInfo` (None for a RAW_RGB8 frame) or raises FrameDecodeError."""
     h, w, c = frame.shape

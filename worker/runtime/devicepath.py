@@ -9,10 +9,11 @@ bytes). The checked bytes are staged in one host buffer (pinned on CUDA), the JP
 is tested without a GPU) and raw frames copied as uint8. Each group of frames of one size is then resized
 (bilinear, antialiased when shrinking, in float32 and rounded once), cropped or letterboxed as the
 `ModelContract` says, in torch on the device, into the runner's uint8 NHWC rows; the runner normalises them in
-its graph as on the CPU path. On CUDA the decode runs on a stream of its own (`OrderedDecode`: nvJPEG writes
-from its own stream into memory allocated on the caller's, without waiting for it), the rest on the runner's
-copy stream, and the batch's `ready_event` marks its end. A batched decode that fails is retried frame by frame,
-so only the frame that fails is reported.
+its graph as on the CPU path. With a model set each frame is decoded once and resized for each model into that
+model's rows; its models must then take one channel count (`deviceplan.device_decode_serves`). On CUDA the decode
+runs on a stream of its own (`OrderedDecode`: nvJPEG writes from its own stream into memory allocated on the
+caller's, without waiting for it), the rest on the runner's copy stream, and the batch's `ready_event` marks
+its end. A batched decode that fails is retried frame by frame, so only the frame that fails is reported.
 
 Where it differs from the CPU path (`preprocess.Preprocessor`): JPEGs are decoded at full size (no
 `jpeg_scaled_decode`); the resize is torch's float filter whatever `resampler` says (within a grey level of
@@ -43,9 +44,16 @@ import torchvision.io as tvio
 from PIL import Image
 
 from worker.frames import Frame
-from worker.runtime.decode import FrameDecodeError, check_frame, decode_frame
+from worker.runtime.decode import FrameDecodeError, check_frame, decode_pixels
 from worker.runtime.models import ModelContract
-from worker.runtime.preprocess import HostBatch, check_fits_batch, jpeg_roundtrip, resize_target, to_channels
+from worker.runtime.preprocess import (
+    HostBatch,
+    ModelInput,
+    check_fits_batch,
+    jpeg_roundtrip,
+    resize_target,
+    to_channels,
+)
 from worker.runtime.streams import STREAMS, StreamRegistry
 
 log = logging.getLogger(__name__)
@@ -160,14 +168,22 @@ class _Staged:
 
 
 class DevicePreprocessor:
-    """Frames -> the runner's uint8 NHWC batch, made on its device (see the module docstring); thread-safe.
+    """Frames -> the runners' uint8 NHWC batch, one per model (a single model's, or a set's: each frame decoded
+    once, then resized for each model), made on their device (see the module docstring); thread-safe. Every model
+    takes the same channel count (`deviceplan.device_decode_serves` sends other sets to the host path).
 
     With a `pool` of `workers` threads, the host part of a JPEG round trip (`model.jpeg_roundtrip_quality`) is
-    spread across them; `prepare` must then not itself run on that pool."""
+    spread across them; `prepare` must then not itself run on that pool. `steps`: the decode and the resize it runs
+    on the device (`DeviceSteps`; by default torchvision's decode and `fit_on_device`)."""
 
-    def __init__(self, contract: ModelContract, staging: ByteStaging | None = None,
-                 pool: concurrent.futures.Executor | None = None, workers: int = 1, streams: StreamRegistry = STREAMS):
-        self.contract = contract
+    def __init__(self, contracts: ModelContract | Sequence[ModelContract], staging: ByteStaging | None = None,
+                 pool: concurrent.futures.Executor | None = None, workers: int = 1, streams: StreamRegistry = STREAMS,
+                 steps: DeviceSteps | None = None):
+        self.contracts = (contracts,) if isinstance(contracts, ModelContract) else tuple(contracts)
+        if len({c.channels for c in self.contracts}) != 1:
+            raise ValueError("DevicePreprocessor decodes to one channel count: every model must take the same")
+        self.contract = contract = self.contracts[0]
+        self._steps = steps or DeviceSteps()
         self.staging = staging or ByteStaging()
         self._pool = pool if workers > 1 else None
         self._workers = workers
@@ -185,7 +201,6 @@ class DevicePreprocessor:
         t0 = time.perf_counter()
         frames = list(frames)
         device = torch.device(device)
-        hwc = (*self.contract.model_input_hw((shape[0], shape[1])), self.contract.channels)
         failures: dict[int, FrameDecodeError] = {}
         staged: list[_Staged] = []
         for i, frame in enumerate(frames):
@@ -197,39 +212,45 @@ class DevicePreprocessor:
         with _on(device, stream), torch.no_grad():
             images = self._to_device(staged, buffer, device, failures)
             kept = [i for i in range(len(frames)) if i in images]
-            out = torch.zeros((len(kept), *hwc), dtype=torch.uint8, device=device)
-            regions = self._fit(out, [(frames[i], images[i]) for i in kept])
-            if self.contract.jpeg_roundtrip_quality and kept:
-                out = self._roundtrip(out, regions)
-            full = (0, 0, hwc[0], hwc[1])
-            host_regions = None if all(r == full for r in regions) else torch.tensor(regions, dtype=torch.int32)
-            device_regions = None if host_regions is None else host_regions.to(device)
+            inputs = [self._fitted(contract, [(frames[i], images[i]) for i in kept], shape, device)
+                      for contract in self.contracts]
             event = None
             if stream is not None:
                 event = torch.cuda.Event()
                 event.record(stream)
         return HostBatch(
             frames=[frames[i] for i in kept],
-            pixels=out,
-            regions=host_regions,
+            inputs=inputs,
             failures=[(frames[i], failures[i]) for i in sorted(failures)],
             started_at=started_at,
             preprocess_ms=(time.perf_counter() - t0) * 1000.0,
-            device_pixels=out,
-            device_regions=device_regions,
             ready_event=event,
             release=lambda: self.staging.give_back(buffer),
         )
 
+    def _fitted(self, contract: ModelContract, items: list[tuple[Frame, torch.Tensor]], shape: tuple[int, int, int],
+                device: torch.device) -> ModelInput:
+        """The decoded frames fitted to one model's input, on the device (`pixels` is `device_pixels`)."""
+        hwc = (*contract.model_input_hw((shape[0], shape[1])), contract.channels)
+        out = torch.zeros((len(items), *hwc), dtype=torch.uint8, device=device)
+        regions = self._fit(out, items, contract)
+        if contract.jpeg_roundtrip_quality and items:
+            out = self._roundtrip(out, regions, contract.jpeg_roundtrip_quality)
+        full = (0, 0, hwc[0], hwc[1])
+        host_regions = None if all(r == full for r in regions) else torch.tensor(regions, dtype=torch.int32)
+        return ModelInput(pixels=out, regions=host_regions, device_pixels=out,
+                          device_regions=None if host_regions is None else host_regions.to(device))
+
     def _admit(self, index: int, frame: Frame, batch_hw: tuple[int, int]) -> _Staged:
         """The CPU path's checks, before any byte is decoded; FrameDecodeError when the frame fails one."""
-        check_fits_batch(self.contract, frame, batch_hw)
+        for contract in self.contracts:
+            check_fits_batch(contract, frame, batch_hw)
         info = check_frame(frame)
         if info is not None and info.components != 4:
             return _Staged(index, frame)
         # A raw frame is uploaded as it is (its channels converted as on the CPU path); a CMYK JPEG (print files,
         # never video) is decoded on the host as on the CPU path, which neither nvJPEG nor libjpeg's RGB output do.
-        pixels = decode_frame(frame, frame.channels if info is None else self.contract.channels)
+        pixels = decode_pixels(frame, frame.channels if info is None else self.contract.channels)
         return _Staged(index, frame, np.ascontiguousarray(to_channels(pixels, self.contract.channels)))
 
     def _stage(self, staged: list[_Staged]) -> torch.Tensor:
@@ -262,7 +283,7 @@ class DevicePreprocessor:
             if device.type == "cuda":
                 decoded = self._decoder(device)(data, self._mode, device, torch.cuda.current_stream(device))
             else:
-                decoded = decode_jpegs(data, self._mode, device)
+                decoded = self._steps.decode(data, self._mode, device)
             for s, image in zip(jpegs, decoded):
                 expected = (self.contract.channels, s.frame.height, s.frame.width)
                 if isinstance(image, FrameDecodeError):
@@ -287,21 +308,22 @@ class DevicePreprocessor:
             decoder = self._decoders.get(device)
             if decoder is None:
                 stream = self._streams.take(device, "the device path's decoding", self)
-                decoder = self._decoders[device] = OrderedDecode(stream)
+                decoder = self._decoders[device] = OrderedDecode(stream, decode=self._steps.decode)
             return decoder
 
-    def _fit(self, out: torch.Tensor, items: list[tuple[Frame, torch.Tensor]]) -> list[tuple[int, int, int, int]]:
-        """Write each item's pixels into its row of `out`, resized / cropped / letterboxed per the contract, frames
+    def _fit(self, out: torch.Tensor, items: list[tuple[Frame, torch.Tensor]],
+             contract: ModelContract) -> list[tuple[int, int, int, int]]:
+        """Write each item's pixels into its row of `out`, resized / cropped / letterboxed per `contract`, frames
         of one size together; each row's (top, left, height, width) region of real pixels."""
         regions: list[tuple[int, int, int, int]] = [(0, 0, 0, 0)] * len(items)
         by_size: dict[tuple[int, int], list[int]] = {}
         for row, (_, image) in enumerate(items):
             by_size.setdefault((int(image.shape[1]), int(image.shape[2])), []).append(row)
         for (h, w), rows in by_size.items():
-            per_call = max(1, RESIZE_CHUNK_BYTES // (4 * self.contract.channels * h * w))
+            per_call = max(1, RESIZE_CHUNK_BYTES // (4 * contract.channels * h * w))
             for lo in range(0, len(rows), per_call):
                 chunk = rows[lo:lo + per_call]
-                pixels, (top, left) = fit_on_device(torch.stack([items[r][1] for r in chunk]), self.contract)
+                pixels, (top, left) = self._steps.fit(torch.stack([items[r][1] for r in chunk]), contract)
                 ph, pw = int(pixels.shape[2]), int(pixels.shape[3])
                 # Rows in a run (every frame of a batch of one size) as a slice: an index tensor is a host->device
                 # copy from pageable memory, which waits.
@@ -312,11 +334,10 @@ class DevicePreprocessor:
                     regions[r] = (top, left, ph, pw)
         return regions
 
-    def _roundtrip(self, out: torch.Tensor, regions: list[tuple[int, int, int, int]]) -> torch.Tensor:
+    def _roundtrip(self, out: torch.Tensor, regions: list[tuple[int, int, int, int]], quality: int) -> torch.Tensor:
         """`model.jpeg_roundtrip_quality` on the host (Pillow, as the CPU path): each row's real pixels through a
         JPEG encode and decode, spread over the pool; the rows go back to the device."""
         host = out.cpu().numpy()
-        quality = self.contract.jpeg_roundtrip_quality
 
         def rows(lo: int, hi: int) -> None:
             for i in range(lo, hi):
@@ -379,6 +400,16 @@ def decode_jpegs(data: list[torch.Tensor], mode: tvio.ImageReadMode,
         except Exception as exc:  # noqa: BLE001 (this frame alone fails)
             out.append(_decode_error(exc))
     return out
+
+
+@dataclass(frozen=True)
+class DeviceSteps:
+    """What the device does to a batch: decode its JPEGs, and fit frames of one size into a model's input. A
+    benchmark without a device stands them in (bench/host_cost.py); the rest of DevicePreprocessor runs as it is."""
+
+    decode: Callable[[list[torch.Tensor], tvio.ImageReadMode, torch.device],
+                     list[torch.Tensor | FrameDecodeError]] = decode_jpegs
+    fit: Callable[[torch.Tensor, ModelContract], tuple[torch.Tensor, tuple[int, int]]] = fit_on_device
 
 
 def check_device_decode(device: torch.device | str) -> None:

@@ -11,6 +11,7 @@ import torch
 
 from worker.config import ConfigError, RuntimeSettings
 from worker.memorypolicy import NVJPEG_HEADROOM_BYTES, MemoryPolicy, MemoryProbe
+from worker.runtime.contract import ModelContract
 from worker.runtime.runners import CudaMemoryProbe
 
 
@@ -87,6 +88,20 @@ def check_device_decode_at_start(runtime: RuntimeSettings, devices: Sequence[tor
             raise ConfigError([f"runtime.decode: {why}, but torchvision cannot decode a JPEG on {device} "
                                f"({type(exc).__name__}: {str(exc).strip()[:300]}); set runtime.decode = \"cpu\" "
                                "to decode on the host"]) from exc
+
+
+def device_decode_serves(contracts: Sequence[ModelContract], runtime: RuntimeSettings) -> bool:
+    """Whether the device data path serves these models: it decodes each frame once, to one channel count, then
+    resizes for each model, so models that take different channel counts (grey and colour) are decoded on the host.
+    `auto` then falls back to the host; `device` is refused here, the one place it is, with ConfigError."""
+    channels = sorted({c.channels for c in contracts})
+    if len(channels) == 1:
+        return True
+    if runtime.decode == "device":
+        raise ConfigError([f"runtime.decode: \"device\" decodes each frame once to one channel count, but the models "
+                           f"take {' and '.join(map(str, channels))} channels; set runtime.decode = \"cpu\" or "
+                           "\"auto\" (which then decodes on the host)"])
+    return False
 
 
 def device_memories(plan: DevicePlan, runtime: RuntimeSettings) -> dict[torch.device, DeviceMemory]:

@@ -41,7 +41,7 @@ from worker.runtime.models import (
     preset_model_file,
     validate_output,
 )
-from worker.runtime.runners import EagerRunner, make_runner
+from worker.runtime.runners import EagerRunner, ModelRunner, make_runner
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def make_engine_runner(module: Callable[[torch.Tensor], torch.Tensor], contract:
                        precision: str, cuda_graphs: bool, buckets: Sequence[int], warmup_batches: int,
                        caps: BatchCaps = BatchCaps(), memory: MemoryPolicy | None = None,
                        graph_budget_bytes: int | None = None,
-                       on_evicted: Callable[[int], None] | None = None) -> EagerRunner:
+                       on_evicted: Callable[[int], None] | None = None) -> ModelRunner:
     """An OnnxRuntimeRunner for a model `load_engine_model` loaded into onnxruntime, else `make_runner`'s."""
     if isinstance(module, OnnxRuntimeModel):
         return OnnxRuntimeRunner(module, contract, precision)

@@ -3,10 +3,11 @@
 A preprocessing pool decodes and stages batch N+1 while a runner's inference thread executes batch N.
 Both take the most urgent waiting batch first (by `Priority`, FIFO within one), so a realtime batch submitted
 while bulk batches wait for a runner runs next: it waits for at most the batch already running.
-A batch goes to the least loaded runner; on GPUs, one larger than that runner's device takes at once (its
-memory policy's largest batch) is split across devices, the least loaded first (`split_batch`), and its
-parts' outcomes are joined in frame order.
-Bad frames never raise: undecodable ones, ones the model fails on alone, and ones with non-finite scores
+It runs a set of models (`worker.runtime.modelset`; a single model is a set of one): each batch goes through every
+model on one device instance, in the set's one run loop. A batch goes to the least loaded instance; on GPUs, one
+larger than that instance's device takes at once (its memory policy's largest batch) is split across devices, the
+least loaded first (`split_batch`), and its parts' outcomes are joined in frame order.
+Bad frames never raise: undecodable ones, ones a model fails on alone, and ones with a non-finite output
 come back as `FrameFailure`s beside the verdicts of the rest; so do the frames of a split batch's part whose
 device failed.
 """
@@ -25,28 +26,17 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from worker.config import BatchingSettings, ModelSettings, RuntimeSettings, preprocess_thread_count
-from worker.frames import (
-    DECODE_ERROR,
-    MODEL_ERROR,
-    NON_FINITE_OUTPUT,
-    BatchOutcome,
-    Encoding,
-    Frame,
-    FrameFailure,
-    Priority,
-    SourceRef,
-    Verdict,
-)
+from worker.frames import MODEL_ERROR, BatchOutcome, Encoding, Frame, FrameFailure, Priority, SourceRef
 from worker.graphplan import BatchCaps
 from worker.memorypolicy import DeviceMemories, split_batch
 from worker.runtime.deviceplan import (
     DeviceMemory,
     check_device_decode_at_start,
     describe,
+    device_decode_serves,
     device_memories,
     graph_memory,
     resolve_plan,
@@ -54,15 +44,15 @@ from worker.runtime.deviceplan import (
 from worker.runtime.engine import load_engine_model, make_engine_runner
 from worker.runtime.hostsync import HostSync, check_host_syncs
 from worker.runtime.models import LoadedModel, ModelContract
+from worker.runtime.modelset import ModelSet
 from worker.runtime.preprocess import HostBatch, HostBuffers, Preprocessor, stage_to_device
 from worker.runtime.prioritypool import PriorityPool
 from worker.runtime.profiling import ProfileRequest
-from worker.runtime.runners import EagerRunner, RunResult
+from worker.runtime.runners import ModelRunner
 from worker.threadnames import name_os_thread
 
 if TYPE_CHECKING:
-    from worker.runtime.devicepath import DevicePreprocessor
-    from worker.runtime.ensemble import ModelSet
+    from worker.runtime.devicepath import DevicePreprocessor, DeviceSteps
 
 log = logging.getLogger(__name__)
 
@@ -80,61 +70,74 @@ def no_ranges(name: str) -> AbstractContextManager[None]:
 
 @dataclass
 class _Slot:
-    """One runner with its inference thread, its device (an index into the executor's devices) and the number of
-    frames submitted to it and not yet done."""
+    """One runner per model of the set, all on one device, with their inference thread, the device (an index into
+    the executor's devices) and the number of frames submitted to it and not yet done."""
 
-    runner: EagerRunner
+    runners: tuple[ModelRunner, ...]
     thread: PriorityPool
     device: int = 0
     load: int = 0
 
+    @property
+    def torch_device(self) -> torch.device:
+        return self.runners[0].device
+
 
 class InferenceExecutor:
-    """Owns the runner(s) and a preprocessing pool; the pipeline's only entry point into torch."""
+    """Owns the runners and a preprocessing pool; the pipeline's only entry point into torch."""
 
-    def __init__(self, runners: Sequence[EagerRunner], contract: ModelContract, preprocess_threads: int = 1,
-                 warmup_batches: int = 8, warmup_batch_size: int = 1, device_description: str = "",
-                 memory: Sequence[DeviceMemory] = (), decode_on_device: bool = False,
-                 loaded: LoadedModel | None = None, host_syncs: Sequence[HostSync] = ()):
-        """`memory`: on GPUs, each runner's device memory (runners of one device share the same object); empty on
-        CPU, where nothing bounds a batch by memory. `decode_on_device`: the device data path (runtime.decode).
-        `loaded` and `host_syncs`: what start-up loaded and found (`from_settings` passes them; `worker
-        check-model` reports them)."""
-        if not runners:
+    def __init__(self, runners: Sequence[ModelRunner | Sequence[ModelRunner]], models: ModelContract | ModelSet,
+                 preprocess_threads: int = 1, warmup_batches: int = 8, warmup_batch_size: int = 1,
+                 device_description: str = "", memory: Sequence[DeviceMemory] = (), decode_on_device: bool = False,
+                 loaded: Sequence[LoadedModel] = (), host_syncs: Sequence[HostSync] = (),
+                 device_steps: DeviceSteps | None = None):
+        """`runners`: per device instance, one runner per model of `models` (a single model's: a runner each);
+        `models`: the set, or the contract of a single model. `memory`: on GPUs, each instance's device memory
+        (instances of one device share the same object); empty on CPU, where nothing bounds a batch by memory.
+        `decode_on_device`: the device data path (runtime.decode), its device steps `device_steps` (default: the
+        real decode and resize; bench/host_cost.py stands them in). `loaded` (one per model) and `host_syncs`: what
+        start-up loaded and found (`from_settings` passes them; `worker check-model` reports them)."""
+        self.model_set = models if isinstance(models, ModelSet) else ModelSet.of(models)
+        per_slot = [tuple(r) if isinstance(r, Sequence) else (r,) for r in runners]
+        if not per_slot:
             raise ValueError("InferenceExecutor needs at least one runner")
-        if memory and len(memory) != len(runners):
+        if any(len(r) != len(self.model_set.members) for r in per_slot):
+            raise ValueError("InferenceExecutor needs one runner per model on each device instance")
+        if memory and len(memory) != len(per_slot):
             raise ValueError("InferenceExecutor needs one DeviceMemory per runner, or none")
-        self.contract = contract
-        self.loaded = loaded
-        # Where the model's forward reads device values on the host (a warning where no CUDA graph is used).
+        # The first model's contract: the batcher's view (its input size) and the metrics' labels.
+        self.contract = contract = self.model_set.members[0].contract
+        self.loaded = tuple(loaded)
+        # Where the models' forwards read device values on the host (a warning where no CUDA graph is used).
         self.host_syncs: tuple[HostSync, ...] = tuple(host_syncs)
-        self.model_name = contract.name
-        self.model_version = contract.version
+        self.model_name = self.model_set.name
+        self.model_version = self.model_set.version
         self.labels = contract.labels
-        self.device_description = device_description or ", ".join(str(r.device) for r in runners)
-        graph_buckets = [getattr(r, "buckets", ()) for r in runners if r.uses_graphs]
+        self.device_description = device_description or ", ".join(str(r[0].device) for r in per_slot)
+        graph_buckets = [getattr(r[0], "buckets", ()) for r in per_slot if r[0].uses_graphs]
         self.preferred_batch_sizes: tuple[int, ...] = tuple(graph_buckets[0]) if graph_buckets else ()
         self.model_input_hw: tuple[int, int] | None = contract.input_size
         self._warmup_batches = warmup_batches
         self._warmup_batch_size = warmup_batch_size
         if preprocess_threads < 1:
             raise ValueError("InferenceExecutor needs preprocess_threads >= 1")
-        buffers = HostBuffers(pin_memory=any(r.device.type == "cuda" for r in runners))
+        buffers = HostBuffers(pin_memory=any(r[0].device.type == "cuda" for r in per_slot))
         # Two pools, so a batch's preparation never waits on frames queued behind it in its own pool: one
         # thread per batch being prepared (mostly waiting; the most urgent batch first), and the threads that
         # decode the frames.
         self._decode_pool = concurrent.futures.ThreadPoolExecutor(preprocess_threads, thread_name_prefix="decode",
                                                                   initializer=name_os_thread)
-        self._preprocessor = Preprocessor(contract, buffers, pool=self._decode_pool, workers=preprocess_threads)
-        # The device data path (runtime.decode): decode and resize on the runner's device instead.
+        contracts = self.model_set.contracts
+        self._preprocessor = Preprocessor(contracts, buffers, pool=self._decode_pool, workers=preprocess_threads)
+        # The device data path (runtime.decode): decode and resize on the runners' device instead.
         self._device_preprocessor: DevicePreprocessor | None = (
-            _device_preprocessor(contract, buffers.pin_memory, self._decode_pool, preprocess_threads)
+            _device_preprocessor(contracts, buffers.pin_memory, self._decode_pool, preprocess_threads, device_steps)
             if decode_on_device else None)
         # Devices in the order first seen: each runner's DeviceMemory identifies its device (one device on CPU).
         self._device_memory: list[DeviceMemory] = list({id(m): m for m in memory}.values())
         device_of = {id(m): d for d, m in enumerate(self._device_memory)}
-        self._slots = [_Slot(r, PriorityPool(1, f"infer-{r.device}-{i}"), device_of[id(memory[i])] if memory else 0)
-                       for i, r in enumerate(runners)]
+        self._slots = [_Slot(r, PriorityPool(1, f"infer-{r[0].device}-{i}"), device_of[id(memory[i])] if memory else 0)
+                       for i, r in enumerate(per_slot)]
         self._devices = [[s for s in self._slots if s.device == d] for d in range(max(1, len(self._device_memory)))]
         self._prep_pool = PriorityPool(preprocess_threads, "preprocess")
         self._lock = threading.Lock()
@@ -145,52 +148,53 @@ class InferenceExecutor:
         # graph capture and by calibrate(); None on CPU.
         self.memory_policy: DeviceMemories | None = (
             DeviceMemories([m.policy for m in self._device_memory]) if self._device_memory else None)
-        self._model_set: ModelSet | None = None  # several models per batch (attach_model_set)
 
     @classmethod
     def from_settings(cls, model: ModelSettings, runtime: RuntimeSettings, batching: BatchingSettings | None = None,
                       on_graph_evicted: Callable[[int], None] | None = None,
                       models: Sequence[ModelSettings] = ()) -> InferenceExecutor:
-        """Resolve devices, load and validate the model on each, and build one runner per device. `batching`
-        tells the CUDA-graph runners which batch sizes can reach them (none: memory alone bounds them);
-        `on_graph_evicted` is called with the number of graphs a runner released for its memory budget.
-        `models`: a model set (settings.models, `model` its first): worker.runtime.ensemble builds it."""
-        if len(models) > 1 or model.output == "detections":  # a lone detector: a set of one decodes its boxes
-            from worker.runtime.ensemble import model_set_executor
-
-            models = models or (model,)
-
-            plan = dataclasses.replace(resolve_plan(runtime), decode_on_device=False)  # decoded once, on the host
-            return model_set_executor(cls, models, runtime, batching, on_graph_evicted, plan)
+        """Resolve devices, load and validate each model on each, and build a runner per (device instance, model):
+        the one place runners are made. `models`: a model set (settings.models, `model` its first); without one,
+        `model` alone. `batching` tells the CUDA-graph runners which batch sizes can reach them (none: memory alone
+        bounds them); `on_graph_evicted` is called with the number of graphs a runner released for its budget."""
+        settings = tuple(models) or (model,)
+        model_set = ModelSet.from_settings(settings)
         plan = resolve_plan(runtime)
+        if plan.decode_on_device:
+            plan = dataclasses.replace(plan, decode_on_device=device_decode_serves(model_set.contracts, runtime))
         if plan.decode_on_device:
             check_device_decode_at_start(runtime, plan.devices)
         if runtime.torch_threads > 0:
             torch.set_num_threads(runtime.torch_threads)
         memory = device_memories(plan, runtime)
         caps = BatchCaps.from_settings(batching) if batching is not None else BatchCaps()
-        # Each runner gets its own copy of the model, loaded and validated on its device.
-        # issue 61: the engine per (device, model) (worker.runtime.engine): onnxruntime for ONNX on a CPU, else torch.
-        loaded = [load_engine_model(model, runtime, device) for device in plan.devices
-                  for _ in range(runtime.instances_per_device)]
-        # Before any capture: refused when graphs are to be used, a warning otherwise (every copy is the same model).
-        host_syncs = check_host_syncs(loaded[0], refuse=plan.cuda_graphs)
-        runners = []
-        for m in loaded:
-            policy, budget = graph_memory(memory.get(m.device), runtime)
-            runners.append(make_engine_runner(m.module, m.contract, m.device, plan.precision, plan.cuda_graphs,
-                                              plan.buckets, runtime.warmup_batches, caps, policy, budget,
-                                              on_graph_evicted))
-        return cls(runners, loaded[0].contract, preprocess_thread_count(runtime), runtime.warmup_batches,
+        slots: list[tuple[ModelRunner, ...]] = []
+        first: list[LoadedModel] = []
+        host_syncs: list[HostSync] = []
+        for device in plan.devices:
+            for _ in range(runtime.instances_per_device):
+                runners = []
+                for m in settings:
+                    # Each runner gets its own copy of its model, loaded and validated on its device.
+                    # issue 61: the engine per (device, model): onnxruntime for ONNX on a CPU, else torch.
+                    loaded = load_engine_model(m, runtime, device)
+                    if not slots:  # every copy of a model is the same: checked and reported once
+                        # Before any capture: refused when graphs are to be used, a warning otherwise.
+                        host_syncs.extend(check_host_syncs(loaded, refuse=plan.cuda_graphs))
+                        first.append(loaded)
+                    policy, budget = graph_memory(memory.get(device), runtime)
+                    # Every model's runners share the device's graph budget (worker.runtime.modelset).
+                    budget = None if budget is None else budget // len(settings)
+                    runners.append(make_engine_runner(loaded.module, loaded.contract, device, plan.precision,
+                                                      plan.cuda_graphs, plan.buckets, runtime.warmup_batches, caps,
+                                                      policy, budget, on_graph_evicted))
+                slots.append(tuple(runners))
+        return cls(slots, model_set, preprocess_thread_count(runtime), runtime.warmup_batches,
                    warmup_batch_size=max(runtime.graph_batch_sizes),
-                   device_description=describe(plan, loaded[0].kind, loaded[0].engine),
-                   memory=[memory[r.device] for r in runners] if memory else (),
-                   decode_on_device=plan.decode_on_device, loaded=loaded[0], host_syncs=host_syncs)
-
-    def attach_model_set(self, model_set: ModelSet) -> None:
-        """Run a model set (worker.runtime.ensemble) on every batch: its runners are the slots' ModelSetRunners."""
-        self._model_set = model_set
-        self.model_name, self.model_version = model_set.name, model_set.version
+                   device_description=describe(plan, "+".join(m.kind for m in first),
+                                               "+".join(sorted({m.engine for m in first}))),
+                   memory=[memory[r[0].device] for r in slots] if memory else (),
+                   decode_on_device=plan.decode_on_device, loaded=first, host_syncs=host_syncs)
 
     @property
     def ready(self) -> bool:
@@ -199,28 +203,27 @@ class InferenceExecutor:
     @property
     def capture_count(self) -> int:
         """CUDA graphs captured so far, over all runners (0 on CPU)."""
-        return sum(s.runner.capture_count for s in self._slots)
+        return sum(r.capture_count for r in self.runners)
 
     @property
     def graph_evictions(self) -> int:
         """CUDA graphs released to keep captured graphs under their memory budget, over all runners."""
-        return sum(s.runner.graph_evictions for s in self._slots)
+        return sum(r.graph_evictions for r in self.runners)
 
     @property
-    def runners(self) -> tuple[EagerRunner, ...]:
-        return tuple(s.runner for s in self._slots)
+    def runners(self) -> tuple[ModelRunner, ...]:
+        """Every runner: per device instance, one per model in the set's order (the first is the first model's)."""
+        return tuple(r for s in self._slots for r in s.runners)
 
     @property
     def runner_count(self) -> int:
-        """Runners that execute batches at once (instances per device x devices): the pipeline feeds each."""
+        """Device instances that execute batches at once (instances per device x devices): the pipeline feeds each."""
         return len(self._slots)
 
     def warm_up(self, shapes: Sequence[tuple[int, int, int]] = ((224, 224, 3),)) -> None:
         """Run warm-up batches for each (h, w, c) shape on every runner, capturing CUDA graphs where enabled."""
         t0 = time.perf_counter()
-        model_shapes = [self._model_shape(s) for s in shapes]
-        futures = [s.thread.submit(Priority.REALTIME, self._warm_up_runner, s.runner, model_shapes)
-                   for s in self._slots]
+        futures = [s.thread.submit(Priority.REALTIME, self._warm_up_slot, s, shapes) for s in self._slots]
         for f in futures:
             f.result()
         self._ready = True
@@ -247,7 +250,7 @@ class InferenceExecutor:
                 # The least loaded runner of the device now: a device used twice sees its first part's load.
                 part_slot = min(self._devices[device], key=lambda s: s.load)
                 part = frames[start:start + count]
-                futures.append((part, str(part_slot.runner.device),
+                futures.append((part, str(part_slot.torch_device),
                                 self._submit_to(part_slot, part, shape, priority)))
                 start += count
         log.debug("batch split across devices size=%d parts=%s", len(frames), [(d, n) for d, n in parts])
@@ -278,7 +281,7 @@ class InferenceExecutor:
             # the runner's thread so both stages are in the trace (those batches lose the overlap).
             prepared: concurrent.futures.Future[HostBatch] = concurrent.futures.Future()
             return slot.thread.submit(priority, self._infer, prepared, slot, len(frames), (frames, shape))
-        prepared = self._prep_pool.submit(priority, self._prepare, frames, shape, slot.runner)
+        prepared = self._prep_pool.submit(priority, self._prepare, frames, shape, slot)
         # The inference job waits for its own preprocessing; per runner, FIFO within a priority keeps one
         # class's batches in order.
         return slot.thread.submit(priority, self._infer, prepared, slot, len(frames))
@@ -334,15 +337,18 @@ class InferenceExecutor:
 
     # --- inside the threads ---
 
-    def _warm_up_runner(self, runner: EagerRunner, shapes: Sequence[tuple[int, int, int]]) -> None:
+    def _warm_up_slot(self, slot: _Slot, shapes: Sequence[tuple[int, int, int]]) -> None:
+        """Every model's runner on its own input for each frame shape."""
         for shape in shapes:
-            runner.warm_up(shape, self._warmup_batches, self._warmup_batch_size)
+            for member, runner in zip(self.model_set.members, slot.runners, strict=True):
+                runner.warm_up(member.input_shape(shape), self._warmup_batches, self._warmup_batch_size)
 
-    def _prepare(self, frames: list[Frame], shape: tuple[int, int, int], runner: EagerRunner,
+    def _prepare(self, frames: list[Frame], shape: tuple[int, int, int], slot: _Slot,
                  ranges: Ranges = no_ranges) -> HostBatch:
+        """Each frame decoded once and fitted to every model's input, on the slot's device (its first runner's copy
+        stream carries every model's pixels; each runner waits on the batch's one ready event)."""
+        runner = slot.runners[0]
         with ranges("streamfer.preprocess"):
-            if self._model_set is not None:  # decoded once, fitted for every model of the set
-                return self._model_set.prepare(frames, shape, runner)  # type: ignore[arg-type]
             if self._device_preprocessor is not None:
                 return self._device_preprocessor.prepare(frames, shape, runner.device, runner.copy_stream)
             batch = self._preprocessor.prepare(frames, shape)
@@ -358,13 +364,13 @@ class InferenceExecutor:
         ranges: Ranges = torch.profiler.record_function if recording else no_ranges
         try:
             if inline is not None:
-                batch = self._prepare(*inline, slot.runner, ranges)
+                batch = self._prepare(*inline, slot, ranges)
             else:
                 with ranges("streamfer.wait_preprocess"):
                     batch = prepared.result()
             try:
                 with ranges(f"streamfer.inference[n={len(batch.frames)}]"):
-                    return self._run_batch(batch, slot.runner)
+                    return self.model_set.run(batch, slot.runners)
             finally:
                 batch.release()  # the device copy is done: the runner has read it
         finally:
@@ -373,51 +379,10 @@ class InferenceExecutor:
             if recording and request is not None:
                 request.batch_done()
 
-    def _run_batch(self, batch: HostBatch, runner: EagerRunner) -> BatchOutcome:
-        if self._model_set is not None:  # the model set's runners in turn, one verdict per frame
-            return self._model_set.run(batch, runner)  # type: ignore[arg-type]
-        failures = [FrameFailure(f, str(exc), DECODE_ERROR) for f, exc in batch.failures]
-        t0 = time.perf_counter()
-        scored: list[tuple[Frame, np.ndarray]] = []
-        bucket, used_graph = 0, False
-        if batch.frames:
-            try:
-                assert batch.device_pixels is not None  # staged by _prepare whenever the batch has frames
-                result = runner.run(batch.device_pixels, batch.ready_event, batch.device_regions)
-                scored = list(zip(batch.frames, result.scores))
-                bucket, used_graph = result.bucket, result.used_graph
-            except Exception as exc:  # noqa: BLE001 (any model error: retried frame by frame)
-                log.warning("model failed on a batch; retrying frame by frame size=%d error=%s: %s",
-                            len(batch.frames), type(exc).__name__, exc)
-                scored, model_failures, used_graph = _run_one_by_one(runner, batch)
-                failures.extend(model_failures)
-                bucket = 1
-        verdicts: list[tuple[Frame, Verdict]] = []
-        if scored:
-            scores = np.stack([row for _, row in scored])
-            finite = np.isfinite(scores).all(axis=1)
-            kept = []
-            for (frame, row), ok in zip(scored, finite.tolist(), strict=True):
-                if ok:
-                    kept.append(frame)
-                else:
-                    failures.append(FrameFailure(frame, f"model output is not finite: {row.tolist()}",
-                                                 NON_FINITE_OUTPUT))
-            verdicts = list(zip(kept, self.contract.verdicts(scores[finite]), strict=True))
-        return BatchOutcome(
-            verdicts=verdicts,
-            failures=failures,
-            batch_size=len(batch.frames),
-            preprocess_ms=batch.preprocess_ms,
-            inference_ms=(time.perf_counter() - t0) * 1000.0,
-            started_at=batch.started_at,
-            bucket=bucket,
-            used_graph=used_graph,
-        )
-
     def _model_shape(self, shape: tuple[int, int, int]) -> tuple[int, int, int]:
-        """A frame shape (h, w, c) -> the runner's input: the model input's (H, W, C) uint8 pixels."""
-        return (*self.contract.model_input_hw((shape[0], shape[1])), self.contract.channels)
+        """A frame shape (h, w, c) -> the first model's runner input, (H, W, C) uint8 pixels: what the memory
+        policies key a batch by (worker.runtime.modelset)."""
+        return self.model_set.members[0].input_shape(shape)
 
 
 def _calibration_frame(shape: tuple[int, int, int]) -> Frame:
@@ -489,30 +454,11 @@ def _timed(outcome: BatchOutcome) -> float:
     return (outcome.preprocess_ms + outcome.inference_ms) / 1000.0
 
 
-def _run_one_by_one(runner: EagerRunner, batch: HostBatch) -> tuple[list, list[FrameFailure], bool]:
-    """Run each row alone so one bad frame does not take the batch down; the input is already on the device."""
-    scored: list[tuple[Frame, np.ndarray]] = []
-    failures: list[FrameFailure] = []
-    used_graph = False
-    pixels, regions = batch.device_pixels, batch.device_regions
-    assert pixels is not None
-    for i, frame in enumerate(batch.frames):
-        try:
-            result: RunResult = runner.run(pixels[i:i + 1], regions=None if regions is None else regions[i:i + 1])
-        except Exception as exc:  # noqa: BLE001 (this frame alone fails: dead-lettered)
-            failures.append(FrameFailure(frame, f"model raised on this frame: {type(exc).__name__}: {exc}",
-                                         MODEL_ERROR))
-            continue
-        scored.append((frame, result.scores[0]))
-        used_graph = used_graph or result.used_graph
-    return scored, failures, used_graph
-
-
-def _device_preprocessor(contract: ModelContract, pin_memory: bool, pool: concurrent.futures.Executor,
-                         workers: int) -> DevicePreprocessor:
+def _device_preprocessor(contracts: Sequence[ModelContract], pin_memory: bool, pool: concurrent.futures.Executor,
+                         workers: int, steps: DeviceSteps | None) -> DevicePreprocessor:
     # Imported here: torchvision takes ~1.3 s to import on the 2-core VM, which only the device path needs.
     from worker.runtime.devicepath import ByteStaging, DevicePreprocessor
 
-    return DevicePreprocessor(contract, ByteStaging(pin_memory=pin_memory), pool=pool, workers=workers)
+    return DevicePreprocessor(contracts, ByteStaging(pin_memory=pin_memory), pool=pool, workers=workers, steps=steps)
 
 

@@ -21,13 +21,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import torch
 from PIL import Image
 
 from worker.frames import Encoding, Frame
-from worker.runtime.decode import FrameDecodeError, decode_frame, fitting_row
+from worker.runtime.decode import FrameDecodeError, decode_pixels, fitting_row
 from worker.runtime.models import ModelContract
 
 
@@ -195,25 +196,48 @@ def _no_buffer_to_return() -> None:
 
 
 @dataclass
-class HostBatch:
-    """The decodable frames of a batch as uint8 pixels (row i is frames[i]) plus the ones that were not.
+class ModelInput:
+    """One model's rows of a batch: [n, H, W, C] uint8 `pixels` (H, W that model's input), a view of a reused host
+    buffer (`Preprocessor`) or already on the device (`devicepath.DevicePreprocessor`); `regions` holds each row's
+    (top, left, height, width) of real pixels, the rest being padding, None when every row fills the input."""
 
-    `pixels` is [n, H, W, C] uint8 (H, W the model input): a view of a reused host buffer (`Preprocessor`), or
-    already the device tensor `device_pixels` (`devicepath.DevicePreprocessor`, whose staging buffer holds the
-    frames' bytes); call `release` once the runner has read the batch. `regions` holds each row's (top, left,
-    height, width) of real pixels, the rest being padding; None when every row fills the input."""
-
-    frames: list[Frame]
     pixels: torch.Tensor
     regions: torch.Tensor | None
+    # Set once staged on the runner's device (`stage_to_device`).
+    device_pixels: torch.Tensor | None = None
+    device_regions: torch.Tensor | None = None
+
+
+@dataclass
+class HostBatch:
+    """The decodable frames of a batch (row i is frames[i]), fitted to each model's input, plus the ones that were
+    not decodable. `inputs[m]` is model m's (a single model is a set of one: `inputs` then has one); `pixels`,
+    `regions` and their device copies are the first model's. Call `release` once the runners have read it; the
+    runners wait on `ready_event` (CUDA) before reading the device tensors."""
+
+    frames: list[Frame]
+    inputs: list[ModelInput]
     failures: list[tuple[Frame, FrameDecodeError]]
     started_at: float
     preprocess_ms: float = 0.0
-    # Set once staged on the runner's device: the device tensors and the event their copy completes on.
-    device_pixels: torch.Tensor | None = None
-    device_regions: torch.Tensor | None = None
     ready_event: torch.cuda.Event | None = field(default=None, repr=False)
     release: Callable[[], None] = field(default=_no_buffer_to_return, repr=False)
+
+    @property
+    def pixels(self) -> torch.Tensor:
+        return self.inputs[0].pixels
+
+    @property
+    def regions(self) -> torch.Tensor | None:
+        return self.inputs[0].regions
+
+    @property
+    def device_pixels(self) -> torch.Tensor | None:
+        return self.inputs[0].device_pixels
+
+    @property
+    def device_regions(self) -> torch.Tensor | None:
+        return self.inputs[0].device_regions
 
 
 class HostBuffers:
@@ -253,46 +277,61 @@ class HostBuffers:
 
 
 class Preprocessor:
-    """Decodes and resizes frames into one uint8 NHWC host batch; thread-safe.
+    """Decodes each frame of a batch once and fits it to every model's input (one contract, or a set's), into one
+    uint8 NHWC host batch per model; thread-safe.
 
-    Channels, resize, crop and letterbox are applied here (the `Normaliser` does the rest, on the device).
-    With a `pool` of `workers` threads the frames of one batch are decoded in parallel (JPEG decode and
-    resizing release the GIL); `prepare` must then not itself run on that pool, or it could wait on work
-    queued behind it.
+    Channels, resize, crop and letterbox are applied here (the `Normaliser` does the rest, on the device). A JPEG
+    is decoded to the most channels any model takes, at a reduced scale only when every model allows it and at
+    the largest scale any needs. With a `pool` of `workers` threads the frames of one batch are decoded in parallel
+    (JPEG decode and resizing release the GIL); `prepare` must then not itself run on that pool, or it could wait
+    on work queued behind it.
     """
 
-    def __init__(self, contract: ModelContract, buffers: HostBuffers | None = None,
+    def __init__(self, contracts: ModelContract | Sequence[ModelContract], buffers: HostBuffers | None = None,
                  pool: concurrent.futures.Executor | None = None, workers: int = 1):
-        self.contract = contract
+        self.contracts = (contracts,) if isinstance(contracts, ModelContract) else tuple(contracts)
+        self.contract = self.contracts[0]
         self.buffers = buffers or HostBuffers()
         self._pool = pool if workers > 1 else None
         self._workers = workers
+        self._jpeg_channels = max(c.channels for c in self.contracts)
+        self._scaled_decode = all(c.jpeg_scaled_decode for c in self.contracts)
 
     def prepare(self, frames: Sequence[Frame], shape: tuple[int, int, int]) -> HostBatch:
-        """Decode every frame; pixels are [decodable frames, H, W, C] with H, W the model input size."""
+        """Decode every frame; model m's pixels are [decodable frames, H, W, C] with H, W its input size."""
         started_at = time.time()
         t0 = time.perf_counter()
         frames = list(frames)
-        hwc = (*self.contract.model_input_hw((shape[0], shape[1])), self.contract.channels)
-        buffer = self.buffers.take(len(frames), hwc)
-        placed = self._fill(buffer.numpy(), frames, (shape[0], shape[1]))
-        ok = [not isinstance(p, FrameDecodeError) for p in placed]
-        pixels = _compact(buffer, ok) if not all(ok) else buffer[:len(frames)]
-        regions = [p for p in placed if not isinstance(p, FrameDecodeError)]
-        full = (0, 0, hwc[0], hwc[1])
+        batch_hw = (shape[0], shape[1])
+        shapes = [(*c.model_input_hw(batch_hw), c.channels) for c in self.contracts]
+        buffers = [self.buffers.take(len(frames), hwc) for hwc in shapes]
+        placed = self._fill([b.numpy() for b in buffers], frames, batch_hw)
+        kept = [i for i, p in enumerate(placed) if not isinstance(p, FrameDecodeError)]
+        inputs = []
+        for m, (buffer, hwc) in enumerate(zip(buffers, shapes, strict=True)):
+            regions = [cast(list, placed[i])[m] for i in kept]
+            full = (0, 0, hwc[0], hwc[1])
+            inputs.append(ModelInput(
+                pixels=_compact(buffer, kept) if len(kept) < len(frames) else buffer[:len(frames)],
+                regions=None if all(r == full for r in regions) else torch.tensor(regions, dtype=torch.int32)))
+
+        def release() -> None:
+            for buffer in buffers:
+                self.buffers.give_back(buffer)
+
         return HostBatch(
-            frames=[frame for frame, good in zip(frames, ok) if good],
-            pixels=pixels,
-            regions=None if all(r == full for r in regions) else torch.tensor(regions, dtype=torch.int32),
+            frames=[frames[i] for i in kept],
+            inputs=inputs,
             failures=[(frame, p) for frame, p in zip(frames, placed) if isinstance(p, FrameDecodeError)],
             started_at=started_at,
             preprocess_ms=(time.perf_counter() - t0) * 1000.0,
-            release=lambda: self.buffers.give_back(buffer),
+            release=release,
         )
 
-    def _fill(self, rows: np.ndarray, frames: list[Frame],
-              batch_hw: tuple[int, int]) -> list[tuple[int, int, int, int] | FrameDecodeError]:
-        """Decode frame i into rows[i], in contiguous chunks across the pool; each frame's region or error."""
+    def _fill(self, rows: list[np.ndarray], frames: list[Frame], batch_hw: tuple[int, int]
+              ) -> list[list[tuple[int, int, int, int]] | FrameDecodeError]:
+        """Decode frame i into row i of every model's buffer, in contiguous chunks across the pool; each frame's
+        regions (one per model) or its error."""
         chunks = min(len(frames), self._workers) if self._pool is not None else 1
         if chunks <= 1:
             return self._fill_range(rows, frames, batch_hw, 0, len(frames))
@@ -302,37 +341,53 @@ class Preprocessor:
                    for lo, hi in zip(bounds, bounds[1:])]
         return [placed for f in futures for placed in f.result()]
 
-    def _fill_range(self, rows: np.ndarray, frames: list[Frame], batch_hw: tuple[int, int], lo: int,
-                    hi: int) -> list[tuple[int, int, int, int] | FrameDecodeError]:
-        placed: list[tuple[int, int, int, int] | FrameDecodeError] = []
+    def _fill_range(self, rows: list[np.ndarray], frames: list[Frame], batch_hw: tuple[int, int], lo: int,
+                    hi: int) -> list[list[tuple[int, int, int, int]] | FrameDecodeError]:
+        placed: list[list[tuple[int, int, int, int]] | FrameDecodeError] = []
         for i in range(lo, hi):
-            dst = rows[i]
             try:
-                pixels, (top, left) = self._decode_one(frames[i], *batch_hw, out=dst)
+                decoded = self._decode_one(frames[i], batch_hw, rows[0][i] if len(rows) == 1 else None)
+                placed.append([_place(self._fit(decoded, c, frames[i], model_rows[i]), model_rows[i])
+                               for c, model_rows in zip(self.contracts, rows, strict=True)])
             except FrameDecodeError as exc:
                 placed.append(exc)
-                continue
-            h, w = pixels.shape[:2]
-            if pixels is not dst:  # not resized straight into its row
-                if (h, w) != dst.shape[:2]:
-                    dst.fill(0)  # never read (the Normaliser zeroes padding), but a reused buffer holds old frames
-                dst[top:top + h, left:left + w] = pixels
-            placed.append((top, left, h, w))
         return placed
 
-    def _decode_one(self, frame: Frame, batch_h: int, batch_w: int,
-                    out: np.ndarray | None = None) -> tuple[np.ndarray, tuple[int, int]]:
-        # A raw frame decodes with its own channel count and is converted here; a JPEG decodes to the model's.
-        channels = frame.channels if frame.encoding is Encoding.RAW_RGB8 else self.contract.channels
-        check_fits_batch(self.contract, frame, (batch_h, batch_w))
-        frame_hw = (frame.height, frame.width)
-        # A JPEG bound for a smaller fixed input is decoded at the smallest DCT scale still >= the resize target.
-        min_hw = resize_target(self.contract, frame_hw) if self.contract.jpeg_scaled_decode else None
-        pixels = decode_frame(frame, channels, min_hw=min_hw, out=out)
-        pixels, offset = fit_to_input(to_channels(pixels, self.contract.channels), self.contract, frame_hw, out)
-        if self.contract.jpeg_roundtrip_quality:
-            pixels = jpeg_roundtrip(pixels, self.contract.jpeg_roundtrip_quality)
+    def _decode_one(self, frame: Frame, batch_hw: tuple[int, int], out: np.ndarray | None) -> np.ndarray:
+        """The frame's pixels, decoded once for every model (into `out`, a batch row, where they fit it)."""
+        for c in self.contracts:
+            check_fits_batch(c, frame, batch_hw)
+        # A raw frame decodes with its own channel count and is converted per model; a JPEG decodes to the models'.
+        channels = frame.channels if frame.encoding is Encoding.RAW_RGB8 else self._jpeg_channels
+        # A JPEG bound for smaller fixed inputs is decoded at the smallest DCT scale still >= every resize target.
+        min_hw = None
+        if self._scaled_decode:
+            targets = [resize_target(c, (frame.height, frame.width)) for c in self.contracts]
+            if all(t is not None for t in targets):
+                min_hw = (max(cast(tuple, t)[0] for t in targets), max(cast(tuple, t)[1] for t in targets))
+        return decode_pixels(frame, channels, min_hw=min_hw, out=out)
+
+    @staticmethod
+    def _fit(decoded: np.ndarray, contract: ModelContract, frame: Frame,
+             out: np.ndarray | None = None) -> tuple[np.ndarray, tuple[int, int]]:
+        """The decoded pixels fitted to one model's input (a stretch resized straight into `out`, its batch row),
+        and their (top, left) offset in it."""
+        pixels, offset = fit_to_input(to_channels(decoded, contract.channels), contract, (frame.height, frame.width),
+                                      out)
+        if contract.jpeg_roundtrip_quality:
+            pixels = jpeg_roundtrip(pixels, contract.jpeg_roundtrip_quality)
         return pixels, offset
+
+
+def _place(fitted: tuple[np.ndarray, tuple[int, int]], dst: np.ndarray) -> tuple[int, int, int, int]:
+    """Write a frame's fitted pixels into its batch row (unless they are that row already); their region."""
+    pixels, (top, left) = fitted
+    h, w = pixels.shape[:2]
+    if pixels is not dst:
+        if (h, w) != dst.shape[:2]:
+            dst.fill(0)  # never read (the Normaliser zeroes padding), but a reused buffer holds old frames
+        dst[top:top + h, left:left + w] = pixels
+    return top, left, h, w
 
 
 # The largest float batch a CPU runner's Normaliser keeps between batches (a larger one is allocated per batch).
@@ -419,9 +474,8 @@ def _inside(regions: torch.Tensor, height: int, width: int) -> tuple[torch.Tenso
     return (ys >= top) & (ys < top + h), (xs >= left) & (xs < left + w)
 
 
-def _compact(buffer: torch.Tensor, keep: list[bool]) -> torch.Tensor:
-    """The kept rows moved to the front, in order, in place (a pinned buffer stays pinned); a view of them."""
-    kept = [i for i, k in enumerate(keep) if k]
+def _compact(buffer: torch.Tensor, kept: list[int]) -> torch.Tensor:
+    """The `kept` rows moved to the front, in order, in place (a pinned buffer stays pinned); a view of them."""
     for row, i in enumerate(kept):
         if row != i:
             buffer[row].copy_(buffer[i])
@@ -429,18 +483,20 @@ def _compact(buffer: torch.Tensor, keep: list[bool]) -> torch.Tensor:
 
 
 def stage_to_device(batch: HostBatch, device: torch.device, copy_stream: torch.cuda.Stream | None) -> HostBatch:
-    """Start the host->device copy of the batch's uint8 pixels on `copy_stream` (non-blocking from pinned memory).
+    """Start the host->device copy of every model's uint8 pixels on `copy_stream` (non-blocking from pinned memory).
 
-    The runner must make its stream wait on `batch.ready_event` before reading `batch.device_pixels`.
+    The runners must make their streams wait on `batch.ready_event` before reading the device tensors.
     """
     if device.type != "cuda" or copy_stream is None:
-        batch.device_pixels = batch.pixels.to(device)
-        batch.device_regions = None if batch.regions is None else batch.regions.to(device)
+        for x in batch.inputs:
+            x.device_pixels = x.pixels.to(device)
+            x.device_regions = None if x.regions is None else x.regions.to(device)
         return batch
     with torch.cuda.device(device), torch.cuda.stream(copy_stream):
-        batch.device_pixels = batch.pixels.to(device, non_blocking=True)
-        # regions are a few bytes in pageable memory: this copy is synchronous, and done before the event.
-        batch.device_regions = None if batch.regions is None else batch.regions.to(device, non_blocking=True)
+        for x in batch.inputs:
+            x.device_pixels = x.pixels.to(device, non_blocking=True)
+            # regions are a few bytes in pageable memory: this copy is synchronous, and done before the event.
+            x.device_regions = None if x.regions is None else x.regions.to(device, non_blocking=True)
         event = torch.cuda.Event()
         event.record(copy_stream)
     batch.ready_event = event

@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -91,6 +92,35 @@ class RunResult:
     scores: np.ndarray
     bucket: int
     used_graph: bool
+
+
+class ModelRunner(Protocol):
+    """What the executor drives: one model on one device, used from one thread at a time. `make_runner` is where a
+    kind is chosen (EagerRunner, CudaGraphRunner); another engine is another class with these members."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def copy_stream(self) -> torch.cuda.Stream | None:
+        """Where the batch's host->device copies go (None: copied synchronously, e.g. on a CPU)."""
+
+    @property
+    def uses_graphs(self) -> bool: ...
+
+    @property
+    def capture_count(self) -> int: ...
+
+    @property
+    def graph_evictions(self) -> int: ...
+
+    def warm_up(self, shape: Shape, batches: int, batch_size: int) -> None:
+        """Pay first-call costs (and capture graphs) for inputs of `shape` = (H, W, C) uint8 pixels."""
+
+    def run(self, pixels: torch.Tensor, ready: torch.cuda.Event | None = None,
+            regions: torch.Tensor | None = None) -> RunResult:
+        """The model's output for every row of `pixels` ([n, H, W, C] uint8 on `device`), after `ready`."""
+        ...
 
 
 class EagerRunner:
@@ -430,8 +460,9 @@ def make_runner(module: Callable[[torch.Tensor], torch.Tensor], contract: ModelC
                 precision: str, cuda_graphs: bool, buckets: Sequence[int], warmup_batches: int,
                 caps: BatchCaps = BatchCaps(), memory: MemoryPolicy | None = None,
                 graph_budget_bytes: int | None = None,
-                on_evicted: Callable[[int], None] | None = None) -> EagerRunner:
-    """CudaGraphRunner on CUDA with graphs enabled, else EagerRunner (the CPU path)."""
+                on_evicted: Callable[[int], None] | None = None) -> ModelRunner:
+    """The one place a runner's kind is chosen: CudaGraphRunner on CUDA with graphs enabled, else EagerRunner (the
+    CPU path)."""
     if device.type == "cuda" and cuda_graphs:
         return CudaGraphRunner(module, contract, device, precision, buckets, warmup_batches, caps=caps,
                                memory=memory, graph_budget_bytes=graph_budget_bytes, on_evicted=on_evicted)

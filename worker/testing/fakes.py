@@ -16,13 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_INVALID, KafkaError, KafkaException, TopicPartition
 
-from worker.frames import BatchOutcome, Encoding, Frame, Priority, Verdict
+from worker.frames import TP, BatchOutcome, Encoding, Frame, Priority, Verdict
 from worker.schemas import FrameRecord, decode_result, encode_frame
 
 if TYPE_CHECKING:
     from worker.pipeline import KafkaClients
 
-TP = tuple[str, int]
 # Frames are captured a second before the kit's fake clock starts (worker.testing.clock.START).
 CAPTURE_TS_MS = 1_799_999_999_000
 

@@ -12,12 +12,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from worker.frames import HEADER_SOURCE_OFFSET, HEADER_SOURCE_PARTITION, HEADER_SOURCE_TOPIC, SourceRef
+from worker.frames import HEADER_SOURCE_OFFSET, HEADER_SOURCE_PARTITION, HEADER_SOURCE_TOPIC, TP, SourceRef
 
 RESULT = "result"
 DEAD_LETTER = "dead_letter"
 EITHER = "either"  # a message that may be answered either way (expected answers are RESULT, DEAD_LETTER or this)
-TP = tuple[str, int]
 
 
 def result_source(result: Mapping[str, Any]) -> SourceRef:

@@ -36,7 +36,7 @@ LIVE_SCHEMES = ("rtsp", "rtsps", "rtmp", "rtmps", "http", "https", "srt", "udp",
 # librdkafka's local queue for live frames: bounded (32 MiB, about a hundred 1080p JPEGs), so a broker that
 # cannot keep up makes the cameras' queues drop their oldest frames instead of memory growing (librdkafka's
 # default allows 1 GiB).
-LIVE_PRODUCER_PROPERTIES = {"queue.buffering.max.kbytes": "32768"}
+LIVE_QUEUE_MAX_KBYTES = 32768
 
 # FFmpeg's options for a live camera (--source-option overrides them): RTSP over TCP, and 0.5 s of stream
 # analysis instead of FFmpeg's default, which on an MJPEG RTSP camera made opening take 2.1 s (and sent the

@@ -7,15 +7,20 @@ accepts, and a refusal is the worker's own error. Then it scores images the way 
 (each encoded as a JPEG frame message, decoded by the worker's frame decoder, preprocessed and run by the
 executor) and times one batch per CUDA-graph bucket. It never contacts Kafka.
 
+With a model set (`[models.<name>]`) every model is loaded, described and run, each image's line carrying each
+model's output.
+
 Exit codes (docs/operations.md): 0 the worker would start and every image has scores; 1 it would start, but an
 image got none (each is named); 2 it would not start here (the reason, naming the setting), host syncs were
-found with --require-graphs, or the arguments are wrong.
+found with --require-graphs, or the arguments are wrong; 70 an unexpected error (a bug: one line naming what
+failed, the traceback with --verbose).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import logging
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -27,8 +32,8 @@ import numpy as np
 from PIL import Image
 
 from worker.cascade import describe_outputs
-from worker.config import Settings, load_settings, warmup_frame_shapes
-from worker.errors import EXIT_OPERATOR_ERROR, OperatorError
+from worker.config import ModelSettings, Settings, load_settings, warmup_frame_shapes
+from worker.errors import EXIT_INTERNAL_ERROR, EXIT_OPERATOR_ERROR, OperatorError, StartError
 from worker.frames import Encoding, Frame, Priority, SourceRef
 from worker.runtime import InferenceExecutor, ModelContract
 from worker.runtime.engine import engine_of
@@ -41,12 +46,15 @@ from worker.tools.sample_video import PHOTOS, photo
 EXIT_OK = 0
 EXIT_IMAGE_NOT_SCORED = 1
 EXIT_WOULD_NOT_START = EXIT_OPERATOR_ERROR
+EXIT_CRASHED = EXIT_INTERNAL_ERROR
 # On a CPU, batches above this many frames are not timed unless --max-batch says so: open_nsfw (a ResNet-50)
 # takes 35-55 ms a frame on 2 cores, and CPU numbers only say whether a model is in the right range.
 CPU_TIMED_BATCH_MAX = 8
 # Timed runs per batch size, after one untimed run (first-call costs, a lazy capture); the median is reported.
 TIMING_ROUNDS = 3
 SAMPLE_STREAM = "check-model"
+
+log = logging.getLogger(__name__)
 
 
 class CheckInputError(OperatorError):
@@ -152,14 +160,33 @@ class Refusal:
 
 
 @dataclass
+class CheckedModel:
+    """One model the worker would run (the only one, or one of a set): its settings' contract, and how it loaded."""
+
+    name: str
+    source: str
+    contract: ModelContract
+    runs_if: str = ""  # a cascade's condition, as a person reads it
+    kind: str = ""
+    load_seconds: float = 0.0  # reading / converting the model
+
+    @classmethod
+    def of(cls, m: ModelSettings) -> CheckedModel:
+        runs_if = f"{m.run_if_model} scored {m.run_if_label} >= {m.run_if_score:g}" if m.run_if_model else ""
+        return cls(m.name, m.source, ModelContract.from_settings(m), runs_if)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "source": self.source, "kind": self.kind, "runs_if": self.runs_if,
+                "load_seconds": round(self.load_seconds, 3), "contract": contract_json(self.contract)}
+
+
+@dataclass
 class CheckReport:
     """Everything `worker check-model` found, in the order it found it; later parts are empty after a refusal."""
 
     source: str = ""
-    contract: ModelContract | None = None
-    kind: str = ""
+    models: list[CheckedModel] = field(default_factory=list)  # one, or each of a set in its order
     device: str = ""
-    load_seconds: float = 0.0  # reading / converting the model
     start_seconds: float = 0.0  # load, validation, host-sync check and warm-up: what `worker run` spends too
     host_syncs: tuple[HostSync, ...] | None = None  # None: not checked (refused before)
     require_graphs: bool = False
@@ -171,21 +198,36 @@ class CheckReport:
     not_timed: tuple[int, ...] = ()  # buckets left out
     not_timed_why: str = ""
     refused: Refusal | None = None
+    crashed: str = ""  # an unexpected error, in one line naming what failed
+
+    @property
+    def contract(self) -> ModelContract | None:
+        """The first model's (the only one's)."""
+        return self.models[0].contract if self.models else None
+
+    @property
+    def kind(self) -> str:
+        return "+".join(m.kind for m in self.models if m.kind)
 
     @property
     def exit_code(self) -> int:
+        if self.crashed:
+            return EXIT_CRASHED
         if self.refused is not None:
             return EXIT_WOULD_NOT_START
         return EXIT_IMAGE_NOT_SCORED if any(s.error_type for s in self.scores) else EXIT_OK
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "would_start": self.refused is None,
+            "would_start": self.refused is None and not self.crashed,
             "exit_code": self.exit_code,
             "refused": dataclasses.asdict(self.refused) if self.refused else None,
+            "crashed": self.crashed or None,
             "model": {"source": self.source, "kind": self.kind, "device": self.device,
-                      "load_seconds": round(self.load_seconds, 3), "start_seconds": round(self.start_seconds, 3)},
+                      "load_seconds": round(sum(m.load_seconds for m in self.models), 3),
+                      "start_seconds": round(self.start_seconds, 3)},
             "contract": contract_json(self.contract) if self.contract else None,
+            "models": [m.to_json() for m in self.models],
             "host_syncs": None if self.host_syncs is None else [dataclasses.asdict(f) for f in self.host_syncs],
             "cuda_graphs": dataclasses.asdict(self.graphs) if self.graphs else None,
             "images_from": self.images_from,
@@ -196,13 +238,21 @@ class CheckReport:
 
     def render(self) -> str:
         lines: list[str] = []
-        if self.contract is not None:
-            c = self.contract
-            loaded = f", {self.kind} model, loaded in {self.load_seconds:.1f} s" if self.kind else ""
-            started = f", ready in {self.start_seconds:.1f} s" if self.graphs else ""
-            lines.append(f"model        {self.source}: {c.name} {c.version}{loaded}{started}")
-            if self.device:
-                lines.append(f"device       {self.device}")
+        started = f", ready in {self.start_seconds:.1f} s" if self.graphs else ""
+        device = [f"device       {self.device}"] if self.device else []
+        if len(self.models) > 1:
+            lines.append(f"models       {len(self.models)}, in this order: {', '.join(m.name for m in self.models)}; "
+                         f"each frame decoded once, one verdict{started}")
+            lines += device
+        for m in self.models:
+            c = m.contract
+            loaded = f", {m.kind} model, loaded in {m.load_seconds:.1f} s" if m.kind else ""
+            lines.append(f"model        {m.source}: {c.name} {c.version}{loaded}"
+                         f"{started if len(self.models) == 1 else ''}")
+            if len(self.models) == 1:
+                lines += device
+            if m.runs_if:
+                lines.append(f"runs if      {m.runs_if} (else skipped, the reason in the result)")
             lines.append(f"input        {describe_input(c)}")
             lines.append(f"output       {describe_output(c)}")
         if self.host_syncs is not None:
@@ -224,6 +274,8 @@ class CheckReport:
 
     def verdict(self) -> str:
         code = f"exit {self.exit_code}"
+        if self.crashed:
+            return f"crashed ({code}): {self.crashed} (the traceback: --verbose)"
         if self.refused is not None:
             if self.refused.error_type == HostSyncError.__name__ and self.host_syncs:
                 # The places are listed above: the reason without them.
@@ -252,13 +304,24 @@ def check_model(config: str | None, source: str | None, images: Sequence[SampleI
         report.refused = Refusal.of(exc)
         return report
     report.source = settings.model.source
-    report.contract = ModelContract.from_settings(settings.model)
-    executor = _start(settings, report)
-    if executor is None:
-        return report
-    with executor:
-        report.scores = score_images(executor, images, settings)
-        _time_buckets(executor, settings, images, max_batch, report)
+    report.models = [CheckedModel.of(m) for m in settings.models or (settings.model,)]
+    step = "starting the runtime"
+    try:
+        executor = _start(settings, report)
+        if executor is None:
+            return report
+        with executor:
+            step = "scoring the images"
+            report.scores = score_images(executor, images, settings)
+            step = "timing the batches"
+            _time_buckets(executor, settings, images, max_batch, report)
+    except StartError as exc:  # the runtime's own account of what failed
+        log.debug("start-up failed", exc_info=exc)
+        report.crashed = str(exc)
+    except Exception as exc:  # a bug: one line here, the traceback in the debug log
+        log.debug("%s failed", step, exc_info=exc)
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else "no message"
+        report.crashed = f"check-model failed {step}: {type(exc).__name__}: {text}"
     return report
 
 
@@ -270,8 +333,8 @@ def _start(settings: Settings, report: CheckReport) -> InferenceExecutor | None:
 
     def loaded(executor: InferenceExecutor) -> None:
         report.host_syncs = executor.host_syncs
-        if executor.loaded is not None:
-            report.kind, report.load_seconds = executor.loaded.kind, executor.loaded.load_seconds
+        for checked, loaded in zip(report.models, executor.loaded):
+            checked.kind, checked.load_seconds = loaded.kind, loaded.load_seconds
         report.device = executor.device_description
         if executor.host_syncs and report.require_graphs:
             raise _RefusedByRequireGraphs(HostSyncError(report.kind, executor.host_syncs))
@@ -473,11 +536,12 @@ def describe_input(c: ModelContract) -> str:
 
 def describe_output(c: ModelContract) -> str:
     flaggable = [label for label in c.labels if label not in c.never_flag]
+    each = ", ".join(f"{label} >= {c.threshold_for(label):g}" for label in flaggable) or "no label"
+    if c.detects:  # many labels, few of them flaggable: those are named
+        return (f"boxes of {len(c.labels)} labels (score >= {c.score_threshold:g}, NMS IoU {c.iou_threshold:g}, "
+                f"at most {c.max_detections}); a label's score is its best box's; flags at {each}")
     thresholds = {c.threshold_for(label) for label in flaggable}
-    if len(thresholds) == 1 and len(flaggable) > 1:
-        flags = f"{thresholds.pop():g} (any label)"
-    else:
-        flags = ", ".join(f"{label} >= {c.threshold_for(label):g}" for label in flaggable) or "no label"
+    flags = f"{thresholds.pop():g} (any label)" if len(thresholds) == 1 and len(flaggable) > 1 else each
     text = f"{', '.join(c.labels)} (activation {c.activation}); flags at {flags}"
     if c.never_flag:
         text += f"; never flags {', '.join(label for label in c.labels if label in c.never_flag)}"

@@ -17,23 +17,19 @@ from datetime import UTC, datetime
 from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, ConsumerGroupTopicPartitions, KafkaError, KafkaException, TopicPartition
-from confluent_kafka import Consumer as KafkaConsumer
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from worker.config import Settings
 from worker.errors import OperatorError
-from worker.frames import Priority
-from worker.kafka.client import client_properties
+from worker.frames import TP, Priority
+from worker.kafka.roles import admin_client, frame_peeker
 from worker.schemas import MessageDecodeError, read_frame_record
 
-TP = tuple[str, int]
 # Exit code when a --fail-above threshold is exceeded (0: within; 2: an operator error, as for every command).
 EXIT_ABOVE_THRESHOLD = 3
 OTHER_CLASS = "other"
 ADMIN_TIMEOUT_S = 30.0
 DEFAULT_AGE_TIMEOUT_S = 5.0
-# librdkafka wants a group id for the frame reader; partitions are assigned, so no group is joined or committed.
-READER_GROUP = "streamfer-lag-reader"
 
 
 class LagReadError(OperatorError):
@@ -237,8 +233,7 @@ def state_name(state: Any) -> str:
 def read_lag(settings: Settings, groups: list[str], classes: set[str] | None = None, read_age: bool = True,
              age_timeout_s: float = DEFAULT_AGE_TIMEOUT_S, now: Callable[[], float] = time.time) -> LagReport:
     """The lag of `groups` on the worker's input topics and on whatever else each group committed or owns."""
-    conf: dict[str, Any] = {**client_properties(settings.kafka), "log_level": 3}
-    admin = AdminClient(conf)
+    admin = admin_client(settings.kafka)
     priorities = {topic: prio.label for topic, prio in settings.topics.input_topics().items()}
     try:
         md = admin.list_topics(timeout=ADMIN_TIMEOUT_S)
@@ -294,11 +289,7 @@ def _pending(settings: Settings, rows: Iterable[PartitionLag], timeout_s: float)
     out: dict[TP, Pending] = {}
     if not lagging:
         return out
-    consumer = KafkaConsumer({**client_properties(settings.kafka), "group.id": READER_GROUP,
-                              "enable.auto.commit": False, "isolation.level": "read_committed",
-                              "enable.partition.eof": True, "log_level": 3,
-                              # One message per partition is wanted: fetch little ahead.
-                              "fetch.message.max.bytes": 65536, "queued.max.messages.kbytes": 4096})
+    consumer = frame_peeker(settings.kafka)
     try:
         consumer.assign([TopicPartition(t, p, offset if offset >= 0 else OFFSET_BEGINNING)
                          for (t, p), offset in lagging.items()])

@@ -6,6 +6,7 @@ It is the real broker: consumer groups, transactions and rebalances behave as in
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -18,10 +19,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from confluent_kafka.admin import AclBinding, AclBindingFilter, AdminClient
+
+    from worker.config import KafkaSettings
+    from worker.kafka.client import Cluster
 
 log = logging.getLogger(__name__)
 
@@ -154,22 +158,33 @@ class LocalKafka:
         """A file holding the SCRAM password of `user` (for kafka.sasl_password_file)."""
         return self.state_dir / "secrets" / f"{user}.password"
 
+    def kafka_settings(self, user: str = ADMIN_USER, mechanism: str = "SCRAM-SHA-512") -> KafkaSettings:
+        """The [kafka] settings that reach this broker as `user`, passwords by file (as the worker's are)."""
+        from worker.config import KafkaSettings
+
+        st = self.state()
+        if st is None:
+            raise LocalKafkaError("the local broker has never been started")
+        k = KafkaSettings(bootstrap_servers=st.bootstrap_servers)
+        if self.security == "plaintext":
+            return k
+        fields: dict[str, Any] = {"security_protocol": self.security.upper()}
+        if self.security.startswith("sasl"):
+            fields.update(sasl_mechanism=mechanism, sasl_username=user,
+                          sasl_password_file=str(self.password_file(user)))
+        if self.security.endswith("ssl"):
+            fields["ssl_ca_location"] = str(self.tls_dir / "ca.pem")
+        if self.security == "ssl":
+            fields.update(ssl_certificate_location=str(self.tls_dir / f"{user}.pem"),
+                          ssl_key_location=str(self.tls_dir / f"{user}.key"),
+                          ssl_key_password_file=str(self.tls_dir / f"{user}.key.password"))
+        return dataclasses.replace(k, **fields)
+
     def client_properties(self, user: str = ADMIN_USER, mechanism: str = "SCRAM-SHA-512") -> dict[str, str]:
         """librdkafka properties that reach this broker as `user` (bootstrap.servers not included)."""
-        props: dict[str, str] = {}
-        if self.security == "plaintext":
-            return props
-        props["security.protocol"] = self.security.upper()
-        if self.security.startswith("sasl"):
-            props.update({"sasl.mechanism": mechanism, "sasl.username": user,
-                          "sasl.password": self.password_file(user).read_text().strip()})
-        if self.security.endswith("ssl"):
-            props["ssl.ca.location"] = str(self.tls_dir / "ca.pem")
-        if self.security == "ssl":
-            props.update({"ssl.certificate.location": str(self.tls_dir / f"{user}.pem"),
-                          "ssl.key.location": str(self.tls_dir / f"{user}.key"),
-                          "ssl.key.password": (self.tls_dir / f"{user}.key.password").read_text().strip()})
-        return props
+        from worker.kafka.client import security_properties
+
+        return security_properties(self.kafka_settings(user, mechanism))
 
     def worker_env(self, user: str = WORKER_USER, mechanism: str = "SCRAM-SHA-512") -> dict[str, str]:
         """WORKER_KAFKA_* settings that reach this broker as `user`, passwords by file (never by value)."""
@@ -189,12 +204,10 @@ class LocalKafka:
         return env
 
     def admin(self) -> AdminClient:
-        from confluent_kafka.admin import AdminClient
+        """An admin client as the super user `admin`."""
+        from worker.kafka.roles import admin_client
 
-        st = self.state()
-        if st is None:
-            raise LocalKafkaError("the local broker has never been started")
-        return AdminClient({"bootstrap.servers": st.bootstrap_servers, "log_level": 0, **self.client_properties()})
+        return admin_client(self.kafka_settings(), log_level=0)
 
     # -- ACLs and users ----------------------------------------------------------------------------------
     def create_acls(self, acls: list[AclBinding], timeout_s: float = 30.0) -> None:
@@ -291,9 +304,8 @@ class LocalKafka:
                          security=self.security, pids=pids, ports=ports, controller_ports=cports,
                          internal_ports=iports)
         self._state_file.write_text(json.dumps(st.__dict__))
-        wait_until_ready(st.bootstrap_servers, timeout_s, alive=lambda: all(p.poll() is None for p in procs.values()),
-                         log_file=self.node_log_file(min(procs) if procs else 1),
-                         properties=self.client_properties(), brokers=self.nodes)
+        wait_until_ready(self.kafka_settings(), timeout_s, alive=lambda: all(p.poll() is None for p in procs.values()),
+                         log_file=self.node_log_file(min(procs) if procs else 1), brokers=self.nodes)
         log.info("local kafka ready at %s (pids %s, security %s)", st.bootstrap_servers, pids, self.security)
         return st
 
@@ -441,13 +453,14 @@ class LocalKafka:
             os.chmod(d / name, 0o600)
 
 
-def wait_until_ready(bootstrap: str, timeout_s: float, alive: Callable[[], bool] = lambda: True,
-                     log_file: Path | None = None, properties: dict[str, str] | None = None,
-                     brokers: int = 1) -> None:
+def wait_until_ready(cluster: Cluster, timeout_s: float, alive: Callable[[], bool] = lambda: True,
+                     log_file: Path | None = None, brokers: int = 1) -> None:
     """Wait until `brokers` nodes answer a metadata request, failing fast if a process died."""
-    from confluent_kafka.admin import AdminClient
+    from worker.kafka.client import bootstrap_of
+    from worker.kafka.roles import admin_client
 
-    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0, **(properties or {})})
+    bootstrap = bootstrap_of(cluster)
+    admin = admin_client(cluster, log_level=0)
     deadline = time.monotonic() + timeout_s
     last_error: Exception | None = None
     while time.monotonic() < deadline:

@@ -18,6 +18,7 @@ from worker.frames import Encoding, Priority
 
 if TYPE_CHECKING:
     from worker.schemas import FrameRecord
+    from worker.tracing.producer import FrameSendTracing
 
 log = logging.getLogger("worker")
 
@@ -25,7 +26,6 @@ log = logging.getLogger("worker")
 def produce(args: argparse.Namespace, settings: Settings) -> int:
     """`worker produce`: synthetic frames, a folder, recordings or live cameras to an input topic."""
     from worker.kafka.access import probe_reachable
-    from worker.kafka.client import security_properties
     from worker.tools.cameras import is_live_source
     from worker.tools.publish_frames import (
         ProducerInputError,
@@ -70,8 +70,14 @@ def produce(args: argparse.Namespace, settings: Settings) -> int:
                                       tenants)
         probe_reachable(settings)
         encode = _frame_encoder(args, settings)
-        report = publish(settings.kafka.bootstrap_servers, topic, frames, args.rate, keep_capture_ts=keep_capture_ts,
-                         progress=progress, properties=security_properties(settings.kafka), encode=encode)
+        traced = _send_tracing(args, settings)
+        try:
+            report = publish(settings.kafka, topic, frames, args.rate, keep_capture_ts=keep_capture_ts,
+                             progress=progress, encode=encode,
+                             headers=traced.headers if traced is not None else None)
+        finally:
+            if traced is not None:
+                traced.shutdown()
         if progress is not None:
             print(file=sys.stderr)  # ends the progress line
     except ProducerInputError as exc:
@@ -82,14 +88,22 @@ def produce(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _send_tracing(args: argparse.Namespace, settings: Settings) -> FrameSendTracing | None:
+    """With --traceparent: each frame's `send` span and header (OpenTelemetry imported only then)."""
+    if not args.traceparent:
+        return None
+    from worker.tracing.producer import FrameSendTracing
+
+    return FrameSendTracing(settings)
+
+
 def _produce_live(args: argparse.Namespace, settings: Settings, topic: str, priority: Priority, encoding: Encoding,
                   run_id: str, tenant: str) -> int:
     """Live cameras: each read on its own thread, reconnected when it fails, its freshest frames sent as they
     are read (worker/tools/cameras.py); runs until SIGTERM/SIGINT (or --count frames per camera)."""
     from worker.kafka.access import probe_reachable
-    from worker.kafka.client import security_properties
     from worker.tools.cameras import (
-        LIVE_PRODUCER_PROPERTIES,
+        LIVE_QUEUE_MAX_KBYTES,
         Backoff,
         CameraState,
         FrameFormat,
@@ -139,9 +153,14 @@ def _produce_live(args: argparse.Namespace, settings: Settings, topic: str, prio
             next_summary[0] = time.monotonic() + args.summary_every
             log.info("cameras: %s", json.dumps(cameras.summary()))
 
-    report = publish(settings.kafka.bootstrap_servers, topic, cameras.start().frames(), keep_capture_ts=True,
-                     progress=progress, encode=encode,
-                     properties={**security_properties(settings.kafka), **LIVE_PRODUCER_PROPERTIES})
+    traced = _send_tracing(args, settings)
+    try:
+        report = publish(settings.kafka, topic, cameras.start().frames(), keep_capture_ts=True,
+                         progress=progress, encode=encode, queue_max_kbytes=LIVE_QUEUE_MAX_KBYTES,
+                         headers=traced.headers if traced is not None else None)
+    finally:
+        if traced is not None:
+            traced.shutdown()
     summary = cameras.summary()
     print(json.dumps({"topic": topic, "run_id": run_id, "sent": report.sent, "acknowledged": report.acknowledged,
                       "seconds": round(report.seconds, 3), "cameras": summary}), flush=True)

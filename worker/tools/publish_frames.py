@@ -14,15 +14,17 @@ import itertools
 import random
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka import KafkaError, KafkaException
 
-from worker.frames import Encoding, Priority
+from worker.frames import Encoding, Headers, Priority
+from worker.kafka.client import Cluster
+from worker.kafka.roles import frame_producer
 from worker.kafka.topics import topic_message_limits
 from worker.schemas import FrameRecord, encode_frame
 
@@ -32,8 +34,6 @@ IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp"}
 DEFAULT_JPEG_QUALITY = 85
 # Bytes a record adds to its value in a Kafka record batch (batch header, record header, key), rounded up.
 RECORD_OVERHEAD_BYTES = 256
-# librdkafka's own default message.max.bytes / batch.size; the producer raises them only for larger frames.
-LIBRDKAFKA_DEFAULT_MESSAGE_MAX_BYTES = 1_000_000
 
 
 class ProducerInputError(ValueError):
@@ -223,18 +223,10 @@ def paced(frames: Iterable[FrameRecord], clock: Callable[[], float] = time.time,
         yield rec
 
 
-# Frame producers: idempotent (a retry never duplicates a frame), small linger, compressed.
-FRAME_PRODUCER_CONFIG = {"enable.idempotence": True, "linger.ms": 5, "compression.type": "lz4"}
-
-
-def frame_producer(bootstrap_servers: str, logger: Any = None, max_message_bytes: int | None = None,
-                   properties: Mapping[str, str] | None = None) -> Producer:
-    """A frame producer; `max_message_bytes` (the largest topic limit it sends to) raises librdkafka's own
-    request limit so one large frame is not refused locally, while batches stay within the topic's limit."""
-    conf: dict[str, Any] = {"bootstrap.servers": bootstrap_servers, **(properties or {}), **FRAME_PRODUCER_CONFIG}
-    if max_message_bytes and max_message_bytes > LIBRDKAFKA_DEFAULT_MESSAGE_MAX_BYTES:
-        conf["message.max.bytes"] = max_message_bytes + RECORD_OVERHEAD_BYTES
-    return Producer(conf, logger=logger) if logger is not None else Producer(conf)
+def frame_message_limit(topic_limit: int | None) -> int | None:
+    """The frame producer's own message limit for a topic taking `topic_limit` bytes a record: room for the
+    largest frame the topic takes, which check_frame_fits measures with the same overhead."""
+    return None if topic_limit is None else topic_limit + RECORD_OVERHEAD_BYTES
 
 
 def check_frame_fits(rec: FrameRecord, value: bytes, topic: str, limit: int | None) -> None:
@@ -272,18 +264,20 @@ class PublishReport:
         return self.send_delays_ms[-1] if self.send_delays_ms else 0.0
 
 
-def send_frames(producer: Producer, frames: Iterable[FrameRecord], topic_of: Callable[[FrameRecord], str],
+def send_frames(producer: Any, frames: Iterable[FrameRecord], topic_of: Callable[[FrameRecord], str],
                 rate_fps: float | None = None, stop: Callable[[], bool] = lambda: False,
                 clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
                 keep_capture_ts: bool = False, limits: dict[str, int] | None = None,
                 progress: Callable[[int, int], None] | None = None,
-                encode: Callable[[FrameRecord, str], bytes] | None = None) -> PublishReport:
+                encode: Callable[[FrameRecord, str], bytes] | None = None,
+                headers: Callable[[FrameRecord, str], Headers] | None = None) -> PublishReport:
     """Produce frames as fast as possible, or open loop at `rate_fps`: frame i is due at start + i / rate, and
     its `capture_ts_ms` is that *intended* time, so a late send (generator or broker hiccup) shows up in the
     end-to-end latency instead of hiding it (no coordinated omission). With `keep_capture_ts` the records'
     own capture times are sent (video: the stream's timestamps). A frame over its topic's limit in `limits`
     raises FrameTooLargeError. `progress(sent, acknowledged)` is called about once a second. `encode(frame, topic)`
-    makes each message (default: a plain Avro body; worker.kafka.registry.FrameSerializer: registry-framed).
+    makes each message (default: a plain Avro body; worker.kafka.registry.FrameSerializer: registry-framed);
+    `headers(frame, topic)` its headers (worker.tracing.producer.FrameSendTracing: a `traceparent`).
     Waits for every acknowledgement."""
     errors: list[str] = []
     acked = [0]
@@ -314,7 +308,8 @@ def send_frames(producer: Producer, frames: Iterable[FrameRecord], topic_of: Cal
         check_frame_fits(rec, value, topic, (limits or {}).get(topic))
         while True:
             try:
-                producer.produce(topic, key=rec.stream_id.encode(), value=value, on_delivery=delivered)
+                producer.produce(topic, key=rec.stream_id.encode(), value=value, on_delivery=delivered,
+                                 headers=list(headers(rec, topic)) if headers is not None else None)
                 break
             except BufferError:
                 producer.poll(0.05)  # local queue full: serve acknowledgements to make room
@@ -345,19 +340,21 @@ def _delivery_error(err: KafkaError) -> str:
     return f"{err.str()}: {_TOO_LARGE_FIX}" if err.code() == KafkaError.MSG_SIZE_TOO_LARGE else err.str()
 
 
-def publish(bootstrap_servers: str, topic: str, frames: Iterable[FrameRecord], rate_fps: float | None = None,
+def publish(cluster: Cluster, topic: str, frames: Iterable[FrameRecord], rate_fps: float | None = None,
             clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
             keep_capture_ts: bool = False, progress: Callable[[int, int], None] | None = None,
-            properties: Mapping[str, str] | None = None,
-            encode: Callable[[FrameRecord, str], bytes] | None = None) -> PublishReport:
+            encode: Callable[[FrameRecord, str], bytes] | None = None,
+            queue_max_kbytes: int | None = None,
+            headers: Callable[[FrameRecord, str], Headers] | None = None) -> PublishReport:
     """Publish frames to one topic with a producer of their own (see send_frames), refusing frames larger than
-    the topic's max.message.bytes. `properties`: librdkafka security properties (worker.kafka.client)."""
-    limits = topic_message_limits(bootstrap_servers, [topic], properties=properties)
-    producer = frame_producer(bootstrap_servers, max_message_bytes=limits.get(topic), properties=properties)
+    the topic's max.message.bytes. `queue_max_kbytes`: bound the producer's local queue (live cameras)."""
+    limits = topic_message_limits(cluster, [topic])
+    producer = frame_producer(cluster, frame_message_limit(limits.get(topic)), queue_max_kbytes)
     # Connect before the clock starts, so the producer's own start-up is not charged to the frames' latency.
     producer.list_topics(topic, timeout=30)
     return send_frames(producer, frames, lambda _rec: topic, rate_fps, clock=clock, sleep=sleep,
-                       keep_capture_ts=keep_capture_ts, limits=limits, progress=progress, encode=encode)
+                       keep_capture_ts=keep_capture_ts, limits=limits, progress=progress, encode=encode,
+                       headers=headers)
 
 
 def random_run_id() -> str:

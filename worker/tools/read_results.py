@@ -1,16 +1,19 @@
 """Reading moderation results (and dead letters) back: for `worker results`, the demo and the tests'
-verifier. Reads committed messages only, from the beginning of every partition, without joining a group.
+verifier. Reads committed messages only, from the beginning of every partition, without joining a group
+(worker.kafka.roles.result_reader), with the [kafka] settings given, or from a bare bootstrap address.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, KafkaError, TopicPartition
 
+from worker.kafka.client import Cluster
+from worker.kafka.roles import result_reader
 from worker.schemas import decode_result
 
 
@@ -21,28 +24,20 @@ class DeadLetterRecord:
     headers: dict[str, str]
 
 
-def _consumer(bootstrap_servers: str, topic: str, properties: Mapping[str, str] | None = None) -> Consumer:
-    consumer = Consumer({
-        **(properties or {}),  # security (worker.kafka.client.security_properties)
-        "bootstrap.servers": bootstrap_servers,
-        "group.id": "streamfer-reader",  # required by librdkafka; never used: partitions are assigned
-        "enable.auto.commit": False,
-        "isolation.level": "read_committed",
-        "enable.partition.eof": True,
-    })
+def _consumer(cluster: Cluster, topic: str) -> Any:
+    consumer = result_reader(cluster)
     md = consumer.list_topics(topic, timeout=10)
     partitions = md.topics[topic].partitions if topic in md.topics else {}
     consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
     return consumer
 
 
-def iter_messages(bootstrap_servers: str, topic: str, count: int | None = None, idle_timeout_s: float = 5.0,
-                  follow: bool = False, timeout_s: float | None = None,
-                  properties: Mapping[str, str] | None = None) -> Iterator[Any]:
+def iter_messages(cluster: Cluster, topic: str, count: int | None = None, idle_timeout_s: float = 5.0,
+                  follow: bool = False, timeout_s: float | None = None) -> Iterator[Any]:
     """Yield raw messages until `count` are read, or (unless `follow`) all partitions hit their end and
     nothing new came for `idle_timeout_s`. Raises TimeoutError after `timeout_s` in total."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    consumer = _consumer(bootstrap_servers, topic, properties)
+    consumer = _consumer(cluster, topic)
     n_parts = len(consumer.assignment())
     at_end: set[int] = set()
     seen = 0
@@ -70,21 +65,20 @@ def iter_messages(bootstrap_servers: str, topic: str, count: int | None = None, 
         consumer.close()
 
 
-def read_results(bootstrap_servers: str, topic: str = "moderation.results", count: int | None = None,
+def read_results(cluster: Cluster, topic: str = "moderation.results", count: int | None = None,
                  idle_timeout_s: float = 5.0, until: Callable[[list[dict[str, Any]]], bool] | None = None,
-                 timeout_s: float = 120.0, properties: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+                 timeout_s: float = 120.0) -> list[dict[str, Any]]:
     """All decoded results; stops early once `until(results)` is true, raises TimeoutError past timeout_s."""
     out: list[dict[str, Any]] = []
-    for msg in iter_messages(bootstrap_servers, topic, count, idle_timeout_s, follow=until is not None,
-                             timeout_s=timeout_s, properties=properties):
+    for msg in iter_messages(cluster, topic, count, idle_timeout_s, follow=until is not None, timeout_s=timeout_s):
         out.append(decode_result(msg.value()))
         if until is not None and until(out):
             break
     return out
 
 
-def read_dead_letters(bootstrap_servers: str, topic: str = "frames.dlq", idle_timeout_s: float = 3.0,
-                      properties: Mapping[str, str] | None = None) -> list[DeadLetterRecord]:
+def read_dead_letters(cluster: Cluster, topic: str = "frames.dlq", idle_timeout_s: float = 3.0
+                      ) -> list[DeadLetterRecord]:
     return [DeadLetterRecord(key=m.key(), value=m.value() or b"",
                              headers={k: (v or b"").decode(errors="replace") for k, v in (m.headers() or [])})
-            for m in iter_messages(bootstrap_servers, topic, None, idle_timeout_s, properties=properties)]
+            for m in iter_messages(cluster, topic, None, idle_timeout_s)]

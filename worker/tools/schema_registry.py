@@ -136,6 +136,13 @@ class LocalSchemaRegistry:
         """The Confluent-API base URL clients take (schema_registry.url)."""
         return f"http://127.0.0.1:{self.port}{CCOMPAT_PATH}"
 
+    @property
+    def pid(self) -> int:
+        """The running registry's process id (a test freezes it with SIGSTOP to play an outage)."""
+        if self._proc is None:
+            raise SchemaRegistryError("the registry is not running")
+        return self._proc.pid
+
     def start(self, timeout_s: float = START_TIMEOUT_S) -> str:
         java = find_java()
         if java is None:

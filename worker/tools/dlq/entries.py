@@ -33,14 +33,12 @@ from worker.frames import (
     SourceRef,
     replay_count_of,
 )
-from worker.kafka.client import client_properties
+from worker.kafka.roles import dead_letter_reader
 from worker.schemas import MessageDecodeError, read_frame_record
 
 log = logging.getLogger(__name__)
 
 LEDGER_SUFFIX = ".replayed"
-# librdkafka wants a group id; partitions are assigned, so the group is never joined and nothing is committed.
-READER_GROUP = "streamfer-dlq-reader"
 # How long a read may go without a message or an end-of-partition event before it is given up as stuck.
 READ_IDLE_TIMEOUT_S = 30.0
 DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d)$")
@@ -208,19 +206,12 @@ def is_replayed(ledger: dict[str, int], e: DeadLetterEntry) -> bool:
 
 
 # -- reading topics -------------------------------------------------------------------------------------------
-def reader(settings: Settings) -> Consumer:
-    return Consumer({**client_properties(settings.kafka), "group.id": READER_GROUP, "enable.auto.commit": False,
-                     "isolation.level": "read_committed", "enable.partition.eof": True, "log_level": 3,
-                     # Dead letters carry frames: keep what is fetched ahead small.
-                     "queued.max.messages.kbytes": 16384})
-
-
 def read_to_end(settings: Settings, topic: str, since_ms: int | None = None,
                 idle_timeout_s: float = READ_IDLE_TIMEOUT_S, missing_ok: bool = False) -> Iterator[Any]:
     """Every committed message of `topic` from the first at or after `since_ms` (all without it) up to the end
     each partition had when the read started. Raises DeadLetterToolError when the topic does not exist (unless
     `missing_ok`) or a partition stops answering."""
-    consumer = reader(settings)
+    consumer = dead_letter_reader(settings.kafka)
     try:
         md = consumer.list_topics(topic, timeout=30)
         meta = md.topics.get(topic)
@@ -307,7 +298,7 @@ class RetentionCheck:
         tp = source.topic_partition
         if tp not in self._low:
             if self._consumer is None:
-                self._consumer = reader(self._settings)
+                self._consumer = dead_letter_reader(self._settings.kafka)
             try:
                 low, high = self._consumer.get_watermark_offsets(TopicPartition(*tp), timeout=30)
             except KafkaException:  # the topic or partition is gone

@@ -18,8 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from worker.config import Settings
 from worker.errors import StreamferError
@@ -32,7 +31,13 @@ from worker.frames import (
     Headers,
     SourceRef,
 )
-from worker.kafka.client import client_properties, security_properties
+from worker.kafka.roles import (
+    LIBRDKAFKA_DEFAULT_MESSAGE_MAX_BYTES,
+    RECORD_FRAMING_HEADROOM_BYTES,
+    admin_client,
+    dead_letter_reader,
+    transactional_producer,
+)
 from worker.kafka.topics import ensure_topics, topic_message_limits
 from worker.schemas import MessageDecodeError, read_frame_record
 from worker.tools.dlq.entries import (
@@ -45,7 +50,6 @@ from worker.tools.dlq.entries import (
     ledger_topic,
     message_headers,
     read_ledger,
-    reader,
     replay_selection,
 )
 
@@ -57,9 +61,9 @@ ORIGINAL_READ_TIMEOUT_S = 10.0
 CHUNK_FRAMES = 500
 CHUNK_BYTES = 32 * 1024 * 1024
 TRANSACTION_CALL_TIMEOUT_S = 60.0
-# What a record adds to its key, value and headers in a record batch, so a frame that passes here fits the topic.
-RECORD_HEADROOM_BYTES = 512
-LIBRDKAFKA_DEFAULT_MESSAGE_MAX_BYTES = 1_000_000
+# How long the broker lets a replay transaction stay open (librdkafka's default): a chunk's reads of original
+# frames (up to ORIGINAL_READ_TIMEOUT_S each) happen inside it.
+TRANSACTION_TIMEOUT_MS = 60_000
 
 
 # `worker dlq replay`'s exit code when a replay transaction failed (what it held was not published).
@@ -221,7 +225,7 @@ class OriginalReader:
     """Reads the frame an OutputRejected dead letter points at from its input topic, while it is retained."""
 
     def __init__(self, settings: Settings, timeout_s: float = ORIGINAL_READ_TIMEOUT_S) -> None:
-        self._consumer = reader(settings)
+        self._consumer = dead_letter_reader(settings.kafka)
         self._timeout_s = timeout_s
 
     def read(self, source: SourceRef) -> Original | str:
@@ -266,16 +270,14 @@ class _Publisher:
     def __init__(self, settings: Settings, max_message_bytes: int) -> None:
         dlq = settings.topics.dead_letter
         self.ledger = ledger_topic(dlq)
-        conf: dict[str, Any] = {
-            **client_properties(settings.kafka), "enable.idempotence": True, "acks": "all",
-            # One id per dead-letter topic: a second replay of the same topic fences the first (its open
-            # transaction is aborted), so two replays never interleave.
-            "transactional.id": f"{settings.delivery.transactional_id_prefix}-dlq-replay.{dlq}",
-            "message.max.bytes": max(LIBRDKAFKA_DEFAULT_MESSAGE_MAX_BYTES, max_message_bytes),
-            "linger.ms": 5, "log_level": 3}
-        conf.update(settings.kafka.producer_overrides)
-        self.max_message_bytes = int(conf["message.max.bytes"])
-        self._producer = Producer(conf)
+        record_limit = max(LIBRDKAFKA_DEFAULT_MESSAGE_MAX_BYTES, max_message_bytes)
+        # One id per dead-letter topic: a second replay of the same topic fences the first (its open transaction
+        # is aborted), so two replays never interleave.
+        self._producer = transactional_producer(
+            settings.kafka, f"{settings.delivery.transactional_id_prefix}-dlq-replay.{dlq}", "streamfer-dlq-replay",
+            TRANSACTION_TIMEOUT_MS, record_limit)
+        # The largest message (key, value and headers) the producer takes: the record limit less the framing.
+        self.max_message_bytes = record_limit - RECORD_FRAMING_HEADROOM_BYTES
         self._producer.init_transactions(TRANSACTION_CALL_TIMEOUT_S)
         self._open = False
         self.pending: list[ReplayItem] = []
@@ -328,23 +330,16 @@ class _Publisher:
         self._producer.flush(10)
 
 
-def _admin_properties(settings: Settings) -> dict[str, str]:
-    """The security properties, and librdkafka's informational logs off (they would land in the command's output)."""
-    return {**security_properties(settings.kafka), "log_level": "3"}
-
-
 def _ensure_ledger(settings: Settings) -> None:
     """Create the ledger topic (compacted: one record per replayed dead letter) like the dead-letter topic."""
     dlq = settings.topics.dead_letter
-    conf: dict[str, Any] = {**client_properties(settings.kafka)}
-    md = AdminClient(conf).list_topics(timeout=30)
+    md = admin_client(settings.kafka).list_topics(timeout=30)
     if ledger_topic(dlq) in md.topics:
         return
     replicas = len(md.topics[dlq].partitions[0].replicas) if dlq in md.topics and md.topics[dlq].partitions else 1
     try:
-        ensure_topics(settings.kafka.bootstrap_servers, [ledger_topic(dlq)], partitions=1, replication=replicas,
-                      configs={ledger_topic(dlq): {"cleanup.policy": "compact"}},
-                      properties=_admin_properties(settings))
+        ensure_topics(settings.kafka, [ledger_topic(dlq)], partitions=1, replication=replicas,
+                      configs={ledger_topic(dlq): {"cleanup.policy": "compact"}})
     except KafkaException as exc:
         raise DeadLetterToolError(f"cannot create the replay ledger topic {ledger_topic(dlq)}: {exc.args[0].str()}; "
                                   "create it (cleanup.policy=compact, 1 partition) or grant CREATE on it",
@@ -393,11 +388,11 @@ def replay(settings: Settings, selection: Selection, target_topic: str | None = 
                 original = read
             message = replay_message(e, topic, original)
             topic_limit = limits.of(topic)
-            if message.size + RECORD_HEADROOM_BYTES > topic_limit:
+            if message.size + RECORD_FRAMING_HEADROOM_BYTES > topic_limit:
                 record(ReplayItem(e, "skipped", f"{message.size} bytes, over max.message.bytes of {topic} "
                                                 f"({topic_limit}): raise it (worker topics --max-frame-bytes)"))
                 continue
-            if publisher is not None and message.size + RECORD_HEADROOM_BYTES > publisher.max_message_bytes:
+            if publisher is not None and message.size > publisher.max_message_bytes:
                 record(ReplayItem(e, "skipped", f"{message.size} bytes, over this replay's producer limit "
                                                 f"({publisher.max_message_bytes}, the largest of the input topics'): "
                                                 f"replay {topic} with --topic {topic}"))
@@ -439,8 +434,7 @@ class _TopicLimits:
 
     def of(self, topic: str) -> int:
         if topic not in self._known:
-            found = topic_message_limits(self._settings.kafka.bootstrap_servers, [topic],
-                                         properties=_admin_properties(self._settings))
+            found = topic_message_limits(self._settings.kafka, [topic])
             if topic not in found:
                 raise DeadLetterToolError(f"cannot describe topic {topic} (missing, or no DESCRIBE_CONFIGS on it): "
                                           "frames are only replayed to topics that exist")

@@ -12,9 +12,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from worker.frames import TP
+
 log = logging.getLogger(__name__)
 
-TP = tuple[str, int]
 
 # Looking up committed offsets: how long one call may block the loop, how much of one poll the look-ups of
 # partitions waiting for theirs may take, and how often a partition whose committed offset could not be read is

@@ -56,7 +56,7 @@ _CLASSES = tuple(sorted(Priority))
 
 
 @dataclass(frozen=True)
-class IntakeDecision:
+class PriorityReadingDecision:
     """What the source should do now. `paused`: classes paused for a more urgent class's backlog (those reading
     their floor share are not in it); `floor_reading`: classes paused for priority that read their floor share
     now;
@@ -98,7 +98,7 @@ class _RecentCounts:
                 self._totals[i] -= n
 
 
-class PriorityIntake:
+class PriorityReading:
     """Decides the classes paused for priority (see the module docstring for the rules)."""
 
     def __init__(self, settings: BatchingSettings, clock: Callable[[], float]) -> None:
@@ -167,7 +167,7 @@ class PriorityIntake:
             if n:
                 self._near_deadline_at[p] = now
 
-    def decide(self, backlog: Mapping[Priority, int]) -> IntakeDecision:
+    def decide(self, backlog: Mapping[Priority, int]) -> PriorityReadingDecision:
         """The classes to pause for priority now, given each class's backlog in Kafka (frames)."""
         now = self._clock()
         self._roll_rate(now)
@@ -181,7 +181,7 @@ class PriorityIntake:
         servable = self._backlogged - unservable
         if not servable:
             self._floor_on.clear()
-            return IntakeDecision(unservable=unservable)
+            return PriorityReadingDecision(unservable=unservable)
         most_urgent = min(servable)
         lower = [p for p in _CLASSES if p > most_urgent]
         reads = self._floor_reads.totals(now)
@@ -201,8 +201,9 @@ class PriorityIntake:
                 shortfalls.append(shortfall)
         self._floor_on.intersection_update(lower)
         limit = max(self._min_frames, int(min(shortfalls))) if shortfalls else None
-        return IntakeDecision(paused=frozenset(lower) - self._floor_on, floor_reading=frozenset(self._floor_on),
-                              unservable=unservable, poll_limit=limit)
+        return PriorityReadingDecision(paused=frozenset(lower) - self._floor_on,
+                                       floor_reading=frozenset(self._floor_on), unservable=unservable,
+                                       poll_limit=limit)
 
     def _roll_rate(self, now: float) -> None:
         if self._window_start is None:

@@ -1,4 +1,4 @@
-"""The committed-position policy alone (worker.kafka.positions): which partitions wait, which are asked on a poll,
+"""The committed-position policy alone (worker.kafka.committed): which partitions wait, which are asked on a poll,
 when one is asked again, and what is reported; over a fake clock, no Kafka client."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-import worker.kafka.positions as positions_module
-from worker.kafka.positions import (
+import worker.kafka.committed as positions_module
+from worker.kafka.committed import (
     COMMITTED_LOOKUP_BUDGET_S,
     COMMITTED_RETRY_FIRST_S,
     COMMITTED_RETRY_MAX_S,
@@ -146,7 +146,7 @@ def test_an_unstarted_partition_is_retried_but_not_counted_as_unknown(positions:
 
 def test_each_kind_of_wait_is_logged_once_and_the_end_of_a_reported_wait_once(
         positions: CommittedPositions, clock: FakeClock, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="worker.kafka.positions")
+    caplog.set_level(logging.INFO, logger="worker.kafka.committed")
 
     def lines(test: Callable[[str], bool]) -> int:
         return sum(test(r.getMessage()) for r in caplog.records)

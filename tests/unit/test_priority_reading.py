@@ -1,5 +1,5 @@
-"""Reading by priority (worker.intake), the pure policy on a fake clock: which classes are paused so that a more
-urgent class's backlog in Kafka is read first, the floor the paused classes keep, and when a backlog is past
+"""Reading by priority (worker.priority_reading), the pure policy on a fake clock: which classes are paused so
+that a more urgent class's backlog in Kafka is read first, the floor the paused classes keep, and when a backlog is past
 saving."""
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ import pytest
 
 from worker.config import BatchingSettings, ClassSettings
 from worker.frames import Priority
-from worker.intake import (
+from worker.priority_reading import (
     BACKLOG_S,
     FLOOR_PERIOD_S,
     FLOOR_WINDOW_S,
     NEAR_DEADLINE,
     PERSIST_S,
     RATE_WINDOW_S,
-    IntakeDecision,
-    PriorityIntake,
+    PriorityReading,
+    PriorityReadingDecision,
 )
 from worker.testing import FakeClock
 
@@ -39,22 +39,22 @@ class Loop:
 
     def __init__(self, batching: BatchingSettings | None = None) -> None:
         self.clock = FakeClock()
-        self.intake = PriorityIntake(batching or settings(), self.clock)
-        self.decision = IntakeDecision()
+        self.policy = PriorityReading(batching or settings(), self.clock)
+        self.decision = PriorityReadingDecision()
 
     def turn(self, backlog: Mapping[Priority, int], read: Mapping[Priority, int] | None = None,
              drained: bool | None = False, late: Mapping[Priority, int] | None = None,
-             age_s: Mapping[Priority, float] | None = None) -> IntakeDecision:
-        self.decision = self.intake.decide(backlog)
+             age_s: Mapping[Priority, float] | None = None) -> PriorityReadingDecision:
+        self.decision = self.policy.decide(backlog)
         read = read or {}
         oldest = {p: self.clock.now - (age_s or {}).get(p, 0.0) for p in read if read[p]}
-        self.intake.record_read(read, late or {}, oldest, drained)
+        self.policy.record_read(read, late or {}, oldest, drained)
         self.clock.now += TURN_S
         return self.decision
 
     def turns(self, seconds: float, backlog: Mapping[Priority, int], read: Mapping[Priority, int] | None = None,
               drained: bool | None = False, late: Mapping[Priority, int] | None = None,
-              age_s: Mapping[Priority, float] | None = None) -> list[IntakeDecision]:
+              age_s: Mapping[Priority, float] | None = None) -> list[PriorityReadingDecision]:
         return [self.turn(backlog, read, drained, late, age_s) for _ in range(round(seconds / TURN_S))]
 
 
@@ -62,13 +62,13 @@ def measured(loop: Loop, rate: float) -> None:
     """Two busy rate windows reading a realtime backlog at `rate` messages a second."""
     per_turn = round(rate * TURN_S)
     loop.turns(2 * RATE_WINDOW_S + 2 * TURN_S, {RT: 100_000}, {RT: per_turn})
-    assert loop.intake.rate == pytest.approx(rate, rel=0.05)
+    assert loop.policy.rate == pytest.approx(rate, rel=0.05)
 
 
 def quiet(loop: Loop) -> None:
     """Turns with nothing in Kafka: every backlog is over."""
     loop.turns(0.1, {}, {}, drained=True)
-    assert loop.intake.backlogged == frozenset()
+    assert loop.policy.backlogged == frozenset()
 
 
 # -- what pauses, what does not -----------------------------------------------------------------------------------
@@ -77,8 +77,8 @@ def test_a_steady_stream_within_capacity_pauses_nothing() -> None:
     polls are no backlog."""
     loop = Loop()
     decisions = loop.turns(5.0, {RT: 40, STD: 60, BULK: 80}, {RT: 4, STD: 6, BULK: 8}, drained=True)
-    assert all(d == IntakeDecision() for d in decisions)
-    assert loop.intake.backlogged == frozenset()
+    assert all(d == PriorityReadingDecision() for d in decisions)
+    assert loop.policy.backlogged == frozenset()
 
 
 def test_a_realtime_backlog_while_the_worker_is_behind_pauses_standard_and_bulk() -> None:
@@ -86,7 +86,7 @@ def test_a_realtime_backlog_while_the_worker_is_behind_pauses_standard_and_bulk(
     decisions = loop.turns(PERSIST_S + 2 * TURN_S, {RT: 500, STD: 500, BULK: 500}, {RT: 50, STD: 50, BULK: 50})
     assert decisions[0].paused == frozenset()  # not before it has lasted PERSIST_S
     assert decisions[-1].paused == {STD, BULK}
-    assert loop.intake.backlogged >= {RT}
+    assert loop.policy.backlogged >= {RT}
 
 
 def test_a_backlog_that_the_next_poll_reads_is_no_backlog() -> None:
@@ -126,10 +126,10 @@ def test_the_threshold_is_a_batch_or_backlog_s_of_reading_at_the_measured_rate()
 def test_the_rate_is_measured_only_while_some_class_has_a_backlog() -> None:
     loop = Loop()
     loop.turns(3 * RATE_WINDOW_S, {RT: 0}, {RT: 10}, drained=True)  # 1000 frames/s arriving, no backlog
-    assert loop.intake.rate is None
+    assert loop.policy.rate is None
     measured(loop, 4_000)
     loop.turns(3 * RATE_WINDOW_S, {RT: 0}, {RT: 10}, drained=True)
-    assert loop.intake.rate == pytest.approx(4_000, rel=0.05)
+    assert loop.policy.rate == pytest.approx(4_000, rel=0.05)
 
 
 def test_polls_of_a_paused_consumer_neither_start_nor_end_a_spell_of_full_polls() -> None:
@@ -154,14 +154,14 @@ def shares_read(loop: Loop, seconds: float, backlog: Mapping[Priority, int], per
     """Turns in which every poll takes `per_turn` messages, of the classes not paused, as evenly as it can."""
     got = dict.fromkeys(Priority, 0)
     for _ in range(round(seconds / TURN_S)):
-        decision = loop.intake.decide(backlog)
+        decision = loop.policy.decide(backlog)
         reading = [p for p in Priority if p not in decision.paused and backlog.get(p, 0)]
         n = min(per_turn, decision.poll_limit or per_turn)
         read = {p: n // len(reading) for p in reading}
         for p, k in read.items():
             got[p] += k
         oldest = {p: loop.clock.now - (age_s or {}).get(p, 0.0) for p in read}
-        loop.intake.record_read(read, {}, oldest, False)
+        loop.policy.record_read(read, {}, oldest, False)
         loop.clock.now += TURN_S
     return got
 
@@ -209,7 +209,7 @@ def test_no_floor_while_a_more_urgent_class_expires_frames() -> None:
     measured(loop, 5_000)
     got = dict.fromkeys(Priority, 0)
     for _ in range(round(2 * FLOOR_WINDOW_S / TURN_S)):
-        loop.intake.record_expired({RT: 1})  # frames of it expire waiting for a batch
+        loop.policy.record_expired({RT: 1})  # frames of it expire waiting for a batch
         decision = loop.turn({RT: 100_000, BULK: 100_000}, {RT: 50})
         got[BULK] += BULK not in decision.paused
     assert got[BULK] == 0
