@@ -82,7 +82,7 @@ def test_the_executor_refuses_the_model_before_any_runner_when_graphs_are_to_be_
 
     runners = []
     monkeypatch.setattr(executor_module, "resolve_plan", graphs_planned)
-    monkeypatch.setattr(executor_module, "make_runner", lambda *a, **k: runners.append(a))
+    monkeypatch.setattr(executor_module, "make_engine_runner", lambda *a, **k: runners.append(a))
     with pytest.raises(ModelContractError, match=rf"Tensor.item at {FACTORIES}:{ITEM_LINE}"):
         InferenceExecutor.from_settings(ModelSettings(source=ITEM_MODEL), RuntimeSettings(device="cpu"))
     assert runners == []
@@ -221,10 +221,11 @@ def test_the_executor_checks_before_its_runners_exist_and_they_serve_after(monke
     """The order the rule relies on: from_settings runs the check before it builds any runner."""
     order: list[str] = []
     real_check = executor_module.check_host_syncs
-    real_make = executor_module.make_runner
+    real_make = executor_module.make_engine_runner
     monkeypatch.setattr(executor_module, "check_host_syncs",
                         lambda *a, **k: (order.append("check"), real_check(*a, **k))[1])
-    monkeypatch.setattr(executor_module, "make_runner", lambda *a, **k: (order.append("runner"), real_make(*a, **k))[1])
+    monkeypatch.setattr(executor_module, "make_engine_runner",
+                        lambda *a, **k: (order.append("runner"), real_make(*a, **k))[1])
     with InferenceExecutor.from_settings(ModelSettings(), RuntimeSettings(device="cpu", warmup_batches=1)):
         pass
     assert order == ["check", "runner"]

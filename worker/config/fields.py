@@ -15,7 +15,8 @@ from worker.errors import OperatorError
 ENV_PREFIX = "WORKER_"
 # The enumerated settings: checked once, when settings load; the rest of the code trusts them.
 DeliveryMode = Literal["at_least_once", "exactly_once"]
-Precision = Literal["fp32", "fp16", "bf16"]
+Precision = Literal["fp32", "fp16", "bf16", "int8"]
+Engine = Literal["auto", "torch", "onnxruntime"]
 LogFormat = Literal["text", "json"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 _SETTING_RE = re.compile(r"^[a-z_]+\.[a-z_.]+$")

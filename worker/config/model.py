@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from worker.config.fields import Precision, setting
+from worker.config.fields import Engine, Precision, setting
 
 MAX_PREPROCESS_THREADS = 256
 
@@ -103,6 +103,10 @@ class ModelSettings:
         "label (`batched_nms`)"))
     max_detections: int = setting(100, ge=1, unit="boxes", doc=(
         "`detections`: the most boxes kept per frame, highest scores first"))
+    int8_min_agreement: float = setting(0.99, ge=0, le=1, doc=(
+        "`runtime.precision = \"int8\"`: the least share of the sample photos' verdicts the quantised model must "
+        "give as fp32 does, measured at start-up (the largest score difference is logged); below it the worker "
+        "refuses to start"))
     run_if_model: str = setting("", range="a model declared before it in the set", doc=(
         "in a model set (`[models.<name>]`): run this model only on the frames where the earlier model named here "
         "scored `run_if_label` at or above `run_if_score` (a cascade); the frames it skips carry the reason in the "
@@ -162,8 +166,18 @@ MODEL_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 class RuntimeSettings:
     device: str = setting("auto", range="`auto`, `cpu`, `cuda`, `cuda:N`", doc=(
         "`auto` (cuda if available, else cpu), `cpu`, `cuda` (all GPUs), `cuda:N`"))
+    engine: Engine = setting("auto", doc=(
+        "what executes the model: `auto` (onnxruntime for an ONNX `model.source` (a `.onnx` file, `opennsfw`, "
+        "`nudenet`) on a CPU; torch everywhere else: on CUDA with CUDA graphs, and for TorchScript, `torch.export`, "
+        "factory and builtin models), `torch`, or `onnxruntime` (one CPU session per runner with `torch_threads` "
+        "intra-op threads and every graph optimisation; ONNX sources on a CPU only). On this project's 2-core AVX2 "
+        "machine onnxruntime ran open_nsfw 1.66x as fast as its onnx2torch conversion (issue 61). Same contract, "
+        "preprocessing and verdicts either way"))
     precision: Precision = setting("fp32", doc=(
-        "`fp32`, `fp16` (CUDA only) or `bf16` (autocast)"))
+        "`fp32`, `fp16` (CUDA only), `bf16` (autocast), or `int8` (onnxruntime on a CPU only: the ONNX model "
+        "statically quantised (QDQ), calibrated on the shipped sample photos and cached under `model.cache_dir` by "
+        "the file's hash; the worker refuses to start when its verdicts agree with fp32's on those photos less than "
+        "`model.int8_min_agreement`)"))
     cuda_graphs: bool = setting(True, doc=(
         "capture one CUDA graph per (batch bucket, shape) on CUDA, for the buckets a batch can reach (below), under a "
         "memory budget; a model whose forward reads device values on the host is then refused at start (the host-sync "
@@ -188,7 +202,8 @@ class RuntimeSettings:
         "frames of one batch are decoded in parallel across them (JPEG decode and resizing release the GIL). On a "
         "CPU-only machine the model's `torch_threads` share the same cores"))
     torch_threads: int = setting(0, ge=0, hint="0 = torch's default", doc=(
-        "CPU intra-op threads (0 = torch's default)"))
+        "CPU intra-op threads of the model, torch's or onnxruntime's session's (0 = torch's default, one per "
+        "physical core)"))
     instances_per_device: int = setting(1, ge=1, le=16, doc=(
         "runners (model copies, each with its own inference thread) per device; a batch goes to the least loaded one "
         "(1..16); the loop keeps `delivery.inflight_batches_per_runner` batches in flight for each (see \"Sizing "

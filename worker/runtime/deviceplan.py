@@ -132,13 +132,14 @@ def _bf16_ok(device: torch.device) -> bool:
         return torch.cuda.is_bf16_supported()
 
 
-def describe(plan: DevicePlan, kind: str) -> str:
+def describe(plan: DevicePlan, kind: str, engine: str = "torch") -> str:
     if plan.devices[0].type == "cpu":
         threads = torch.get_num_threads()
         where = f"cpu ({threads} thread{'' if threads == 1 else 's'})"
     else:
         names = sorted({torch.cuda.get_device_name(d) for d in plan.devices})
         where = f"{', '.join(str(d) for d in plan.devices)} ({', '.join(names)})"
-    mode = f"cuda graphs {list(plan.buckets)}" if plan.cuda_graphs else "eager"
+    mode = engine if engine != "torch" else (
+        f"torch cuda graphs {list(plan.buckets)}" if plan.cuda_graphs else "torch eager")
     decode = "frames decoded on the device" if plan.decode_on_device else "frames decoded on the host"
     return f"{where}, {plan.precision}, {mode}, {kind} model, {decode}"

@@ -41,13 +41,14 @@ from worker.runtime.deviceplan import (
     graph_memory,
     resolve_plan,
 )
+from worker.runtime.engine import load_engine_model, make_engine_runner
 from worker.runtime.hostsync import HostSync, check_host_syncs
-from worker.runtime.models import LoadedModel, ModelContract, load_model
+from worker.runtime.models import LoadedModel, ModelContract
 from worker.runtime.modelset import ModelSet
 from worker.runtime.preprocess import HostBatch, HostBuffers, Preprocessor, stage_to_device
 from worker.runtime.prioritypool import PriorityPool
 from worker.runtime.profiling import ProfileRequest
-from worker.runtime.runners import ModelRunner, make_runner
+from worker.runtime.runners import ModelRunner
 from worker.threadnames import name_os_thread
 
 if TYPE_CHECKING:
@@ -175,7 +176,8 @@ class InferenceExecutor:
                 runners = []
                 for m in settings:
                     # Each runner gets its own copy of its model, loaded and validated on its device.
-                    loaded = load_model(m, device)
+                    # issue 61: the engine per (device, model): onnxruntime for ONNX on a CPU, else torch.
+                    loaded = load_engine_model(m, runtime, device)
                     if not slots:  # every copy of a model is the same: checked and reported once
                         # Before any capture: refused when graphs are to be used, a warning otherwise.
                         host_syncs.extend(check_host_syncs(loaded, refuse=plan.cuda_graphs))
@@ -183,13 +185,14 @@ class InferenceExecutor:
                     policy, budget = graph_memory(memory.get(device), runtime)
                     # Every model's runners share the device's graph budget (worker.runtime.modelset).
                     budget = None if budget is None else budget // len(settings)
-                    runners.append(make_runner(loaded.module, loaded.contract, device, plan.precision,
-                                               plan.cuda_graphs, plan.buckets, runtime.warmup_batches, caps, policy,
-                                               budget, on_graph_evicted))
+                    runners.append(make_engine_runner(loaded.module, loaded.contract, device, plan.precision,
+                                                      plan.cuda_graphs, plan.buckets, runtime.warmup_batches, caps,
+                                                      policy, budget, on_graph_evicted))
                 slots.append(tuple(runners))
         return cls(slots, model_set, preprocess_thread_count(runtime), runtime.warmup_batches,
                    warmup_batch_size=max(runtime.graph_batch_sizes),
-                   device_description=describe(plan, "+".join(m.kind for m in first)),
+                   device_description=describe(plan, "+".join(m.kind for m in first),
+                                               "+".join(sorted({m.engine for m in first}))),
                    memory=[memory[r[0].device] for r in slots] if memory else (),
                    decode_on_device=plan.decode_on_device, loaded=first, host_syncs=host_syncs)
 
@@ -269,8 +272,11 @@ class InferenceExecutor:
     def _submit_to(self, slot: _Slot, frames: list[Frame], shape: tuple[int, int, int],
                    priority: Priority) -> concurrent.futures.Future[BatchOutcome]:
         """Queue the batch's preparation and inference on this runner. The caller holds the lock."""
+        # issue 61: an idle CPU runner prepares the batch on its own thread: nothing runs there to overlap with, and
+        # the hand-off through the preprocessing pool cost two thread wake-ups per batch at low load.
+        idle_cpu = slot.load == 0 and not self._device_memory  # no memory policy: the runners are on a CPU
         slot.load += len(frames)
-        if self._profile is not None and not self._profile.done.done():
+        if idle_cpu or (self._profile is not None and not self._profile.done.done()):
             # The torch profiler records only the thread it runs in: while recording, preprocessing runs on
             # the runner's thread so both stages are in the trace (those batches lose the overlap).
             prepared: concurrent.futures.Future[HostBatch] = concurrent.futures.Future()

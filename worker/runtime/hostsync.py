@@ -117,6 +117,8 @@ class HostSyncError(ModelContractError):
 def check_host_syncs(loaded: LoadedModel, refuse: bool) -> list[HostSync]:
     """Find host syncs in `loaded`'s forward; with `refuse` (CUDA graphs to be used) raise HostSyncError
     naming them, else log one warning. Returns the findings (empty for a model that can be captured)."""
+    if loaded.engine != "torch":  # issue 61: an onnxruntime session reads no device value; nothing to capture
+        return []
     findings = find_host_syncs(loaded.module, validation_input(loaded.contract, loaded.device))
     if not findings:
         return findings

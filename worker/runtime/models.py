@@ -98,6 +98,7 @@ class LoadedModel:
     kind: str  # "builtin", "onnx", "torchscript", "export" or "factory"
     device: torch.device
     load_seconds: float = 0.0  # reading / converting the model, before the start-up forward
+    engine: str = "torch"  # or "onnxruntime" (worker.runtime.engine): what executes `module`
 
 
 def load_model(settings: ModelSettings, device: torch.device | str = "cpu") -> LoadedModel:

