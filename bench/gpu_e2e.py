@@ -32,12 +32,12 @@ from worker.app import freeze_startup_heap
 from worker.config import ConfigError, Settings, load_settings
 from worker.frames import Encoding, Priority, SourceRef
 from worker.metrics import Health, Metrics
+from worker.photos import PHOTOS, photo
 from worker.pipeline import KafkaClients, RunSummary, build_pipeline
 from worker.runtime.start import start_runtime
 from worker.schemas import FrameRecord, decode_result, encode_frame
 from worker.testing import FakeConsumer, FakeProducer, FrameLedger
 from worker.tools.publish_frames import encode_pixels
-from worker.tools.sample_video import PHOTOS, photo
 
 if TYPE_CHECKING:  # a name only: host_cost.py runs this module against older trees, which lack it
     from worker.frames import TP

@@ -87,7 +87,7 @@ def jpeg_of(pixels: np.ndarray, kind: str) -> bytes:
 
 
 def photo_crop(width: int, height: int) -> np.ndarray:
-    from worker.tools.sample_video import PHOTOS, photo
+    from worker.photos import PHOTOS, photo
 
     pixels = photo(PHOTOS[0])
     return np.ascontiguousarray(pixels[:height, :width, :3])

@@ -41,6 +41,7 @@ from worker.batching import batch_shape
 from worker.config import Settings, load_settings
 from worker.frames import Encoding, Frame, Priority, SourceRef, Verdict
 from worker.metrics import Health, Metrics
+from worker.photos import PHOTOS, photo
 from worker.pipeline import build_pipeline
 from worker.reuse import Decision, FrameReuse
 from worker.runtime.decode import check_frame, decode_pixels
@@ -48,7 +49,6 @@ from worker.runtime.start import start_runtime
 from worker.schemas import FrameRecord, encode_frame
 from worker.testing import InMemoryKafka
 from worker.thumbnail import change, thumbnail
-from worker.tools.sample_video import PHOTOS, photo
 
 FPS = 25
 SIZE = (1280, 720)

@@ -25,6 +25,7 @@ import model_factories
 from worker.cli import main
 from worker.config import RuntimeSettings, load_settings
 from worker.frames import BatchOutcome, Encoding
+from worker.photos import PHOTOS, photo
 from worker.runtime import ModelContract, ModelContractError, start_runtime
 from worker.runtime import executor as executor_module
 from worker.runtime.deviceplan import DevicePlan
@@ -40,7 +41,6 @@ from worker.tools.check_model import (
     timed_sizes,
 )
 from worker.tools.publish_frames import DEFAULT_JPEG_QUALITY, encode_pixels
-from worker.tools.sample_video import PHOTOS, photo
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.jit.* is deprecated:FutureWarning")
 

@@ -117,7 +117,7 @@ def check_int8(fp32: Model, int8: Model, contract: ModelContract, min_agreement:
 def calibration_images(contract: ModelContract) -> list[CalibrationImage]:
     """The sample photos and their crops, preprocessed as the worker does (Preprocessor, then Normaliser)."""
     try:
-        from worker.tools.sample_video import PHOTOS, photo
+        from worker.photos import PHOTOS, photo
 
         photos = [(name, photo(name)) for name in PHOTOS]
     except ImportError as exc:

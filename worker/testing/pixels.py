@@ -31,8 +31,8 @@ def photo_frames(size: tuple[int, int], quality: int = 85) -> list[Frame]:
     """The scikit-image photos stretched to `size` (width, height), as JPEG frames at the producer's quality."""
     from PIL import Image
 
+    from worker.photos import photo
     from worker.tools.publish_frames import encode_pixels
-    from worker.tools.sample_video import photo
 
     frames = []
     for i, name in enumerate(EQUIVALENCE_PHOTOS):

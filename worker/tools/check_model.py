@@ -35,13 +35,13 @@ from worker.cascade import describe_outputs
 from worker.config import ModelSettings, Settings, load_settings, warmup_frame_shapes
 from worker.errors import EXIT_INTERNAL_ERROR, EXIT_OPERATOR_ERROR, OperatorError, StartError
 from worker.frames import Encoding, Frame, Priority, SourceRef
+from worker.photos import PHOTOS, photo
 from worker.runtime import InferenceExecutor, ModelContract
 from worker.runtime.engine import engine_of
 from worker.runtime.hostsync import HOST_SYNC_FIX, HostSync, HostSyncError
 from worker.runtime.start import start_runtime
 from worker.schemas import FrameRecord, MessageDecodeError, decode_frame, encode_frame
 from worker.tools.publish_frames import DEFAULT_JPEG_QUALITY, IMAGE_SUFFIXES, encode_pixels
-from worker.tools.sample_video import PHOTOS, photo
 
 EXIT_OK = 0
 EXIT_IMAGE_NOT_SCORED = 1

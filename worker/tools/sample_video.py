@@ -1,5 +1,5 @@
 """Short H.264 clips of real photos, made locally with PyAV from scikit-image's bundled public-domain photos
-(nothing is downloaded): the demo's and the tests' video input.
+(nothing is downloaded; worker.photos): the demo's and the tests' video input.
 
 Each photo is shown for `seconds_per_photo` as a slow pan across it, so consecutive frames differ like a
 camera's. Needs the `models` extra (av, scikit-image).
@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-# Photos in scikit-image's data package (no download): an astronaut, coffee, a cat, a rocket, a camera man.
-PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "camera")
+from worker.photos import PHOTOS, photo
+
 # The pan covers this much more than the frame, so each photo is seen moving.
 PAN_MARGIN = 1.25
 
@@ -30,14 +30,6 @@ class SampleClip:
 
     def photo_at(self, frame_index: int) -> str:
         return self.photos[min(len(self.photos) - 1, frame_index // self.frames_per_photo)]
-
-
-def photo(name: str) -> np.ndarray:
-    """A scikit-image photo as (height, width, 3) uint8 RGB (grey ones are repeated to RGB)."""
-    import skimage.data
-
-    img = np.asarray(getattr(skimage.data, name)())
-    return np.repeat(img[:, :, None], 3, axis=2) if img.ndim == 2 else img[:, :, :3]
 
 
 def photo_clip(path: Path, size: tuple[int, int] = (1280, 720), fps: int = 10, seconds_per_photo: float = 1.0,
