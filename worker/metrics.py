@@ -22,7 +22,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.samples import Exemplar
 
 from worker.config import Settings
-from worker.frames import DEAD_LETTER_ERROR_TYPES, Frame
+from worker.frames import DEAD_LETTER_ERROR_TYPES, Frame, Priority
 from worker.graphplan import PROCESS_CAPTURES, CaptureStop
 from worker.threadnames import name_os_thread
 
@@ -125,6 +125,9 @@ class Metrics:
                                      "Frames answered with an earlier frame's verdict of their stream, the picture "
                                      "unchanged (batching.<class>.reuse_max_age_ms), by class.", ["priority"],
                                      registry=r)
+        for priority in Priority:  # every class's series from the start, reuse on or off, as dashboards expect
+            self.frames_scored.labels(priority.label)
+            self.frames_reused.labels(priority.label)
         self.reuse_streams = Gauge("streamfer_reuse_streams",
                                    "Streams whose reference frame verdict reuse keeps (bounded, least recently seen "
                                    "dropped first).", registry=r)
