@@ -7,9 +7,11 @@ kafka-consumer-groups.sh --describe on the same group."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +21,13 @@ from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, C
 
 from tests.reliability.models import marked_pixels, unmarked_pixels
 from worker.cli import main
+from worker.config import load_settings
 from worker.frames import Encoding, Priority
+from worker.kafka.roles import transactional_producer
+from worker.kafka.topics import ensure_topics
 from worker.schemas import FrameRecord
 from worker.testing import FrameProducer, ResultsReader, TestTopics, end_offsets
+from worker.tools.dlq.entries import DeadLetterToolError, ledger_topic, read_ledger
 
 from .helpers import ledger, make_topics, start_worker, wait_for
 
@@ -125,6 +131,39 @@ def test_dead_letters_replayed_after_the_cause_is_fixed_are_scored_once_and_a_fr
     code, text = cli("dlq", "show", "--error-type", "FrameDecodeError")
     assert code == 0 and "at the replay limit (2, not replayed again): 2" in text
     assert set(ledger(reader.read_all(idle_timeout_s=1.0))) == ids(good)  # the broken frames never got a result
+
+
+# -- dlq replay: the ledger read waits for a transaction still completing on it -----------------------------
+def test_reading_the_ledger_waits_for_a_transaction_open_on_it_then_sees_its_records(kafka_bootstrap, unique, caplog):
+    """Kafka acknowledges a commit before its markers reach the ledger: a replay that starts right after another
+    would stop at the last stable offset, below the records just committed, and replay their dead letters again
+    (seen once in the round trip above). Held open here, the transaction stands for one still completing."""
+    topics = make_topics(kafka_bootstrap, unique, partitions=1)
+    kafka = {"bootstrap_servers": kafka_bootstrap, "group_id": topics.group}
+    settings = load_settings(env={}, overrides={**topics.overrides(), "kafka": kafka})
+    name = ledger_topic(topics.dead_letter)
+    ensure_topics(settings.kafka, [name], partitions=1)
+    writer = transactional_producer(settings.kafka, f"t{unique}-ledger-writer", "ledger writer", 60_000)
+    writer.init_transactions(30)
+
+    def replayed(coordinates: str, timestamp_ms: int) -> None:
+        writer.produce(name, key=coordinates.encode(), value=json.dumps({"dead_letter_timestamp_ms": timestamp_ms}))
+
+    writer.begin_transaction()
+    replayed("dlq/0@0", 10)
+    writer.commit_transaction(30)
+    writer.begin_transaction()
+    replayed("dlq/0@1", 11)
+    writer.flush(30)  # written, its transaction open
+    caplog.set_level(logging.INFO, logger="worker.tools.dlq.entries")
+    with ThreadPoolExecutor(1) as pool:
+        read = pool.submit(read_ledger, settings)
+        wait_for(lambda: read.done() or "waiting for a transaction" in caplog.text, 30, "the ledger read to wait")
+        assert not read.done(), f"the ledger read stopped below the open transaction's record: {read.result()}"
+        with pytest.raises(DeadLetterToolError, match=r"still open after 0.5s.*Stop that producer"):
+            read_ledger(settings, settle_timeout_s=0.5)
+        writer.commit_transaction(30)
+        assert read.result(timeout=30) == {"dlq/0@0": 10, "dlq/0@1": 11}
 
 
 # -- dlq replay: frames refused by reference ---------------------------------------------------------------

@@ -124,6 +124,15 @@ def offsets_reader(cluster: Cluster, group: str) -> Consumer:
     return new_client(Consumer, conf, "offsets reader")
 
 
+def uncommitted_end_reader(cluster: Cluster) -> Consumer:
+    """A consumer that only asks partitions' high watermarks as read_uncommitted: where the records end, open and
+    still-completing transactions' included (a read_committed consumer is told the last stable offset instead).
+    It never subscribes, reads or commits."""
+    conf = {**client_properties(cluster), "group.id": DEAD_LETTER_READER_GROUP, "enable.auto.commit": False,
+            "isolation.level": "read_uncommitted", "log_level": TOOL_LOG_LEVEL}
+    return new_client(Consumer, conf, "high watermark reader")
+
+
 # -- admin ------------------------------------------------------------------------------------------------------------
 def admin_client(cluster: Cluster, log_level: int = TOOL_LOG_LEVEL, logger: logging.Logger | None = None,
                  error_cb: Callable[[KafkaError], None] | None = None) -> AdminClient:

@@ -9,7 +9,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -33,7 +33,7 @@ from worker.frames import (
     SourceRef,
     replay_count_of,
 )
-from worker.kafka.roles import dead_letter_reader
+from worker.kafka.roles import dead_letter_reader, uncommitted_end_reader
 from worker.schemas import MessageDecodeError, read_frame_record
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,12 @@ log = logging.getLogger(__name__)
 LEDGER_SUFFIX = ".replayed"
 # How long a read may go without a message or an end-of-partition event before it is given up as stuck.
 READ_IDLE_TIMEOUT_S = 30.0
+# How long the broker lets a replay transaction stay open (librdkafka's default): a chunk's reads of original
+# frames (up to replay.ORIGINAL_READ_TIMEOUT_S each) happen inside it.
+REPLAY_TRANSACTION_TIMEOUT_MS = 60_000
+# How long reading the ledger waits for a transaction on it to complete: a replay's times out, and the broker
+# aborts it within its 10 s sweep (transaction.abort.timed.out.transaction.cleanup.interval.ms); a margin on top.
+LEDGER_SETTLE_TIMEOUT_S = REPLAY_TRANSACTION_TIMEOUT_MS / 1000 + 30
 DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d)$")
 UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
 
@@ -207,10 +213,12 @@ def is_replayed(ledger: dict[str, int], e: DeadLetterEntry) -> bool:
 
 # -- reading topics -------------------------------------------------------------------------------------------
 def read_to_end(settings: Settings, topic: str, since_ms: int | None = None,
-                idle_timeout_s: float = READ_IDLE_TIMEOUT_S, missing_ok: bool = False) -> Iterator[Any]:
+                idle_timeout_s: float = READ_IDLE_TIMEOUT_S, missing_ok: bool = False,
+                settle_timeout_s: float | None = None) -> Iterator[Any]:
     """Every committed message of `topic` from the first at or after `since_ms` (all without it) up to the end
-    each partition had when the read started. Raises DeadLetterToolError when the topic does not exist (unless
-    `missing_ok`) or a partition stops answering."""
+    each partition had when the read started; with `settle_timeout_s`, up to where its records ended then, once
+    the transactions open there have completed (see `settled_ends`). Raises DeadLetterToolError when the topic
+    does not exist (unless `missing_ok`), a partition stops answering or a transaction does not complete."""
     consumer = dead_letter_reader(settings.kafka)
     try:
         md = consumer.list_topics(topic, timeout=30)
@@ -220,7 +228,10 @@ def read_to_end(settings: Settings, topic: str, since_ms: int | None = None,
                 return
             raise DeadLetterToolError(f"topic {topic} does not exist on {settings.kafka.bootstrap_servers}",
                                       setting="topics.dead_letter")
-        ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1] for p in meta.partitions}
+        if settle_timeout_s is None:
+            ends = committed_ends(consumer, topic, meta.partitions)
+        else:
+            ends = settled_ends(settings, consumer, topic, meta.partitions, settle_timeout_s)
         if since_ms is None:
             starts = {p: OFFSET_BEGINNING for p in ends}
         else:
@@ -258,6 +269,46 @@ def read_to_end(settings: Settings, topic: str, since_ms: int | None = None,
         consumer.close()
 
 
+def committed_ends(consumer: Consumer, topic: str, partitions: Iterable[int]) -> dict[int, int]:
+    """Each partition's end as a read_committed consumer sees it: the last stable offset (librdkafka's
+    get_watermark_offsets honours isolation.level), below the first record of any transaction not yet completed."""
+    return {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1] for p in partitions}
+
+
+def settled_ends(settings: Settings, consumer: Consumer, topic: str, partitions: Iterable[int],
+                 timeout_s: float) -> dict[int, int]:
+    """The read_committed ends once they reach each partition's high watermark as it is now, so every record
+    written so far is decided. Kafka acknowledges a commit once the coordinator has logged it, before the commit
+    markers reach the partitions: a read_committed reader that starts right after (the next `dlq replay` reading
+    the ledger) would otherwise stop below the just-committed records, as it would below an open transaction's."""
+    partitions = sorted(partitions)
+    probe = uncommitted_end_reader(settings.kafka)
+    try:
+        written = {p: probe.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1] for p in partitions}
+    finally:
+        probe.close()
+    deadline = time.monotonic() + timeout_s
+    pause_s, waiting = 0.005, False
+    while True:
+        ends = committed_ends(consumer, topic, partitions)
+        open_at = {p: ends[p] for p in partitions if ends[p] < written[p]}
+        if not open_at:
+            return ends
+        if time.monotonic() >= deadline:
+            where = ", ".join(f"partition {p} from offset {o}" for p, o in open_at.items())
+            raise DeadLetterToolError(
+                f"reading {topic}: a transaction on it ({where}) is still open after {timeout_s:g}s, longer than a "
+                f"replay's may stay open ({REPLAY_TRANSACTION_TIMEOUT_MS // 1000} s): a producer other than "
+                "`worker dlq replay` writes to it with a longer transaction.timeout.ms. Stop that producer or wait "
+                "until the broker aborts its transaction, then run again")
+        if not waiting:
+            waiting = True
+            log.info("waiting for a transaction on %s to complete (%s)", topic,
+                     ", ".join(f"partition {p}: committed to {ends[p]}, written to {written[p]}" for p in open_at))
+        time.sleep(pause_s)
+        pause_s = min(pause_s * 2, 0.5)
+
+
 def message_headers(msg: Any) -> Headers:
     """A consumed message's headers as a tuple of (name, value) pairs."""
     return tuple(msg.headers() or ())
@@ -271,10 +322,13 @@ def entries(settings: Settings, since_ms: int | None = None) -> Iterator[DeadLet
         yield parse_entry(topic, msg.partition(), msg.offset(), ts, msg.key(), msg.value(), message_headers(msg))
 
 
-def read_ledger(settings: Settings) -> dict[str, int]:
-    """The ledger: dead-letter coordinates -> that dead letter's timestamp, for every dead letter replayed."""
+def read_ledger(settings: Settings, settle_timeout_s: float = LEDGER_SETTLE_TIMEOUT_S) -> dict[str, int]:
+    """The ledger: dead-letter coordinates -> that dead letter's timestamp, for every dead letter replayed,
+    including a replay whose commit is still completing or whose transaction is open (waited for, up to
+    `settle_timeout_s`): stopping short of its records would replay its dead letters again."""
     ledger: dict[str, int] = {}
-    for msg in read_to_end(settings, ledger_topic(settings.topics.dead_letter), missing_ok=True):
+    for msg in read_to_end(settings, ledger_topic(settings.topics.dead_letter), missing_ok=True,
+                           settle_timeout_s=settle_timeout_s):
         if msg.key() is None or not msg.value():
             continue
         try:

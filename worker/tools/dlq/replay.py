@@ -41,6 +41,7 @@ from worker.kafka.roles import (
 from worker.kafka.topics import ensure_topics, topic_message_limits
 from worker.schemas import MessageDecodeError, read_frame_record
 from worker.tools.dlq.entries import (
+    REPLAY_TRANSACTION_TIMEOUT_MS,
     DeadLetterEntry,
     DeadLetterToolError,
     Selection,
@@ -61,9 +62,6 @@ ORIGINAL_READ_TIMEOUT_S = 10.0
 CHUNK_FRAMES = 500
 CHUNK_BYTES = 32 * 1024 * 1024
 TRANSACTION_CALL_TIMEOUT_S = 60.0
-# How long the broker lets a replay transaction stay open (librdkafka's default): a chunk's reads of original
-# frames (up to ORIGINAL_READ_TIMEOUT_S each) happen inside it.
-TRANSACTION_TIMEOUT_MS = 60_000
 
 
 # `worker dlq replay`'s exit code when a replay transaction failed (what it held was not published).
@@ -275,7 +273,7 @@ class _Publisher:
         # is aborted), so two replays never interleave.
         self._producer = transactional_producer(
             settings.kafka, f"{settings.delivery.transactional_id_prefix}-dlq-replay.{dlq}", "streamfer-dlq-replay",
-            TRANSACTION_TIMEOUT_MS, record_limit)
+            REPLAY_TRANSACTION_TIMEOUT_MS, record_limit)
         # The largest message (key, value and headers) the producer takes: the record limit less the framing.
         self.max_message_bytes = record_limit - RECORD_FRAMING_HEADROOM_BYTES
         self._producer.init_transactions(TRANSACTION_CALL_TIMEOUT_S)
