@@ -20,7 +20,7 @@ from model_factories import pixels, raw_frame
 from worker.config import ConfigError, ModelSettings, load_settings
 from worker.runtime import load_model
 from worker.runtime.models import ModelContract
-from worker.runtime.preprocess import Normaliser, Preprocessor, _resize
+from worker.runtime.preprocess import Normaliser, Preprocessor, _resize, _resize_like_opencv
 
 
 def _contract(**kw: object) -> ModelContract:
@@ -173,6 +173,55 @@ def test_torch_resize_into_a_batch_row_is_torchs_interpolate_exactly(src, channe
         assert written is rows[1] or np.shares_memory(written, rows[1])
     np.testing.assert_array_equal(written, want_hwc)
     assert (rows[0] == 99).all()  # nothing written outside the row given
+
+
+def _opencv_reference(pixels: np.ndarray, size_hw: tuple[int, int]) -> np.ndarray:
+    """The first, plain numpy version of `_resize_like_opencv` (whole source promoted to int32, fancy indexing),
+    kept as the reference its faster replacement must equal bit for bit."""
+    def taps(n_in: int, n_out: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        pos = (np.arange(n_out) + 0.5) * (n_in / n_out) - 0.5
+        i0 = np.floor(pos).astype(np.int64)
+        frac = pos - i0
+        low, high = i0 < 0, i0 >= n_in - 1
+        frac[low | high] = 0.0
+        i0 = np.clip(i0, 0, n_in - 1)
+        w1 = np.round(frac * 2048).astype(np.int32)
+        w0 = np.round((1.0 - frac) * 2048).astype(np.int32)
+        return i0, np.minimum(i0 + 1, n_in - 1), w0, w1
+
+    x0, x1, ax0, ax1 = taps(pixels.shape[1], size_hw[1])
+    y0, y1, by0, by1 = taps(pixels.shape[0], size_hw[0])
+    src = pixels.astype(np.int32)
+    rows = (src[:, x0] * ax0[None, :, None] + src[:, x1] * ax1[None, :, None]) >> 4
+    out = (((rows[y0] * by0[:, None, None]) >> 16) + ((rows[y1] * by1[:, None, None]) >> 16) + 2) >> 2
+    return np.clip(out, 0, 255).astype(np.uint8)
+
+
+@settings(max_examples=150, deadline=None)
+@given(src=st.tuples(st.integers(1, 120), st.integers(1, 120)), dst=st.tuples(st.integers(1, 120), st.integers(1, 120)),
+       channels=st.sampled_from([1, 2, 3, 4]), seed=st.integers(0, 2**16),
+       values=st.sampled_from(["noise", "extremes"]))
+def test_the_opencv_resampler_equals_its_plain_reference_bit_for_bit(src, dst, channels, seed, values):
+    """Shrinking (where some source rows are skipped), enlarging and both at once, any channel count, noise and
+    0/255 extremes (the largest intermediate values): the same uint8 output as the reference, fresh or in a row."""
+    rng = np.random.default_rng(seed)
+    img = (rng.integers(0, 256, (*src, channels), dtype=np.uint8) if values == "noise"
+           else (rng.integers(0, 2, (*src, channels), dtype=np.uint8) * 255))
+    want = _opencv_reference(img, dst)
+    np.testing.assert_array_equal(_resize_like_opencv(img, dst), want)
+    rows = np.full((2, *dst, channels), 99, dtype=np.uint8)
+    written = _resize_like_opencv(img, dst, out=rows[1])
+    assert np.shares_memory(written, rows[1])
+    np.testing.assert_array_equal(written, want)
+    assert (rows[0] == 99).all()
+
+
+@pytest.mark.parametrize("src,dst", [((224, 224), (320, 320)), ((480, 640), (240, 320)), ((1080, 1920), (180, 320)),
+                                     ((320, 320), (320, 320)), ((2, 1), (320, 320))])
+def test_the_opencv_resampler_equals_its_reference_at_real_frame_sizes(src, dst):
+    """Frame sizes the nudenet preset sees (its input is 320x320), and a view of a wider frame (not contiguous)."""
+    img = np.random.default_rng(sum(src)).integers(0, 256, (src[0], src[1] + 5, 3), dtype=np.uint8)[:, 5:]
+    np.testing.assert_array_equal(_resize_like_opencv(img, dst), _opencv_reference(img, dst))
 
 
 def test_a_row_of_another_size_is_not_written():
