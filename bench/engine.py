@@ -16,6 +16,7 @@ Sections (`--sections`, all by default), each in interleaved rounds, medians wit
 
     python bench/engine.py --torch-threads 2 --base /tmp/base
     python bench/engine.py --sections int8 --rounds 3
+    python bench/engine.py --torch-threads 2 --sections e2e --presets nudenet --rounds 3
 """
 
 from __future__ import annotations
@@ -78,10 +79,10 @@ def preset_input(preset: str) -> tuple[Path, tuple[int, ...]]:
     return preset_model_file(preset), contract.input_shape(contract.input_size)
 
 
-def e2e(ctx: Context, rounds: int) -> dict[str, Any]:
+def e2e(ctx: Context, rounds: int, presets: list[str]) -> dict[str, Any]:
     threads = ctx.torch_threads
     out: dict[str, Any] = {}
-    for preset in PRESETS:
+    for preset in presets:
         path, shape = preset_input(preset)
         inputs, load = common.backlog(ctx, f"eng-{preset}", int(ctx.scale(600, 240)))
 
@@ -250,18 +251,22 @@ def run(ctx: Context) -> dict[str, Any]:
                               "note": "2-core machine shared with other sessions: figures from a loaded machine; "
                                       "compare ratios within one run"}
     if "e2e" in wanted:
-        result["e2e"] = e2e(ctx, ctx.round_count(3, 2))
+        result["e2e"] = e2e(ctx, ctx.round_count(3, 2), args.presets.split(","))
     if "int8" in wanted:
         result["int8"] = int8(ctx, ctx.round_count(3, 2))
     if "lowload" in wanted:
         result["lowload"] = lowload(ctx, ctx.round_count(3, 2), args.base)
-    common.write_json("engine" if set(wanted) == set(SECTIONS) else "engine_" + "_".join(wanted), result)
+    name = "engine" if set(wanted) == set(SECTIONS) else "engine_" + "_".join(wanted)
+    if "e2e" in wanted and set(args.presets.split(",")) != set(PRESETS):  # a partial run keeps the full one's file
+        name += "_" + "_".join(args.presets.split(","))
+    common.write_json(name, result)
     return result
 
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated: {', '.join(SECTIONS)}")
     p.add_argument("--base", type=Path, help="lowload: another source tree (worker/ and schemas/), run as 'base'")
+    p.add_argument("--presets", default=",".join(PRESETS), help=f"e2e: comma-separated, of {', '.join(PRESETS)}")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ tree is measured on the same bytes.
     python bench/preprocess_cost.py --base /tmp/base_tree [--rounds 5] [--seconds 2]
     python bench/preprocess_cost.py --cases roundtrip --threads 1    # open_nsfw's preprocessing with / without
     python bench/preprocess_cost.py --cases startup --rounds 7       # the host-sync check at start-up
+    python bench/preprocess_cost.py --cases nudenet --threads 1 --batch 8 --base /tmp/base   # NudeNet's
 
 `--base` is a checkout of the other version (e.g. `git archive <commit> worker schemas | tar -x -C /tmp/base`);
 without it only this tree's variants run. Prints tables (median (min-max) over rounds) and writes JSON.
@@ -38,6 +39,10 @@ NEAR_ZERO = {"source": "nullmodel:null_model", "input_size": [224, 224]}
 NSFW_PREP = {**NEAR_ZERO, "resize": "stretch_crop", "resize_to": [256, 256], "resampler": "pillow",
              "jpeg_scaled_decode": False, "channel_order": "BGR", "pixel_range": "0-255", "mean": [104.0, 117.0, 123.0],
              "std": [1.0, 1.0, 1.0]}
+# NudeNet's (the nudenet preset) on the near-zero model: pad to a square, cv2-exact bilinear to 320x320, BGR, 0-1, NCHW.
+NUDENET_PREP = {**NEAR_ZERO, "input_size": [320, 320], "input_layout": "NCHW", "resize": "pad_stretch",
+                "resampler": "opencv", "jpeg_scaled_decode": False, "channel_order": "BGR", "pixel_range": "0-1",
+                "mean": [0.0, 0.0, 0.0], "std": [1.0, 1.0, 1.0]}
 
 
 @dataclass(frozen=True)
@@ -60,10 +65,14 @@ CASES = {
                                       f"nsfw_prep_{label}" if q else None)
        for label, (w, h) in {"224": (224, 224), "720p": (1280, 720), "1080p": (1920, 1080)}.items()
        for rt, q in (("", 0), ("_roundtrip75", 75))},
+    **{f"nudenet_prep_{label}": Case(w, h, "skimage", "JPEG", NUDENET_PREP)
+       for label, (w, h) in {"224": (224, 224), "720p": (1280, 720)}.items()},
 }
 STARTUP = {"startup_opennsfw": "opennsfw", "startup_builtin": "builtin"}  # case -> model.source
-GROUPS = {"default": [c for c in CASES if not c.startswith("nsfw_prep")], "roundtrip": [c for c in CASES if
-          c.startswith("nsfw_prep")], "startup": list(STARTUP), "all": [*CASES, *STARTUP], "none": []}
+GROUPS = {"default": [c for c in CASES if not c.startswith(("nsfw_prep", "nudenet_prep"))],
+          "roundtrip": [c for c in CASES if c.startswith("nsfw_prep")],
+          "nudenet": [c for c in CASES if c.startswith("nudenet_prep")], "startup": list(STARTUP),
+          "all": [*CASES, *STARTUP], "none": []}
 
 
 def one_round(case: str, threads: str, batch: int, seconds: float, data: bytes) -> dict[str, Any]:
