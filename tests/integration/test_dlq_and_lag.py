@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from confluent_kafka import TopicPartition
+from confluent_kafka import KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 
 from tests.reliability.models import marked_pixels, unmarked_pixels
@@ -27,7 +27,8 @@ from worker.kafka.roles import transactional_producer
 from worker.kafka.topics import ensure_topics
 from worker.schemas import FrameRecord
 from worker.testing import FrameProducer, ResultsReader, TestTopics, end_offsets
-from worker.tools.dlq.entries import DeadLetterToolError, ledger_topic, read_ledger
+from worker.tools.dlq.entries import DeadLetterToolError, Selection, ledger_topic, read_ledger
+from worker.tools.dlq.replay import replay
 
 from .helpers import ledger, make_topics, start_worker, wait_for
 
@@ -165,6 +166,31 @@ def test_reading_the_ledger_waits_for_a_transaction_open_on_it_then_sees_its_rec
         writer.commit_transaction(30)
         assert read.result(timeout=30) == {"dlq/0@0": 10, "dlq/0@1": 11}
 
+
+
+def test_a_replay_fences_one_still_running_before_it_reads_the_ledger(kafka_bootstrap, unique):
+    """Two replays of one dead-letter topic never interleave: the second fences the first (same transactional id)
+    before it reads the ledger, so a chunk the first could still commit is either in that read or aborted. Read
+    first, it would wait on the first's open chunk (or miss one committed after the read and replay it again)."""
+    topics = make_topics(kafka_bootstrap, unique, partitions=1)
+    kafka = {"bootstrap_servers": kafka_bootstrap, "group_id": topics.group}
+    settings = load_settings(env={}, overrides={**topics.overrides(), "kafka": kafka})
+    name = ledger_topic(topics.dead_letter)
+    ensure_topics(settings.kafka, [name], partitions=1)
+    running = transactional_producer(
+        settings.kafka, f"{settings.delivery.transactional_id_prefix}-dlq-replay.{topics.dead_letter}",
+        "a replay still running", 60_000)
+    running.init_transactions(30)
+    running.begin_transaction()
+    running.produce(name, key=b"dlq/0@7", value=json.dumps({"dead_letter_timestamp_ms": 7}))
+    running.flush(30)  # its chunk written, its transaction open
+    with ThreadPoolExecutor(1) as pool:
+        second = pool.submit(replay, settings, Selection())
+        report = second.result(timeout=45)  # without the fence first: the ledger read waits up to 90 s
+    assert not report.stopped and report.items == []
+    with pytest.raises(KafkaException):
+        running.commit_transaction(30)  # fenced: its chunk was aborted, never in the ledger
+    assert read_ledger(settings) == {}
 
 # -- dlq replay: frames refused by reference ---------------------------------------------------------------
 def set_max_message_bytes(bootstrap: str, topic: str, limit: int) -> None:

@@ -270,7 +270,7 @@ class _Publisher:
         self.ledger = ledger_topic(dlq)
         record_limit = max(LIBRDKAFKA_DEFAULT_MESSAGE_MAX_BYTES, max_message_bytes)
         # One id per dead-letter topic: a second replay of the same topic fences the first (its open transaction
-        # is aborted), so two replays never interleave.
+        # is aborted), and does so before it reads the ledger (replay()), so two replays never interleave.
         self._producer = transactional_producer(
             settings.kafka, f"{settings.delivery.transactional_id_prefix}-dlq-replay.{dlq}", "streamfer-dlq-replay",
             REPLAY_TRANSACTION_TIMEOUT_MS, record_limit)
@@ -344,6 +344,15 @@ def _ensure_ledger(settings: Settings) -> None:
                                   setting=f"topic {ledger_topic(dlq)}") from None
 
 
+def _fencing_publisher(settings: Settings, limits: _TopicLimits, target_topic: str | None) -> _Publisher:
+    """The replay's transactional producer, which fences a replay of the same dead-letter topic still running; its
+    message limit the largest of the input topics' (and the target's)."""
+    _ensure_ledger(settings)
+    inputs = [t for t in (*settings.topics.input_topics(), *((target_topic,) if target_topic else ()))
+              if limits.known(t)]
+    return _Publisher(settings, max((limits.of(t) for t in inputs), default=0))
+
+
 def replay(settings: Settings, selection: Selection, target_topic: str | None = None, dry_run: bool = False,
            limit: int | None = None, now: Callable[[], float] = time.time,
            on_item: Callable[[ReplayItem], None] | None = None) -> ReplayReport:
@@ -353,10 +362,18 @@ def replay(settings: Settings, selection: Selection, target_topic: str | None = 
     report = ReplayReport(dlq, dry_run)
     selection = replay_selection(selection)
     max_replays = settings.dlq.max_replays
-    ledger = read_ledger(settings)
     limits = _TopicLimits(settings)
-    originals = OriginalReader(settings)
-    publisher: _Publisher | None = None
+    # Fence any replay of this topic still running before reading the ledger: its open chunk is aborted and it
+    # commits no more, so the ledger read next holds everything it replayed (read first, a chunk it committed
+    # meanwhile would be missed and its dead letters replayed twice). A dry run fences nobody.
+    publisher = None if dry_run else _fencing_publisher(settings, limits, target_topic)
+    try:
+        ledger = read_ledger(settings)
+        originals = OriginalReader(settings)
+    except BaseException:
+        if publisher is not None:
+            publisher.close()
+        raise
     sent = 0
 
     def record(item: ReplayItem) -> None:
@@ -401,10 +418,7 @@ def replay(settings: Settings, selection: Selection, target_topic: str | None = 
             if dry_run:
                 record(item)
                 continue
-            if publisher is None:
-                _ensure_ledger(settings)
-                inputs = [t for t in (*settings.topics.input_topics(), topic) if limits.known(t)]
-                publisher = _Publisher(settings, max(limits.of(t) for t in inputs))
+            assert publisher is not None  # made above for every run that is not a dry one
             publisher.add(item, message, *ledger_record(e, message, int(now() * 1000)))
             if publisher.chunk_full:
                 for done in publisher.commit():
