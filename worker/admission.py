@@ -145,9 +145,7 @@ class Admission:
         if self._reuse is None:
             return []
         reused = [r for frame, verdict in outcome.verdicts for r in self._reuse.scored(frame, verdict)]
-        for failure in outcome.failures:
-            for frame, thumb in self._reuse.ended(failure.frame):
-                self._score_or_reuse(frame, thumb, reused)
+        self._offer_again([failure.frame for failure in outcome.failures], reused)
         return self._answers.reused(reused, now) if reused else []
 
     def expired(self, frames: list[Frame], now: float) -> list[Output]:
@@ -156,7 +154,12 @@ class Admission:
         if self._reuse is None:
             return []
         reused: list[Reused] = []
-        for ended in frames:
+        self._offer_again(frames, reused)
+        return self._answers.reused(reused, now) if reused else []
+
+    def _offer_again(self, references: list[Frame], reused: list[Reused]) -> None:
+        """References that ended without a verdict: the frames held for each offered again, in turn."""
+        assert self._reuse is not None
+        for ended in references:
             for frame, thumb in self._reuse.ended(ended):
                 self._score_or_reuse(frame, thumb, reused)
-        return self._answers.reused(reused, now) if reused else []

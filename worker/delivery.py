@@ -34,7 +34,7 @@ from worker.kafka.errors import classify_producer_error
 from worker.kafka.producer import DeliveryReports, MessageRejected, Refusal, ResultSink, TransactionStuckError
 from worker.metrics import Children, Metrics
 from worker.offsets import CommitOutcome, OffsetTracker
-from worker.ports import Source as Committer
+from worker.ports import Source
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class DeliveryError(OperatorError):
 class Delivery:
     """Shared by both modes: the stale-work filter, counting, replacing refused outputs."""
 
-    def __init__(self, settings: Settings, sink_factory: SinkFactory, committer: Committer,
+    def __init__(self, settings: Settings, sink_factory: SinkFactory, committer: Source,
                  tracker: OffsetTracker, assignments: Assignments, metrics: Metrics) -> None:
         self.settings = settings
         self._sink_factory = sink_factory
@@ -182,7 +182,7 @@ class AtLeastOnceDelivery(Delivery):
     the older offsets could land after it and move the committed offset back (seen while a coordinator failed over:
     commits of 8 and 9 retried in turn, 8 landing after 9)."""
 
-    def __init__(self, settings: Settings, sink_factory: SinkFactory, committer: Committer,
+    def __init__(self, settings: Settings, sink_factory: SinkFactory, committer: Source,
                  tracker: OffsetTracker, assignments: Assignments, metrics: Metrics,
                  clock: Callable[[], float] = time.time) -> None:
         super().__init__(settings, sink_factory, committer, tracker, assignments, metrics)
@@ -308,7 +308,7 @@ class AtLeastOnceDelivery(Delivery):
 class ExactlyOnceDelivery(Delivery):
     """Outputs and their offsets in one transaction per turn: a read_committed reader sees each output once."""
 
-    def __init__(self, settings: Settings, sink_factory: SinkFactory, committer: Committer,
+    def __init__(self, settings: Settings, sink_factory: SinkFactory, committer: Source,
                  tracker: OffsetTracker, assignments: Assignments, metrics: Metrics) -> None:
         super().__init__(settings, sink_factory, committer, tracker, assignments, metrics)
         # Outputs waiting for their partition's commit point to pass them, by partition and offset.

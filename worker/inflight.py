@@ -11,14 +11,14 @@ from concurrent.futures import Future
 from worker.batching import Batch, MicroBatcher
 from worker.frames import BatchOutcome, Priority
 from worker.metrics import Children, Metrics
-from worker.ports import Executor as Runtime
+from worker.ports import Executor
 
 
 class InFlight:
     """Dispatches due batches to the runtime (counting their sizes, release reasons and padding) and collects
     them when done."""
 
-    def __init__(self, batcher: MicroBatcher, runtime: Runtime, limit: int, release_when_idle: bool,
+    def __init__(self, batcher: MicroBatcher, runtime: Executor, limit: int, release_when_idle: bool,
                  metrics: Metrics) -> None:
         self._batcher = batcher
         self._runtime = runtime
