@@ -2,11 +2,12 @@
 
 Sections (`--sections`, all by default), each in interleaved rounds, medians with min-max:
 
-- `e2e`: `worker run` with `model.source` = opennsfw, then nudenet, otherwise the worker's defaults (`--torch-threads`
-  threads), draining a backlog of 224x224 JPEG frames (the jpeg224 workload), against onnxruntime's model-alone
-  frames/s on the same preset's ONNX file (batch 8, the same threads, every graph optimisation), measured in the same
-  round just before; the worker with `runtime.engine = "torch"` (the onnx2torch conversion, the engine before issue
-  61) beside them. The ratio worker / alone is per round.
+- `e2e`: `worker run` with `model.source` = opennsfw, then nudenet, otherwise the worker's defaults (one one-thread
+  onnxruntime runner per core), draining a backlog of 224x224 JPEG frames (the jpeg224 workload, whatever
+  `--workload` says), against onnxruntime's model-alone frames/s on the same preset's ONNX file (batch 8,
+  `--torch-threads` threads: give the machine's cores, every graph optimisation), measured in the same round just
+  before; beside them one runner on `--torch-threads` threads, and `runtime.engine = "torch"` (WORKER_VARIANTS). The
+  ratio worker / alone is per round.
 - `int8`: per preset, the int8 model's agreement with fp32 on the calibration images, the largest score difference
   (`worker.runtime.quantize.check_int8`), and both models' frames/s alone at batch 8.
 - `lowload`: the builtin CNN on the jpeg224 workload at 50 and 200 frames/s offered and on a backlog: the worker's
@@ -22,6 +23,7 @@ Sections (`--sections`, all by default), each in interleaved rounds, medians wit
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import statistics
@@ -33,7 +35,17 @@ import common
 import stats
 from common import Context
 
+from worker.config import usable_cores
+
 SECTIONS = ("e2e", "int8", "lowload")
+# The e2e section's workers, besides `model.source`: the defaults (runtime.torch_threads and instances_per_device
+# auto: one one-thread onnxruntime runner per core), one runner on `--torch-threads` threads (the default before
+# issue 61's runner layout), and the torch engine (onnx2torch, the engine before issue 61).
+WORKER_VARIANTS: dict[str, dict[str, str]] = {
+    "defaults": {"WORKER_RUNTIME_TORCH_THREADS": "0", "WORKER_RUNTIME_INSTANCES_PER_DEVICE": "0"},
+    "one-runner": {"WORKER_RUNTIME_INSTANCES_PER_DEVICE": "1"},
+    "torch": {"WORKER_RUNTIME_ENGINE": "torch"},
+}
 PRESETS = ("opennsfw", "nudenet")
 ALONE_BATCH = 8
 ALONE_SECONDS = 4.0
@@ -81,47 +93,50 @@ def preset_input(preset: str) -> tuple[Path, tuple[int, ...]]:
 
 def e2e(ctx: Context, rounds: int, presets: list[str]) -> dict[str, Any]:
     threads = ctx.torch_threads
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"usable_cores": usable_cores()}
+    # jpeg224 frames into each preset's own input (the toy model's input size left out of the workers' settings).
+    presets_ctx = dataclasses.replace(ctx, workload_name="jpeg224", model="opennsfw")
     for preset in presets:
         path, shape = preset_input(preset)
-        inputs, load = common.backlog(ctx, f"eng-{preset}", int(ctx.scale(600, 240)))
+        inputs, load = common.backlog(presets_ctx, f"eng-{preset}", int(ctx.scale(600, 240)))
 
         def measure(variant: str, preset: str = preset, path: Path = path, shape: tuple[int, ...] = shape,
                     inputs: common.Topics = inputs) -> dict[str, Any]:
             if variant.startswith("alone"):
                 return model_alone(path, shape, threads, spinning=variant == "alone-spinning")
-            env = {"WORKER_MODEL_SOURCE": preset, "WORKER_RUNTIME_ENGINE": variant}
-            return common.worker_round(ctx, inputs, env, tag=f"eng-{preset}-{variant}")
+            env = {"WORKER_MODEL_SOURCE": preset, **WORKER_VARIANTS[variant]}
+            return common.worker_round(presets_ctx, inputs, env, tag=f"eng-{preset}-{variant}")
 
-        runs = stats.run_rounds(stats.interleaved(["alone", "alone-spinning", "onnxruntime", "torch"], rounds),
-                                measure)
+        runs = stats.run_rounds(stats.interleaved(["alone", "alone-spinning", *WORKER_VARIANTS], rounds), measure)
         alone = {r: max(a, b) for (r, a), b in zip(stats.figure(runs["alone"], "frames_per_s").items(),
                                                    stats.figure(runs["alone-spinning"], "frames_per_s").values(),
                                                    strict=True)}
         fps = {v: stats.spread(runs[v], "frames_per_s") for v in runs}
-        ratios = {v: stats.ratio_spread(stats.figure(runs[v], "frames_per_s"), alone) for v in ("onnxruntime", "torch")}
+        ratios = {v: stats.ratio_spread(stats.figure(runs[v], "frames_per_s"), alone) for v in WORKER_VARIANTS}
         cpu = {v: stats.spread(runs[v], "cpu_ms_per_frame") for v in runs}
         # On a machine shared with other work, frames per CPU-second is the steadier comparison: alone / worker.
         alone_cpu = stats.figure(runs["alone"], "cpu_ms_per_frame")
         efficiency = {v: stats.ratio_spread(alone_cpu, stats.figure(runs[v], "cpu_ms_per_frame"))
-                      for v in ("onnxruntime", "torch")}
+                      for v in WORKER_VARIANTS}
         out[preset] = {"backlog": load, "runs": runs, "frames_per_s": fps, "ratio_to_alone": ratios,
                        "cpu_ms_per_frame": cpu, "cpu_efficiency_to_alone": efficiency}
         common.table(f"{preset}: worker draining a 224x224 JPEG backlog vs onnxruntime alone (batch {ALONE_BATCH}, "
-                     f"{threads} threads; / alone: per round, over the faster of the two alone), "
+                     f"{threads} threads; the worker's defaults use the {usable_cores()} cores this process may; "
+                     "/ alone: per round, over the faster of the two alone), "
                      f"{stats.rounds(rounds)}", ["what", "frames/s", "/ alone", "CPU-ms/frame", "alone's CPU / this"],
                      [["onnxruntime alone, threads sleep (the worker's)", fps["alone"].text(1), "",
                        cpu["alone"].text(2), ""],
                       ["onnxruntime alone, threads spin (its default)", fps["alone-spinning"].text(1), "",
                        cpu["alone-spinning"].text(2), ""],
-                      *[[f"worker, engine {v}", fps[v].text(1), ratios[v].text(2), cpu[v].text(2),
-                         efficiency[v].text(2)] for v in ("onnxruntime", "torch")]])
+                      *[[f"worker, {v} ({' '.join(f'{k}={x}' for k, x in WORKER_VARIANTS[v].items())})",
+                         fps[v].text(1), ratios[v].text(2), cpu[v].text(2), efficiency[v].text(2)]
+                        for v in WORKER_VARIANTS]])
     return out
 
 
 def int8(ctx: Context, rounds: int) -> dict[str, Any]:
     from worker.config import load_settings
-    from worker.runtime.engine import load_engine_model, session_threads
+    from worker.runtime.engine import load_engine_model
     from worker.runtime.quantize import check_int8, quantized_model
 
     out: dict[str, Any] = {}
@@ -139,7 +154,7 @@ def int8(ctx: Context, rounds: int) -> dict[str, Any]:
         check = check_int8(fp32.module, q.module, fp32.contract, 0.0)
         shape = fp32.contract.input_shape(fp32.contract.input_size or (224, 224))
         files = {"fp32": fp32.module.path, "int8": path}  # type: ignore[attr-defined]
-        threads = session_threads(s.runtime)
+        threads = ctx.torch_threads
         runs = stats.run_rounds(stats.interleaved(["fp32", "int8"], rounds),
                                 lambda v, files=files, shape=shape, threads=threads: {  # type: ignore[misc]
                                     **model_alone(files[v], shape, threads)})

@@ -32,6 +32,16 @@ class InFlight:
     def __len__(self) -> int:
         return len(self._running)
 
+    def next_finish(self) -> float | None:
+        """When the first running batch is predicted to finish (released_at + the cost model's run time; a batch
+        queued behind another on its runner finishes later, so the earliest is a lower bound); -inf when a running
+        batch has no prediction (it may be done any time); None when none runs."""
+        if not self._running:
+            return None
+        if any(batch.predicted_s is None for batch, _ in self._running):
+            return float("-inf")
+        return min(batch.released_at + (batch.predicted_s or 0.0) for batch, _ in self._running)
+
     def dispatch_due(self, input_drained: bool) -> None:
         """Every due batch the limit has room for; with nothing running and no input waiting (`input_drained`),
         the most urgent pending group now; and a due realtime batch in realtime's own slot."""

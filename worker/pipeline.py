@@ -42,11 +42,30 @@ from worker.tracing import TRACING_OFF, Tracing
 log = logging.getLogger(__name__)
 
 POLL_BATCH = 500
-# How long the loop blocks in poll while batches run: bounds the delay between a batch finishing and
-# its results being produced.
+# The shortest block in poll while batches run, and how long the loop blocks while they do (poll_timeout): a
+# message arriving ends the block at once, a batch finishing does not (librdkafka's poll cannot be woken).
 INFLIGHT_POLL_S = 0.002
+INFLIGHT_WAIT_SHARE = 0.5
 IDLE_POLL_S = 0.1
 LAG_REFRESH_S = 1.0
+
+
+def poll_timeout(now: float, due: float | None, next_finish: float | None, outputs_waiting: bool) -> float:
+    """How long a turn's poll may block: until the batcher's next batch is due, at most IDLE_POLL_S. While batches
+    run, for half of the time until the first is predicted to finish (`next_finish`), never under INFLIGHT_POLL_S,
+    so a turn wakes a few times a batch instead of every INFLIGHT_POLL_S: a 500 ms batch cost the loop 250 turns
+    of ~0.2 CPU-ms each, 1 CPU-ms a frame of nudenet on a 2-core CPU. The result of a batch that finishes sooner
+    than predicted waits at most half the prediction's error."""
+    if outputs_waiting:
+        return INFLIGHT_POLL_S
+    if next_finish is None:
+        return IDLE_POLL_S if due is None else min(IDLE_POLL_S, max(0.0, due - now))
+    wait = max(INFLIGHT_POLL_S, (next_finish - now) * INFLIGHT_WAIT_SHARE)
+    # A batch already due was left pending by this turn's dispatch for want of a free slot, which only a finished
+    # batch makes: it does not shorten the wait. One that becomes due meanwhile may find realtime's own slot.
+    if due is not None and due > now:
+        wait = min(wait, max(INFLIGHT_POLL_S, due - now))
+    return min(wait, IDLE_POLL_S)
 
 
 @dataclass
@@ -148,11 +167,7 @@ class Pipeline:
 
     def _poll_input(self) -> None:
         room = self.flow.room()
-        if self._inflight or self._outputs:
-            timeout = INFLIGHT_POLL_S
-        else:
-            due = self.batcher.next_due()
-            timeout = IDLE_POLL_S if due is None else min(IDLE_POLL_S, max(0.0, due - self.clock()))
+        timeout = poll_timeout(self.clock(), self.batcher.next_due(), self._inflight.next_finish(), bool(self._outputs))
         polled = self.source.poll(min(POLL_BATCH, max(room, 1)), timeout)
         if polled.commits:
             self.delivery.commits_reported(polled.commits)

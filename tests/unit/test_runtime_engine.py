@@ -20,7 +20,7 @@ from worker.config import ConfigError, load_settings
 from worker.errors import OperatorError
 from worker.frames import BatchOutcome
 from worker.runtime.contract import ModelContract
-from worker.runtime.engine import OnnxRuntimeRunner, engine_of, resolve_engine
+from worker.runtime.engine import OnnxRuntimeRunner, RunnerLayout, engine_of, resolve_engine, runner_layout
 from worker.runtime.executor import InferenceExecutor
 from worker.testing.pixels import photo_frames
 
@@ -86,6 +86,44 @@ def test_a_builtin_model_runs_on_torch_and_says_so():
     with InferenceExecutor.from_settings(s.model, s.runtime) as ex:
         assert engine_of(ex.runners[0]) == "torch"
         assert "torch eager" in ex.device_description
+
+
+# --- runners per device and their threads ---
+
+@pytest.mark.parametrize(("runtime", "cores", "layout"), [
+    ({}, 4, RunnerLayout(instances=4, session_threads=1)),  # auto: a one-thread runner per core
+    ({"torch_threads": 2}, 4, RunnerLayout(instances=2, session_threads=2)),  # a runner per torch_threads cores
+    ({"torch_threads": 3}, 2, RunnerLayout(instances=1, session_threads=3)),  # never none
+    ({"instances_per_device": 1}, 4, RunnerLayout(instances=1, session_threads=4)),  # the cores shared
+    ({"instances_per_device": 3}, 4, RunnerLayout(instances=3, session_threads=1)),
+    ({"instances_per_device": 2, "torch_threads": 3}, 4, RunnerLayout(instances=2, session_threads=3)),  # as set
+    ({}, 64, RunnerLayout(instances=16, session_threads=4)),  # at most instances_per_device's bound
+])
+def test_onnxruntime_on_a_cpu_gets_a_runner_per_torch_threads_cores_unless_instances_are_set(runtime, cores, layout):
+    s = _settings("opennsfw", **runtime)
+    assert runner_layout([s.model], s.runtime, CPU, cores=cores) == layout
+
+
+@pytest.mark.parametrize("sources", [["builtin"], ["opennsfw", "builtin"]])
+def test_a_model_running_in_torch_on_a_cpu_keeps_one_runner_with_every_thread(sources):
+    s = _settings("opennsfw")
+    models = [_settings(source).model for source in sources]
+    assert runner_layout(models, s.runtime, CPU, cores=4).instances == 1
+
+
+def test_auto_keeps_one_runner_per_gpu():
+    s = _settings("opennsfw")
+    assert runner_layout([s.model], s.runtime, CUDA, cores=16).instances == 1
+
+
+@NEEDS_MODELS
+def test_the_executor_builds_the_layouts_runners_and_says_so(monkeypatch):
+    monkeypatch.setattr("worker.runtime.engine.usable_cores", lambda: 2)
+    s = _settings("opennsfw", warmup_batches=0, calibrate_batch_sizes=False)
+    with InferenceExecutor.from_settings(s.model, s.runtime) as ex:
+        assert len(ex.runners) == 2
+        assert [r.model.threads for r in ex.runners] == [1, 1]  # type: ignore[attr-defined]
+        assert ex.device_description.startswith("cpu (2 runners x 1 thread), fp32, onnxruntime")
 
 
 # --- the same scores and verdicts as the torch path ---

@@ -28,6 +28,7 @@ from worker.config.derived import (
     parse_size,
     preprocess_thread_count,
     resolve_inflight_batches,
+    usable_cores,
     warmup_frame_shapes,
 )
 from worker.config.fields import (
@@ -77,6 +78,6 @@ __all__ = [
     "LimitsSettings", "LogFormat", "LogLevel", "ModelSettings", "ObservabilitySettings", "Precision",
     "RuntimeSettings", "SchemaRegistrySettings", "Settings", "TopicSettings", "TracingSettings", "field_doc",
     "group_instance_id_problem", "inflight_batch_limit", "load_settings", "parse_size", "preprocess_thread_count",
-    "resolve_inflight_batches", "setting", "validate", "validate_schema_registry", "validate_security",
+    "resolve_inflight_batches", "setting", "usable_cores", "validate", "validate_schema_registry", "validate_security",
     "warmup_frame_shapes",
 ]

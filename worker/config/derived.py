@@ -24,15 +24,19 @@ def parse_size(text: str) -> tuple[int, int] | None:
     return (w, h) if w > 0 and h > 0 else None
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def preprocess_thread_count(runtime: RuntimeSettings) -> int:
     """runtime.preprocess_threads resolved: "auto" and 0 mean the CPU cores this process may run on."""
     if runtime.preprocess_threads not in ("auto", 0):
         return int(runtime.preprocess_threads)
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(cores, MAX_PREPROCESS_THREADS))
+    return max(1, min(usable_cores(), MAX_PREPROCESS_THREADS))
 
 
 def inflight_batch_limit(delivery: DeliverySettings, runners: int) -> int:

@@ -203,18 +203,23 @@ class RuntimeSettings:
         "frames of one batch are decoded in parallel across them (JPEG decode and resizing release the GIL). On a "
         "CPU-only machine the model's `torch_threads` share the same cores"))
     torch_threads: int = setting(0, ge=0, hint="0 = torch's default", doc=(
-        "CPU intra-op threads of the model, torch's or onnxruntime's session's (0 = torch's default, one per "
-        "physical core)"))
-    instances_per_device: int = setting(1, ge=1, le=16, doc=(
+        "CPU intra-op threads of the model: torch's (0 = torch's default, one per physical core), or each "
+        "onnxruntime session's, one per runner (0 = the cores this process may use, shared by the device's runners)"))
+    instances_per_device: int = setting(0, ge=0, le=16, hint="0 = auto", doc=(
         "runners (model copies, each with its own inference thread) per device; a batch goes to the least loaded one "
         "(1..16); the loop keeps `delivery.inflight_batches_per_runner` batches in flight for each (see \"Sizing "
-        "runners and in-flight batches\" below). On a GPU the instances share its memory: each one's batch counts "
-        "against `memory_fraction` at once. On a CPU with `torch_threads` below its cores, a second instance runs a "
-        "second batch's model at once: on the 2-core development VM with `torch_threads = 1` (toy model, mixed "
-        "backlog) 2 gave 1.07x the frames/s at 1.02x the CPU per frame, and single rounds went from 0.93x to 1.28x (8 "
-        "rounds, `python bench/settings_ab.py --b WORKER_RUNTIME_INSTANCES_PER_DEVICE=2`). On a GPU, "
-        "`bench/gpu_check.py`'s `instances` section measures 1, 2 and 3 (open_nsfw, 224x224 JPEG); no GPU figure "
-        "exists yet, so the default stays 1. Try it on your own host before relying on it"))
+        "runners and in-flight batches\" below). 0 (auto): on a CPU where every model runs in onnxruntime, one runner "
+        "per `torch_threads` (1 when 0) of the cores this process may use, so a backlog runs several batches at once, "
+        "each on its own threads; 1 everywhere else. On the 2-core development VM, draining 224x224 JPEG frames, two "
+        "one-thread runners reached 0.87 (open_nsfw) and 0.90 (NudeNet) of onnxruntime's own frames/s on a "
+        "two-thread session, one two-thread runner 0.85 and 0.82 (issue 61, `python bench/engine.py`); a batch of one "
+        "then runs on one thread, which costs its latency at low load (Sizing below). On a GPU the instances share "
+        "its memory: each "
+        "one's batch counts against `memory_fraction` at once; `bench/gpu_check.py`'s `instances` section measures 1, "
+        "2 and 3 (open_nsfw, 224x224 JPEG); no GPU figure exists yet, so auto stays 1 there. Torch models on a CPU "
+        "keep one runner with every thread: a second one (`torch_threads = 1`, toy model, mixed backlog) gave 1.07x "
+        "the frames/s at 1.02x the CPU per frame (8 rounds, `python bench/settings_ab.py --b "
+        "WORKER_RUNTIME_INSTANCES_PER_DEVICE=2`). Try it on your own host before relying on it"))
     calibrate_batch_sizes: bool = setting(True, doc=(
         "at warm-up, time batches of 1, 2, 4 … the largest class `max_batch_size` frames of each warm-up shape to seed"
         " the cost model (a few seconds for a large model on CPU); on GPUs each size also runs once on each device to "

@@ -104,8 +104,8 @@ def device_decode_serves(contracts: Sequence[ModelContract], runtime: RuntimeSet
     return False
 
 
-def device_memories(plan: DevicePlan, runtime: RuntimeSettings) -> dict[torch.device, DeviceMemory]:
-    """On GPUs, one memory policy per device from its own total memory, counting its instances_per_device runners
+def device_memories(plan: DevicePlan, runtime: RuntimeSettings, runners: int) -> dict[torch.device, DeviceMemory]:
+    """On GPUs, one memory policy per device from its own total memory, counting its `runners` (instances_per_device)
     as batches that may run on it at once; none on CPU. Untested without a GPU: the policies are tested with fake
     probes (tests/unit/test_memorypolicy.py, test_graphplan.py, test_runtime_executor.py)."""
     if plan.devices[0].type != "cuda":
@@ -113,18 +113,18 @@ def device_memories(plan: DevicePlan, runtime: RuntimeSettings) -> dict[torch.de
     out = {}
     for device in plan.devices:
         probe = CudaMemoryProbe(device)
-        policy = MemoryPolicy(probe.total_bytes(), runtime.memory_fraction, runners=runtime.instances_per_device,
+        policy = MemoryPolicy(probe.total_bytes(), runtime.memory_fraction, runners=runners,
                               headroom_bytes=NVJPEG_HEADROOM_BYTES if plan.decode_on_device else 0)
         out[device] = DeviceMemory(policy, probe)
     return out
 
 
-def graph_memory(memory: DeviceMemory | None, runtime: RuntimeSettings) -> tuple[MemoryPolicy | None, int | None]:
-    """A runner's memory policy (its device's) and graph budget: the device's, shared equally by its runners, each
-    keeping its own graphs."""
+def graph_memory(memory: DeviceMemory | None, runners: int) -> tuple[MemoryPolicy | None, int | None]:
+    """A runner's memory policy (its device's) and graph budget: the device's, shared equally by its `runners`,
+    each keeping its own graphs."""
     if memory is None:
         return None, None
-    return memory.policy, memory.policy.graph_budget_bytes // runtime.instances_per_device
+    return memory.policy, memory.policy.graph_budget_bytes // runners
 
 
 def _bf16_ok(device: torch.device) -> bool:
@@ -132,10 +132,13 @@ def _bf16_ok(device: torch.device) -> bool:
         return torch.cuda.is_bf16_supported()
 
 
-def describe(plan: DevicePlan, kind: str, engine: str = "torch") -> str:
+def describe(plan: DevicePlan, kind: str, engine: str = "torch", runners: int = 1,
+             session_threads: int | None = None) -> str:
+    """One line for the start-up log and check-model: devices, runners, precision, engine, model kind, decode."""
     if plan.devices[0].type == "cpu":
-        threads = torch.get_num_threads()
-        where = f"cpu ({threads} thread{'' if threads == 1 else 's'})"
+        threads = session_threads if engine == "onnxruntime" and session_threads else torch.get_num_threads()
+        each = f"{threads} thread{'' if threads == 1 else 's'}"
+        where = f"cpu ({runners} runners x {each})" if runners > 1 else f"cpu ({each})"
     else:
         names = sorted({torch.cuda.get_device_name(d) for d in plan.devices})
         where = f"{', '.join(str(d) for d in plan.devices)} ({', '.join(names)})"

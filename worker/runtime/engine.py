@@ -10,8 +10,8 @@ The onnxruntime runner is an `EagerRunner` whose forward is the session: the sam
 `Normaliser` (torch CPU ops, into a buffer reused from batch to batch), the same activation and `RunResult`, so
 contract, preprocessing and verdicts are the torch path's. The normalised batch goes to the session without a copy
 where the model's layout is the Normaliser's memory (NHWC: open_nsfw); an NCHW model (NudeNet) gets one contiguous
-copy. One session per runner, `runtime.torch_threads` intra-op threads (torch's default, one per physical core,
-for 0), every graph optimisation.
+copy. One session per runner, every graph optimisation; `runner_layout` sets how many runners a device has and each
+session's intra-op threads.
 
 Hook for the executor's runner factory: `load_engine_model` replaces `load_model`, `make_engine_runner` replaces
 `make_runner`, with the same arguments (plus the runtime settings for the first).
@@ -22,13 +22,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from worker.config import ConfigError, ModelSettings, RuntimeSettings
+from worker.config import ConfigError, ModelSettings, RuntimeSettings, usable_cores
 from worker.graphplan import BatchCaps
 from worker.memorypolicy import MemoryPolicy
 from worker.runtime.contract import ModelContract, ModelContractError
@@ -50,6 +51,8 @@ ONNXRUNTIME = "onnxruntime"
 # onnxruntime's intra-op threads spin between calls by default: a core burnt per thread at low load, for
 # microseconds saved per batch on a backlog (bench/engine.py measures both).
 ALLOW_SPINNING = "0"
+# runtime.instances_per_device's own bound.
+MAX_AUTO_INSTANCES = 16
 
 
 def is_onnx_source(source: str) -> bool:
@@ -80,23 +83,51 @@ def resolve_engine(model: ModelSettings, runtime: RuntimeSettings, device: torch
     return engine
 
 
-def load_engine_model(model: ModelSettings, runtime: RuntimeSettings,
-                      device: torch.device | str = "cpu") -> LoadedModel:
+@dataclass(frozen=True)
+class RunnerLayout:
+    """Runners per device, and the intra-op threads of each runner's onnxruntime sessions."""
+
+    instances: int
+    session_threads: int
+
+
+def runner_layout(models: Sequence[ModelSettings], runtime: RuntimeSettings, device: torch.device | str,
+                  cores: int | None = None) -> RunnerLayout:
+    """runtime.instances_per_device and torch_threads resolved for `device`. Auto (0) instances: on a CPU where every
+    model runs in onnxruntime, one runner per `torch_threads` (1 when 0) of the `cores` this process may use, since
+    whole batches side by side scale better than one batch's operators split over threads (NudeNet: two one-thread
+    sessions ran 1.2x the frames/s of one two-thread session on the 2-core VM, open_nsfw 1.04x); else 1 (GPU memory
+    and torch's CPU threads are sized for one). Sessions get `torch_threads`, or the cores shared by the runners."""
+    device = torch.device(device)
+    cores = cores or usable_cores()
+    onnx_cpu = device.type == "cpu" and all(resolve_engine(m, runtime, device) == ONNXRUNTIME for m in models)
+    instances = runtime.instances_per_device
+    if instances == 0:
+        instances = min(MAX_AUTO_INSTANCES, max(1, cores // (runtime.torch_threads or 1))) if onnx_cpu else 1
+    threads = runtime.torch_threads or max(1, cores // instances)
+    return RunnerLayout(instances, threads)
+
+
+def load_engine_model(model: ModelSettings, runtime: RuntimeSettings, device: torch.device | str = "cpu",
+                      session_threads: int | None = None) -> LoadedModel:
     """`load_model`, or for onnxruntime one session on the model's ONNX file (int8: its quantised copy), checked
-    against the contract with the same dummy forward."""
+    against the contract with the same dummy forward, with `session_threads` intra-op threads (None: the layout's
+    for one model on this device)."""
     device = torch.device(device)
     if resolve_engine(model, runtime, device) == TORCH:
         return load_model(model, device)
+    if session_threads is None:
+        session_threads = runner_layout([model], runtime, device).session_threads
     contract = ModelContract.from_settings(model)
     t0 = time.perf_counter()
-    session = OnnxRuntimeModel(onnx_path(model), contract, session_threads(runtime))
+    session = OnnxRuntimeModel(onnx_path(model), contract, session_threads)
     validate_output(session, contract, device)
     if runtime.precision == "int8":
         from worker.runtime.quantize import check_int8, quantized_model
 
         fp32 = session
         session = OnnxRuntimeModel(quantized_model(fp32.path, fp32.input_name, model, contract), contract,
-                                   session_threads(runtime))
+                                   session_threads)
         validate_output(session, contract, device)
         check_int8(fp32, session, contract, model.int8_min_agreement)
     load_seconds = time.perf_counter() - t0
@@ -131,11 +162,6 @@ def onnx_path(model: ModelSettings) -> Path:
     if not path.is_file():
         raise ModelContractError(f"model.source {source!r}: no such ONNX file")
     return path
-
-
-def session_threads(runtime: RuntimeSettings) -> int:
-    """The session's intra-op threads: runtime.torch_threads, or torch's own count (one per physical core)."""
-    return runtime.torch_threads if runtime.torch_threads > 0 else torch.get_num_threads()
 
 
 def session_options(threads: int) -> Any:
@@ -190,7 +216,7 @@ class OnnxRuntimeRunner(EagerRunner):
     """EagerRunner with the model's forward in an onnxruntime session (`OnnxRuntimeModel`); `precision` is the
     session's model file's (fp32, or int8 quantised), not an autocast."""
 
-    tunes_threads = False  # the session's threads are its own (session_threads)
+    tunes_threads = False  # the session's threads are its own (runner_layout)
 
     def __init__(self, model: OnnxRuntimeModel, contract: ModelContract, precision: str = "fp32") -> None:
         super().__init__(model, contract, torch.device("cpu"), "fp32")

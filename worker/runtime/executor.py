@@ -41,7 +41,7 @@ from worker.runtime.deviceplan import (
     graph_memory,
     resolve_plan,
 )
-from worker.runtime.engine import load_engine_model, make_engine_runner
+from worker.runtime.engine import load_engine_model, make_engine_runner, runner_layout
 from worker.runtime.hostsync import HostSync, check_host_syncs
 from worker.runtime.models import LoadedModel, ModelContract
 from worker.runtime.modelset import ModelSet
@@ -164,25 +164,26 @@ class InferenceExecutor:
             plan = dataclasses.replace(plan, decode_on_device=device_decode_serves(model_set.contracts, runtime))
         if plan.decode_on_device:
             check_device_decode_at_start(runtime, plan.devices)
+        layout = runner_layout(settings, runtime, plan.devices[0])
         if runtime.torch_threads > 0:
             torch.set_num_threads(runtime.torch_threads)
-        memory = device_memories(plan, runtime)
+        memory = device_memories(plan, runtime, layout.instances)
         caps = BatchCaps.from_settings(batching) if batching is not None else BatchCaps()
         slots: list[tuple[ModelRunner, ...]] = []
         first: list[LoadedModel] = []
         host_syncs: list[HostSync] = []
         for device in plan.devices:
-            for _ in range(runtime.instances_per_device):
+            for _ in range(layout.instances):
                 runners = []
                 for m in settings:
                     # Each runner gets its own copy of its model, loaded and validated on its device.
                     # issue 61: the engine per (device, model): onnxruntime for ONNX on a CPU, else torch.
-                    loaded = load_engine_model(m, runtime, device)
+                    loaded = load_engine_model(m, runtime, device, layout.session_threads)
                     if not slots:  # every copy of a model is the same: checked and reported once
                         # Before any capture: refused when graphs are to be used, a warning otherwise.
                         host_syncs.extend(check_host_syncs(loaded, refuse=plan.cuda_graphs))
                         first.append(loaded)
-                    policy, budget = graph_memory(memory.get(device), runtime)
+                    policy, budget = graph_memory(memory.get(device), layout.instances)
                     # Every model's runners share the device's graph budget (worker.runtime.modelset).
                     budget = None if budget is None else budget // len(settings)
                     runners.append(make_engine_runner(loaded.module, loaded.contract, device, plan.precision,
@@ -192,7 +193,8 @@ class InferenceExecutor:
         return cls(slots, model_set, preprocess_thread_count(runtime), runtime.warmup_batches,
                    warmup_batch_size=max(runtime.graph_batch_sizes),
                    device_description=describe(plan, "+".join(m.kind for m in first),
-                                               "+".join(sorted({m.engine for m in first}))),
+                                               "+".join(sorted({m.engine for m in first})), layout.instances,
+                                               layout.session_threads),
                    memory=[memory[r[0].device] for r in slots] if memory else (),
                    decode_on_device=plan.decode_on_device, loaded=first, host_syncs=host_syncs)
 
