@@ -10,6 +10,10 @@ Sections (`--sections`, all by default), each in interleaved rounds, medians wit
   ratio worker / alone is per round.
 - `int8`: per preset, the int8 model's agreement with fp32 on the calibration images, the largest score difference
   (`worker.runtime.quantize.check_int8`), and both models' frames/s alone at batch 8.
+- `layout`: per preset, onnxruntime alone at batch 8 on `--torch-threads` cores: one session of that many threads
+  against that many one-thread sessions side by side (one Python thread each), frames/s and CPU-ms a frame, and a
+  single frame's latency on one and on all threads: why `runtime.instances_per_device` auto gives a CPU one
+  one-thread runner per core (worker.runtime.engine.runner_layout).
 - `lowload`: the builtin CNN on the jpeg224 workload at 50 and 200 frames/s offered and on a backlog: the worker's
   CPU-ms per frame (by thread role), its results' `inference_ms` at batches of 1-2 and the start-up cost model's
   `n1_ms`, this tree against `--base` (a checkout of worker/ and schemas/, e.g. `git archive main worker schemas |
@@ -37,7 +41,7 @@ from common import Context
 
 from worker.config import usable_cores
 
-SECTIONS = ("e2e", "int8", "lowload")
+SECTIONS = ("e2e", "int8", "lowload", "layout")
 # The e2e section's workers, besides `model.source`: the defaults (runtime.torch_threads and instances_per_device
 # auto: one one-thread onnxruntime runner per core), one runner on `--torch-threads` threads (the default before
 # issue 61's runner layout), and the torch engine (onnx2torch, the engine before issue 61).
@@ -172,6 +176,81 @@ def int8(ctx: Context, rounds: int) -> dict[str, Any]:
     return out
 
 
+def sessions_side_by_side(path: Path, shape: tuple[int, ...], sessions: int, threads: int,
+                          seconds: float = ALONE_SECONDS) -> dict[str, float]:
+    """Frames/s and CPU-ms per frame of `sessions` onnxruntime sessions of `threads` threads each, each called back to
+    back on batches of ALONE_BATCH from its own thread (the worker's runners)."""
+    import threading
+
+    import numpy as np
+    import onnxruntime
+
+    from worker.runtime.engine import session_options
+
+    x = (np.random.default_rng(0).random((ALONE_BATCH, *shape))).astype(np.float32)
+    made = [onnxruntime.InferenceSession(str(path), session_options(threads), providers=["CPUExecutionProvider"])
+            for _ in range(sessions)]
+    for s in made:
+        s.run(None, {s.get_inputs()[0].name: x})
+    counts, stop = [0] * sessions, time.perf_counter() + seconds
+
+    def loop(i: int) -> None:
+        name = made[i].get_inputs()[0].name
+        while time.perf_counter() < stop:
+            made[i].run(None, {name: x})
+            counts[i] += ALONE_BATCH
+
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    workers = [threading.Thread(target=loop, args=(i,)) for i in range(sessions)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    frames = sum(counts)
+    return {"frames_per_s": frames / (time.perf_counter() - t0),
+            "cpu_ms_per_frame": (time.process_time() - cpu0) * 1000.0 / frames}
+
+
+def single_frame_ms(path: Path, shape: tuple[int, ...], threads: int, calls: int = 30) -> float:
+    """Median wall ms of one frame through a session of `threads` threads, back to back."""
+    import numpy as np
+    import onnxruntime
+
+    from worker.runtime.engine import session_options
+
+    s = onnxruntime.InferenceSession(str(path), session_options(threads), providers=["CPUExecutionProvider"])
+    feed = {s.get_inputs()[0].name: np.random.default_rng(0).random((1, *shape)).astype(np.float32)}
+    times = []
+    for i in range(calls + 5):
+        t0 = time.perf_counter()
+        s.run(None, feed)
+        if i >= 5:
+            times.append((time.perf_counter() - t0) * 1000.0)
+    return statistics.median(times)
+
+
+def layout(ctx: Context, rounds: int) -> dict[str, Any]:
+    cores = ctx.torch_threads
+    out: dict[str, Any] = {"cores": cores}
+    for preset in PRESETS:
+        path, shape = preset_input(preset)
+        variants = {f"1 session x {cores} threads": (1, cores), f"{cores} sessions x 1 thread": (cores, 1)}
+        runs = stats.run_rounds(stats.interleaved(list(variants), rounds),
+                                lambda v, path=path, shape=shape, variants=variants:  # type: ignore[misc]
+                                sessions_side_by_side(path, shape, *variants[v]))
+        one, many = list(variants)
+        ratio = stats.ratio_spread(stats.figure(runs[many], "frames_per_s"), stats.figure(runs[one], "frames_per_s"))
+        latency = {t: single_frame_ms(path, shape, t) for t in (1, cores)}
+        out[preset] = {"runs": runs, "sessions_over_threads": ratio, "single_frame_ms": latency}
+        common.table(f"{preset}: onnxruntime alone, batch {ALONE_BATCH}, {cores} cores, {stats.rounds(rounds)}; one "
+                     f"frame back to back: {latency[1]:.1f} ms on 1 thread, {latency[cores]:.1f} ms on {cores}",
+                     ["layout", "frames/s", "CPU-ms/frame", f"/ 1 session x {cores} threads"],
+                     [[v, stats.spread(runs[v], "frames_per_s").text(1),
+                       stats.spread(runs[v], "cpu_ms_per_frame").text(2), ratio.text(2) if v == many else ""]
+                      for v in variants])
+    return out
+
+
 def lowload_round(ctx: Context, tree: str, rate: float | None) -> dict[str, Any]:
     """The builtin CNN on jpeg224 from `tree`: an offered `rate` (None: a backlog) -> CPU-ms per frame, by thread,
     inference_ms of batches of 1-2, the cost model's n1_ms."""
@@ -269,8 +348,12 @@ def run(ctx: Context) -> dict[str, Any]:
         result["e2e"] = e2e(ctx, ctx.round_count(3, 2), args.presets.split(","))
     if "int8" in wanted:
         result["int8"] = int8(ctx, ctx.round_count(3, 2))
+    if "layout" in wanted:
+        result["layout"] = layout(ctx, ctx.round_count(3, 2))
     if "lowload" in wanted:
-        result["lowload"] = lowload(ctx, ctx.round_count(3, 2), args.base)
+        # The builtin CNN on jpeg224 frames, whatever --workload and --model say.
+        result["lowload"] = lowload(dataclasses.replace(ctx, workload_name="jpeg224", model="toy"),
+                                    ctx.round_count(3, 2), args.base)
     name = "engine" if set(wanted) == set(SECTIONS) else "engine_" + "_".join(wanted)
     if "e2e" in wanted and set(args.presets.split(",")) != set(PRESETS):  # a partial run keeps the full one's file
         name += "_" + "_".join(args.presets.split(","))
@@ -287,4 +370,4 @@ def configure(p: argparse.ArgumentParser) -> None:
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     raise SystemExit(common.standalone(run, None, __doc__.splitlines()[0], configure,
-                                       needs_broker=lambda a: a.sections != "int8"))
+                                       needs_broker=lambda a: bool(set(a.sections.split(",")) & {"e2e", "lowload"})))

@@ -96,7 +96,7 @@ def runner_layout(models: Sequence[ModelSettings], runtime: RuntimeSettings, dev
     """runtime.instances_per_device and torch_threads resolved for `device`. Auto (0) instances: on a CPU where every
     model runs in onnxruntime, one runner per `torch_threads` (1 when 0) of the `cores` this process may use, since
     whole batches side by side scale better than one batch's operators split over threads (NudeNet: two one-thread
-    sessions ran 1.2x the frames/s of one two-thread session on the 2-core VM, open_nsfw 1.04x); else 1 (GPU memory
+    sessions ran 1.19x the frames/s of one two-thread session on the 2-core VM, open_nsfw 1.06x); else 1 (GPU memory
     and torch's CPU threads are sized for one). Sessions get `torch_threads`, or the cores shared by the runners."""
     device = torch.device(device)
     cores = cores or usable_cores()

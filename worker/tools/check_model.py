@@ -497,8 +497,9 @@ def _time_buckets(executor: InferenceExecutor, settings: Settings, images: Seque
               if image.pixels is not None and not score.error_type]
     mode = "CUDA graphs" if report.graphs is not None and report.graphs.used else engine_of(executor.runners[0])
     devices = executor.device_description.rsplit(", ", 3)[0]  # before ", precision, mode, kind model"
+    one_runner = f", one batch at a time on one of {executor.runner_count} runners" if executor.runner_count > 1 else ""
     report.timing_how = (f"{devices}, {mode}: {w}x{h} JPEG frames (the first "
-                         f"runtime.warmup_shapes), median of {TIMING_ROUNDS} runs (min-max)")
+                         f"runtime.warmup_shapes), median of {TIMING_ROUNDS} runs (min-max){one_runner}")
     if not sizes:
         return
     if not usable:
