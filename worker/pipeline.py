@@ -28,7 +28,7 @@ from worker.delivery import AtLeastOnceDelivery, CommitResult, Delivery, Exactly
 from worker.errors import StreamferError
 from worker.flow import FlowControl
 from worker.frames import TP, BatchOutcome, Output, Priority
-from worker.inflight import InFlight
+from worker.inflight import FINISH_CHECK_MIN_S, InFlight
 from worker.kafka.client import ClientFactory
 from worker.kafka.consumer import FrameSource
 from worker.kafka.producer import STUCK_GRACE_S, ResultSink, output_message_limit
@@ -42,30 +42,23 @@ from worker.tracing import TRACING_OFF, Tracing
 log = logging.getLogger(__name__)
 
 POLL_BATCH = 500
-# The shortest block in poll while batches run, and how long the loop blocks while they do (poll_timeout): a
-# message arriving ends the block at once, a batch finishing does not (librdkafka's poll cannot be woken).
-INFLIGHT_POLL_S = 0.002
-INFLIGHT_WAIT_SHARE = 0.5
 IDLE_POLL_S = 0.1
 LAG_REFRESH_S = 1.0
 
 
-def poll_timeout(now: float, due: float | None, next_finish: float | None, outputs_waiting: bool) -> float:
-    """How long a turn's poll may block: until the batcher's next batch is due, at most IDLE_POLL_S. While batches
-    run, for half of the time until the first is predicted to finish (`next_finish`), never under INFLIGHT_POLL_S,
-    so a turn wakes a few times a batch instead of every INFLIGHT_POLL_S: a 500 ms batch cost the loop 250 turns
-    of ~0.2 CPU-ms each, 1 CPU-ms a frame of nudenet on a 2-core CPU. The result of a batch that finishes sooner
-    than predicted waits at most half the prediction's error."""
+def poll_timeout(now: float, due: float | None, running_wait: float | None, outputs_waiting: bool) -> float:
+    """How long a turn's poll may block (a message arriving ends it at once): until the batcher's next batch is due,
+    at most IDLE_POLL_S; while batches run, at most `running_wait` (InFlight.wait_for_finish: a few turns a batch,
+    where a fixed 2 ms slice cost a 500 ms NudeNet batch 250 turns of ~0.2 CPU-ms, 1 CPU-ms a frame on the 2-core
+    VM). A batch already due then waits for a slot, which only a finished batch frees, so it does not shorten the
+    wait; one that becomes due meanwhile may find realtime's own slot."""
     if outputs_waiting:
-        return INFLIGHT_POLL_S
-    if next_finish is None:
+        return FINISH_CHECK_MIN_S
+    if running_wait is None:
         return IDLE_POLL_S if due is None else min(IDLE_POLL_S, max(0.0, due - now))
-    wait = max(INFLIGHT_POLL_S, (next_finish - now) * INFLIGHT_WAIT_SHARE)
-    # A batch already due was left pending by this turn's dispatch for want of a free slot, which only a finished
-    # batch makes: it does not shorten the wait. One that becomes due meanwhile may find realtime's own slot.
     if due is not None and due > now:
-        wait = min(wait, max(INFLIGHT_POLL_S, due - now))
-    return min(wait, IDLE_POLL_S)
+        running_wait = min(running_wait, max(FINISH_CHECK_MIN_S, due - now))
+    return min(running_wait, IDLE_POLL_S)
 
 
 @dataclass
@@ -167,7 +160,8 @@ class Pipeline:
 
     def _poll_input(self) -> None:
         room = self.flow.room()
-        timeout = poll_timeout(self.clock(), self.batcher.next_due(), self._inflight.next_finish(), bool(self._outputs))
+        now = self.clock()
+        timeout = poll_timeout(now, self.batcher.next_due(), self._inflight.wait_for_finish(now), bool(self._outputs))
         polled = self.source.poll(min(POLL_BATCH, max(room, 1)), timeout)
         if polled.commits:
             self.delivery.commits_reported(polled.commits)
