@@ -43,7 +43,13 @@ from worker.config.fields import (
     setting,
 )
 from worker.config.load import RETIRED_SETTINGS, load_settings
-from worker.config.model import MAX_PREPROCESS_THREADS, MODEL_PRESETS, ModelSettings, RuntimeSettings
+from worker.config.model import (
+    MAX_INSTANCES_PER_DEVICE,
+    MAX_PREPROCESS_THREADS,
+    MODEL_PRESETS,
+    ModelSettings,
+    RuntimeSettings,
+)
 from worker.config.sections import (
     MAX_FRAME_PIXELS_CEILING,
     MAX_INFLIGHT_BATCHES,
@@ -72,7 +78,8 @@ from worker.config.validate import (
 
 __all__ = [
     "ENV_PREFIX", "GROUP_INSTANCE_ID_RE", "MAX_FRAME_PIXELS_CEILING", "MAX_INFLIGHT_BATCHES",
-    "MAX_INFLIGHT_PER_RUNNER", "MAX_METRIC_TENANTS", "MAX_PREPROCESS_THREADS", "MAX_WORKER_SLOTS", "MODEL_PRESETS",
+    "MAX_INFLIGHT_PER_RUNNER", "MAX_INSTANCES_PER_DEVICE", "MAX_METRIC_TENANTS", "MAX_PREPROCESS_THREADS",
+    "MAX_WORKER_SLOTS", "MODEL_PRESETS",
     "RETIRED_SETTINGS", "SASL_MECHANISMS", "SECTIONS", "SECURITY_PROTOCOLS", "BatchingSettings", "ClassSettings",
     "ConfigError", "DeadLetterSettings", "DeliveryMode", "DeliverySettings", "FieldDoc", "KafkaSettings",
     "LimitsSettings", "LogFormat", "LogLevel", "ModelSettings", "ObservabilitySettings", "Precision",

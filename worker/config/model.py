@@ -9,6 +9,7 @@ from typing import Any, Literal
 from worker.config.fields import Engine, Precision, setting
 
 MAX_PREPROCESS_THREADS = 256
+MAX_INSTANCES_PER_DEVICE = 16
 
 
 @dataclass(frozen=True)
@@ -205,7 +206,7 @@ class RuntimeSettings:
     torch_threads: int = setting(0, ge=0, hint="0 = torch's default", doc=(
         "CPU intra-op threads of the model: torch's (0 = torch's default, one per physical core), or each "
         "onnxruntime session's, one per runner (0 = the cores this process may use, shared by the device's runners)"))
-    instances_per_device: int = setting(0, ge=0, le=16, hint="0 = auto", doc=(
+    instances_per_device: int = setting(0, ge=0, le=MAX_INSTANCES_PER_DEVICE, hint="0 = auto", doc=(
         "runners (model copies, each with its own inference thread) per device; a batch goes to the least loaded one "
         "(1..16); the loop keeps `delivery.inflight_batches_per_runner` batches in flight for each (see \"Sizing "
         "runners and in-flight batches\" below). 0 (auto): on a CPU where every model runs in onnxruntime, one runner "

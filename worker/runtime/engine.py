@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker.config import ConfigError, ModelSettings, RuntimeSettings, usable_cores
+from worker.config import MAX_INSTANCES_PER_DEVICE, ConfigError, ModelSettings, RuntimeSettings, usable_cores
 from worker.graphplan import BatchCaps
 from worker.memorypolicy import MemoryPolicy
 from worker.runtime.contract import ModelContract, ModelContractError
@@ -51,8 +51,6 @@ ONNXRUNTIME = "onnxruntime"
 # onnxruntime's intra-op threads spin between calls by default: a core burnt per thread at low load, for
 # microseconds saved per batch on a backlog (bench/engine.py measures both).
 ALLOW_SPINNING = "0"
-# runtime.instances_per_device's own bound.
-MAX_AUTO_INSTANCES = 16
 
 
 def is_onnx_source(source: str) -> bool:
@@ -103,7 +101,7 @@ def runner_layout(models: Sequence[ModelSettings], runtime: RuntimeSettings, dev
     onnx_cpu = device.type == "cpu" and all(resolve_engine(m, runtime, device) == ONNXRUNTIME for m in models)
     instances = runtime.instances_per_device
     if instances == 0:
-        instances = min(MAX_AUTO_INSTANCES, max(1, cores // (runtime.torch_threads or 1))) if onnx_cpu else 1
+        instances = min(MAX_INSTANCES_PER_DEVICE, max(1, cores // (runtime.torch_threads or 1))) if onnx_cpu else 1
     threads = runtime.torch_threads or max(1, cores // instances)
     return RunnerLayout(instances, threads)
 
