@@ -8,7 +8,6 @@ from __future__ import annotations
 import threading
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -119,15 +118,6 @@ class Load:
         self._stop.set()
         self._thread.join(WAIT_S)
         return self.sent
-
-
-@pytest.fixture
-def workers() -> Iterator[list[InProcessWorker]]:
-    started: list[InProcessWorker] = []
-    yield started
-    for w in started:
-        if not w.stop.is_set():
-            w.halt()
 
 
 def test_a_join_and_a_leave_under_load_lose_nothing_answer_once_and_abort_at_most_once_per_rebalance(

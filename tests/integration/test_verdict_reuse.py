@@ -8,7 +8,6 @@ import threading
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -78,15 +77,6 @@ def publish(bootstrap: str, t: TestTopics, first: int) -> int:
 @pytest.fixture
 def topics(kafka_bootstrap: str) -> TestTopics:
     return make_topics(kafka_bootstrap, uuid.uuid4().hex[:8], partitions=PARTITIONS)
-
-
-@pytest.fixture
-def workers() -> Iterator[list[InProcessWorker]]:
-    started: list[InProcessWorker] = []
-    yield started
-    for w in started:
-        if not w.stop.is_set():
-            w.halt()
 
 
 def reused(w: InProcessWorker) -> float:
