@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from worker.tools.local_broker import free_port
+from worker.tools.local_broker import free_port, serve_until_stopped
 
 JAEGER_VERSION = "v1.75.0"
 ROOT = Path(__file__).resolve().parents[2]
@@ -158,11 +158,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     with run_jaeger(binary) as jaeger:
         print(json.dumps({"otlp_endpoint": jaeger.otlp_endpoint, "ui": jaeger.query_url}), flush=True)
-        try:
-            while True:
-                time.sleep(3600)
-        except KeyboardInterrupt:
-            pass
+        serve_until_stopped()
     return 0
 
 

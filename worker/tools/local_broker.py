@@ -45,6 +45,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def serve_until_stopped() -> None:
+    """Block until SIGINT or SIGTERM (both raised as KeyboardInterrupt and caught here), so that the caller's `with`
+    stops the server it runs and the process exits 0: the foreground mode of a local server's command."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+
+
 def ensure_jars(project_dir: Path = PROJECT_DIR) -> Path:
     """Resolve the broker's jars with Maven once; later calls reuse deploy/local-kafka/lib."""
     lib = project_dir / "lib"

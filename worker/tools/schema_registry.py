@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-from worker.tools.local_broker import free_port
+from worker.tools.local_broker import free_port, serve_until_stopped
 
 log = logging.getLogger(__name__)
 
@@ -220,12 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with LocalSchemaRegistry(Path(tempfile.mkdtemp(prefix="streamfer-registry-"))) as registry:
         print(registry.url, flush=True)
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        try:
-            while True:
-                time.sleep(3600)
-        except KeyboardInterrupt:
-            pass
+        serve_until_stopped()
     return 0
 
 
