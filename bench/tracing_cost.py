@@ -21,8 +21,6 @@ import os
 import resource
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -92,29 +90,19 @@ class Sink:
     ExportTraceServiceResponse); counts requests and bytes."""
 
     def __init__(self) -> None:
+        from worker.testing.otlp import OtlpReceiver
+
         self.requests = 0
         self.bytes = 0
-        sink = self
+        self._receiver = OtlpReceiver(self._take)
+        self.endpoint = self._receiver.endpoint
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
-                sink.requests += 1
-                sink.bytes += len(body)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, format: str, *args: object) -> None:
-                return
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self._server.serve_forever, name="otlp-sink", daemon=True).start()
-        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+    def _take(self, body: bytes) -> None:
+        self.requests += 1
+        self.bytes += len(body)
 
     def stop(self) -> None:
-        self._server.shutdown()
+        self._receiver.stop()
 
 
 def run_child(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:

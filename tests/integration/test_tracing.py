@@ -10,18 +10,18 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
-from confluent_kafka import Consumer
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from worker.config import Settings
 from worker.frames import Encoding, Priority
 from worker.testing import TestTopics, make_topics, run_worker, wait_for
+from worker.testing.otlp import OtlpReceiver
 from worker.tools.publish_frames import publish, synthetic_frames
+from worker.tools.read_results import iter_messages
 from worker.tracing.producer import FrameSendTracing
 
 pytestmark = pytest.mark.integration
@@ -67,43 +67,14 @@ class Receiver:
 @pytest.fixture
 def receiver() -> Iterator[tuple[Receiver, str]]:
     kept = Receiver()
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            kept.take(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
-            self.send_response(200)
-            self.send_header("Content-Type", "application/x-protobuf")
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, format: str, *args: object) -> None:
-            return
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield kept, f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with OtlpReceiver(kept.take) as server:
+        yield kept, server.endpoint
 
 
 def read_results(bootstrap: str, topics: TestTopics, count: int) -> list[tuple[str, dict[str, str]]]:
     """(stream_id/frame_index key, headers) of `count` results, read_committed from the start."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"reader-{time.monotonic_ns()}",
-                         "auto.offset.reset": "earliest", "isolation.level": "read_committed"})
-    consumer.subscribe([topics.results])
-    out: list[tuple[str, dict[str, str]]] = []
-    deadline = time.monotonic() + 120
-    try:
-        while len(out) < count and time.monotonic() < deadline:
-            msg = consumer.poll(0.5)
-            if msg is None or msg.error():
-                continue
-            out.append(((msg.key() or b"").decode(), {k: (v or b"").decode() for k, v in (msg.headers() or [])}))
-    finally:
-        consumer.close()
+    out = [((msg.key() or b"").decode(), {k: (v or b"").decode() for k, v in (msg.headers() or [])})
+           for msg in iter_messages(bootstrap, topics.results, count, follow=True, timeout_s=120)]
     assert len(out) == count, f"{len(out)} of {count} results"
     return out
 

@@ -20,7 +20,6 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from confluent_kafka import Consumer
 from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
@@ -34,6 +33,7 @@ from worker.frames import Encoding, Priority
 from worker.testing import RunningWorker, TestTopics, make_topics, run_worker, wait_for
 from worker.tools.jaeger import Jaeger, Span, jaeger_binary, run_jaeger
 from worker.tools.publish_frames import publish, synthetic_frames
+from worker.tools.read_results import iter_messages
 from worker.tracing.producer import FrameSendTracing
 
 BINARY = jaeger_binary() if os.environ.get("STREAMFER_JAEGER") else None
@@ -103,16 +103,9 @@ def consume_results(bootstrap: str, topics: TestTopics, jaeger: Jaeger, count: i
     provider = TracerProvider(resource=Resource.create({"service.name": "moderation-consumer"}))
     provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=f"{jaeger.otlp_endpoint}/v1/traces")))
     tracer = provider.get_tracer("moderation-consumer")
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"downstream-{time.monotonic_ns()}",
-                         "auto.offset.reset": "earliest", "isolation.level": "read_committed"})
-    consumer.subscribe([topics.results])
     out: list[dict[str, str]] = []
-    deadline = time.monotonic() + 120
     try:
-        while len(out) < count and time.monotonic() < deadline:
-            msg = consumer.poll(0.5)
-            if msg is None or msg.error():
-                continue
+        for msg in iter_messages(bootstrap, topics.results, count, follow=True, timeout_s=120):
             headers = {k: (v or b"").decode() for k, v in (msg.headers() or [])}
             context = TraceContextTextMapPropagator().extract(headers, context=Context())
             tracer.start_span(f"process {topics.results}", context=context, kind=SpanKind.CONSUMER, attributes={
@@ -120,7 +113,6 @@ def consume_results(bootstrap: str, topics: TestTopics, jaeger: Jaeger, count: i
                 "messaging.destination.name": topics.results}).end()
             out.append(headers)
     finally:
-        consumer.close()
         provider.shutdown()
     assert len(out) == count, f"{len(out)} of {count} results"
     return out

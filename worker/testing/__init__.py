@@ -9,6 +9,8 @@ functions. docs/testing.md has an example.
   offsets probes (`committed_offsets`, `end_offsets`, `wait_committed`, `uncommitted`), `synthetic_frames`.
 - `workers`: `worker run` processes (`run_worker`, `start_worker`, `RunningWorker`, `settings_env`, `TEST_ENV`)
   and small waits (`wait_for`, `http_get`).
+- `otlp`: `OtlpReceiver`, an OTLP/HTTP trace collector on the loopback address (`tracing.endpoint`), each export
+  request's body handed to a callback.
 
 The in-memory kit, loaded on first use: `InMemoryKafka`, `FakeConsumer`, `FakeProducer` and `FakeExecutor`
 (worker.testing.fakes) run the real loop without a broker or a model; `FakeClock` (worker.testing.clock) for every
