@@ -53,7 +53,7 @@ COPY worker /src/worker
 COPY schemas /src/schemas
 RUN pip install /src
 # The wheel installs the Avro schemas under <venv>/share/streamfer/schemas; the import fails the build if not.
-RUN python -c "import worker.schemas, worker.cli, torch, torchvision.io; print('torch', torch.__version__, 'torchvision', torchvision.__version__)" \
+RUN python -c "import worker.codec.schemas, worker.cli, torch, torchvision.io; print('torch', torch.__version__, 'torchvision', torchvision.__version__)" \
  && worker --help > /dev/null
 
 # -- runtime: the venv on a clean base, no sources, no build caches -------------------------------------------

@@ -85,7 +85,7 @@ def consume_main(argv: list[str]) -> int:
 
 class BaselineLoop:
     """The simple consumer loops, built from the worker's own pieces: the consumer and producer settings of
-    worker.kafka.consumer / worker.kafka.producer, worker.schemas decode and result records, the runtime's
+    worker.kafka.consumer / worker.kafka.producer, worker.codec.schemas decode and result records, the runtime's
     Preprocessor and EagerRunner."""
 
     def __init__(self, bootstrap: str, topics: Topics, worker_id: str, torch_threads: int,
@@ -93,13 +93,13 @@ class BaselineLoop:
         import torch
         from confluent_kafka import Consumer, Producer
 
+        from worker.codec.schemas import ResultContext
         from worker.config import load_settings
         from worker.kafka.consumer import consumer_config
         from worker.kafka.producer import producer_config
         from worker.runtime.models import load_model
         from worker.runtime.preprocess import Preprocessor
         from worker.runtime.runners import EagerRunner
-        from worker.schemas import ResultContext
 
         torch.set_num_threads(torch_threads)
         overrides = topics.overrides()
@@ -152,7 +152,7 @@ class BaselineLoop:
         self.consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in ends.items()], asynchronous=False)
 
     def _decode(self, msgs: list) -> list[Frame]:
-        from worker.schemas import MessageDecodeError, decode_frame
+        from worker.codec.schemas import MessageDecodeError, decode_frame
 
         now, frames = time.time(), []
         for m in msgs:
@@ -164,8 +164,8 @@ class BaselineLoop:
         return frames
 
     def _infer_and_produce(self, frames: list[Frame]) -> None:
+        from worker.codec.schemas import build_result
         from worker.runtime.preprocess import stage_to_device
-        from worker.schemas import build_result
 
         if not frames:
             return

@@ -35,9 +35,9 @@ sys.path.insert(0, str(REPO / "bench"))
 import stats  # noqa: E402
 from workloads import MODELS, WORKLOADS, Workload, model_env, model_settings  # noqa: E402
 
+from worker.codec.schemas import FrameRecord  # noqa: E402
 from worker.config import Settings, load_settings  # noqa: E402 (after the sys.path set-up above)
 from worker.frames import Priority  # noqa: E402
-from worker.schemas import FrameRecord  # noqa: E402
 from worker.testing import (  # noqa: E402
     FrameProducer,
     ResultsReader,
@@ -54,7 +54,7 @@ from worker.testing import TestTopics as Topics  # noqa: E402
 from worker.threadnames import name_os_thread  # noqa: E402
 
 if TYPE_CHECKING:
-    from worker.pipeline import Pipeline, RunSummary
+    from worker.loop.pipeline import Pipeline, RunSummary
 
 RESULTS_DIR = REPO / "bench" / "results"
 STREAMS_PER_SHAPE = 6  # keys per shape: spreads a topic's frames over its partitions

@@ -14,16 +14,16 @@ import stats
 from stats import percentile
 from workloads import Workload
 
+from worker.codec.schemas import FrameRecord, decode_frame, encode_frame
 from worker.frames import Frame, SourceRef
 from worker.runtime.preprocess import Preprocessor
-from worker.schemas import FrameRecord, decode_frame, encode_frame
 from worker.testing import synthetic_frames
 
 INFLIGHT = 2  # the worker's in-flight batches per runner (delivery.inflight_batches_per_runner's default)
 
 
 def as_frame(rec: FrameRecord) -> Frame:
-    """A published record as the worker reads it (decoded and checked by worker.schemas), read now."""
+    """A published record as the worker reads it (decoded and checked by worker.codec.schemas), read now."""
     return decode_frame(encode_frame(rec), SourceRef("bench", 0, 0), rec.priority, time.time())
 
 

@@ -433,8 +433,8 @@ def section_memory(check: Check, section: Section) -> None:
     import torch
 
     from worker.config import RuntimeSettings
-    from worker.graphplan import BatchCaps
-    from worker.memorypolicy import MemoryPolicy
+    from worker.devices.graphplan import BatchCaps
+    from worker.devices.memory import MemoryPolicy
     from worker.runtime.runners import CudaGraphRunner
 
     device = torch.device("cuda", 0)

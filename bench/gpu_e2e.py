@@ -1,6 +1,6 @@
 """The GPU check's end-to-end section: the worker's real loop (FrameSource, MicroBatcher, InferenceExecutor,
-delivery, ResultSink, OffsetTracker, as worker.pipeline.build_pipeline wires them) over the in-memory Kafka fakes of
-the kit (worker.testing.fakes), since the GPU machine has no broker (no Java).
+delivery, ResultSink, OffsetTracker, as worker.loop.pipeline.build_pipeline wires them) over the in-memory Kafka
+fakes of the kit (worker.testing.fakes), since the GPU machine has no broker (no Java).
 
 The feed is open_nsfw's workload: JPEGs of scikit-image's bundled photos at 224x224 and 1280x720, spread over the
 three priority topics (20% realtime, 40% standard, 40% bulk, as the mixed workload). Each frame's capture time is
@@ -29,13 +29,13 @@ import stats
 from workloads import WORKLOADS, model_settings
 
 from worker.app import freeze_startup_heap
+from worker.codec.schemas import FrameRecord, decode_result, encode_frame
 from worker.config import ConfigError, Settings, load_settings
 from worker.frames import Encoding, Priority, SourceRef
+from worker.loop.pipeline import KafkaClients, RunSummary, build_pipeline
 from worker.metrics import Health, Metrics
 from worker.photos import PHOTOS, photo
-from worker.pipeline import KafkaClients, RunSummary, build_pipeline
 from worker.runtime.start import start_runtime
-from worker.schemas import FrameRecord, decode_result, encode_frame
 from worker.testing import FakeConsumer, FakeProducer, FrameLedger
 from worker.tools.publish_frames import encode_pixels
 

@@ -1,7 +1,7 @@
 """The host's share of each frame (issue 47): what caps one worker process, by thread role.
 
 A backlog of 224x224 JPEG frames (the jpeg224 workload: the kit's synthetic frames, standard priority) through the
-worker's real loop (`worker.pipeline.build_pipeline`: FrameSource, MicroBatcher, InferenceExecutor, delivery,
+worker's real loop (`worker.loop.pipeline.build_pipeline`: FrameSource, MicroBatcher, InferenceExecutor, delivery,
 ResultSink, OffsetTracker), on the real broker with librdkafka's clients (`--kafka broker`, the default when
 KAFKA_BOOTSTRAP_SERVERS is set) or over the kit's in-memory fakes (`--kafka fakes`: no broker, no librdkafka
 threads). Variants, each round a fresh process per tree and variant, interleaved:
@@ -174,7 +174,7 @@ def stand_in_executor(settings: Any) -> tuple[Any, list[Any]]:
 
 def fake_backlog(settings: Any, records: Sequence[Any], gpu_e2e: Any) -> list[Any]:
     """The records as a backlog on the fakes: all readable at once, each stream on one partition of its topic."""
-    from worker.schemas import encode_frame
+    from worker.codec.schemas import encode_frame
 
     streams = sorted({r.stream_id for r in records})
     now = time.time()
@@ -186,8 +186,8 @@ def broker_run(settings: Any, executor: Any, costs: list[Any], total: int,
                common: Any) -> tuple[int, float, dict[str, float], float]:
     """The worker's loop with librdkafka's clients on the published backlog (a fresh group) until every frame is
     answered; its thread CPU over that time (group join included, the final drain and close not), by role."""
+    from worker.loop.pipeline import build_pipeline
     from worker.metrics import Health, Metrics
-    from worker.pipeline import build_pipeline
 
     pipeline = build_pipeline(settings, executor, Metrics(settings=settings), Health())
     pipeline.seed_costs(costs)

@@ -42,11 +42,11 @@ TICK_S = 0.002
 
 def one_round(seconds: float, load: float, seed: int) -> dict[str, Any]:
     """One run of the loop over the kit; per class and partition its longest answer gap (s) and its answers."""
+    from worker.codec.schemas import FrameRecord, encode_frame
     from worker.config import ObservabilitySettings, Settings
     from worker.frames import BatchOutcome, Encoding, Priority
+    from worker.loop.pipeline import build_pipeline
     from worker.metrics import Health, Metrics
-    from worker.pipeline import build_pipeline
-    from worker.schemas import FrameRecord, encode_frame
     from worker.testing import FakeClock, InMemoryKafka
     from worker.testing.fakes import outcome
 

@@ -1,4 +1,4 @@
-"""Verdict reuse (issue 59, worker/reuse.py): what it spares and what it costs, on H.264 clips of real photos.
+"""Verdict reuse (issue 59, worker/reuse/policy.py): what it spares and what it costs, on H.264 clips of real photos.
 
 1. accuracy: a clip made here with PyAV (libx264) from scikit-image's photos, per photo: a static camera with
    sensor noise (Gaussian, sigma 3 per channel, every frame), a 3-frame flash of another photo in its middle, an
@@ -9,9 +9,9 @@
    the share of frames reused, verdict agreement with scoring every frame (the preset's threshold 0.5, and a
    stricter one at the clip's median nsfw score, where decisions flip easily), the largest and p99 nsfw-score
    difference on a reused frame, and the cuts, flashes, objects entering or leaving reused (must be 0).
-2. thumbnail cost: worker.thumbnail.thumbnail (libjpeg-turbo's 1/8 grayscale decode, area-averaged) against the
+2. thumbnail cost: worker.reuse.thumbnail.thumbnail (libjpeg-turbo's 1/8 grayscale decode, area-averaged) against the
    full RGB decode the runtime gives a frame, per 720p and 1080p JPEG, median of repeats.
-3. throughput: the worker's loop (worker.pipeline over the in-memory Kafka kit, the real open_nsfw runtime) on a
+3. throughput: the worker's loop (worker.loop.pipeline over the in-memory Kafka kit, the real open_nsfw runtime) on a
    static-camera workload (4 streams of noisy 720p JPEG at 25 fps), reuse on (1000 ms) against off, interleaved
    rounds in one process: frames/s and process CPU-ms per frame.
 
@@ -38,17 +38,17 @@ from common import table, write_json
 from PIL import Image
 
 from worker.batching import batch_shape
+from worker.codec.schemas import FrameRecord, encode_frame
 from worker.config import Settings, load_settings
 from worker.frames import Encoding, Frame, Priority, SourceRef, Verdict
+from worker.loop.pipeline import build_pipeline
 from worker.metrics import Health, Metrics
 from worker.photos import PHOTOS, photo
-from worker.pipeline import build_pipeline
-from worker.reuse import Decision, FrameReuse
+from worker.reuse.policy import Decision, FrameReuse
+from worker.reuse.thumbnail import change, thumbnail
 from worker.runtime.decode import check_frame, decode_pixels
 from worker.runtime.start import start_runtime
-from worker.schemas import FrameRecord, encode_frame
 from worker.testing import InMemoryKafka
-from worker.thumbnail import change, thumbnail
 
 FPS = 25
 SIZE = (1280, 720)

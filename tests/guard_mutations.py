@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DELIVERY, SOURCE, PIPELINE = "worker/delivery.py", "worker/kafka/consumer.py", "worker/pipeline.py"
-FLOW, READING = "worker/flow.py", "worker/admission.py"
+DELIVERY, SOURCE, PIPELINE = "worker/loop/delivery.py", "worker/kafka/consumer.py", "worker/loop/pipeline.py"
+FLOW, READING = "worker/loop/flow.py", "worker/loop/admission.py"
 
 # (guard, file, the code that implements it, the code without it)
 MUTATIONS = [

@@ -27,8 +27,8 @@ from worker.kafka.client import new_client
 from worker.kafka.consumer import consumer_config
 from worker.kafka.producer import producer_config
 from worker.kafka.registry import connect_registry
+from worker.loop.pipeline import RunSummary, build_pipeline
 from worker.metrics import Health, Metrics, MetricsServer
-from worker.pipeline import RunSummary, build_pipeline
 from worker.tracing import setup_tracing
 
 if TYPE_CHECKING:

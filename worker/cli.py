@@ -92,7 +92,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
 # -- results -----------------------------------------------------------------------------------------------
 def cmd_results(args: argparse.Namespace) -> int:
-    from worker.schemas import decode_result
+    from worker.codec.schemas import decode_result
     from worker.tools.read_results import iter_messages
 
     settings = _settings(args)

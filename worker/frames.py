@@ -66,7 +66,7 @@ class Encoding(enum.Enum):
 @dataclass(frozen=True, order=True)
 class SourceRef:
     """Kafka coordinates of the message a frame came from (the unit of offset tracking), and the assignment
-    epoch of its partition it was read under: work of an older epoch is stale (see worker.assignment)."""
+    epoch of its partition it was read under: work of an older epoch is stale (see worker.partitions.assignment)."""
 
     topic: str
     partition: int

@@ -22,8 +22,8 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.samples import Exemplar
 
 from worker.config import Settings
+from worker.devices.graphplan import PROCESS_CAPTURES, CaptureStop
 from worker.frames import DEAD_LETTER_ERROR_TYPES, Frame, Priority
-from worker.graphplan import PROCESS_CAPTURES, CaptureStop
 from worker.threadnames import name_os_thread
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,

@@ -21,10 +21,10 @@ from collections.abc import Callable
 import pytest
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
+from worker.codec.schemas import encode_frame
 from worker.config import load_settings
 from worker.frames import Encoding, Priority
 from worker.kafka.consumer import FrameSource
-from worker.schemas import encode_frame
 from worker.tools.publish_frames import synthetic_frames
 
 from .helpers import TestTopics as Topics

@@ -21,11 +21,11 @@ from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, C
 
 from tests.reliability.models import marked_pixels, unmarked_pixels
 from worker.cli import main
+from worker.codec.schemas import FrameRecord
 from worker.config import load_settings
 from worker.frames import Encoding, Priority
 from worker.kafka.roles import transactional_producer
 from worker.kafka.topics import ensure_topics
-from worker.schemas import FrameRecord
 from worker.testing import FrameProducer, ResultsReader, TestTopics, end_offsets
 from worker.tools.dlq.entries import DeadLetterToolError, Selection, ledger_topic, read_ledger
 from worker.tools.dlq.replay import replay

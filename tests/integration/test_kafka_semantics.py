@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from worker.codec.schemas import FrameRecord, encode_frame
 from worker.frames import Encoding, Priority
-from worker.schemas import FrameRecord, encode_frame
 from worker.tools.publish_frames import publish, synthetic_frames
 from worker.tools.read_results import read_dead_letters, read_results
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from confluent_kafka import Consumer
 
+from worker.codec.schemas import FrameRecord, read_frame_record
 from worker.frames import Encoding, Priority
-from worker.schemas import FrameRecord, read_frame_record
 from worker.tools.cameras import Backoff, FrameFormat, LiveCameras, LivePolicy, pyav_opener
 
 from ..conftest import PROJECT_ROOT

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
+from worker.codec.schemas import FrameRecord, encode_frame
 from worker.frames import Encoding, Priority
 from worker.kafka.roles import frame_producer
-from worker.schemas import FrameRecord, encode_frame
 from worker.tools.publish_frames import publish, send_frames, synthetic_frames
 from worker.tools.read_results import read_dead_letters, read_results
 
@@ -120,7 +120,7 @@ class LeanFrames:
     core from them at 2.5x capacity. Each class's frames cycle over STREAMS streams and three tenants (as
     synthetic_frames makes them); a frame's Avro value is its head (stream_id, frame_index), its capture time (the
     intended send time) and a tail (tenant ... data) made once per class and tenant, checked against
-    worker.schemas.encode_frame."""
+    worker.codec.schemas.encode_frame."""
 
     TENANTS = ("tenant-a", "tenant-b", "tenant-c")
 

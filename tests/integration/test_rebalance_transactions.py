@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 import pytest
 
 from worker.config import load_settings
-from worker.delivery import CommitResult
 from worker.frames import Encoding, Priority
+from worker.loop.delivery import CommitResult
+from worker.loop.pipeline import Pipeline, build_pipeline
 from worker.metrics import Health, Metrics
-from worker.pipeline import Pipeline, build_pipeline
 from worker.testing import FrameProducer, ResultsReader, TestTopics, make_topics, synthetic_frames, wait_for
 from worker.testing.fakes import FakeExecutor
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 
+from worker.codec.schemas import ResultContext, build_result
 from worker.frames import OUTPUT_REJECTED, Encoding, Frame, Priority, SourceRef, Verdict
-from worker.schemas import ResultContext, build_result
 from worker.tools.publish_frames import publish, synthetic_frames
 from worker.tools.read_results import read_dead_letters, read_results
 

@@ -24,9 +24,9 @@ import pytest
 from confluent_kafka import Producer
 from confluent_kafka.schema_registry import Schema
 
+from worker.codec.schemas import FRAMING_BYTES, decode_result, encode_frame
 from worker.frames import Encoding, Priority
 from worker.kafka.registry import subject_of
-from worker.schemas import FRAMING_BYTES, decode_result, encode_frame
 from worker.testing import TestTopics, run_worker, synthetic_frames, wait_for
 from worker.tools.local_broker import free_port
 from worker.tools.read_results import iter_messages

@@ -21,10 +21,10 @@ from confluent_kafka.schema_registry.avro import AvroDeserializer
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 from confluent_kafka.serialization import MessageField, SerializationContext
 
+from worker.codec.schemas import registry_framing
 from worker.errors import OperatorError
 from worker.frames import HEADER_ERROR, HEADER_ERROR_TYPE, MESSAGE_DECODE_ERROR, Encoding, Priority
 from worker.kafka.registry import FRAME_SCHEMA_TEXT, FrameSerializer, subject_of
-from worker.schemas import registry_framing
 from worker.tools.publish_frames import synthetic_frames
 from worker.tools.read_results import iter_messages
 

@@ -16,11 +16,11 @@ from confluent_kafka import Producer
 
 from tests.integration.helpers import group_commit_history
 from tests.integration.test_rebalance_transactions import WAIT_S, InProcessWorker
+from worker.codec.schemas import FrameRecord, encode_frame
 from worker.config import load_settings
 from worker.frames import BatchOutcome, Encoding, Priority
+from worker.loop.pipeline import build_pipeline
 from worker.metrics import Health, Metrics
-from worker.pipeline import build_pipeline
-from worker.schemas import FrameRecord, encode_frame
 from worker.testing import ResultsReader, TestTopics, committed_offsets, end_offsets, make_topics, wait_for
 from worker.testing.fakes import FakeExecutor, outcome
 

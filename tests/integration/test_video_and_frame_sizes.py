@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from worker.codec.schemas import FrameRecord
 from worker.frames import Encoding, Priority
 from worker.kafka.topics import DEFAULT_MAX_FRAME_BYTES, ensure_topics, topic_message_limits
-from worker.schemas import FrameRecord
 from worker.tools.publish_frames import FrameTooLargeError, publish
 from worker.tools.read_results import read_results
 

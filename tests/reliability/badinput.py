@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from worker.codec.schemas import FrameRecord, encode_frame, encode_result
 from worker.frames import Encoding, Priority
-from worker.schemas import FrameRecord, encode_frame, encode_result
 from worker.testing import DEAD_LETTER, EITHER, RESULT
 
 from .harness import CLIENT_MAX_MESSAGE_BYTES

@@ -53,9 +53,9 @@ from tests.integration.helpers import (
 )
 from tests.reliability.models import marked_pixels, unmarked_pixels
 from tests.reliability.recovery import FaultMoment, Recovery, recoveries
+from worker.codec.schemas import FrameRecord, decode_result, encode_frame
 from worker.config import load_settings
 from worker.frames import Encoding, Priority, SourceRef
-from worker.schemas import FrameRecord, decode_result, encode_frame
 from worker.testing import DEAD_LETTER, RESULT, FrameLedger, dead_letter_source
 from worker.tools.local_broker import LocalKafka
 from worker.tools.read_results import DeadLetterRecord, iter_messages
@@ -846,9 +846,9 @@ class Run:
     def account_for_repeats(self) -> None:
         """The feeder's idempotent producer can still write a message twice when a leader change meets its retries
         (seen once with two of three nodes down). The worker answers the first copy and dead-letters the next as a
-        repeated frame (worker/dedup.py); the ledger takes in every copy, the first expecting the original's answer
-        and the others a dead letter, so neither counts as phantom or misrouted. Only read when the input partitions
-        hold more messages than were reported delivered."""
+        repeated frame (worker/partitions/dedup.py); the ledger takes in every copy, the first expecting the
+        original's answer and the others a dead letter, so neither counts as phantom or misrouted. Only read when the
+        input partitions hold more messages than were reported delivered."""
         sent = self.sent
         ends = self.watch.ends()
         if ends is None or ends <= len(sent):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 TP = tuple[str, int]
 # `2026-12-05 16:10:16,123 INFO [w0] worker: partitions assigned: [('t.realtime', 0)]` (worker/app.py's text format).
 LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ \[[^\]]*\] \S+: (.*)$")
-# What a worker logs for each event counted here (worker/pipeline.py, worker/delivery.py).
+# What a worker logs for each event counted here (worker/loop/pipeline.py, worker/loop/delivery.py).
 PARTITION_EVENT = re.compile(r"^partitions (assigned|revoked|lost): (\[.*\])$")
 MESSAGES = (("started", "worker started:"), ("aborted", "transaction aborted"),
             ("rewound", "rewinding to the committed offsets"))

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from worker.codec.schemas import MessageDecodeError, decode_frame
 from worker.frames import Encoding, Priority, SourceRef
 from worker.runtime.models import ModelContract
 from worker.runtime.preprocess import Preprocessor
-from worker.schemas import MessageDecodeError, decode_frame
 from worker.testing import EITHER, RESULT
 from worker.tools.read_results import read_dead_letters, read_results
 

@@ -153,7 +153,7 @@ def gated_model() -> nn.Module:
 # --- runners standing in for devices ---
 
 class DeviceProbe:
-    """A fake GPU's memory (worker.memorypolicy.MemoryProbe) for the CPU runner standing in for it: `base` bytes
+    """A fake GPU's memory (worker.devices.memory.MemoryProbe) for the CPU runner standing in for it: `base` bytes
     held (the model), `per_frame` more for each frame of a batch its runner runs."""
 
     def __init__(self, total: int, base: int, per_frame: int) -> None:

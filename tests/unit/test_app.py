@@ -64,7 +64,7 @@ def test_the_worker_joins_its_group_only_once_the_model_is_warm(monkeypatch: pyt
     runtime has started (warmed up), and the consumer subscribes (joins the group) when the loop runs."""
     sys.path.insert(0, str(Path(__file__).parent))  # model_factories, as model.source imports it
     import worker.app as app
-    from worker.pipeline import build_pipeline
+    from worker.loop.pipeline import build_pipeline
 
     kafka = InMemoryKafka()
     health = Health()

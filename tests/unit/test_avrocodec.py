@@ -1,4 +1,4 @@
-"""The hand-written result writer (worker.avrocodec) against fastavro: the same bytes from the same values, and
+"""The hand-written result writer (worker.codec.resultwriter) against fastavro: the same bytes from the same values, and
 the schema's fields as the writer knows them."""
 
 import io
@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.avrocodec import RESULT_FIELDS, STATUS_SYMBOLS, ResultWriter, write_long
+from worker.codec.resultwriter import RESULT_FIELDS, STATUS_SYMBOLS, ResultWriter, write_long
+from worker.codec.schemas import RESULT_SCHEMA, SCHEMA_DIR
 from worker.frames import Detection, Encoding, Frame, ModelVerdict, Priority, SourceRef, Verdict
-from worker.schemas import RESULT_SCHEMA, SCHEMA_DIR
 
 LONG = st.integers(-(2**63), 2**63 - 1)
 INT = st.integers(-(2**31), 2**31 - 1)
@@ -24,7 +24,7 @@ def _schema_fields(name: str) -> list[dict]:
 
 
 def test_the_writer_knows_every_field_of_the_schema_in_its_order():
-    """A field added to or moved in moderation_result.avsc fails here until worker.avrocodec writes it too."""
+    """A field added to or moved in moderation_result.avsc fails here until worker.codec.resultwriter writes it too."""
     assert tuple(f["name"] for f in _schema_fields("moderation_result.avsc")) == RESULT_FIELDS
     status = next(f["type"]["symbols"] for f in _schema_fields("moderation_result.avsc") if f["name"] == "status")
     assert tuple(status) == STATUS_SYMBOLS

@@ -11,10 +11,10 @@ import weakref
 import pytest
 
 from worker.batching import Batch, BatcherFullError, MicroBatcher
+from worker.batching.costmodel import CostModel
 from worker.config import BatchingSettings, ClassSettings, ConfigError
-from worker.costmodel import CostModel
+from worker.devices.memory import DeviceMemories, MemoryPolicy
 from worker.frames import Encoding, Frame, Priority, SourceRef
-from worker.memorypolicy import DeviceMemories, MemoryPolicy
 from worker.testing import FakeClock
 
 REALTIME, STANDARD, BULK = Priority.REALTIME, Priority.STANDARD, Priority.BULK

@@ -72,8 +72,8 @@ def test_the_process_listening_on_a_bootstrap_port_is_found_so_an_external_broke
 # -- the loop in a thread, a child process ----------------------------------------------------------------------
 def test_the_loop_runs_in_a_thread_named_loop_until_told_to_stop_and_its_cpu_is_counted_by_role() -> None:
     from worker.config import ObservabilitySettings, Settings
+    from worker.loop.pipeline import build_pipeline
     from worker.metrics import Health, Metrics
-    from worker.pipeline import build_pipeline
     from worker.testing import FakeClock, InMemoryKafka
     from worker.testing.fakes import FakeExecutor, frame_value
 

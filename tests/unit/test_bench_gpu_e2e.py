@@ -16,10 +16,10 @@ sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))  # appended:
 
 import gpu_e2e
 
+from worker.codec.schemas import decode_frame
 from worker.config import Settings
 from worker.frames import Priority, SourceRef
-from worker.pipeline import RunSummary
-from worker.schemas import decode_frame
+from worker.loop.pipeline import RunSummary
 
 SETTINGS = Settings()
 NEEDS_PHOTOS = pytest.mark.skipif(importlib.util.find_spec("skimage") is None,

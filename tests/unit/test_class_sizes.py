@@ -8,8 +8,8 @@ from pathlib import Path
 
 WORKER = Path(__file__).resolve().parents[2] / "worker"
 MAX_CLASS_LINES = 400
-# The loop only orchestrates: reading (worker.admission), flow control (worker.flow), the runtime's batches
-# (worker.inflight) and the answers with their metrics (worker.answers) each live in their own module.
+# The loop only orchestrates: reading (worker.loop.admission), flow control (worker.loop.flow), the runtime's batches
+# (worker.loop.inflight) and the answers with their metrics (worker.loop.answers) each live in their own module.
 MAX_PIPELINE_LINES = 250
 
 
@@ -29,7 +29,7 @@ def test_the_walk_finds_the_classes_it_measures() -> None:
     lengths = class_lengths()
 
     assert 0 < lengths["worker/batching/batcher.py:MicroBatcher"] <= MAX_CLASS_LINES
-    assert "worker/pipeline.py:Pipeline" in lengths
+    assert "worker/loop/pipeline.py:Pipeline" in lengths
 
 
 def test_no_class_in_worker_is_over_400_lines() -> None:
@@ -39,4 +39,4 @@ def test_no_class_in_worker_is_over_400_lines() -> None:
 
 
 def test_the_loop_stays_an_orchestrator() -> None:
-    assert class_lengths()["worker/pipeline.py:Pipeline"] <= MAX_PIPELINE_LINES
+    assert class_lengths()["worker/loop/pipeline.py:Pipeline"] <= MAX_PIPELINE_LINES

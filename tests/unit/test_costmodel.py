@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from worker.costmodel import EXPLORE_AFTER, EXPLORE_SAMPLES, RETRY_AFTER, CostModel
+from worker.batching.costmodel import EXPLORE_AFTER, EXPLORE_SAMPLES, RETRY_AFTER, CostModel
 
 SHAPE = (224, 224, 3)
 
@@ -87,7 +87,7 @@ def test_bad_measurements_are_ignored():
 
 
 def test_the_cost_model_imports_neither_kafka_nor_torch():
-    code = "import sys, worker.costmodel; print(any(m in sys.modules for m in ('confluent_kafka', 'torch')))"
+    code = "import sys, worker.batching.costmodel; print(any(m in sys.modules for m in ('confluent_kafka', 'torch')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

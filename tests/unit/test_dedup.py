@@ -1,5 +1,5 @@
 """A repeated (stream_id, frame_index) within a partition's window is a duplicate; the same offset read again is
-not (worker/dedup.py)."""
+not (worker/partitions/dedup.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.dedup import DuplicateFrames, duplicate_reason
 from worker.frames import DUPLICATE_FRAME
 from worker.metrics import DEAD_LETTER_ERROR_TYPES
+from worker.partitions.dedup import DuplicateFrames, duplicate_reason
 
 P0 = ("frames.standard", 0)
 P1 = ("frames.standard", 1)

@@ -584,7 +584,7 @@ def test_dockerfile_installs_the_project_with_its_schemas() -> None:
     sources = {Path(s).name for c in copies for s in c[:-1]}
     assert {"pyproject.toml", "worker", "schemas"} <= sources
     assert "pip install /src" in runs
-    assert "import worker.schemas" in runs  # the build fails if the installed package misses its schemas
+    assert "import worker.codec.schemas" in runs  # the build fails if the installed package misses its schemas
 
 
 def test_dockerignore_keeps_local_state_out_but_not_the_sources() -> None:

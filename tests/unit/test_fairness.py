@@ -1,5 +1,5 @@
-"""Fair reading within a class (worker.fairness), the pure policy on a fake clock: which partitions are held so that
-the partitions of a class with a backlog in Kafka are read at the same pace, whatever order the consumer serves
+"""Fair reading within a class (worker.reading.fairness), the pure policy on a fake clock: which partitions are held so
+that the partitions of a class with a backlog in Kafka are read at the same pace, whatever order the consumer serves
 them in."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from collections import deque
 import pytest
 
 from worker.config import BatchingSettings
-from worker.fairness import CHUNK_BATCHES, FAIR_PERIOD_S, RATE_WINDOW_S, STUCK_S, PartitionFairness
 from worker.frames import TP, Priority
+from worker.reading.fairness import CHUNK_BATCHES, FAIR_PERIOD_S, RATE_WINDOW_S, STUCK_S, PartitionFairness
 from worker.testing import FakeClock
 
 BULK_TOPIC, STD_TOPIC = "frames.bulk", "frames.standard"

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from tests.unit.test_batching import FakeClock, make_frame, make_settings
 from tests.unit.test_memorypolicy import FakeProbe
 from worker.batching import MicroBatcher
-from worker.graphplan import BatchCaps, GraphPlan
-from worker.memorypolicy import MemoryPolicy
+from worker.devices.graphplan import BatchCaps, GraphPlan
+from worker.devices.memory import MemoryPolicy
 
 SHAPE = (32, 48, 3)  # a runner's input: uint8 pixels, H x W x C
 HD = (1080, 1920, 3)
@@ -254,6 +254,6 @@ def test_no_budget_releases_nothing():
 
 
 def test_the_graph_plan_imports_neither_kafka_nor_torch():
-    code = "import sys, worker.graphplan; print(any(m in sys.modules for m in ('confluent_kafka', 'torch')))"
+    code = "import sys, worker.devices.graphplan; print(any(m in sys.modules for m in ('confluent_kafka', 'torch')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

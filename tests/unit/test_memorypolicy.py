@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from worker.memorypolicy import DeviceMemories, GraphBudget, MemoryPolicy, split_batch
+from worker.devices.memory import DeviceMemories, GraphBudget, MemoryPolicy, split_batch
 
 SHAPE = (224, 224, 3)
 GIB = 1 << 30
@@ -167,14 +167,14 @@ def test_memory_fraction_must_be_a_share():
 
 
 def test_the_memory_policy_imports_neither_kafka_nor_torch():
-    code = "import sys, worker.memorypolicy; print(any(m in sys.modules for m in ('confluent_kafka', 'torch')))"
+    code = "import sys, worker.devices.memory; print(any(m in sys.modules for m in ('confluent_kafka', 'torch')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
 
 def test_nvjpegs_buffers_outside_the_allocator_come_off_the_limit():
     """The device path's decoder holds memory no peak measured here sees (issue 45, item 8)."""
-    from worker.memorypolicy import NVJPEG_HEADROOM_BYTES
+    from worker.devices.memory import NVJPEG_HEADROOM_BYTES
 
     per_frame = 64 << 20
     probe = FakeProbe(total=10 * GIB, base=2 * GIB, per_frame=per_frame)

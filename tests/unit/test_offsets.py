@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.offsets import OffsetTracker, OffsetTrackingError
+from worker.partitions.offsets import OffsetTracker, OffsetTrackingError
 
 TP = ("frames.standard", 0)
 

@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError
 
-import worker.delivery as delivery_module
+import worker.loop.delivery as delivery_module
+from worker.codec.schemas import decode_result
 from worker.config import BatchingSettings, DeliverySettings, ObservabilitySettings, Settings
 from worker.frames import OUTPUT_REJECTED, BatchOutcome, Priority, Verdict
 from worker.kafka.producer import SinkError
+from worker.loop.pipeline import KafkaClients, Pipeline, build_pipeline
 from worker.metrics import Health, Metrics
-from worker.pipeline import KafkaClients, Pipeline, build_pipeline
-from worker.schemas import decode_result
 from worker.testing import (
     FakeClock,
     FakeConsumer,

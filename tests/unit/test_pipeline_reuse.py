@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from tests.unit.test_pipeline import World, offsets, sample
+from worker.codec.schemas import FrameRecord, decode_result, encode_frame
 from worker.config import BatchingSettings, ClassSettings
 from worker.frames import MODEL_ERROR, BatchOutcome, Encoding, FrameFailure, Priority
-from worker.schemas import FrameRecord, decode_result, encode_frame
 from worker.testing import CAPTURE_TS_MS, FakeExecutor, outcome
 
 RT0 = (World().settings.topics.realtime, 0)

@@ -7,9 +7,9 @@ import pytest
 
 from worker.batching import Batch
 from worker.frames import Priority
-from worker.inflight import FINISH_CHECK_MIN_S, FINISH_CHECK_SHARE, InFlight
+from worker.loop.inflight import FINISH_CHECK_MIN_S, FINISH_CHECK_SHARE, InFlight
+from worker.loop.pipeline import IDLE_POLL_S, poll_timeout
 from worker.metrics import Metrics
-from worker.pipeline import IDLE_POLL_S, poll_timeout
 from worker.testing.fakes import FakeExecutor
 
 

@@ -1,4 +1,4 @@
-"""Reading by priority (worker.priority_reading), the pure policy on a fake clock: which classes are paused so
+"""Reading by priority (worker.reading.priority), the pure policy on a fake clock: which classes are paused so
 that a more urgent class's backlog in Kafka is read first, the floor the paused classes keep, and when a backlog is past
 saving."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from worker.config import BatchingSettings, ClassSettings
 from worker.frames import Priority
-from worker.priority_reading import (
+from worker.reading.priority import (
     BACKLOG_S,
     FLOOR_PERIOD_S,
     FLOOR_WINDOW_S,

@@ -10,6 +10,17 @@ import pytest
 from confluent_kafka.schema_registry import Schema
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
+from worker.codec.schemas import (
+    FrameRecord,
+    MessageDecodeError,
+    ResultContext,
+    build_result,
+    decode_frame,
+    decode_result,
+    encode_frame,
+    is_registry_framed,
+    registry_framing,
+)
 from worker.config import ConfigError, SchemaRegistrySettings, load_settings
 from worker.frames import Encoding, Priority, SourceRef
 from worker.kafka.registry import (
@@ -21,17 +32,6 @@ from worker.kafka.registry import (
     WriterSchemaCache,
     client_config,
     schema_id_for,
-)
-from worker.schemas import (
-    FrameRecord,
-    MessageDecodeError,
-    ResultContext,
-    build_result,
-    decode_frame,
-    decode_result,
-    encode_frame,
-    is_registry_framed,
-    registry_framing,
 )
 
 NOW = time.time()

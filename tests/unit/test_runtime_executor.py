@@ -20,8 +20,8 @@ from model_factories import DeviceProbe, StandInRunner, jpeg_frame, raw_frame
 
 from tests.unit.replay_tolerance import replay_tolerance
 from worker.config import BatchingSettings, ConfigError, ModelSettings, RuntimeSettings
+from worker.devices.memory import MemoryPolicy
 from worker.frames import DECODE_ERROR, MODEL_ERROR, NON_FINITE_OUTPUT, Priority
-from worker.memorypolicy import MemoryPolicy
 from worker.runtime import InferenceExecutor, build_builtin_model
 from worker.runtime.deviceplan import DeviceMemory
 from worker.runtime.models import ModelContract

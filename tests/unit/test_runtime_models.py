@@ -227,7 +227,7 @@ def test_verdict_flags_labels_at_or_above_their_threshold():
 # --- layering ---
 
 def test_runtime_imports_neither_kafka_nor_the_pipeline_stages():
-    forbidden = ("confluent_kafka", "worker.pipeline", "worker.kafka", "worker.batching")
+    forbidden = ("confluent_kafka", "worker.loop.pipeline", "worker.kafka", "worker.batching")
     runtime_dir = Path(__file__).resolve().parents[2] / "worker" / "runtime"
     for path in runtime_dir.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):

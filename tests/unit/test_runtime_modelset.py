@@ -27,10 +27,10 @@ from tests.unit.test_runtime_detection import (
     package_detections,
     sample_photos,
 )
-from worker.cascade import CascadeRule, combine
 from worker.config import ConfigError, ModelSettings, RuntimeSettings, load_settings
 from worker.frames import MODEL_ERROR, NON_FINITE_OUTPUT, Detection, Encoding, ModelVerdict, Verdict
 from worker.runtime import InferenceExecutor, start_runtime
+from worker.runtime.cascade import CascadeRule, combine
 from worker.runtime.contract import ModelContract
 from worker.runtime.deviceplan import device_decode_serves
 
@@ -149,7 +149,7 @@ def test_a_cascade_skips_the_detector_where_the_classifier_is_sure(tmp_path):
 
 
 def test_check_model_lines_name_each_models_output_and_who_decided():
-    from worker.cascade import describe_outputs
+    from worker.runtime.cascade import describe_outputs
     from worker.tools.check_model import ImageScore, _score_table
 
     box = Detection("FACE_FEMALE", 0.72, 173.0, 82.5, 102.5, 98.4)
@@ -163,7 +163,7 @@ def test_check_model_lines_name_each_models_output_and_who_decided():
 
 
 def test_check_model_says_a_detector_found_no_boxes_rather_than_listing_zero_scores():
-    from worker.cascade import describe_outputs
+    from worker.runtime.cascade import describe_outputs
 
     verdict = combine([ModelVerdict("open_nsfw", "1", Verdict({"sfw": 0.9, "nsfw": 0.1}, ())),
                        ModelVerdict("nudenet", "2", Verdict({"FACE_FEMALE": 0.0}, ()), detector=True)])

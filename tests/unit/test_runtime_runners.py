@@ -11,8 +11,8 @@ from torch import nn
 
 from tests.unit.replay_tolerance import HEADROOM, TF32_UNIT_ROUNDOFF, replay_tolerance
 from worker.config import ModelSettings
-from worker.graphplan import BatchCaps, GraphPlan
-from worker.memorypolicy import MemoryPolicy
+from worker.devices.graphplan import BatchCaps, GraphPlan
+from worker.devices.memory import MemoryPolicy
 from worker.runtime import build_builtin_model
 from worker.runtime.capturegate import CaptureGate
 from worker.runtime.hostsync import ServingState

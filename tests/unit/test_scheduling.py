@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 
-import worker.pipeline as pipeline_module
+import worker.loop.pipeline as pipeline_module
+from worker.codec.schemas import FrameRecord, decode_result, encode_frame
 from worker.config import BatchingSettings, ClassSettings, ConfigError, ModelSettings, Settings
 from worker.frames import BatchOutcome, Encoding, Frame, Priority
-from worker.pipeline import build_pipeline
+from worker.loop.pipeline import build_pipeline
 from worker.runtime import InferenceExecutor
 from worker.runtime.models import ModelContract
-from worker.schemas import FrameRecord, decode_result, encode_frame
 from worker.testing import FakeExecutor, outcome, wait_for
 
 from .model_factories import StandInRunner
@@ -362,7 +362,7 @@ def test_each_batch_counts_its_release_reason_and_its_measured_over_predicted_ti
     assert registry.get_sample_value("streamfer_batch_time_ratio_sum") == pytest.approx(0.5)
 
 
-# -- reading by priority (worker.priority_reading): when reading, not the model, is the bottleneck ---------------
+# -- reading by priority (worker.reading.priority): when reading, not the model, is the bottleneck ---------------
 READ_S = 0.001  # loop time per message read: the worker reads at most 1000 messages a second
 
 

@@ -1,11 +1,11 @@
-"""The hold-and-retry policy of frames waiting for their writer schema (worker/schemahold.py), on a fake clock:
+"""The hold-and-retry policy of frames waiting for their writer schema (worker/kafka/schemahold.py), on a fake clock:
 transient failures hold and retry with backoff, permanent ones make dead letters, framed frames keep their order
 on each partition while unframed ones are never held, and a partition holding the byte bound is paused while the
 others read on."""
 
 from __future__ import annotations
 
-from worker.schemahold import LookupState, Released, SchemaHold
+from worker.kafka.schemahold import LookupState, Released, SchemaHold
 from worker.testing.clock import FakeClock
 
 A, B = ("frames.standard", 0), ("frames.standard", 1)

@@ -1,7 +1,7 @@
 """The worker loop over the in-memory kit with a registry that hangs, fails or refuses: writer-schema lookups run
 off the loop, frames that need one are held on their partition (never dead-lettered for a transient failure)
 while every other partition flows, no commit passes a held frame, and they are answered in order once the
-registry answers (worker/kafka/schemalookups.py, worker/schemahold.py)."""
+registry answers (worker/kafka/schemalookups.py, worker/kafka/schemahold.py)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from typing import Any
 
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
+from worker.codec.schemas import registry_framing
 from worker.config import DeliverySettings, ObservabilitySettings, SchemaRegistrySettings, Settings
 from worker.frames import HEADER_ERROR, HEADER_ERROR_TYPE, MESSAGE_DECODE_ERROR
 from worker.kafka.registry import FRAME_SCHEMA_TEXT, RegistryLink
 from worker.kafka.schemalookups import RegistryOutage
+from worker.loop.pipeline import Pipeline, build_pipeline
 from worker.metrics import Health, Metrics
-from worker.pipeline import Pipeline, build_pipeline
-from worker.schemas import registry_framing
 from worker.testing import FakeClock, FakeExecutor, InMemoryKafka, abortable, frame_value, ledger
 
 SETTINGS = Settings(observability=ObservabilitySettings(worker_id="w0"))

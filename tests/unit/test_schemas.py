@@ -9,9 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.config import LimitsSettings
-from worker.frames import Encoding, Priority, SourceRef
-from worker.schemas import (
+from worker.codec.schemas import (
     FRAME_SCHEMA,
     SCHEMA_DIR,
     FrameRecord,
@@ -22,6 +20,8 @@ from worker.schemas import (
     encode_result,
     reencode_frame,
 )
+from worker.config import LimitsSettings
+from worker.frames import Encoding, Priority, SourceRef
 
 SRC = SourceRef("frames.standard", 2, 41)
 NOW = 1_700_000_000.5  # the worker's clock (wall seconds) in these tests: record()'s capture is 377 ms earlier

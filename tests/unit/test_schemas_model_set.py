@@ -8,8 +8,8 @@ import json
 
 import fastavro
 
+from worker.codec.schemas import SCHEMA_DIR, ResultContext, build_result, decode_result
 from worker.frames import Detection, Encoding, Frame, ModelVerdict, Priority, SourceRef, Verdict
-from worker.schemas import SCHEMA_DIR, ResultContext, build_result, decode_result
 
 NEW_FIELDS = ("decided_by", "models")
 

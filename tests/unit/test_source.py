@@ -23,7 +23,7 @@ from worker.frames import Priority
 from worker.kafka.committed import COMMITTED_LOOKUP_TIMEOUT_S, COMMITTED_RETRY_FIRST_S
 from worker.kafka.consumer import FrameSource
 from worker.kafka.membership import REFENCED_WITHIN_S, SourceError
-from worker.offsets import CommitOutcome
+from worker.partitions.offsets import CommitOutcome
 from worker.testing import FakeClock, FakeMessage, frame_value
 from worker.testing import FakeConsumer as KitConsumer
 

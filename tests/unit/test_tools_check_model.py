@@ -23,13 +23,13 @@ sys.path.insert(0, str(Path(__file__).parent))  # makes "model_factories:<fn>" i
 import model_factories
 
 from worker.cli import main
+from worker.codec.schemas import MessageDecodeError
 from worker.config import RuntimeSettings, load_settings
 from worker.frames import BatchOutcome, Encoding
 from worker.photos import PHOTOS, photo
 from worker.runtime import ModelContract, ModelContractError, start_runtime
 from worker.runtime import executor as executor_module
 from worker.runtime.deviceplan import DevicePlan
-from worker.schemas import MessageDecodeError
 from worker.tools.check_model import (
     CPU_TIMED_BATCH_MAX,
     TIMING_ROUNDS,

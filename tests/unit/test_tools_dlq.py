@@ -9,9 +9,9 @@ import json
 import pytest
 
 from worker.cli import main
+from worker.codec.schemas import FrameRecord, encode_frame
 from worker.config import Settings, load_settings
 from worker.frames import Encoding, Priority
-from worker.schemas import FrameRecord, encode_frame
 from worker.tools.dlq import (
     DeadLetterSummary,
     Original,

@@ -21,7 +21,7 @@ Groups and lanes [groups, sizing, formation]. A frame joins the group of its cla
   - full: when it holds its *trigger* size: the largest preferred size (settings.preferred_batch_sizes plus the
     runner's CUDA-graph buckets) that fits its cap, else the cap itself; the cap is min(the class's
     max_batch_size, max_batch_bytes // frame tensor bytes), and on a GPU at most the largest batch device
-    memory takes for the input the device runs (worker.memorypolicy: what the devices take together, the
+    memory takes for the input the device runs (worker.devices.memory: what the devices take together, the
     executor splitting a batch larger than one device takes). Reason "full" when the trigger is the class's
     max_batch_size, "bytes" when the memory cap is what bounds it, else "preferred" (Triton: a batch of the
     largest preferred size goes at once);
@@ -56,7 +56,7 @@ Classes [selection]. Each pop_batch() serves one class among those with a due ba
   sheds (expires) before realtime. With slack to spare, weights share the device and nothing starves. Within a
   class, the due group with the oldest frame goes first. pop_batch(max_priority) considers only classes at
   least that urgent (the loop's reserved realtime slot).
-Cost model [sizing] (optional, worker.costmodel, learned from measured batches). Per group:
+Cost model [sizing] (optional, worker.batching.costmodel, learned from measured batches). Per group:
   - trigger: with adaptive_batch_size, the measured size with the most frames per device second (reason
     "cost"), within the group's cap (so within its class's max_batch_size), instead of the static trigger above;
   - cap: for standard and bulk, the largest size predicted to run within max_blocking_ms (reason "blocking"),

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 from worker.batching.backpressure import Backpressure
 from worker.batching.batch import Batch, batch_shape
+from worker.batching.costmodel import CostModel
 from worker.batching.expiry import Expiry
 from worker.batching.formation import Formation
 from worker.batching.groups import Pending
@@ -15,9 +16,8 @@ from worker.batching.lanes import FallbackLane
 from worker.batching.selection import ClassSelection
 from worker.batching.sizing import Sizing
 from worker.config import BatchingSettings
-from worker.costmodel import CostModel
+from worker.devices.memory import BatchSizeLimit
 from worker.frames import Frame, Priority
-from worker.memorypolicy import BatchSizeLimit
 
 
 class MicroBatcher:

@@ -7,11 +7,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+from worker.batching.costmodel import CostModel
 from worker.batching.groups import ClassState, Entry, Group
 from worker.config import BatchingSettings, ConfigError
-from worker.costmodel import CostModel
+from worker.devices.memory import BatchSizeLimit
 from worker.frames import Priority
-from worker.memorypolicy import BatchSizeLimit
 
 
 class Sizing:

@@ -231,7 +231,7 @@ class RuntimeSettings:
         "measured at graph capture and warm-up calibration on that device, stays under this share of its memory (less "
         "256 MiB for nvJPEG's buffers where `decode` is on the device: Sizing below) with each of its "
         "`instances_per_device` runners running such a batch at once (the model and graphs counted once, "
-        "each batch's own memory once per runner; `worker/memorypolicy.py`); no graph is captured for a bucket a "
+        "each batch's own memory once per runner; `worker/devices/memory.py`); no graph is captured for a bucket a "
         "runner would have to pad past it. The batcher sends no batch larger than the devices take together: one "
         "larger than the least loaded runner's device takes is split across devices (below). A quarter of that share "
         "is the captured graphs' memory budget per device (split between its `instances_per_device` runners), least "

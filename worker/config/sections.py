@@ -116,7 +116,7 @@ class DeliverySettings:
     mode: DeliveryMode = setting("at_least_once", doc=(
         "or `exactly_once`: results, dead letters and offsets in one transaction per loop turn "
         "(the outputs of every batch finished since the last turn, up to each partition's commit "
-        "point; `worker.delivery.ExactlyOnceDelivery`)"))
+        "point; `worker.loop.delivery.ExactlyOnceDelivery`)"))
     transactional_id_prefix: str = setting("streamfer", range="non-empty", doc=(
         "exactly-once: the producer's transactional id is `<prefix>-<worker_id>`"))
     inflight_batches_per_runner: int = setting(2, ge=1, le=MAX_INFLIGHT_PER_RUNNER, unit="batches", doc=(

@@ -13,21 +13,21 @@ from collections.abc import Mapping
 
 from worker.config.derived import parse_size
 from worker.config.fields import field_doc
-from worker.config.model import ModelSettings
-from worker.config.sections import MAX_METRIC_TENANTS, KafkaSettings, SchemaRegistrySettings, TracingSettings
-from worker.config.settings import Settings
-from worker.frames import Priority
-from worker.kafka.properties import (
+from worker.config.librdkafka import (
     PROTECTED_CONSUMER_PROPERTIES,
     PROTECTED_PRODUCER_PROPERTIES,
     SECRET_PROPERTIES,
     SECURITY_PROPERTIES,
 )
+from worker.config.model import ModelSettings
+from worker.config.sections import MAX_METRIC_TENANTS, KafkaSettings, SchemaRegistrySettings, TracingSettings
+from worker.config.settings import Settings
+from worker.frames import Priority
 
 log = logging.getLogger("worker.config")
 
 # The [kafka] security settings (docs/security.md), checked by validate_security. The librdkafka properties an
-# override may not set are the Kafka edge's (worker/kafka/properties.py).
+# override may not set are the Kafka edge's (worker/config/librdkafka.py).
 SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
 # What Kafka accepts as a group.instance.id (the broker refuses a JoinGroup with any other).

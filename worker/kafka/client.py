@@ -18,7 +18,7 @@ from typing import Any
 from confluent_kafka import KafkaException
 
 from worker.config import ConfigError, KafkaSettings
-from worker.kafka.properties import SECRET_PROPERTIES
+from worker.config.librdkafka import SECRET_PROPERTIES
 
 REDACTED = "[redacted]"
 # The clients whose properties kafka.<role>_overrides extends.

@@ -22,7 +22,7 @@ from confluent_kafka import (
     TopicPartition,
 )
 
-from worker.assignment import Assignments
+from worker.codec.schemas import MessageDecodeError, decode_frame
 from worker.config import Settings, group_instance_id_problem
 from worker.errors import OperatorError, StreamferError
 from worker.frames import MESSAGE_DECODE_ERROR, TP, DeadLetter, Frame, Priority, SourceRef
@@ -31,8 +31,8 @@ from worker.kafka.committed import COMMITTED_LOOKUP_TIMEOUT_S, CommittedPosition
 from worker.kafka.errors import UNKNOWN_TOPIC, BrokerStatus, Identity, RefusalStreak, classify_consumer_error
 from worker.kafka.membership import GroupMembership
 from worker.kafka.schemalookups import HeldFrames
-from worker.offsets import CommitOutcome
-from worker.schemas import MessageDecodeError, decode_frame
+from worker.partitions.assignment import Assignments
+from worker.partitions.offsets import CommitOutcome
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ class FrameSource:
         # pipeline and delivery read them.
         self.assignments = Assignments()
         self._paused_classes: set[Priority] = set()
-        self._held: frozenset[TP] = frozenset()  # partitions paused for their siblings (worker.fairness)
+        self._held: frozenset[TP] = frozenset()  # partitions paused for their siblings (worker.reading.fairness)
         self._paused: set[TP] = set()
         # Per partition: the offset after the last one delivered since it was assigned or sought.
         self._next_offset: dict[TP, int] = {}

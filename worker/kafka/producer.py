@@ -4,7 +4,7 @@ At-least-once: an idempotent producer; a source offset is reported acknowledged 
 returns) only when the broker has its message, and a failed delivery is produced again, never dropped.
 Exactly-once: a transactional producer whose calls (begin, send_offsets_to_transaction + commit_transaction,
 abort) are guarded against librdkafka blocking;
-worker.delivery.ExactlyOnceDelivery opens one transaction per loop turn, holding the outputs released that turn
+worker.loop.delivery.ExactlyOnceDelivery opens one transaction per loop turn, holding the outputs released that turn
 (of any number of batches) and the consumed offsets.
 """
 

@@ -21,13 +21,7 @@ import fastavro
 from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
-from worker.config import ConfigError, SchemaRegistrySettings, Settings
-from worker.errors import OperatorError
-from worker.kafka.client import read_secret, tls_properties
-from worker.kafka.schemalookups import HeldFrames, RegistryLookups, RegistryOutage
-from worker.metrics import Metrics
-from worker.schemahold import SchemaHold
-from worker.schemas import (
+from worker.codec.schemas import (
     SCHEMA_DIR,
     FrameRecord,
     MessageDecodeError,
@@ -35,6 +29,12 @@ from worker.schemas import (
     encode_frame,
     registry_framing,
 )
+from worker.config import ConfigError, SchemaRegistrySettings, Settings
+from worker.errors import OperatorError
+from worker.kafka.client import read_secret, tls_properties
+from worker.kafka.schemahold import SchemaHold
+from worker.kafka.schemalookups import HeldFrames, RegistryLookups, RegistryOutage
+from worker.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -223,13 +223,13 @@ class RegistryLink:
 
     result_framing: bytes
     settings: SchemaRegistrySettings
-    # Lookups retry on the hold policy's backoff, not the client's (worker.schemahold).
+    # Lookups retry on the hold policy's backoff, not the client's (worker.kafka.schemahold).
     lookup_client: Any
 
     def held_frames(self, metrics: Metrics, passed_frames_max: int,
                     clock: Callable[[], float] = time.monotonic) -> HeldFrames:
         """The consumer's writer schemas: looked up off the loop, frames held meanwhile (worker.kafka.schemalookups);
-        `passed_frames_max`: see worker.schemahold.SchemaHold."""
+        `passed_frames_max`: see worker.kafka.schemahold.SchemaHold."""
         client = self.lookup_client
         return HeldFrames(RegistryLookups(lambda schema_id: fetch_writer_schema(client, schema_id)),
                           SchemaHold(self.settings.max_held_bytes_per_partition, passed_frames_max, clock),

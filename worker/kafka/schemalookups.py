@@ -1,4 +1,4 @@
-"""Writer-schema lookups off the loop thread, and the frames held for them (the policy: worker.schemahold).
+"""Writer-schema lookups off the loop thread, and the frames held for them (the policy: worker.kafka.schemahold).
 
 The loop never waits for the Schema Registry: a registry-framed frame whose writer-schema id is not known yet is
 held on its partition, with the framed frames read after it there (unframed frames flow on), while one lookup
@@ -16,12 +16,12 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from worker.codec.schemas import FRAMING_BYTES, MessageDecodeError, decode_frame, is_registry_framed
 from worker.config import LimitsSettings
 from worker.errors import StreamferError
 from worker.frames import MESSAGE_DECODE_ERROR, TP, DeadLetter, Frame, Priority, SourceRef
+from worker.kafka.schemahold import Released, SchemaHold
 from worker.metrics import SCHEMA_LOOKUP_OUTCOMES, Metrics
-from worker.schemahold import Released, SchemaHold
-from worker.schemas import FRAMING_BYTES, MessageDecodeError, decode_frame, is_registry_framed
 from worker.threadnames import name_os_thread
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ permitted when stream is capturing"): a graph released for the memory budget, an
 reference counting in another thread, or by the cyclic garbage collector inside the capturing thread itself.
 `CaptureGate` serialises captures (PyTorch allows one at a time per process), holds what is released during
 one until it ends, destroys it before the next begins, and keeps the garbage collector from running inside a
-capture. It also ends captures for good after one fails (`worker.graphplan.CaptureStop`: torch 2.11 cannot
+capture. It also ends captures for good after one fails (`worker.devices.graphplan.CaptureStop`: torch 2.11 cannot
 capture, nor empty its cache, after a failed capture). Pure Python (no torch), so its ordering is tested on any
 machine with stand-in graphs.
 """
@@ -20,8 +20,8 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from worker.devices.graphplan import CaptureStop
 from worker.errors import StreamferError
-from worker.graphplan import CaptureStop
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.config import ConfigError, RuntimeSettings
-from worker.memorypolicy import NVJPEG_HEADROOM_BYTES, MemoryPolicy, MemoryProbe
+from worker.devices.memory import NVJPEG_HEADROOM_BYTES, MemoryPolicy, MemoryProbe
 from worker.runtime.contract import ModelContract
 from worker.runtime.runners import CudaMemoryProbe
 

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from worker.config import MAX_INSTANCES_PER_DEVICE, ConfigError, ModelSettings, RuntimeSettings, usable_cores
-from worker.graphplan import BatchCaps
-from worker.memorypolicy import MemoryPolicy
+from worker.devices.graphplan import BatchCaps
+from worker.devices.memory import MemoryPolicy
 from worker.runtime.contract import ModelContract, ModelContractError
 from worker.runtime.models import (
     ONNX_SUFFIXES,

@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from worker.config import BatchingSettings, ModelSettings, RuntimeSettings, preprocess_thread_count
+from worker.devices.graphplan import BatchCaps
+from worker.devices.memory import DeviceMemories, split_batch
 from worker.frames import MODEL_ERROR, BatchOutcome, Encoding, Frame, FrameFailure, Priority, SourceRef
-from worker.graphplan import BatchCaps
-from worker.memorypolicy import DeviceMemories, split_batch
 from worker.runtime.deviceplan import (
     DeviceMemory,
     check_device_decode_at_start,

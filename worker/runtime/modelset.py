@@ -3,10 +3,11 @@
 Frames are read, batched and decoded once (`preprocess.Preprocessor`, or the device data path, fits each decoded
 frame to every model's input). Each model has its own runner on each device, hence its own CUDA graphs per bucket;
 they run one after another on the batch, a cascaded model only on the frames its condition lets through
-(`worker.cascade`). `ModelSet.run` is the one run loop: a batch the model fails on is retried frame by frame, a
+(`worker.runtime.cascade`). `ModelSet.run` is the one run loop: a batch the model fails on is retried frame by frame, a
 frame with a non-finite output fails alone, a classifier's scores are thresholded in one comparison and a
-detector's boxes decoded after its runner, outside any graph (`worker.runtime.detection`). `worker.cascade.combine`
-makes the frame's verdict: a set of one gives its model's own verdict, as results always carried for one model.
+detector's boxes decoded after its runner, outside any graph (`worker.runtime.detection`).
+`worker.runtime.cascade.combine` makes the frame's verdict: a set of one gives its model's own verdict, as results
+always carried for one model.
 
 Memory on a GPU: one MemoryPolicy per device. Its batch peaks are measured by `calibrate` over the whole set (the
 models run in turn on one batch, so a batch's peak holds every model's weights and the largest model's
@@ -26,7 +27,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from worker.cascade import CascadeRule, combine
 from worker.config import ModelSettings
 from worker.frames import (
     DECODE_ERROR,
@@ -38,6 +38,7 @@ from worker.frames import (
     ModelVerdict,
     Verdict,
 )
+from worker.runtime.cascade import CascadeRule, combine
 from worker.runtime.contract import ModelContract
 from worker.runtime.detection import decode_detections, detection_verdict, input_transform
 from worker.runtime.preprocess import HostBatch, ModelInput

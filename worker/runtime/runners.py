@@ -3,7 +3,7 @@
 A runner takes the batch as uint8 NHWC pixels on its device and normalises them itself (`Normaliser`), inside
 the captured graph where it has one, so the host never touches float32 and the copy to the device is small.
 
-`worker.graphplan.GraphPlan` decides (which bucket, replay / capture now / run eager, which buckets are worth
+`worker.devices.graphplan.GraphPlan` decides (which bucket, replay / capture now / run eager, which buckets are worth
 capturing, which graphs to release for the memory budget) and is pure; the runners execute.
 A runner is used from one thread at a time (the executor gives each its own inference thread). On CUDA each
 takes its streams from `worker.runtime.streams.STREAMS` (each its own), and waits for its scores on an event
@@ -23,8 +23,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from worker.graphplan import LAZY_CAPTURE_AFTER, PROCESS_CAPTURES, BatchCaps, GraphKey, GraphPlan, GraphStep
-from worker.memorypolicy import MemoryPolicy
+from worker.devices.graphplan import LAZY_CAPTURE_AFTER, PROCESS_CAPTURES, BatchCaps, GraphKey, GraphPlan, GraphStep
+from worker.devices.memory import MemoryPolicy
 from worker.runtime.capturegate import CaptureGate, CapturesStopped
 from worker.runtime.contract import ModelContract, ModelContractError
 from worker.runtime.hostsync import SERVING
@@ -245,7 +245,7 @@ class EagerRunner:
 
 
 class CudaMemoryProbe:
-    """worker.memorypolicy.MemoryProbe over torch.cuda's allocator statistics for one device, and the memory it
+    """worker.devices.memory.MemoryProbe over torch.cuda's allocator statistics for one device, and the memory it
     holds from the device (a captured graph's pool grows it)."""
 
     def __init__(self, device: torch.device) -> None:
@@ -376,7 +376,7 @@ class CudaGraphRunner(EagerRunner):
 
     def _capture_lazily(self, bucket: int, shape: Shape) -> bool:
         """Capture (bucket, shape) now; False (run eager) when it fails, or when captures stopped after a failed one
-        (in any runner of the process: worker.graphplan.CaptureStop)."""
+        (in any runner of the process: worker.devices.graphplan.CaptureStop)."""
         if self._captures.stopped is not None:
             self.plan.mark_failed(bucket, shape)
             return False
@@ -449,7 +449,7 @@ class CudaGraphRunner(EagerRunner):
 def _return_memory(device: torch.device, captures: CaptureGate) -> None:
     """A graph's private pool goes back to the device only once the graph and its tensors are gone, and then
     only through empty_cache; never after a failed capture, when torch 2.11's empty_cache fails an internal
-    assertion (worker.graphplan.CaptureStop): the memory stays in torch's cache, for eager batches to reuse."""
+    assertion (worker.devices.graphplan.CaptureStop): the memory stays in torch's cache, for eager batches to reuse."""
     if captures.stopped is not None:
         return
     with torch.cuda.device(device):

@@ -4,7 +4,7 @@
 round-robin, so two objects can be one CUDA stream. A runner takes four (compute, copy, warm-up side, capture)
 and the device data path one for decoding; torchvision's nvJPEG decoder takes one from the default priority's
 pool. Were a capture stream also the decoder's, a lazy capture would record decode work and fail (then no
-capture is tried again: worker.graphplan.CaptureStop). So every stream here comes from `StreamRegistry`: from a
+capture is tried again: worker.devices.graphplan.CaptureStop). So every stream here comes from `StreamRegistry`: from a
 pool of a priority of its own (above the default, which libraries draw from), never one that a live stream of
 this process already is; with more streams than a pool holds, the next priority's pool.
 """

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_INVALID, KafkaError, KafkaException, TopicPartition
 
+from worker.codec.schemas import FrameRecord, decode_result, encode_frame
 from worker.frames import TP, BatchOutcome, Encoding, Frame, Priority, Verdict
-from worker.schemas import FrameRecord, decode_result, encode_frame
 
 if TYPE_CHECKING:
-    from worker.pipeline import KafkaClients
+    from worker.loop.pipeline import KafkaClients
 
 # Frames are captured a second before the kit's fake clock starts (worker.testing.clock.START).
 CAPTURE_TS_MS = 1_799_999_999_000
@@ -350,7 +350,7 @@ def outcome(frames: list[Frame]) -> BatchOutcome:
 class InMemoryKafka:
     """A broker for one pipeline, in memory: frames sent to a partition are assigned to the pipeline's consumer on
     its first poll; `results()` and `dead_letters()` are what a read_committed reader sees, `committed` the group's
-    offsets. Pass `clients` to worker.pipeline.build_pipeline (docs/testing.md has the example)."""
+    offsets. Pass `clients` to worker.loop.pipeline.build_pipeline (docs/testing.md has the example)."""
 
     def __init__(self) -> None:
         self.log: dict[TP, list[bytes]] = {}
@@ -363,8 +363,8 @@ class InMemoryKafka:
 
     @property
     def clients(self) -> KafkaClients:
-        """The loop's Kafka clients over this broker (worker.pipeline is imported late: it loads the runtime)."""
-        from worker.pipeline import KafkaClients
+        """The loop's Kafka clients over this broker (worker.loop.pipeline is imported late: it loads the runtime)."""
+        from worker.loop.pipeline import KafkaClients
 
         return KafkaClients(consumer=self._new_consumer, producer=self._new_producer,
                             output_message_limit=lambda settings: None)

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from worker.codec.schemas import FrameRecord
     from worker.frames import Encoding, Priority
-    from worker.schemas import FrameRecord
     from worker.tools.publish_frames import PublishReport
 
 # librdkafka's own log lines of the frame producer (start-up retries such as "Coordinator load in progress"):

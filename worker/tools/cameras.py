@@ -25,8 +25,8 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
+from worker.codec.schemas import FrameRecord
 from worker.frames import Encoding, Priority
-from worker.schemas import FrameRecord
 
 log = logging.getLogger("worker.cameras")
 

@@ -31,16 +31,16 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from worker.cascade import describe_outputs
+from worker.codec.schemas import FrameRecord, MessageDecodeError, decode_frame, encode_frame
 from worker.config import ModelSettings, Settings, load_settings, warmup_frame_shapes
 from worker.errors import EXIT_INTERNAL_ERROR, EXIT_OPERATOR_ERROR, OperatorError, StartError
 from worker.frames import Encoding, Frame, Priority, SourceRef
 from worker.photos import PHOTOS, photo
 from worker.runtime import InferenceExecutor, ModelContract
+from worker.runtime.cascade import describe_outputs
 from worker.runtime.engine import engine_of
 from worker.runtime.hostsync import HOST_SYNC_FIX, HostSync, HostSyncError
 from worker.runtime.start import start_runtime
-from worker.schemas import FrameRecord, MessageDecodeError, decode_frame, encode_frame
 from worker.tools.publish_frames import DEFAULT_JPEG_QUALITY, IMAGE_SUFFIXES, encode_pixels
 
 EXIT_OK = 0
@@ -82,7 +82,7 @@ class ImageScore:
     flagged: tuple[str, ...] = ()
     error_type: str = ""
     error: str = ""
-    # A model set's per-model outputs, a detector's boxes (worker.cascade.describe_outputs), one line each.
+    # A model set's per-model outputs, a detector's boxes (worker.runtime.cascade.describe_outputs), one line each.
     outputs: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:

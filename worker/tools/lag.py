@@ -19,11 +19,11 @@ from typing import Any
 from confluent_kafka import OFFSET_BEGINNING, ConsumerGroupTopicPartitions, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
+from worker.codec.schemas import MessageDecodeError, read_frame_record
 from worker.config import Settings
 from worker.errors import OperatorError
 from worker.frames import TP, Priority
 from worker.kafka.roles import admin_client, frame_peeker
-from worker.schemas import MessageDecodeError, read_frame_record
 
 # Exit code when a --fail-above threshold is exceeded (0: within; 2: an operator error, as for every command).
 EXIT_ABOVE_THRESHOLD = 3

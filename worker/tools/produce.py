@@ -17,7 +17,7 @@ from worker.config import Settings
 from worker.frames import Encoding, Priority
 
 if TYPE_CHECKING:
-    from worker.schemas import FrameRecord
+    from worker.codec.schemas import FrameRecord
     from worker.tracing.producer import FrameSendTracing
 
 log = logging.getLogger("worker")

@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 from confluent_kafka import KafkaError, KafkaException
 
+from worker.codec.schemas import FrameRecord, encode_frame
 from worker.frames import Encoding, Headers, Priority
 from worker.kafka.client import Cluster
 from worker.kafka.roles import frame_producer
 from worker.kafka.topics import topic_message_limits
-from worker.schemas import FrameRecord, encode_frame
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp"}
 

@@ -12,9 +12,9 @@ from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, KafkaError, TopicPartition
 
+from worker.codec.schemas import decode_result
 from worker.kafka.client import Cluster
 from worker.kafka.roles import result_reader
-from worker.schemas import decode_result
 
 
 @dataclass(frozen=True)

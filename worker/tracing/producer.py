@@ -11,9 +11,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter
 from opentelemetry.trace import SpanKind, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from worker.codec.schemas import FrameRecord
 from worker.config import Settings
 from worker.frames import Headers
-from worker.schemas import FrameRecord
 from worker.tracing.context import traces_url
 from worker.tracing.export import DroppingSpanProcessor
 

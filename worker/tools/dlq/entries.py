@@ -16,6 +16,7 @@ from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
+from worker.codec.schemas import MessageDecodeError, read_frame_record
 from worker.config import Settings
 from worker.errors import OperatorError
 from worker.frames import (
@@ -34,7 +35,6 @@ from worker.frames import (
     replay_count_of,
 )
 from worker.kafka.roles import dead_letter_reader, uncommitted_end_reader
-from worker.schemas import MessageDecodeError, read_frame_record
 
 log = logging.getLogger(__name__)
 

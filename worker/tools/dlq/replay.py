@@ -20,6 +20,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
+from worker.codec.schemas import MessageDecodeError, read_frame_record
 from worker.config import Settings
 from worker.errors import StreamferError
 from worker.frames import (
@@ -39,7 +40,6 @@ from worker.kafka.roles import (
     transactional_producer,
 )
 from worker.kafka.topics import ensure_topics, topic_message_limits
-from worker.schemas import MessageDecodeError, read_frame_record
 from worker.tools.dlq.entries import (
     REPLAY_TRANSACTION_TIMEOUT_MS,
     DeadLetterEntry,

@@ -5,7 +5,7 @@
   before the batch as its 0-frame point); between measurements it is a line base + per_frame * n through
   them (one point alone: through the origin, conservatively scaled), so a size never measured is predicted.
 - Largest batch: `max_batch(shape, cap)` is the largest n <= cap whose predicted peak stays under
-  `memory_fraction` of the device's total memory (worker.graphplan decides from it which CUDA-graph buckets
+  `memory_fraction` of the device's total memory (worker.devices.graphplan decides from it which CUDA-graph buckets
   are worth capturing). A device whose `runners` (runtime.instances_per_device) may each run a batch at once
   counts each batch's own memory (its peak above the 0-frame point) that many times.
 - Several devices: one policy per device, from its own probe. `DeviceMemories` is the batcher's view of them:

@@ -10,7 +10,7 @@ One class per delivery mode behind one small interface, so the loop never asks w
 
 The loop hands delivery what the Kafka edges returned: the sink's delivery reports (`acknowledge`) and the
 consumer's commit outcomes (`commits_reported`); nothing here is called back. Work of a partition epoch that is no
-longer current (see worker.assignment) is dropped here, in one place.
+longer current (see worker.partitions.assignment) is dropped here, in one place.
 An output the client or broker refuses (too large, invalid) is replaced by a reference-only dead letter, so no
 single input can stop its partition.
 """
@@ -26,15 +26,15 @@ from collections.abc import Callable
 from confluent_kafka import KafkaError, KafkaException
 from prometheus_client import Counter
 
-from worker.assignment import Assignments
 from worker.config import Settings
 from worker.errors import OperatorError
 from worker.frames import OUTPUT_REJECTED, TP, DeadLetter, Output, SourceRef, Status
 from worker.kafka.errors import classify_producer_error
 from worker.kafka.producer import DeliveryReports, MessageRejected, Refusal, ResultSink, TransactionStuckError
+from worker.loop.ports import Source
 from worker.metrics import Children, Metrics
-from worker.offsets import CommitOutcome, OffsetTracker
-from worker.ports import Source
+from worker.partitions.assignment import Assignments
+from worker.partitions.offsets import CommitOutcome, OffsetTracker
 
 log = logging.getLogger(__name__)
 

@@ -18,14 +18,14 @@ from typing import Any, Protocol
 
 import fastavro
 
-from worker.avrocodec import ResultWriter
+from worker.codec.resultwriter import ResultWriter
 from worker.config import LimitsSettings
 from worker.frames import Encoding, Frame, Priority, SourceRef, Verdict, replay_count_of
 
 
 def _schema_dir() -> Path:
     """`schemas/` of a source checkout, else the copy a wheel installs under `<prefix>/share/streamfer/`."""
-    candidates = [Path(__file__).resolve().parent.parent / "schemas",
+    candidates = [Path(__file__).resolve().parents[2] / "schemas",
                   Path(sys.prefix) / "share" / "streamfer" / "schemas"]
     for candidate in candidates:
         if (candidate / "frame.avsc").is_file():
@@ -302,7 +302,7 @@ class ResultContext:
 
 
 def result_writer(ctx: ResultContext) -> ResultWriter:
-    """The hand-written encoder of this context's results (worker.avrocodec): hold one, it caches encodings."""
+    """The hand-written encoder of this context's results (worker.codec.resultwriter): hold one, it caches encodings."""
     return ResultWriter(ctx.model_name, ctx.model_version, ctx.worker_id, ctx.framing)
 
 

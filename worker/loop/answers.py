@@ -10,10 +10,10 @@ from collections import Counter
 from collections.abc import Sequence
 
 from worker.batching import Batch
+from worker.codec.schemas import ResultContext, reencode_frame, result_writer
 from worker.frames import BatchOutcome, DeadLetter, Frame, Output, Status, Verdict
 from worker.metrics import Children, Metrics, exemplar, observe_many
-from worker.reuse import Reused
-from worker.schemas import ResultContext, reencode_frame, result_writer
+from worker.reuse.policy import Reused
 from worker.tracing import TRACING_OFF, FrameTraces, Tracing
 
 # One DEBUG line per finished batch (class, shape, size, waits, padding, predicted and measured time): enable
@@ -77,7 +77,7 @@ class Answers:
                              0, 0.0, now, traces)
 
     def reused(self, reused: Sequence[Reused], now: float) -> list[Output]:
-        """OK results for frames answered with their stream's reference verdict (worker.reuse): batch size and
+        """OK results for frames answered with their stream's reference verdict (worker.reuse.policy): batch size and
         inference time 0, `reused_from_frame` the reference's frame_index."""
         outputs: list[Output] = []
         for (reference, _), group in itertools.groupby(reused, key=lambda r: (r.reference, r.frame.priority)):

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Protocol
 
-from worker.assignment import Assignments
+from worker.devices.memory import BatchSizeLimit
 from worker.frames import TP, BatchOutcome, Frame, Priority
-from worker.memorypolicy import BatchSizeLimit
+from worker.partitions.assignment import Assignments
 
 if TYPE_CHECKING:  # names only: the policy modules that take a Source never load the Kafka edge
     from worker.kafka.consumer import Polled, RebalanceHandler, RevokeHandler

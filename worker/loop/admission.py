@@ -7,17 +7,17 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from worker.answers import Answers
 from worker.batching import MicroBatcher
 from worker.config import Settings
-from worker.dedup import DuplicateFrames, duplicate_reason
-from worker.flow import FlowControl
 from worker.frames import DUPLICATE_FRAME, TP, BatchOutcome, Frame, Output, Priority
 from worker.kafka.consumer import Polled
+from worker.loop.answers import Answers
+from worker.loop.flow import FlowControl
 from worker.metrics import Children, Metrics
-from worker.offsets import OffsetTracker
-from worker.reuse import Decision, FrameReuse, Reused
-from worker.thumbnail import Thumbnail, thumbnail
+from worker.partitions.dedup import DuplicateFrames, duplicate_reason
+from worker.partitions.offsets import OffsetTracker
+from worker.reuse.policy import Decision, FrameReuse, Reused
+from worker.reuse.thumbnail import Thumbnail, thumbnail
 
 
 @dataclass
@@ -65,7 +65,8 @@ class Admission:
         for frame in polled.frames:
             if frame.capture_ts_ms < oldest.get(frame.priority, frame.capture_ts_ms + 1):
                 oldest[frame.priority] = frame.capture_ts_ms
-            # A replayed frame is a new copy on purpose: its replay count is part of its identity (worker/dedup.py).
+            # A replayed frame is a new copy on purpose: its replay count is part of its identity
+            # (worker/partitions/dedup.py).
             identity = (frame.stream_id, frame.frame_index, frame.replay_count)
             first = self._duplicates.first_offset(frame.source.topic_partition, identity, frame.source.offset)
             if first is not None:
@@ -112,7 +113,7 @@ class Admission:
         max_age_s = self._max_age_s[frame.priority]
         return max_age_s > 0 and frame.capture_ts_ms / 1000.0 + max_age_s < now
 
-    # -- verdict reuse (worker.reuse) -------------------------------------------------------------------------
+    # -- verdict reuse (worker.reuse.policy) -------------------------------------------------------------------------
     def release(self, tps: list[TP]) -> None:
         """Partitions given up: their streams' references forgotten, and the frames verdict reuse offered again
         while the partitions were being finished taken back from the batcher (the next owner reads them)."""

@@ -1,7 +1,7 @@
 """Flow control at the consumer: which partitions the loop reads now and how many frames a poll may take. Four
 rules meet here: the batcher's backpressure, the uncommitted cap, reading by priority
-(`worker.priority_reading`, the pure policy), for which this module sums each class's backlog in Kafka from the
-source, and fair reading within a class (`worker.fairness`), which holds the partitions read ahead of their
+(`worker.reading.priority`, the pure policy), for which this module sums each class's backlog in Kafka from the
+source, and fair reading within a class (`worker.reading.fairness`), which holds the partitions read ahead of their
 siblings."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from collections.abc import Callable, Mapping
 
 from worker.batching import MicroBatcher
 from worker.config import Settings
-from worker.fairness import FairDecision, PartitionFairness
 from worker.frames import TP, Priority
+from worker.loop.ports import Source
 from worker.metrics import Children, Metrics
-from worker.offsets import OffsetTracker
-from worker.ports import Source
-from worker.priority_reading import PriorityReading, PriorityReadingDecision
+from worker.partitions.offsets import OffsetTracker
+from worker.reading.fairness import FairDecision, PartitionFairness
+from worker.reading.priority import PriorityReading, PriorityReadingDecision
 
 # How often the partitions' backlogs in Kafka are read for reading by priority and fair reading (positions and
 # cached watermarks: no broker request, ~15 us for nine partitions).
@@ -43,9 +43,9 @@ class FlowControl:
         self._backlog: dict[Priority, int] = {}
         self._backlog_at = float("-inf")
         self.paused: set[Priority] = set()
-        # Frames held for their writer schema and the unframed ones answered past them (worker.schemahold): offsets
-        # no commit passes until the registry answers, bounded by their partitions' pauses; they do not count against
-        # the uncommitted cap, which would stop every partition.
+        # Frames held for their writer schema and the unframed ones answered past them (worker.kafka.schemahold):
+        # offsets no commit passes until the registry answers, bounded by their partitions' pauses; they do not count
+        # against the uncommitted cap, which would stop every partition.
         self.pinned_frames = 0
         self._priority_paused = Children(metrics.priority_paused)
         self._priority_pauses = Children(metrics.priority_pauses)

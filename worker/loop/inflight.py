@@ -10,8 +10,8 @@ from concurrent.futures import Future
 
 from worker.batching import Batch, MicroBatcher
 from worker.frames import BatchOutcome, Priority
+from worker.loop.ports import Executor
 from worker.metrics import Children, Metrics
-from worker.ports import Executor
 
 # While batches run the loop's poll cannot be woken by one finishing (librdkafka's poll has no wake-up): it looks
 # every FINISH_CHECK_SHARE of the first one's predicted run time, at least every FINISH_CHECK_MIN_S (wait_for_finish).

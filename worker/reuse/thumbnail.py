@@ -1,4 +1,4 @@
-"""A frame's thumbnail for verdict reuse (worker.reuse): a small grayscale picture, and how much two differ.
+"""A frame's thumbnail for verdict reuse (worker.reuse.policy): a small grayscale picture, and how much two differ.
 
 A JPEG is decoded by libjpeg-turbo at 1/8 scale in grayscale (its scaled IDCT skips most of the pixel work, after
 the same safety checks as a full decode), a raw frame is subsampled; either is then area-averaged to at most

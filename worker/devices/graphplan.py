@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from worker.config import BatchingSettings
-from worker.memorypolicy import GraphBudget, MemoryPolicy
+from worker.devices.memory import GraphBudget, MemoryPolicy
 
 Shape = tuple[int, int, int]
 GraphKey = tuple[int, Shape]  # (bucket, shape)

@@ -4,7 +4,7 @@ One thread owns the consumer, the batcher, the offset tracker and the producer; 
 on its own threads and hands back futures of `BatchOutcome`s. Every message read ends in exactly one of: a
 result (OK or EXPIRED), a dead letter, or (on revocation, or as stale work) being left uncommitted for the
 partition's next reading. When an output counts as delivered and what may be committed is decided by
-`worker.delivery`; the loop hands it what the Kafka edges returned (the sink's delivery reports, the consumer's
+`worker.loop.delivery`; the loop hands it what the Kafka edges returned (the sink's delivery reports, the consumer's
 commit outcomes), asks it to commit each turn, and rewinds when it says so.
 """
 
@@ -18,25 +18,25 @@ from dataclasses import dataclass
 
 from confluent_kafka import Consumer, Producer
 
-from worker.admission import Admission
-from worker.answers import Answers
 from worker.batching import Batch, MicroBatcher, batch_shape
+from worker.batching.costmodel import CostModel
+from worker.codec.schemas import ResultContext
 from worker.config import Settings, resolve_inflight_batches
-from worker.costmodel import CostModel
-from worker.dedup import DuplicateFrames
-from worker.delivery import AtLeastOnceDelivery, CommitResult, Delivery, ExactlyOnceDelivery
 from worker.errors import StreamferError
-from worker.flow import FlowControl
 from worker.frames import TP, BatchOutcome, Output, Priority
-from worker.inflight import FINISH_CHECK_MIN_S, InFlight
 from worker.kafka.client import ClientFactory
 from worker.kafka.consumer import FrameSource
 from worker.kafka.producer import STUCK_GRACE_S, ResultSink, output_message_limit
 from worker.kafka.registry import RegistryLink
+from worker.loop.admission import Admission
+from worker.loop.answers import Answers
+from worker.loop.delivery import AtLeastOnceDelivery, CommitResult, Delivery, ExactlyOnceDelivery
+from worker.loop.flow import FlowControl
+from worker.loop.inflight import FINISH_CHECK_MIN_S, InFlight
+from worker.loop.ports import Executor, Source
 from worker.metrics import Health, Metrics
-from worker.offsets import CommitOutcome, OffsetTracker
-from worker.ports import Executor, Source
-from worker.schemas import ResultContext
+from worker.partitions.dedup import DuplicateFrames
+from worker.partitions.offsets import CommitOutcome, OffsetTracker
 from worker.tracing import TRACING_OFF, Tracing
 
 log = logging.getLogger(__name__)

@@ -2,9 +2,9 @@
 answered with that frame's verdict, without taking a batch slot or running the model (issue 59).
 
 Pure policy: no Kafka, no torch, no clock (ages are by capture time). Per stream (its partition and stream id)
-the policy keeps the reference, the last frame it sent to be scored: its thumbnail (worker.thumbnail), shape,
+the policy keeps the reference, the last frame it sent to be scored: its thumbnail (worker.reuse.thumbnail), shape,
 capture time, frame index and verdict once known. A frame is reused when its thumbnail differs from the
-reference's by less than the threshold (worker.thumbnail.change), the reference is at most the class's
+reference's by less than the threshold (worker.reuse.thumbnail.change), the reference is at most the class's
 `reuse_max_age_ms` older by capture time, and both have the same shape; otherwise it is scored and becomes the
 reference. A frame whose reference is still in flight is held here until the reference's verdict arrives
 (`scored`); a reference that ends without one (`ended`: dead letter, EXPIRED) hands its held frames back to be
@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from worker.frames import TP, Frame, Priority, SourceRef, Verdict
-from worker.thumbnail import Thumbnail, change
+from worker.reuse.thumbnail import Thumbnail, change
 
 # Streams whose reference is kept, per worker: a thumbnail is at most 32x32 bytes, so 10k streams are ~10 MiB.
 MAX_STREAMS = 10_000

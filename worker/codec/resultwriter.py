@@ -86,7 +86,8 @@ class ResultWriter:
                      inference_ms: float, now_ms: float, reused_from: int | None = None) -> list[bytes]:
         """The bytes of each (frame, verdict, queued_ms) of one batch (verdict None for an EXPIRED frame): what the
         batch's results share (status, batch size, inference time) is encoded once. `reused_from`: the frames were
-        answered with the verdict of that frame_index of their stream (worker.reuse), the model not run on them."""
+        answered with the verdict of that frame_index of their stream (worker.reuse.policy), the model not run on
+        them."""
         strings, string, framing, worker = self._strings, self._string, self._framing, self._worker
         # The union ["null", "long"]: branch 0 (null), or branch 1 and the long.
         reuse = b"\x00" if reused_from is None else b"\x02" + write_long(reused_from)
