@@ -4,7 +4,10 @@
 - `roles`: one factory per role for the tools' and the test kit's clients (frame producer, transactional output
   producer, results / dead-letter / frame readers, offsets reader, admin), each role's properties defined once.
 - `consumer`: `FrameSource`, the consumer of the per-priority input topics (pause/resume, rebalances, commits).
-- `positions`: pure policy: which assigned partitions wait for their committed offsets before they are read.
+- `committed`: pure policy: which assigned partitions wait for their committed offsets before they are read.
+- `schemahold`: pure policy: framed frames waiting for their writer schema, per partition in order.
+- `schemalookups`: the writer-schema lookups on a thread of their own, and the frames held for them.
+- `registry`: the Schema Registry client.
 - `membership`: the worker's place in its consumer group (static membership, fencing, leaving).
 - `producer`: `ResultSink`, results and dead letters with delivery reports (idempotent or transactional).
 - `errors`: which client errors an operator must fix and which the client rides out.
