@@ -20,6 +20,7 @@ from worker.config.librdkafka import (
     SECURITY_PROPERTIES,
 )
 from worker.config.model import ModelSettings
+from worker.config.policy import model_label_thresholds, policy_problems
 from worker.config.sections import MAX_METRIC_TENANTS, KafkaSettings, SchemaRegistrySettings, TracingSettings
 from worker.config.settings import Settings
 from worker.frames import Priority
@@ -142,6 +143,7 @@ def validate(s: Settings) -> list[str]:
 
     p.extend(validate_schema_registry(s.schema_registry))
     p.extend(validate_tracing(s.tracing))
+    p.extend(policy_problems(s.policy, model_label_thresholds(s.models or (s.model,))))
     p.extend(bound_problems(s, named=p))
     return p
 
