@@ -105,6 +105,7 @@ def cmd_results(args: argparse.Namespace) -> int:
 def cmd_topics(args: argparse.Namespace) -> int:
     from worker.kafka.access import probe_reachable
     from worker.kafka.topics import (
+        ensure_control_topic,
         ensure_topics,
         frame_topic_configs,
         frame_topics,
@@ -117,6 +118,7 @@ def cmd_topics(args: argparse.Namespace) -> int:
     created = ensure_topics(settings.kafka, worker_topics(settings.topics), args.partitions,
                             configs=frame_topic_configs(settings.topics, args.max_frame_bytes),
                             replication=args.replication_factor)
+    created += ensure_control_topic(settings.kafka, settings.topics, replication=args.replication_factor)
     # Topics made before (by an older version, or by hand) may still refuse large frames.
     raised = raise_message_limits(settings.kafka, [t for t in frame_topics(settings.topics) if t not in created],
                                   args.max_frame_bytes)

@@ -119,6 +119,15 @@ class Metrics:
                                             ["topic", "error_type"], registry=r)
         self.frames_flagged = Counter("streamfer_frames_flagged_total", "Frames the model flagged, by label.",
                                       ["label"], registry=r)
+        self.verdicts = Counter("streamfer_verdicts_total",
+                                "Results by the policy's verdict (allow, review, flag) and tenant ([policy]).",
+                                ["tenant", "verdict"], registry=r)
+        self.policy_refused = Gauge("streamfer_policy_refused",
+                                    "1 while the worker refuses the policy on the control topic (it keeps the last "
+                                    "good one; /readyz's text says why).", registry=r)
+        self.policy_applied = Counter("streamfer_policy_changes_total",
+                                      "Policies from the control topic this worker applied or refused, by outcome.",
+                                      ["outcome"], registry=r)
         self.frames_scored = Counter("streamfer_frames_scored_total", "Frames the model ran on, by class.",
                                      ["priority"], registry=r)
         self.frames_reused = Counter("streamfer_frames_reused_total",

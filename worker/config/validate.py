@@ -75,6 +75,11 @@ def validate(s: Settings) -> list[str]:
     names = [t.realtime, t.standard, t.bulk, t.results, t.dead_letter]
     need(all(n.strip() for n in names), "topics: no topic name may be empty")
     need(len(set(names)) == len(names), "topics: input, results and dead_letter topics must all differ")
+    routed = [*names, *t.routes(), t.control]
+    need(bool(t.control.strip()), "topics.control: must not be empty")
+    need(len(set(routed)) == len(routed),
+         "topics.review / topics.flagged / topics.control: must differ from each other and from the input, results "
+         "and dead_letter topics")
 
     b = s.batching
     need(all(1 <= x <= b.largest_batch_size for x in b.preferred_batch_sizes),
