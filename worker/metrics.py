@@ -302,6 +302,9 @@ class Health:
     # /readyz says both (the latter without turning not ready: the worker still serves everything else).
     waiting_for: str | None = None
     registry_problem: Callable[[], str | None] | None = None
+    # A policy from the control topic this worker refuses (it keeps the last good one), or None: /readyz says so
+    # without turning not ready.
+    policy_problem: Callable[[], str | None] | None = None
 
     def beat(self) -> None:
         self.last_beat = self.clock()
@@ -330,6 +333,9 @@ class Health:
         problem = self.registry_problem() if self.registry_problem is not None else None
         if problem:
             notes.append(problem)
+        refused = self.policy_problem() if self.policy_problem is not None else None
+        if refused:
+            notes.append(refused)
         return "".join(f"; {note}" for note in notes)
 
 

@@ -3,11 +3,12 @@
 A new policy (from the control topic, worker.kafka.control) is checked against the model's labels by `offer`:
 one the worker cannot apply is refused with the reason and the last good one stays. An accepted one waits in
 `_next` until the loop's next batch boundary (`policy()`, called once per batch of answers), so a batch is judged
-under one version. `offer` may run on another thread: it only assigns one attribute, which the loop reads.
+under one version. `offer` may run on another thread (the control topic's follower): a lock guards the hand-over.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ class Judge:
                  routes: Mapping[str, str] | None = None) -> None:
         self._current = policy
         self._next: Policy | None = None
+        self._lock = threading.Lock()
         self._model_thresholds = model_thresholds
         self.refused: Refusal | None = None
         # Verdict -> the topics its results are copied to (an empty topic: that route is off).
@@ -47,15 +49,17 @@ class Judge:
         if problems:
             self.refused = Refusal(version, "; ".join(problems))
             return self.refused
-        self._next = Policy(settings, version)
+        with self._lock:
+            self._next = Policy(settings, version)
         self.refused = None
         return None
 
     def policy(self) -> Policy:
         """The policy to judge the next batch with: the one offered last, once accepted."""
-        upcoming = self._next
-        if upcoming is not None:
-            self._current, self._next = upcoming, None
+        if self._next is not None:  # read without the lock first: the usual case, nothing new, costs no lock
+            with self._lock:
+                if self._next is not None:
+                    self._current, self._next = self._next, None
         return self._current
 
     @property
