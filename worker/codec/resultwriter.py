@@ -74,6 +74,7 @@ class ResultWriter:
         self._strings: dict[str, bytes] = {}
         self._score_layouts: dict[tuple[str, ...], tuple[tuple[bytes, ...], struct.Struct]] = {}
         self._partitions: dict[tuple[str, int], bytes] = {}
+        self._decisions: dict[Decision, bytes] = {}
 
     def _string(self, s: str) -> bytes:
         """`s` encoded, from the cache of strings seen (callers try `self._strings.get(s)` first, inline)."""
@@ -93,7 +94,7 @@ class ResultWriter:
         them. `decisions`: each frame's verdict under the policy of `policy_version` (worker.policy.verdicts), which
         then decides `flagged` and `flagged_labels`; None: the model's flagged labels, verdict empty."""
         strings, string, framing, worker = self._strings, self._string, self._framing, self._worker
-        version = string(policy_version)
+        version, decided = string(policy_version), self._decisions
         # The union ["null", "long"]: branch 0 (null), or branch 1 and the long.
         reuse = b"\x00" if reused_from is None else b"\x02" + write_long(reused_from)
         status_and_model = _STATUS[status] + self._model
@@ -105,7 +106,7 @@ class ResultWriter:
                 judged = _NOT_JUDGED
             else:
                 decision = decisions[k]
-                judged = (string(decision.verdict) + self._strings_array(decision.labels) + version)
+                judged = (decided.get(decision) or self._decision(decision)) + version
             if verdict is None:
                 outcome, model_set = b"\x00\x00\x00", b"\x00\x00"  # no scores, flags, decided_by or models
             else:
@@ -126,6 +127,13 @@ class ResultWriter:
                 write_long(source.offset), write_long(capture), _DOUBLE.pack(queued_ms), size,
                 _TWO_DOUBLES.pack(inference_ms, max(0.0, now_ms - capture)), worker, model_set, reuse, judged)))
         return out
+
+    def _decision(self, decision: Decision) -> bytes:
+        """A policy's decision (the verdict and its labels) encoded, from the cache of those met (they repeat)."""
+        if len(self._decisions) >= _MAX_CACHED:
+            self._decisions.clear()
+        raw = self._decisions[decision] = self._string(decision.verdict) + self._strings_array(decision.labels)
+        return raw
 
     def _partition(self, topic: str, partition: int) -> bytes:
         """The source topic's and partition's bytes, shared by every result of the partition."""

@@ -22,8 +22,8 @@ from worker.tracing import TRACING_OFF, FrameTraces, Tracing
 # One DEBUG line per finished batch (class, shape, size, waits, padding, predicted and measured time): enable
 # with observability.log_level = "DEBUG", or this logger alone, when chasing a p99.
 batch_log = logging.getLogger("worker.batches")
-# (tenant, verdict) pairs whose streamfer_verdicts_total child is remembered; past it the memory starts afresh.
-MAX_VERDICT_CHILDREN = 4096
+# Tenants whose metric label (Metrics.tenant_label) is remembered; past it the memory starts afresh.
+MAX_TENANT_LABELS = 16384
 
 
 class Answers:
@@ -37,7 +37,7 @@ class Answers:
         # The policy each result's verdict is decided by (worker.policy): None writes the model's flags alone.
         self.judge = judge
         self._verdicts = Children(metrics.verdicts)
-        self._verdicts_by: dict[tuple[str, str], Any] = {}
+        self._tenant_labels: dict[str, str] = {}
         self._writer = result_writer(context)
         self._expired = Children(metrics.frames_expired)
         self._flagged = Children(metrics.frames_flagged)
@@ -129,7 +129,10 @@ class Answers:
         decisions = [expired if verdict is None else decide(frame.tenant, verdict) for frame, verdict, _ in results]
         values = self._writer.write_frames(results, status.value, batch_size, run_ms, now * 1000.0, reused_from,
                                            decisions, policy.version)
-        counts = Counter((frame.tenant, d.verdict) for (frame, _, _), d in zip(results, decisions, strict=True))
+        counts: dict[tuple[str, str], int] = {}
+        for (frame, _, _), d in zip(results, decisions, strict=True):
+            key = (frame.tenant, d.verdict)
+            counts[key] = counts.get(key, 0) + 1
         for (tenant, verdict), n in counts.items():
             if verdict:
                 self._verdict_child(tenant, verdict).inc(n)
@@ -141,15 +144,14 @@ class Answers:
 
     def _verdict_child(self, tenant: str, verdict: str) -> Any:
         """The streamfer_verdicts_total child of (tenant, verdict): the tenant's label bounded as every per-tenant
-        metric's is (observability.metric_tenants / max_metric_tenants, the rest `other`)."""
-        key = (tenant, verdict)
-        child = self._verdicts_by.get(key)
-        if child is None:
-            if len(self._verdicts_by) >= MAX_VERDICT_CHILDREN:
-                self._verdicts_by.clear()
-            child = self._verdicts_by[key] = self._verdicts.labels(self.metrics.tenant_label(tenant), verdict)
-        return child
-
+        metric's is (observability.metric_tenants / max_metric_tenants, the rest `other`), worked out once per
+        tenant (remembered for MAX_TENANT_LABELS tenants; past it the memory starts afresh)."""
+        label = self._tenant_labels.get(tenant)
+        if label is None:
+            if len(self._tenant_labels) >= MAX_TENANT_LABELS:
+                self._tenant_labels.clear()
+            label = self._tenant_labels[tenant] = self.metrics.tenant_label(tenant)
+        return self._verdicts.labels(label, verdict)
 
 def judge_of(settings: Settings) -> Judge:
     """The settings file's policy, its routes, and the model's labels a policy from the control topic is checked

@@ -44,10 +44,15 @@ EXPIRED_TO_REVIEW = Decision(REVIEW)
 
 @dataclass(frozen=True)
 class Table:
-    """One tenant's thresholds: flag and review per label named (a label not in `flag` flags as the model says)."""
+    """One tenant's thresholds: flag and review per label named (a label not in `flag` flags as the model says).
+    `rules`: both at once, label -> (flag threshold or None, review threshold or None), for one look-up a label."""
 
     flag: Mapping[str, float]
     review: Mapping[str, float]
+
+    @property
+    def rules(self) -> dict[str, tuple[float | None, float | None]]:
+        return {label: (self.flag.get(label), self.review.get(label)) for label in {*self.flag, *self.review}}
 
 
 class Policy:
@@ -61,33 +66,65 @@ class Policy:
             tenant: Table({**settings.flag, **overrides.get("flag", {})},
                           {**settings.review, **overrides.get("review", {})})
             for tenant, overrides in settings.tenants.items()}
+        self._default_rules = self.default.rules
+        self._rules = {tenant: table.rules for tenant, table in self._tables.items()}
         self.expired = EXPIRED_TO_REVIEW if settings.expired == REVIEW else NOT_JUDGED
+        # Decisions are values: one object per (verdict, labels) met, so the loop's writer caches their bytes.
+        self._decisions: dict[tuple[str, tuple[str, ...]], Decision] = {}
 
     def table(self, tenant: str) -> Table:
         return self._tables.get(tenant, self.default)
 
     def decide(self, tenant: str, verdict: Verdict) -> Decision:
         """The frame's verdict under its tenant's table (module docstring)."""
-        table = self._tables.get(tenant, self.default)
-        flag_at, review_at = table.flag, table.review
+        rules = self._rules.get(tenant, self._default_rules)
+        if verdict.models:
+            return self._decide_set(rules, verdict)
+        flags: list[str] = []
+        reviews: list[str] = []
+        model_flags = verdict.flagged_labels
+        for label, score in verdict.scores.items():
+            rule = rules.get(label)
+            if rule is None:
+                if label in model_flags:
+                    flags.append(label)
+                continue
+            flag_at, review_at = rule
+            if (label in model_flags) if flag_at is None else score >= flag_at:
+                flags.append(label)
+            elif review_at is not None and score >= review_at:
+                reviews.append(label)
+        return self._decision(flags, reviews)
+
+    def _decide_set(self, rules: dict[str, tuple[float | None, float | None]], verdict: Verdict) -> Decision:
+        """A model set: each model's own scores judged, the labels joined in the set's order."""
         flags: list[str] = []
         reviews: list[str] = []
         for own in _judged(verdict):
             model_flags = own.flagged_labels
             for label, score in own.scores.items():
-                at = flag_at.get(label)
-                if (label in model_flags) if at is None else score >= at:
+                flag_at, review_at = rules.get(label, _UNNAMED)
+                if (label in model_flags) if flag_at is None else score >= flag_at:
                     if label not in flags:
                         flags.append(label)
-                    continue
-                at = review_at.get(label)
-                if at is not None and score >= at and label not in reviews:
+                elif review_at is not None and score >= review_at and label not in reviews:
                     reviews.append(label)
-        if flags:
-            return Decision(FLAG, tuple(flags))
-        if reviews:
-            return Decision(REVIEW, tuple(reviews))
-        return ALLOWED
+        return self._decision(flags, reviews)
+
+    def _decision(self, flags: list[str], reviews: list[str]) -> Decision:
+        if not flags and not reviews:
+            return ALLOWED
+        key = (FLAG, tuple(flags)) if flags else (REVIEW, tuple(reviews))
+        decision = self._decisions.get(key)
+        if decision is None:
+            if len(self._decisions) >= _MAX_DECISIONS:
+                self._decisions.clear()
+            decision = self._decisions[key] = Decision(*key)
+        return decision
+
+
+_UNNAMED: tuple[float | None, float | None] = (None, None)
+_MAX_DECISIONS = 4096
 
 
 def _judged(verdict: Verdict) -> tuple[Verdict, ...]:
