@@ -469,7 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
     pshow.add_argument("--json", action="store_true", help="one JSON object instead of text")
     pshow.set_defaults(func=cmd_policy_show)
 
-    top = sub.add_parser("topics", help="create the input, results and dead-letter topics if missing")
+    top = sub.add_parser("topics", help="create the input, results and dead-letter topics, the review and flagged "
+                         "routes when set and the control topic, if missing")
     common(top)
     top.add_argument("--partitions", type=int, default=3)
     top.add_argument("--replication-factor", type=int, default=1,

@@ -1,12 +1,14 @@
 """Per-tenant policies and review queues (issue 66) on the real broker, with a real `worker run` process (the
 builtin model): three tenants send the same pictures and get different verdicts; review and flagged copies land on
 their topics and nothing else does; a policy written mid-stream with `worker policy set` applies from a batch
-boundary, and every result names the version that decided it."""
+boundary, and every result names the version that decided it; under exactly-once, a SIGKILL mid-stream leaves
+every frame one result and each route at most one copy (read_committed)."""
 
 from __future__ import annotations
 
 import json
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -23,7 +25,8 @@ from worker.config import PolicySettings, Settings
 from worker.frames import Encoding, Priority, Verdict
 from worker.kafka.topics import ensure_control_topic, ensure_topics
 from worker.policy.verdicts import Policy
-from worker.testing import FrameProducer, TestTopics, make_topics, run_worker, wait_for
+from worker.testing import FrameProducer, TestTopics, make_topics, run_worker, uncommitted, wait_for
+from worker.testing.workers import start_worker
 from worker.tools.read_results import read_results
 
 LABELS = Settings().model.labels
@@ -184,3 +187,36 @@ def test_tenants_get_their_own_verdicts_copies_go_to_their_routes_and_a_policy_c
     assert {r["verdict"] for r in review} == {"review"} and {r["verdict"] for r in flagged} == {"flag"}
     assert status[0] == 200
     assert 'streamfer_verdicts_total{tenant="kids",verdict="flag"}' in metrics
+
+
+def test_exactly_once_after_a_sigkill_every_frame_has_one_result_and_at_most_one_copy_per_route(
+        kafka_bootstrap: str, topics: tuple[TestTopics, dict[str, str]], tmp_path: Path) -> None:
+    t, routes = topics
+    set_policy(kafka_bootstrap, t, routes, tmp_path, R1, "r1")
+    sent = pictures(100, 0, "k")
+    FrameProducer(kafka_bootstrap, t).publish(sent)
+    env = {"WORKER_TOPICS_REVIEW": routes["review"], "WORKER_TOPICS_FLAGGED": routes["flagged"],
+           "WORKER_TOPICS_CONTROL": routes["control"], "WORKER_DELIVERY_MODE": "exactly_once",
+           # Small batches, one in flight: the worker is visibly mid-stream when it is killed.
+           "WORKER_BATCHING_MAX_BATCH_SIZE": "2", "WORKER_BATCHING_FALLBACK_MAX_BATCH_SIZE": "2",
+           "WORKER_DELIVERY_MAX_INFLIGHT_BATCHES": "1"}
+    log = str(tmp_path / "worker.log")
+    first = start_worker(kafka_bootstrap, t, extra_env=env, worker_id=f"{t.group}-w0", log_path=log)
+    partial = read_results(kafka_bootstrap, t.results, until=lambda rs: len(rs) >= 40, timeout_s=WAIT_S)
+    first.send_signal(signal.SIGKILL)
+    first.wait(timeout=30)
+    assert len(partial) < len(sent), "the worker finished before it was killed: the test proves nothing"
+
+    # The same worker id: its producer fences the dead one's open transaction at once.
+    second = start_worker(kafka_bootstrap, t, extra_env=env, worker_id=f"{t.group}-w0", exit_when_idle=3.0,
+                          log_path=log)
+    assert second.wait(timeout=240) == 0, Path(log).read_text()[-3000:]
+
+    key = lambda r: (r["stream_id"], r["frame_index"])  # noqa: E731
+    results = read(kafka_bootstrap, t.results)
+    assert Counter(map(key, results)) == Counter((f.stream_id, f.frame_index) for f in sent)
+    review, flagged = read(kafka_bootstrap, routes["review"]), read(kafka_bootstrap, routes["flagged"])
+    assert Counter(map(key, review)) == Counter(key(r) for r in results if r["verdict"] == "review")
+    assert Counter(map(key, flagged)) == Counter(key(r) for r in results if r["verdict"] == "flag")
+    assert len(review) >= len(sent) // 3 and len(flagged) >= len(sent) // 3
+    assert uncommitted(kafka_bootstrap, t.group, t.inputs) == {}
