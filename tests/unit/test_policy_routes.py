@@ -223,3 +223,40 @@ def test_a_result_decodes_with_its_verdict() -> None:
     loop.run_until(lambda: loop.kafka.committed.get(BULK) == 1)
     [value] = [m.value for p in loop.kafka.producers for m in p.visible if m.topic == REVIEW]
     assert decode_result(value)["verdict_labels"] == ["nudity"]
+
+
+def test_at_least_once_a_copy_the_route_refuses_is_dead_lettered_by_reference_before_the_offset_passes() -> None:
+    loop = Loop("at_least_once")
+    loop.send("dating")
+    loop.start()
+
+    def refuse(produced: Produced) -> KafkaError | None:
+        return KafkaError(KafkaError.MSG_SIZE_TOO_LARGE) if produced.topic == FLAGGED else None
+
+    loop.kafka.producers[-1].refuse = refuse
+    loop.run_until(lambda: loop.kafka.committed.get(BULK) == 10)
+    assert len(loop.on(TOPICS.results)) == 10  # the record of truth is whole
+    assert loop.on(FLAGGED) == []
+    refused = loop.kafka.dead_letters(TOPICS.dead_letter)
+    assert sorted(int(d.headers["streamfer.source_offset"]) for d in refused) == [8, 9]
+    assert {d.headers["streamfer.error_type"] for d in refused} == {"OutputRejected"}
+
+
+@pytest.mark.parametrize("mode", ["at_least_once", "exactly_once"])
+def test_reused_verdicts_are_judged_and_routed_like_scored_ones(mode: str) -> None:
+    from tests.unit.test_pipeline_reuse import picture, reuse_batching
+
+    loop = Loop(mode)
+    loop.settings = Settings(topics=TOPICS, policy=PolicySettings(review={"nudity": 0.1}),
+                             batching=reuse_batching(),
+                             delivery=DeliverySettings(mode=mode, transaction_call_timeout_ms=1_000),
+                             observability=ObservabilitySettings(worker_id="w0", metrics_enabled=False))
+    loop.executor = FakeExecutor()  # scores nudity 0.1: review under this policy
+    realtime = (TOPICS.realtime, 0)
+    loop.kafka.send(realtime, *(picture("cam", i, 80) for i in range(6)))
+    loop.start()
+    loop.run_until(lambda: loop.kafka.committed.get(realtime) == 6)
+    results = {r["frame_index"]: r for r in loop.on(TOPICS.results)}
+    assert [results[i]["reused_from_frame"] for i in range(6)] == [None, 0, 0, 0, 0, 0]
+    assert {r["verdict"] for r in results.values()} == {"review"}
+    assert sorted(r["frame_index"] for r in loop.on(REVIEW)) == list(range(6))

@@ -80,6 +80,9 @@ class Delivery:
         self._dead_lettered = Children(metrics.frames_dead_lettered)
         self.results = 0
         self.dead_lettered = 0
+        # Messages handed to the sink (a result, each of its route copies, a dead letter): each is acknowledged for
+        # its source offset, which at-least-once counts.
+        self.messages_sent = 0
         self.commits = 0
         self.sink = sink_factory()
 
@@ -143,10 +146,13 @@ class Delivery:
     def _produce(self, out: Output) -> None:
         if out.dead_letter is not None:
             self.sink.send_dead_letter(out.dead_letter)
+            self.messages_sent += 1
         else:
             self.sink.send_result(out.source, out.key or b"", out.value, out.result_headers)
+            self.messages_sent += 1
             for topic in out.routes:
                 self.sink.send_copy(topic, out.source, out.key or b"", out.value, out.result_headers)
+                self.messages_sent += 1
 
     @staticmethod
     def _replacement(out: Output, reason: str) -> Output:
@@ -205,9 +211,11 @@ class AtLeastOnceDelivery(Delivery):
     def emit(self, outputs: list[Output]) -> None:
         for out in outputs:
             if self.assignments.is_current(out.source):
-                sent = self._awaiting_ack[out.source] = self._send(out)
-                if sent.routes:
-                    self._acks_left[out.source] = 1 + len(sent.routes)
+                before = self.messages_sent
+                self._awaiting_ack[out.source] = self._send(out)
+                # The result and its copies (or, a copy refused at once, also the reference dead letter after them).
+                if self.messages_sent - before > 1:
+                    self._acks_left[out.source] = self.messages_sent - before
 
     def acknowledge(self, reports: DeliveryReports) -> None:
         """An acknowledged output's offset is done; a refused one is replaced by its reference dead letter."""
