@@ -88,6 +88,23 @@ def set_policy(kafka_bootstrap: str, t: TestTopics, routes: dict[str, str], tmp_
     return str(json.loads(done.stdout)["policy_version"])
 
 
+def write_revision(kafka_bootstrap: str, t: TestTopics, routes: dict[str, str], revision: int,
+                   policy: PolicySettings) -> None:
+    """A policy record written straight to the control topic, unchecked (another operator's settings)."""
+    from worker.config import load_settings
+    from worker.control.records import POLICY, ControlRecord, policy_key
+    from worker.kafka.control import ControlWriter
+
+    settings = load_settings(env={}, overrides={"kafka": {"bootstrap_servers": kafka_bootstrap, "group_id": t.group},
+                                                "topics": {"control": routes["control"]}})
+    writer = ControlWriter(settings)
+    try:
+        writer.write(policy_key(t.group), ControlRecord(POLICY, t.group, revision, int(time.time() * 1000), "test",
+                                                        policy=policy))
+    finally:
+        writer.close()
+
+
 def worker_reports(kafka_bootstrap: str, t: TestTopics, routes: dict[str, str], tmp_path: Path) -> dict[str, Any]:
     done = policy_cli(kafka_bootstrap, t, routes, tmp_path, "show", "--json")
     assert done.returncode == 0, done.stderr
@@ -151,8 +168,20 @@ def test_tenants_get_their_own_verdicts_copies_go_to_their_routes_and_a_policy_c
         producer.publish(after)
         total = len(first) + len(flowing) + len(after)
         results = read(kafka_bootstrap, t.results, total)
-        status = worker.get("/readyz")
         metrics = worker.metrics()
+        # A policy this worker's model cannot apply (a label it lacks): refused, r2 kept, still ready, and said.
+        # `worker policy set` checks the labels of the model its settings name and refuses it (exit 2, the line) ...
+        (tmp_path / "r3.toml").write_text(toml({"flag": {"colour": 0.5}, "tenants": {}}))
+        refused_here = policy_cli(kafka_bootstrap, t, routes, tmp_path, "set", "--file", str(tmp_path / "r3.toml"))
+        assert refused_here.returncode == 2 and "policy.flag.colour" in refused_here.stderr
+        assert "line 2" in refused_here.stderr
+        # ... but a writer with other settings (a model with that label) can write it: the worker refuses it.
+        write_revision(kafka_bootstrap, t, routes, 3, PolicySettings(flag={"colour": 0.5}))
+        wait_for(lambda: worker_reports(kafka_bootstrap, t, routes, tmp_path)[f"{t.group}-w0"]["state"]
+                 == "refused", WAIT_S, "the worker reports r3 refused")
+        report = worker_reports(kafka_bootstrap, t, routes, tmp_path)[f"{t.group}-w0"]
+        status = worker.get("/readyz")
+        refused_metric = worker.metrics()
     finally:
         assert worker.stop() == 0, worker.log()[-3000:]
     results = read(kafka_bootstrap, t.results)
@@ -185,8 +214,11 @@ def test_tenants_get_their_own_verdicts_copies_go_to_their_routes_and_a_policy_c
     assert Counter(map(key, review)) == Counter(key(r) for r in results if r["verdict"] == "review")
     assert Counter(map(key, flagged)) == Counter(key(r) for r in results if r["verdict"] == "flag")
     assert {r["verdict"] for r in review} == {"review"} and {r["verdict"] for r in flagged} == {"flag"}
-    assert status[0] == 200
     assert 'streamfer_verdicts_total{tenant="kids",verdict="flag"}' in metrics
+    assert report["policy_version"] == "r2" and "no label 'colour'" in report["reason"]
+    assert status[0] == 200 and "policy r3 refused, judging with r2" in status[1]
+    assert "streamfer_policy_refused 1.0" in refused_metric
+    assert worker.log().count("policy r3 refused") == 1
 
 
 def test_exactly_once_after_a_sigkill_every_frame_has_one_result_and_at_most_one_copy_per_route(
