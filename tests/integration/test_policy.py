@@ -184,6 +184,7 @@ def test_tenants_get_their_own_verdicts_copies_go_to_their_routes_and_a_policy_c
         refused_metric = worker.metrics()
     finally:
         assert worker.stop() == 0, worker.log()[-3000:]
+    assert worker_reports(kafka_bootstrap, t, routes, tmp_path) == {}  # a graceful stop removes its report
     results = read(kafka_bootstrap, t.results)
     assert len(results) == total and len({(r["stream_id"], r["frame_index"]) for r in results}) == total
 

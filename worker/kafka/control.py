@@ -123,8 +123,9 @@ class ControlWriter:
         self.topic = settings.topics.control
         self._producer = control_writer(settings)
 
-    def write(self, key: str, record: ControlRecord, timeout_s: float = 30.0) -> None:
-        """Produce one record and wait for the broker's acknowledgement; raises OperatorError if it is refused."""
+    def write(self, key: str, record: ControlRecord | None, timeout_s: float = 30.0) -> None:
+        """Produce one record (None: a tombstone, which deletes the key) and wait for the broker's acknowledgement;
+        raises OperatorError if it is refused."""
         failed: list[str] = []
 
         def delivered(err: KafkaError | None, _msg: Any) -> None:
@@ -132,7 +133,8 @@ class ControlWriter:
                 failed.append(err.str())
 
         try:
-            self._producer.produce(self.topic, key=key.encode(), value=encode(record), on_delivery=delivered)
+            self._producer.produce(self.topic, key=key.encode(), value=None if record is None else encode(record),
+                                   on_delivery=delivered)
         except KafkaException as exc:
             raise OperatorError(f"writing to the control topic {self.topic}: {exc.args[0].str()}",
                                 setting="topics.control") from None
@@ -193,9 +195,16 @@ class ControlFollower:
                 self._stop.wait(MISSING_TOPIC_RETRY_S)
 
     def stop(self) -> None:
+        """Stop following; a worker that stops gracefully deletes its report (a crashed one's stays, the last
+        thing it said)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(10.0)
+        if self.reader.assigned:
+            try:
+                self.writer.write(worker_key(self.settings.kafka.group_id, self.applier.worker_id), None, 5.0)
+            except OperatorError as exc:
+                log.warning("could not remove this worker's report from the control topic: %s", exc)
         self.reader.close()
         self.writer.close()
 
