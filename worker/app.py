@@ -25,6 +25,7 @@ from worker.identity import worker_identity
 from worker.kafka.access import probe_access
 from worker.kafka.client import new_client
 from worker.kafka.consumer import consumer_config
+from worker.kafka.control import start_control
 from worker.kafka.producer import producer_config
 from worker.kafka.registry import connect_registry
 from worker.loop.pipeline import RunSummary, build_pipeline
@@ -173,6 +174,9 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
             held = getattr(pipeline.source, "held_for_schemas", None)
             if held is not None:
                 health.registry_problem = held.problem
+            # The control topic read to its end before the loop serves: the group's policy (issue 66) applies from
+            # the first batch, then changes between batches as the follower thread reads them.
+            running.callback(start_control(settings, pipeline.answers.judge, metrics, health).stop)
             pipeline.seed_costs(runtime.calibration)
             frozen = freeze_startup_heap()
             log.info("start-up heap frozen: %d objects that garbage collections no longer walk", frozen)

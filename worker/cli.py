@@ -93,11 +93,36 @@ def cmd_produce(args: argparse.Namespace) -> int:
 # -- results -----------------------------------------------------------------------------------------------
 def cmd_results(args: argparse.Namespace) -> int:
     from worker.codec.schemas import decode_result
-    from worker.tools.read_results import iter_messages
+    from worker.tools.read_results import iter_messages, result_filter
 
     settings = _settings(args)
-    for msg in iter_messages(settings.kafka, args.topic, args.count, args.idle_timeout, follow=args.follow):
-        print(json.dumps(decode_result(msg.value())), flush=True)
+    keep = result_filter(verdicts=args.verdict, tenants=args.tenant)
+    shown = 0
+    for msg in iter_messages(settings.kafka, args.topic, None if keep else args.count, args.idle_timeout,
+                             follow=args.follow):
+        result = decode_result(msg.value())
+        if keep and not keep(result):
+            continue
+        print(json.dumps(result), flush=True)
+        shown += 1
+        if args.count is not None and shown >= args.count:
+            break
+    return 0
+
+
+# -- policy ------------------------------------------------------------------------------------------------
+def cmd_policy_set(args: argparse.Namespace) -> int:
+    from worker.tools.policy import set_policy
+
+    print(json.dumps(set_policy(_settings(args), args.file)), flush=True)
+    return 0
+
+
+def cmd_policy_show(args: argparse.Namespace) -> int:
+    from worker.tools.policy import format_show, show_policy
+
+    shown = show_policy(_settings(args))
+    print(json.dumps(shown) if args.json else format_show(shown), flush=True)
     return 0
 
 
@@ -105,6 +130,7 @@ def cmd_results(args: argparse.Namespace) -> int:
 def cmd_topics(args: argparse.Namespace) -> int:
     from worker.kafka.access import probe_reachable
     from worker.kafka.topics import (
+        ensure_control_topic,
         ensure_topics,
         frame_topic_configs,
         frame_topics,
@@ -117,6 +143,7 @@ def cmd_topics(args: argparse.Namespace) -> int:
     created = ensure_topics(settings.kafka, worker_topics(settings.topics), args.partitions,
                             configs=frame_topic_configs(settings.topics, args.max_frame_bytes),
                             replication=args.replication_factor)
+    created += ensure_control_topic(settings.kafka, settings.topics, replication=args.replication_factor)
     # Topics made before (by an older version, or by hand) may still refuse large frames.
     raised = raise_message_limits(settings.kafka, [t for t in frame_topics(settings.topics) if t not in created],
                                   args.max_frame_bytes)
@@ -425,9 +452,25 @@ def build_parser() -> argparse.ArgumentParser:
     res.add_argument("--count", "-n", type=int, help="stop after this many results")
     res.add_argument("--idle-timeout", type=float, default=5.0, help="stop after this long at the end (seconds)")
     res.add_argument("--follow", "-f", action="store_true", help="keep waiting for new results")
+    res.add_argument("--verdict", action="append", choices=["allow", "review", "flag"],
+                     help="only results with this policy verdict (repeatable)")
+    res.add_argument("--tenant", action="append", help="only this tenant's results (repeatable)")
     res.set_defaults(func=cmd_results)
 
-    top = sub.add_parser("topics", help="create the input, results and dead-letter topics if missing")
+    pol = sub.add_parser("policy", help="the group's verdict policy on the control topic (docs/operations.md)")
+    psub = pol.add_subparsers(dest="policy_command", required=True)
+    pset = psub.add_parser("set", help="check a [policy] file and write it as the group's next revision: every "
+                           "worker applies it from its next batch (exit 2 naming the setting and line)")
+    common(pset)
+    pset.add_argument("--file", "-f", required=True, help="TOML file with a [policy] section")
+    pset.set_defaults(func=cmd_policy_set)
+    pshow = psub.add_parser("show", help="the group's policy revision and the version each worker applies")
+    common(pshow)
+    pshow.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    pshow.set_defaults(func=cmd_policy_show)
+
+    top = sub.add_parser("topics", help="create the input, results and dead-letter topics, the review and flagged "
+                         "routes when set and the control topic, if missing")
     common(top)
     top.add_argument("--partitions", type=int, default=3)
     top.add_argument("--replication-factor", type=int, default=1,

@@ -188,7 +188,8 @@ class Output:
 
     Every offset read ends in exactly one Output (or is left uncommitted for the next owner). `headers`: the
     input message's, for the reference-only dead letter that replaces an output the broker refuses.
-    `result_headers`: the result message's own (its W3C trace context, worker.tracing; empty with tracing off)."""
+    `result_headers`: the result message's own (its W3C trace context, worker.tracing; empty with tracing off).
+    `routes`: topics that get a copy of the result; its offset is done only when the result and every copy are."""
 
     source: SourceRef
     key: bytes | None
@@ -198,6 +199,8 @@ class Output:
     dead_letter: DeadLetter | None = None
     headers: Headers = field(repr=False, default=())
     result_headers: Headers = field(repr=False, default=())
+    # The route topics a copy of the result also goes to (topics.review / topics.flagged, by the policy's verdict).
+    routes: tuple[str, ...] = ()
 
     @staticmethod
     def of_dead_letter(dl: DeadLetter, tenant: str = "unknown") -> Output:

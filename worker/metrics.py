@@ -119,6 +119,15 @@ class Metrics:
                                             ["topic", "error_type"], registry=r)
         self.frames_flagged = Counter("streamfer_frames_flagged_total", "Frames the model flagged, by label.",
                                       ["label"], registry=r)
+        self.verdicts = Counter("streamfer_verdicts_total",
+                                "Results by the policy's verdict (allow, review, flag) and tenant ([policy]).",
+                                ["tenant", "verdict"], registry=r)
+        self.policy_refused = Gauge("streamfer_policy_refused",
+                                    "1 while the worker refuses the policy on the control topic (it keeps the last "
+                                    "good one; /readyz's text says why).", registry=r)
+        self.policy_applied = Counter("streamfer_policy_changes_total",
+                                      "Policies from the control topic this worker applied or refused, by outcome.",
+                                      ["outcome"], registry=r)
         self.frames_scored = Counter("streamfer_frames_scored_total", "Frames the model ran on, by class.",
                                      ["priority"], registry=r)
         self.frames_reused = Counter("streamfer_frames_reused_total",
@@ -293,6 +302,9 @@ class Health:
     # /readyz says both (the latter without turning not ready: the worker still serves everything else).
     waiting_for: str | None = None
     registry_problem: Callable[[], str | None] | None = None
+    # A policy from the control topic this worker refuses (it keeps the last good one), or None: /readyz says so
+    # without turning not ready.
+    policy_problem: Callable[[], str | None] | None = None
 
     def beat(self) -> None:
         self.last_beat = self.clock()
@@ -321,6 +333,9 @@ class Health:
         problem = self.registry_problem() if self.registry_problem is not None else None
         if problem:
             notes.append(problem)
+        refused = self.policy_problem() if self.policy_problem is not None else None
+        if refused:
+            notes.append(refused)
         return "".join(f"; {note}" for note in notes)
 
 

@@ -215,8 +215,8 @@ def test_acls_can_be_granted_and_removed_by_principal(secured: LocalKafka, uniqu
     removed = secured.delete_acls([AclBindingFilter(ResourceType.TOPIC, topics.results, ResourcePatternType.LITERAL,
                                                     principal, None, AclOperation.ANY, AclPermissionType.ANY)])
     assert removed == 1
-    assert len(worker_acls(_settings(secured, topics, "exactly_once"), principal)) == 7  # type: ignore[arg-type]
-    # 3 READ input topics, READ group, WRITE results and dead letters, WRITE transactional id prefix
+    assert len(worker_acls(_settings(secured, topics, "exactly_once"), principal)) == 9  # type: ignore[arg-type]
+    # 3 READ input topics, READ group, WRITE results and dead letters, READ and WRITE control, WRITE transactional ids
 
 
 def test_read_acls_revoked_under_a_running_worker_stop_it_with_exit_2(

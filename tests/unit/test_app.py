@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import sys
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,8 @@ def test_the_worker_joins_its_group_only_once_the_model_is_warm(monkeypatch: pyt
     monkeypatch.setattr(app, "check_client_configs", lambda settings: None)
     monkeypatch.setattr(app, "probe_access", lambda settings: None)
     monkeypatch.setattr(app, "connect_registry", lambda settings, **kwargs: None)
+    # No control topic here (worker.kafka.control reads it from the broker): the settings file's policy decides.
+    monkeypatch.setattr(app, "start_control", lambda *args, **kwargs: types.SimpleNamespace(stop=lambda: None))
     monkeypatch.setattr(app, "build_pipeline",
                         lambda *args, **kwargs: build_pipeline(*args, **{**kwargs, "clients": clients}))
     settings = load_settings(env={}, overrides={

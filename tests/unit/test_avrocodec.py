@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from worker.codec.resultwriter import RESULT_FIELDS, STATUS_SYMBOLS, ResultWriter, write_long
 from worker.codec.schemas import RESULT_SCHEMA, SCHEMA_DIR
 from worker.frames import Detection, Encoding, Frame, ModelVerdict, Priority, SourceRef, Verdict
+from worker.policy.verdicts import Decision
 
 LONG = st.integers(-(2**63), 2**63 - 1)
 INT = st.integers(-(2**31), 2**31 - 1)
@@ -55,8 +56,9 @@ SET_VERDICTS = st.builds(Verdict, SCORES, LABELS, st.just(()), st.lists(MODEL_VE
                          .map(tuple), TEXT)
 
 
-def _reference(verdict, fields) -> dict:
-    """The result as a dict for fastavro: what build_result wrote through fastavro before this codec."""
+def _reference(verdict, fields, decision=None, policy_version="") -> dict:
+    """The result as a dict for fastavro: what build_result wrote through fastavro before this codec; with a policy's
+    `decision`, its verdict decides `flagged` and `flagged_labels`."""
     def model(m):
         v = m.verdict
         return {"model": m.model, "version": m.version, "ran": v is not None, "skipped_reason": m.skipped,
@@ -64,11 +66,17 @@ def _reference(verdict, fields) -> dict:
                 "detections": [{"label": d.label, "score": d.score, "x": d.x, "y": d.y, "width": d.width,
                                 "height": d.height} for d in (v.detections if v else ())]}
     sets = verdict is not None and verdict.models
+    flagged = list(verdict.flagged_labels) if verdict else []
+    judged = {"verdict": "", "verdict_labels": [], "policy_version": ""}
+    if decision is not None:
+        flagged = list(decision.labels) if verdict and decision.verdict == "flag" else []
+        judged = {"verdict": decision.verdict, "verdict_labels": list(decision.labels),
+                  "policy_version": policy_version}
     return {**fields, "scores": dict(verdict.scores) if verdict else {},
-            "flagged": verdict.flagged if verdict else False,
-            "flagged_labels": list(verdict.flagged_labels) if verdict else [],
+            "flagged": bool(flagged),
+            "flagged_labels": flagged,
             "decided_by": verdict.decided_by if sets else "",
-            "models": [model(m) for m in verdict.models] if sets else []}
+            "models": [model(m) for m in verdict.models] if sets else [], **judged}
 
 
 def _frame(stream_id: str, frame_index: int, tenant: str, topic: str, partition: int, offset: int,
@@ -81,19 +89,26 @@ def _frame(stream_id: str, frame_index: int, tenant: str, topic: str, partition:
 FRAMES = st.builds(_frame, TEXT, LONG, TEXT, st.sampled_from(["frames.standard", "t", "é"]), INT, LONG, LONG)
 
 
+DECISIONS = st.builds(Decision, st.sampled_from(["", "allow", "review", "flag"]), LABELS)
+
+
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(FRAMES, st.none() | VERDICTS | SET_VERDICTS, st.floats(allow_nan=False)), max_size=4),
+@given(st.lists(st.tuples(FRAMES, st.none() | VERDICTS | SET_VERDICTS, st.floats(allow_nan=False), DECISIONS),
+                max_size=4),
        TEXT, TEXT, TEXT, st.sampled_from(STATUS_SYMBOLS), INT, st.floats(allow_nan=False),
-       st.floats(-1e15, 1e15), st.binary(max_size=5), st.none() | LONG)
-def test_a_batchs_results_are_written_byte_for_byte_as_fastavro_writes_each(results, model_name, model_version,
+       st.floats(-1e15, 1e15), st.binary(max_size=5), st.none() | LONG, st.none() | TEXT)
+def test_a_batchs_results_are_written_byte_for_byte_as_fastavro_writes_each(judged, model_name, model_version,
                                                                             worker_id, status, batch_size,
                                                                             inference_ms, now_ms, framing,
-                                                                            reused_from):
+                                                                            reused_from, policy_version):
     writer = ResultWriter(model_name, model_version, worker_id, framing)
+    results = [r[:3] for r in judged]
+    decisions = None if policy_version is None else [r[3] for r in judged]
     for _ in range(2):  # the second time from the writer's caches of encoded strings and partitions
-        written = writer.write_frames(results, status, batch_size, inference_ms, now_ms, reused_from)
+        written = writer.write_frames(results, status, batch_size, inference_ms, now_ms, reused_from, decisions,
+                                      policy_version or "")
         assert len(written) == len(results)
-        for value, (frame, verdict, queued_ms) in zip(written, results, strict=True):
+        for value, (frame, verdict, queued_ms, decision) in zip(written, judged, strict=True):
             expected = _reference(verdict, {
                 "stream_id": frame.stream_id, "frame_index": frame.frame_index, "tenant": frame.tenant,
                 "status": status, "model_name": model_name, "model_version": model_version,
@@ -101,7 +116,7 @@ def test_a_batchs_results_are_written_byte_for_byte_as_fastavro_writes_each(resu
                 "source_offset": frame.source.offset, "capture_ts_ms": frame.capture_ts_ms, "queued_ms": queued_ms,
                 "batch_size": batch_size, "inference_ms": inference_ms,
                 "end_to_end_ms": max(0.0, now_ms - frame.capture_ts_ms), "worker_id": worker_id,
-                "reused_from_frame": reused_from})
+                "reused_from_frame": reused_from}, None if decisions is None else decision, policy_version or "")
             assert value == framing + _fastavro_bytes(RESULT_SCHEMA, expected)
 
 
@@ -144,3 +159,27 @@ def test_an_old_reader_reads_a_reused_result_and_a_new_reader_reads_an_old_resul
     as_new = fastavro.schemaless_reader(io.BytesIO(old_bytes), old, new)
     assert as_new["reused_from_frame"] is None and as_new["source_offset"] == 3
     assert fastavro.schemaless_reader(io.BytesIO(written), new, None)["reused_from_frame"] == 4
+
+
+def _schema_before_policies() -> dict:
+    """moderation_result.avsc as it was before the policy's fields (issue 66)."""
+    schema = json.loads((SCHEMA_DIR / "moderation_result.avsc").read_text())
+    schema["fields"] = [f for f in schema["fields"] if f["name"] not in ("verdict", "verdict_labels", "policy_version")]
+    return schema
+
+
+def test_an_old_reader_reads_a_judged_result_and_a_new_reader_reads_one_from_before_policies():
+    old, new = fastavro.parse_schema(_schema_before_policies()), fastavro.parse_schema(
+        json.loads((SCHEMA_DIR / "moderation_result.avsc").read_text()))
+    [written] = ResultWriter("m", "1", "w").write_frames(
+        [(_frame("s", 7, "kids", "frames", 0, 3, 5), Verdict({"nudity": 0.4}, ()), 0.0)], "OK", 1, 0.0, 6.0, None,
+        [Decision("flag", ("nudity",))], "r3")
+    as_old = fastavro.schemaless_reader(io.BytesIO(written), new, old)
+    assert "verdict" not in as_old and "policy_version" not in as_old
+    assert as_old["flagged"] is True and as_old["flagged_labels"] == ["nudity"] and as_old["frame_index"] == 7
+    as_new = fastavro.schemaless_reader(io.BytesIO(_fastavro_bytes(old, _result_fields(reused_from_frame=None))),
+                                        old, new)
+    assert (as_new["verdict"], as_new["verdict_labels"], as_new["policy_version"]) == ("", [], "")
+    assert as_new["source_offset"] == 3
+    current = fastavro.schemaless_reader(io.BytesIO(written), new, None)
+    assert (current["verdict"], current["verdict_labels"], current["policy_version"]) == ("flag", ["nudity"], "r3")

@@ -92,9 +92,10 @@ def test_result_round_trip():
            "scores": {"nudity": 0.25}, "flagged": False, "flagged_labels": [], "source_topic": "frames.bulk",
            "source_partition": 0, "source_offset": 9, "capture_ts_ms": 1_700_000_000_000, "queued_ms": 1.5,
            "batch_size": 8, "inference_ms": 3.0, "end_to_end_ms": 12.0, "worker_id": "w"}
-    # A model set's fields (decided_by, models) and reuse's are written with their defaults when a record leaves
-    # them out.
-    assert decode_result(encode_result(rec)) == {**rec, "decided_by": "", "models": [], "reused_from_frame": None}
+    # A model set's fields (decided_by, models), reuse's and the policy's are written with their defaults when a
+    # record leaves them out.
+    assert decode_result(encode_result(rec)) == {**rec, "decided_by": "", "models": [], "reused_from_frame": None,
+                                                 "verdict": "", "verdict_labels": [], "policy_version": ""}
 
 
 def test_reencoded_frame_decodes_to_the_same_frame():

@@ -15,11 +15,12 @@ import struct
 from collections.abc import Sequence
 
 from worker.frames import Frame, ModelVerdict, Verdict
+from worker.policy.verdicts import FLAG, Decision
 
 RESULT_FIELDS = ("stream_id", "frame_index", "tenant", "status", "model_name", "model_version", "scores", "flagged",
                  "flagged_labels", "source_topic", "source_partition", "source_offset", "capture_ts_ms",
                  "queued_ms", "batch_size", "inference_ms", "end_to_end_ms", "worker_id", "decided_by", "models",
-                 "reused_from_frame")
+                 "reused_from_frame", "verdict", "verdict_labels", "policy_version")
 STATUS_SYMBOLS = ("OK", "EXPIRED")
 
 _DOUBLE = struct.Struct("<d")
@@ -31,6 +32,7 @@ _MAX_CACHED = 4096
 
 _SMALL_LONGS = tuple(bytes((n << 1,)) for n in range(64))  # 0..63: one byte each
 _STATUS = {symbol: _SMALL_LONGS[i] for i, symbol in enumerate(STATUS_SYMBOLS)}
+_NOT_JUDGED = b"\x00\x00\x00"  # verdict "", no verdict_labels, policy_version ""
 
 
 def write_long(n: int) -> bytes:
@@ -72,6 +74,7 @@ class ResultWriter:
         self._strings: dict[str, bytes] = {}
         self._score_layouts: dict[tuple[str, ...], tuple[tuple[bytes, ...], struct.Struct]] = {}
         self._partitions: dict[tuple[str, int], bytes] = {}
+        self._decisions: dict[Decision, bytes] = {}
 
     def _string(self, s: str) -> bytes:
         """`s` encoded, from the cache of strings seen (callers try `self._strings.get(s)` first, inline)."""
@@ -83,23 +86,34 @@ class ResultWriter:
         return raw
 
     def write_frames(self, results: Sequence[tuple[Frame, Verdict | None, float]], status: str, batch_size: int,
-                     inference_ms: float, now_ms: float, reused_from: int | None = None) -> list[bytes]:
+                     inference_ms: float, now_ms: float, reused_from: int | None = None,
+                     decisions: Sequence[Decision] | None = None, policy_version: str = "") -> list[bytes]:
         """The bytes of each (frame, verdict, queued_ms) of one batch (verdict None for an EXPIRED frame): what the
         batch's results share (status, batch size, inference time) is encoded once. `reused_from`: the frames were
         answered with the verdict of that frame_index of their stream (worker.reuse.policy), the model not run on
-        them."""
+        them. `decisions`: each frame's verdict under the policy of `policy_version` (worker.policy.verdicts), which
+        then decides `flagged` and `flagged_labels`; None: the model's flagged labels, verdict empty."""
         strings, string, framing, worker = self._strings, self._string, self._framing, self._worker
+        version, decided = string(policy_version), self._decisions
         # The union ["null", "long"]: branch 0 (null), or branch 1 and the long.
         reuse = b"\x00" if reused_from is None else b"\x02" + write_long(reused_from)
         status_and_model = _STATUS[status] + self._model
         size = write_long(batch_size)
         out = []
-        for frame, verdict, queued_ms in results:
+        for k, (frame, verdict, queued_ms) in enumerate(results):
             source = frame.source
+            if decisions is None:
+                judged = _NOT_JUDGED
+            else:
+                decision = decisions[k]
+                judged = (decided.get(decision) or self._decision(decision)) + version
             if verdict is None:
                 outcome, model_set = b"\x00\x00\x00", b"\x00\x00"  # no scores, flags, decided_by or models
             else:
-                flagged = verdict.flagged_labels
+                if decisions is None:
+                    flagged = verdict.flagged_labels
+                else:
+                    flagged = decisions[k].labels if decisions[k].verdict == FLAG else ()
                 outcome = self._scores(verdict.scores) + (b"\x01" + self._strings_array(flagged) if flagged
                                                          else b"\x00\x00")
                 model_set = (b"\x00\x00" if not verdict.models
@@ -111,8 +125,15 @@ class ResultWriter:
                 self._partitions.get((source.topic, source.partition)) or self._partition(source.topic,
                                                                                           source.partition),
                 write_long(source.offset), write_long(capture), _DOUBLE.pack(queued_ms), size,
-                _TWO_DOUBLES.pack(inference_ms, max(0.0, now_ms - capture)), worker, model_set, reuse)))
+                _TWO_DOUBLES.pack(inference_ms, max(0.0, now_ms - capture)), worker, model_set, reuse, judged)))
         return out
+
+    def _decision(self, decision: Decision) -> bytes:
+        """A policy's decision (the verdict and its labels) encoded, from the cache of those met (they repeat)."""
+        if len(self._decisions) >= _MAX_CACHED:
+            self._decisions.clear()
+        raw = self._decisions[decision] = self._string(decision.verdict) + self._strings_array(decision.labels)
+        return raw
 
     def _partition(self, topic: str, partition: int) -> bytes:
         """The source topic's and partition's bytes, shared by every result of the partition."""

@@ -50,6 +50,7 @@ from worker.config.model import (
     ModelSettings,
     RuntimeSettings,
 )
+from worker.config.policy import PolicySettings, model_label_thresholds, policy_problems
 from worker.config.sections import (
     MAX_FRAME_PIXELS_CEILING,
     MAX_INFLIGHT_BATCHES,
@@ -82,9 +83,10 @@ __all__ = [
     "MAX_WORKER_SLOTS", "MODEL_PRESETS",
     "RETIRED_SETTINGS", "SASL_MECHANISMS", "SECTIONS", "SECURITY_PROTOCOLS", "BatchingSettings", "ClassSettings",
     "ConfigError", "DeadLetterSettings", "DeliveryMode", "DeliverySettings", "FieldDoc", "KafkaSettings",
-    "LimitsSettings", "LogFormat", "LogLevel", "ModelSettings", "ObservabilitySettings", "Precision",
+    "LimitsSettings", "LogFormat", "LogLevel", "ModelSettings", "ObservabilitySettings", "PolicySettings", "Precision",
     "RuntimeSettings", "SchemaRegistrySettings", "Settings", "TopicSettings", "TracingSettings", "field_doc",
-    "group_instance_id_problem", "inflight_batch_limit", "load_settings", "parse_size", "preprocess_thread_count",
+    "group_instance_id_problem", "inflight_batch_limit", "load_settings", "model_label_thresholds", "parse_size",
+    "policy_problems", "preprocess_thread_count",
     "resolve_inflight_batches", "setting", "usable_cores", "validate", "validate_schema_registry", "validate_security",
     "warmup_frame_shapes",
 ]

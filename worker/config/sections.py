@@ -106,6 +106,19 @@ class TopicSettings:
         "messages that could not be processed: the original bytes and headers, then the reason and source coordinates "
         "in `streamfer.*` headers ([operations.md](operations.md)); `worker dlq replay` records what it replayed in "
         "`<dead_letter>.replayed`"))
+    review: str = setting("", doc=(
+        "where a copy of each result whose verdict is `review` goes (a review queue with its own consumers and "
+        "retention; `[policy]`); empty: off. The results topic keeps every result either way"))
+    flagged: str = setting("", doc=(
+        "where a copy of each result whose verdict is `flag` goes; empty: off"))
+    control: str = setting("streamfer.control", doc=(
+        "the control topic (compacted, one partition, shared by every group): the desired policy under "
+        "`<group_id>/policy` (`worker policy set`) and each worker's report under `<group_id>/worker/<worker_id>`; "
+        "read by every worker outside the group (docs/operations.md)"))
+
+    def routes(self) -> list[str]:
+        """The route topics that are on: review, flagged."""
+        return [t for t in (self.review, self.flagged) if t]
 
     def input_topics(self) -> dict[str, Priority]:
         return {self.realtime: Priority.REALTIME, self.standard: Priority.STANDARD, self.bulk: Priority.BULK}

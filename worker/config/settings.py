@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from worker.config.batching import BatchingSettings
 from worker.config.fields import setting
 from worker.config.model import ModelSettings, RuntimeSettings
+from worker.config.policy import PolicySettings
 from worker.config.sections import (
     DeadLetterSettings,
     DeliverySettings,
@@ -36,6 +37,8 @@ class Settings:
                                                       doc="a Confluent-API Schema Registry for frames and results")
     tracing: TracingSettings = setting(default_factory=TracingSettings,
                                        doc="OpenTelemetry traces of frames through Kafka headers")
+    policy: PolicySettings = setting(default_factory=PolicySettings,
+                                     doc="each frame's verdict (allow, review, flag) per tenant")
     models: tuple[ModelSettings, ...] = setting(default_factory=tuple, shown_default="none",
                                                 range="`[models.<name>]` tables, names unique", doc=(
         "a model set: `[models.<name>]` tables, in order, each with [model]'s fields (`model` is then the first); "

@@ -20,6 +20,7 @@ from worker.config.librdkafka import (
     SECURITY_PROPERTIES,
 )
 from worker.config.model import ModelSettings
+from worker.config.policy import model_label_thresholds, policy_problems
 from worker.config.sections import MAX_METRIC_TENANTS, KafkaSettings, SchemaRegistrySettings, TracingSettings
 from worker.config.settings import Settings
 from worker.frames import Priority
@@ -74,6 +75,11 @@ def validate(s: Settings) -> list[str]:
     names = [t.realtime, t.standard, t.bulk, t.results, t.dead_letter]
     need(all(n.strip() for n in names), "topics: no topic name may be empty")
     need(len(set(names)) == len(names), "topics: input, results and dead_letter topics must all differ")
+    routed = [*names, *t.routes(), t.control]
+    need(bool(t.control.strip()), "topics.control: must not be empty")
+    need(len(set(routed)) == len(routed),
+         "topics.review / topics.flagged / topics.control: must differ from each other and from the input, results "
+         "and dead_letter topics")
 
     b = s.batching
     need(all(1 <= x <= b.largest_batch_size for x in b.preferred_batch_sizes),
@@ -142,6 +148,7 @@ def validate(s: Settings) -> list[str]:
 
     p.extend(validate_schema_registry(s.schema_registry))
     p.extend(validate_tracing(s.tracing))
+    p.extend(policy_problems(s.policy, model_label_thresholds(s.models or (s.model,))))
     p.extend(bound_problems(s, named=p))
     return p
 

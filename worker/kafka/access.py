@@ -30,7 +30,8 @@ PROBE_TIMEOUT_S = 20.0
 # -- ACLs ------------------------------------------------------------------------------------------------------
 def worker_acls(settings: Settings, principal: str | None = None, host: str = "*") -> list[AclBinding]:
     """The ACLs a worker needs, as docs/security.md lists them: READ on the input topics and the group, WRITE on
-    the results and dead-letter topics, and for exactly-once WRITE on its transactional ids (by prefix).
+    the results and dead-letter topics and the routes that are on, READ and WRITE on the control topic, and for
+    exactly-once WRITE on its transactional ids (by prefix).
     READ and WRITE imply DESCRIBE; WRITE on a topic implies IDEMPOTENT_WRITE (Kafka >= 3.0)."""
     who = principal or principal_of(settings.kafka)
     allow = AclPermissionType.ALLOW
@@ -42,7 +43,9 @@ def worker_acls(settings: Settings, principal: str | None = None, host: str = "*
     t = settings.topics
     out = [acl(ResourceType.TOPIC, name, AclOperation.READ) for name in (t.realtime, t.standard, t.bulk)]
     out.append(acl(ResourceType.GROUP, settings.kafka.group_id, AclOperation.READ))
-    out += [acl(ResourceType.TOPIC, name, AclOperation.WRITE) for name in (t.results, t.dead_letter)]
+    out += [acl(ResourceType.TOPIC, name, AclOperation.WRITE) for name in (t.results, t.dead_letter, *t.routes())]
+    # The control topic: read (the group's policy) and write (this worker's report under its own key).
+    out += [acl(ResourceType.TOPIC, t.control, op) for op in (AclOperation.READ, AclOperation.WRITE)]
     if settings.delivery.mode == "exactly_once":
         out.append(acl(ResourceType.TRANSACTIONAL_ID, f"{settings.delivery.transactional_id_prefix}-",
                        AclOperation.WRITE, ResourcePatternType.PREFIXED))

@@ -203,6 +203,11 @@ class ResultSink:
         """`headers`: the result's own (its trace context, worker.tracing), none when empty."""
         self._produce(self._results_topic, source, key, value, headers=list(headers) if headers else None)
 
+    def send_copy(self, topic: str, source: SourceRef, key: bytes, value: bytes, headers: Headers = ()) -> None:
+        """A copy of a result on a route topic (topics.review / topics.flagged): acknowledged for `source` as the
+        result is, so the offset waits for both."""
+        self._produce(topic, source, key, value, headers=list(headers) if headers else None)
+
     def send_dead_letter(self, dl: DeadLetter) -> None:
         """The input message's own headers (a replayed frame's replay count among them), then the context."""
         headers: list[tuple[str, str | bytes | None]] = [h for h in dl.headers if h[0] not in DEAD_LETTER_HEADERS]

@@ -31,7 +31,20 @@ DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
 
 
 def worker_topics(topics: TopicSettings) -> list[str]:
-    return [topics.realtime, topics.standard, topics.bulk, topics.results, topics.dead_letter]
+    """The topics with the worker's partition count: inputs, results, dead letters, and the routes that are on."""
+    return [topics.realtime, topics.standard, topics.bulk, topics.results, topics.dead_letter, *topics.routes()]
+
+
+# The control topic: Kafka Connect's config topic (docs/operations.md): one partition, so its order is total, and
+# compacted, so the last record of each key (a group's policy, a worker's report) survives.
+CONTROL_TOPIC_CONFIG = {"cleanup.policy": "compact"}
+
+
+def ensure_control_topic(cluster: Cluster, topics: TopicSettings, replication: int = 1,
+                         timeout_s: float = 30.0) -> list[str]:
+    """Create the control topic (one partition, compacted) if it does not exist; returns it if created."""
+    return ensure_topics(cluster, [topics.control], partitions=1, replication=replication, timeout_s=timeout_s,
+                         configs={topics.control: CONTROL_TOPIC_CONFIG})
 
 
 def frame_topics(topics: TopicSettings) -> list[str]:

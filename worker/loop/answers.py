@@ -8,26 +8,36 @@ import itertools
 import logging
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 from worker.batching import Batch
 from worker.codec.schemas import ResultContext, reencode_frame, result_writer
+from worker.config import Settings, model_label_thresholds
 from worker.frames import BatchOutcome, DeadLetter, Frame, Output, Status, Verdict
 from worker.metrics import Children, Metrics, exemplar, observe_many
+from worker.policy.judge import Judge
 from worker.reuse.policy import Reused
 from worker.tracing import TRACING_OFF, FrameTraces, Tracing
 
 # One DEBUG line per finished batch (class, shape, size, waits, padding, predicted and measured time): enable
 # with observability.log_level = "DEBUG", or this logger alone, when chasing a p99.
 batch_log = logging.getLogger("worker.batches")
+# Tenants whose metric label (Metrics.tenant_label) is remembered; past it the memory starts afresh.
+MAX_TENANT_LABELS = 16384
 
 
 class Answers:
     """Builds the outputs of finished batches, expired frames and refused ones, and counts them in the metrics
     (each labelled metric's children looked up once: the loop touches them per frame)."""
 
-    def __init__(self, metrics: Metrics, context: ResultContext, tracing: Tracing = TRACING_OFF) -> None:
+    def __init__(self, metrics: Metrics, context: ResultContext, tracing: Tracing = TRACING_OFF,
+                 judge: Judge | None = None) -> None:
         self.metrics = metrics
         self.tracing = tracing
+        # The policy each result's verdict is decided by (worker.policy): None writes the model's flags alone.
+        self.judge = judge
+        self._verdicts = Children(metrics.verdicts)
+        self._tenant_labels: dict[str, str] = {}
         self._writer = result_writer(context)
         self._expired = Children(metrics.frames_expired)
         self._flagged = Children(metrics.frames_flagged)
@@ -98,6 +108,8 @@ class Answers:
     def _results(self, results: Sequence[tuple[Frame, Verdict | None, float]], status: Status, batch_size: int,
                  run_ms: float, now: float, traces: FrameTraces | None = None,
                  reused_from: int | None = None) -> list[Output]:
+        if self.judge is not None:
+            return self._judged(results, status, batch_size, run_ms, now, traces, reused_from, self.judge)
         values = self._writer.write_frames(results, status.value, batch_size, run_ms, now * 1000.0, reused_from)
         # Keyed by stream so a stream's results stay ordered within one output partition.
         if traces is None:
@@ -106,3 +118,43 @@ class Answers:
         return [Output(frame.source, frame.stream_id.encode(), value, frame.tenant, status, headers=frame.headers,
                        result_headers=sent)
                 for (frame, _, _), value, sent in zip(results, values, traces.headers, strict=True)]
+
+    def _judged(self, results: Sequence[tuple[Frame, Verdict | None, float]], status: Status, batch_size: int,
+                run_ms: float, now: float, traces: FrameTraces | None, reused_from: int | None,
+                judge: Judge) -> list[Output]:
+        """The results under the policy: each frame's verdict for its tenant, written into the result, counted, and
+        the route topics its copy goes to. One policy for the whole call (a batch boundary)."""
+        policy = judge.policy()
+        decide, expired = policy.decide, policy.expired
+        decisions = [expired if verdict is None else decide(frame.tenant, verdict) for frame, verdict, _ in results]
+        values = self._writer.write_frames(results, status.value, batch_size, run_ms, now * 1000.0, reused_from,
+                                           decisions, policy.version)
+        counts: dict[tuple[str, str], int] = {}
+        for (frame, _, _), d in zip(results, decisions, strict=True):
+            key = (frame.tenant, d.verdict)
+            counts[key] = counts.get(key, 0) + 1
+        for (tenant, verdict), n in counts.items():
+            if verdict:
+                self._verdict_child(tenant, verdict).inc(n)
+        headers = traces.headers if traces is not None else [()] * len(results)
+        routes = judge.routes
+        return [Output(frame.source, frame.stream_id.encode(), value, frame.tenant, status, headers=frame.headers,
+                       result_headers=sent, routes=routes(d.verdict))
+                for (frame, _, _), value, sent, d in zip(results, values, headers, decisions, strict=True)]
+
+    def _verdict_child(self, tenant: str, verdict: str) -> Any:
+        """The streamfer_verdicts_total child of (tenant, verdict): the tenant's label bounded as every per-tenant
+        metric's is (observability.metric_tenants / max_metric_tenants, the rest `other`), worked out once per
+        tenant (remembered for MAX_TENANT_LABELS tenants; past it the memory starts afresh)."""
+        label = self._tenant_labels.get(tenant)
+        if label is None:
+            if len(self._tenant_labels) >= MAX_TENANT_LABELS:
+                self._tenant_labels.clear()
+            label = self._tenant_labels[tenant] = self.metrics.tenant_label(tenant)
+        return self._verdicts.labels(label, verdict)
+
+def judge_of(settings: Settings) -> Judge:
+    """The settings file's policy, its routes, and the model's labels a policy from the control topic is checked
+    against."""
+    return Judge.of_settings(settings.policy, settings.topics,
+                             model_label_thresholds(settings.models or (settings.model,)))

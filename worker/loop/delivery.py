@@ -80,6 +80,9 @@ class Delivery:
         self._dead_lettered = Children(metrics.frames_dead_lettered)
         self.results = 0
         self.dead_lettered = 0
+        # Messages handed to the sink (a result, each of its route copies, a dead letter): each is acknowledged for
+        # its source offset, which at-least-once counts.
+        self.messages_sent = 0
         self.commits = 0
         self.sink = sink_factory()
 
@@ -143,8 +146,13 @@ class Delivery:
     def _produce(self, out: Output) -> None:
         if out.dead_letter is not None:
             self.sink.send_dead_letter(out.dead_letter)
+            self.messages_sent += 1
         else:
             self.sink.send_result(out.source, out.key or b"", out.value, out.result_headers)
+            self.messages_sent += 1
+            for topic in out.routes:
+                self.sink.send_copy(topic, out.source, out.key or b"", out.value, out.result_headers)
+                self.messages_sent += 1
 
     @staticmethod
     def _replacement(out: Output, reason: str) -> Output:
@@ -172,6 +180,8 @@ class Delivery:
                 child = self._produced_by[key] = self._produced.labels(
                     self.settings.topics.results, self.metrics.tenant_label(out.tenant), out.status.value)
             child.inc()
+            for topic in out.routes:
+                self._produced.labels(topic, self.metrics.tenant_label(out.tenant), out.status.value).inc()
 
 
 class AtLeastOnceDelivery(Delivery):
@@ -188,6 +198,9 @@ class AtLeastOnceDelivery(Delivery):
         super().__init__(settings, sink_factory, committer, tracker, assignments, metrics)
         self.clock = clock
         self._awaiting_ack: dict[SourceRef, Output] = {}
+        # Acknowledgements still to come for an output with route copies (its result and each copy are acknowledged
+        # for the same source offset): the offset is done at the last one. Absent: one (the output alone).
+        self._acks_left: dict[SourceRef, int] = {}
         self._last_commit = float("-inf")
         self._commits_in_flight: deque[float] = deque()
         # When the asynchronous commit whose outcome is not reported yet was sent (self.clock), or None.
@@ -198,12 +211,23 @@ class AtLeastOnceDelivery(Delivery):
     def emit(self, outputs: list[Output]) -> None:
         for out in outputs:
             if self.assignments.is_current(out.source):
+                before = self.messages_sent
                 self._awaiting_ack[out.source] = self._send(out)
+                # The result and its copies (or, a copy refused at once, also the reference dead letter after them).
+                if self.messages_sent - before > 1:
+                    self._acks_left[out.source] = self.messages_sent - before
 
     def acknowledge(self, reports: DeliveryReports) -> None:
         """An acknowledged output's offset is done; a refused one is replaced by its reference dead letter."""
         awaiting, is_current = self._awaiting_ack, self.assignments.is_current
+        acks_left = self._acks_left
         for source in reports.acknowledged:
+            if acks_left and source in acks_left and awaiting.get(source) is not None:
+                left = acks_left[source] - 1
+                if left > 0:
+                    acks_left[source] = left  # the result or a copy: the others are still to come
+                    continue
+                del acks_left[source]
             out = awaiting.pop(source, None)
             if out is None or not is_current(source):
                 continue  # an acknowledgement of a partition given up since: the next owner redoes its frame
@@ -302,6 +326,7 @@ class AtLeastOnceDelivery(Delivery):
         gone = set(tps)
         for source in [s for s in self._awaiting_ack if s.topic_partition in gone]:
             del self._awaiting_ack[source]
+            self._acks_left.pop(source, None)
         super().release(tps)
 
 

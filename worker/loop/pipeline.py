@@ -29,7 +29,7 @@ from worker.kafka.consumer import FrameSource
 from worker.kafka.producer import STUCK_GRACE_S, ResultSink, output_message_limit
 from worker.kafka.registry import RegistryLink
 from worker.loop.admission import Admission
-from worker.loop.answers import Answers
+from worker.loop.answers import Answers, judge_of
 from worker.loop.delivery import AtLeastOnceDelivery, CommitResult, Delivery, ExactlyOnceDelivery
 from worker.loop.flow import FlowControl
 from worker.loop.inflight import FINISH_CHECK_MIN_S, InFlight
@@ -99,7 +99,8 @@ class Pipeline:
         self.flow = FlowControl(settings, source, self.batcher, self.tracker, metrics, clock)
         self.tracing = tracing
         self.answers = Answers(metrics, ResultContext(executor.model_name, executor.model_version,
-                                                      settings.observability.worker_id, result_framing), tracing)
+                                                      settings.observability.worker_id, result_framing), tracing,
+                               judge_of(settings))
         self.admission = Admission(settings, self.tracker, self.duplicates, self.batcher, self.answers, self.flow,
                                    metrics)
         self._counts = RunSummary()

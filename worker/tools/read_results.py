@@ -6,7 +6,7 @@ verifier. Reads committed messages only, from the beginning of every partition, 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +63,20 @@ def iter_messages(cluster: Cluster, topic: str, count: int | None = None, idle_t
             yield msg
     finally:
         consumer.close()
+
+
+def result_filter(verdicts: Sequence[str] | None = None, tenants: Sequence[str] | None = None
+                  ) -> Callable[[dict[str, Any]], bool] | None:
+    """`worker results --verdict V --tenant T`: whether a decoded result is shown (None: every result is)."""
+    if not verdicts and not tenants:
+        return None
+    wanted_verdicts, wanted_tenants = set(verdicts or ()), set(tenants or ())
+
+    def keep(result: dict[str, Any]) -> bool:
+        return ((not wanted_verdicts or result.get("verdict") in wanted_verdicts)
+                and (not wanted_tenants or result.get("tenant") in wanted_tenants))
+
+    return keep
 
 
 def read_results(cluster: Cluster, topic: str = "moderation.results", count: int | None = None,
