@@ -95,7 +95,8 @@ def test_three_processes_share_the_partitions_and_handle_each_frame_once(kafka_b
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         def owners() -> set[str]:
-            return set(re.findall(r"\[([^\]]+)\] worker\.loop\.pipeline: partitions assigned: \[\(", log_path.read_text()))
+            assigned = r"\[([^\]]+)\] worker\.loop\.pipeline: partitions assigned: \[\("
+            return set(re.findall(assigned, log_path.read_text()))
 
         wait_for(lambda: owners() == expected, 120, "all three processes to own partitions")
         frames = []
