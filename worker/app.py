@@ -17,16 +17,12 @@ import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from confluent_kafka import Consumer, Producer
-
 from worker.config import Settings
 from worker.errors import StreamferError
 from worker.identity import worker_identity
 from worker.kafka.access import probe_access
-from worker.kafka.client import new_client
-from worker.kafka.consumer import consumer_config
-from worker.kafka.producer import producer_config
 from worker.kafka.registry import connect_registry
+from worker.kafka.wiring import check_client_configs
 from worker.loop.pipeline import RunSummary, build_pipeline
 from worker.metrics import Health, Metrics, MetricsServer
 from worker.tracing import setup_tracing
@@ -197,13 +193,6 @@ def freeze_startup_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
-
-
-def check_client_configs(settings: Settings) -> None:
-    """Build (and drop) a consumer and a producer with the worker's configurations: librdkafka validates every
-    property when a client is made, without connecting; ConfigError names the override it refused."""
-    new_client(Consumer, consumer_config(settings), "consumer").close()
-    new_client(Producer, producer_config(settings), "producer")
 
 
 def _refresh_scrape_gauges(health: Health, metrics: Metrics) -> None:

@@ -25,42 +25,25 @@ from confluent_kafka import (
 from worker.codec.schemas import MessageDecodeError, decode_frame
 from worker.config import Settings, group_instance_id_problem
 from worker.errors import OperatorError, StreamferError
-from worker.frames import MESSAGE_DECODE_ERROR, TP, DeadLetter, Frame, Priority, SourceRef
+from worker.frames import (
+    MESSAGE_DECODE_ERROR,
+    TP,
+    CommitOutcome,
+    DeadLetter,
+    Polled,
+    Priority,
+    RebalanceHandler,
+    RevokeHandler,
+    SourceRef,
+)
 from worker.kafka.client import ClientFactory, client_properties, new_client
 from worker.kafka.committed import COMMITTED_LOOKUP_TIMEOUT_S, CommittedPositions
 from worker.kafka.errors import UNKNOWN_TOPIC, BrokerStatus, Identity, RefusalStreak, classify_consumer_error
 from worker.kafka.membership import GroupMembership
 from worker.kafka.schemalookups import HeldFrames
 from worker.partitions.assignment import Assignments
-from worker.partitions.offsets import CommitOutcome
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Polled:
-    """One poll's worth of input: decodable frames and the messages that go to the dead-letter topic."""
-
-    frames: list[Frame]
-    dead_letters: list[DeadLetter]
-    # Messages dropped because this assignment had already delivered their offsets (see FrameSource.poll).
-    redelivered: int = 0
-    # Partitions that began waiting, since the last poll, for a committed offset the broker could not tell yet
-    # (see FrameSource.seek_to_committed); each is paused until it is known.
-    committed_offset_waits: int = 0
-    # The poll returned fewer messages than asked for: it took all the consumer had fetched, so the worker is
-    # level with what the broker has sent it (a backlog's polls come back full).
-    drained: bool = False
-    # Messages read and held until the registry gives their writer schema (worker.kafka.schemalookups): tracked now,
-    # answered by a later poll, whose frames and dead letters then include them (`released`: not tracked again).
-    held: list[SourceRef] = field(default_factory=list)
-    released: set[SourceRef] = field(default_factory=set)
-    # All held now, with the unframed frames answered past them on their partitions: offsets no commit passes until
-    # the registry answers (HeldFrames.pinned_frames).
-    pinned_frames: int = 0
-    # The outcomes of offset commits served since the last poll (asynchronous ones arrive in a later poll), for
-    # the loop to hand to delivery.
-    commits: list[CommitOutcome] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -74,13 +57,6 @@ class CommittedOffsets:
 
     offsets: dict[TP, int] = field(default_factory=dict)
     unknown: dict[TP, str] = field(default_factory=dict)
-
-
-RebalanceHandler = Callable[[list[TP]], None]
-# Called inside consume() with the partitions being revoked and the commit outcomes served before it (the loop has
-# not seen them yet): when it returns, librdkafka gives the partitions up, so it must deliver and commit (or end
-# the transaction of) what is done of them before returning.
-RevokeHandler = Callable[[list[TP], list[CommitOutcome]], None]
 
 
 # Consumer fetch timing (see consumer_config): a resumed partition's frames arrive within ~0.1 s, not 0.5-1 s;

@@ -9,8 +9,7 @@ from dataclasses import dataclass, field
 
 from worker.batching import MicroBatcher
 from worker.config import Settings
-from worker.frames import DUPLICATE_FRAME, TP, BatchOutcome, Frame, Output, Priority
-from worker.kafka.consumer import Polled
+from worker.frames import DUPLICATE_FRAME, TP, BatchOutcome, Frame, Output, Polled, Priority
 from worker.loop.answers import Answers
 from worker.loop.flow import FlowControl
 from worker.metrics import Children, Metrics

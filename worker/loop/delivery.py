@@ -23,18 +23,17 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from confluent_kafka import KafkaError, KafkaException
 from prometheus_client import Counter
 
 from worker.config import Settings
 from worker.errors import OperatorError
-from worker.frames import OUTPUT_REJECTED, TP, DeadLetter, Output, SourceRef, Status
-from worker.kafka.errors import classify_producer_error
+from worker.frames import OUTPUT_REJECTED, TP, CommitOutcome, DeadLetter, Output, SourceRef, Status
+from worker.kafka.errors import KafkaError, KafkaException, classify_producer_error
 from worker.kafka.producer import DeliveryReports, MessageRejected, Refusal, ResultSink, TransactionStuckError
 from worker.loop.ports import Source
 from worker.metrics import Children, Metrics
 from worker.partitions.assignment import Assignments
-from worker.partitions.offsets import CommitOutcome, OffsetTracker
+from worker.partitions.offsets import OffsetTracker
 
 log = logging.getLogger(__name__)
 

@@ -16,18 +16,16 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from confluent_kafka import Consumer, Producer
-
 from worker.batching import Batch, MicroBatcher, batch_shape
 from worker.batching.costmodel import CostModel
 from worker.codec.schemas import ResultContext
 from worker.config import Settings, resolve_inflight_batches
 from worker.errors import StreamferError
-from worker.frames import TP, BatchOutcome, Output, Priority
-from worker.kafka.client import ClientFactory
+from worker.frames import TP, BatchOutcome, CommitOutcome, Output, Priority
 from worker.kafka.consumer import FrameSource
-from worker.kafka.producer import STUCK_GRACE_S, ResultSink, output_message_limit
+from worker.kafka.producer import ResultSink
 from worker.kafka.registry import RegistryLink
+from worker.kafka.wiring import KafkaClients
 from worker.loop.admission import Admission
 from worker.loop.answers import Answers
 from worker.loop.delivery import AtLeastOnceDelivery, CommitResult, Delivery, ExactlyOnceDelivery
@@ -36,7 +34,7 @@ from worker.loop.inflight import FINISH_CHECK_MIN_S, InFlight
 from worker.loop.ports import Executor, Source
 from worker.metrics import Health, Metrics
 from worker.partitions.dedup import DuplicateFrames
-from worker.partitions.offsets import CommitOutcome, OffsetTracker
+from worker.partitions.offsets import OffsetTracker
 from worker.tracing import TRACING_OFF, Tracing
 
 log = logging.getLogger(__name__)
@@ -322,19 +320,6 @@ class Pipeline:
                  summary.expired)
         log.debug("batch cost model at exit: %s", {k: {m: round(v, 2) for m, v in d.items()}
                                                    for k, d in self.cost.snapshot().items()})
-
-
-@dataclass(frozen=True)
-class KafkaClients:
-    """How the loop reaches Kafka: librdkafka's clients and the broker's topic limits by default; the unit tests
-    and the GPU check pass in-memory stand-ins (worker.testing.InMemoryKafka) to run the real loop without a broker."""
-
-    consumer: ClientFactory = Consumer
-    producer: ClientFactory = Producer
-    # The smallest max.message.bytes of the output topics, or None to keep librdkafka's defaults.
-    output_message_limit: Callable[[Settings], int | None] = output_message_limit
-    # How long a transactional call may block past its own timeout before its producer is replaced.
-    stuck_grace_s: float = STUCK_GRACE_S
 
 
 def build_pipeline(settings: Settings, executor: Executor, metrics: Metrics, health: Health,

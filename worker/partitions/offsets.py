@@ -15,16 +15,6 @@ from worker.errors import StreamferError
 TopicPartition = tuple[str, int]
 
 
-@dataclass(frozen=True)
-class CommitOutcome:
-    """The broker's answer to one offset commit (librdkafka reports every commit, synchronous ones too): the offsets
-    it now has, the partitions whose commit failed, and why."""
-
-    committed: dict[TopicPartition, int]
-    failed: list[TopicPartition]
-    reason: str | None = None
-
-
 class OffsetTrackingError(StreamferError):
     """An offset was marked done that was never tracked, or read again without a rewind: a pipeline bug,
     never data. Raised rather than tolerated: a frame read twice gets two results."""
