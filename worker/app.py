@@ -163,12 +163,6 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
                      executor.device_description, time.monotonic() - started)
             # Built once the runtime is warm: its consumer joins the group when the loop runs.
             pipeline = build_pipeline(settings, executor, metrics, health, registry=registry, tracing=tracing)
-            status = getattr(pipeline.source, "broker_status", None)  # FrameSource's view of the cluster
-            if status is not None:
-                health.broker_problem = status.unhealthy_reason
-            held = getattr(pipeline.source, "held_for_schemas", None)
-            if held is not None:
-                health.registry_problem = held.problem
             pipeline.seed_costs(runtime.calibration)
             frozen = freeze_startup_heap()
             log.info("start-up heap frozen: %d objects that garbage collections no longer walk", frozen)

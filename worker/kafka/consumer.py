@@ -213,6 +213,14 @@ class FrameSource:
     def assignment(self) -> frozenset[TP]:
         return self.assignments.partitions
 
+    def cluster_problem(self) -> str | None:
+        """Why the worker cannot use the cluster now (refused, or unreachable too long), or None: for /healthz."""
+        return self.broker_status.unhealthy_reason()
+
+    def registry_problem(self) -> str | None:
+        """The Schema Registry's trouble while frames wait for it, or None: for /readyz."""
+        return self._schemas.held.problem() if self._schemas.held is not None else None
+
     def priority_of(self, topic: str) -> Priority:
         return self._topics[topic]
 
@@ -462,8 +470,12 @@ class FrameSource:
         return out
 
     def close(self) -> None:
-        """Leave the group (a final revoke; see worker.kafka.membership for a static member) and close."""
-        self._group.close(holds_partitions=bool(self.assignments.partitions))
+        """Leave the group (a final revoke; see worker.kafka.membership for a static member) and close: a closed
+        source owns no partition."""
+        try:
+            self._group.close(holds_partitions=bool(self.assignments.partitions))
+        finally:
+            self.assignments.release(self.assignments.partitions)
         self._schemas.close()
 
     def _commit_reported(self, err: KafkaError | None, partitions: list[TopicPartition]) -> None:

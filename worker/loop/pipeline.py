@@ -138,7 +138,6 @@ class Pipeline:
         finally:
             self.source.close()
             self.delivery.close()
-            self.health.assigned = False
             self.metrics.ready.set(0)
         return self.summary
 
@@ -264,8 +263,7 @@ class Pipeline:
         self.metrics.rebalances.labels("assign").inc()
         self._last_activity = self.clock()
         log.info("partitions assigned: %s", sorted(tps))
-        # A cooperative rebalance can hand out an empty increment: ready means owning a partition.
-        self.health.assigned = bool(self.assignments.partitions)
+        # A cooperative rebalance can hand out an empty increment: ready means owning a partition (Health.assigned).
         self.metrics.ready.set(1 if self.health.ready else 0)
 
     def _on_revoke(self, tps: list[TP], commits: list[CommitOutcome]) -> None:
@@ -282,7 +280,6 @@ class Pipeline:
         self._emit()
         self._commit(final=True)
         self._release(tps)
-        self.health.assigned = bool(self.assignments.partitions - revoked)
 
     def _on_lost(self, tps: list[TP]) -> None:
         """Partitions already belong to someone else: drop their state without committing. Their batches still
@@ -292,7 +289,6 @@ class Pipeline:
         lost = set(tps)
         self.batcher.discard(lambda f: f.source.topic_partition in lost)
         self._release(tps)
-        self.health.assigned = bool(self.assignments.partitions - lost)
 
     def _release(self, tps: list[TP]) -> None:  # their assignment: the source releases it after this
         self.delivery.release(tps)
@@ -343,6 +339,7 @@ def build_pipeline(settings: Settings, executor: Executor, metrics: Metrics, hea
     source = FrameSource(settings, clock, consumer_factory=clients.consumer,
                          writer_schemas=registry.held_frames(metrics, settings.max_uncommitted_frames)
                          if registry else None)
+    health.source = source  # /healthz and /readyz read its assignment and its troubles
     delivery: Delivery
     limit = clients.output_message_limit(settings)
     if settings.delivery.mode == "exactly_once":
