@@ -128,7 +128,8 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
                 # Served from here on: /readyz says what start-up waits for (the Schema Registry, the warm-up).
                 server = MetricsServer(metrics, health, settings.observability.metrics_host,
                                        settings.observability.metrics_port,
-                                       before_scrape=lambda: _refresh_scrape_gauges(health, metrics),
+                                       before_scrape=functools.partial(_refresh_scrape_gauges, health, metrics,
+                                                                       GraphEvictions(loaded, metrics)),
                                        profile=functools.partial(_profile, loaded)
                                        if settings.observability.profile_endpoint else None)
                 running.callback(server.start().stop)
@@ -154,8 +155,7 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
 
             # The model loads (ModelContractError, or an OperatorError naming its setting: exit 2), warms up and is
             # calibrated as in every other start of the runtime (worker.runtime.start).
-            runtime = start_runtime(settings, on_graph_evicted=metrics.cuda_graph_evictions.inc,
-                                    before_warm_up=serve_while_warming)
+            runtime = start_runtime(settings, before_warm_up=serve_while_warming)
             executor = runtime.executor
             running.callback(executor.close)
             health.warmed_up = True
@@ -189,8 +189,29 @@ def freeze_startup_heap() -> int:
     return gc.get_freeze_count()
 
 
-def _refresh_scrape_gauges(health: Health, metrics: Metrics) -> None:
+class GraphEvictions:
+    """streamfer_cuda_graph_evictions_total, read from the runtime's runners when /metrics is scraped (they count
+    the graphs they released for their budget)."""
+
+    def __init__(self, loaded: Future[InferenceExecutor], metrics: Metrics) -> None:
+        self._loaded = loaded
+        self._counter = metrics.cuda_graph_evictions
+        self._counted = 0
+        self._lock = threading.Lock()  # scrapes are served on threads of their own
+
+    def read(self) -> None:
+        if not self._loaded.done():
+            return
+        with self._lock:
+            total = self._loaded.result().graph_evictions
+            if total > self._counted:
+                self._counter.inc(total - self._counted)
+                self._counted = total
+
+
+def _refresh_scrape_gauges(health: Health, metrics: Metrics, evictions: GraphEvictions) -> None:
     metrics.ready.set(1 if health.ready else 0)
+    evictions.read()
     try:
         import torch
 

@@ -136,13 +136,12 @@ def load_engine_model(model: ModelSettings, runtime: RuntimeSettings, device: to
 def make_engine_runner(module: Callable[[torch.Tensor], torch.Tensor], contract: ModelContract, device: torch.device,
                        precision: str, cuda_graphs: bool, buckets: Sequence[int], warmup_batches: int,
                        caps: BatchCaps = BatchCaps(), memory: MemoryPolicy | None = None,
-                       graph_budget_bytes: int | None = None,
-                       on_evicted: Callable[[int], None] | None = None) -> ModelRunner:
+                       graph_budget_bytes: int | None = None) -> ModelRunner:
     """An OnnxRuntimeRunner for a model `load_engine_model` loaded into onnxruntime, else `make_runner`'s."""
     if isinstance(module, OnnxRuntimeModel):
         return OnnxRuntimeRunner(module, contract, precision)
     return make_runner(module, contract, device, precision, cuda_graphs, buckets, warmup_batches, caps, memory,
-                       graph_budget_bytes, on_evicted)
+                       graph_budget_bytes)
 
 
 def engine_of(runner: object) -> str:
