@@ -102,6 +102,10 @@ class Delivery:
         if reports.error is not None:
             raise reports.error
 
+    def serve_reports(self) -> None:
+        """Serve the sink's delivery reports that arrived since the last call and take them (`acknowledge`)."""
+        self.acknowledge(self.sink.poll(0))
+
     def commits_reported(self, outcomes: list[CommitOutcome]) -> None:
         """Outcomes of the consumer's offset commits (Polled.commits); only at-least-once commits through it."""
 
