@@ -1,7 +1,8 @@
 """The Kafka consumer side: subscription to the per-priority input topics, decoding, pausing by class,
 rebalance callbacks, offset commits and their outcomes (returned by the poll that served them). The I/O only:
-where a partition is read from is decided in worker.kafka.committed, what is read and what is done in the
-pipeline.
+where a partition is read from is decided in worker.kafka.committed, which partitions are paused in
+worker.kafka.pauses, which offsets are repeats in worker.kafka.redelivery, the writer-schema hold's steps in
+worker.kafka.schemagate, what is read and what is done in the pipeline.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,7 @@ from worker.kafka.redelivery import RedeliveryGuard
 from worker.kafka.schemagate import SchemaGate
 from worker.kafka.schemalookups import HeldFrames
 from worker.partitions.assignment import Assignments
+from worker.partitions.lifetime import PartitionState
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +163,10 @@ class FrameSource:
         self._redelivery = RedeliveryGuard()
         # Partitions to seek to their committed offsets, kept paused while those cannot be read.
         self._positions = CommittedPositions(clock)
+        # Everything kept per partition, dropped together (drop_partitions); the schema gate's held messages are
+        # uncommitted: the next owner reads them again.
+        self._partition_state: tuple[PartitionState, ...] = (self._schemas, self._pauses, self._redelivery,
+                                                             self._positions)
 
     # -- subscription and rebalances ---------------------------------------------------------------
     def subscribe(self, on_assign: RebalanceHandler, on_revoke: RevokeHandler, on_lost: RebalanceHandler) -> None:
@@ -183,12 +189,12 @@ class FrameSource:
         def revoked(consumer: Consumer, partitions: list[TopicPartition]) -> None:
             tps = [(p.topic, p.partition) for p in partitions]
             on_revoke(tps, self._take_commit_outcomes())
-            self._forget(tps)
+            self.drop_partitions(tps)
 
         def lost(consumer: Consumer, partitions: list[TopicPartition]) -> None:
             tps = [(p.topic, p.partition) for p in partitions]
             on_lost(tps)
-            self._forget(tps)
+            self.drop_partitions(tps)
 
         self._group.subscribe(list(self._topics), assigned, revoked, lost)
 
@@ -197,12 +203,12 @@ class FrameSource:
         """The group member's consumer: a new one after the broker fenced the last (worker.kafka.membership)."""
         return self._group.consumer
 
-    def _forget(self, tps: list[TP]) -> None:
+    def drop_partitions(self, tps: Collection[TP]) -> None:
+        """Partitions revoked or lost, once the loop's handler returned: their assignment released and everything
+        this source keeps of them dropped (each part of its state is a worker.partitions.lifetime.PartitionState)."""
         self.assignments.release(tps)
-        self._schemas.drop_partitions(tps)  # uncommitted: the next owner reads them again
-        self._pauses.drop_partitions(tps)
-        self._redelivery.drop_partitions(tps)
-        self._positions.forget(tps)
+        for state in self._partition_state:
+            state.drop_partitions(tps)
 
     @property
     def held_for_schemas(self) -> HeldFrames | None:

@@ -5,6 +5,7 @@ reading them only, and the rest go to the batcher."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from worker.batching import MicroBatcher
@@ -113,18 +114,13 @@ class Admission:
         return max_age_s > 0 and frame.capture_ts_ms / 1000.0 + max_age_s < now
 
     # -- verdict reuse (worker.reuse.policy) -------------------------------------------------------------------------
-    def release(self, tps: list[TP]) -> None:
-        """Partitions given up: their streams' references forgotten, and the frames verdict reuse offered again
-        while the partitions were being finished taken back from the batcher (the next owner reads them)."""
+    def drop_partitions(self, tps: Collection[TP]) -> None:
+        """Partitions given up or rewound: their streams' references forgotten, and the frames verdict reuse offered
+        again while the partitions were being finished taken back from the batcher (read again from the commit)."""
         if self.reuse is not None:
-            self.reuse.release(tps)
+            self.reuse.drop_partitions(tps)
             released = set(tps)
             self._batcher.discard(lambda f: f.source.topic_partition in released)
-
-    def forget_all(self) -> None:
-        """A rewind: everything read since the last commit is read again, references included."""
-        if self.reuse is not None:
-            self.reuse.clear()
 
     def _score_or_reuse(self, frame: Frame, thumb: Thumbnail | None, reused: list[Reused]) -> None:
         """The frame to the batcher (a new reference), to `reused` (answered now), or held by the policy."""

@@ -21,7 +21,7 @@ import enum
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from prometheus_client import Counter
 
@@ -89,7 +89,7 @@ class Delivery:
     def commit(self, final: bool = False) -> CommitResult:
         raise NotImplementedError
 
-    def release(self, tps: list[TP]) -> None:
+    def drop_partitions(self, tps: Collection[TP]) -> None:
         """Partitions given up: forget their offsets and any output not yet delivered (the next owner redoes it)."""
         for tp in tps:
             self.tracker.forget(tp)
@@ -301,11 +301,11 @@ class AtLeastOnceDelivery(Delivery):
         for tp in failed:
             self.tracker.commit_failed(tp)
 
-    def release(self, tps: list[TP]) -> None:
+    def drop_partitions(self, tps: Collection[TP]) -> None:
         gone = set(tps)
         for source in [s for s in self._awaiting_ack if s.topic_partition in gone]:
             del self._awaiting_ack[source]
-        super().release(tps)
+        super().drop_partitions(tps)
 
 
 class ExactlyOnceDelivery(Delivery):
@@ -419,11 +419,11 @@ class ExactlyOnceDelivery(Delivery):
             return self._replace_stuck_sink(stuck)
         return CommitResult.NOTHING
 
-    def release(self, tps: list[TP]) -> None:
+    def drop_partitions(self, tps: Collection[TP]) -> None:
         for tp in tps:
             # Outputs still held behind a gap: the next owner redoes those frames.
             self._held.pop(tp, None)
-        super().release(tps)
+        super().drop_partitions(tps)
 
     def _replace_stuck_sink(self, exc: TransactionStuckError) -> CommitResult:
         """A transactional call is stuck inside librdkafka (or its outcome is unknown): start a producer with the

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from worker.batching import Batch, MicroBatcher, batch_shape
@@ -34,6 +34,7 @@ from worker.loop.inflight import FINISH_CHECK_MIN_S, InFlight
 from worker.loop.ports import Executor, Source
 from worker.metrics import Health, Metrics
 from worker.partitions.dedup import DuplicateFrames
+from worker.partitions.lifetime import PartitionStates
 from worker.partitions.offsets import OffsetTracker
 from worker.tracing import TRACING_OFF, Tracing
 
@@ -57,6 +58,20 @@ def poll_timeout(now: float, due: float | None, running_wait: float | None, outp
     if due is not None and due > now:
         running_wait = min(running_wait, max(FINISH_CHECK_MIN_S, due - now))
     return min(running_wait, IDLE_POLL_S)
+
+
+class ConsumerLagSeries:
+    """The consumer-lag gauge's series of each partition owned (set by update_lag)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._gauge = metrics.consumer_lag
+
+    def drop_partitions(self, tps: Collection[TP]) -> None:
+        for topic, partition in tps:
+            try:
+                self._gauge.remove(topic, str(partition))
+            except KeyError:
+                pass  # never reported
 
 
 @dataclass
@@ -100,6 +115,10 @@ class Pipeline:
                                                       settings.observability.worker_id, result_framing), tracing)
         self.admission = Admission(settings, self.tracker, self.duplicates, self.batcher, self.answers, self.flow,
                                    metrics)
+        # Everything the loop keeps per partition, dropped by one call on revoke, loss and rewind
+        # (worker.partitions.lifetime); the source drops its own once the rebalance handlers returned.
+        self.partition_state = PartitionStates(read=(self.delivery, self.admission),
+                                               owned=(self.duplicates, self.flow, ConsumerLagSeries(metrics)))
         self._counts = RunSummary()
         self._inflight = InFlight(self.batcher, executor, settings.delivery.max_inflight_batches,
                                   settings.batching.release_when_idle, metrics)
@@ -240,11 +259,10 @@ class Pipeline:
         transaction's reports go to delivery first: an output refused in it is dead-lettered when read again."""
         self._acknowledge()
         self.batcher.discard(lambda _frame: True)
-        self.admission.forget_all()
         self._inflight.finished(wait=True)  # let them finish; their outputs are stale with the rest
         self._outputs.clear()
         assigned = sorted(self.assignments.partitions)
-        self.delivery.release(assigned)
+        self.partition_state.drop_partitions(assigned, rewind=True)
         self.source.seek_to_committed(assigned)
 
     # -- consumer lag ---------------------------------------------------------------------------------------------
@@ -279,7 +297,7 @@ class Pipeline:
         self._collect_finished(wait=True)
         self._emit()
         self._commit(final=True)
-        self._release(tps)
+        self.partition_state.drop_partitions(tps)  # their assignment: the source releases it after this
 
     def _on_lost(self, tps: list[TP]) -> None:
         """Partitions already belong to someone else: drop their state without committing. Their batches still
@@ -288,17 +306,7 @@ class Pipeline:
         log.warning("partitions lost: %s", sorted(tps))
         lost = set(tps)
         self.batcher.discard(lambda f: f.source.topic_partition in lost)
-        self._release(tps)
-
-    def _release(self, tps: list[TP]) -> None:  # their assignment: the source releases it after this
-        self.delivery.release(tps)
-        self.duplicates.release(tps)
-        self.admission.release(tps)
-        for topic, partition in tps:
-            try:
-                self.metrics.consumer_lag.remove(topic, str(partition))
-            except KeyError:
-                pass  # never reported
+        self.partition_state.drop_partitions(tps)  # their assignment: the source releases it after this
 
     def drain(self) -> None:
         """Graceful stop: no new input; run everything pending, deliver, commit."""
