@@ -95,8 +95,9 @@ class RunResult:
 
 
 class ModelRunner(Protocol):
-    """What the executor drives: one model on one device, used from one thread at a time. `make_runner` is where a
-    kind is chosen (EagerRunner, CudaGraphRunner); another engine is another class with these members."""
+    """What the executor drives: one model on one device, used from one thread at a time. `make_engine_runner`
+    (worker.runtime.engine) is where a kind is chosen (OnnxRuntimeRunner, or `make_torch_runner`'s EagerRunner or
+    CudaGraphRunner); another engine is another class with these members."""
 
     @property
     def device(self) -> torch.device: ...
@@ -452,12 +453,12 @@ def _return_memory(device: torch.device, captures: CaptureGate) -> None:
         torch.cuda.empty_cache()
 
 
-def make_runner(module: Callable[[torch.Tensor], torch.Tensor], contract: ModelContract, device: torch.device,
+def make_torch_runner(module: Callable[[torch.Tensor], torch.Tensor], contract: ModelContract, device: torch.device,
                 precision: str, cuda_graphs: bool, buckets: Sequence[int], warmup_batches: int,
                 caps: BatchCaps = BatchCaps(), memory: MemoryPolicy | None = None,
                 graph_budget_bytes: int | None = None) -> ModelRunner:
-    """The one place a runner's kind is chosen: CudaGraphRunner on CUDA with graphs enabled, else EagerRunner (the
-    CPU path)."""
+    """A torch model's runner: CudaGraphRunner on CUDA with graphs enabled, else EagerRunner (the CPU path). The
+    executor makes every runner through worker.runtime.engine.make_engine_runner, which calls this for torch."""
     if device.type == "cuda" and cuda_graphs:
         return CudaGraphRunner(module, contract, device, precision, buckets, warmup_batches, caps=caps,
                                memory=memory, graph_budget_bytes=graph_budget_bytes)
