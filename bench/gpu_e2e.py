@@ -32,7 +32,8 @@ from worker.app import freeze_startup_heap
 from worker.codec.schemas import FrameRecord, decode_result, encode_frame
 from worker.config import ConfigError, Settings, load_settings
 from worker.frames import Encoding, Priority, SourceRef
-from worker.loop.pipeline import KafkaClients, RunSummary, build_pipeline
+from worker.kafka.wiring import KafkaClients
+from worker.loop.pipeline import RunSummary, build_pipeline
 from worker.metrics import Health, Metrics
 from worker.photos import PHOTOS, photo
 from worker.runtime.start import start_runtime

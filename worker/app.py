@@ -17,17 +17,13 @@ import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from confluent_kafka import Consumer, Producer
-
 from worker.config import Settings
 from worker.errors import StreamferError
 from worker.identity import worker_identity
 from worker.kafka.access import probe_access
-from worker.kafka.client import new_client
-from worker.kafka.consumer import consumer_config
 from worker.kafka.control import start_control
-from worker.kafka.producer import producer_config
 from worker.kafka.registry import connect_registry
+from worker.kafka.wiring import check_client_configs
 from worker.loop.pipeline import RunSummary, build_pipeline
 from worker.metrics import Health, Metrics, MetricsServer
 from worker.tracing import setup_tracing
@@ -133,7 +129,8 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
                 # Served from here on: /readyz says what start-up waits for (the Schema Registry, the warm-up).
                 server = MetricsServer(metrics, health, settings.observability.metrics_host,
                                        settings.observability.metrics_port,
-                                       before_scrape=lambda: _refresh_scrape_gauges(health, metrics),
+                                       before_scrape=functools.partial(_refresh_scrape_gauges, health, metrics,
+                                                                       GraphEvictions(loaded, metrics)),
                                        profile=functools.partial(_profile, loaded)
                                        if settings.observability.profile_endpoint else None)
                 running.callback(server.start().stop)
@@ -159,8 +156,7 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
 
             # The model loads (ModelContractError, or an OperatorError naming its setting: exit 2), warms up and is
             # calibrated as in every other start of the runtime (worker.runtime.start).
-            runtime = start_runtime(settings, on_graph_evicted=metrics.cuda_graph_evictions.inc,
-                                    before_warm_up=serve_while_warming)
+            runtime = start_runtime(settings, before_warm_up=serve_while_warming)
             executor = runtime.executor
             running.callback(executor.close)
             health.warmed_up = True
@@ -168,12 +164,6 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
                      executor.device_description, time.monotonic() - started)
             # Built once the runtime is warm: its consumer joins the group when the loop runs.
             pipeline = build_pipeline(settings, executor, metrics, health, registry=registry, tracing=tracing)
-            status = getattr(pipeline.source, "broker_status", None)  # FrameSource's view of the cluster
-            if status is not None:
-                health.broker_problem = status.unhealthy_reason
-            held = getattr(pipeline.source, "held_for_schemas", None)
-            if held is not None:
-                health.registry_problem = held.problem
             # The control topic read to its end before the loop serves: the group's policy (issue 66) applies from
             # the first batch, then changes between batches as the follower thread reads them.
             running.callback(start_control(settings, pipeline.answers.judge, metrics, health).stop)
@@ -203,15 +193,29 @@ def freeze_startup_heap() -> int:
     return gc.get_freeze_count()
 
 
-def check_client_configs(settings: Settings) -> None:
-    """Build (and drop) a consumer and a producer with the worker's configurations: librdkafka validates every
-    property when a client is made, without connecting; ConfigError names the override it refused."""
-    new_client(Consumer, consumer_config(settings), "consumer").close()
-    new_client(Producer, producer_config(settings), "producer")
+class GraphEvictions:
+    """streamfer_cuda_graph_evictions_total, read from the runtime's runners when /metrics is scraped (they count
+    the graphs they released for their budget)."""
+
+    def __init__(self, loaded: Future[InferenceExecutor], metrics: Metrics) -> None:
+        self._loaded = loaded
+        self._counter = metrics.cuda_graph_evictions
+        self._counted = 0
+        self._lock = threading.Lock()  # scrapes are served on threads of their own
+
+    def read(self) -> None:
+        if not self._loaded.done():
+            return
+        with self._lock:
+            total = self._loaded.result().graph_evictions
+            if total > self._counted:
+                self._counter.inc(total - self._counted)
+                self._counted = total
 
 
-def _refresh_scrape_gauges(health: Health, metrics: Metrics) -> None:
+def _refresh_scrape_gauges(health: Health, metrics: Metrics, evictions: GraphEvictions) -> None:
     metrics.ready.set(1 if health.ready else 0)
+    evictions.read()
     try:
         import torch
 

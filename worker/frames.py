@@ -6,7 +6,7 @@ Pure data: no Kafka, no torch. Every stage below the source speaks in these type
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 # A Kafka message's headers as confluent-kafka gives them: (name, value) pairs, names may repeat.
@@ -216,6 +216,50 @@ DUPLICATE_FRAME = "DuplicateFrame"  # its (stream_id, frame_index) was read at a
 OUTPUT_REJECTED = "OutputRejected"  # its result could not be produced (too large, invalid record)
 DEAD_LETTER_ERROR_TYPES = frozenset({MESSAGE_DECODE_ERROR, DECODE_ERROR, MODEL_ERROR, NON_FINITE_OUTPUT,
                                      DUPLICATE_FRAME, OUTPUT_REJECTED})
+
+
+# -- what the source hands the loop ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CommitOutcome:
+    """The broker's answer to one offset commit (librdkafka reports every commit, synchronous ones too): the offsets
+    it now has, the partitions whose commit failed, and why."""
+
+    committed: dict[TP, int]
+    failed: list[TP]
+    reason: str | None = None
+
+
+@dataclass
+class Polled:
+    """One poll's worth of input: decodable frames and the messages that go to the dead-letter topic."""
+
+    frames: list[Frame]
+    dead_letters: list[DeadLetter]
+    # Messages dropped because this assignment had already delivered their offsets (see FrameSource.poll).
+    redelivered: int = 0
+    # Partitions that began waiting, since the last poll, for a committed offset the broker could not tell yet
+    # (see FrameSource.seek_to_committed); each is paused until it is known.
+    committed_offset_waits: int = 0
+    # The poll returned fewer messages than asked for: it took all the consumer had fetched, so the worker is
+    # level with what the broker has sent it (a backlog's polls come back full).
+    drained: bool = False
+    # Messages read and held until the registry gives their writer schema (worker.kafka.schemalookups): tracked now,
+    # answered by a later poll, whose frames and dead letters then include them (`released`: not tracked again).
+    held: list[SourceRef] = field(default_factory=list)
+    released: set[SourceRef] = field(default_factory=set)
+    # All held now, with the unframed frames answered past them on their partitions: offsets no commit passes until
+    # the registry answers (HeldFrames.pinned_frames).
+    pinned_frames: int = 0
+    # The outcomes of offset commits served since the last poll (asynchronous ones arrive in a later poll), for
+    # the loop to hand to delivery.
+    commits: list[CommitOutcome] = field(default_factory=list)
+
+
+RebalanceHandler = Callable[[list[TP]], None]
+# Called inside the source's poll with the partitions being revoked and the commit outcomes served before it (the
+# loop has not seen them yet): when it returns, the consumer gives the partitions up, so it must deliver and commit
+# (or end the transaction of) what is done of them before returning.
+RevokeHandler = Callable[[list[TP], list[CommitOutcome]], None]
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import urllib.parse
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import choose_encoder
@@ -23,7 +23,7 @@ from prometheus_client.samples import Exemplar
 
 from worker.config import Settings
 from worker.devices.graphplan import PROCESS_CAPTURES, CaptureStop
-from worker.frames import DEAD_LETTER_ERROR_TYPES, Frame, Priority
+from worker.frames import DEAD_LETTER_ERROR_TYPES, TP, Frame, Priority
 from worker.threadnames import name_os_thread
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
@@ -281,30 +281,41 @@ class Metrics:
         return encode(self.registry), content_type
 
 
+class Watched(Protocol):
+    """What Health reads of the frame source (worker.kafka.consumer.FrameSource), at each probe."""
+
+    @property
+    def assignment(self) -> frozenset[TP]:
+        """The partitions owned now (none once the source closed)."""
+
+    def cluster_problem(self) -> str | None:
+        """Why the worker cannot use the cluster now (refused, or unreachable too long), or None."""
+
+    def registry_problem(self) -> str | None:
+        """The Schema Registry's trouble while running, or None."""
+
+
 @dataclass
 class Health:
-    """What /healthz and /readyz report; the pipeline flips the flags and beats once per loop turn.
+    """What /healthz and /readyz report; start-up flips its flags, the loop beats once per turn, and the frame source
+    (`source`, given by build_pipeline) is read at each probe for its assignment and its troubles.
 
     A loop that has not turned for `stall_limit_s` (kafka.max_poll_interval_ms, the bound Kafka itself puts
     on a consumer) is reported dead, so a supervisor restarts a worker stuck in a call that never returns."""
 
     alive: bool = True
     warmed_up: bool = False
-    assigned: bool = False
     reasons: list[str] = field(default_factory=list)
     stall_limit_s: float = 300.0
     clock: Callable[[], float] = time.monotonic
     last_beat: float | None = None
-    # Why the worker cannot use the cluster now (refused, or unreachable too long), or None: the consumer's
-    # BrokerStatus.unhealthy_reason, attached by run_worker.
-    broker_problem: Callable[[], str | None] | None = None
-    # What start-up waits for (the Schema Registry), or None; and the registry's trouble while running, or None:
-    # /readyz says both (the latter without turning not ready: the worker still serves everything else).
+    # What start-up waits for (the Schema Registry), or None: /readyz says it, and the source's registry trouble
+    # while running (without turning not ready: the worker still serves everything else).
     waiting_for: str | None = None
-    registry_problem: Callable[[], str | None] | None = None
     # A policy from the control topic this worker refuses (it keeps the last good one), or None: /readyz says so
     # without turning not ready.
     policy_problem: Callable[[], str | None] | None = None
+    source: Watched | None = None
 
     def beat(self) -> None:
         self.last_beat = self.clock()
@@ -315,8 +326,13 @@ class Health:
         return 0.0 if self.last_beat is None else max(0.0, self.clock() - self.last_beat)
 
     @property
+    def assigned(self) -> bool:
+        """Whether the worker owns a partition (a cooperative rebalance can hand out an empty increment)."""
+        return self.source is not None and bool(self.source.assignment)
+
+    @property
     def cluster_problem(self) -> str | None:
-        return self.broker_problem() if self.broker_problem is not None else None
+        return self.source.cluster_problem() if self.source is not None else None
 
     @property
     def live(self) -> bool:
@@ -330,7 +346,7 @@ class Health:
     def degraded(self) -> str:
         """/readyz's note on a dependency start-up waits for or the loop works around ("" when none)."""
         notes = [f"waiting for {self.waiting_for}"] if self.waiting_for else []
-        problem = self.registry_problem() if self.registry_problem is not None else None
+        problem = self.source.registry_problem() if self.source is not None else None
         if problem:
             notes.append(problem)
         refused = self.policy_problem() if self.policy_problem is not None else None

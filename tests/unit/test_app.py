@@ -7,14 +7,15 @@ import gc
 import sys
 import types
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from worker.app import StopFlag, freeze_startup_heap
+from worker.app import GraphEvictions, StopFlag, freeze_startup_heap
 from worker.config import load_settings
-from worker.metrics import Health
+from worker.metrics import Health, Metrics
 from worker.testing.fakes import FakeConsumer, InMemoryKafka
 
 
@@ -103,3 +104,25 @@ def test_the_worker_joins_its_group_only_once_the_model_is_warm(monkeypatch: pyt
 
     assert made_while_warm == [True]
     assert warm_at_subscribe == [True]
+
+
+class CountingRuntime:
+    graph_evictions = 0
+
+
+def test_graph_evictions_are_read_from_the_runtime_when_scraped() -> None:
+    metrics, loaded, runtime = Metrics(), Future(), CountingRuntime()  # type: ignore[var-annotated]
+    evictions = GraphEvictions(loaded, metrics)
+
+    def counted() -> float:
+        return metrics.registry.get_sample_value("streamfer_cuda_graph_evictions_total") or 0.0
+
+    evictions.read()  # the model still loading: nothing to read
+    loaded.set_result(runtime)
+    runtime.graph_evictions = 3
+    evictions.read()
+    evictions.read()
+    assert counted() == 3
+    runtime.graph_evictions = 5
+    evictions.read()
+    assert counted() == 5

@@ -41,7 +41,7 @@ def test_a_released_partition_starts_again_with_an_empty_window():
     d = DuplicateFrames(window=10)
     d.first_offset(P0, ("cam", 7, 0), 100)
     d.first_offset(P1, ("cam", 7, 0), 5)
-    d.release([P0])
+    d.drop_partitions([P0])
     assert d.remembered(P0) == 0 and d.remembered(P1) == 1
     assert d.first_offset(P0, ("cam", 7, 0), 102) is None
 

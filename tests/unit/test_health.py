@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import pytest
 
 from tests.integration.helpers import http_get as get
 from worker.metrics import Health, Metrics, MetricsServer
 from worker.testing import FakeClock
+
+
+@dataclass
+class SourceStub:
+    """What Health reads of the frame source (worker.metrics.Watched), set by a test."""
+
+    assignment: frozenset[tuple[str, int]] = frozenset()
+    cluster_problem: Callable[[], str | None] = lambda: None
+    registry_problem: Callable[[], str | None] = lambda: None
+
+
+OWNING = frozenset({("frames.bulk", 0)})
 
 
 @pytest.fixture
@@ -22,7 +35,7 @@ def served() -> Iterator[tuple[Health, FakeClock, int]]:
 
 def test_a_loop_that_stops_turning_fails_liveness_and_readiness(served: tuple[Health, FakeClock, int]) -> None:
     health, clock, port = served
-    health.warmed_up = health.assigned = True
+    health.warmed_up, health.source = True, SourceStub(OWNING)
     assert get(port, "/healthz") == (200, "ok\n")  # before the loop starts (warm-up) it is alive
     health.beat()
     clock.now += 300.0
@@ -75,3 +88,15 @@ def test_debug_profile_returns_the_trace_of_the_requested_batches() -> None:
 
 def test_debug_profile_is_absent_without_a_runtime(served: tuple[Health, FakeClock, int]) -> None:
     assert get(served[2], "/debug/profile")[0] == 404
+
+
+def test_readiness_reads_the_sources_assignment_at_each_probe() -> None:
+    source = SourceStub()
+    health = Health(warmed_up=True)
+    assert not health.assigned and not health.ready  # no source yet (start-up)
+    health.source = source
+    assert not health.ready
+    source.assignment = OWNING
+    assert health.assigned and health.ready
+    source.assignment = frozenset()  # revoked, lost, or the source closed
+    assert not health.ready

@@ -9,6 +9,7 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException
 
 from tests.integration.helpers import http_get
+from tests.unit.test_health import SourceStub
 from worker.config import ConfigError, load_settings
 from worker.errors import OperatorError
 from worker.kafka.client import client_properties, principal_of, redact, security_properties
@@ -199,7 +200,7 @@ def test_health_fails_at_once_when_refused_and_after_the_limit_when_unreachable(
 def test_healthz_reports_the_cluster_problem_with_503() -> None:
     clock = FakeClock(100.0)
     status = BrokerStatus(unreachable_limit_s=10.0, clock=clock)
-    health = Health(clock=clock, broker_problem=status.unhealthy_reason)
+    health = Health(clock=clock, source=SourceStub(cluster_problem=status.unhealthy_reason))
     server = MetricsServer(Metrics(), health, "127.0.0.1", 0).start()
     try:
         assert http_get(server.port, "/healthz")[0] == 200

@@ -116,7 +116,7 @@ def test_a_partition_forgotten_while_a_poll_asks_is_not_yielded(positions: Commi
     positions.wait([A, B])
     due = positions.due(by_name)
     assert next(due) == A
-    positions.forget([B])
+    positions.drop_partitions([B])
     assert list(due) == []
 
 
@@ -165,7 +165,7 @@ def test_each_kind_of_wait_is_logged_once_and_the_end_of_a_reported_wait_once(
 
 def test_forgotten_partitions_no_longer_wait(positions: CommittedPositions) -> None:
     positions.wait([A, B])
-    positions.forget([A, C])
+    positions.drop_partitions([A, C])
     assert positions.waiting == {B}
 
 

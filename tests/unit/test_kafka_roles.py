@@ -1,5 +1,6 @@
 """One client factory per role (worker/kafka/roles.py): each role's client carries the [kafka] security settings,
-librdkafka takes its properties, and no librdkafka client is made in worker/ outside worker/kafka/."""
+librdkafka takes its properties, no librdkafka client is made in worker/ outside worker/kafka/, and only the Kafka
+edge (with the test kit's stand-ins for its clients and the Kafka tools) imports the client library."""
 
 from __future__ import annotations
 
@@ -147,3 +148,45 @@ def test_the_walk_finds_a_client_under_an_alias(tmp_path: Path) -> None:
     (tmp_path / "m.py").write_text("from confluent_kafka import Consumer as KafkaConsumer\nKafkaConsumer({})\n"
                                    "import confluent_kafka\nconfluent_kafka.Producer({})\n")
     assert client_constructions(tmp_path) == ["m.py:2", "m.py:4"]
+
+
+# -- no import of the client library elsewhere --------------------------------------------------------------------
+# Beside worker/kafka/, the client library is imported by the in-memory kit, whose stand-ins return its own types
+# (TopicPartition, KafkaError), and by the command-line tools, which read offsets, watermarks and topics with it.
+IMPORTERS_OF_THE_CLIENT_LIBRARY = ("kafka/", "testing/", "tools/")
+
+
+def client_library_imports(base: Path) -> list[str]:
+    """`path:line` (under `base`) of each import of confluent_kafka or one of its modules, at any depth (in a
+    function or under TYPE_CHECKING too)."""
+    found = []
+    for path in sorted(base.rglob("*.py")):
+        nodes = sorted((n for n in ast.walk(ast.parse(path.read_text(), filename=str(path)))
+                        if isinstance(n, ast.Import | ast.ImportFrom)), key=lambda n: n.lineno)
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue
+            if any(name == "confluent_kafka" or name.startswith("confluent_kafka.") for name in names):
+                found.append(f"{path.relative_to(base)}:{node.lineno}")
+    return found
+
+
+def test_only_the_kafka_edge_imports_the_client_library() -> None:
+    """The loop, the policies, the runtime and the process assembly reach Kafka through worker/kafka/ only."""
+    assert [where for where in client_library_imports(ROOT / "worker")
+            if not where.startswith(IMPORTERS_OF_THE_CLIENT_LIBRARY)] == []
+
+
+def test_the_import_walk_finds_every_form_of_import(tmp_path: Path) -> None:
+    (tmp_path / "loop").mkdir()
+    (tmp_path / "loop" / "m.py").write_text(
+        "import confluent_kafka\n"
+        "from confluent_kafka import KafkaException\n"
+        "def f():\n    from confluent_kafka.admin import AdminClient\n"
+        "import os, confluent_kafka.admin as admin\n"
+        "import confluent_kafka_other\nfrom .confluent_kafka import x\n")
+    assert client_library_imports(tmp_path) == ["loop/m.py:1", "loop/m.py:2", "loop/m.py:4", "loop/m.py:5"]

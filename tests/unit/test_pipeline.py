@@ -19,7 +19,8 @@ from worker.codec.schemas import decode_result
 from worker.config import BatchingSettings, DeliverySettings, ObservabilitySettings, Settings
 from worker.frames import OUTPUT_REJECTED, BatchOutcome, Priority, Verdict
 from worker.kafka.producer import SinkError
-from worker.loop.pipeline import KafkaClients, Pipeline, build_pipeline
+from worker.kafka.wiring import KafkaClients
+from worker.loop.pipeline import Pipeline, build_pipeline
 from worker.metrics import Health, Metrics
 from worker.testing import (
     FakeClock,

@@ -10,6 +10,7 @@ import pytest
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
 import worker.kafka.registry as registry_module
+from tests.unit.test_health import OWNING, SourceStub
 from worker.config import SchemaRegistrySettings, Settings
 from worker.errors import OperatorError
 from worker.kafka.registry import RegistryUnreachable, connect_registry
@@ -75,9 +76,10 @@ def test_a_stop_while_waiting_ends_start_up_with_the_reason(monkeypatch: pytest.
 
 
 def test_readiness_names_what_start_up_waits_for_and_a_running_worker_s_registry_trouble() -> None:
-    health = Health(warmed_up=True, assigned=True)
+    source = SourceStub(OWNING)
+    health = Health(warmed_up=True, source=source)
     assert health.degraded == ""
-    health.registry_problem = lambda: "schema registry not answering for 12s (ReadTimeout): 30 frames held"
+    source.registry_problem = lambda: "schema registry not answering for 12s (ReadTimeout): 30 frames held"
     assert health.ready  # still serving everything that needs no lookup
     assert health.degraded == "; schema registry not answering for 12s (ReadTimeout): 30 frames held"
     health.waiting_for = "the Schema Registry at x"

@@ -153,7 +153,7 @@ def test_releasing_a_partition_forgets_its_streams_and_held_frames_only():
     reuse.offer(p0, thumb(100))
     reuse.offer(frame(1, 40, partition=0), thumb(100))
     scored_reference(reuse, frame(2, partition=1))
-    reuse.release([(TOPIC, 0)])
+    reuse.drop_partitions([(TOPIC, 0)])
     assert reuse.streams == 1 and reuse.held == 0
     assert reuse.scored(p0, VERDICT) == []  # a stale batch's verdict answers nothing
     assert reuse.offer(frame(3, 40, partition=0), thumb(100)) is Decision.SCORE
@@ -163,18 +163,18 @@ def test_releasing_a_partition_forgets_its_streams_and_held_frames_only():
 def test_a_reference_of_an_older_assignment_epoch_answers_nothing_after_the_partition_comes_back():
     reuse = policy()
     reuse.offer(frame(0, epoch=1), thumb(100))
-    reuse.release([(TOPIC, 0)])
+    reuse.drop_partitions([(TOPIC, 0)])
     assert reuse.offer(frame(0, epoch=2), thumb(100)) is Decision.SCORE
     assert reuse.offer(frame(1, 40, epoch=2), thumb(100)) is Decision.HELD
     assert reuse.scored(frame(0, epoch=1), VERDICT) == []
     assert len(reuse.scored(frame(0, epoch=2), VERDICT)) == 1
 
 
-def test_clear_forgets_everything():
+def test_dropping_every_partition_read_forgets_everything():
     reuse = policy()
     reuse.offer(frame(0), thumb(100))
     reuse.offer(frame(1, 40), thumb(100))
-    reuse.clear()
+    reuse.drop_partitions([(TOPIC, 0)])
     assert reuse.streams == 0 and reuse.held == 0
 
 
@@ -302,7 +302,7 @@ def test_every_frame_ends_scored_reused_or_released_once_and_a_reuse_is_of_an_ea
         elif op[0] in ("verdict", "fail") and inflight:
             finish(inflight[op[1] % len(inflight)], op[0] == "verdict")
         elif op[0] == "release":
-            reuse.release([(TOPIC, op[1])])
+            reuse.drop_partitions([(TOPIC, op[1])])
             for f in list(frames_of[op[1]]):
                 ended(f, "released")
             inflight[:] = [f for f in inflight if f.source.partition != op[1]]

@@ -219,8 +219,7 @@ def test_each_capture_records_its_buckets_peak_memory_and_its_graphs_bytes():
 @pytest.mark.cuda
 @cuda_only
 def test_graphs_past_the_budget_are_released_least_recently_used_and_their_memory_goes_back():
-    evicted = []
-    runner = _graph_runner(capture_after=1, graph_budget_bytes=1, on_evicted=evicted.append)
+    runner = _graph_runner(capture_after=1, graph_budget_bytes=1)
     eager = EagerRunner(runner.module, CONTRACT, runner.device)
     runner.warm_up(SHAPE, batches=1)  # no graph fits a 1-byte budget beside another: none kept at warm-up
     assert runner.capture_count == 1 and not runner.plan.budget.graphs
@@ -232,7 +231,7 @@ def test_graphs_past_the_budget_are_released_least_recently_used_and_their_memor
         torch.testing.assert_close(torch.from_numpy(result.scores), torch.from_numpy(eager.run(x).scores),
                                    **replay_tolerance(runner.device))
         reserved.append(torch.cuda.memory_reserved(runner.device))
-    assert runner.graph_evictions == 11 and sum(evicted) == 11 and len(runner.plan.budget.graphs) == 1
+    assert runner.graph_evictions == 11 and len(runner.plan.budget.graphs) == 1
     # Released graphs give their pools back: twelve captures hold no more than the first two did.
     assert max(reserved[2:]) <= reserved[1] + (2 << 20)
 

@@ -19,11 +19,10 @@ from confluent_kafka import OFFSET_BEGINNING, OFFSET_INVALID, KafkaError, KafkaE
 import worker.kafka.consumer as source_module
 from worker.config import KafkaSettings, ObservabilitySettings, Settings, load_settings
 from worker.errors import OperatorError, StreamferError
-from worker.frames import Priority
+from worker.frames import CommitOutcome, Priority
 from worker.kafka.committed import COMMITTED_LOOKUP_TIMEOUT_S, COMMITTED_RETRY_FIRST_S
 from worker.kafka.consumer import FrameSource
 from worker.kafka.membership import REFENCED_WITHIN_S, SourceError
-from worker.partitions.offsets import CommitOutcome
 from worker.testing import FakeClock, FakeMessage, frame_value
 from worker.testing import FakeConsumer as KitConsumer
 

@@ -27,7 +27,8 @@ from worker.config import (
     load_settings,
 )
 from worker.frames import BatchOutcome, Encoding, Frame, Priority, Verdict
-from worker.loop.pipeline import KafkaClients, Pipeline, build_pipeline
+from worker.kafka.wiring import KafkaClients
+from worker.loop.pipeline import Pipeline, build_pipeline
 from worker.metrics import Health, Metrics, MetricsServer
 from worker.testing import FakeClock, FakeConsumer, FakeProducer, Produced, frame_value
 from worker.tracing import TRACING_OFF, Tracing, setup_tracing

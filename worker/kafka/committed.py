@@ -73,7 +73,7 @@ class CommittedPositions:
             else:
                 waiting.next_try = now
 
-    def forget(self, tps: Iterable[TP]) -> None:
+    def drop_partitions(self, tps: Iterable[TP]) -> None:
         """Partitions revoked or lost: no longer ours to seek."""
         for tp in tps:
             self._waiting.pop(tp, None)

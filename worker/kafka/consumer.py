@@ -1,7 +1,8 @@
 """The Kafka consumer side: subscription to the per-priority input topics, decoding, pausing by class,
 rebalance callbacks, offset commits and their outcomes (returned by the poll that served them). The I/O only:
-where a partition is read from is decided in worker.kafka.committed, what is read and what is done in the
-pipeline.
+where a partition is read from is decided in worker.kafka.committed, which partitions are paused in
+worker.kafka.pauses, which offsets are repeats in worker.kafka.redelivery, the writer-schema hold's steps in
+worker.kafka.schemagate, what is read and what is done in the pipeline.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,42 +26,29 @@ from confluent_kafka import (
 from worker.codec.schemas import MessageDecodeError, decode_frame
 from worker.config import Settings, group_instance_id_problem
 from worker.errors import OperatorError, StreamferError
-from worker.frames import MESSAGE_DECODE_ERROR, TP, DeadLetter, Frame, Priority, SourceRef
+from worker.frames import (
+    MESSAGE_DECODE_ERROR,
+    TP,
+    CommitOutcome,
+    DeadLetter,
+    Polled,
+    Priority,
+    RebalanceHandler,
+    RevokeHandler,
+    SourceRef,
+)
 from worker.kafka.client import ClientFactory, client_properties, new_client
 from worker.kafka.committed import COMMITTED_LOOKUP_TIMEOUT_S, CommittedPositions
 from worker.kafka.errors import UNKNOWN_TOPIC, BrokerStatus, Identity, RefusalStreak, classify_consumer_error
 from worker.kafka.membership import GroupMembership
+from worker.kafka.pauses import PauseUnion
+from worker.kafka.redelivery import RedeliveryGuard
+from worker.kafka.schemagate import SchemaGate
 from worker.kafka.schemalookups import HeldFrames
 from worker.partitions.assignment import Assignments
-from worker.partitions.offsets import CommitOutcome
+from worker.partitions.lifetime import PartitionState
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Polled:
-    """One poll's worth of input: decodable frames and the messages that go to the dead-letter topic."""
-
-    frames: list[Frame]
-    dead_letters: list[DeadLetter]
-    # Messages dropped because this assignment had already delivered their offsets (see FrameSource.poll).
-    redelivered: int = 0
-    # Partitions that began waiting, since the last poll, for a committed offset the broker could not tell yet
-    # (see FrameSource.seek_to_committed); each is paused until it is known.
-    committed_offset_waits: int = 0
-    # The poll returned fewer messages than asked for: it took all the consumer had fetched, so the worker is
-    # level with what the broker has sent it (a backlog's polls come back full).
-    drained: bool = False
-    # Messages read and held until the registry gives their writer schema (worker.kafka.schemalookups): tracked now,
-    # answered by a later poll, whose frames and dead letters then include them (`released`: not tracked again).
-    held: list[SourceRef] = field(default_factory=list)
-    released: set[SourceRef] = field(default_factory=set)
-    # All held now, with the unframed frames answered past them on their partitions: offsets no commit passes until
-    # the registry answers (HeldFrames.pinned_frames).
-    pinned_frames: int = 0
-    # The outcomes of offset commits served since the last poll (asynchronous ones arrive in a later poll), for
-    # the loop to hand to delivery.
-    commits: list[CommitOutcome] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -74,13 +62,6 @@ class CommittedOffsets:
 
     offsets: dict[TP, int] = field(default_factory=dict)
     unknown: dict[TP, str] = field(default_factory=dict)
-
-
-RebalanceHandler = Callable[[list[TP]], None]
-# Called inside consume() with the partitions being revoked and the commit outcomes served before it (the loop has
-# not seen them yet): when it returns, librdkafka gives the partitions up, so it must deliver and commit (or end
-# the transaction of) what is done of them before returning.
-RevokeHandler = Callable[[list[TP], list[CommitOutcome]], None]
 
 
 # Consumer fetch timing (see consumer_config): a resumed partition's frames arrive within ~0.1 s, not 0.5-1 s;
@@ -158,8 +139,6 @@ class FrameSource:
         # Authentication, authorisation and reachability are reported here, not as messages (librdkafka 2.x).
         self.broker_status = BrokerStatus(unreachable_limit_s=k.session_timeout_ms / 1000.0)
         self._identity = Identity.of(settings)
-        # The pipeline's handler of partitions lost (set by subscribe).
-        self._on_lost: RebalanceHandler = lambda tps: None
         self._refusals = RefusalStreak()
         conf = consumer_config(settings)
         conf["error_cb"] = self._on_client_error
@@ -173,20 +152,21 @@ class FrameSource:
         self._clock = clock
         self._limits = settings.limits
         # With a Schema Registry: registry-framed frames are read with their writer schema, held on their partition
-        # while it is looked up (worker.kafka.schemalookups).
-        self._writer_schemas = writer_schemas
-        self._held_paused: frozenset[TP] = frozenset()
+        # while it is looked up (worker.kafka.schemalookups); its steps in a poll: worker.kafka.schemagate.
+        self._schemas: SchemaGate[HeldFrames] = SchemaGate(writer_schemas)
         self._group = GroupMembership(settings, lambda: new_client(consumer_factory, conf, "consumer", log), clock)
         # The partitions owned and their epochs: assigned and released here only, in the rebalance callbacks; the
         # pipeline and delivery read them.
         self.assignments = Assignments()
-        self._paused_classes: set[Priority] = set()
-        self._held: frozenset[TP] = frozenset()  # partitions paused for their siblings (worker.reading.fairness)
-        self._paused: set[TP] = set()
+        self._pauses = PauseUnion(self._topics)
         # Per partition: the offset after the last one delivered since it was assigned or sought.
-        self._next_offset: dict[TP, int] = {}
+        self._redelivery = RedeliveryGuard()
         # Partitions to seek to their committed offsets, kept paused while those cannot be read.
         self._positions = CommittedPositions(clock)
+        # Everything kept per partition, dropped together (drop_partitions); the schema gate's held messages are
+        # uncommitted: the next owner reads them again.
+        self._partition_state: tuple[PartitionState, ...] = (self._schemas, self._pauses, self._redelivery,
+                                                             self._positions)
 
     # -- subscription and rebalances ---------------------------------------------------------------
     def subscribe(self, on_assign: RebalanceHandler, on_revoke: RevokeHandler, on_lost: RebalanceHandler) -> None:
@@ -196,8 +176,7 @@ class FrameSource:
         def assigned(consumer: Consumer, partitions: list[TopicPartition]) -> None:
             tps = [(p.topic, p.partition) for p in partitions]
             self.assignments.assign(tps)
-            for tp in tps:
-                self._next_offset.pop(tp, None)
+            self._redelivery.drop_partitions(tps)
             # Where librdkafka starts a new partition is not trusted: when the committed offset is held by an open
             # transaction and the assignment changes while it asks again, librdkafka 2.16 starts the partition at
             # "no offset", i.e. auto.offset.reset (its beginning). Each new partition stays paused until the next
@@ -210,38 +189,43 @@ class FrameSource:
         def revoked(consumer: Consumer, partitions: list[TopicPartition]) -> None:
             tps = [(p.topic, p.partition) for p in partitions]
             on_revoke(tps, self._take_commit_outcomes())
-            self._forget(tps)
+            self.drop_partitions(tps)
 
-        self._on_lost = on_lost
-        self._group.subscribe(list(self._topics), assigned, revoked,
-                              lambda consumer, partitions: self._lose([(p.topic, p.partition) for p in partitions]))
+        def lost(consumer: Consumer, partitions: list[TopicPartition]) -> None:
+            tps = [(p.topic, p.partition) for p in partitions]
+            on_lost(tps)
+            self.drop_partitions(tps)
 
-    def _lose(self, tps: list[TP]) -> None:
-        self._on_lost(tps)
-        self._forget(tps)
+        self._group.subscribe(list(self._topics), assigned, revoked, lost)
 
     @property
     def _consumer(self) -> Any:
         """The group member's consumer: a new one after the broker fenced the last (worker.kafka.membership)."""
         return self._group.consumer
 
-    def _forget(self, tps: list[TP]) -> None:
+    def drop_partitions(self, tps: Collection[TP]) -> None:
+        """Partitions revoked or lost, once the loop's handler returned: their assignment released and everything
+        this source keeps of them dropped (each part of its state is a worker.partitions.lifetime.PartitionState)."""
         self.assignments.release(tps)
-        if self._writer_schemas is not None:
-            self._writer_schemas.drop(tps)  # uncommitted: the next owner reads them again
-        for tp in tps:
-            self._paused.discard(tp)
-            self._next_offset.pop(tp, None)
-        self._positions.forget(tps)
+        for state in self._partition_state:
+            state.drop_partitions(tps)
 
     @property
     def held_for_schemas(self) -> HeldFrames | None:
         """The frames held for their writer schemas (with a registry), for /readyz and tests."""
-        return self._writer_schemas
+        return self._schemas.held
 
     @property
     def assignment(self) -> frozenset[TP]:
         return self.assignments.partitions
+
+    def cluster_problem(self) -> str | None:
+        """Why the worker cannot use the cluster now (refused, or unreachable too long), or None: for /healthz."""
+        return self.broker_status.unhealthy_reason()
+
+    def registry_problem(self) -> str | None:
+        """The Schema Registry's trouble while frames wait for it, or None: for /readyz."""
+        return self._schemas.held.problem() if self._schemas.held is not None else None
 
     def priority_of(self, topic: str) -> Priority:
         return self._topics[topic]
@@ -261,13 +245,11 @@ class FrameSource:
         now = self._clock()
         polled = Polled(frames=[], dead_letters=[], committed_offset_waits=self._positions.take_new_unknowns(),
                         drained=len(messages) < max_messages, commits=self._take_commit_outcomes())
-        if self._writer_schemas is not None:  # what the registry's answers released, ahead of this poll's messages
-            polled.frames, polled.dead_letters, polled.released = self._writer_schemas.decode_released(
-                now, self._topics, self._limits, self.assignments.is_current)
-        rewound: set[TP] = set()
+        self._schemas.released_into(polled, now, self._topics, self._limits, self.assignments.is_current)
+        self._redelivery.poll_started()
         # Read once per poll (rebalance callbacks run inside consume(), not in this loop): a frame per message.
-        epoch_of, waiting, next_offset = self.assignments.epoch, self._positions.waiting, self._next_offset
-        topics, limits, writer_schemas = self._topics, self._limits, self._writer_schemas
+        epoch_of, waiting, fresh = self.assignments.epoch, self._positions.waiting, self._redelivery.fresh
+        topics, limits, writer_schemas = self._topics, self._limits, self._schemas.held
         for msg in messages:
             err = msg.error()
             if err is not None:
@@ -284,18 +266,9 @@ class FrameSource:
                 # reads exactly what the new assignment starts from.
                 continue
             source = SourceRef(tp[0], tp[1], msg.offset() or 0, epoch)
-            # librdkafka can rewind a partition it was not asked to (seen once in 18 exactly-once SIGKILL runs,
-            # right after an assignment, with pauses and resumes) and deliver offsets it already delivered;
-            # they are in the pipeline already, and a second copy would get a second result.
-            expected = next_offset.get(tp)
-            if expected is not None and source.offset < expected:
+            if not fresh(tp, source.offset):  # delivered again by librdkafka (worker.kafka.redelivery)
                 polled.redelivered += 1
-                if tp not in rewound:
-                    rewound.add(tp)
-                    log.warning("the consumer delivered %s again from offset %d (already read up to %d): dropping "
-                                "the offsets already read", tp, source.offset, expected - 1)
                 continue
-            next_offset[tp] = source.offset + 1
             if writer_schemas is not None and writer_schemas.admit(tp, (source, msg), msg.value()):
                 polled.held.append(source)
                 continue
@@ -308,12 +281,9 @@ class FrameSource:
                                                       headers=tuple(headers) if headers else ()))
                 continue
             polled.frames.append(frame)
-        if writer_schemas is not None:
-            if polled.held:
-                writer_schemas.ask_due()
-            polled.pinned_frames = writer_schemas.pinned_frames
-            if writer_schemas.paused != self._held_paused:
-                self._apply_pauses()
+        self._schemas.after_messages(polled)
+        if self._pauses.schemas_changed(self._schemas.paused):
+            self._apply_pauses()
         return polled
 
     def _handle_error(self, err: KafkaError) -> None:
@@ -324,14 +294,10 @@ class FrameSource:
             raise refused
         # A fatal consumer error reaches the application as a message error _FATAL whose fatal() is False.
         if err.fatal() or err.code() == KafkaError._FATAL:
-            self._group.on_fatal_error(err, self._lose_held)
+            self._group.on_fatal_error(err, sorted(self.assignments.partitions))
             return
         # Transient errors (broker down, leader moves, a topic not yet in the metadata) are retried by librdkafka.
         log.warning("consumer error: %s", err.str())
-
-    def _lose_held(self) -> None:
-        if self.assignments.partitions:
-            self._lose(sorted(self.assignments.partitions))
 
     def _on_client_error(self, err: KafkaError) -> None:
         """librdkafka's error callback (served inside poll): a refusal that persists stops the worker, raised out
@@ -349,32 +315,20 @@ class FrameSource:
     # -- pausing -------------------------------------------------------------------------------------
     def pause_classes(self, classes: set[Priority], held: frozenset[TP] = frozenset()) -> None:
         """Pause exactly the partitions of these priority classes and the `held` ones; resume the rest."""
-        if classes != self._paused_classes or held != self._held:
-            self._paused_classes = set(classes)
-            self._held = held
+        if self._pauses.request(classes, held):
             self._apply_pauses()
 
     def _apply_pauses(self) -> None:
-        """Pause the partitions of paused classes, the held ones and those waiting for their committed offset; resume
-        the rest."""
-        self._held_paused = self._writer_schemas.paused if self._writer_schemas is not None else frozenset()
-        want = {tp for tp in self.assignments.partitions
-                if self._topics[tp[0]] in self._paused_classes or tp in self._positions or tp in self._held
-                or tp in self._held_paused}
-        to_pause = want - self._paused
-        to_resume = self._paused - want
+        """Pause the union of the reasons to pause (worker.kafka.pauses); resume the rest."""
+        to_pause, to_resume = self._pauses.plan(self.assignments.partitions, self._positions, self._schemas.paused)
         if to_pause:
-            self._consumer.pause([TopicPartition(t, p) for t, p in sorted(to_pause)])
+            self._consumer.pause([TopicPartition(t, p) for t, p in to_pause])
         if to_resume:
-            self._consumer.resume([TopicPartition(t, p) for t, p in sorted(to_resume, key=self._priority_order)])
-        self._paused = want
-
-    def _priority_order(self, tp: TP) -> tuple[int, str, int]:
-        return (self._topics[tp[0]].value, tp[0], tp[1])
+            self._consumer.resume([TopicPartition(t, p) for t, p in to_resume])
 
     @property
     def paused_partitions(self) -> int:
-        return len(self._paused)
+        return len(self._pauses)
 
     # -- commits -------------------------------------------------------------------------------------
     def commit(self, points: dict[TP, int], asynchronous: bool = False) -> None:
@@ -444,7 +398,7 @@ class FrameSource:
     def _only_skipped_offsets_left(self, tp: TP, committed: int, high: int) -> bool:
         """Between the committed offset and the end lie only offsets the consumer never delivers: everything it
         delivered is committed, and its position (which librdkafka moves past control records) is at the end."""
-        if tp in self._positions or self._next_offset.get(tp, committed) > committed:
+        if tp in self._positions or self._redelivery.delivered_past(tp, committed):
             return False
         (position,) = self._consumer.position([TopicPartition(*tp)])
         return position.offset >= high
@@ -467,10 +421,8 @@ class FrameSource:
     def _await_committed(self, tps: list[TP]) -> None:
         """Mark partitions to be sought to their committed offsets by the next look-up (paused until then); what
         they held for the registry is read again from there."""
-        for tp in tps:
-            self._next_offset.pop(tp, None)
-        if self._writer_schemas is not None:
-            self._writer_schemas.drop(tps)
+        self._redelivery.drop_partitions(tps)
+        self._schemas.drop_partitions(tps)
         self._positions.wait(tps)
 
     @property
@@ -484,7 +436,7 @@ class FrameSource:
         sought = False
         # Highest class first, so its fetches start first (in topic-name order bulk went first after each
         # assignment, and realtime no longer overtook an older bulk backlog).
-        for tp in self._positions.due(self._priority_order):
+        for tp in self._positions.due(self._pauses.priority_order):
             answer = self.committed([tp], COMMITTED_LOOKUP_TIMEOUT_S)
             if tp not in answer.offsets:
                 self._positions.unknown(tp, answer.unknown[tp])
@@ -505,7 +457,7 @@ class FrameSource:
         except KafkaException as exc:
             err = exc.args[0] if exc.args else None
             return err.str() if isinstance(err, KafkaError) else str(exc)
-        self._next_offset.pop(tp, None)
+        self._redelivery.drop_partitions([tp])
         return None
 
     def lag(self) -> dict[TP, int]:
@@ -524,10 +476,13 @@ class FrameSource:
         return out
 
     def close(self) -> None:
-        """Leave the group (a final revoke; see worker.kafka.membership for a static member) and close."""
-        self._group.close(holds_partitions=bool(self.assignments.partitions))
-        if self._writer_schemas is not None:
-            self._writer_schemas.close()
+        """Leave the group (a final revoke; see worker.kafka.membership for a static member) and close: a closed
+        source owns no partition."""
+        try:
+            self._group.close(holds_partitions=bool(self.assignments.partitions))
+        finally:
+            self.assignments.release(self.assignments.partitions)
+        self._schemas.close()
 
     def _commit_reported(self, err: KafkaError | None, partitions: list[TopicPartition]) -> None:
         """librdkafka's commit callback (served inside consume()): recorded, returned by the poll."""

@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+# Also the names the loop catches the Kafka edge's errors by (worker.loop.delivery): only worker/kafka/ imports
+# the client library.
 from confluent_kafka import KafkaError, KafkaException
 
 from worker.config import Settings

@@ -24,6 +24,7 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from worker.config import Settings
 from worker.errors import OperatorError, StreamferError
+from worker.frames import TP
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +74,9 @@ class GroupMembership:
         self._subscription = (topics, {"on_assign": on_assign, "on_revoke": revoked, "on_lost": lost})
         self.consumer.subscribe(topics, **self._subscription[1])
 
-    def on_fatal_error(self, err: KafkaError, lose_held: Callable[[], None]) -> None:
-        """A fatal consumer error: after a first fence, the partitions still held are lost (`lose_held`) and a new
-        consumer joins under the same id; anything else stops the worker."""
+    def on_fatal_error(self, err: KafkaError, held: list[TP]) -> None:
+        """A fatal consumer error: after a first fence, the partitions still `held` are lost (through the
+        subscription's lost callback) and a new consumer joins under the same id; anything else stops the worker."""
         if not (self._static and is_fenced_instance(err)):
             raise SourceError(f"fatal consumer error: {err.str()}")
         now = self._clock()
@@ -89,7 +90,8 @@ class GroupMembership:
         log.warning("the broker fenced this static member (%s): its session expired while the process was stopped, "
                     "or another process uses worker id %r; its partitions are lost, rejoining under a new consumer",
                     err.str(), self._worker_id)
-        lose_held()
+        if held and self._subscription is not None:
+            self._subscription[1]["on_lost"](self.consumer, [TopicPartition(t, p) for t, p in held])
         with contextlib.suppress(KafkaException):
             self.consumer.close()
         self.consumer = self._make_consumer()

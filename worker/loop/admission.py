@@ -5,12 +5,12 @@ reading them only, and the rest go to the batcher."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from worker.batching import MicroBatcher
 from worker.config import Settings
-from worker.frames import DUPLICATE_FRAME, TP, BatchOutcome, Frame, Output, Priority
-from worker.kafka.consumer import Polled
+from worker.frames import DUPLICATE_FRAME, TP, BatchOutcome, Frame, Output, Polled, Priority
 from worker.loop.answers import Answers
 from worker.loop.flow import FlowControl
 from worker.metrics import Children, Metrics
@@ -41,11 +41,11 @@ class Admission:
         self._metrics = metrics
         self._consumed = Children(metrics.frames_consumed)
         self._max_age_s = {p: settings.batching.for_class(p).max_age_ms / 1000.0 for p in Priority}
-        # Verdict reuse (issue 59), this worker's own, for the classes that turn it on (`_reuse` None: no class
-        # does, and no frame pays for it).
-        self.reuse = FrameReuse({p: settings.batching.for_class(p).reuse_max_age_ms for p in Priority},
-                                settings.batching.reuse_change_threshold)
-        self._reuse = self.reuse if self.reuse.any_enabled else None
+        # Verdict reuse (issue 59), this worker's own, for the classes that turn it on (None: no class does, and no
+        # frame pays for it).
+        reuse = FrameReuse({p: settings.batching.for_class(p).reuse_max_age_ms for p in Priority},
+                           settings.batching.reuse_change_threshold)
+        self.reuse = reuse if reuse.any_enabled else None
 
     def take(self, polled: Polled, now: float) -> Admitted:
         # Track in each partition's offset order (the tracker refuses an offset below one already read).
@@ -74,14 +74,14 @@ class Admission:
                                                                duplicate_reason(identity, first)))
             elif self._past_deadline(frame, now):
                 late.append(frame)  # answered EXPIRED at the cost of reading it: no batcher, no runtime
-            elif self._reuse is None or not self._reuse.enabled(frame.priority):
+            elif self.reuse is None or not self.reuse.enabled(frame.priority):
                 self._batcher.add(frame)
             else:
                 self._score_or_reuse(frame, None, reused)
         if reused:
             taken.outputs.extend(self._answers.reused(reused, now))
-        if self._reuse is not None:
-            self._metrics.reuse_streams.set(self._reuse.streams)
+        if self.reuse is not None:
+            self._metrics.reuse_streams.set(self.reuse.streams)
         if late:
             taken.outputs.extend(self._answers.expired(late, now))
             taken.expired = len(late)
@@ -114,27 +114,23 @@ class Admission:
         return max_age_s > 0 and frame.capture_ts_ms / 1000.0 + max_age_s < now
 
     # -- verdict reuse (worker.reuse.policy) -------------------------------------------------------------------------
-    def release(self, tps: list[TP]) -> None:
-        """Partitions given up: their streams' references forgotten, and the frames verdict reuse offered again
-        while the partitions were being finished taken back from the batcher (the next owner reads them)."""
-        if self._reuse is not None:
-            self._reuse.release(tps)
+    def drop_partitions(self, tps: Collection[TP]) -> None:
+        """Partitions given up or rewound: their streams' references forgotten, and the frames verdict reuse offered
+        again while the partitions were being finished taken back from the batcher (read again from the commit)."""
+        if self.reuse is not None:
+            self.reuse.drop_partitions(tps)
             released = set(tps)
             self._batcher.discard(lambda f: f.source.topic_partition in released)
 
-    def forget_all(self) -> None:
-        """A rewind: everything read since the last commit is read again, references included."""
-        self.reuse.clear()
-
     def _score_or_reuse(self, frame: Frame, thumb: Thumbnail | None, reused: list[Reused]) -> None:
         """The frame to the batcher (a new reference), to `reused` (answered now), or held by the policy."""
-        assert self._reuse is not None
+        assert self.reuse is not None
         if thumb is None:
             thumb = thumbnail(frame)
             if thumb is None:
                 self._batcher.add(frame)  # the runtime dead-letters it, with the reason
                 return
-        decision = self._reuse.offer(frame, thumb)
+        decision = self.reuse.offer(frame, thumb)
         if decision is Decision.SCORE:
             self._batcher.add(frame)
         elif isinstance(decision, Reused):
@@ -143,16 +139,16 @@ class Admission:
     def verdicts_known(self, outcome: BatchOutcome, now: float) -> list[Output]:
         """Frames held for a reference of this batch answered with its verdict; those held for a reference that
         failed offered again (scored, or held for a new reference)."""
-        if self._reuse is None:
+        if self.reuse is None:
             return []
-        reused = [r for frame, verdict in outcome.verdicts for r in self._reuse.scored(frame, verdict)]
+        reused = [r for frame, verdict in outcome.verdicts for r in self.reuse.scored(frame, verdict)]
         self._offer_again([failure.frame for failure in outcome.failures], reused)
         return self._answers.reused(reused, now) if reused else []
 
     def expired(self, frames: list[Frame], now: float) -> list[Output]:
         """Frames answered EXPIRED: those held for one of them as their reference are offered again (each
         expires in turn by its own deadline, never lost)."""
-        if self._reuse is None:
+        if self.reuse is None:
             return []
         reused: list[Reused] = []
         self._offer_again(frames, reused)
@@ -160,7 +156,7 @@ class Admission:
 
     def _offer_again(self, references: list[Frame], reused: list[Reused]) -> None:
         """References that ended without a verdict: the frames held for each offered again, in turn."""
-        assert self._reuse is not None
+        assert self.reuse is not None
         for ended in references:
-            for frame, thumb in self._reuse.ended(ended):
+            for frame, thumb in self.reuse.ended(ended):
                 self._score_or_reuse(frame, thumb, reused)

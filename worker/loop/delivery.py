@@ -21,20 +21,19 @@ import enum
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
-from confluent_kafka import KafkaError, KafkaException
 from prometheus_client import Counter
 
 from worker.config import Settings
 from worker.errors import OperatorError
-from worker.frames import OUTPUT_REJECTED, TP, DeadLetter, Output, SourceRef, Status
-from worker.kafka.errors import classify_producer_error
+from worker.frames import OUTPUT_REJECTED, TP, CommitOutcome, DeadLetter, Output, SourceRef, Status
+from worker.kafka.errors import KafkaError, KafkaException, classify_producer_error
 from worker.kafka.producer import DeliveryReports, MessageRejected, Refusal, ResultSink, TransactionStuckError
 from worker.loop.ports import Source
 from worker.metrics import Children, Metrics
 from worker.partitions.assignment import Assignments
-from worker.partitions.offsets import CommitOutcome, OffsetTracker
+from worker.partitions.offsets import OffsetTracker
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +92,7 @@ class Delivery:
     def commit(self, final: bool = False) -> CommitResult:
         raise NotImplementedError
 
-    def release(self, tps: list[TP]) -> None:
+    def drop_partitions(self, tps: Collection[TP]) -> None:
         """Partitions given up: forget their offsets and any output not yet delivered (the next owner redoes it)."""
         for tp in tps:
             self.tracker.forget(tp)
@@ -105,6 +104,10 @@ class Delivery:
             self._refused(refusal)
         if reports.error is not None:
             raise reports.error
+
+    def serve_reports(self) -> None:
+        """Serve the sink's delivery reports that arrived since the last call and take them (`acknowledge`)."""
+        self.acknowledge(self.sink.poll(0))
 
     def commits_reported(self, outcomes: list[CommitOutcome]) -> None:
         """Outcomes of the consumer's offset commits (Polled.commits); only at-least-once commits through it."""
@@ -322,12 +325,12 @@ class AtLeastOnceDelivery(Delivery):
         for tp in failed:
             self.tracker.commit_failed(tp)
 
-    def release(self, tps: list[TP]) -> None:
+    def drop_partitions(self, tps: Collection[TP]) -> None:
         gone = set(tps)
         for source in [s for s in self._awaiting_ack if s.topic_partition in gone]:
             del self._awaiting_ack[source]
             self._acks_left.pop(source, None)
-        super().release(tps)
+        super().drop_partitions(tps)
 
 
 class ExactlyOnceDelivery(Delivery):
@@ -441,11 +444,11 @@ class ExactlyOnceDelivery(Delivery):
             return self._replace_stuck_sink(stuck)
         return CommitResult.NOTHING
 
-    def release(self, tps: list[TP]) -> None:
+    def drop_partitions(self, tps: Collection[TP]) -> None:
         for tp in tps:
             # Outputs still held behind a gap: the next owner redoes those frames.
             self._held.pop(tp, None)
-        super().release(tps)
+        super().drop_partitions(tps)
 
     def _replace_stuck_sink(self, exc: TransactionStuckError) -> CommitResult:
         """A transactional call is stuck inside librdkafka (or its outcome is unknown): start a producer with the

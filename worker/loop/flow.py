@@ -7,7 +7,7 @@ siblings."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from worker.batching import MicroBatcher
 from worker.config import Settings
@@ -93,6 +93,12 @@ class FlowControl:
         self.fairness.record_read(by_partition, self._class_of)
         if self.by_priority is not None:
             self.by_priority.record_read(read, late, oldest_s, drained if len(self.paused) < len(Priority) else None)
+
+    def drop_partitions(self, tps: Collection[TP]) -> None:
+        """Partitions given up: their backlog and fair-reading counts forgotten now, not at the next refresh."""
+        for tp in tps:
+            self._lag.pop(tp, None)
+        self.fairness.drop_partitions(tps)
 
     def record_expired(self, expired: Counter[Priority]) -> None:
         """Frames that expired waiting for a batch, per class."""

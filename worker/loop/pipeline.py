@@ -13,21 +13,19 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-
-from confluent_kafka import Consumer, Producer
 
 from worker.batching import Batch, MicroBatcher, batch_shape
 from worker.batching.costmodel import CostModel
 from worker.codec.schemas import ResultContext
 from worker.config import Settings, resolve_inflight_batches
 from worker.errors import StreamferError
-from worker.frames import TP, BatchOutcome, Output, Priority
-from worker.kafka.client import ClientFactory
+from worker.frames import TP, BatchOutcome, CommitOutcome, Output, Priority
 from worker.kafka.consumer import FrameSource
-from worker.kafka.producer import STUCK_GRACE_S, ResultSink, output_message_limit
+from worker.kafka.producer import ResultSink
 from worker.kafka.registry import RegistryLink
+from worker.kafka.wiring import KafkaClients
 from worker.loop.admission import Admission
 from worker.loop.answers import Answers, judge_of
 from worker.loop.delivery import AtLeastOnceDelivery, CommitResult, Delivery, ExactlyOnceDelivery
@@ -36,7 +34,8 @@ from worker.loop.inflight import FINISH_CHECK_MIN_S, InFlight
 from worker.loop.ports import Executor, Source
 from worker.metrics import Health, Metrics
 from worker.partitions.dedup import DuplicateFrames
-from worker.partitions.offsets import CommitOutcome, OffsetTracker
+from worker.partitions.lifetime import PartitionStates
+from worker.partitions.offsets import OffsetTracker
 from worker.tracing import TRACING_OFF, Tracing
 
 log = logging.getLogger(__name__)
@@ -59,6 +58,20 @@ def poll_timeout(now: float, due: float | None, running_wait: float | None, outp
     if due is not None and due > now:
         running_wait = min(running_wait, max(FINISH_CHECK_MIN_S, due - now))
     return min(running_wait, IDLE_POLL_S)
+
+
+class ConsumerLagSeries:
+    """The consumer-lag gauge's series of each partition owned (set by update_lag)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._gauge = metrics.consumer_lag
+
+    def drop_partitions(self, tps: Collection[TP]) -> None:
+        for topic, partition in tps:
+            try:
+                self._gauge.remove(topic, str(partition))
+            except KeyError:
+                pass  # never reported
 
 
 @dataclass
@@ -103,6 +116,10 @@ class Pipeline:
                                judge_of(settings))
         self.admission = Admission(settings, self.tracker, self.duplicates, self.batcher, self.answers, self.flow,
                                    metrics)
+        # Everything the loop keeps per partition, dropped by one call on revoke, loss and rewind
+        # (worker.partitions.lifetime); the source drops its own once the rebalance handlers returned.
+        self.partition_state = PartitionStates(read=(self.delivery, self.admission),
+                                               owned=(self.duplicates, self.flow, ConsumerLagSeries(metrics)))
         self._counts = RunSummary()
         self._inflight = InFlight(self.batcher, executor, settings.delivery.max_inflight_batches,
                                   settings.batching.release_when_idle, metrics)
@@ -141,7 +158,6 @@ class Pipeline:
         finally:
             self.source.close()
             self.delivery.close()
-            self.health.assigned = False
             self.metrics.ready.set(0)
         return self.summary
 
@@ -230,7 +246,7 @@ class Pipeline:
 
     def _acknowledge(self) -> None:
         """The sink's delivery reports, served since the last turn, handed to delivery."""
-        self.delivery.acknowledge(self.delivery.sink.poll(0))
+        self.delivery.serve_reports()
 
     def _commit(self, final: bool = False) -> None:
         if final:  # all that is done: every output produced acknowledged, and its report handed over
@@ -244,11 +260,10 @@ class Pipeline:
         transaction's reports go to delivery first: an output refused in it is dead-lettered when read again."""
         self._acknowledge()
         self.batcher.discard(lambda _frame: True)
-        self.admission.forget_all()
         self._inflight.finished(wait=True)  # let them finish; their outputs are stale with the rest
         self._outputs.clear()
         assigned = sorted(self.assignments.partitions)
-        self.delivery.release(assigned)
+        self.partition_state.drop_partitions(assigned, rewind=True)
         self.source.seek_to_committed(assigned)
 
     # -- consumer lag ---------------------------------------------------------------------------------------------
@@ -267,8 +282,7 @@ class Pipeline:
         self.metrics.rebalances.labels("assign").inc()
         self._last_activity = self.clock()
         log.info("partitions assigned: %s", sorted(tps))
-        # A cooperative rebalance can hand out an empty increment: ready means owning a partition.
-        self.health.assigned = bool(self.assignments.partitions)
+        # A cooperative rebalance can hand out an empty increment: ready means owning a partition (Health.assigned).
         self.metrics.ready.set(1 if self.health.ready else 0)
 
     def _on_revoke(self, tps: list[TP], commits: list[CommitOutcome]) -> None:
@@ -284,8 +298,7 @@ class Pipeline:
         self._collect_finished(wait=True)
         self._emit()
         self._commit(final=True)
-        self._release(tps)
-        self.health.assigned = bool(self.assignments.partitions - revoked)
+        self.partition_state.drop_partitions(tps)  # their assignment: the source releases it after this
 
     def _on_lost(self, tps: list[TP]) -> None:
         """Partitions already belong to someone else: drop their state without committing. Their batches still
@@ -294,18 +307,7 @@ class Pipeline:
         log.warning("partitions lost: %s", sorted(tps))
         lost = set(tps)
         self.batcher.discard(lambda f: f.source.topic_partition in lost)
-        self._release(tps)
-        self.health.assigned = bool(self.assignments.partitions - lost)
-
-    def _release(self, tps: list[TP]) -> None:  # their assignment: the source releases it after this
-        self.delivery.release(tps)
-        self.duplicates.release(tps)
-        self.admission.release(tps)
-        for topic, partition in tps:
-            try:
-                self.metrics.consumer_lag.remove(topic, str(partition))
-            except KeyError:
-                pass  # never reported
+        self.partition_state.drop_partitions(tps)  # their assignment: the source releases it after this
 
     def drain(self) -> None:
         """Graceful stop: no new input; run everything pending, deliver, commit."""
@@ -323,19 +325,6 @@ class Pipeline:
                  summary.expired)
         log.debug("batch cost model at exit: %s", {k: {m: round(v, 2) for m, v in d.items()}
                                                    for k, d in self.cost.snapshot().items()})
-
-
-@dataclass(frozen=True)
-class KafkaClients:
-    """How the loop reaches Kafka: librdkafka's clients and the broker's topic limits by default; the unit tests
-    and the GPU check pass in-memory stand-ins (worker.testing.InMemoryKafka) to run the real loop without a broker."""
-
-    consumer: ClientFactory = Consumer
-    producer: ClientFactory = Producer
-    # The smallest max.message.bytes of the output topics, or None to keep librdkafka's defaults.
-    output_message_limit: Callable[[Settings], int | None] = output_message_limit
-    # How long a transactional call may block past its own timeout before its producer is replaced.
-    stuck_grace_s: float = STUCK_GRACE_S
 
 
 def build_pipeline(settings: Settings, executor: Executor, metrics: Metrics, health: Health,
@@ -359,6 +348,7 @@ def build_pipeline(settings: Settings, executor: Executor, metrics: Metrics, hea
     source = FrameSource(settings, clock, consumer_factory=clients.consumer,
                          writer_schemas=registry.held_frames(metrics, settings.max_uncommitted_frames)
                          if registry else None)
+    health.source = source  # /healthz and /readyz read its assignment and its troubles
     delivery: Delivery
     limit = clients.output_message_limit(settings)
     if settings.delivery.mode == "exactly_once":

@@ -6,14 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from worker.devices.memory import BatchSizeLimit
-from worker.frames import TP, BatchOutcome, Frame, Priority
+from worker.frames import TP, BatchOutcome, Frame, Polled, Priority, RebalanceHandler, RevokeHandler
 from worker.partitions.assignment import Assignments
-
-if TYPE_CHECKING:  # names only: the policy modules that take a Source never load the Kafka edge
-    from worker.kafka.consumer import Polled, RebalanceHandler, RevokeHandler
 
 
 class Source(Protocol):

@@ -55,7 +55,7 @@ class DuplicateFrames:
             seen.popitem(last=False)  # forget the identity read longest ago
         return None
 
-    def release(self, tps: Iterable[TP]) -> None:
+    def drop_partitions(self, tps: Iterable[TP]) -> None:
         """Forget the windows of partitions no longer assigned here (revoked or lost)."""
         for tp in tps:
             self._seen.pop(tp, None)

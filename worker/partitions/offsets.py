@@ -11,18 +11,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from worker.errors import StreamferError
-
-TopicPartition = tuple[str, int]
-
-
-@dataclass(frozen=True)
-class CommitOutcome:
-    """The broker's answer to one offset commit (librdkafka reports every commit, synchronous ones too): the offsets
-    it now has, the partitions whose commit failed, and why."""
-
-    committed: dict[TopicPartition, int]
-    failed: list[TopicPartition]
-    reason: str | None = None
+from worker.frames import TP
 
 
 class OffsetTrackingError(StreamferError):
@@ -50,12 +39,12 @@ class OffsetTracker:
     """Tracks read and done offsets per partition; `commit_points` gives the offsets to commit."""
 
     def __init__(self) -> None:
-        self._parts: dict[TopicPartition, _PartitionState] = {}
+        self._parts: dict[TP, _PartitionState] = {}
         # Totals over all partitions, kept as they change: the loop reads both several times a turn.
         self._in_flight = 0
         self._uncommitted = 0
 
-    def track(self, tp: TopicPartition, offset: int) -> None:
+    def track(self, tp: TP, offset: int) -> None:
         """Record that `offset` was read and is now in flight.
 
         Kafka delivers a partition's offsets in increasing order until a seek, and every seek (a rewind, a
@@ -76,7 +65,7 @@ class OffsetTracker:
         self._in_flight += 1
         self._uncommitted += st.uncommitted - before
 
-    def mark_done(self, tp: TopicPartition, offset: int) -> None:
+    def mark_done(self, tp: TP, offset: int) -> None:
         """Record that `offset` needs no more work (result acknowledged, dead-lettered or expired)."""
         st = self._parts.get(tp)
         if st is None or offset not in st.outstanding_set:
@@ -87,28 +76,28 @@ class OffsetTracker:
         while st.outstanding and st.outstanding[0] not in st.outstanding_set:
             heapq.heappop(st.outstanding)
 
-    def in_flight(self, tp: TopicPartition | None = None) -> int:
+    def in_flight(self, tp: TP | None = None) -> int:
         if tp is not None:
             st = self._parts.get(tp)
             return len(st.outstanding_set) if st else 0
         return self._in_flight
 
-    def commit_points(self) -> dict[TopicPartition, int]:
+    def commit_points(self) -> dict[TP, int]:
         """Offsets to commit (Kafka's "next offset to read") for partitions whose watermark moved."""
-        points: dict[TopicPartition, int] = {}
+        points: dict[TP, int] = {}
         for tp, st in self._parts.items():
             point = self._watermark(st)
             if point is not None and point > st.committed:
                 points[tp] = point
         return points
 
-    def mark_committed(self, points: dict[TopicPartition, int]) -> None:
+    def mark_committed(self, points: dict[TP, int]) -> None:
         for tp, point in points.items():
             st = self._parts.get(tp)
             if st is not None and point > st.committed:
                 st.committed = point
 
-    def commit_confirmed(self, points: dict[TopicPartition, int]) -> None:
+    def commit_confirmed(self, points: dict[TP, int]) -> None:
         """The broker has these commits: a lost session re-reads from there."""
         for tp, point in points.items():
             st = self._parts.get(tp)
@@ -122,13 +111,13 @@ class OffsetTracker:
         crash would answer again (done or not)."""
         return self._uncommitted
 
-    def commit_failed(self, tp: TopicPartition) -> None:
+    def commit_failed(self, tp: TP) -> None:
         """An asynchronous commit of `tp` failed: offer its commit point again next time."""
         st = self._parts.get(tp)
         if st is not None:
             st.committed = -1
 
-    def forget(self, tp: TopicPartition) -> int:
+    def forget(self, tp: TP) -> int:
         """Stop tracking a revoked or lost partition; returns how many offsets were still in flight."""
         st = self._parts.pop(tp, None)
         if st is None:

@@ -83,6 +83,12 @@ class PartitionFairness:
                 part.read_since_turn = True
                 self._window_reads[class_of(tp)] += n
 
+    def drop_partitions(self, tps: Iterable[TP]) -> None:
+        """Partitions given up: their reading counts forgotten (a partition assigned again starts level)."""
+        for tp in tps:
+            self._parts.pop(tp, None)
+            self._held.discard(tp)
+
     def decide(self, backlog: Mapping[TP, int], class_of: Callable[[TP], Priority],
                paused_classes: Iterable[Priority], unreadable: Iterable[TP] = ()) -> FairDecision:
         """The partitions to hold now, given each assigned partition's backlog in Kafka (frames), the classes

@@ -133,7 +133,7 @@ class FrameReuse:
         held, ref.waiting = ref.waiting, []
         return held
 
-    def release(self, tps: Iterable[TP]) -> None:
+    def drop_partitions(self, tps: Iterable[TP]) -> None:
         """Partitions released (revoked, lost, rewound): their references and held frames are forgotten (held
         frames are uncommitted, so the partition's next reader reads them again)."""
         gone = set(tps)
@@ -141,7 +141,3 @@ class FrameReuse:
             del self._streams[key]
         for source in [s for s in self._inflight if s.topic_partition in gone]:
             del self._inflight[source]
-
-    def clear(self) -> None:
-        self._streams.clear()
-        self._inflight.clear()

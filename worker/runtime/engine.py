@@ -13,8 +13,8 @@ where the model's layout is the Normaliser's memory (NHWC: open_nsfw); an NCHW m
 copy. One session per runner, every graph optimisation; `runner_layout` sets how many runners a device has and each
 session's intra-op threads.
 
-Hook for the executor's runner factory: `load_engine_model` replaces `load_model`, `make_engine_runner` replaces
-`make_runner`, with the same arguments (plus the runtime settings for the first).
+The executor's factories: `load_engine_model` (over `load_model`, plus the runtime settings) and
+`make_engine_runner`, the one factory of runners (an OnnxRuntimeRunner, else `runners.make_torch_runner`'s).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from worker.runtime.models import (
     preset_model_file,
     validate_output,
 )
-from worker.runtime.runners import EagerRunner, ModelRunner, make_runner
+from worker.runtime.runners import EagerRunner, ModelRunner, make_torch_runner
 
 log = logging.getLogger(__name__)
 
@@ -136,13 +136,12 @@ def load_engine_model(model: ModelSettings, runtime: RuntimeSettings, device: to
 def make_engine_runner(module: Callable[[torch.Tensor], torch.Tensor], contract: ModelContract, device: torch.device,
                        precision: str, cuda_graphs: bool, buckets: Sequence[int], warmup_batches: int,
                        caps: BatchCaps = BatchCaps(), memory: MemoryPolicy | None = None,
-                       graph_budget_bytes: int | None = None,
-                       on_evicted: Callable[[int], None] | None = None) -> ModelRunner:
-    """An OnnxRuntimeRunner for a model `load_engine_model` loaded into onnxruntime, else `make_runner`'s."""
+                       graph_budget_bytes: int | None = None) -> ModelRunner:
+    """An OnnxRuntimeRunner for a model `load_engine_model` loaded into onnxruntime, else `make_torch_runner`'s."""
     if isinstance(module, OnnxRuntimeModel):
         return OnnxRuntimeRunner(module, contract, precision)
-    return make_runner(module, contract, device, precision, cuda_graphs, buckets, warmup_batches, caps, memory,
-                       graph_budget_bytes, on_evicted)
+    return make_torch_runner(module, contract, device, precision, cuda_graphs, buckets, warmup_batches, caps, memory,
+                       graph_budget_bytes)
 
 
 def engine_of(runner: object) -> str:

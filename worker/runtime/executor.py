@@ -151,12 +151,11 @@ class InferenceExecutor:
 
     @classmethod
     def from_settings(cls, model: ModelSettings, runtime: RuntimeSettings, batching: BatchingSettings | None = None,
-                      on_graph_evicted: Callable[[int], None] | None = None,
                       models: Sequence[ModelSettings] = ()) -> InferenceExecutor:
         """Resolve devices, load and validate each model on each, and build a runner per (device instance, model):
         the one place runners are made. `models`: a model set (settings.models, `model` its first); without one,
         `model` alone. `batching` tells the CUDA-graph runners which batch sizes can reach them (none: memory alone
-        bounds them); `on_graph_evicted` is called with the number of graphs a runner released for its budget."""
+        bounds them)."""
         settings = tuple(models) or (model,)
         model_set = ModelSet.from_settings(settings)
         plan = resolve_plan(runtime)
@@ -188,7 +187,7 @@ class InferenceExecutor:
                     budget = None if budget is None else budget // len(settings)
                     runners.append(make_engine_runner(loaded.module, loaded.contract, device, plan.precision,
                                                       plan.cuda_graphs, plan.buckets, runtime.warmup_batches, caps,
-                                                      policy, budget, on_graph_evicted))
+                                                      policy, budget))
                 slots.append(tuple(runners))
         return cls(slots, model_set, preprocess_thread_count(runtime), runtime.warmup_batches,
                    warmup_batch_size=max(runtime.graph_batch_sizes),

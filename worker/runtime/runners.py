@@ -95,8 +95,9 @@ class RunResult:
 
 
 class ModelRunner(Protocol):
-    """What the executor drives: one model on one device, used from one thread at a time. `make_runner` is where a
-    kind is chosen (EagerRunner, CudaGraphRunner); another engine is another class with these members."""
+    """What the executor drives: one model on one device, used from one thread at a time. `make_engine_runner`
+    (worker.runtime.engine) is where a kind is chosen (OnnxRuntimeRunner, or `make_torch_runner`'s EagerRunner or
+    CudaGraphRunner); another engine is another class with these members."""
 
     @property
     def device(self) -> torch.device: ...
@@ -291,15 +292,13 @@ class CudaGraphRunner(EagerRunner):
                  device: torch.device, precision: str = "fp32", buckets: Sequence[int] = (1, 2, 4, 8, 16, 32),
                  warmup_batches: int = 8, capture_after: int = LAZY_CAPTURE_AFTER, caps: BatchCaps = BatchCaps(),
                  memory: MemoryPolicy | None = None, graph_budget_bytes: int | None = None,
-                 on_evicted: Callable[[int], None] | None = None, captures: CaptureGate = CAPTURES,
-                 streams: StreamRegistry = STREAMS):
+                 captures: CaptureGate = CAPTURES, streams: StreamRegistry = STREAMS):
         if torch.device(device).type != "cuda":
             raise ValueError("CudaGraphRunner needs a CUDA device; use EagerRunner on cpu")
         super().__init__(module, contract, device, precision, streams)
         self.plan = GraphPlan(buckets, capture_after, caps, memory, graph_budget_bytes)
         self.warmup_batches = warmup_batches
         self.probe = CudaMemoryProbe(self.device)
-        self._on_evicted = on_evicted  # called with the number of graphs released for the budget
         self._captures = captures
         self._graphs: dict[GraphKey, _Graph] = {}
         # Its graphs outlive it until no capture is in progress (a runner replaced, or collected, mid-capture).
@@ -407,8 +406,6 @@ class CudaGraphRunner(EagerRunner):
         if not evicted:
             return
         self._captures.release([self._graphs.pop(key) for key in evicted], then=self._return_memory)
-        if self._on_evicted is not None:
-            self._on_evicted(len(evicted))
 
     def _capture(self, bucket: int, shape: Shape) -> _Graph:
         """Capture (bucket, shape) on new static buffers; its eager warm-up runs record the batch's peak memory."""
@@ -456,14 +453,13 @@ def _return_memory(device: torch.device, captures: CaptureGate) -> None:
         torch.cuda.empty_cache()
 
 
-def make_runner(module: Callable[[torch.Tensor], torch.Tensor], contract: ModelContract, device: torch.device,
+def make_torch_runner(module: Callable[[torch.Tensor], torch.Tensor], contract: ModelContract, device: torch.device,
                 precision: str, cuda_graphs: bool, buckets: Sequence[int], warmup_batches: int,
                 caps: BatchCaps = BatchCaps(), memory: MemoryPolicy | None = None,
-                graph_budget_bytes: int | None = None,
-                on_evicted: Callable[[int], None] | None = None) -> ModelRunner:
-    """The one place a runner's kind is chosen: CudaGraphRunner on CUDA with graphs enabled, else EagerRunner (the
-    CPU path)."""
+                graph_budget_bytes: int | None = None) -> ModelRunner:
+    """A torch model's runner: CudaGraphRunner on CUDA with graphs enabled, else EagerRunner (the CPU path). The
+    executor makes every runner through worker.runtime.engine.make_engine_runner, which calls this for torch."""
     if device.type == "cuda" and cuda_graphs:
         return CudaGraphRunner(module, contract, device, precision, buckets, warmup_batches, caps=caps,
-                               memory=memory, graph_budget_bytes=graph_budget_bytes, on_evicted=on_evicted)
+                               memory=memory, graph_budget_bytes=graph_budget_bytes)
     return EagerRunner(module, contract, device, precision)

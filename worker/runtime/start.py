@@ -28,8 +28,7 @@ class StartedRuntime:
     seconds: float  # from the model's load to the end of calibration
 
 
-def start_runtime(settings: Settings, *, on_graph_evicted: Callable[[int], None] | None = None,
-                  before_warm_up: Callable[[InferenceExecutor], None] | None = None,
+def start_runtime(settings: Settings, *, before_warm_up: Callable[[InferenceExecutor], None] | None = None,
                   calibrate: bool = True) -> StartedRuntime:
     """Load and validate the model on every device (InferenceExecutor.from_settings with the batching settings,
     so CUDA graphs are captured only for batch sizes the batcher can send), call `before_warm_up(executor)` (the
@@ -42,7 +41,7 @@ def start_runtime(settings: Settings, *, on_graph_evicted: Callable[[int], None]
     models = "+".join(m.name for m in settings.models) or settings.model.name
     with _naming("loading the model", models):
         executor = InferenceExecutor.from_settings(settings.model, settings.runtime, settings.batching,
-                                                   on_graph_evicted, models=settings.models)
+                                                   models=settings.models)
     try:
         if before_warm_up is not None:
             before_warm_up(executor)  # the caller's errors are its own: they propagate as they are

@@ -20,7 +20,7 @@ from worker.codec.schemas import FrameRecord, decode_result, encode_frame
 from worker.frames import TP, BatchOutcome, Encoding, Frame, Priority, Verdict
 
 if TYPE_CHECKING:
-    from worker.loop.pipeline import KafkaClients
+    from worker.kafka.wiring import KafkaClients
 
 # Frames are captured a second before the kit's fake clock starts (worker.testing.clock.START).
 CAPTURE_TS_MS = 1_799_999_999_000
@@ -363,8 +363,8 @@ class InMemoryKafka:
 
     @property
     def clients(self) -> KafkaClients:
-        """The loop's Kafka clients over this broker (worker.loop.pipeline is imported late: it loads the runtime)."""
-        from worker.loop.pipeline import KafkaClients
+        """The loop's Kafka clients over this broker (worker.kafka.wiring is imported late: it loads the Kafka edge)."""
+        from worker.kafka.wiring import KafkaClients
 
         return KafkaClients(consumer=self._new_consumer, producer=self._new_producer,
                             output_message_limit=lambda settings: None)

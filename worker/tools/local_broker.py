@@ -346,12 +346,6 @@ class LocalKafka:
                 time.sleep(0.05)
         return True
 
-    def node_pid(self, node_id: int) -> int:
-        st = self.state()
-        if st is None:
-            raise LocalKafkaError("the local broker has never been started")
-        return (st.pids or [st.pid])[node_id - 1]
-
     def destroy(self) -> None:
         """Stop the broker and delete its data."""
         self.stop(kill=True)

@@ -61,15 +61,6 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
-@dataclass(frozen=True)
-class FrameSpec:
-    stream_id: str
-    frame_index: int
-    tenant: str
-    width: int
-    height: int
-
-
 def _now_ms() -> int:
     """A record's capture time until `send_frames` stamps it with the send time; valid (the worker
     dead-letters a capture time of 0) for a record decoded without being sent."""
