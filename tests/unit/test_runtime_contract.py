@@ -20,8 +20,11 @@ from model_factories import pixels, raw_frame
 
 from worker.config import ConfigError, ModelSettings, load_settings
 from worker.runtime import load_model
+from worker.runtime.fitting import fit_to_input
 from worker.runtime.models import ModelContract
-from worker.runtime.preprocess import Normaliser, Preprocessor, _resize, _resize_like_opencv, fit_to_input
+from worker.runtime.normalise import Normaliser
+from worker.runtime.preprocess import Preprocessor
+from worker.runtime.resample import resize, resize_like_opencv
 
 
 def _contract(**kw: object) -> ModelContract:
@@ -139,7 +142,7 @@ def test_the_exact_filter_is_pillows_rounded_once(src, width, seed):
     """Resizing one dimension, Pillow rounds once: it must equal the reference rounded, which checks the reference."""
     img = np.random.default_rng(seed).integers(0, 256, (*src, 3), dtype=np.uint8)
     dst = (src[0], width)
-    assert np.abs(_resize(img, dst, "pillow") - _exact_bilinear(img, dst)).max() <= 0.5 + ROUNDING
+    assert np.abs(resize(img, dst, "pillow") - _exact_bilinear(img, dst)).max() <= 0.5 + ROUNDING
 
 
 @settings(max_examples=60, deadline=None)
@@ -150,7 +153,7 @@ def test_both_resamplers_stay_within_one_grey_level_of_the_exact_filter(resample
     so each resampler is off by under one level; torch's and Pillow's can then differ by two, in opposite
     directions (measured: 1 pixel in 10^7 on noise)."""
     img = np.random.default_rng(seed).integers(0, 256, (*src, channels), dtype=np.uint8)
-    ours = _resize(img, dst, resampler)
+    ours = resize(img, dst, resampler)
     assert ours.shape == (*dst, channels) and ours.dtype == np.uint8
     assert np.abs(ours - _exact_bilinear(img, dst)).max() <= 1 + ROUNDING
 
@@ -164,12 +167,12 @@ def test_torch_resize_into_a_batch_row_is_torchs_interpolate_exactly(src, channe
     x = torch.from_numpy(img).permute(2, 0, 1).unsqueeze(0)
     want = torch.nn.functional.interpolate(x, size=dst, mode="bilinear", antialias=True, align_corners=False)
     want_hwc = want[0].permute(1, 2, 0).numpy()
-    fresh = _resize(img, dst, "torch")
+    fresh = resize(img, dst, "torch")
     if dst != src:
         assert fresh.flags.c_contiguous
     np.testing.assert_array_equal(fresh, want_hwc)
     rows = np.full((2, *dst, channels), 99, dtype=np.uint8)
-    written = _resize(img, dst, "torch", out=rows[1])
+    written = resize(img, dst, "torch", out=rows[1])
     if dst != src:
         assert written is rows[1] or np.shares_memory(written, rows[1])
     np.testing.assert_array_equal(written, want_hwc)
@@ -209,9 +212,9 @@ def test_the_opencv_resampler_equals_its_plain_reference_bit_for_bit(src, dst, c
     img = (rng.integers(0, 256, (*src, channels), dtype=np.uint8) if values == "noise"
            else (rng.integers(0, 2, (*src, channels), dtype=np.uint8) * 255))
     want = _opencv_reference(img, dst)
-    np.testing.assert_array_equal(_resize_like_opencv(img, dst), want)
+    np.testing.assert_array_equal(resize_like_opencv(img, dst), want)
     rows = np.full((2, *dst, channels), 99, dtype=np.uint8)
-    written = _resize_like_opencv(img, dst, out=rows[1])
+    written = resize_like_opencv(img, dst, out=rows[1])
     assert np.shares_memory(written, rows[1])
     np.testing.assert_array_equal(written, want)
     assert (rows[0] == 99).all()
@@ -227,7 +230,7 @@ def test_the_opencv_resampler_reads_a_canvas_padding_as_the_zeros_it_would_hold(
     img = np.random.default_rng(seed).integers(0, 256, (*src, channels), dtype=np.uint8)
     canvas = np.zeros((src[0] + pad[0], src[1] + pad[1], channels), dtype=np.uint8)
     canvas[:src[0], :src[1]] = img
-    np.testing.assert_array_equal(_resize_like_opencv(img, dst, canvas_hw=canvas.shape[:2]),
+    np.testing.assert_array_equal(resize_like_opencv(img, dst, canvas_hw=canvas.shape[:2]),
                                   _opencv_reference(canvas, dst))
 
 
@@ -237,7 +240,7 @@ def test_the_opencv_resampler_on_several_threads_at_once_gives_each_its_own_resu
     jobs = [(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), dst)
             for h, w, dst in [(224, 224, (320, 320)), (90, 160, (64, 64)), (33, 17, (100, 7))] * 8]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda job: _resize_like_opencv(*job), jobs))
+        results = list(pool.map(lambda job: resize_like_opencv(*job), jobs))
     for (img, dst), got in zip(jobs, results, strict=True):
         np.testing.assert_array_equal(got, _opencv_reference(img, dst))
 
@@ -262,13 +265,13 @@ def test_pad_stretch_with_the_opencv_resampler_is_the_reference_on_the_padded_fr
 def test_the_opencv_resampler_equals_its_reference_at_real_frame_sizes(src, dst):
     """Frame sizes the nudenet preset sees (its input is 320x320), and a view of a wider frame (not contiguous)."""
     img = np.random.default_rng(sum(src)).integers(0, 256, (src[0], src[1] + 5, 3), dtype=np.uint8)[:, 5:]
-    np.testing.assert_array_equal(_resize_like_opencv(img, dst), _opencv_reference(img, dst))
+    np.testing.assert_array_equal(resize_like_opencv(img, dst), _opencv_reference(img, dst))
 
 
 def test_a_row_of_another_size_is_not_written():
     img = np.random.default_rng(3).integers(0, 256, (40, 60, 3), dtype=np.uint8)
     wrong = np.full((20, 21, 3), 7, dtype=np.uint8)
-    out = _resize(img, (20, 20), "torch", out=wrong)
+    out = resize(img, (20, 20), "torch", out=wrong)
     assert out.shape == (20, 20, 3) and not np.shares_memory(out, wrong) and (wrong == 7).all()
 
 

@@ -25,7 +25,7 @@ from worker.frames import DECODE_ERROR, MODEL_ERROR, NON_FINITE_OUTPUT, Priority
 from worker.runtime import InferenceExecutor, build_builtin_model
 from worker.runtime.deviceplan import DeviceMemory
 from worker.runtime.models import ModelContract
-from worker.runtime.preprocess import Normaliser
+from worker.runtime.normalise import Normaliser
 from worker.runtime.runners import EagerRunner
 from worker.testing import wait_for
 

@@ -42,10 +42,11 @@ from worker.runtime.deviceplan import (
     resolve_plan,
 )
 from worker.runtime.engine import load_engine_model, make_engine_runner, runner_layout
+from worker.runtime.hostbatch import HostBatch, HostBuffers, stage_to_device
 from worker.runtime.hostsync import HostSync, check_host_syncs
 from worker.runtime.models import LoadedModel, ModelContract
 from worker.runtime.modelset import ModelSet
-from worker.runtime.preprocess import HostBatch, HostBuffers, Preprocessor, stage_to_device
+from worker.runtime.preprocess import Preprocessor
 from worker.runtime.prioritypool import PriorityPool
 from worker.runtime.profiling import ProfileRequest
 from worker.runtime.runners import ModelRunner

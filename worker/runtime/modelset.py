@@ -41,7 +41,7 @@ from worker.frames import (
 from worker.runtime.cascade import CascadeRule, combine
 from worker.runtime.contract import ModelContract
 from worker.runtime.detection import decode_detections, detection_verdict, input_transform
-from worker.runtime.preprocess import HostBatch, ModelInput
+from worker.runtime.hostbatch import HostBatch, ModelInput
 from worker.runtime.runners import ModelRunner
 
 log = logging.getLogger(__name__)

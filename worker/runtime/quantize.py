@@ -28,8 +28,9 @@ from worker.frames import Encoding, Frame, Priority, SourceRef, Verdict
 from worker.runtime.contract import VALIDATION_HW, ModelContract, ModelContractError
 from worker.runtime.detection import decode_detections, detection_verdict, input_transform
 from worker.runtime.models import apply_activation
+from worker.runtime.normalise import Normaliser
 from worker.runtime.onnx_cache import _file_sha256
-from worker.runtime.preprocess import Normaliser, Preprocessor
+from worker.runtime.preprocess import Preprocessor
 
 log = logging.getLogger(__name__)
 
