@@ -85,10 +85,9 @@ class ModelSettings:
         " `torch` (torch's uint8 kernel: like Pillow's, within one grey level of the exact bilinear filter, tested "
         "over random sizes and images; so the two differ by at most two, at 1 pixel in 10^7 on noise, by one at 6%; "
         "about a quarter of Pillow's CPU on this project's machine) or `pillow` (Pillow's own, to match a reference "
-        "preprocessing that uses it bit for bit), or `opencv` (bilinear without antialiasing in OpenCV's "
-        "`cv2.resize` INTER_LINEAR fixed-point arithmetic, which `cv2.dnn.blobFromImage` references use: NudeNet's; "
-        "equal to cv2 5.1 when shrinking, one grey level off at about 0.1% of pixels when enlarging; "
-        "numpy: 0.9 CPU-ms for 224x224 -> 320x320 on this project's machine, 7x torch's kernel)"))
+        "preprocessing that uses it bit for bit), or `opencv` (`cv2.resize` INTER_LINEAR itself, bilinear without "
+        "antialiasing, as `cv2.dnn.blobFromImage` references do: NudeNet's, bit for bit; needs OpenCV, which the "
+        "`models` extra brings; run in the calling thread, cv2's own thread pool off)"))
     output: Literal["scores", "detections"] = setting("scores", doc=(
         "`scores`: one `[N, len(labels)]` output; `detections`: a YOLOv8-style detector, `[N, 4 + len(labels), "
         "anchors]` (box centre x, y, width, height in input pixels, then a score per label), decoded after the model "

@@ -12,7 +12,7 @@ from PIL import Image
 from worker.frames import Frame
 from worker.runtime.decode import FrameDecodeError
 from worker.runtime.models import ModelContract
-from worker.runtime.resample import as_image, resize, resize_like_opencv
+from worker.runtime.resample import as_image, resize
 
 
 def _centre_crop(pixels: np.ndarray, size_hw: tuple[int, int]) -> np.ndarray:
@@ -96,11 +96,8 @@ def fit_to_input(pixels: np.ndarray, contract: ModelContract, frame_hw: tuple[in
     if size is None or target is None:
         return pixels, (0, 0)
     if contract.resize == "pad_stretch":
-        # Padded before the resize, as the reference does, so the border row blends image and black as there; the
-        # opencv resampler reads the padding as zeros without the canvas (1280x1280 for a 720p frame).
-        canvas = padded_hw((pixels.shape[0], pixels.shape[1]), size)
-        if contract.resampler == "opencv" and canvas != size:
-            return resize_like_opencv(pixels, size, out, canvas), (0, 0)
+        # Padded before the resize, as the reference does (NudeNet: cv2.copyMakeBorder, then cv2.resize), so the
+        # border row blends image and black as there.
         return resize(pad_to_aspect(pixels, size), size, contract.resampler, out), (0, 0)
     resized = resize(pixels, target, contract.resampler, out if contract.resize == "stretch" else None)
     if contract.resize == "letterbox":

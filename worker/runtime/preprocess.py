@@ -28,6 +28,7 @@ from worker.runtime.decode import FrameDecodeError, decode_pixels
 from worker.runtime.fitting import check_fits_batch, fit_to_input, jpeg_roundtrip, resize_target, to_channels
 from worker.runtime.hostbatch import HostBatch, HostBuffers, ModelInput, compact
 from worker.runtime.models import ModelContract
+from worker.runtime.resample import opencv
 
 
 class Preprocessor:
@@ -50,6 +51,8 @@ class Preprocessor:
         self._workers = workers
         self._jpeg_channels = max(c.channels for c in self.contracts)
         self._scaled_decode = all(c.jpeg_scaled_decode for c in self.contracts)
+        if any(c.resampler == "opencv" for c in self.contracts):
+            opencv()  # at start: a ConfigError if cv2 is missing, and cv2's threads set once
 
     def prepare(self, frames: Sequence[Frame], shape: tuple[int, int, int]) -> HostBatch:
         """Decode every frame; model m's pixels are [decodable frames, H, W, C] with H, W its input size."""

@@ -1,17 +1,17 @@
 """Resampling a decoded frame's pixels to a size: Pillow's bilinear (what reference preprocessing uses), torch's
-uint8 kernel, or OpenCV's INTER_LINEAR arithmetic (what references built on cv2 use). Pure pixel arithmetic:
+uint8 kernel, or `cv2.resize` itself (what references built on cv2 use). Pure pixel arithmetic:
 which size a frame goes to is `fitting`'s."""
 
 from __future__ import annotations
 
-import functools
 import threading
-from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 
+from worker.config.fields import ConfigError
 from worker.runtime.decode import fitting_row
 
 
@@ -44,122 +44,44 @@ def resize(pixels: np.ndarray, size_hw: tuple[int, int], resampler: str = "torch
     return out if out.ndim == 3 else out[:, :, None]
 
 
-def _opencv_taps(n_in: int, n_out: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """cv2.resize INTER_LINEAR's source indices and 11-bit fixed-point weights along one axis."""
-    pos = (np.arange(n_out) + 0.5) * (n_in / n_out) - 0.5
-    i0 = np.floor(pos).astype(np.int64)
-    frac = pos - i0
-    low, high = i0 < 0, i0 >= n_in - 1
-    frac[low | high] = 0.0
-    i0 = np.clip(i0, 0, n_in - 1)
-    w1 = np.round(frac * 2048).astype(np.int32)
-    w0 = np.round((1.0 - frac) * 2048).astype(np.int32)
-    return i0, np.minimum(i0 + 1, n_in - 1), w0, w1
+_CV2_THREADS = 0  # cv2.setNumThreads(0): its functions run in the calling thread, no pool of its own
+_cv2_lock = threading.Lock()
+_cv2: Any = None
 
 
-@dataclass(frozen=True)
-class _OpencvPlan:
-    """One (source shape, canvas, target size)'s taps for `resize_like_opencv`, laid out for its passes: the
-    source rows any output row reads (`rows`, None for all) and, per output row, its two among them with their
-    weights; per output value of a row (pixel x channel), its two source values in the flattened row with their
-    weights. A tap on the canvas's zero padding has weight 0 (and any real index): it adds 0, as the zeros did."""
-
-    rows: np.ndarray | None
-    y0: np.ndarray
-    y1: np.ndarray
-    wy0: np.ndarray
-    wy1: np.ndarray
-    x0: np.ndarray
-    x1: np.ndarray
-    wx0: np.ndarray
-    wx1: np.ndarray
-
-
-def _real_taps(n_real: int, n_canvas: int, n_out: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """`_opencv_taps` over a canvas of `n_canvas` whose values from `n_real` on are zero: those taps weigh 0."""
-    i0, i1, w0, w1 = _opencv_taps(n_canvas, n_out)
-    pad0, pad1 = i0 >= n_real, i1 >= n_real
-    return np.where(pad0, 0, i0), np.where(pad1, 0, i1), np.where(pad0, 0, w0), np.where(pad1, 0, w1)
+def opencv() -> Any:
+    """The cv2 module, set once (on first use: the Preprocessor's start) to run each call in the calling thread.
+    The preprocessing threads are already one per core; cv2's own pool (a thread per core) would compete with them
+    and with the runners. A ConfigError naming the extra where cv2 is not installed."""
+    global _cv2
+    with _cv2_lock:
+        if _cv2 is None:
+            try:
+                import cv2
+            except ImportError as exc:
+                raise ConfigError([
+                    'model.resampler: "opencv" needs OpenCV (cv2), which is not installed: install the models extra '
+                    "(pip install 'streamfer[models]', which brings opencv-python-headless), or choose another "
+                    f"model.resampler ({exc})"]) from exc
+            cv2.setNumThreads(_CV2_THREADS)
+            _cv2 = cv2
+    return _cv2
 
 
-@functools.lru_cache(maxsize=64)
-def _opencv_plan(height: int, width: int, channels: int, size_hw: tuple[int, int],
-                 canvas_hw: tuple[int, int]) -> _OpencvPlan:
-    x0, x1, ax0, ax1 = _real_taps(width, canvas_hw[1], size_hw[1])
-    y0, y1, by0, by1 = _real_taps(height, canvas_hw[0], size_hw[0])
-    used, where = np.unique(np.concatenate([y0, y1]), return_inverse=True)
-    channel = np.arange(channels)
-    plan = _OpencvPlan(
-        rows=None if len(used) == height else used, y0=where[:size_hw[0]], y1=where[size_hw[0]:],
-        wy0=by0[:, None], wy1=by1[:, None],
-        x0=(x0[:, None] * channels + channel).ravel(), x1=(x1[:, None] * channels + channel).ravel(),
-        wx0=np.repeat(ax0, channels), wx1=np.repeat(ax1, channels))
-    for a in vars(plan).values():
-        if a is not None:
-            a.flags.writeable = False  # shared by every thread that resizes this shape
-    return plan
-
-
-def resize_like_opencv(pixels: np.ndarray, size_hw: tuple[int, int], out: np.ndarray | None = None,
-                        canvas_hw: tuple[int, int] | None = None) -> np.ndarray:
-    """Bilinear without antialiasing in OpenCV's cv2.resize INTER_LINEAR arithmetic on uint8 (its vectorised fixed
-    point: 11-bit weights, a horizontal pass kept in 16 bits, then a vertical one), which references built on cv2
-    (cv2.dnn.blobFromImage: NudeNet's) use. A grey level off here moved NudeNet's scores by up to 0.013. Against
-    cv2 5.1 it is equal when shrinking; when enlarging, about 0.1% of pixels differ by one grey level (seen at
-    224 and 100 -> 320; not explained yet). With `canvas_hw`, the pixels padded bottom/right with zeros to that
-    size are resized, without making the canvas (pad_stretch).
-
-    In numpy, in int32 on only what is read: the uint8 values each output pixel needs gathered once per pass from the
-    source rows some output row uses, the taps cached per shape, into the calling thread's scratch arrays (fresh ones
-    cost page faults: twice the time); written into `out` when it is a C-contiguous uint8 array of the target size
-    (a batch row). For 224x224 -> 320x320, 0.92 CPU-ms against 4.0 before (2.0 with warm allocations)."""
-    h, w, c = pixels.shape
-    oh, ow = size_hw
-    plan = _opencv_plan(h, w, c, (oh, ow), canvas_hw or (h, w))
-    src = pixels.reshape(h, w * c)
-    if plan.rows is not None:
-        src = np.take(src, plan.rows, axis=0, out=_scratch("src", (len(plan.rows), w * c), np.uint8), mode="clip")
-    n = src.shape[0]
-    # (mode="clip": the indices are in range, and take's default mode copies through a temporary for out=.)
-    # Horizontal: a*w0 + b*w1 < 2^20, >> 4 leaves at most 32640 (cv2's int16 buffer row).
-    gathered = _scratch("gathered", (n, ow * c), np.uint8)
-    rows, right = _scratch("rows", (n, ow * c), np.int32), _scratch("right", (n, ow * c), np.int32)
-    np.copyto(rows, np.take(src, plan.x0, axis=1, out=gathered, mode="clip"))
-    rows *= plan.wx0
-    np.copyto(right, np.take(src, plan.x1, axis=1, out=gathered, mode="clip"))
-    right *= plan.wx1
-    rows += right
-    rows >>= 4
-    # Vertical: each product < 2^26, shifted on its own as cv2's 16-bit multiply-high does; the sum is at most 1020.
-    top = np.take(rows, plan.y0, axis=0, out=_scratch("top", (oh, ow * c), np.int32), mode="clip")
-    top *= plan.wy0
-    top >>= 16
-    bottom = np.take(rows, plan.y1, axis=0, out=_scratch("bottom", (oh, ow * c), np.int32), mode="clip")
-    bottom *= plan.wy1
-    bottom >>= 16
-    top += bottom
-    top += 2
-    top >>= 2
-    hwc = (oh, ow, c)
+def resize_like_opencv(pixels: np.ndarray, size_hw: tuple[int, int], out: np.ndarray | None = None) -> np.ndarray:
+    """`cv2.resize` INTER_LINEAR (bilinear, no antialiasing, OpenCV's fixed point), as references built on cv2 do
+    (`cv2.dnn.blobFromImage`: NudeNet's): bit for bit theirs, since it is their call. Written into `out` when it is
+    a C-contiguous uint8 array of the target size (a batch row)."""
+    cv2 = opencv()
+    c = pixels.shape[2]
+    hwc = (*size_hw, c)
     out = fitting_row(out, hwc)
     if out is None:
         out = np.empty(hwc, dtype=np.uint8)
-    np.copyto(out.reshape(oh, ow * c), top, casting="unsafe")  # 0..255: exact
+    # cv2 reads and writes (H, W) for one channel: the same memory, viewed without the channel axis.
+    src = pixels[:, :, 0] if c == 1 else pixels
+    cv2.resize(src, (size_hw[1], size_hw[0]), dst=out[:, :, 0] if c == 1 else out, interpolation=cv2.INTER_LINEAR)
     return out
-
-
-_SCRATCH = threading.local()
-
-
-def _scratch(name: str, shape: tuple[int, int], dtype: type[np.generic]) -> np.ndarray:
-    """A `shape` array of `dtype` (contents undefined) kept by the calling thread under `name` for its next call:
-    each preprocessing thread holds one per name, as large as the largest asked (4.4 MB in all for 320x320 RGB)."""
-    size = shape[0] * shape[1]
-    buf = getattr(_SCRATCH, name, None)
-    if buf is None or buf.size < size or buf.dtype != dtype:
-        buf = np.empty(size, dtype=dtype)
-        setattr(_SCRATCH, name, buf)
-    return buf[:size].reshape(shape)
 
 
 def as_image(pixels: np.ndarray) -> Image.Image:
