@@ -140,6 +140,17 @@ def test_outcome_reports_sizes_and_timings(executor_for):
     assert outcome.preprocess_ms >= 0 and outcome.inference_ms > 0 and outcome.started_at > 0
 
 
+def test_on_cpu_an_outcome_carries_the_thread_cpu_of_its_work(executor_for):
+    """What the batcher ranks sizes by on a CPU device: the preparation's and the inference's thread CPU, which
+    no thread can spend faster than the wall clock, each thread at most its own elapsed time."""
+    ex = executor_for()
+    assert ex.batch_cost_by_cpu
+    outcome = _run(ex, [raw_frame(i, 64, 64) for i in range(8)], (64, 64, 3))
+    assert outcome.cpu_ms is not None and outcome.cpu_ms > 0
+    threads = ex._preprocessor._workers + 2  # the decode pool, the preparing thread, the runner's thread
+    assert outcome.cpu_ms <= (outcome.preprocess_ms + outcome.inference_ms) * threads + 1.0
+
+
 def test_verdicts_apply_per_label_thresholds(executor_for):
     labels = ModelSettings().labels
     ex = executor_for(ModelSettings(thresholds={labels[0]: 0.0}, default_threshold=1.0))

@@ -149,6 +149,8 @@ class InferenceExecutor:
         # graph capture and by calibrate(); None on CPU.
         self.memory_policy: DeviceMemories | None = (
             DeviceMemories([m.policy for m in self._device_memory]) if self._device_memory else None)
+        # Every runner on the CPU: the batcher ranks batch sizes by the CPU a frame costs (BatchOutcome.cpu_ms).
+        self.batch_cost_by_cpu = all(r[0].device.type == "cpu" for r in per_slot)
 
     @classmethod
     def from_settings(cls, model: ModelSettings, runtime: RuntimeSettings, batching: BatchingSettings | None = None,
@@ -450,6 +452,7 @@ def _join_outcomes(parts: list[tuple[list[Frame], str, concurrent.futures.Future
         started_at=min((o.started_at for o in done), default=time.time()),
         bucket=sum(o.bucket for o in done),
         used_graph=any(o.used_graph for o in done),
+        cpu_ms=None if not done or any(o.cpu_ms is None for o in done) else sum(o.cpu_ms or 0.0 for o in done),
     )
 
 

@@ -43,6 +43,7 @@ class HostBatch:
     failures: list[tuple[Frame, FrameDecodeError]]
     started_at: float
     preprocess_ms: float = 0.0
+    preprocess_cpu_ms: float | None = None  # thread CPU of the preparation, every thread's (None: not measured)
     ready_event: torch.cuda.Event | None = field(default=None, repr=False)
     release: Callable[[], None] = field(default=_no_buffer_to_return, repr=False)
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from collections.abc import Sequence
-from typing import cast
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -29,6 +29,8 @@ from worker.runtime.fitting import check_fits_batch, fit_to_input, jpeg_roundtri
 from worker.runtime.hostbatch import HostBatch, HostBuffers, ModelInput, compact
 from worker.runtime.models import ModelContract
 from worker.runtime.resample import opencv
+
+T = TypeVar("T")
 
 
 class Preprocessor:
@@ -57,12 +59,12 @@ class Preprocessor:
     def prepare(self, frames: Sequence[Frame], shape: tuple[int, int, int]) -> HostBatch:
         """Decode every frame; model m's pixels are [decodable frames, H, W, C] with H, W its input size."""
         started_at = time.time()
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         frames = list(frames)
         batch_hw = (shape[0], shape[1])
         shapes = [(*c.model_input_hw(batch_hw), c.channels) for c in self.contracts]
         buffers = [self.buffers.take(len(frames), hwc) for hwc in shapes]
-        placed = self._fill([b.numpy() for b in buffers], frames, batch_hw)
+        placed, pool_cpu_s = self._fill([b.numpy() for b in buffers], frames, batch_hw)
         kept = [i for i, p in enumerate(placed) if not isinstance(p, FrameDecodeError)]
         inputs = []
         for m, (buffer, hwc) in enumerate(zip(buffers, shapes, strict=True)):
@@ -82,21 +84,24 @@ class Preprocessor:
             failures=[(frame, p) for frame, p in zip(frames, placed) if isinstance(p, FrameDecodeError)],
             started_at=started_at,
             preprocess_ms=(time.perf_counter() - t0) * 1000.0,
+            preprocess_cpu_ms=(time.thread_time() - cpu0 + pool_cpu_s) * 1000.0,
             release=release,
         )
 
     def _fill(self, rows: list[np.ndarray], frames: list[Frame], batch_hw: tuple[int, int]
-              ) -> list[list[tuple[int, int, int, int]] | FrameDecodeError]:
+              ) -> tuple[list[list[tuple[int, int, int, int]] | FrameDecodeError], float]:
         """Decode frame i into row i of every model's buffer, in contiguous chunks across the pool; each frame's
-        regions (one per model) or its error."""
+        regions (one per model) or its error, and the pool threads' CPU seconds for it (0 on the calling thread,
+        which measures its own)."""
         chunks = min(len(frames), self._workers) if self._pool is not None else 1
         if chunks <= 1:
-            return self._fill_range(rows, frames, batch_hw, 0, len(frames))
+            return self._fill_range(rows, frames, batch_hw, 0, len(frames)), 0.0
         bounds = [len(frames) * k // chunks for k in range(chunks + 1)]
         assert self._pool is not None
-        futures = [self._pool.submit(self._fill_range, rows, frames, batch_hw, lo, hi)
+        futures = [self._pool.submit(_thread_cpu, self._fill_range, rows, frames, batch_hw, lo, hi)
                    for lo, hi in zip(bounds, bounds[1:])]
-        return [placed for f in futures for placed in f.result()]
+        done = [f.result() for f in futures]
+        return [placed for chunk, _ in done for placed in chunk], sum(cpu for _, cpu in done)
 
     def _fill_range(self, rows: list[np.ndarray], frames: list[Frame], batch_hw: tuple[int, int], lo: int,
                     hi: int) -> list[list[tuple[int, int, int, int]] | FrameDecodeError]:
@@ -134,6 +139,13 @@ class Preprocessor:
         if contract.jpeg_roundtrip_quality:
             pixels = jpeg_roundtrip(pixels, contract.jpeg_roundtrip_quality)
         return pixels, offset
+
+
+def _thread_cpu(fn: Callable[..., T], *args: Any) -> tuple[T, float]:
+    """fn(*args) and the CPU seconds the calling (pool) thread spent on it."""
+    cpu0 = time.thread_time()
+    result = fn(*args)
+    return result, time.thread_time() - cpu0
 
 
 def _place(fitted: tuple[np.ndarray, tuple[int, int]], dst: np.ndarray) -> tuple[int, int, int, int]:
