@@ -178,7 +178,12 @@ class RuntimeSettings:
         "`fp32`, `fp16` (CUDA only), `bf16` (autocast), or `int8` (onnxruntime on a CPU only: the ONNX model "
         "statically quantised (QDQ), calibrated on the shipped sample photos and cached under `model.cache_dir` by "
         "the file's hash; the worker refuses to start when its verdicts agree with fp32's on those photos less than "
-        "`model.int8_min_agreement`)"))
+        "`model.int8_min_agreement`; and runs fp32 instead where int8 is not faster: `precision_policy`)"))
+    precision_policy: Literal["when_faster", "always"] = setting("when_faster", doc=(
+        "`precision = \"int8\"`: `when_faster` times the quantised model against fp32 at start (the same batches, "
+        "interleaved) and runs int8 only where it is at least 1.05x fp32's speed, else fp32, saying why in the log "
+        "and `worker check-model` with the ratio and the CPU's int8 instruction sets (VNNI, AMX): without them int8 "
+        "gains little (0.93-0.97x fp32 on an AMD EPYC with AVX2, no VNNI); `always` keeps int8 regardless"))
     cuda_graphs: bool = setting(True, doc=(
         "capture one CUDA graph per (batch bucket, shape) on CUDA, for the buckets a batch can reach (below), under a "
         "memory budget; a model whose forward reads device values on the host is then refused at start (the host-sync "

@@ -39,6 +39,7 @@ from worker.runtime.deviceplan import (
     device_decode_serves,
     device_memories,
     graph_memory,
+    loaded_precision,
     resolve_plan,
 )
 from worker.runtime.engine import load_engine_model, make_engine_runner, runner_layout
@@ -195,7 +196,8 @@ class InferenceExecutor:
                 slots.append(tuple(runners))
         return cls(slots, model_set, preprocess_thread_count(runtime), runtime.warmup_batches,
                    warmup_batch_size=max(runtime.graph_batch_sizes),
-                   device_description=describe(plan, "+".join(m.kind for m in first),
+                   device_description=describe(loaded_precision(plan, [m.precision for m in first]),
+                                               "+".join(m.kind for m in first),
                                                "+".join(sorted({m.engine for m in first})), layout.instances,
                                                layout.session_threads),
                    memory=[memory[r[0].device] for r in slots] if memory else (),
