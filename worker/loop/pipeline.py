@@ -141,6 +141,7 @@ class Pipeline:
         finally:
             self.source.close()
             self.delivery.close()
+            self.admission.close()
             self.health.assigned = False
             self.metrics.ready.set(0)
         return self.summary
