@@ -165,7 +165,7 @@ class BaselineLoop:
 
     def _infer_and_produce(self, frames: list[Frame]) -> None:
         from worker.codec.schemas import build_result
-        from worker.runtime.preprocess import stage_to_device
+        from worker.runtime.hostbatch import stage_to_device
 
         if not frames:
             return

@@ -608,7 +608,7 @@ def _fmt(v: Any) -> str:
 
 
 def machine() -> dict[str, Any]:
-    """Where and when: date, commit, CPU model and cores, load, versions."""
+    """Where and when: date, commit, CPU model, cores and int8 instruction sets, load, versions."""
     import confluent_kafka
     import torch
 
@@ -620,8 +620,11 @@ def machine() -> dict[str, Any]:
         pass
     commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip() or "unknown"
+    from worker.runtime.quantize import CpuInfo
+
     return {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit,
             "host_cpu": cpu, "cpu_cores": os.cpu_count(),
+            "cpu_int8_flags": list(CpuInfo.read().flags),  # what int8's speed depends on (VNNI, AMX)
             "load_average_at_start": [round(x, 2) for x in os.getloadavg()], "python": platform.python_version(),
             "torch": torch.__version__, "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "confluent_kafka": confluent_kafka.__version__, "librdkafka": confluent_kafka.libversion()[0]}

@@ -6,8 +6,10 @@ Sections (`--sections`, all by default), each in interleaved rounds, medians wit
   onnxruntime runner per core), draining a backlog of 224x224 JPEG frames (the jpeg224 workload, whatever
   `--workload` says), against onnxruntime's model-alone frames/s on the same preset's ONNX file (batch 8,
   `--torch-threads` threads: give the machine's cores, every graph optimisation), measured in the same round just
-  before; beside them one runner on `--torch-threads` threads, and `runtime.engine = "torch"` (WORKER_VARIANTS). The
-  ratio worker / alone is per round.
+  before, and against that many one-thread sessions side by side (the other layout); beside them one runner on
+  `--torch-threads` threads, and `runtime.engine = "torch"` (WORKER_VARIANTS; `--variants` picks some), and with
+  `--base` the other tree's worker on its defaults. The ratio worker / alone is per round, over the fastest layout
+  alone and over each.
 - `int8`: per preset, the int8 model's agreement with fp32 on the calibration images, the largest score difference
   (`worker.runtime.quantize.check_int8`), and both models' frames/s alone at batch 8.
 - `layout`: per preset, onnxruntime alone at batch 8 on `--torch-threads` cores: one session of that many threads
@@ -95,8 +97,19 @@ def preset_input(preset: str) -> tuple[Path, tuple[int, ...]]:
     return preset_model_file(preset), contract.input_shape(contract.input_size)
 
 
-def e2e(ctx: Context, rounds: int, presets: list[str]) -> dict[str, Any]:
+ALONE_LAYOUTS = ("alone", "alone-spinning", "alone-sessions")  # one N-thread session (sleeping, spinning); N x 1
+
+
+def e2e(ctx: Context, rounds: int, presets: list[str], base: Path | None = None,
+        variants: list[str] | None = None) -> dict[str, Any]:
+    """Per preset: the worker variants (and with `base` the defaults of that tree, `defaults-base`) against
+    onnxruntime alone in both layouts, one session of `--torch-threads` threads (its threads sleeping, as the
+    worker's, and spinning, its default) and that many one-thread sessions side by side; the ratio per round over
+    the fastest layout alone, and over each."""
     threads = ctx.torch_threads
+    workers = {v: WORKER_VARIANTS[v] for v in (variants or list(WORKER_VARIANTS))}
+    if base is not None:  # PYTHONSAFEPATH: `python -m worker` would put this tree's directory ahead of PYTHONPATH
+        workers["defaults-base"] = {**WORKER_VARIANTS["defaults"], "PYTHONPATH": str(base), "PYTHONSAFEPATH": "1"}
     out: dict[str, Any] = {"usable_cores": usable_cores()}
     # jpeg224 frames into each preset's own input (the toy model's input size left out of the workers' settings).
     presets_ctx = dataclasses.replace(ctx, workload_name="jpeg224", model="opennsfw")
@@ -106,35 +119,40 @@ def e2e(ctx: Context, rounds: int, presets: list[str]) -> dict[str, Any]:
 
         def measure(variant: str, preset: str = preset, path: Path = path, shape: tuple[int, ...] = shape,
                     inputs: common.Topics = inputs) -> dict[str, Any]:
+            if variant == "alone-sessions":
+                return sessions_side_by_side(path, shape, threads, 1)
             if variant.startswith("alone"):
                 return model_alone(path, shape, threads, spinning=variant == "alone-spinning")
-            env = {"WORKER_MODEL_SOURCE": preset, **WORKER_VARIANTS[variant]}
+            env = {"WORKER_MODEL_SOURCE": preset, **workers[variant]}
             return common.worker_round(presets_ctx, inputs, env, tag=f"eng-{preset}-{variant}")
 
-        runs = stats.run_rounds(stats.interleaved(["alone", "alone-spinning", *WORKER_VARIANTS], rounds), measure)
-        alone = {r: max(a, b) for (r, a), b in zip(stats.figure(runs["alone"], "frames_per_s").items(),
-                                                   stats.figure(runs["alone-spinning"], "frames_per_s").values(),
-                                                   strict=True)}
+        runs = stats.run_rounds(stats.interleaved([*ALONE_LAYOUTS, *workers], rounds), measure)
+        layouts = {a: stats.figure(runs[a], "frames_per_s") for a in ALONE_LAYOUTS}
+        alone = {r: max(layouts[a][r] for a in ALONE_LAYOUTS) for r in layouts["alone"]}
         fps = {v: stats.spread(runs[v], "frames_per_s") for v in runs}
-        ratios = {v: stats.ratio_spread(stats.figure(runs[v], "frames_per_s"), alone) for v in WORKER_VARIANTS}
+        ratios = {v: stats.ratio_spread(stats.figure(runs[v], "frames_per_s"), alone) for v in workers}
+        by_layout = {v: {a: stats.ratio_spread(stats.figure(runs[v], "frames_per_s"), layouts[a])
+                         for a in ALONE_LAYOUTS} for v in workers}
         cpu = {v: stats.spread(runs[v], "cpu_ms_per_frame") for v in runs}
         # On a machine shared with other work, frames per CPU-second is the steadier comparison: alone / worker.
-        alone_cpu = stats.figure(runs["alone"], "cpu_ms_per_frame")
-        efficiency = {v: stats.ratio_spread(alone_cpu, stats.figure(runs[v], "cpu_ms_per_frame"))
-                      for v in WORKER_VARIANTS}
+        alone_cpu = stats.figure(runs["alone-sessions"], "cpu_ms_per_frame")
+        efficiency = {v: stats.ratio_spread(alone_cpu, stats.figure(runs[v], "cpu_ms_per_frame")) for v in workers}
         out[preset] = {"backlog": load, "runs": runs, "frames_per_s": fps, "ratio_to_alone": ratios,
-                       "cpu_ms_per_frame": cpu, "cpu_efficiency_to_alone": efficiency}
-        common.table(f"{preset}: worker draining a 224x224 JPEG backlog vs onnxruntime alone (batch {ALONE_BATCH}, "
-                     f"{threads} threads; the worker's defaults use the {usable_cores()} cores this process may; "
-                     "/ alone: per round, over the faster of the two alone), "
-                     f"{stats.rounds(rounds)}", ["what", "frames/s", "/ alone", "CPU-ms/frame", "alone's CPU / this"],
-                     [["onnxruntime alone, threads sleep (the worker's)", fps["alone"].text(1), "",
-                       cpu["alone"].text(2), ""],
-                      ["onnxruntime alone, threads spin (its default)", fps["alone-spinning"].text(1), "",
-                       cpu["alone-spinning"].text(2), ""],
-                      *[[f"worker, {v} ({' '.join(f'{k}={x}' for k, x in WORKER_VARIANTS[v].items())})",
-                         fps[v].text(1), ratios[v].text(2), cpu[v].text(2), efficiency[v].text(2)]
-                        for v in WORKER_VARIANTS]])
+                       "ratio_to_each_layout": by_layout, "cpu_ms_per_frame": cpu,
+                       "cpu_efficiency_to_alone": efficiency}
+        names = {"alone": f"onnxruntime alone, 1 session x {threads} threads, threads sleep (the worker's)",
+                 "alone-spinning": f"onnxruntime alone, 1 session x {threads} threads, threads spin (its default)",
+                 "alone-sessions": f"onnxruntime alone, {threads} sessions x 1 thread side by side"}
+        common.table(f"{preset}: worker draining a 224x224 JPEG backlog vs onnxruntime alone (batch {ALONE_BATCH}; "
+                     f"the worker's defaults use the {usable_cores()} cores this process may; / alone: per round, "
+                     f"over the fastest layout alone; / 1x{threads}, / {threads}x1: over each), {stats.rounds(rounds)}",
+                     ["what", "frames/s", "/ alone", f"/ 1x{threads}", f"/ {threads}x1", "CPU-ms/frame",
+                      f"{threads}x1's CPU / this"],
+                     [*[[names[a], fps[a].text(1), "", "", "", cpu[a].text(2), ""] for a in ALONE_LAYOUTS],
+                      *[[f"worker, {v} ({' '.join(f'{k}={x}' for k, x in workers[v].items() if k[:6] == 'WORKER')})",
+                         fps[v].text(1), ratios[v].text(2), by_layout[v]["alone"].text(2),
+                         by_layout[v]["alone-sessions"].text(2), cpu[v].text(2), efficiency[v].text(2)]
+                        for v in workers]])
     return out
 
 
@@ -354,7 +372,8 @@ def run(ctx: Context) -> dict[str, Any]:
                               "note": "2-core machine shared with other sessions: figures from a loaded machine; "
                                       "compare ratios within one run"}
     if "e2e" in wanted:
-        result["e2e"] = e2e(ctx, ctx.round_count(3, 2), args.presets.split(","))
+        result["e2e"] = e2e(ctx, ctx.round_count(3, 2), args.presets.split(","), args.base,
+                            args.variants.split(",") if args.variants else None)
     if "int8" in wanted:
         result["int8"] = int8(ctx, ctx.round_count(3, 2))
     if "layout" in wanted:
@@ -372,7 +391,8 @@ def run(ctx: Context) -> dict[str, Any]:
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated: {', '.join(SECTIONS)}")
-    p.add_argument("--base", type=Path, help="lowload: another source tree (worker/ and schemas/), run as 'base'")
+    p.add_argument("--base", type=Path, help="lowload, e2e: another source tree (worker/ and schemas/), run as 'base'")
+    p.add_argument("--variants", help=f"e2e: the worker variants, comma-separated, of {', '.join(WORKER_VARIANTS)}")
     p.add_argument("--presets", default=",".join(PRESETS), help=f"e2e: comma-separated, of {', '.join(PRESETS)}")
 
 

@@ -283,3 +283,6 @@ class BatchOutcome:
     started_at: float  # wall seconds when the batch started preprocessing
     bucket: int  # padded batch size executed (the CUDA-graph bucket; == batch_size in eager; 1 after a retry)
     used_graph: bool
+    # Thread CPU of the batch's work (its preparation's threads and its inference thread; an intra-op pool's
+    # other threads not seen), None where not measured (the device data path).
+    cpu_ms: float | None = None

@@ -190,3 +190,51 @@ def test_per_batch_work_outside_the_measurement_keeps_a_near_zero_model_off_smal
     cost.observe(SHAPE, 8, 0.0016)   # 0.2 ms a frame: 5000/s measured, 3077/s with 1 ms of loop work a batch
     cost.observe(SHAPE, 32, 0.0070)  # 0.22 ms a frame: 4571/s measured, 4000/s with it
     assert cost.best_size(SHAPE, 32) == 32
+
+
+# --- on a CPU device: sizes ranked by the CPU a frame costs ---
+
+def _shared_cores(cost: CostModel, batches: int = 6) -> None:
+    """Batch 32 finishes sooner per frame on the wall clock (the decode pool and another runner were idle beside
+    it) but costs more CPU a frame than batch 8 (one onnxruntime thread's cache): 18.2 against 16.8 CPU-ms."""
+    for _ in range(batches):
+        cost.observe(SHAPE, 8, seconds=8 * 0.030, cpu_seconds=8 * 0.0168)
+        cost.observe(SHAPE, 32, seconds=32 * 0.025, cpu_seconds=32 * 0.0182)
+
+
+def test_on_a_cpu_device_the_size_with_the_least_cpu_a_frame_is_chosen():
+    by_cpu, by_wall = CostModel(rank_by_cpu=True), CostModel()
+    _shared_cores(by_cpu)
+    _shared_cores(by_wall)
+    assert by_cpu.best_size(SHAPE, 32) == 8
+    assert by_wall.best_size(SHAPE, 32) == 32  # the wall clock alone favours the batch that ran on idle cores
+
+
+def test_the_latency_budget_stays_in_wall_time_when_ranking_by_cpu():
+    cost = CostModel(rank_by_cpu=True)
+    _shared_cores(cost)
+    assert cost.predict(SHAPE, 8) == pytest.approx(8 * 0.030)
+    # 0.3 s of budget holds what the wall-clock line says fits (10 frames), not the 17 its CPU would allow
+    k = cost.largest_within(SHAPE, 0.3, 32)
+    assert k is not None and cost.predict(SHAPE, k) <= 0.3 < cost.predict(SHAPE, k + 1)
+    assert k < 0.3 / 0.0168
+
+
+def test_a_size_without_a_cpu_reading_is_ranked_by_its_time_at_the_cpu_share_of_the_others():
+    cost = CostModel(rank_by_cpu=True)
+    for _ in range(EXPLORE_AFTER):
+        cost.observe(SHAPE, 8, seconds=0.240, cpu_seconds=0.120)  # half its wall time is CPU
+    cost.observe(SHAPE, 16, seconds=0.400, calibration=True)  # no CPU: estimated 0.240 x 0.5 / ... -> 0.2 * 0.5
+    # 16's time, scaled by live/calibrated (8 has none calibrated: 1.0), times 0.5: 0.2 CPU-s for 16 frames,
+    # 12.5 ms a frame, against 8's 15 ms: 16 is ranked ahead.
+    assert cost.best_size(SHAPE, 16) == 16
+
+
+def test_cpu_readings_are_a_running_mean_per_size_like_the_times():
+    cost = CostModel(alpha=0.5, rank_by_cpu=True)
+    cost.observe(SHAPE, 8, seconds=0.2, cpu_seconds=0.10)
+    cost.observe(SHAPE, 8, seconds=0.2, cpu_seconds=0.20)  # the plain mean of the first two
+    cost.observe(SHAPE, 4, seconds=0.2, cpu_seconds=0.07)  # 17.5 ms a frame against 8's 18.75
+    assert cost.best_size(SHAPE, 8) == 4
+    cost.observe(SHAPE, 8, seconds=0.2, cpu_seconds=0.0)  # not a reading (a clock that did not move): ignored
+    assert cost.best_size(SHAPE, 8) == 4

@@ -14,7 +14,7 @@ from PIL import Image
 
 from worker.frames import Encoding, Frame, Priority, SourceRef, Verdict
 from worker.reuse.policy import Decision, FrameReuse, Reused
-from worker.reuse.thumbnail import THUMB_SIDE, change, thumbnail
+from worker.reuse.thumbnail import THUMB_SIDE, Thumbnails, change, thumbnail
 
 TOPIC = "frames.realtime"
 VERDICT = Verdict({"nsfw": 0.2}, ())
@@ -237,6 +237,35 @@ def test_thumbnails_of_different_sizes_differ_completely():
 def test_a_jpeg_that_does_not_decode_has_no_thumbnail():
     bad = jpeg_frame(gradient(64, 64))
     assert thumbnail(dataclasses.replace(bad, data=bad.data[:200])) is None
+
+
+def test_a_polls_thumbnails_are_computed_off_the_calling_thread_in_order_and_equal_to_one_by_one(monkeypatch):
+    """What the loop hands to its thumbnail threads: every frame's thumbnail, in order across the chunks, the same
+    values as computed inline (so the same reuse decisions), None in place for one that does not decode."""
+    import threading
+
+    import worker.reuse.thumbnail as module
+
+    rng = np.random.default_rng(3)
+    frames = [jpeg_frame(np.clip(gradient(90, 160) + rng.normal(0, 20 * i, (90, 160, 3)), 0, 255).astype(np.uint8))
+              for i in range(7)]
+    frames[3] = dataclasses.replace(frames[3], data=frames[3].data[:200])
+    frames.append(raw_frame(gradient(40, 64)))
+    want = [thumbnail(f) for f in frames]
+    ran_on: list[str] = []
+    real = module.thumbnail
+    monkeypatch.setattr(module, "thumbnail", lambda f: ran_on.append(threading.current_thread().name) or real(f))
+    pool = Thumbnails(threads=3)
+    try:
+        got = pool.of(frames)
+    finally:
+        pool.close()
+    assert [g is None for g in got] == [w is None for w in want] == [i == 3 for i in range(len(frames))]
+    for g, w in zip(got, want, strict=True):
+        if w is not None:
+            np.testing.assert_array_equal(g, w)
+    assert len(ran_on) == len(frames) and all(name.startswith("thumbnail") for name in ran_on)
+    assert pool.of([]) == []
 
 
 # -- the invariant, over random traffic ------------------------------------------------------------------------

@@ -3,7 +3,6 @@ conversion, labels that never flag, factory options; validated once by the confi
 
 from __future__ import annotations
 
-import concurrent.futures
 import sys
 from pathlib import Path
 
@@ -21,7 +20,9 @@ from model_factories import pixels, raw_frame
 from worker.config import ConfigError, ModelSettings, load_settings
 from worker.runtime import load_model
 from worker.runtime.models import ModelContract
-from worker.runtime.preprocess import Normaliser, Preprocessor, _resize, _resize_like_opencv, fit_to_input
+from worker.runtime.normalise import Normaliser
+from worker.runtime.preprocess import Preprocessor
+from worker.runtime.resample import resize, resize_like_opencv
 
 
 def _contract(**kw: object) -> ModelContract:
@@ -139,7 +140,7 @@ def test_the_exact_filter_is_pillows_rounded_once(src, width, seed):
     """Resizing one dimension, Pillow rounds once: it must equal the reference rounded, which checks the reference."""
     img = np.random.default_rng(seed).integers(0, 256, (*src, 3), dtype=np.uint8)
     dst = (src[0], width)
-    assert np.abs(_resize(img, dst, "pillow") - _exact_bilinear(img, dst)).max() <= 0.5 + ROUNDING
+    assert np.abs(resize(img, dst, "pillow") - _exact_bilinear(img, dst)).max() <= 0.5 + ROUNDING
 
 
 @settings(max_examples=60, deadline=None)
@@ -150,7 +151,7 @@ def test_both_resamplers_stay_within_one_grey_level_of_the_exact_filter(resample
     so each resampler is off by under one level; torch's and Pillow's can then differ by two, in opposite
     directions (measured: 1 pixel in 10^7 on noise)."""
     img = np.random.default_rng(seed).integers(0, 256, (*src, channels), dtype=np.uint8)
-    ours = _resize(img, dst, resampler)
+    ours = resize(img, dst, resampler)
     assert ours.shape == (*dst, channels) and ours.dtype == np.uint8
     assert np.abs(ours - _exact_bilinear(img, dst)).max() <= 1 + ROUNDING
 
@@ -164,111 +165,91 @@ def test_torch_resize_into_a_batch_row_is_torchs_interpolate_exactly(src, channe
     x = torch.from_numpy(img).permute(2, 0, 1).unsqueeze(0)
     want = torch.nn.functional.interpolate(x, size=dst, mode="bilinear", antialias=True, align_corners=False)
     want_hwc = want[0].permute(1, 2, 0).numpy()
-    fresh = _resize(img, dst, "torch")
+    fresh = resize(img, dst, "torch")
     if dst != src:
         assert fresh.flags.c_contiguous
     np.testing.assert_array_equal(fresh, want_hwc)
     rows = np.full((2, *dst, channels), 99, dtype=np.uint8)
-    written = _resize(img, dst, "torch", out=rows[1])
+    written = resize(img, dst, "torch", out=rows[1])
     if dst != src:
         assert written is rows[1] or np.shares_memory(written, rows[1])
     np.testing.assert_array_equal(written, want_hwc)
     assert (rows[0] == 99).all()  # nothing written outside the row given
 
 
-def _opencv_reference(pixels: np.ndarray, size_hw: tuple[int, int]) -> np.ndarray:
-    """The first, plain numpy version of `_resize_like_opencv` (whole source promoted to int32, fancy indexing),
-    kept as the reference its faster replacement must equal bit for bit."""
-    def taps(n_in: int, n_out: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        pos = (np.arange(n_out) + 0.5) * (n_in / n_out) - 0.5
-        i0 = np.floor(pos).astype(np.int64)
-        frac = pos - i0
-        low, high = i0 < 0, i0 >= n_in - 1
-        frac[low | high] = 0.0
-        i0 = np.clip(i0, 0, n_in - 1)
-        w1 = np.round(frac * 2048).astype(np.int32)
-        w0 = np.round((1.0 - frac) * 2048).astype(np.int32)
-        return i0, np.minimum(i0 + 1, n_in - 1), w0, w1
+def _nudenet_input(pixels: np.ndarray) -> np.ndarray:
+    """NudeNet's own preprocessing (nudenet.nudenet._read_image: cv2.copyMakeBorder to a square, then
+    cv2.dnn.blobFromImage's cv2.resize INTER_LINEAR to 320x320, 1/255, BGR) of RGB `pixels`, given as the BGR
+    array cv2.imread would have made of them."""
+    from nudenet.nudenet import _read_image
 
-    x0, x1, ax0, ax1 = taps(pixels.shape[1], size_hw[1])
-    y0, y1, by0, by1 = taps(pixels.shape[0], size_hw[0])
-    src = pixels.astype(np.int32)
-    rows = (src[:, x0] * ax0[None, :, None] + src[:, x1] * ax1[None, :, None]) >> 4
-    out = (((rows[y0] * by0[:, None, None]) >> 16) + ((rows[y1] * by1[:, None, None]) >> 16) + 2) >> 2
-    return np.clip(out, 0, 255).astype(np.uint8)
+    return _read_image(np.ascontiguousarray(pixels[:, :, ::-1]), 320)[0]
 
 
-@settings(max_examples=150, deadline=None)
-@given(src=st.tuples(st.integers(1, 120), st.integers(1, 120)), dst=st.tuples(st.integers(1, 120), st.integers(1, 120)),
-       channels=st.sampled_from([1, 2, 3, 4]), seed=st.integers(0, 2**16),
+NEEDS_NUDENET = pytest.mark.skipif(
+    any(__import__("importlib").util.find_spec(m) is None for m in ("nudenet", "cv2")),
+    reason="needs the models extra (nudenet, opencv-python-headless)")
+
+
+@NEEDS_NUDENET
+@settings(max_examples=60, deadline=None)
+@given(hw=st.tuples(st.integers(1, 700), st.integers(1, 700)), seed=st.integers(0, 2**16),
        values=st.sampled_from(["noise", "extremes"]))
-def test_the_opencv_resampler_equals_its_plain_reference_bit_for_bit(src, dst, channels, seed, values):
-    """Shrinking (where some source rows are skipped), enlarging and both at once, any channel count, noise and
-    0/255 extremes (the largest intermediate values): the same uint8 output as the reference, fresh or in a row."""
+def test_the_nudenet_preset_preprocesses_as_nudenet_itself_bit_for_bit(hw, seed, values):
+    """The worker's path (Preprocessor: pad to a square, cv2.resize; Normaliser: BGR, 1/255) gives the float
+    input NudeNet's own preprocessing gives, exactly, enlarging and shrinking, noise and 0/255 extremes."""
     rng = np.random.default_rng(seed)
-    img = (rng.integers(0, 256, (*src, channels), dtype=np.uint8) if values == "noise"
-           else (rng.integers(0, 2, (*src, channels), dtype=np.uint8) * 255))
-    want = _opencv_reference(img, dst)
-    np.testing.assert_array_equal(_resize_like_opencv(img, dst), want)
+    img = (rng.integers(0, 256, (*hw, 3), dtype=np.uint8) if values == "noise"
+           else rng.integers(0, 2, (*hw, 3), dtype=np.uint8) * 255)
+    contract = ModelContract.from_settings(load_settings(env={}, overrides={"model": {"source": "nudenet"}}).model)
+    frame = raw_frame(0, *hw, data=img.tobytes())
+    batch = Preprocessor(contract).prepare([frame], frame.shape)
+    ours = Normaliser(contract)(batch.pixels, batch.regions).contiguous().numpy()
+    np.testing.assert_array_equal(ours, _nudenet_input(img))
+
+
+@NEEDS_NUDENET
+@settings(max_examples=100, deadline=None)
+@given(src=st.tuples(st.integers(1, 120), st.integers(1, 120)), dst=st.tuples(st.integers(1, 120), st.integers(1, 120)),
+       channels=st.sampled_from([1, 2, 3, 4]), seed=st.integers(0, 2**16))
+def test_the_opencv_resampler_is_cv2_resize_fresh_or_in_a_row(src, dst, channels, seed):
+    """Any channel count (grey is cv2's 2-D array, the same memory), into a new array or straight into a batch
+    row, with nothing written outside it."""
+    import cv2
+
+    img = np.random.default_rng(seed).integers(0, 256, (*src, channels), dtype=np.uint8)
+    want = cv2.resize(img, (dst[1], dst[0]), interpolation=cv2.INTER_LINEAR).reshape(*dst, channels)
+    if dst != src:
+        np.testing.assert_array_equal(resize_like_opencv(img, dst), want)
     rows = np.full((2, *dst, channels), 99, dtype=np.uint8)
-    written = _resize_like_opencv(img, dst, out=rows[1])
+    written = resize_like_opencv(img, dst, out=rows[1])
     assert np.shares_memory(written, rows[1])
-    np.testing.assert_array_equal(written, want)
+    np.testing.assert_array_equal(rows[1], want)
     assert (rows[0] == 99).all()
 
 
-@settings(max_examples=100, deadline=None)
-@given(src=st.tuples(st.integers(1, 90), st.integers(1, 90)), pad=st.tuples(st.integers(0, 90), st.integers(0, 90)),
-       dst=st.tuples(st.integers(1, 90), st.integers(1, 90)), channels=st.sampled_from([1, 3]),
-       seed=st.integers(0, 2**16))
-def test_the_opencv_resampler_reads_a_canvas_padding_as_the_zeros_it_would_hold(src, pad, dst, channels, seed):
-    """pad_stretch's canvas (the pixels padded bottom/right with black) resized without being made: the
-    reference's output on the padded pixels."""
-    img = np.random.default_rng(seed).integers(0, 256, (*src, channels), dtype=np.uint8)
-    canvas = np.zeros((src[0] + pad[0], src[1] + pad[1], channels), dtype=np.uint8)
-    canvas[:src[0], :src[1]] = img
-    np.testing.assert_array_equal(_resize_like_opencv(img, dst, canvas_hw=canvas.shape[:2]),
-                                  _opencv_reference(canvas, dst))
+@NEEDS_NUDENET
+def test_the_opencv_resampler_runs_in_the_calling_thread():
+    """cv2's own pool is kept from competing with the preprocessing threads and the runners (decided once)."""
+    import cv2
+
+    resize(np.zeros((8, 8, 3), dtype=np.uint8), (4, 4), "opencv")
+    assert cv2.getNumThreads() == 1  # setNumThreads(0): sequential, in the caller
 
 
-def test_the_opencv_resampler_on_several_threads_at_once_gives_each_its_own_result():
-    """Each thread resizes in scratch arrays of its own: threads interleaving shapes never see another's values."""
-    rng = np.random.default_rng(7)
-    jobs = [(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), dst)
-            for h, w, dst in [(224, 224, (320, 320)), (90, 160, (64, 64)), (33, 17, (100, 7))] * 8]
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda job: _resize_like_opencv(*job), jobs))
-    for (img, dst), got in zip(jobs, results, strict=True):
-        np.testing.assert_array_equal(got, _opencv_reference(img, dst))
+def test_without_cv2_the_opencv_resampler_is_a_config_error_naming_the_extra(monkeypatch):
+    import worker.runtime.resample as resample
 
-
-@pytest.mark.parametrize("frame_hw", [(224, 224), (720, 1280), (1280, 720), (100, 333), (320, 320), (160, 160)])
-def test_pad_stretch_with_the_opencv_resampler_is_the_reference_on_the_padded_frame(frame_hw):
-    """What the nudenet preset does to a frame: pad to a square with black, then resize to 320x320."""
-    c = _contract(input_size=(320, 320), resize="pad_stretch", resampler="opencv")
-    img = np.random.default_rng(frame_hw[0]).integers(0, 256, (*frame_hw, 3), dtype=np.uint8)
-    side = max(frame_hw)
-    canvas = np.zeros((side, side, 3), dtype=np.uint8)
-    canvas[:frame_hw[0], :frame_hw[1]] = img
-    row = np.empty((320, 320, 3), dtype=np.uint8)
-    fitted, offset = fit_to_input(img, c, out=row)
-    assert offset == (0, 0)
-    want = canvas if side == 320 else _opencv_reference(canvas, (320, 320))
-    np.testing.assert_array_equal(fitted, want)
-
-
-@pytest.mark.parametrize("src,dst", [((224, 224), (320, 320)), ((480, 640), (240, 320)), ((1080, 1920), (180, 320)),
-                                     ((320, 320), (320, 320)), ((2, 1), (320, 320))])
-def test_the_opencv_resampler_equals_its_reference_at_real_frame_sizes(src, dst):
-    """Frame sizes the nudenet preset sees (its input is 320x320), and a view of a wider frame (not contiguous)."""
-    img = np.random.default_rng(sum(src)).integers(0, 256, (src[0], src[1] + 5, 3), dtype=np.uint8)[:, 5:]
-    np.testing.assert_array_equal(_resize_like_opencv(img, dst), _opencv_reference(img, dst))
+    monkeypatch.setattr(resample, "_cv2", None)
+    monkeypatch.setitem(sys.modules, "cv2", None)  # import cv2 raises ImportError
+    with pytest.raises(ConfigError, match=r"streamfer\[models\]"):
+        Preprocessor(_contract(input_size=(8, 8), resampler="opencv"))
 
 
 def test_a_row_of_another_size_is_not_written():
     img = np.random.default_rng(3).integers(0, 256, (40, 60, 3), dtype=np.uint8)
     wrong = np.full((20, 21, 3), 7, dtype=np.uint8)
-    out = _resize(img, (20, 20), "torch", out=wrong)
+    out = resize(img, (20, 20), "torch", out=wrong)
     assert out.shape == (20, 20, 3) and not np.shares_memory(out, wrong) and (wrong == 7).all()
 
 

@@ -21,8 +21,8 @@ from PIL import Image, ImageFile
 import worker.runtime.decode as decode_module
 from worker.frames import Encoding, Frame, Priority, SourceRef
 from worker.runtime.decode import FrameDecodeError, check_jpeg, decode_pixels, jpeg_scale
+from worker.runtime.fitting import fit_to_input, resize_target
 from worker.runtime.models import ModelContract
-from worker.runtime.preprocess import fit_to_input, resize_target
 from worker.testing.pixels import photo_like
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,7 +20,9 @@ from worker.config import MODEL_PRESETS, ModelSettings, load_settings
 from worker.frames import Encoding, Frame
 from worker.runtime.contract import ModelContract
 from worker.runtime.detection import decode_detections, detection_verdict, input_transform
-from worker.runtime.preprocess import Normaliser, Preprocessor, fit_to_input
+from worker.runtime.fitting import fit_to_input
+from worker.runtime.normalise import Normaliser
+from worker.runtime.preprocess import Preprocessor
 
 NUDENET_MISSING = [m for m in ("onnx", "onnx2torch", "onnxruntime", "nudenet", "cv2", "skimage")
                    if importlib.util.find_spec(m) is None]

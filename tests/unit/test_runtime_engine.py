@@ -226,7 +226,8 @@ def test_int8_disagreeing_with_fp32_refuses_to_start_naming_the_setting():
 def test_opennsfw_in_int8_is_quantised_once_cached_by_its_hash_and_scores_close_to_fp32(tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
     frames = photo_frames((224, 224))
-    s = _settings("opennsfw", cache, precision="int8", warmup_batches=0, calibrate_batch_sizes=False)
+    s = _settings("opennsfw", cache, precision="int8", precision_policy="always", warmup_batches=0,
+                  calibrate_batch_sizes=False)
     with InferenceExecutor.from_settings(s.model, s.runtime) as ex:
         assert "int8, onnxruntime" in ex.device_description
         int8 = ex.submit(frames, frames[0].shape).result()
@@ -241,3 +242,101 @@ def test_opennsfw_in_int8_is_quantised_once_cached_by_its_hash_and_scores_close_
     for (_, a), (_, b) in zip(want.verdicts, int8.verdicts, strict=True):
         assert a.flagged_labels == b.flagged_labels
         assert abs(a.scores["nsfw"] - b.scores["nsfw"]) < 0.05
+
+
+# --- int8 only where it pays ---
+
+EPYC = "processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu sse2 avx avx2 fma\n\nprocessor\t: 1\n"
+SAPPHIRE = "model name\t: Intel(R) Xeon(R) Platinum 8480+\nflags\t: avx2 avx512f avx512_vnni amx_int8 amx_bf16\n"
+
+
+def _speed(fp32_ms: float, int8_ms: float):
+    from worker.runtime.quantize import Int8Speed
+
+    return Int8Speed(fp32_ms, int8_ms, batch=8, rounds=6, clock="thread CPU")
+
+
+def test_the_cpus_int8_instruction_sets_are_read_from_its_flags():
+    from worker.runtime.quantize import CpuInfo
+
+    epyc, xeon = CpuInfo.read(EPYC), CpuInfo.read(SAPPHIRE)
+    assert epyc == CpuInfo("AMD EPYC 7B13", ("avx2",))
+    assert "no VNNI" in epyc.describe() and "no AMX" in epyc.describe()
+    assert xeon.flags == ("avx2", "avx512f", "avx512_vnni", "amx_int8", "amx_bf16")
+    assert "VNNI" not in xeon.describe().replace("avx512_vnni", "")
+
+
+def test_int8_not_faster_starts_on_fp32_and_says_why():
+    from worker.runtime.quantize import CpuInfo, decide_int8
+
+    decision = decide_int8("open_nsfw", _speed(100.0, 103.0), CpuInfo.read(EPYC), "when_faster")  # 0.97x
+    assert not decision.use_int8
+    text = decision.describe()
+    assert "0.97x" in text and "running fp32" in text and "AMD EPYC 7B13" in text and "no VNNI" in text
+    assert 'precision_policy = "always"' in text
+
+
+def test_int8_faster_by_the_margin_is_kept_and_below_it_is_not():
+    from worker.runtime.quantize import INT8_MIN_SPEEDUP, CpuInfo, decide_int8
+
+    cpu = CpuInfo.read(SAPPHIRE)
+    assert decide_int8("m", _speed(212.0, 100.0), cpu, "when_faster").use_int8  # 2.12x
+    assert "running int8" in decide_int8("m", _speed(212.0, 100.0), cpu, "when_faster").describe()
+    assert not decide_int8("m", _speed(100.0 * INT8_MIN_SPEEDUP - 0.1, 100.0), cpu, "when_faster").use_int8
+
+
+def test_policy_always_keeps_int8_where_it_is_slower_and_says_so():
+    from worker.runtime.quantize import CpuInfo, decide_int8
+
+    decision = decide_int8("m", _speed(90.0, 100.0), CpuInfo.read(EPYC), "always")
+    assert decision.use_int8 and "anyway" in decision.describe()
+
+
+@NEEDS_MODELS
+def test_int8_and_fp32_are_timed_on_the_same_batches_in_alternating_order():
+    """A fake clock each model advances by its own time: the medians are those times, and neither always runs
+    second (interleaved)."""
+    from worker.runtime.quantize import time_int8_against_fp32
+
+    now = [0.0]
+    calls: list[tuple[str, tuple[int, ...]]] = []
+
+    def model(name: str, seconds: float):
+        def run(x):
+            calls.append((name, tuple(x.shape)))
+            now[0] += seconds
+            return torch.zeros((x.shape[0], 2))
+        return run
+
+    contract = ModelContract.from_settings(_settings("opennsfw").model)
+    speed = time_int8_against_fp32(model("fp32", 0.100), model("int8", 0.103), contract, lambda: now[0], "fake",
+                                   batch=8, rounds=4)
+    assert (speed.fp32_ms, speed.int8_ms) == (pytest.approx(100.0), pytest.approx(103.0))
+    assert speed.ratio == pytest.approx(100 / 103)
+    assert {shape for _, shape in calls} == {(8, 224, 224, 3)}
+    timed = [name for name, _ in calls[2:]]  # after one untimed call each
+    assert timed == ["fp32", "int8", "int8", "fp32", "fp32", "int8", "int8", "fp32"]
+
+
+@NEEDS_MODELS
+@pytest.mark.filterwarnings("ignore")  # onnxruntime.quantization's advice on opsets and pre-processing
+@pytest.mark.parametrize("policy,ratio,runs", [("when_faster", 0.97, "fp32"), ("when_faster", 2.0, "int8"),
+                                               ("always", 0.97, "int8")])
+def test_the_worker_starts_on_what_the_int8_decision_says(tmp_path_factory, monkeypatch, caplog, policy, ratio,
+                                                          runs):
+    """Injected timings (this machine's own would decide by themselves): the runners, the device description and
+    the start-up log follow the decision."""
+    import worker.runtime.quantize as quantize
+
+    monkeypatch.setattr(quantize, "_DECISIONS", {})
+    monkeypatch.setattr(quantize, "time_int8_against_fp32", lambda *a, **k: _speed(100.0 * ratio, 100.0))
+    cache = tmp_path_factory.getbasetemp() / "int8-decision-cache"
+    s = _settings("opennsfw", cache, precision="int8", precision_policy=policy, warmup_batches=0,
+                  calibrate_batch_sizes=False)
+    with caplog.at_level(logging.INFO, logger="worker.runtime.quantize"), \
+            InferenceExecutor.from_settings(s.model, s.runtime) as ex:
+        assert f"{runs}, onnxruntime" in ex.device_description
+        assert {r.precision for r in ex.runners} == {runs}
+        assert {("int8" in r.module.path.name) for r in ex.runners} == {runs == "int8"}
+    assert len([r for r in caplog.records if "int8 decision" in r.getMessage()]) == 1  # once for every runner
+    assert f"{ratio:.2f}x" in caplog.text

@@ -25,7 +25,7 @@ from worker.frames import DECODE_ERROR, MODEL_ERROR, NON_FINITE_OUTPUT, Priority
 from worker.runtime import InferenceExecutor, build_builtin_model
 from worker.runtime.deviceplan import DeviceMemory
 from worker.runtime.models import ModelContract
-from worker.runtime.preprocess import Normaliser
+from worker.runtime.normalise import Normaliser
 from worker.runtime.runners import EagerRunner
 from worker.testing import wait_for
 
@@ -138,6 +138,17 @@ def test_outcome_reports_sizes_and_timings(executor_for):
     outcome = _run(ex, [raw_frame(i, 16, 16) for i in range(3)], (16, 16, 3))
     assert (outcome.batch_size, outcome.bucket, outcome.used_graph) == (3, 3, False)
     assert outcome.preprocess_ms >= 0 and outcome.inference_ms > 0 and outcome.started_at > 0
+
+
+def test_on_cpu_an_outcome_carries_the_thread_cpu_of_its_work(executor_for):
+    """What the batcher ranks sizes by on a CPU device: the preparation's and the inference's thread CPU, which
+    no thread can spend faster than the wall clock, each thread at most its own elapsed time."""
+    ex = executor_for()
+    assert ex.batch_cost_by_cpu
+    outcome = _run(ex, [raw_frame(i, 64, 64) for i in range(8)], (64, 64, 3))
+    assert outcome.cpu_ms is not None and outcome.cpu_ms > 0
+    threads = ex._preprocessor._workers + 2  # the decode pool, the preparing thread, the runner's thread
+    assert outcome.cpu_ms <= (outcome.preprocess_ms + outcome.inference_ms) * threads + 1.0
 
 
 def test_verdicts_apply_per_label_thresholds(executor_for):

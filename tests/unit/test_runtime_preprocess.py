@@ -19,8 +19,11 @@ from model_factories import jpeg_frame, pixels, raw_frame
 
 from worker.config import ModelSettings
 from worker.runtime import FrameDecodeError
+from worker.runtime.fitting import fit_to_input
+from worker.runtime.hostbatch import HostBuffers
 from worker.runtime.models import ModelContract
-from worker.runtime.preprocess import HostBuffers, Normaliser, Preprocessor, decode_pixels, fit_to_input
+from worker.runtime.normalise import Normaliser
+from worker.runtime.preprocess import Preprocessor, decode_pixels
 
 CONTRACT = ModelContract.from_settings(ModelSettings())
 WAIT_S = 10.0

@@ -17,7 +17,7 @@ from worker.runtime import build_builtin_model
 from worker.runtime.capturegate import CaptureGate
 from worker.runtime.hostsync import ServingState
 from worker.runtime.models import ModelContract, apply_activation
-from worker.runtime.preprocess import Normaliser
+from worker.runtime.normalise import Normaliser
 from worker.runtime.runners import CudaGraphRunner, EagerRunner, ScoresToHost, _return_memory, blocking_event
 
 CONTRACT = ModelContract.from_settings(ModelSettings())

@@ -23,6 +23,12 @@ batch size seen, and a least-squares line a + b*n through those means:
     size instead of staying where a noisy warm-up or a noisy trial put it. The line alone always favours the
     largest size, so the choice uses measurements: on CPUs a large batch is often slower per frame (cache),
     which only a measurement shows.
+  - rank_by_cpu (a CPU device): best_size ranks sizes by frames per CPU second instead, the thread CPU of each
+    live batch's preparation and inference (`cpu_seconds`): on cores that the runners and the decode pool share,
+    a batch's wall time follows whatever else runs beside it, its CPU what the size costs the machine (one
+    onnxruntime thread spends more per frame at 32 than at 8). Sizes without a CPU reading are ranked by their
+    time times the median CPU / time of the sizes with one. The budget (largest_within, predict) stays in wall
+    time: a frame waits for the wall clock.
 """
 
 from __future__ import annotations
@@ -68,11 +74,13 @@ class _ShapeCost:
     last_at: dict[int, int] = field(default_factory=dict)  # batch size -> `batches` at its last live batch
     run: dict[int, int] = field(default_factory=dict)  # batch size -> live batches since its mean started afresh
     calibrated_s: dict[int, float] = field(default_factory=dict)  # batch size -> warm-up calibration's seconds
+    cpu_s: dict[int, float] = field(default_factory=dict)  # batch size -> EWMA of live batches' CPU seconds
     # The fitted (a, b), or None until it is next needed: fitted lazily, as every batch changes mean_s and most
     # predictions are of measured sizes.
     _fit: tuple[float, float] | None = field(default=None, repr=False, compare=False)
 
-    def measured(self, n: int, seconds: float, alpha: float, calibration: bool = False) -> None:
+    def measured(self, n: int, seconds: float, alpha: float, calibration: bool = False,
+                 cpu_seconds: float | None = None) -> None:
         if calibration:
             self.calibrated_s[n] = min(seconds, self.calibrated_s.get(n, seconds))
         else:
@@ -81,10 +89,14 @@ class _ShapeCost:
             self.batches += 1
             self.run[n] += 1
             self.last_at[n] = self.batches
-            if self.run[n] == 1:
-                self.live_s[n] = seconds
-            else:  # a plain mean until the EWMA's own weight is smaller: a first batch alone decides nothing
-                self.live_s[n] += max(alpha, 1.0 / self.run[n]) * (seconds - self.live_s[n])
+            weight = 1.0 if self.run[n] == 1 else max(alpha, 1.0 / self.run[n])
+            # a plain mean until the EWMA's own weight is smaller: a first batch alone decides nothing
+            self.live_s[n] = seconds if weight == 1.0 else self.live_s[n] + weight * (seconds - self.live_s[n])
+            if cpu_seconds is not None:
+                cpu = self.cpu_s.get(n, cpu_seconds) if weight < 1.0 else cpu_seconds
+                self.cpu_s[n] = cpu + weight * (cpu_seconds - cpu)
+            elif weight == 1.0:
+                self.cpu_s.pop(n, None)  # a fresh run without CPU readings: an old one would outlive its batches
             self.live_count[n] = self.live_count.get(n, 0) + 1
         shared = [m for m in self.live_s if m in self.calibrated_s]
         ratio = statistics.median(self.live_s[m] / self.calibrated_s[m] for m in shared) if shared else 1.0
@@ -106,6 +118,15 @@ class _ShapeCost:
         if self._fit is None:
             self._fit = _least_squares(sorted(self.mean_s.items()))
         return self._fit
+
+    def cpu(self, n: int) -> float:
+        """Size n's CPU seconds a batch: measured live, else its estimated time times the median CPU / time of the
+        sizes measured both ways (else its time: nothing known of the CPU yet)."""
+        if n in self.cpu_s:
+            return self.cpu_s[n]
+        shared = [m for m in self.cpu_s if m in self.live_s and self.live_s[m] > 0]
+        ratio = statistics.median(self.cpu_s[m] / self.live_s[m] for m in shared) if shared else 1.0
+        return self.mean_s[n] * ratio
 
     def predict(self, n: int) -> float:
         measured = self.mean_s.get(n)
@@ -133,25 +154,31 @@ def _least_squares(points: list[tuple[int, float]]) -> tuple[float, float]:
 class CostModel:
     """Learned batch times per shape; see the module docstring. Not thread-safe: the loop owns it."""
 
-    def __init__(self, alpha: float = EWMA_ALPHA, tolerance: float = THROUGHPUT_TOLERANCE) -> None:
+    def __init__(self, alpha: float = EWMA_ALPHA, tolerance: float = THROUGHPUT_TOLERANCE,
+                 rank_by_cpu: bool = False) -> None:
         self._alpha = alpha
         self._tolerance = tolerance
+        self.rank_by_cpu = rank_by_cpu
         self._shapes: dict[Shape, _ShapeCost] = {}
         self._profiles: dict[Shape, _ShapeCost | None] = {}  # merged views, dropped on every observation
         # Bumped on every observation, so a caller can tell its cached choices are stale.
         self.version = 0
         self._chosen: dict[tuple[Shape, int], int] = {}  # (shape, cap) -> the size best_size chose last
 
-    def observe(self, shape: Shape, n: int, seconds: float, calibration: bool = False) -> None:
-        """Record one measured batch of `n` frames of `shape` that took `seconds` (preprocess + inference); with
+    def observe(self, shape: Shape, n: int, seconds: float, calibration: bool = False,
+                cpu_seconds: float | None = None) -> None:
+        """Record one measured batch of `n` frames of `shape` that took `seconds` (preprocess + inference) and
+        `cpu_seconds` of thread CPU (its preparation's and its inference's threads; None: not measured); with
         `calibration`, a warm-up timing (see the module docstring)."""
         if n < 1 or not math.isfinite(seconds) or seconds <= 0:
             return
+        if cpu_seconds is not None and (not math.isfinite(cpu_seconds) or cpu_seconds <= 0):
+            cpu_seconds = None
         key: Shape = tuple(shape)  # type: ignore[assignment]
         cost = self._shapes.get(key)
         if cost is None:
             cost = self._shapes[key] = _ShapeCost()
-        cost.measured(n, seconds, self._alpha, calibration)
+        cost.measured(n, seconds, self._alpha, calibration, cpu_seconds)
         self._profiles.clear()
         self.version += 1
 
@@ -171,14 +198,16 @@ class CostModel:
         return None if cost is None else cost.line
 
     def best_size(self, shape: Shape, cap: int) -> int | None:
-        """The size <= cap with the most frames per second of device time; None if nothing is known."""
+        """The size <= cap with the most frames per second of device time (`rank_by_cpu`: per CPU second); None if
+        nothing is known."""
         profile = self._profile(tuple(shape))  # type: ignore[arg-type]
         if profile is None:
             return None
         sizes = [n for n in profile.mean_s if n <= cap]
         if not sizes:
             return None
-        rate = {n: n / (profile.mean_s[n] + BATCH_OVERHEAD_S) for n in sizes}
+        cost = profile.cpu if self.rank_by_cpu else profile.mean_s.__getitem__
+        rate = {n: n / (cost(n) + BATCH_OVERHEAD_S) for n in sizes}
         best = max(rate.values())
         near = [n for n in sizes if rate[n] >= best * (1.0 - self._tolerance)]
         key = (tuple(shape), cap)
@@ -220,6 +249,7 @@ class CostModel:
                 profile.mean_s[n] = ref.mean_s[n] * ratio
             if own is not None:
                 profile.mean_s.update(own.mean_s)
+                profile.live_s, profile.cpu_s = own.live_s, own.cpu_s
         self._profiles[shape] = profile
         return profile
 

@@ -94,7 +94,8 @@ class BatchingSettings:
         max_wait_ms=100, max_age_ms=0, weight=1, latency_budget_ms=0, pending_share=0.25), doc=(
         "the bulk class: the [batching.bulk] table"))
     adaptive_batch_size: bool = setting(True, doc=(
-        "release each group at the size the learned cost model measures the most frames per device second for (sizes "
+        "release each group at the size the learned cost model measures the most frames per device second for (on a "
+        "CPU device, per CPU second of the batch's own threads) (sizes "
         "within 5% of the best count as equal: the one in use is kept, else the largest, as per-batch loop, produce "
         "and commit costs are outside the measurement) (warm-up times sizes 1, 2, 4 … `max_batch_size`; every batch "
         "updates it; a size known only from warm-up is scaled by how much slower live batches ran than their warm-up "

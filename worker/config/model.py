@@ -85,10 +85,9 @@ class ModelSettings:
         " `torch` (torch's uint8 kernel: like Pillow's, within one grey level of the exact bilinear filter, tested "
         "over random sizes and images; so the two differ by at most two, at 1 pixel in 10^7 on noise, by one at 6%; "
         "about a quarter of Pillow's CPU on this project's machine) or `pillow` (Pillow's own, to match a reference "
-        "preprocessing that uses it bit for bit), or `opencv` (bilinear without antialiasing in OpenCV's "
-        "`cv2.resize` INTER_LINEAR fixed-point arithmetic, which `cv2.dnn.blobFromImage` references use: NudeNet's; "
-        "equal to cv2 5.1 when shrinking, one grey level off at about 0.1% of pixels when enlarging; "
-        "numpy: 0.9 CPU-ms for 224x224 -> 320x320 on this project's machine, 7x torch's kernel)"))
+        "preprocessing that uses it bit for bit), or `opencv` (`cv2.resize` INTER_LINEAR itself, bilinear without "
+        "antialiasing, as `cv2.dnn.blobFromImage` references do: NudeNet's, bit for bit; needs OpenCV, which the "
+        "`models` extra brings; run in the calling thread, cv2's own thread pool off)"))
     output: Literal["scores", "detections"] = setting("scores", doc=(
         "`scores`: one `[N, len(labels)]` output; `detections`: a YOLOv8-style detector, `[N, 4 + len(labels), "
         "anchors]` (box centre x, y, width, height in input pixels, then a score per label), decoded after the model "
@@ -179,7 +178,12 @@ class RuntimeSettings:
         "`fp32`, `fp16` (CUDA only), `bf16` (autocast), or `int8` (onnxruntime on a CPU only: the ONNX model "
         "statically quantised (QDQ), calibrated on the shipped sample photos and cached under `model.cache_dir` by "
         "the file's hash; the worker refuses to start when its verdicts agree with fp32's on those photos less than "
-        "`model.int8_min_agreement`)"))
+        "`model.int8_min_agreement`; and runs fp32 instead where int8 is not faster: `precision_policy`)"))
+    precision_policy: Literal["when_faster", "always"] = setting("when_faster", doc=(
+        "`precision = \"int8\"`: `when_faster` times the quantised model against fp32 at start (the same batches, "
+        "interleaved) and runs int8 only where it is at least 1.05x fp32's speed, else fp32, saying why in the log "
+        "and `worker check-model` with the ratio and the CPU's int8 instruction sets (VNNI, AMX): without them int8 "
+        "gains little (0.93-0.97x fp32 on an AMD EPYC with AVX2, no VNNI); `always` keeps int8 regardless"))
     cuda_graphs: bool = setting(True, doc=(
         "capture one CUDA graph per (batch bucket, shape) on CUDA, for the buckets a batch can reach (below), under a "
         "memory budget; a model whose forward reads device values on the host is then refused at start (the host-sync "

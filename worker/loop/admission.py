@@ -9,7 +9,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from worker.batching import MicroBatcher
-from worker.config import Settings
+from worker.config import Settings, usable_cores
 from worker.frames import DUPLICATE_FRAME, TP, BatchOutcome, Frame, Output, Polled, Priority
 from worker.loop.answers import Answers
 from worker.loop.flow import FlowControl
@@ -17,7 +17,7 @@ from worker.metrics import Children, Metrics
 from worker.partitions.dedup import DuplicateFrames, duplicate_reason
 from worker.partitions.offsets import OffsetTracker
 from worker.reuse.policy import Decision, FrameReuse, Reused
-from worker.reuse.thumbnail import Thumbnail, thumbnail
+from worker.reuse.thumbnail import Thumbnail, Thumbnails
 
 
 @dataclass
@@ -46,6 +46,8 @@ class Admission:
         reuse = FrameReuse({p: settings.batching.for_class(p).reuse_max_age_ms for p in Priority},
                            settings.batching.reuse_change_threshold)
         self.reuse = reuse if reuse.any_enabled else None
+        # Their thumbnails are computed off this (the loop's) thread, a poll's at once, one thread per core.
+        self._thumbnails = Thumbnails(usable_cores())
 
     def take(self, polled: Polled, now: float) -> Admitted:
         # Track in each partition's offset order (the tracker refuses an offset below one already read).
@@ -61,6 +63,7 @@ class Admission:
             self._metrics.count_by_tenant(self._consumed, polled.frames)
         late: list[Frame] = []
         reused: list[Reused] = []
+        thumbs = self._thumbnails_of(polled.frames, now)
         oldest: dict[Priority, int] = {}  # capture_ts_ms of the oldest frame read, per class
         for frame in polled.frames:
             if frame.capture_ts_ms < oldest.get(frame.priority, frame.capture_ts_ms + 1):
@@ -77,7 +80,7 @@ class Admission:
             elif self.reuse is None or not self.reuse.enabled(frame.priority):
                 self._batcher.add(frame)
             else:
-                self._score_or_reuse(frame, None, reused)
+                self._score_or_reuse(frame, thumbs[id(frame)], reused)
         if reused:
             taken.outputs.extend(self._answers.reused(reused, now))
         if self.reuse is not None:
@@ -122,14 +125,24 @@ class Admission:
             released = set(tps)
             self._batcher.discard(lambda f: f.source.topic_partition in released)
 
+    def close(self) -> None:
+        self._thumbnails.close()
+
+    def _thumbnails_of(self, frames: list[Frame], now: float) -> dict[int, Thumbnail | None]:
+        """By id(frame), the thumbnails of the frames that may reach the reuse policy (a class with reuse on, not
+        past its deadline: a repeat is found later and costs its thumbnail only)."""
+        if self.reuse is None:
+            return {}
+        wanted = [f for f in frames if self.reuse.enabled(f.priority) and not self._past_deadline(f, now)]
+        return dict(zip(map(id, wanted), self._thumbnails.of(wanted), strict=True))
+
     def _score_or_reuse(self, frame: Frame, thumb: Thumbnail | None, reused: list[Reused]) -> None:
-        """The frame to the batcher (a new reference), to `reused` (answered now), or held by the policy."""
+        """The frame to the batcher (a new reference), to `reused` (answered now), or held by the policy. A frame
+        without a thumbnail (its pixels do not decode) is scored: the runtime dead-letters it, with the reason."""
         assert self.reuse is not None
         if thumb is None:
-            thumb = thumbnail(frame)
-            if thumb is None:
-                self._batcher.add(frame)  # the runtime dead-letters it, with the reason
-                return
+            self._batcher.add(frame)
+            return
         decision = self.reuse.offer(frame, thumb)
         if decision is Decision.SCORE:
             self._batcher.add(frame)

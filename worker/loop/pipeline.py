@@ -105,7 +105,8 @@ class Pipeline:
         self.assignments = source.assignments
         self.tracker = delivery.tracker
         # Batch times measured here teach the batcher what each size costs (seeded at warm-up by seed_costs).
-        self.cost = CostModel()
+        # On a CPU device sizes are ranked by the CPU a frame costs: wall time there follows what shares the cores.
+        self.cost = CostModel(rank_by_cpu=getattr(executor, "batch_cost_by_cpu", False))
         self.batcher = MicroBatcher(settings.batching, clock, executor.preferred_batch_sizes, self.cost,
                                     executor.memory_policy, executor.model_input_hw)
         self.duplicates = DuplicateFrames(settings.limits.duplicate_window_frames)
@@ -158,6 +159,7 @@ class Pipeline:
         finally:
             self.source.close()
             self.delivery.close()
+            self.admission.close()
             self.metrics.ready.set(0)
         return self.summary
 
@@ -220,7 +222,8 @@ class Pipeline:
     def _batch_done(self, batch: Batch, outcome: BatchOutcome) -> None:
         run_s = (outcome.preprocess_ms + outcome.inference_ms) / 1000.0
         if outcome.batch_size:
-            self.cost.observe(batch.shape, outcome.batch_size, run_s)
+            self.cost.observe(batch.shape, outcome.batch_size, run_s,
+                              cpu_seconds=None if outcome.cpu_ms is None else outcome.cpu_ms / 1000.0)
         if batch.predicted_s:
             self.metrics.batch_time_ratio.observe(run_s / batch.predicted_s)
         self._counts.batches += 1

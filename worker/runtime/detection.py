@@ -17,7 +17,7 @@ import torch
 
 from worker.frames import Detection, Verdict
 from worker.runtime.contract import ModelContract
-from worker.runtime.preprocess import padded_hw, resize_target
+from worker.runtime.fitting import padded_hw, resize_target
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class InputTransform:
 
 
 def input_transform(contract: ModelContract, frame_hw: tuple[int, int]) -> InputTransform:
-    """The transform `worker.runtime.preprocess.fit_to_input` applies to a frame of `frame_hw` for this contract."""
+    """The transform `worker.runtime.fitting.fit_to_input` applies to a frame of `frame_hw` for this contract."""
     h, w = frame_hw
     size = contract.input_size
     target = resize_target(contract, frame_hw)

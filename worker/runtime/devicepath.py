@@ -45,15 +45,9 @@ from PIL import Image
 
 from worker.frames import Frame
 from worker.runtime.decode import FrameDecodeError, check_frame, decode_pixels
+from worker.runtime.fitting import check_fits_batch, jpeg_roundtrip, resize_target, to_channels
+from worker.runtime.hostbatch import HostBatch, ModelInput
 from worker.runtime.models import ModelContract
-from worker.runtime.preprocess import (
-    HostBatch,
-    ModelInput,
-    check_fits_batch,
-    jpeg_roundtrip,
-    resize_target,
-    to_channels,
-)
 from worker.runtime.streams import STREAMS, StreamRegistry
 
 log = logging.getLogger(__name__)
@@ -359,7 +353,7 @@ class DevicePreprocessor:
 
 def fit_on_device(images: torch.Tensor, contract: ModelContract) -> tuple[torch.Tensor, tuple[int, int]]:
     """[n, C, h, w] uint8 frames of one size -> their pixels in the model input as the contract says, and their
-    (top, left) offset in it (non-zero only for letterbox): `preprocess.fit_to_input`'s semantics, on the device."""
+    (top, left) offset in it (non-zero only for letterbox): `fitting.fit_to_input`'s semantics, on the device."""
     size = contract.input_size
     h, w = int(images.shape[2]), int(images.shape[3])
     target = resize_target(contract, (h, w))

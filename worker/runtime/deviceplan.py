@@ -4,6 +4,7 @@ the executor's one-line description of it all."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -130,6 +131,13 @@ def graph_memory(memory: DeviceMemory | None, runners: int) -> tuple[MemoryPolic
 def _bf16_ok(device: torch.device) -> bool:
     with torch.cuda.device(device):
         return torch.cuda.is_bf16_supported()
+
+
+def loaded_precision(plan: DevicePlan, precisions: Sequence[str]) -> DevicePlan:
+    """The plan with the precision its models were loaded at, where a loader chose one ("" keeps the plan's): int8
+    falls back to fp32 where it does not pay (worker.runtime.quantize)."""
+    chosen = "+".join(dict.fromkeys(p or plan.precision for p in precisions)) or plan.precision
+    return dataclasses.replace(plan, precision=chosen)
 
 
 def describe(plan: DevicePlan, kind: str, engine: str = "torch", runners: int = 1,

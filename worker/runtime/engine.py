@@ -121,16 +121,19 @@ def load_engine_model(model: ModelSettings, runtime: RuntimeSettings, device: to
     session = OnnxRuntimeModel(onnx_path(model), contract, session_threads)
     validate_output(session, contract, device)
     if runtime.precision == "int8":
-        from worker.runtime.quantize import check_int8, quantized_model
+        from worker.runtime.quantize import check_int8, int8_decision, quantized_model
 
         fp32 = session
-        session = OnnxRuntimeModel(quantized_model(fp32.path, fp32.input_name, model, contract), contract,
-                                   session_threads)
-        validate_output(session, contract, device)
-        check_int8(fp32, session, contract, model.int8_min_agreement)
+        int8 = OnnxRuntimeModel(quantized_model(fp32.path, fp32.input_name, model, contract), contract,
+                                session_threads, precision="int8")
+        validate_output(int8, contract, device)
+        check_int8(fp32, int8, contract, model.int8_min_agreement)
+        # int8 only where it pays on this CPU (runtime.precision_policy): else the fp32 session runs.
+        if int8_decision(fp32, int8, contract, runtime.precision_policy).use_int8:
+            session = int8
     load_seconds = time.perf_counter() - t0
     return LoadedModel(module=session, contract=contract, kind="onnx", device=device, load_seconds=load_seconds,
-                       engine=ONNXRUNTIME)
+                       engine=ONNXRUNTIME, precision=session.precision)
 
 
 def make_engine_runner(module: Callable[[torch.Tensor], torch.Tensor], contract: ModelContract, device: torch.device,
@@ -139,9 +142,9 @@ def make_engine_runner(module: Callable[[torch.Tensor], torch.Tensor], contract:
                        graph_budget_bytes: int | None = None) -> ModelRunner:
     """An OnnxRuntimeRunner for a model `load_engine_model` loaded into onnxruntime, else `make_torch_runner`'s."""
     if isinstance(module, OnnxRuntimeModel):
-        return OnnxRuntimeRunner(module, contract, precision)
+        return OnnxRuntimeRunner(module, contract, module.precision)  # int8 falls back to fp32 where it does not pay
     return make_torch_runner(module, contract, device, precision, cuda_graphs, buckets, warmup_batches, caps, memory,
-                       graph_budget_bytes)
+                             graph_budget_bytes)
 
 
 def engine_of(runner: object) -> str:
@@ -178,7 +181,7 @@ class OnnxRuntimeModel:
     """An ONNX file in one onnxruntime CPU session, called as a torch model is: a float32 CPU batch in the contract's
     layout in, its first output out (a tensor sharing the session's output memory)."""
 
-    def __init__(self, path: Path, contract: ModelContract, threads: int) -> None:
+    def __init__(self, path: Path, contract: ModelContract, threads: int, precision: str = "fp32") -> None:
         try:
             import onnxruntime
         except ImportError:
@@ -187,6 +190,7 @@ class OnnxRuntimeModel:
                                      "\"torch\"", setting="runtime.engine") from None
         self.path = path
         self.threads = threads
+        self.precision = precision  # the file's: fp32, or int8 (quantised)
         try:
             self.session = onnxruntime.InferenceSession(str(path), session_options(threads),
                                                         providers=["CPUExecutionProvider"])

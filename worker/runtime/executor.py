@@ -39,13 +39,15 @@ from worker.runtime.deviceplan import (
     device_decode_serves,
     device_memories,
     graph_memory,
+    loaded_precision,
     resolve_plan,
 )
 from worker.runtime.engine import load_engine_model, make_engine_runner, runner_layout
+from worker.runtime.hostbatch import HostBatch, HostBuffers, stage_to_device
 from worker.runtime.hostsync import HostSync, check_host_syncs
 from worker.runtime.models import LoadedModel, ModelContract
 from worker.runtime.modelset import ModelSet
-from worker.runtime.preprocess import HostBatch, HostBuffers, Preprocessor, stage_to_device
+from worker.runtime.preprocess import Preprocessor
 from worker.runtime.prioritypool import PriorityPool
 from worker.runtime.profiling import ProfileRequest
 from worker.runtime.runners import ModelRunner
@@ -148,6 +150,8 @@ class InferenceExecutor:
         # graph capture and by calibrate(); None on CPU.
         self.memory_policy: DeviceMemories | None = (
             DeviceMemories([m.policy for m in self._device_memory]) if self._device_memory else None)
+        # Every runner on the CPU: the batcher ranks batch sizes by the CPU a frame costs (BatchOutcome.cpu_ms).
+        self.batch_cost_by_cpu = all(r[0].device.type == "cpu" for r in per_slot)
 
     @classmethod
     def from_settings(cls, model: ModelSettings, runtime: RuntimeSettings, batching: BatchingSettings | None = None,
@@ -191,7 +195,8 @@ class InferenceExecutor:
                 slots.append(tuple(runners))
         return cls(slots, model_set, preprocess_thread_count(runtime), runtime.warmup_batches,
                    warmup_batch_size=max(runtime.graph_batch_sizes),
-                   device_description=describe(plan, "+".join(m.kind for m in first),
+                   device_description=describe(loaded_precision(plan, [m.precision for m in first]),
+                                               "+".join(m.kind for m in first),
                                                "+".join(sorted({m.engine for m in first})), layout.instances,
                                                layout.session_threads),
                    memory=[memory[r[0].device] for r in slots] if memory else (),
@@ -448,6 +453,7 @@ def _join_outcomes(parts: list[tuple[list[Frame], str, concurrent.futures.Future
         started_at=min((o.started_at for o in done), default=time.time()),
         bucket=sum(o.bucket for o in done),
         used_graph=any(o.used_graph for o in done),
+        cpu_ms=None if not done or any(o.cpu_ms is None for o in done) else sum(o.cpu_ms or 0.0 for o in done),
     )
 
 

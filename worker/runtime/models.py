@@ -99,6 +99,7 @@ class LoadedModel:
     device: torch.device
     load_seconds: float = 0.0  # reading / converting the model, before the start-up forward
     engine: str = "torch"  # or "onnxruntime" (worker.runtime.engine): what executes `module`
+    precision: str = ""  # where the loader chose it (int8 falls back to fp32 where it does not pay); "" = the plan's
 
 
 def load_model(settings: ModelSettings, device: torch.device | str = "cpu") -> LoadedModel:

@@ -41,7 +41,7 @@ from worker.frames import (
 from worker.runtime.cascade import CascadeRule, combine
 from worker.runtime.contract import ModelContract
 from worker.runtime.detection import decode_detections, detection_verdict, input_transform
-from worker.runtime.preprocess import HostBatch, ModelInput
+from worker.runtime.hostbatch import HostBatch, ModelInput
 from worker.runtime.runners import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ class ModelSet:
         """Every model (`runners[m]` runs model m, on one device) on the frames its condition lets through, in the
         set's order; one verdict per frame that every model it reached ran on, a FrameFailure for each other."""
         failures = [FrameFailure(f, str(exc), DECODE_ERROR) for f, exc in batch.failures]
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         frames = batch.frames
         outputs: list[list[ModelVerdict]] = [[] for _ in frames]
         alive = [True] * len(frames)
@@ -155,6 +155,8 @@ class ModelSet:
             started_at=batch.started_at,
             bucket=bucket,
             used_graph=used_graph,
+            cpu_ms=None if batch.preprocess_cpu_ms is None
+            else batch.preprocess_cpu_ms + (time.thread_time() - cpu0) * 1000.0,
         )
 
 

@@ -6,6 +6,13 @@ three crops of it) preprocessed exactly as the worker preprocesses frames, and c
 keyed by the model file's hash, onnxruntime's version, the quantisation's parameters and the model's input. At every
 start the quantised model's verdicts on those images are compared with the fp32 model's (`check_int8`): below
 `model.int8_min_agreement` the worker refuses to start; the largest score difference is logged either way.
+
+int8 does not pay on every CPU: without VNNI (AVX-512 VNNI, AVX-VNNI) or AMX its integer kernels gain little over
+fp32's (an AMD EPYC with AVX2 ran the quantised open_nsfw at 0.93-0.97x fp32). So the start times the two models
+on the same batches (`time_int8_against_fp32`: interleaved rounds, thread CPU where a session has one thread) and
+`decide_int8` keeps int8 only where it is at least INT8_MIN_SPEEDUP x fp32's speed, unless
+`runtime.precision_policy = "always"`; the decision, the ratio and the CPU's int8 instruction sets are logged once
+per model (and printed by `worker check-model`).
 """
 
 from __future__ import annotations
@@ -13,11 +20,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,8 +38,9 @@ from worker.frames import Encoding, Frame, Priority, SourceRef, Verdict
 from worker.runtime.contract import VALIDATION_HW, ModelContract, ModelContractError
 from worker.runtime.detection import decode_detections, detection_verdict, input_transform
 from worker.runtime.models import apply_activation
+from worker.runtime.normalise import Normaliser
 from worker.runtime.onnx_cache import _file_sha256
-from worker.runtime.preprocess import Normaliser, Preprocessor
+from worker.runtime.preprocess import Preprocessor
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +54,16 @@ CROPS = (("whole", (0.0, 0.0, 1.0, 1.0)), ("left", (0.0, 0.0, 1.0, 2 / 3)), ("ri
          ("centre", (0.25, 0.25, 0.75, 0.75)))
 
 Model = Callable[[torch.Tensor], torch.Tensor]
+
+# int8 is kept (runtime.precision_policy = "when_faster") only at this speed over fp32 or more: it costs score
+# accuracy, so a tie, or a gain within the timing's noise on a shared machine, is not worth it.
+INT8_MIN_SPEEDUP = 1.05
+# Frames per timed batch and interleaved rounds (fp32 then int8, then int8 then fp32, ...) of the start's timing.
+INT8_TIMING_BATCH = 8
+INT8_TIMING_ROUNDS = 6
+# /proc/cpuinfo flags that decide what int8 gains: AVX2's 16-bit multiply-adds (what onnxruntime falls back to),
+# AVX-512, and the int8 dot-product instructions (VNNI) and tile units (AMX) its fast int8 kernels use.
+INT8_CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "amx_bf16")
 
 
 @dataclass(frozen=True)
@@ -67,6 +88,126 @@ class Int8Check:
     @property
     def agreement(self) -> float:
         return self.agreeing / self.images if self.images else 0.0
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    """The CPU's model name and which of INT8_CPU_FLAGS it has (from /proc/cpuinfo; empty where unreadable)."""
+
+    model: str
+    flags: tuple[str, ...]
+
+    @classmethod
+    def read(cls, text: str | None = None) -> CpuInfo:
+        if text is None:
+            try:
+                text = Path("/proc/cpuinfo").read_text()
+            except OSError:
+                return cls("unknown CPU", ())
+        fields: dict[str, str] = {}
+        for line in text.splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+        have = set(fields.get("flags", "").split())
+        return cls(fields.get("model name", "unknown CPU"), tuple(f for f in INT8_CPU_FLAGS if f in have))
+
+    def describe(self) -> str:
+        vnni = [f for f in self.flags if "vnni" in f]
+        amx = [f for f in self.flags if f.startswith("amx")]
+        return (f"{self.model}; {', '.join(self.flags) or 'none of ' + ', '.join(INT8_CPU_FLAGS)}"
+                f"{'' if vnni else '; no VNNI'}{'' if amx else '; no AMX'}")
+
+
+@dataclass(frozen=True)
+class Int8Speed:
+    """fp32 and int8 timed on the same batches: the median per batch of each over interleaved rounds."""
+
+    fp32_ms: float
+    int8_ms: float
+    batch: int
+    rounds: int
+    clock: str  # "thread CPU" or "wall"
+
+    @property
+    def ratio(self) -> float:
+        """int8's speed over fp32's (2.0: int8 runs a batch in half the time)."""
+        return self.fp32_ms / self.int8_ms if self.int8_ms > 0 else float("inf")
+
+
+@dataclass(frozen=True)
+class Int8Decision:
+    """Whether the worker runs the quantised model, and why: its speed against fp32 on this CPU and the policy."""
+
+    model: str
+    speed: Int8Speed
+    cpu: CpuInfo
+    policy: str
+    use_int8: bool
+
+    def describe(self) -> str:
+        s = self.speed
+        timed = (f"int8 ran {s.ratio:.2f}x fp32's speed ({s.batch}-frame batches, {s.clock} median of {s.rounds} "
+                 f"interleaved rounds: fp32 {s.fp32_ms:.1f} ms, int8 {s.int8_ms:.1f} ms) on {self.cpu.describe()}")
+        if self.use_int8 and s.ratio >= INT8_MIN_SPEEDUP:
+            return f"{timed}: running int8"
+        if self.use_int8:
+            return (f"{timed}: running int8 anyway (runtime.precision_policy = \"always\"), though it is not "
+                    f"{INT8_MIN_SPEEDUP:.2f}x faster here")
+        return (f"{timed}: running fp32, int8 is not at least {INT8_MIN_SPEEDUP:.2f}x faster here, and its scores are "
+                f"less exact (runtime.precision_policy = \"always\" keeps int8 regardless)")
+
+
+def decide_int8(model: str, speed: Int8Speed, cpu: CpuInfo, policy: str,
+                min_speedup: float = INT8_MIN_SPEEDUP) -> Int8Decision:
+    """int8 where it is at least `min_speedup` x fp32's speed, or always with policy "always"."""
+    return Int8Decision(model, speed, cpu, policy, policy == "always" or speed.ratio >= min_speedup)
+
+
+def time_int8_against_fp32(fp32: Model, int8: Model, contract: ModelContract, clock: Callable[[], float],
+                           clock_name: str, batch: int = INT8_TIMING_BATCH,
+                           rounds: int = INT8_TIMING_ROUNDS) -> Int8Speed:
+    """Both models on the same batch of calibration images, after one untimed call each, in `rounds` interleaved
+    rounds (the order alternating, so neither always runs second); the median of each, in `clock`'s ms."""
+    images = calibration_images(contract)
+    x = torch.from_numpy(np.concatenate([images[i % len(images)].input for i in range(batch)]))
+    times: dict[str, list[float]] = {"fp32": [], "int8": []}
+    models = {"fp32": fp32, "int8": int8}
+    with torch.inference_mode():
+        for m in models.values():
+            m(x)
+        for r in range(rounds):
+            for name in ("fp32", "int8") if r % 2 == 0 else ("int8", "fp32"):
+                t0 = clock()
+                models[name](x)
+                times[name].append((clock() - t0) * 1000.0)
+    return Int8Speed(statistics.median(times["fp32"]), statistics.median(times["int8"]), batch, rounds, clock_name)
+
+
+# Decided once per quantised model file, session threads and policy: every runner's copy of a model runs the same.
+_DECISIONS: dict[tuple[str, int, str], Int8Decision] = {}
+_decisions_lock = threading.Lock()
+
+
+def int8_decision(fp32: Any, int8: Any, contract: ModelContract, policy: str) -> Int8Decision:
+    """The start's decision for this model (timed once, then reused by every runner's copy), logged once."""
+    threads = int(getattr(int8, "threads", 0))
+    key = (str(getattr(int8, "path", id(int8))), threads, policy)
+    with _decisions_lock:
+        decision = _DECISIONS.get(key)
+        if decision is None:
+            # One intra-op thread runs in the calling thread: its CPU is the steadier clock on shared cores.
+            clock, name = (time.thread_time, "thread CPU") if threads == 1 else (time.perf_counter, "wall")
+            speed = time_int8_against_fp32(fp32, int8, contract, clock, name)
+            decision = _DECISIONS[key] = decide_int8(contract.name, speed, CpuInfo.read(), policy)
+            log.log(logging.INFO if decision.use_int8 else logging.WARNING, "int8 decision model=%s: %s",
+                    contract.name, decision.describe())
+    return decision
+
+
+def int8_decisions() -> dict[str, Int8Decision]:
+    """The decisions made in this process, by model name (for `worker check-model`)."""
+    with _decisions_lock:
+        return {d.model: d for d in _DECISIONS.values()}
 
 
 def quantized_model(path: Path, input_name: str, model: ModelSettings, contract: ModelContract) -> Path:

@@ -29,7 +29,7 @@ from worker.runtime.capturegate import CaptureGate, CapturesStopped
 from worker.runtime.contract import ModelContract, ModelContractError
 from worker.runtime.hostsync import SERVING
 from worker.runtime.models import apply_activation
-from worker.runtime.preprocess import Normaliser
+from worker.runtime.normalise import Normaliser
 from worker.runtime.streams import STREAMS, StreamRegistry, check_distinct
 
 log = logging.getLogger(__name__)

@@ -40,6 +40,7 @@ from worker.runtime import InferenceExecutor, ModelContract
 from worker.runtime.cascade import describe_outputs
 from worker.runtime.engine import engine_of
 from worker.runtime.hostsync import HOST_SYNC_FIX, HostSync, HostSyncError
+from worker.runtime.quantize import int8_decisions
 from worker.runtime.start import start_runtime
 from worker.tools.publish_frames import DEFAULT_JPEG_QUALITY, IMAGE_SUFFIXES, encode_pixels
 
@@ -187,6 +188,7 @@ class CheckReport:
     source: str = ""
     models: list[CheckedModel] = field(default_factory=list)  # one, or each of a set in its order
     device: str = ""
+    int8: tuple[str, ...] = ()  # runtime.precision = "int8": the start's decision per model, with its reasons
     start_seconds: float = 0.0  # load, validation, host-sync check and warm-up: what `worker run` spends too
     host_syncs: tuple[HostSync, ...] | None = None  # None: not checked (refused before)
     require_graphs: bool = False
@@ -223,7 +225,7 @@ class CheckReport:
             "exit_code": self.exit_code,
             "refused": dataclasses.asdict(self.refused) if self.refused else None,
             "crashed": self.crashed or None,
-            "model": {"source": self.source, "kind": self.kind, "device": self.device,
+            "model": {"source": self.source, "kind": self.kind, "device": self.device, "int8": list(self.int8),
                       "load_seconds": round(sum(m.load_seconds for m in self.models), 3),
                       "start_seconds": round(self.start_seconds, 3)},
             "contract": contract_json(self.contract) if self.contract else None,
@@ -240,6 +242,7 @@ class CheckReport:
         lines: list[str] = []
         started = f", ready in {self.start_seconds:.1f} s" if self.graphs else ""
         device = [f"device       {self.device}"] if self.device else []
+        device += [f"int8         {line}" for line in self.int8]
         if len(self.models) > 1:
             lines.append(f"models       {len(self.models)}, in this order: {', '.join(m.name for m in self.models)}; "
                          f"each frame decoded once, one verdict{started}")
@@ -336,6 +339,8 @@ def _start(settings: Settings, report: CheckReport) -> InferenceExecutor | None:
         for checked, loaded in zip(report.models, executor.loaded):
             checked.kind, checked.load_seconds = loaded.kind, loaded.load_seconds
         report.device = executor.device_description
+        names = {c.contract.name for c in report.models}
+        report.int8 = tuple(f"{d.model}: {d.describe()}" for d in int8_decisions().values() if d.model in names)
         if executor.host_syncs and report.require_graphs:
             raise _RefusedByRequireGraphs(HostSyncError(report.kind, executor.host_syncs))
 
