@@ -25,11 +25,12 @@ from worker.identity import worker_identity
 from worker.kafka.access import probe_access
 from worker.kafka.client import new_client
 from worker.kafka.consumer import consumer_config
-from worker.kafka.control import start_control
 from worker.kafka.producer import producer_config
 from worker.kafka.registry import connect_registry
+from worker.kafka.rollout import start_control_with_rollout
 from worker.loop.pipeline import RunSummary, build_pipeline
 from worker.metrics import Health, Metrics, MetricsServer
+from worker.rollout.wiring import build_rollout, choose_start
 from worker.tracing import setup_tracing
 
 if TYPE_CHECKING:
@@ -159,15 +160,21 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
 
             # The model loads (ModelContractError, or an OperatorError naming its setting: exit 2), warms up and is
             # calibrated as in every other start of the runtime (worker.runtime.start).
-            runtime = start_runtime(settings, on_graph_evicted=metrics.cuda_graph_evictions.inc,
+            # issue 69: the group's desired model (control topic) when one is named, so a worker that joins during
+            # a rollout serves the same revision; the loop holds a swap over it (worker.rollout).
+            choice = choose_start(settings)
+            runtime = start_runtime(choice.settings, on_graph_evicted=metrics.cuda_graph_evictions.inc,
                                     before_warm_up=serve_while_warming)
+            swap, rollout, shadow = build_rollout(settings, choice, runtime.executor, metrics)
+            running.callback(shadow.close)
             executor = runtime.executor
-            running.callback(executor.close)
+            running.callback(swap.close)
             health.warmed_up = True
             log.info("model %s:%s warmed up on %s in %.1fs", executor.model_name, executor.model_version,
                      executor.device_description, time.monotonic() - started)
             # Built once the runtime is warm: its consumer joins the group when the loop runs.
-            pipeline = build_pipeline(settings, executor, metrics, health, registry=registry, tracing=tracing)
+            pipeline = build_pipeline(settings, swap, metrics, health, registry=registry, tracing=tracing)
+            rollout.on_promoted = pipeline.answers.use_model
             status = getattr(pipeline.source, "broker_status", None)  # FrameSource's view of the cluster
             if status is not None:
                 health.broker_problem = status.unhealthy_reason
@@ -176,7 +183,8 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
                 health.registry_problem = held.problem
             # The control topic read to its end before the loop serves: the group's policy (issue 66) applies from
             # the first batch, then changes between batches as the follower thread reads them.
-            running.callback(start_control(settings, pipeline.answers.judge, metrics, health).stop)
+            running.callback(start_control_with_rollout(settings, pipeline.answers.judge, metrics, health,
+                                                        rollout).stop)
             pipeline.seed_costs(runtime.calibration)
             frozen = freeze_startup_heap()
             log.info("start-up heap frozen: %d objects that garbage collections no longer walk", frozen)

@@ -239,3 +239,6 @@ class BatchOutcome:
     started_at: float  # wall seconds when the batch started preprocessing
     bucket: int  # padded batch size executed (the CUDA-graph bucket; == batch_size in eager; 1 after a retry)
     used_graph: bool
+    # (model name, version) that scored each verdict, in order, where models can change while serving (issue 69:
+    # worker.rollout.swap); empty: the worker's one model.
+    scored_by: tuple[tuple[str, str], ...] = ()
