@@ -162,6 +162,11 @@ def cmd_topics(args: argparse.Namespace) -> int:
                             configs=frame_topic_configs(settings.topics, args.max_frame_bytes),
                             replication=args.replication_factor)
     created += ensure_control_topic(settings.kafka, settings.topics, replication=args.replication_factor)
+    if settings.topics.worker_status:  # issue 69: the workers' reports apart from the control topic
+        from worker.kafka.rollout import status_settings
+
+        created += ensure_control_topic(settings.kafka, status_settings(settings).topics,
+                                        replication=args.replication_factor)
     # Topics made before (by an older version, or by hand) may still refuse large frames.
     raised = raise_message_limits(settings.kafka, [t for t in frame_topics(settings.topics) if t not in created],
                                   args.max_frame_bytes)

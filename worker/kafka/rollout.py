@@ -5,6 +5,7 @@ under `<group_id>/worker/<worker_id>` holding both (compaction keeps one record 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -20,7 +21,7 @@ from worker.control.records import WORKER_STATUS, ControlRecord, worker_key
 from worker.errors import OperatorError
 from worker.frames import BatchOutcome, Frame
 from worker.kafka.client import client_properties, new_client
-from worker.kafka.control import ControlFollower, ControlReader
+from worker.kafka.control import ControlFollower, ControlReader, ControlWriter
 from worker.kafka.roles import TOOL_LOG_LEVEL
 from worker.rollout.manager import Rollout, compare_shadow
 from worker.rollout.swap import ModelId
@@ -48,6 +49,8 @@ class RolloutFollower(ControlFollower):
     def __init__(self, settings: Settings, applier: PolicyApplier, rollout: Rollout) -> None:
         super().__init__(settings, applier, RolloutReader(settings))
         self.rollout = rollout
+        # Reports on topics.worker_status when set, so workers need no WRITE on the control topic.
+        self.report_writer = ControlWriter(status_settings(settings)) if settings.topics.worker_status else self.writer
         self._policy_seen: object = _NOTHING
         self._models_seen = -1
         self._policy_report: ControlRecord | None = None
@@ -80,17 +83,25 @@ class RolloutFollower(ControlFollower):
         record = ControlRecord(WORKER_STATUS, policy.group_id, policy.revision, int(time.time() * 1000),
                                policy.written_by, status=policy.status, rollout=self.rollout.current_report())
         try:
-            self.writer.write(worker_key(self.settings.kafka.group_id, self.applier.worker_id), record)
+            self.report_writer.write(worker_key(self.settings.kafka.group_id, self.applier.worker_id), record)
         except OperatorError as exc:  # informational: what the worker does does not depend on it
             log.warning("could not report this worker's state on the control topic: %s", exc)
 
     def stop(self) -> None:
         self._stop.set()
         self._reporter.join(10.0)
+        if self.report_writer is not self.writer:
+            self.report_writer.close()
         super().stop()
 
 
 _NOTHING = object()
+
+
+def status_settings(settings: Settings) -> Settings:
+    """The settings whose control topic is topics.worker_status (where reports go when it is set)."""
+    return dataclasses.replace(settings, topics=dataclasses.replace(settings.topics,
+                                                                    control=settings.topics.worker_status))
 
 
 class ShadowPublisher:

@@ -17,6 +17,7 @@ from typing import Any
 from worker.config import ConfigError, Settings
 from worker.control.records import MODELS, ControlRecord, DesiredModels, ModelRef, models_key
 from worker.kafka.control import ControlReader, ControlWriter
+from worker.kafka.rollout import status_settings
 from worker.rollout.plan import CANARY, SHADOW, contract_of, file_ref, model_settings, source_refusal
 
 
@@ -122,6 +123,8 @@ def status(settings: Settings) -> dict[str, Any]:
     reader = _read(settings)
     revision, current = _current(reader)
     record = reader.state.models
+    if settings.topics.worker_status:  # the workers' reports are there
+        reader = _read(status_settings(settings))
     return {
         "group_id": settings.kafka.group_id, "revision": revision, **describe(current),
         "written_by": None if record is None else record.written_by,
