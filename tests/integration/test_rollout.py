@@ -211,8 +211,12 @@ def test_shadow_then_promote_then_a_corrupt_file(setup):
     assert metric(text, "streamfer_model_frames_total", 'version="2"') > 0
 
 
-def test_a_worker_started_after_a_promote_serves_the_promoted_model(setup):
+def test_a_worker_started_after_a_promote_serves_the_promoted_model(setup, monkeypatch):
+    """With topics.worker_status set, the worker reports there (and `rollout status` reads it from there)."""
     bootstrap, topics, control, shadow_topic, tmp = setup
+    reports = f"{control}.status"
+    ensure_topics(bootstrap, [reports], partitions=1, configs={reports: CONTROL_TOPIC_CONFIG})
+    monkeypatch.setenv("WORKER_TOPICS_WORKER_STATUS", reports)  # the worker's and the CLI's
     models = tmp / "models"
     v2 = scripted_builtin(models / "cnn-v2.pt", seed=99)
     settings = {"topics": {"control": control, "shadow_results": shadow_topic},
@@ -230,5 +234,7 @@ def test_a_worker_started_after_a_promote_serves_the_promoted_model(setup):
                  "the late worker's report")
         state = worker_state(bootstrap, topics, control, "late")
         assert state["state"] == "serving" and state["serving"] == f"{MODEL}:2", state
+        on_control = [m.key() for m in iter_messages(bootstrap, control, idle_timeout_s=2.0)]
+        assert all(b"/worker/" not in (k or b"") for k in on_control), on_control  # reports went to worker_status
     finally:
         worker.stop()
