@@ -91,7 +91,10 @@ def test_the_worker_joins_its_group_only_once_the_model_is_warm(monkeypatch: pyt
     monkeypatch.setattr(app, "probe_access", lambda settings: None)
     monkeypatch.setattr(app, "connect_registry", lambda settings, **kwargs: None)
     # No control topic here (worker.kafka.control reads it from the broker): the settings file's policy decides.
-    monkeypatch.setattr(app, "start_control", lambda *args, **kwargs: types.SimpleNamespace(stop=lambda: None))
+    # (issue 69: the follower of the control topic applies rollouts too; no model set is read before the start.)
+    monkeypatch.setattr(app, "start_control_with_rollout",
+                        lambda *args, **kwargs: types.SimpleNamespace(stop=lambda: None))
+    monkeypatch.setattr("worker.rollout.wiring.read_desired", lambda settings: None)
     monkeypatch.setattr(app, "build_pipeline",
                         lambda *args, **kwargs: build_pipeline(*args, **{**kwargs, "clients": clients}))
     settings = load_settings(env={}, overrides={

@@ -112,9 +112,9 @@ class ShadowPublisher:
         self.topic = settings.topics.shadow_results
         self.worker_id = settings.observability.worker_id
         self.metrics = metrics
-        conf: dict[str, Any] = {**client_properties(settings.kafka), "acks": "all", "linger.ms": 20,
-                                "log_level": TOOL_LOG_LEVEL}
-        self._producer = new_client(Producer, conf, "shadow results producer")
+        self._conf: dict[str, Any] = {**client_properties(settings.kafka), "acks": "all", "linger.ms": 20,
+                                      "log_level": TOOL_LOG_LEVEL}
+        self._producer: Any = None  # made at the first shadow batch: no connection while nothing rolls out
         self._writers: dict[ModelId, Any] = {}
         self._failed = 0
 
@@ -123,6 +123,8 @@ class ShadowPublisher:
         writer = self._writers.get(model)
         if writer is None:
             writer = self._writers[model] = result_writer(ResultContext(model[0], model[1], self.worker_id))
+        if self._producer is None:
+            self._producer = new_client(Producer, self._conf, "shadow results producer")
         now = time.time()
         values = writer.write_frames([(f, v, max(0.0, shadow.started_at - f.received_at) * 1000.0)
                                       for f, v in verdicts], "OK", shadow.batch_size,
@@ -145,7 +147,8 @@ class ShadowPublisher:
             log.warning("shadow results to %s not written (%d so far): %s", self.topic, self._failed, why)
 
     def close(self) -> None:
-        self._producer.flush(10.0)
+        if self._producer is not None:
+            self._producer.flush(10.0)
 
 
 def skipped_counter(metrics: Any) -> Callable[[int], None]:
