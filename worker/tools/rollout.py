@@ -48,7 +48,7 @@ def _write(settings: Settings, revision: int, models: DesiredModels, written_by:
     finally:
         writer.close()
     return {"group_id": group, "revision": revision, "topic": settings.topics.control, "written_by": record.written_by,
-            **describe(models)}
+            "written_at_ms": record.written_at_ms, **describe(models)}
 
 
 def describe(models: DesiredModels) -> dict[str, Any]:
