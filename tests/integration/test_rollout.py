@@ -168,9 +168,12 @@ def test_shadow_then_promote_then_a_corrupt_file(setup):
             assert "corrupt.pt" in state["reason"] and state["serving"] == f"{MODEL}:2", state
             code, ready = worker.get("/readyz")
             assert code == 200 and "model rollout revision 3 failed" in ready, ready
+            assert metric(worker.metrics(), "streamfer_rollout_failed") == 1
             failed_at = flow.total
             wait_for(lambda: flow.total - failed_at > 60, 60, "frames after the failure")
-            cli(bootstrap, topics, control, "abort")
+            cli(bootstrap, topics, control, "abort")  # a new revision: the failure is behind
+            wait_for(lambda: worker_state(bootstrap, topics, control, "w0").get("state") == "serving", 60,
+                     "the worker serving after the abort")
         assert not flow.errors, flow.errors
         got = results(bootstrap, topics.results, flow.total)
         text = worker.metrics()
@@ -207,7 +210,7 @@ def test_shadow_then_promote_then_a_corrupt_file(setup):
     assert len(shadowed) == scored and scored + skipped <= v1_in_share
     assert scored >= 0.5 * (scored + skipped), (scored, skipped)
     assert metric(text, "streamfer_shadow_verdicts_total") > 0
-    assert metric(text, "streamfer_rollout_failed") == 1  # the corrupt file's revision: aborted, still reported
+    assert metric(text, "streamfer_rollout_failed") == 0
     assert metric(text, "streamfer_model_frames_total", 'version="2"') > 0
 
 
