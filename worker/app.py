@@ -124,7 +124,7 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
     from worker.runtime.start import start_runtime
 
     # The runtime once its model loaded, handed to /profile (which answers "still loading" until then).
-    loaded: Future[InferenceExecutor] = Future()
+    loaded: Future[Serving] = Future()
     # What runs beside the loop (tracing's exporter, the metrics server, the executor) is stopped when it ends, in
     # reverse order.
     with contextlib.ExitStack() as running:
@@ -156,7 +156,7 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
                 metrics.model_info.info({"name": executor.model_name, "version": executor.model_version,
                                          "device": executor.device_description,
                                          "labels": ",".join(executor.labels)})
-                loaded.set_result(executor)
+                loaded.set_result(Serving(executor))
 
             # The model loads (ModelContractError, or an OperatorError naming its setting: exit 2), warms up and is
             # calibrated as in every other start of the runtime (worker.runtime.start).
@@ -166,6 +166,7 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
             runtime = start_runtime(choice.settings, on_graph_evicted=metrics.cuda_graph_evictions.inc,
                                     before_warm_up=serve_while_warming)
             swap, rollout, shadow = build_rollout(settings, choice, runtime.executor, metrics)
+            loaded.result().executor = swap  # /profile profiles the serving model, whichever it is
             running.callback(shadow.close)
             executor = runtime.executor
             running.callback(swap.close)
@@ -186,6 +187,7 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
             running.callback(start_control_with_rollout(settings, pipeline.answers.judge, metrics, health,
                                                         rollout).stop)
             pipeline.seed_costs(runtime.calibration)
+            del runtime, executor  # the swap alone holds the model: a promote frees it after its last batch
             frozen = freeze_startup_heap()
             log.info("start-up heap frozen: %d objects that garbage collections no longer walk", frozen)
             return pipeline.run(stop or StopFlag().install(), exit_when_idle_s)
@@ -193,11 +195,18 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
             health.alive = False
 
 
-def _profile(loaded: Future[InferenceExecutor], batches: int) -> str:
+class Serving:
+    """What /profile profiles: the serving model (issue 69: a promote replaces it)."""
+
+    def __init__(self, executor: Any) -> None:
+        self.executor = executor
+
+
+def _profile(loaded: Future[Serving], batches: int) -> str:
     """/profile: a profile of the next `batches` batches, once the model loaded."""
     if not loaded.done():
         raise StreamferError("the model is still loading: profile once it is warm")
-    return loaded.result().profile(batches, tempfile.gettempdir()).result(PROFILE_TIMEOUT_S)
+    return loaded.result().executor.profile(batches, tempfile.gettempdir()).result(PROFILE_TIMEOUT_S)
 
 
 def freeze_startup_heap() -> int:

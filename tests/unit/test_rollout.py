@@ -3,7 +3,9 @@ promote), shadow and canary scoring, and a worker's rollout state machine with a
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -75,6 +77,21 @@ def test_a_promote_takes_effect_between_batches_and_the_old_model_closes_after_i
     assert old.closed and len(closes) == 1 and not new.closed
     swap.close()
     assert new.closed
+
+
+def test_the_replaced_model_is_unreferenced_after_its_last_batch():
+    """Nothing of the swap keeps a replaced model alive: its memory can be freed."""
+    old, new = fake("1", hold=True), fake("2")
+    swap = SwappableExecutor(old, OLD, closer=run_now)
+    first = swap.submit([frame("a")], (2, 2, 3))
+    swap.promote(new, NEW)
+    swap.submit([frame("a", 1)], (2, 2, 3)).result()
+    gone = weakref.ref(old)
+    old.release()
+    first.result()
+    del old, first
+    gc.collect()
+    assert gone() is None
 
 
 def test_a_canary_answers_its_share_of_streams_with_the_candidate():
