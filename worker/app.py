@@ -21,11 +21,12 @@ from worker.config import Settings
 from worker.errors import StreamferError
 from worker.identity import worker_identity
 from worker.kafka.access import probe_access
-from worker.kafka.control import start_control
 from worker.kafka.registry import connect_registry
+from worker.kafka.rollout import start_control_with_rollout
 from worker.kafka.wiring import check_client_configs
 from worker.loop.pipeline import RunSummary, build_pipeline
 from worker.metrics import Health, Metrics, MetricsServer
+from worker.rollout.wiring import build_rollout, choose_start
 from worker.tracing import setup_tracing
 
 if TYPE_CHECKING:
@@ -119,7 +120,7 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
     from worker.runtime.start import start_runtime
 
     # The runtime once its model loaded, handed to /profile (which answers "still loading" until then).
-    loaded: Future[InferenceExecutor] = Future()
+    loaded: Future[Serving] = Future()
     # What runs beside the loop (tracing's exporter, the metrics server, the executor) is stopped when it ends, in
     # reverse order.
     with contextlib.ExitStack() as running:
@@ -152,22 +153,31 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
                 metrics.model_info.info({"name": executor.model_name, "version": executor.model_version,
                                          "device": executor.device_description,
                                          "labels": ",".join(executor.labels)})
-                loaded.set_result(executor)
+                loaded.set_result(Serving(executor))
 
             # The model loads (ModelContractError, or an OperatorError naming its setting: exit 2), warms up and is
             # calibrated as in every other start of the runtime (worker.runtime.start).
-            runtime = start_runtime(settings, before_warm_up=serve_while_warming)
+            # issue 69: the group's desired model (control topic) when one is named, so a worker that joins during
+            # a rollout serves the same revision; the loop holds a swap over it (worker.rollout).
+            choice = choose_start(settings)
+            runtime = start_runtime(choice.settings, before_warm_up=serve_while_warming)
+            swap, rollout, shadow = build_rollout(settings, choice, runtime.executor, metrics)
+            loaded.result().executor = swap  # /profile profiles the serving model, whichever it is
+            running.callback(shadow.close)
             executor = runtime.executor
-            running.callback(executor.close)
+            running.callback(swap.close)
             health.warmed_up = True
             log.info("model %s:%s warmed up on %s in %.1fs", executor.model_name, executor.model_version,
                      executor.device_description, time.monotonic() - started)
             # Built once the runtime is warm: its consumer joins the group when the loop runs.
-            pipeline = build_pipeline(settings, executor, metrics, health, registry=registry, tracing=tracing)
+            pipeline = build_pipeline(settings, swap, metrics, health, registry=registry, tracing=tracing)
+            rollout.on_promoted = pipeline.answers.use_model
             # The control topic read to its end before the loop serves: the group's policy (issue 66) applies from
             # the first batch, then changes between batches as the follower thread reads them.
-            running.callback(start_control(settings, pipeline.answers.judge, metrics, health).stop)
+            running.callback(start_control_with_rollout(settings, pipeline.answers.judge, metrics, health,
+                                                        rollout).stop)
             pipeline.seed_costs(runtime.calibration)
+            del runtime, executor  # the swap alone holds the model: a promote frees it after its last batch
             frozen = freeze_startup_heap()
             log.info("start-up heap frozen: %d objects that garbage collections no longer walk", frozen)
             return pipeline.run(stop or StopFlag().install(), exit_when_idle_s)
@@ -175,11 +185,18 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
             health.alive = False
 
 
-def _profile(loaded: Future[InferenceExecutor], batches: int) -> str:
+class Serving:
+    """What /profile profiles: the serving model (issue 69: a promote replaces it)."""
+
+    def __init__(self, executor: Any) -> None:
+        self.executor = executor
+
+
+def _profile(loaded: Future[Serving], batches: int) -> str:
     """/profile: a profile of the next `batches` batches, once the model loaded."""
     if not loaded.done():
         raise StreamferError("the model is still loading: profile once it is warm")
-    return loaded.result().profile(batches, tempfile.gettempdir()).result(PROFILE_TIMEOUT_S)
+    return loaded.result().executor.profile(batches, tempfile.gettempdir()).result(PROFILE_TIMEOUT_S)
 
 
 def freeze_startup_heap() -> int:
@@ -194,23 +211,27 @@ def freeze_startup_heap() -> int:
 
 
 class GraphEvictions:
-    """streamfer_cuda_graph_evictions_total, read from the runtime's runners when /metrics is scraped (they count
-    the graphs they released for their budget)."""
+    """streamfer_cuda_graph_evictions_total, read from the serving runtime's runners when /metrics is scraped (they
+    count the graphs they released for their budget); a promoted model's runners count from zero again."""
 
-    def __init__(self, loaded: Future[InferenceExecutor], metrics: Metrics) -> None:
+    def __init__(self, loaded: Future[Serving], metrics: Metrics) -> None:
         self._loaded = loaded
         self._counter = metrics.cuda_graph_evictions
-        self._counted = 0
+        self._counted: tuple[int, int] = (0, 0)  # (id of the runtime read, its evictions counted)
         self._lock = threading.Lock()  # scrapes are served on threads of their own
 
     def read(self) -> None:
         if not self._loaded.done():
             return
         with self._lock:
-            total = self._loaded.result().graph_evictions
-            if total > self._counted:
-                self._counter.inc(total - self._counted)
-                self._counted = total
+            runtime = self._loaded.result().executor
+            serving = getattr(runtime, "serving", None)  # a SwappableExecutor's serving model, else the runtime
+            key = id(serving.executor if serving is not None else runtime)
+            total = runtime.graph_evictions
+            counted = self._counted[1] if self._counted[0] == key else 0
+            if total > counted:
+                self._counter.inc(total - counted)
+            self._counted = (key, max(total, counted))
 
 
 def _refresh_scrape_gauges(health: Health, metrics: Metrics, evictions: GraphEvictions) -> None:

@@ -126,6 +126,24 @@ def cmd_policy_show(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- rollout (issue 69) ------------------------------------------------------------------------------------
+def cmd_rollout(args: argparse.Namespace) -> int:
+    from worker.tools import rollout
+
+    settings = _settings(args)
+    if args.rollout_command == "start":
+        print(json.dumps(rollout.start(settings, args.model, args.name or "", args.version or "", args.shadow,
+                                       args.canary, args.config)), flush=True)
+    elif args.rollout_command == "promote":
+        print(json.dumps(rollout.promote(settings)), flush=True)
+    elif args.rollout_command == "abort":
+        print(json.dumps(rollout.abort(settings)), flush=True)
+    else:
+        shown = rollout.status(settings)
+        print(json.dumps(shown) if args.json else rollout.format_status(shown), flush=True)
+    return 0
+
+
 # -- topics / broker / demo --------------------------------------------------------------------------------
 def cmd_topics(args: argparse.Namespace) -> int:
     from worker.kafka.access import probe_reachable
@@ -144,6 +162,11 @@ def cmd_topics(args: argparse.Namespace) -> int:
                             configs=frame_topic_configs(settings.topics, args.max_frame_bytes),
                             replication=args.replication_factor)
     created += ensure_control_topic(settings.kafka, settings.topics, replication=args.replication_factor)
+    if settings.topics.worker_status:  # issue 69: the workers' reports apart from the control topic
+        from worker.kafka.rollout import status_settings
+
+        created += ensure_control_topic(settings.kafka, status_settings(settings).topics,
+                                        replication=args.replication_factor)
     # Topics made before (by an older version, or by hand) may still refuse large frames.
     raised = raise_message_limits(settings.kafka, [t for t in frame_topics(settings.topics) if t not in created],
                                   args.max_frame_bytes)
@@ -468,6 +491,30 @@ def build_parser() -> argparse.ArgumentParser:
     common(pshow)
     pshow.add_argument("--json", action="store_true", help="one JSON object instead of text")
     pshow.set_defaults(func=cmd_policy_show)
+
+    rol = sub.add_parser("rollout", help="roll out a model without a restart: shadow, canary, promote, abort "
+                         "(docs/operations.md, Rolling out a model)")
+    rsub = rol.add_subparsers(dest="rollout_command", required=True)
+    rstart = rsub.add_parser("start", help="name a candidate model: every worker loads it beside the serving one")
+    common(rstart)
+    rstart.add_argument("--model", required=True, metavar="SOURCE", help="what model.source takes (a preset, a file, "
+                        "a factory); a non-preset's contract from --config's [model] or [models.<name>] table")
+    rstart.add_argument("--name", help="the candidate's model.name (default: its table's, or its preset's)")
+    rstart.add_argument("--version", help="the candidate's model.version, as its results carry it")
+    mode = rstart.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--shadow", type=float, metavar="RATIO", help="also score this share of streams with the "
+                      "candidate, results to topics.shadow_results")
+    mode.add_argument("--canary", type=float, metavar="RATIO", help="answer this share of streams with the candidate")
+    rstart.set_defaults(func=cmd_rollout)
+    for name, text in (("promote", "the candidate becomes the primary, from each worker's next batch"),
+                       ("abort", "withdraw the candidate: the primary alone serves")):
+        p = rsub.add_parser(name, help=text)
+        common(p)
+        p.set_defaults(func=cmd_rollout)
+    rstatus = rsub.add_parser("status", help="the desired model set and each worker's revision and state")
+    common(rstatus)
+    rstatus.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    rstatus.set_defaults(func=cmd_rollout)
 
     top = sub.add_parser("topics", help="create the input, results and dead-letter topics, the review and flagged "
                          "routes when set and the control topic, if missing")

@@ -286,3 +286,6 @@ class BatchOutcome:
     # Thread CPU of the batch's work (its preparation's threads and its inference thread; an intra-op pool's
     # other threads not seen), None where not measured (the device data path).
     cpu_ms: float | None = None
+    # (model name, version) that scored each verdict, in order, where models can change while serving (issue 69:
+    # worker.rollout.swap); empty: the worker's one model.
+    scored_by: tuple[tuple[str, str], ...] = ()

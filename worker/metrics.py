@@ -31,6 +31,8 @@ LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 RATIO_BUCKETS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5)
 PREDICTION_RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
+# Candidate minus serving model score of a shadow-scored frame (issue 69).
+SCORE_DIFFERENCE_BUCKETS = (-0.5, -0.2, -0.1, -0.05, -0.02, -0.005, 0.005, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 PIXEL_BUCKETS = (64 * 64, 128 * 128, 224 * 224, 320 * 240, 640 * 480, 1280 * 720, 1920 * 1080, 3840 * 2160)
 
 MetricT = TypeVar("MetricT", bound=MetricWrapperBase)
@@ -128,6 +130,31 @@ class Metrics:
         self.policy_applied = Counter("streamfer_policy_changes_total",
                                       "Policies from the control topic this worker applied or refused, by outcome.",
                                       ["outcome"], registry=r)
+        # issue 69: model rollouts (worker.rollout).
+        self.rollout_failed = Gauge("streamfer_rollout_failed",
+                                    "1 while this worker's part of the group's model rollout failed (the serving model "
+                                    "keeps serving; /readyz's text and `worker rollout status` say why).", registry=r)
+        self.rollout_changes = Counter("streamfer_rollout_changes_total",
+                                       "Model rollout steps on this worker, by outcome (ready, promoted, aborted, "
+                                       "failed).", ["outcome"], registry=r)
+        self.model_frames = Counter("streamfer_model_frames_total",
+                                    "Frames scored by each model and version (the serving model, a canary's "
+                                    "candidate, a shadow's), by role (primary, canary, shadow).",
+                                    ["model", "version", "role"], registry=r)
+        self.model_batch_seconds = Histogram("streamfer_model_batch_seconds",
+                                             "Preprocessing + inference time of a batch, by model and version.",
+                                             ["model", "version"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.shadow_frames = Counter("streamfer_shadow_frames_total",
+                                     "Frames of the shadow share, by outcome: scored by the candidate, or skipped "
+                                     "while the worker was behind (shadow work is the lowest class).",
+                                     ["outcome"], registry=r)
+        self.shadow_agreement = Counter("streamfer_shadow_verdicts_total",
+                                        "Shadow-scored frames by label and whether the candidate's flag agreed with "
+                                        "the serving model's (agree, disagree).", ["label", "agreement"], registry=r)
+        self.shadow_score_difference = Histogram("streamfer_shadow_score_difference",
+                                                 "Candidate score minus serving model score per shadow-scored frame, "
+                                                 "by label.", ["label"], buckets=SCORE_DIFFERENCE_BUCKETS,
+                                                 registry=r)
         self.frames_scored = Counter("streamfer_frames_scored_total", "Frames the model ran on, by class.",
                                      ["priority"], registry=r)
         self.frames_reused = Counter("streamfer_frames_reused_total",

@@ -264,3 +264,49 @@ def test_no_transactional_id_acl_exits_2_in_exactly_once(secured: LocalKafka, un
     assert seconds < EXIT_BOUND_S
     assert len(lines) == 1 and "ACL: WRITE and DESCRIBE on transactional id" in lines[0]
     assert "Traceback" not in output
+
+
+def test_a_worker_principal_is_refused_writing_the_control_topic(secured: LocalKafka, unique: str) -> None:
+    """Issue 69: only an operator's principal writes the control topic (docs/security.md); the worker's principal,
+    granted READ alone, reads the operator's rollout and is refused writing one of its own."""
+    from confluent_kafka.admin import AclBinding
+
+    from worker.control.records import MODELS, ControlRecord, DesiredModels, ModelRef, models_key
+    from worker.errors import OperatorError
+    from worker.kafka.control import CONTROL_READER_GROUP, ControlReader, ControlWriter
+    from worker.kafka.topics import CONTROL_TOPIC_CONFIG
+
+    control, group, results = f"s{unique}.control", f"g{unique}", f"s{unique}.results"
+    ensure_topics(secured.kafka_settings(), [control], 1, configs={control: CONTROL_TOPIC_CONFIG})
+    ensure_topics(secured.kafka_settings(), [results], 1)
+    worker_principal = f"User:{WORKER_USER}"
+    secured.create_acls([
+        *(AclBinding(ResourceType.TOPIC, control, ResourcePatternType.LITERAL, worker_principal, "*", op,
+                     AclPermissionType.ALLOW) for op in (AclOperation.READ, AclOperation.DESCRIBE)),
+        # As a worker's: WRITE on its results (which also lets its idempotent producer get an id, KIP-679).
+        AclBinding(ResourceType.TOPIC, results, ResourcePatternType.LITERAL, worker_principal, "*",
+                   AclOperation.WRITE, AclPermissionType.ALLOW),
+        # The reader joins no group, but librdkafka looks up its group's coordinator (worker.kafka.control).
+        AclBinding(ResourceType.GROUP, CONTROL_READER_GROUP, ResourcePatternType.LITERAL, worker_principal, "*",
+                   AclOperation.DESCRIBE, AclPermissionType.ALLOW)])
+    bootstrap = secured.state().bootstrap_servers  # type: ignore[union-attr]
+    common = {"WORKER_KAFKA_BOOTSTRAP_SERVERS": bootstrap, "WORKER_TOPICS_CONTROL": control,
+              "WORKER_KAFKA_GROUP_ID": group}
+    operator = load_settings(env={**secured.worker_env(user=ADMIN_USER), **common})
+    worker = load_settings(env={**secured.worker_env(), **common})
+    record = ControlRecord(MODELS, group, 1, 1, "ops", models=DesiredModels(None, ModelRef("opennsfw"), "shadow", 0.1))
+
+    writer = ControlWriter(operator)
+    writer.write(models_key(group), record)
+    writer.close()
+    reader = ControlReader(worker)
+    try:
+        reader.read_to_end(60)
+    finally:
+        reader.close()
+    assert reader.state.models is not None and reader.state.models.revision == 1
+
+    forged = ControlWriter(worker)
+    with pytest.raises(OperatorError, match="(?i)authoriz"):
+        forged.write(models_key(group), ControlRecord(MODELS, group, 2, 2, "w0", models=DesiredModels(
+            ModelRef("/tmp/evil.pt"))), timeout_s=30)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from worker.app import GraphEvictions, StopFlag, freeze_startup_heap
+from worker.app import GraphEvictions, Serving, StopFlag, freeze_startup_heap
 from worker.config import load_settings
 from worker.metrics import Health, Metrics
 from worker.testing.fakes import FakeConsumer, InMemoryKafka
@@ -92,7 +92,10 @@ def test_the_worker_joins_its_group_only_once_the_model_is_warm(monkeypatch: pyt
     monkeypatch.setattr(app, "probe_access", lambda settings: None)
     monkeypatch.setattr(app, "connect_registry", lambda settings, **kwargs: None)
     # No control topic here (worker.kafka.control reads it from the broker): the settings file's policy decides.
-    monkeypatch.setattr(app, "start_control", lambda *args, **kwargs: types.SimpleNamespace(stop=lambda: None))
+    # (issue 69: the follower of the control topic applies rollouts too; no model set is read before the start.)
+    monkeypatch.setattr(app, "start_control_with_rollout",
+                        lambda *args, **kwargs: types.SimpleNamespace(stop=lambda: None))
+    monkeypatch.setattr("worker.rollout.wiring.read_desired", lambda settings: None)
     monkeypatch.setattr(app, "build_pipeline",
                         lambda *args, **kwargs: build_pipeline(*args, **{**kwargs, "clients": clients}))
     settings = load_settings(env={}, overrides={
@@ -118,7 +121,8 @@ def test_graph_evictions_are_read_from_the_runtime_when_scraped() -> None:
         return metrics.registry.get_sample_value("streamfer_cuda_graph_evictions_total") or 0.0
 
     evictions.read()  # the model still loading: nothing to read
-    loaded.set_result(runtime)
+    serving = Serving(runtime)
+    loaded.set_result(serving)
     runtime.graph_evictions = 3
     evictions.read()
     evictions.read()
@@ -126,3 +130,9 @@ def test_graph_evictions_are_read_from_the_runtime_when_scraped() -> None:
     runtime.graph_evictions = 5
     evictions.read()
     assert counted() == 5
+    # A promoted model's runners count from zero: its evictions add to the total, none lost, none counted twice.
+    promoted = CountingRuntime()
+    serving.executor = promoted
+    promoted.graph_evictions = 2
+    evictions.read()
+    assert counted() == 7

@@ -55,11 +55,11 @@ def test_a_record_with_a_later_models_field_is_still_read():
     """Rollouts (issue 69) append `models` (a union with null) to the record: this version reads past it."""
     schema = json.loads((SCHEMA_DIR / "control.avsc").read_text())
     later = copy.deepcopy(schema)
-    later["fields"].append({"name": "models", "default": None, "type": ["null", {
-        "type": "record", "name": "Models", "fields": [{"name": "primary", "type": "string"}]}]})
+    later["fields"].append({"name": "later", "default": None, "type": ["null", {
+        "type": "record", "name": "Later", "fields": [{"name": "primary", "type": "string"}]}]})
     out = io.BytesIO()
     raw = fastavro.schemaless_reader(io.BytesIO(encode(policy_record(4))), fastavro.parse_schema(schema), None)
-    fastavro.schemaless_writer(out, fastavro.parse_schema(later), {**raw, "models": {"primary": "opennsfw"}})
+    fastavro.schemaless_writer(out, fastavro.parse_schema(later), {**raw, "later": {"primary": "opennsfw"}})
     assert decode(out.getvalue()).revision == 4
 
 

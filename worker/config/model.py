@@ -116,6 +116,13 @@ class ModelSettings:
         "the cascade's label, with `run_if_model`"))
     run_if_score: float = setting(0.0, ge=0, le=1, doc=(
         "the cascade's score, with `run_if_model`"))
+    allowed_sources: tuple[str, ...] = setting((), range="each non-empty", doc=(
+        "what a rollout on the control topic (`worker rollout start`, issue 69) may load besides the presets "
+        "(`builtin`, `opennsfw`, `nudenet`: always allowed): path prefixes (`/models/`: any file under it; relative "
+        "ones from the worker's directory) and factory module prefixes (`mycompany.models.`: any "
+        "`mycompany.models.<...>:function`). Empty (the default): the presets only. A record naming anything else is "
+        "refused by every worker with the reason (whoever can write the control topic decides what code a worker "
+        "loads: docs/security.md)"))
 
 
 # NudeNet 3.4.2's labels in its model's output order (nudenet/nudenet.py), and those that flag a frame.

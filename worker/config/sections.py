@@ -115,6 +115,13 @@ class TopicSettings:
         "the control topic (compacted, one partition, shared by every group): the desired policy under "
         "`<group_id>/policy` (`worker policy set`) and each worker's report under `<group_id>/worker/<worker_id>`; "
         "read by every worker outside the group (docs/operations.md)"))
+    worker_status: str = setting("", doc=(
+        "where workers write their reports (`<group_id>/worker/<worker_id>`: the policy and model revision they apply,"
+        " their rollout state); empty: the control topic. Set it (compacted, one partition; `worker topics` creates "
+        "it) to let only an operator's principal write the control topic (docs/security.md)"))
+    shadow_results: str = setting("moderation.results.shadow", doc=(
+        "the results of a candidate model in shadow (`worker rollout start --shadow`), in the results schema; the "
+        "primary's results are unchanged ([Rolling out a model](operations.md#rolling-out-a-model))"))
 
     def routes(self) -> list[str]:
         """The route topics that are on: review, flagged."""

@@ -107,6 +107,7 @@ def validate(s: Settings) -> list[str]:
     need(set(m.never_flag) <= set(m.labels),
          f"model.never_flag: unknown labels {sorted(set(m.never_flag) - set(m.labels))} (labels: {list(m.labels)})")
     need(not set(m.labels) <= set(m.never_flag), "model.never_flag: lists every label, so no frame could be flagged")
+    need(all(s.strip() for s in m.allowed_sources), "model.allowed_sources: an empty prefix would allow every source")
     need(bool(m.cache_dir.strip()), "model.cache_dir: must not be empty")
     need(len(m.input_size) in (0, 2) and all(x > 0 for x in m.input_size),
          "model.input_size: must be empty (any size) or [height, width] > 0")

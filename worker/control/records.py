@@ -5,6 +5,7 @@ that worker applies. Several groups share the topic, each reading its own keys."
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from worker.config import PolicySettings
 POLICY = "policy"
 WORKER_STATUS = "worker_status"
 APPLIED, REFUSED = "applied", "refused"
+MODELS = "models"  # issue 69: the group's desired model set (worker/control/models.py)
 
 with open(SCHEMA_DIR / "control.avsc", encoding="utf-8") as _fh:
     CONTROL_SCHEMA = fastavro.parse_schema(json.load(_fh))
@@ -45,6 +47,72 @@ class WorkerStatus:
 
 
 @dataclass(frozen=True)
+class ModelRef:
+    """A model as `worker rollout start` names it: `source` as model.source takes it, with its name, version and (a
+    non-preset's) contract, the [model] table's other keys."""
+
+    source: str
+    name: str = ""
+    version: str = ""
+    contract: tuple[tuple[str, Any], ...] = ()  # sorted (key, value) pairs of the [model] table, JSON values
+
+    @property
+    def label(self) -> str:
+        return f"{self.name or self.source}:{self.version or '?'}"
+
+    def as_avro(self) -> dict[str, Any]:
+        return {"source": self.source, "name": self.name, "version": self.version,
+                "contract": json.dumps(dict(self.contract), sort_keys=True)}
+
+    @classmethod
+    def from_avro(cls, raw: dict[str, Any]) -> ModelRef:
+        table = json.loads(raw.get("contract") or "{}")
+        return cls(raw["source"], raw["name"], raw["version"], tuple(sorted(_frozen(table).items())))
+
+
+def _frozen(table: dict[str, Any]) -> dict[str, Any]:
+    """JSON lists as tuples, so a ModelRef is hashable and compares by value."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in table.items()}
+
+
+@dataclass(frozen=True)
+class DesiredModels:
+    """The group's desired model set: the primary (None: the settings file's model) and a candidate with its mode
+    (shadow | canary) and share of streams while one rolls out."""
+
+    primary: ModelRef | None = None
+    candidate: ModelRef | None = None
+    mode: str = ""
+    share: float = 0.0
+
+    def as_avro(self) -> dict[str, Any]:
+        return {"primary": None if self.primary is None else self.primary.as_avro(),
+                "candidate": None if self.candidate is None else self.candidate.as_avro(),
+                "mode": self.mode, "share": self.share}
+
+    @classmethod
+    def from_avro(cls, raw: dict[str, Any]) -> DesiredModels:
+        return cls(None if raw["primary"] is None else ModelRef.from_avro(raw["primary"]),
+                   None if raw["candidate"] is None else ModelRef.from_avro(raw["candidate"]), raw["mode"],
+                   float(raw["share"]))
+
+
+@dataclass(frozen=True)
+class RolloutReport:
+    """A worker's model state: loading | warming | shadow | canary | serving | failed (with the reason)."""
+
+    revision: int
+    state: str
+    reason: str = ""
+    serving: str = ""
+    candidate: str = ""
+
+
+def models_key(group_id: str) -> str:
+    return f"{group_id}/models"
+
+
+@dataclass(frozen=True)
 class ControlRecord:
     kind: str
     group_id: str
@@ -53,6 +121,8 @@ class ControlRecord:
     written_by: str
     policy: PolicySettings | None = None
     status: WorkerStatus | None = None
+    models: DesiredModels | None = None  # kind `models` (issue 69)
+    rollout: RolloutReport | None = None  # a worker_status's model part (issue 69)
 
 
 def encode(record: ControlRecord) -> bytes:
@@ -74,6 +144,7 @@ def decode(value: bytes) -> ControlRecord:
         written_at = int(round(written_at.timestamp() * 1000))
     policy = raw.get("policy")
     status = raw.get("status")
+    models, rollout = raw.get("models"), raw.get("rollout")
     return ControlRecord(
         kind=raw["kind"], group_id=raw["group_id"], revision=raw["revision"], written_at_ms=int(written_at),
         written_by=raw["written_by"],
@@ -82,7 +153,9 @@ def decode(value: bytes) -> ControlRecord:
             tenants={t: {"flag": dict(v["flag"]), "review": dict(v["review"])} for t, v in policy["tenants"].items()},
             expired=policy["expired"]),
         status=None if status is None else WorkerStatus(status["worker_id"], status["policy_version"], status["state"],
-                                                        status["reason"]))
+                                                        status["reason"]),
+        models=None if models is None else DesiredModels.from_avro(models),
+        rollout=None if rollout is None else RolloutReport(**rollout))
 
 
 def _as_dict(record: ControlRecord) -> dict[str, Any]:
@@ -97,4 +170,6 @@ def _as_dict(record: ControlRecord) -> dict[str, Any]:
             "expired": p.expired},
         "status": None if s is None else {"worker_id": s.worker_id, "policy_version": s.policy_version,
                                           "state": s.state, "reason": s.reason},
+        "models": None if record.models is None else record.models.as_avro(),
+        "rollout": None if record.rollout is None else dataclasses.asdict(record.rollout),
     }

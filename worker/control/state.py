@@ -6,7 +6,17 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from worker.control.records import POLICY, WORKER_STATUS, ControlRecord, WorkerStatus, decode, policy_key
+from worker.control.records import (
+    MODELS,
+    POLICY,
+    WORKER_STATUS,
+    ControlRecord,
+    RolloutReport,
+    WorkerStatus,
+    decode,
+    models_key,
+    policy_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -19,6 +29,10 @@ class ControlState:
     policy: ControlRecord | None = None
     workers: dict[str, WorkerStatus] = field(default_factory=dict)
     skipped: int = 0  # records of this group that could not be read (logged once each)
+    # issue 69: the desired model set (`<group_id>/models`), how often it changed, and each worker's model report.
+    models: ControlRecord | None = None
+    models_changes: int = 0
+    rollouts: dict[str, RolloutReport] = field(default_factory=dict)
 
     def take(self, key: bytes | None, value: bytes | None) -> bool:
         """Take one record; True when it changed the desired policy. Other groups' keys are ignored; a tombstone
@@ -28,10 +42,14 @@ class ControlState:
         if not name.startswith(prefix):
             return False
         if value is None:
+            if name == models_key(self.group_id):
+                self.models, self.models_changes = None, self.models_changes + 1
+                return False
             if name == policy_key(self.group_id):
                 changed, self.policy = self.policy is not None, None
                 return changed
             self.workers.pop(name[len(prefix):].removeprefix("worker/"), None)
+            self.rollouts.pop(name[len(prefix):].removeprefix("worker/"), None)
             return False
         try:
             record = decode(value)
@@ -44,6 +62,10 @@ class ControlState:
             return True
         if record.kind == WORKER_STATUS and record.status is not None:
             self.workers[record.status.worker_id] = record.status
+            if record.rollout is not None:
+                self.rollouts[record.status.worker_id] = record.rollout
+        if record.kind == MODELS and name == models_key(self.group_id) and record.models is not None:
+            self.models, self.models_changes = record, self.models_changes + 1
         return False  # a kind this version does not know (rollouts' `models`): another reader's
 
     @property

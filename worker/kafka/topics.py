@@ -31,8 +31,10 @@ DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
 
 
 def worker_topics(topics: TopicSettings) -> list[str]:
-    """The topics with the worker's partition count: inputs, results, dead letters, and the routes that are on."""
-    return [topics.realtime, topics.standard, topics.bulk, topics.results, topics.dead_letter, *topics.routes()]
+    """The topics with the worker's partition count: inputs, results, dead letters, the routes that are on, and a
+    candidate model's shadow results (issue 69)."""
+    return [topics.realtime, topics.standard, topics.bulk, topics.results, topics.dead_letter, *topics.routes(),
+            *([topics.shadow_results] if topics.shadow_results else [])]
 
 
 # The control topic: Kafka Connect's config topic (docs/operations.md): one partition, so its order is total, and

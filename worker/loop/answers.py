@@ -4,6 +4,7 @@ outputs to delivery."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections import Counter
@@ -39,6 +40,9 @@ class Answers:
         self._verdicts = Children(metrics.verdicts)
         self._tenant_labels: dict[str, str] = {}
         self._writer = result_writer(context)
+        # issue 69: a writer per model that scored a batch (a rollout swaps or canaries models while serving).
+        self._context = context
+        self._writers = {(context.model_name, context.model_version): self._writer}
         self._expired = Children(metrics.frames_expired)
         self._flagged = Children(metrics.frames_flagged)
         self._queue_wait = Children(metrics.queue_wait)
@@ -75,7 +79,15 @@ class Answers:
             self._flagged.labels(label).inc(n)
         results = [(frame, verdict, queued_s * 1000.0) for (frame, verdict), queued_s in zip(outcome.verdicts, queued,
                                                                                               strict=True)]
-        outputs = self._results(results, Status.OK, outcome.batch_size, run_ms, now, traces)
+        if outcome.scored_by and any(m != outcome.scored_by[0] for m in outcome.scored_by):
+            # A canary batch: each model's frames written by that model's writer (without trace headers).
+            outputs = []
+            for model, group in itertools.groupby(zip(results, outcome.scored_by, strict=True), key=lambda r: r[1]):
+                outputs += self._results([r for r, _ in group], Status.OK, outcome.batch_size, run_ms, now,
+                                         writer=self.writer_for(model))
+        else:
+            outputs = self._results(results, Status.OK, outcome.batch_size, run_ms, now, traces,
+                                    writer=self.writer_for(outcome.scored_by[0]) if outcome.scored_by else None)
         outputs.extend(self.dead_letter(f.frame, f.error_type, f.reason) for f in outcome.failures)
         return outputs
 
@@ -105,12 +117,25 @@ class Answers:
                         key=frame.stream_id.encode(), headers=frame.headers)
         return Output.of_dead_letter(dl, frame.tenant)
 
+    def writer_for(self, model: tuple[str, str]) -> Any:
+        """The result writer naming `model` (name, version)."""
+        writer = self._writers.get(model)
+        if writer is None:
+            writer = self._writers[model] = result_writer(dataclasses.replace(self._context, model_name=model[0],
+                                                                              model_version=model[1]))
+        return writer
+
+    def use_model(self, model: tuple[str, str]) -> None:
+        """Expired and reused frames' results name `model` from now on (a promote, on the loop's thread)."""
+        self._writer = self.writer_for(model)
+
     def _results(self, results: Sequence[tuple[Frame, Verdict | None, float]], status: Status, batch_size: int,
                  run_ms: float, now: float, traces: FrameTraces | None = None,
-                 reused_from: int | None = None) -> list[Output]:
+                 reused_from: int | None = None, writer: Any = None) -> list[Output]:
+        writer = writer or self._writer
         if self.judge is not None:
-            return self._judged(results, status, batch_size, run_ms, now, traces, reused_from, self.judge)
-        values = self._writer.write_frames(results, status.value, batch_size, run_ms, now * 1000.0, reused_from)
+            return self._judged(results, status, batch_size, run_ms, now, traces, reused_from, self.judge, writer)
+        values = writer.write_frames(results, status.value, batch_size, run_ms, now * 1000.0, reused_from)
         # Keyed by stream so a stream's results stay ordered within one output partition.
         if traces is None:
             return [Output(frame.source, frame.stream_id.encode(), value, frame.tenant, status, headers=frame.headers)
@@ -121,18 +146,15 @@ class Answers:
 
     def _judged(self, results: Sequence[tuple[Frame, Verdict | None, float]], status: Status, batch_size: int,
                 run_ms: float, now: float, traces: FrameTraces | None, reused_from: int | None,
-                judge: Judge) -> list[Output]:
+                judge: Judge, writer: Any = None) -> list[Output]:
         """The results under the policy: each frame's verdict for its tenant, written into the result, counted, and
         the route topics its copy goes to. One policy for the whole call (a batch boundary)."""
         policy = judge.policy()
         decide, expired = policy.decide, policy.expired
         decisions = [expired if verdict is None else decide(frame.tenant, verdict) for frame, verdict, _ in results]
-        values = self._writer.write_frames(results, status.value, batch_size, run_ms, now * 1000.0, reused_from,
-                                           decisions, policy.version)
-        counts: dict[tuple[str, str], int] = {}
-        for (frame, _, _), d in zip(results, decisions, strict=True):
-            key = (frame.tenant, d.verdict)
-            counts[key] = counts.get(key, 0) + 1
+        values = (writer or self._writer).write_frames(results, status.value, batch_size, run_ms, now * 1000.0,
+                                                       reused_from, decisions, policy.version)
+        counts = Counter((frame.tenant, d.verdict) for (frame, _, _), d in zip(results, decisions, strict=True))
         for (tenant, verdict), n in counts.items():
             if verdict:
                 self._verdict_child(tenant, verdict).inc(n)

@@ -317,6 +317,11 @@ class FakeExecutor:
         self.held: list[tuple[list[Frame], Future[BatchOutcome]]] = []
         self.batches: list[list[Frame]] = []
         self.priorities: list[Priority] = []
+        self.closed = False
+
+    def close(self) -> None:
+        """As InferenceExecutor.close (a rollout closes a replaced model after its last batch)."""
+        self.closed = True
 
     def submit(self, frames: Any, shape: tuple[int, int, int],
                priority: Priority = Priority.BULK) -> Future[BatchOutcome]:
