@@ -156,6 +156,16 @@ class Metrics:
         self.uncommitted_frames = Gauge("streamfer_uncommitted_frames",
                                         "Offsets read since the last confirmed commit (what a lost session redoes).",
                                         registry=r)
+        self.done_offsets_held = Gauge("streamfer_done_offsets_held",
+                                       "Offsets answered beyond their partition's commit point, held there by an "
+                                       "earlier one not yet answered.", registry=r)
+        self.commit_metadata_overflows = Counter("streamfer_commit_metadata_overflows_total",
+                                                 "Commits of a partition whose done-offsets list did not fit the "
+                                                 "commit metadata (its done offsets are redone after a hand-over).",
+                                                 registry=r)
+        self.frames_already_done = Counter("streamfer_frames_already_done_total",
+                                           "Frames read and skipped: a previous owner answered them beyond its "
+                                           "commit point and said so in the commit's metadata.", registry=r)
         self.paused_partitions = Gauge("streamfer_paused_partitions",
                                        "Input partitions paused for priority or backpressure.", registry=r)
         self.priority_paused = Gauge("streamfer_priority_paused",

@@ -106,6 +106,7 @@ class Admission:
             self._metrics.committed_offset_waits.inc(polled.committed_offset_waits)
         self._metrics.inflight_frames.set(self._tracker.in_flight())
         self._metrics.uncommitted_frames.set(self._tracker.uncommitted())
+        self._metrics.done_offsets_held.set(self._tracker.done_beyond())
         self._metrics.inflight_bytes.set(self._batcher.pending_bytes)
 
     def _past_deadline(self, frame: Frame, now: float) -> bool:

@@ -239,7 +239,7 @@ class AtLeastOnceDelivery(Delivery):
         # Before the interval ends when half the uncommitted cap is used, so the cap pauses reading only while
         # commits fail, never because the interval is long.
         if not final and now - self._last_commit < self.settings.delivery.commit_interval_ms / 1000.0 \
-                and self.tracker.uncommitted() < self.settings.max_uncommitted_frames // 2:
+                and self.tracker.held() < self.settings.max_uncommitted_frames // 2:
             return CommitResult.NOTHING
         # A partition given up since is someone else's to commit.
         points = {tp: point for tp, point in self.tracker.commit_points().items() if tp in self.assignments}

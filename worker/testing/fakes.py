@@ -216,6 +216,8 @@ class FakeProducer:
     pending_reports: list[tuple[Callable[..., None], Produced]] = field(default_factory=list)
     # Broker-side refusals: a delivery report error for messages matching the predicate.
     refuse: Callable[[Produced], KafkaError | None] = lambda produced: None
+    # Outputs whose partition is down (its leader away): their delivery reports wait while this says so.
+    unacknowledged: Callable[[Produced], bool] = lambda produced: False
     commit_errors: list[KafkaError] = field(default_factory=list)
     # Raised by send_offsets_to_transaction in turn (ILLEGAL_GENERATION after a rebalance round, say).
     send_offsets_errors: list[KafkaError] = field(default_factory=list)
@@ -242,6 +244,10 @@ class FakeProducer:
 
     def poll(self, timeout: float = 0.0) -> int:
         reports, self.pending_reports = self.pending_reports, []
+        waiting = [r for r in reports if self.unacknowledged(r[1])]
+        if waiting:
+            self.pending_reports = waiting
+            reports = [r for r in reports if not self.unacknowledged(r[1])]
         for callback, produced in reports:
             err = self.refuse(produced)
             if err is None and not self.transactional:
@@ -253,7 +259,7 @@ class FakeProducer:
 
     def flush(self, timeout: float = 0.0) -> int:
         self.poll(0)
-        return 0
+        return len(self.pending_reports)
 
     def __len__(self) -> int:
         return len(self.pending_reports)
