@@ -12,8 +12,10 @@ from worker.partitions.donemeta import (
     MetadataRefresh,
     OffsetRuns,
     decode,
+    done_after,
     done_count,
     encode,
+    read_already_done,
 )
 from worker.testing import FakeClock
 
@@ -137,3 +139,16 @@ def test_a_held_partition_is_committed_again_at_most_once_per_interval_while_its
     assert refresh.due({TP: 9}) == [TP]
     refresh.forget(TP)
     assert refresh.due({TP: 9}) == [TP]
+
+
+def test_a_partition_sought_to_a_commit_with_metadata_skips_the_listed_offsets_then_forgets_them():
+    done: dict[tuple[str, int], OffsetRuns] = {}
+    done_after(done, TP, 10, encode(10, [(10, 11), (13, 14)], 15, 4000))  # done: 11, 12, 14
+    assert [o for o in range(10, 17) if read_already_done(done, TP, o)] == [11, 12, 14]
+    assert TP not in done  # read past its end: no more cost per message
+
+
+def test_metadata_that_does_not_decode_is_redone_not_trusted():
+    done: dict[tuple[str, int], OffsetRuns] = {TP: OffsetRuns([(1, 2)])}
+    done_after(done, TP, 10, PREFIX + "gA")
+    assert done == {}

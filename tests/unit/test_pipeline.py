@@ -21,6 +21,7 @@ from worker.frames import OUTPUT_REJECTED, BatchOutcome, Priority, Verdict
 from worker.kafka.producer import SinkError
 from worker.loop.pipeline import KafkaClients, Pipeline, build_pipeline
 from worker.metrics import Health, Metrics
+from worker.partitions.donemeta import done_count
 from worker.testing import (
     FakeClock,
     FakeConsumer,
@@ -45,13 +46,15 @@ class World:
     def __init__(self, mode: str = "at_least_once", hold: bool = False,
                  batching: BatchingSettings | None = None, max_inflight: int = 4, executor: Any = None,
                  max_uncommitted_frames: int = 0, commit_interval_ms: float = 0.0,
-                 metrics: Metrics | None = None, max_done_offsets_held: int = 0) -> None:
+                 metrics: Metrics | None = None, max_done_offsets_held: int = 0,
+                 commit_metadata_max_bytes: int = 4000) -> None:
         self.settings = Settings(batching=batching or BatchingSettings(rare_shape_min_count=1, max_batch_size=4),
                                  delivery=DeliverySettings(mode=mode, max_inflight_batches=max_inflight,
                                                            transaction_call_timeout_ms=1_000,
                                                            max_uncommitted_frames=max_uncommitted_frames,
                                                            commit_interval_ms=commit_interval_ms,
-                                                           max_done_offsets_held=max_done_offsets_held),
+                                                           max_done_offsets_held=max_done_offsets_held,
+                                                           commit_metadata_max_bytes=commit_metadata_max_bytes),
                                  observability=ObservabilitySettings(worker_id="w0", metrics_enabled=False))
         self.consumer: FakeConsumer | None = None
         self.producers: list[FakeProducer] = []
@@ -294,6 +297,49 @@ def test_answered_frames_held_behind_a_stalled_one_stop_reading_at_their_own_bou
     w.step(40)
     assert offsets(w.results(), P0) == list(range(100))
     assert w.committed(P0) == 100
+
+
+def test_a_partition_handed_over_during_an_outage_redoes_only_its_unanswered_frames() -> None:
+    """Issue 67: the commit held at the stalled frame lists the answered ones beyond it in its metadata; the next
+    owner (here the same worker after a lost session) skips them, and commits past them once the rest is answered."""
+    w = World("at_least_once", max_uncommitted_frames=8)
+    interleaved(w, P0, 60, every=10)
+    w.step()
+    stalled_stream(w, "stalled")
+    w.assign([P0])
+    w.step(40)
+    assert w.kafka.group_committed[P0] == 0
+    assert done_count(w.kafka.commit_metadata[P0], 0) == 54  # refreshed as they were answered
+    w.kafka.rebalance("lost", [P0])
+    w.step()
+    w.assign([P0])
+    w.step(20)
+    assert w.metrics.frames_already_done._value.get() == 54
+    w.producer.unacknowledged = lambda m: False
+    w.step(10)
+    counts = Counter(offsets(w.results(), P0))
+    assert sorted(counts) == list(range(60))  # nothing lost
+    stalled = set(range(0, 60, 10))
+    assert {o for o, n in counts.items() if n > 1} == stalled  # redone: the stalled frames, answered late twice
+    assert w.committed(P0) == 60 and w.kafka.commit_metadata[P0] == ""
+
+
+def test_a_done_list_past_the_metadata_bound_is_committed_without_it_counted_and_redone() -> None:
+    w = World("at_least_once", max_uncommitted_frames=8, commit_metadata_max_bytes=8)
+    interleaved(w, P0, 60, every=10)
+    w.step()
+    stalled_stream(w, "stalled")
+    w.assign([P0])
+    w.step(40)
+    assert w.metrics.commit_metadata_overflows._value.get() >= 1
+    assert not w.kafka.commit_metadata.get(P0)
+    w.kafka.rebalance("lost", [P0])
+    w.step()
+    w.assign([P0])
+    w.producer.unacknowledged = lambda m: False
+    w.step(30)
+    counts = Counter(offsets(w.results(), P0))
+    assert sorted(counts) == list(range(60)) and all(n == 2 for n in counts.values())  # everything redone
 
 
 def test_a_long_commit_interval_commits_early_rather_than_stop_at_the_uncommitted_cap() -> None:

@@ -45,6 +45,7 @@ class Answer:
     partition: int
     offset: int
     error: KafkaError | None = None
+    metadata: str | None = None
 
 
 @dataclass

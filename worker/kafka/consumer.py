@@ -32,6 +32,7 @@ from worker.kafka.errors import UNKNOWN_TOPIC, BrokerStatus, Identity, RefusalSt
 from worker.kafka.membership import GroupMembership
 from worker.kafka.schemalookups import HeldFrames
 from worker.partitions.assignment import Assignments
+from worker.partitions.donemeta import OffsetRuns, done_after, read_already_done
 from worker.partitions.offsets import CommitOutcome
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,9 @@ class Polled:
     # The outcomes of offset commits served since the last poll (asynchronous ones arrive in a later poll), for
     # the loop to hand to delivery.
     commits: list[CommitOutcome] = field(default_factory=list)
+    # Messages a previous owner answered beyond its commit point (the commit's metadata said so: issue 67): read, to
+    # be tracked as done, neither scored nor produced again.
+    already_done: list[SourceRef] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,7 @@ class CommittedOffsets:
 
     offsets: dict[TP, int] = field(default_factory=dict)
     unknown: dict[TP, str] = field(default_factory=dict)
+    metadata: dict[TP, str] = field(default_factory=dict)  # each commit's metadata, where it has some
 
 
 RebalanceHandler = Callable[[list[TP]], None]
@@ -187,6 +192,8 @@ class FrameSource:
         self._next_offset: dict[TP, int] = {}
         # Partitions to seek to their committed offsets, kept paused while those cannot be read.
         self._positions = CommittedPositions(clock)
+        # Per partition sought to a commit whose metadata lists offsets done beyond it: those offsets, skipped as read.
+        self._already_done: dict[TP, OffsetRuns] = {}
 
     # -- subscription and rebalances ---------------------------------------------------------------
     def subscribe(self, on_assign: RebalanceHandler, on_revoke: RevokeHandler, on_lost: RebalanceHandler) -> None:
@@ -232,6 +239,7 @@ class FrameSource:
         for tp in tps:
             self._paused.discard(tp)
             self._next_offset.pop(tp, None)
+            self._already_done.pop(tp, None)
         self._positions.forget(tps)
 
     @property
@@ -266,7 +274,8 @@ class FrameSource:
                 now, self._topics, self._limits, self.assignments.is_current)
         rewound: set[TP] = set()
         # Read once per poll (rebalance callbacks run inside consume(), not in this loop): a frame per message.
-        epoch_of, waiting, next_offset = self.assignments.epoch, self._positions.waiting, self._next_offset
+        epoch_of, waiting, next_offset, already_done = (self.assignments.epoch, self._positions.waiting,
+                                                        self._next_offset, self._already_done)
         topics, limits, writer_schemas = self._topics, self._limits, self._writer_schemas
         for msg in messages:
             err = msg.error()
@@ -296,6 +305,9 @@ class FrameSource:
                                 "the offsets already read", tp, source.offset, expected - 1)
                 continue
             next_offset[tp] = source.offset + 1
+            if already_done and read_already_done(already_done, tp, source.offset):
+                polled.already_done.append(source)
+                continue
             if writer_schemas is not None and writer_schemas.admit(tp, (source, msg), msg.value()):
                 polled.held.append(source)
                 continue
@@ -377,11 +389,12 @@ class FrameSource:
         return len(self._paused)
 
     # -- commits -------------------------------------------------------------------------------------
-    def commit(self, points: dict[TP, int], asynchronous: bool = False) -> None:
-        """Commit offsets of partitions still assigned (a revoked one belongs to someone else).
-
-        Every commit's outcome comes back in `Polled.commits` (an asynchronous one's in a later poll)."""
-        offsets = [TopicPartition(t, p, o) for (t, p), o in points.items() if (t, p) in self.assignments]
+    def commit(self, points: dict[TP, int], asynchronous: bool = False, metadata: dict[TP, str] | None = None) -> None:
+        """Commit offsets of partitions still assigned (a revoked one belongs to someone else), with `metadata` where
+        given (worker.partitions.donemeta). Every commit's outcome comes back in `Polled.commits`."""
+        md = metadata or {}
+        offsets = [TopicPartition(t, p, o, md[(t, p)]) if md.get((t, p)) else TopicPartition(t, p, o)
+                   for (t, p), o in points.items() if (t, p) in self.assignments]
         if not offsets:
             return
         if asynchronous:
@@ -409,6 +422,8 @@ class FrameSource:
                 out.unknown[tp] = r.error.str()
             elif r.offset >= 0:
                 out.offsets[tp] = r.offset
+                if r.metadata:
+                    out.metadata[tp] = r.metadata
             elif r.offset == OFFSET_INVALID:
                 out.offsets[tp] = OFFSET_BEGINNING
             else:
@@ -492,6 +507,7 @@ class FrameSource:
             refused = self._seek(tp, answer.offsets[tp])
             if refused is None:
                 self._positions.sought(tp)
+                done_after(self._already_done, tp, answer.offsets[tp], answer.metadata.get(tp))
                 sought = True
             else:  # librdkafka starts a partition once it has its own answer; seek then
                 self._positions.unstarted(tp, refused)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from worker.batching import MicroBatcher
 from worker.config import Settings
-from worker.frames import DUPLICATE_FRAME, TP, BatchOutcome, Frame, Output, Priority
+from worker.frames import DUPLICATE_FRAME, TP, BatchOutcome, Frame, Output, Priority, SourceRef
 from worker.kafka.consumer import Polled
 from worker.loop.answers import Answers
 from worker.loop.flow import FlowControl
@@ -54,8 +54,11 @@ class Admission:
             read = sorted(read + [d.source for d in polled.dead_letters] + polled.held)
         if polled.released:  # held by an earlier poll, tracked then
             read = [ref for ref in read if ref not in polled.released]
-        for ref in read:
-            self._tracker.track(ref.topic_partition, ref.offset)
+        if polled.already_done:
+            self._track_already_done(read, polled)
+        else:
+            for ref in read:
+                self._tracker.track(ref.topic_partition, ref.offset)
         taken = Admitted()
         if polled.frames:
             self._metrics.count_by_tenant(self._consumed, polled.frames)
@@ -97,6 +100,16 @@ class Admission:
                                {p: ms / 1000.0 for p, ms in oldest.items()}, polled.drained, by_partition)
         self._record(polled)
         return taken
+
+    def _track_already_done(self, read: list[SourceRef], polled: Polled) -> None:
+        """Track a poll's offsets in order, those a previous owner finished (issue 67) as done at once."""
+        done = set(polled.already_done)
+        for ref in sorted(read + polled.already_done):
+            if ref in done:
+                self._tracker.track_done(ref.topic_partition, ref.offset)
+            else:
+                self._tracker.track(ref.topic_partition, ref.offset)
+        self._metrics.frames_already_done.inc(len(done))
 
     def _record(self, polled: Polled) -> None:
         """The poll's counters, and the gauges of what is read and not yet done."""

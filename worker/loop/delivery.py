@@ -34,6 +34,7 @@ from worker.kafka.producer import DeliveryReports, MessageRejected, Refusal, Res
 from worker.loop.ports import Source
 from worker.metrics import Children, Metrics
 from worker.partitions.assignment import Assignments
+from worker.partitions.donemeta import CommitMetadata
 from worker.partitions.offsets import CommitOutcome, OffsetTracker
 
 log = logging.getLogger(__name__)
@@ -194,6 +195,8 @@ class AtLeastOnceDelivery(Delivery):
         self._outcome_awaited_since: float | None = None
         self._last_failure_log = float("-inf")
         self._failures_unlogged = 0
+        # The offsets done beyond each held commit point, in the commit's metadata (issue 67).
+        self._metadata = CommitMetadata(clock, settings.delivery.commit_metadata_max_bytes)
 
     def emit(self, outputs: list[Output]) -> None:
         for out in outputs:
@@ -243,12 +246,13 @@ class AtLeastOnceDelivery(Delivery):
             return CommitResult.NOTHING
         # A partition given up since is someone else's to commit.
         points = {tp: point for tp, point in self.tracker.commit_points().items() if tp in self.assignments}
+        metadata = self._metadata_for(points)
         if not points:
             return CommitResult.NOTHING
         # librdkafka reports every commit, synchronous ones too, in order: they come back through commits_reported.
         self._commits_in_flight.append(time.monotonic())
         try:
-            self.committer.commit(points, asynchronous=not final)
+            self.committer.commit(points, asynchronous=not final, metadata=metadata)
         except KafkaException as exc:  # retried next turn
             self._commits_in_flight.pop()
             log.warning("offset commit failed (will retry): %s", exc)
@@ -259,6 +263,14 @@ class AtLeastOnceDelivery(Delivery):
         self._last_commit = now
         self.commits += 1
         return CommitResult.COMMITTED
+
+    def _metadata_for(self, points: dict[TP, int]) -> dict[TP, str]:
+        """Each held partition's metadata (adding to `points` those due a refresh); overflows counted."""
+        before = self._metadata.overflows
+        metadata = self._metadata.for_commit(points, self.tracker, self.assignments.__contains__)
+        if self._metadata.overflows > before:
+            self.metrics.commit_metadata_overflows.inc(self._metadata.overflows - before)
+        return metadata
 
     def _awaiting_outcome(self, now: float) -> bool:
         """Whether the last asynchronous commit's outcome is still to come (then the next one waits for it)."""
@@ -302,6 +314,8 @@ class AtLeastOnceDelivery(Delivery):
         gone = set(tps)
         for source in [s for s in self._awaiting_ack if s.topic_partition in gone]:
             del self._awaiting_ack[source]
+        for tp in tps:
+            self._metadata.forget(tp)
         super().release(tps)
 
 

@@ -21,10 +21,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+import logging
 from bisect import bisect_right
 from collections.abc import Callable, Iterable
 
 from worker.errors import StreamferError
+from worker.partitions.offsets import OffsetTracker
+
+log = logging.getLogger(__name__)
 
 PREFIX = "sf1:"
 # A held partition's metadata is refreshed (its point re-committed) at most this often while its done offsets grow.
@@ -209,3 +213,71 @@ class MetadataRefresh:
 
     def forget(self, tp: tuple[str, int]) -> None:
         self._sent.pop(tp, None)
+
+
+def read_already_done(done: dict[tuple[str, int], OffsetRuns], tp: tuple[str, int], offset: int) -> bool:
+    """Whether `offset` of `tp`, just read, was finished by the partition's previous owner (listed in the metadata of
+    the commit it was sought to; `done` holds those lists per partition). A list is dropped once read past."""
+    runs = done.get(tp)
+    if runs is None:
+        return False
+    if runs.contains(offset):
+        return True
+    if offset >= runs.end:
+        del done[tp]
+    return False
+
+
+class CommitMetadata:
+    """At-least-once: the metadata of each partition's commit, and the held partitions to commit again for it.
+
+    `for_commit` adds to a commit's points the held partitions due a refresh (`MetadataRefresh`) and returns each
+    held partition's metadata; a partition whose list does not fit `max_bytes` is committed without it and counted
+    in `overflows` (its done offsets are redone after a hand-over, as before issue 67)."""
+
+    def __init__(self, clock: Callable[[], float], max_bytes: int, interval_s: float = REFRESH_INTERVAL_S) -> None:
+        self._max_bytes = max_bytes
+        self._refresh = MetadataRefresh(clock, interval_s)
+        self.overflows = 0
+
+    def for_commit(self, points: dict[tuple[str, int], int], tracker: OffsetTracker,
+                   assigned: Callable[[tuple[str, int]], bool]) -> dict[tuple[str, int], str]:
+        if self._max_bytes <= 0:
+            return {}
+        held = {tp: n for tp, n in tracker.done_beyond_by_partition().items() if assigned(tp)}
+        for tp in self._refresh.due(held):
+            if tp not in points:
+                point = tracker.commit_point(tp)
+                if point is not None:
+                    points[tp] = point
+        metadata: dict[tuple[str, int], str] = {}
+        for tp in points:
+            count = held.get(tp, 0)
+            if not count:
+                continue
+            point, pending, end = tracker.done_runs(tp)
+            text = encode(point, pending, end, self._max_bytes)
+            if text is None:
+                self.overflows += 1
+            else:
+                metadata[tp] = text
+            self._refresh.sent(tp, count)
+        return metadata
+
+    def forget(self, tp: tuple[str, int]) -> None:
+        self._refresh.forget(tp)
+
+
+def done_after(done: dict[tuple[str, int], OffsetRuns], tp: tuple[str, int], point: int, text: str | None) -> None:
+    """A partition was sought to its commit at `point`: keep in `done` what that commit's metadata lists as finished
+    beyond it (skipped as read, see `read_already_done`). Metadata that does not decode is redone, with a warning."""
+    done.pop(tp, None)
+    try:
+        runs = decode(text, point)
+    except MetadataError as exc:
+        log.warning("%s of %s: redoing what is past the committed offset", exc, tp)
+        return
+    if runs:
+        done[tp] = runs
+        log.info("%s read from %d: its previous owner finished %d offsets up to %d beyond it, which are skipped",
+                 tp, point, len(runs), runs.end - 1)

@@ -168,6 +168,19 @@ class OffsetTracker:
         committed (failing commits; a lost session would redo them). Equals uncommitted() - done_beyond()."""
         return self._uncommitted - (self._span - self._in_flight)
 
+    def done_beyond_by_partition(self) -> dict[TopicPartition, int]:
+        """Partitions with offsets done beyond their commit point, and how many: read per commit, not per frame."""
+        out = {}
+        for tp, st in self._parts.items():
+            n = st.span - len(st.outstanding_set)
+            if n:
+                out[tp] = n
+        return out
+
+    def commit_point(self, tp: TopicPartition) -> int | None:
+        st = self._parts.get(tp)
+        return self._watermark(st) if st is not None else None
+
     def done_runs(self, tp: TopicPartition) -> tuple[int, list[tuple[int, int]], int]:
         """(commit point, the [start, end) runs of offsets not yet done from it, end of what was read) of a partition
         with offsets in flight; everything in [commit point, end) outside the runs is done. Sorts the offsets in

@@ -73,6 +73,7 @@ class FakeConsumer:
     conf: dict[str, Any]
     log: dict[TP, list[bytes]] = field(default_factory=dict)
     group_committed: dict[TP, int] = field(default_factory=dict)
+    commit_metadata: dict[TP, str] = field(default_factory=dict)  # each committed offset's metadata (empty: none)
     position_of: dict[TP, int] = field(default_factory=dict)
     paused: set[TP] = field(default_factory=set)
     callbacks: dict[str, Callable[..., None]] = field(default_factory=dict)
@@ -153,6 +154,7 @@ class FakeConsumer:
             raise KafkaException(self.commit_error)
         self.commit_history.append(points)
         self.group_committed.update(points)
+        self.commit_metadata.update({(o.topic, o.partition): o.metadata or "" for o in offsets})
         if asynchronous:
             self._commit_reports.append((None, offsets))
             return None
@@ -171,7 +173,8 @@ class FakeConsumer:
                 cb(err, offsets)
 
     def committed(self, partitions: list[TopicPartition], timeout: float) -> list[TopicPartition]:
-        return [TopicPartition(p.topic, p.partition, self.group_committed.get((p.topic, p.partition), OFFSET_INVALID))
+        return [TopicPartition(p.topic, p.partition, self.group_committed.get((p.topic, p.partition), OFFSET_INVALID),
+                               self.commit_metadata.get((p.topic, p.partition), ""))
                 for p in partitions]
 
     def seek(self, tp: TopicPartition) -> None:
