@@ -342,6 +342,23 @@ def test_a_done_list_past_the_metadata_bound_is_committed_without_it_counted_and
     assert sorted(counts) == list(range(60)) and all(n == 2 for n in counts.values())  # everything redone
 
 
+def test_a_full_producer_queue_pauses_the_input_and_never_blocks_the_loop() -> None:
+    """Issue 67: librdkafka's local queue full (a results partition down): outputs wait in the sink for a later turn
+    and every input partition pauses; once acknowledgements come back all is answered once."""
+    w = World("at_least_once")
+    w.frames(P0, 40)
+    w.step()
+    w.producer.queue_capacity = 3
+    stalled_stream(w, f"s{P0[1]}")
+    w.assign([P0])
+    w.step(10)
+    assert w.producer.pending_reports and len(w.producer.pending_reports) == 3
+    assert w.pipeline.delivery.sink.backlog > 0 and P0 in w.kafka.paused
+    w.producer.unacknowledged = lambda m: False
+    w.step(30)
+    assert Counter(offsets(w.results(), P0)) == Counter(range(40)) and w.committed(P0) == 40
+
+
 def test_a_long_commit_interval_commits_early_rather_than_stop_at_the_uncommitted_cap() -> None:
     w = World("at_least_once", max_uncommitted_frames=8, commit_interval_ms=3_600_000)
     w.frames(P0, 40)

@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -71,12 +72,13 @@ INIT_RETRY_ERRORS = frozenset({
 
 
 # Errors about one message, not the producer: that message can never be produced as it is (it is dead-lettered
-# by reference instead), and the next ones can.
+# by reference instead), and the next ones can. Not INVALID_MSG (CORRUPT_MESSAGE, a CRC mismatch): the bytes were
+# damaged on their way, which producing them again fixes (Kafka's clients retry it); counting it here turned a
+# good frame into a reference dead letter (issue 67). It is retried as any transient delivery failure.
 PER_MESSAGE_ERRORS = frozenset({
     KafkaError.MSG_SIZE_TOO_LARGE,
     KafkaError.INVALID_RECORD,
     KafkaError.RECORD_LIST_TOO_LARGE,
-    KafkaError.INVALID_MSG,
     KafkaError.INVALID_MSG_SIZE,
 })
 
@@ -195,6 +197,9 @@ class ResultSink:
         # pointless, and librdkafka's abort then leaves the producer unusable (a sequence gap): it is replaced.
         self.transaction_refused = False
         self._calls: queue.SimpleQueue[Any] | None = None  # the transactional call thread's queue
+        # At-least-once: outputs librdkafka's full local queue could not take yet, in order, produced again by the
+        # next polls (the loop never waits for room: issue 67); the loop pauses its input while any wait.
+        self._backlog: deque[tuple[SourceRef, str, Callable[[], None]]] = deque()
         if self.transactional:
             self._init_transactions()
 
@@ -243,12 +248,24 @@ class ResultSink:
             log.warning("delivery of %s to %s failed (%s); producing again", source, topic, err.str())
             self._produce(topic, source, key, value, headers)
 
+        def produce() -> None:
+            self._producer.produce(topic, value=value, key=key, headers=headers, on_delivery=delivered)
+
+        if self._backlog:  # behind the outputs already waiting for room, in order
+            self._backlog.append((source, topic, produce))
+            return
         while True:
             try:
-                self._producer.produce(topic, value=value, key=key, headers=headers, on_delivery=delivered)
+                produce()
                 return
             except BufferError:
-                # Local queue full: serve delivery reports to make room (backpressure, not loss).
+                # Local queue full (the broker acknowledges slower than the loop answers, or a partition is down):
+                # serve delivery reports to make room. At-least-once keeps the output for a later poll rather than
+                # wait in the loop; a transaction must hold it before its commit, which waits for the queue anyway.
+                if not self.transactional:
+                    self._producer.poll(0)
+                    self._backlog.append((source, topic, produce))
+                    return
                 self._producer.poll(0.05)
             except KafkaException as exc:
                 err = exc.args[0]
@@ -262,9 +279,35 @@ class ResultSink:
                 raise SinkError(f"producing to {topic} failed: {err.str()}", err) from exc
 
     def poll(self, timeout_s: float = 0.0) -> DeliveryReports:
-        """Serve librdkafka's delivery reports; returns every report served since the last poll."""
+        """Serve librdkafka's delivery reports, then produce what waited for room; returns every report served since
+        the last poll."""
         self._producer.poll(timeout_s)
+        self._produce_backlog()
         return self.reports()
+
+    @property
+    def backlog(self) -> int:
+        """Outputs waiting for room in librdkafka's local queue (at-least-once)."""
+        return len(self._backlog)
+
+    def _produce_backlog(self) -> None:
+        """Produce the outputs that waited for room, in order, until the queue is full again."""
+        backlog = self._backlog
+        while backlog:
+            source, topic, produce = backlog[0]
+            try:
+                produce()
+            except BufferError:
+                return
+            except KafkaException as exc:  # as in _produce: a message refused for good is replaced by the caller
+                err = exc.args[0]
+                refused = classify_producer_error(err, topic, self.identity)
+                if refused is not None:
+                    raise refused from None
+                if err.code() not in PER_MESSAGE_ERRORS:
+                    raise SinkError(f"producing to {topic} failed: {err.str()}", err) from exc
+                self._refused.append(Refusal(source, f"{topic} refused it: {err.str()}"))
+            backlog.popleft()
 
     def reports(self) -> DeliveryReports:
         """The reports served since the last poll, without serving more (a stuck producer's, before it goes)."""
@@ -273,9 +316,13 @@ class ResultSink:
         return DeliveryReports(acknowledged, refused, self.access_error or self.fatal_error)
 
     def flush(self, timeout_s: float) -> int:
-        """Wait for outstanding deliveries; returns how many are still outstanding. Their reports are returned by
-        the next poll."""
-        return self._producer.flush(timeout_s)
+        """Wait for outstanding deliveries, those waiting for room in the queue first; returns how many are still
+        outstanding. Their reports are returned by the next poll."""
+        deadline = time.monotonic() + timeout_s
+        while self._backlog and time.monotonic() < deadline:
+            self._producer.poll(DELIVERY_POLL_S)
+            self._produce_backlog()
+        return self._producer.flush(max(0.0, deadline - time.monotonic())) + len(self._backlog)
 
     # -- transactions (exactly-once) ------------------------------------------------------------------
     def _init_transactions(self) -> None:

@@ -47,6 +47,8 @@ class FlowControl:
         # offsets no commit passes until the registry answers, bounded by their partitions' pauses; they do not count
         # against the uncommitted cap, which would stop every partition.
         self.pinned_frames = 0
+        # Outputs waiting for room in the producer's local queue (worker.kafka.producer): input pauses meanwhile.
+        self.output_backlog = 0
         self._priority_paused = Children(metrics.priority_paused)
         self._priority_pauses = Children(metrics.priority_pauses)
         self._unservable = Children(metrics.backlog_unservable)
@@ -76,7 +78,7 @@ class FlowControl:
         self._refresh_lag()
         if self.by_priority is not None:
             self._read_by_priority(self.by_priority)
-        if self._held_room() <= 0 or self._done_room() <= 0:
+        if self._held_room() <= 0 or self._done_room() <= 0 or self.output_backlog:
             self.paused = set(Priority)
         else:
             self.paused = self._batcher.classes_to_pause() | self._decision.paused

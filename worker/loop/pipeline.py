@@ -230,6 +230,7 @@ class Pipeline:
     def _acknowledge(self) -> None:
         """The sink's delivery reports, served since the last turn, handed to delivery."""
         self.delivery.acknowledge(self.delivery.sink.poll(0))
+        self.flow.output_backlog = self.delivery.sink.backlog
 
     def _commit(self, final: bool = False) -> None:
         if final:  # all that is done: every output produced acknowledged, and its report handed over

@@ -221,6 +221,8 @@ class FakeProducer:
     refuse: Callable[[Produced], KafkaError | None] = lambda produced: None
     # Outputs whose partition is down (its leader away): their delivery reports wait while this says so.
     unacknowledged: Callable[[Produced], bool] = lambda produced: False
+    # librdkafka's local queue: produce raises BufferError while this many messages await their reports.
+    queue_capacity: int | None = None
     commit_errors: list[KafkaError] = field(default_factory=list)
     # Raised by send_offsets_to_transaction in turn (ILLEGAL_GENERATION after a rebalance round, say).
     send_offsets_errors: list[KafkaError] = field(default_factory=list)
@@ -239,6 +241,8 @@ class FakeProducer:
                 headers: list[tuple[str, bytes]] | None = None, on_delivery: Callable[..., None] | None = None) -> None:
         if len(value) > self.max_message_bytes:
             raise KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE))
+        if self.queue_capacity is not None and len(self.pending_reports) >= self.queue_capacity:
+            raise BufferError("Local: Queue full")
         produced = Produced(topic, key, value, {k: v.decode() for k, v in (headers or [])})
         assert on_delivery is not None
         self.pending_reports.append((on_delivery, produced))
