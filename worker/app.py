@@ -170,6 +170,9 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
             status = getattr(pipeline.source, "broker_status", None)  # FrameSource's view of the cluster
             if status is not None:
                 health.broker_problem = status.unhealthy_reason
+            # The sink is replaced after a stuck transaction: read the current one's at each look.
+            health.output_problem = lambda: pipeline.delivery.sink.output_stalls.problem()
+            health.output_unacknowledged = lambda: pipeline.delivery.sink.output_stalls.unacknowledged_s()
             held = getattr(pipeline.source, "held_for_schemas", None)
             if held is not None:
                 health.registry_problem = held.problem
@@ -208,6 +211,9 @@ def check_client_configs(settings: Settings) -> None:
 
 def _refresh_scrape_gauges(health: Health, metrics: Metrics) -> None:
     metrics.ready.set(1 if health.ready else 0)
+    if health.output_unacknowledged is not None:
+        for (topic, partition), seconds in health.output_unacknowledged().items():
+            metrics.output_partition_unacknowledged.labels(topic, str(partition)).set(seconds)
     try:
         import torch
 

@@ -166,6 +166,10 @@ class Metrics:
         self.frames_already_done = Counter("streamfer_frames_already_done_total",
                                            "Frames read and skipped: a previous owner answered them beyond its "
                                            "commit point and said so in the commit's metadata.", registry=r)
+        self.output_partition_unacknowledged = Gauge(
+            "streamfer_output_partition_unacknowledged_seconds",
+            "Seconds a results or dead-letter partition with outputs waiting has acknowledged none (0: none wait).",
+            ["topic", "partition"], registry=r)
         self.paused_partitions = Gauge("streamfer_paused_partitions",
                                        "Input partitions paused for priority or backpressure.", registry=r)
         self.priority_paused = Gauge("streamfer_priority_paused",
@@ -303,6 +307,10 @@ class Health:
     # /readyz says both (the latter without turning not ready: the worker still serves everything else).
     waiting_for: str | None = None
     registry_problem: Callable[[], str | None] | None = None
+    # Output partitions not acknowledging (worker.kafka.outputstalls): named on /readyz without turning it not ready
+    # (the other streams are served), and their seconds for the gauge, read at each scrape.
+    output_problem: Callable[[], str | None] | None = None
+    output_unacknowledged: Callable[[], dict[tuple[str, int], float]] | None = None
 
     def beat(self) -> None:
         self.last_beat = self.clock()
@@ -328,9 +336,10 @@ class Health:
     def degraded(self) -> str:
         """/readyz's note on a dependency start-up waits for or the loop works around ("" when none)."""
         notes = [f"waiting for {self.waiting_for}"] if self.waiting_for else []
-        problem = self.registry_problem() if self.registry_problem is not None else None
-        if problem:
-            notes.append(problem)
+        for source in (self.registry_problem, self.output_problem):
+            problem = source() if source is not None else None
+            if problem:
+                notes.append(problem)
         return "".join(f"; {note}" for note in notes)
 
 

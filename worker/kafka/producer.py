@@ -37,6 +37,7 @@ from worker.frames import (
 )
 from worker.kafka.client import ClientFactory, new_client
 from worker.kafka.errors import BrokerAccessError, Identity, classify_producer_error
+from worker.kafka.outputstalls import OutputStalls
 from worker.kafka.roles import LIBRDKAFKA_MIN_MESSAGE_MAX_BYTES, output_producer_properties
 from worker.kafka.topics import topic_message_limits
 from worker.threadnames import name_os_thread
@@ -52,6 +53,8 @@ STUCK_GRACE_S = 5.0
 DELIVERY_POLL_S = 0.02
 # How long a transactional call that failed on a refused message waits for that message's delivery report.
 REFUSAL_REPORT_WAIT_S = 1.0
+# How often librdkafka reports each output partition's queue (OutputStalls): the resolution of a stall's age.
+OUTPUT_STATS_INTERVAL_MS = 2000
 # How long a new transactional producer keeps retrying init_transactions (the broker may still be coming back).
 INIT_TRANSACTIONS_TIMEOUT_S = 120.0
 # Waits between init_transactions attempts: doubling from the first to the last.
@@ -177,6 +180,12 @@ class ResultSink:
         conf = producer_config(settings, transactional_id, max_message_bytes)
         self._results_topic = settings.topics.results
         self._dlq_topic = settings.topics.dead_letter
+        # Output partitions that stopped acknowledging (issue 67), from librdkafka's per-partition queue counts and
+        # the partitions delivery reports acknowledged (gathered per poll).
+        self.output_stalls = OutputStalls((self._results_topic, self._dlq_topic), time.monotonic)
+        self._acked_partitions: set[tuple[str, int]] = set()
+        conf["stats_cb"] = self.output_stalls.stats
+        conf["statistics.interval.ms"] = OUTPUT_STATS_INTERVAL_MS
         self._worker_id = settings.observability.worker_id
         # Delivery reports served and not yet returned by poll (see DeliveryReports).
         self._acknowledged: list[SourceRef] = []
@@ -223,9 +232,11 @@ class ResultSink:
 
     def _produce(self, topic: str, source: SourceRef, key: bytes | None, value: bytes,
                  headers: list[tuple[str, str | bytes | None]] | None) -> None:
-        def delivered(err: KafkaError | None, _msg: Any) -> None:
+        def delivered(err: KafkaError | None, msg: Any) -> None:
             if err is None:
                 self._acknowledged.append(source)
+                if msg is not None:
+                    self._acked_partitions.add((topic, msg.partition()))
                 return
             refused = classify_producer_error(err, topic, self.identity)
             if refused is not None:  # no retry helps: stop the worker (exit 2) instead of producing again
@@ -283,6 +294,9 @@ class ResultSink:
         the last poll."""
         self._producer.poll(timeout_s)
         self._produce_backlog()
+        if self._acked_partitions:
+            self.output_stalls.acknowledged(self._acked_partitions)
+            self._acked_partitions = set()
         return self.reports()
 
     @property

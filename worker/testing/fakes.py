@@ -204,6 +204,10 @@ class Produced:
     value: bytes
     headers: dict[str, str]
 
+    def partition(self) -> int:
+        """The output partition (the kit's output topics have one)."""
+        return 0
+
 
 @dataclass
 class FakeProducer:
