@@ -152,3 +152,24 @@ def test_metadata_that_does_not_decode_is_redone_not_trusted():
     done: dict[tuple[str, int], OffsetRuns] = {TP: OffsetRuns([(1, 2)])}
     done_after(done, TP, 10, PREFIX + "gA")
     assert done == {}
+
+
+def test_a_partitions_list_is_encoded_at_most_once_per_interval_and_always_in_a_final_commit():
+    from worker.partitions.donemeta import CommitMetadata
+    from worker.partitions.offsets import OffsetTracker
+
+    clock = FakeClock()
+    tracker = OffsetTracker()
+    for o in range(10):
+        tracker.track(TP, o)
+    tracker.mark_done(TP, 5)
+    meta = CommitMetadata(clock, 4000, interval_s=1.0)
+    points: dict[tuple[str, int], int] = {}
+    first = meta.for_commit(points, tracker, lambda tp: True)
+    assert points == {TP: 0} and done_count(first[TP], 0) == 1  # the held partition, committed again with its list
+    tracker.mark_done(TP, 6)
+    points = {}
+    assert meta.for_commit(points, tracker, lambda tp: True) == {} and points == {}  # within the interval
+    points = {}
+    final = meta.for_commit(points, tracker, lambda tp: True, final=True)
+    assert points == {TP: 0} and done_count(final[TP], 0) == 2  # a final commit says everything

@@ -246,7 +246,7 @@ class AtLeastOnceDelivery(Delivery):
             return CommitResult.NOTHING
         # A partition given up since is someone else's to commit.
         points = {tp: point for tp, point in self.tracker.commit_points().items() if tp in self.assignments}
-        metadata = self._metadata_for(points)
+        metadata = self._metadata_for(points, final)
         if not points:
             return CommitResult.NOTHING
         # librdkafka reports every commit, synchronous ones too, in order: they come back through commits_reported.
@@ -264,10 +264,10 @@ class AtLeastOnceDelivery(Delivery):
         self.commits += 1
         return CommitResult.COMMITTED
 
-    def _metadata_for(self, points: dict[TP, int]) -> dict[TP, str]:
-        """Each held partition's metadata (adding to `points` those due a refresh); overflows counted."""
+    def _metadata_for(self, points: dict[TP, int], final: bool) -> dict[TP, str]:
+        """Each held partition's metadata where due (adding to `points` those due a refresh); overflows counted."""
         before = self._metadata.overflows
-        metadata = self._metadata.for_commit(points, self.tracker, self.assignments.__contains__)
+        metadata = self._metadata.for_commit(points, self.tracker, self.assignments.__contains__, final)
         if self._metadata.overflows > before:
             self.metrics.commit_metadata_overflows.inc(self._metadata.overflows - before)
         return metadata

@@ -231,9 +231,12 @@ def read_already_done(done: dict[tuple[str, int], OffsetRuns], tp: tuple[str, in
 class CommitMetadata:
     """At-least-once: the metadata of each partition's commit, and the held partitions to commit again for it.
 
-    `for_commit` adds to a commit's points the held partitions due a refresh (`MetadataRefresh`) and returns each
-    held partition's metadata; a partition whose list does not fit `max_bytes` is committed without it and counted
-    in `overflows` (its done offsets are redone after a hand-over, as before issue 67)."""
+    `for_commit` adds to a commit's points the held partitions due a refresh (`MetadataRefresh`) and returns the
+    metadata of those due: a partition's list is encoded at most once per interval (it sorts the partition's offsets
+    in flight, thousands on a backlog), so a commit in between goes without and a hand-over then redoes at most that
+    interval's done offsets; a final commit (partitions given up, the worker stopping) carries every held
+    partition's. A partition whose list does not fit `max_bytes` is committed without it and counted in `overflows`
+    (its done offsets are redone after a hand-over, as before issue 67)."""
 
     def __init__(self, clock: Callable[[], float], max_bytes: int, interval_s: float = REFRESH_INTERVAL_S) -> None:
         self._max_bytes = max_bytes
@@ -241,11 +244,12 @@ class CommitMetadata:
         self.overflows = 0
 
     def for_commit(self, points: dict[tuple[str, int], int], tracker: OffsetTracker,
-                   assigned: Callable[[tuple[str, int]], bool]) -> dict[tuple[str, int], str]:
+                   assigned: Callable[[tuple[str, int]], bool], final: bool = False) -> dict[tuple[str, int], str]:
         if self._max_bytes <= 0:
             return {}
         held = {tp: n for tp, n in tracker.done_beyond_by_partition().items() if assigned(tp)}
-        for tp in self._refresh.due(held):
+        due = set(held) if final else set(self._refresh.due(held))
+        for tp in due:
             if tp not in points:
                 point = tracker.commit_point(tp)
                 if point is not None:
@@ -253,7 +257,7 @@ class CommitMetadata:
         metadata: dict[tuple[str, int], str] = {}
         for tp in points:
             count = held.get(tp, 0)
-            if not count:
+            if not count or tp not in due:
                 continue
             point, pending, end = tracker.done_runs(tp)
             text = encode(point, pending, end, self._max_bytes)
