@@ -237,6 +237,9 @@ class GraphEvictions:
 def _refresh_scrape_gauges(health: Health, metrics: Metrics, evictions: GraphEvictions) -> None:
     metrics.ready.set(1 if health.ready else 0)
     evictions.read()
+    if health.outputs is not None:
+        for (topic, partition), seconds in health.outputs.unacknowledged_outputs().items():
+            metrics.output_partition_unacknowledged.labels(topic, str(partition)).set(seconds)
     try:
         import torch
 

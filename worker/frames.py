@@ -253,6 +253,9 @@ class Polled:
     # The outcomes of offset commits served since the last poll (asynchronous ones arrive in a later poll), for
     # the loop to hand to delivery.
     commits: list[CommitOutcome] = field(default_factory=list)
+    # Messages a previous owner answered beyond its commit point (the commit's metadata said so: issue 67): read, to
+    # be tracked as done, neither scored nor produced again.
+    already_done: list[SourceRef] = field(default_factory=list)
 
 
 RebalanceHandler = Callable[[list[TP]], None]

@@ -192,6 +192,20 @@ class Metrics:
         self.uncommitted_frames = Gauge("streamfer_uncommitted_frames",
                                         "Offsets read since the last confirmed commit (what a lost session redoes).",
                                         registry=r)
+        self.done_offsets_held = Gauge("streamfer_done_offsets_held",
+                                       "Offsets answered beyond their partition's commit point, held there by an "
+                                       "earlier one not yet answered.", registry=r)
+        self.commit_metadata_overflows = Counter("streamfer_commit_metadata_overflows_total",
+                                                 "Commits of a partition whose done-offsets list did not fit the "
+                                                 "commit metadata (its done offsets are redone after a hand-over).",
+                                                 registry=r)
+        self.frames_already_done = Counter("streamfer_frames_already_done_total",
+                                           "Frames read and skipped: a previous owner answered them beyond its "
+                                           "commit point and said so in the commit's metadata.", registry=r)
+        self.output_partition_unacknowledged = Gauge(
+            "streamfer_output_partition_unacknowledged_seconds",
+            "Seconds a results or dead-letter partition with outputs waiting has acknowledged none (0: none wait).",
+            ["topic", "partition"], registry=r)
         self.paused_partitions = Gauge("streamfer_paused_partitions",
                                        "Input partitions paused for priority or backpressure.", registry=r)
         self.priority_paused = Gauge("streamfer_priority_paused",
@@ -308,6 +322,17 @@ class Metrics:
         return encode(self.registry), content_type
 
 
+class WatchedOutputs(Protocol):
+    """What Health reads of delivery's outputs (worker.loop.delivery, over its sink's worker.kafka.outputstalls), at
+    each probe and scrape."""
+
+    def output_problem(self) -> str | None:
+        """The results or dead-letter partitions not acknowledging for a while, named, or None."""
+
+    def unacknowledged_outputs(self) -> dict[tuple[str, int], float]:
+        """Per output partition with outputs waiting, the seconds since its last acknowledgement."""
+
+
 class Watched(Protocol):
     """What Health reads of the frame source (worker.kafka.consumer.FrameSource), at each probe."""
 
@@ -343,6 +368,7 @@ class Health:
     # without turning not ready.
     policy_problem: Callable[[], str | None] | None = None
     source: Watched | None = None
+    outputs: WatchedOutputs | None = None
 
     def beat(self) -> None:
         self.last_beat = self.clock()
@@ -379,6 +405,9 @@ class Health:
         refused = self.policy_problem() if self.policy_problem is not None else None
         if refused:
             notes.append(refused)
+        stalled = self.outputs.output_problem() if self.outputs is not None else None
+        if stalled:
+            notes.append(stalled)
         return "".join(f"; {note}" for note in notes)
 
 

@@ -775,7 +775,8 @@ class Run:
     """One fault run: fresh topics and group, a fleet of workers, feeders, and at the end the audit."""
 
     def __init__(self, lab: Lab, fault: str, mode: str, *, model: str = "steady_model", batch_sleep_ms: float = 20,
-                 env: dict[str, str] | None = None, partitions: int = PARTITIONS, worker_defaults: bool = False):
+                 env: dict[str, str] | None = None, partitions: int = PARTITIONS, worker_defaults: bool = False,
+                 results_replication: int | None = None, results_partitions: int | None = None):
         """`worker_defaults`: the workers run on their own defaults (defaults_env; `model` and `batch_sleep_ms` are
         then unused) instead of the suite's small batches and test model."""
         self.lab = lab
@@ -783,7 +784,8 @@ class Run:
         self.mode = mode
         self.unique = uuid.uuid4().hex[:8]
         self.partitions = partitions
-        self.topics = make_topics(lab.bootstrap, self.unique, partitions, lab.replication)
+        self.topics = make_topics(lab.bootstrap, self.unique, partitions, lab.replication,
+                                  results_replication=results_replication, results_partitions=results_partitions)
         stamp_on_append(lab.bootstrap, [self.topics.results, self.topics.dead_letter],
                         lab.broker.client_properties() if lab.broker else {})
         slug = re.sub(r"[^a-z0-9]+", "-", self.fault.lower()).strip("-")

@@ -149,3 +149,40 @@ def test_in_flight_and_uncommitted_totals_stay_the_sums_over_partitions(ops):
             highest.pop(tp, None)
         assert t.in_flight() == sum(len(f) for f in flying.values())
         assert t.uncommitted() == sum(highest[p] + 1 - reread[p] for p in reread)
+        assert t.done_beyond() == sum(highest[p] + 1 - min(f) - len(f) for p, f in flying.items() if f)
+        assert t.held() + t.done_beyond() == t.uncommitted()
+
+
+def test_done_beyond_counts_answered_offsets_held_behind_the_commit_point_and_held_the_rest():
+    t = OffsetTracker()
+    for o in range(10):
+        t.track(TP, o)
+    for o in range(1, 10):
+        t.mark_done(TP, o)
+    assert (t.in_flight(), t.done_beyond(), t.held()) == (1, 9, 1)
+    assert t.done_beyond(TP) == 9
+    t.mark_done(TP, 0)
+    assert (t.done_beyond(), t.held()) == (0, 10)  # all committable now: held until a commit is confirmed
+    t.commit_confirmed(t.commit_points())
+    assert (t.done_beyond(), t.held(), t.uncommitted()) == (0, 0, 0)
+
+
+def test_done_runs_lists_the_offsets_not_done_from_the_commit_point():
+    t = OffsetTracker()
+    for o in range(100, 110):
+        t.track(TP, o)
+    for o in (101, 102, 105, 107, 108, 109):
+        t.mark_done(TP, o)
+    assert t.done_runs(TP) == (100, [(100, 101), (103, 105), (106, 107)], 110)
+
+
+def test_an_offset_already_done_is_read_as_done_and_committed_past():
+    t = OffsetTracker()
+    t.track(TP, 5)
+    t.track_done(TP, 6)
+    t.track_done(TP, 7)
+    assert (t.in_flight(), t.done_beyond()) == (1, 2)
+    t.mark_done(TP, 5)
+    assert t.commit_points() == {TP: 8}
+    with pytest.raises(OffsetTrackingError):
+        t.track_done(TP, 7)

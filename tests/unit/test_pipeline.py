@@ -22,6 +22,7 @@ from worker.kafka.producer import SinkError
 from worker.kafka.wiring import KafkaClients
 from worker.loop.pipeline import Pipeline, build_pipeline
 from worker.metrics import Health, Metrics
+from worker.partitions.donemeta import done_count
 from worker.testing import (
     FakeClock,
     FakeConsumer,
@@ -46,12 +47,15 @@ class World:
     def __init__(self, mode: str = "at_least_once", hold: bool = False,
                  batching: BatchingSettings | None = None, max_inflight: int = 4, executor: Any = None,
                  max_uncommitted_frames: int = 0, commit_interval_ms: float = 0.0,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, max_done_offsets_held: int = 0,
+                 commit_metadata_max_bytes: int = 4000) -> None:
         self.settings = Settings(batching=batching or BatchingSettings(rare_shape_min_count=1, max_batch_size=4),
                                  delivery=DeliverySettings(mode=mode, max_inflight_batches=max_inflight,
                                                            transaction_call_timeout_ms=1_000,
                                                            max_uncommitted_frames=max_uncommitted_frames,
-                                                           commit_interval_ms=commit_interval_ms),
+                                                           commit_interval_ms=commit_interval_ms,
+                                                           max_done_offsets_held=max_done_offsets_held,
+                                                           commit_metadata_max_bytes=commit_metadata_max_bytes),
                                  observability=ObservabilitySettings(worker_id="w0", metrics_enabled=False))
         self.consumer: FakeConsumer | None = None
         self.producers: list[FakeProducer] = []
@@ -233,6 +237,127 @@ def test_a_commit_outcome_never_reported_holds_back_the_next_commit_only_so_long
     w.step()
     assert len(w.kafka.commit_history) == 2
     assert w.committed(P0) == 40
+
+
+def stalled_stream(w: World, stream: str) -> None:
+    """The results partition of `stream` is down: its outputs are produced and never acknowledged."""
+    results = w.settings.topics.results
+    for p in w.producers:
+        p.unacknowledged = lambda m: m.topic == results and decode_result(m.value)["stream_id"] == stream
+
+
+def interleaved(w: World, tp: tuple[str, int], count: int, every: int) -> None:
+    """`count` frames on `tp`: every `every`-th of the stream "stalled", the others of stream "ok"."""
+    w.kafka.append(tp, *(frame_value("stalled" if i % every == 0 else "ok", i) for i in range(count)))
+
+
+def test_a_stalled_output_partition_holds_the_commit_point_but_not_the_answered_frames_behind_it() -> None:
+    """Issue 67: answered frames held behind a stalled one no longer count against the uncommitted cap (8 here):
+    the healthy stream is answered in full while its partition's commit point waits for the stalled frames."""
+    w = World("at_least_once", max_uncommitted_frames=8)
+    interleaved(w, P0, 60, every=10)
+    w.step()
+    stalled_stream(w, "stalled")
+    w.assign([P0])
+    w.step(40)
+    ok = [o for o in range(60) if o % 10]
+    assert offsets(w.results(), P0) == ok  # 54 answered, past a cap of 8
+    assert (w.committed(P0) or 0) == 0  # offset 0 is not answered: nothing past it is committable
+    assert w.pipeline.tracker.in_flight() == 6
+    assert w.pipeline.tracker.done_beyond() == 54  # offsets 1..59 less the 5 stalled after 0
+    w.producer.unacknowledged = lambda m: False
+    w.step(5)
+    assert offsets(w.results(), P0) == list(range(60))
+    assert w.committed(P0) == 60
+    assert w.pipeline.tracker.done_beyond() == 0
+
+
+def test_frames_waiting_for_an_acknowledgement_still_stop_reading_at_the_uncommitted_cap() -> None:
+    """The memory bound holds during the outage: at 8 unacknowledged frames nothing more is read."""
+    w = World("at_least_once", max_uncommitted_frames=8)
+    interleaved(w, P0, 100, every=2)
+    w.step()
+    stalled_stream(w, "stalled")
+    w.assign([P0])
+    w.step(40)
+    assert w.pipeline.tracker.in_flight() == 8
+    assert P0 in w.kafka.paused
+    assert len(offsets(w.results(), P0)) < 50
+
+
+def test_answered_frames_held_behind_a_stalled_one_stop_reading_at_their_own_bound() -> None:
+    w = World("at_least_once", max_uncommitted_frames=8, max_done_offsets_held=30)
+    interleaved(w, P0, 100, every=50)
+    w.step()
+    stalled_stream(w, "stalled")
+    w.assign([P0])
+    w.step(40)
+    assert 30 <= w.pipeline.tracker.done_beyond() < 30 + 8  # one poll past it at most
+    assert P0 in w.kafka.paused
+    w.producer.unacknowledged = lambda m: False
+    w.step(40)
+    assert offsets(w.results(), P0) == list(range(100))
+    assert w.committed(P0) == 100
+
+
+def test_a_partition_handed_over_during_an_outage_redoes_only_its_unanswered_frames() -> None:
+    """Issue 67: the commit held at the stalled frame lists the answered ones beyond it in its metadata; the next
+    owner (here the same worker after a lost session) skips them, and commits past them once the rest is answered."""
+    w = World("at_least_once", max_uncommitted_frames=8)
+    interleaved(w, P0, 60, every=10)
+    w.step()
+    stalled_stream(w, "stalled")
+    w.assign([P0])
+    w.step(40)
+    assert w.kafka.group_committed[P0] == 0
+    assert done_count(w.kafka.commit_metadata[P0], 0) == 54  # refreshed as they were answered
+    w.kafka.rebalance("lost", [P0])
+    w.step()
+    w.assign([P0])
+    w.step(20)
+    assert w.metrics.frames_already_done._value.get() == 54
+    w.producer.unacknowledged = lambda m: False
+    w.step(10)
+    counts = Counter(offsets(w.results(), P0))
+    assert sorted(counts) == list(range(60))  # nothing lost
+    stalled = set(range(0, 60, 10))
+    assert {o for o, n in counts.items() if n > 1} == stalled  # redone: the stalled frames, answered late twice
+    assert w.committed(P0) == 60 and w.kafka.commit_metadata[P0] == ""
+
+
+def test_a_done_list_past_the_metadata_bound_is_committed_without_it_counted_and_redone() -> None:
+    w = World("at_least_once", max_uncommitted_frames=8, commit_metadata_max_bytes=8)
+    interleaved(w, P0, 60, every=10)
+    w.step()
+    stalled_stream(w, "stalled")
+    w.assign([P0])
+    w.step(40)
+    assert w.metrics.commit_metadata_overflows._value.get() >= 1
+    assert not w.kafka.commit_metadata.get(P0)
+    w.kafka.rebalance("lost", [P0])
+    w.step()
+    w.assign([P0])
+    w.producer.unacknowledged = lambda m: False
+    w.step(30)
+    counts = Counter(offsets(w.results(), P0))
+    assert sorted(counts) == list(range(60)) and all(n == 2 for n in counts.values())  # everything redone
+
+
+def test_a_full_producer_queue_pauses_the_input_and_never_blocks_the_loop() -> None:
+    """Issue 67: librdkafka's local queue full (a results partition down): outputs wait in the sink for a later turn
+    and every input partition pauses; once acknowledgements come back all is answered once."""
+    w = World("at_least_once")
+    w.frames(P0, 40)
+    w.step()
+    w.producer.queue_capacity = 3
+    stalled_stream(w, f"s{P0[1]}")
+    w.assign([P0])
+    w.step(10)
+    assert w.producer.pending_reports and len(w.producer.pending_reports) == 3
+    assert w.pipeline.delivery.sink.backlog > 0 and P0 in w.kafka.paused
+    w.producer.unacknowledged = lambda m: False
+    w.step(30)
+    assert Counter(offsets(w.results(), P0)) == Counter(range(40)) and w.committed(P0) == 40
 
 
 def test_a_long_commit_interval_commits_early_rather_than_stop_at_the_uncommitted_cap() -> None:

@@ -243,3 +243,61 @@ def test_delivery_reports_are_returned_by_the_next_poll_once_those_a_flush_serve
     assert reports.acknowledged == [third] and [r.source for r in reports.refused] == [second]
     assert isinstance(reports.refused[0], Refusal) and "refused it" in reports.refused[0].reason
     assert sink.poll(0) == DeliveryReports()
+
+
+def test_a_corrupt_message_report_is_retried_as_transient_not_refused() -> None:
+    """INVALID_MSG (CORRUPT_MESSAGE: a CRC mismatch on the way) is damage in transit: producing the message again
+    fixes it. It once made a good frame a reference dead letter (issue 67)."""
+    fake = FakeProducer(report_errors=[KafkaError(KafkaError.INVALID_MSG), None])
+    sink = ResultSink(Settings(), producer_factory=lambda conf, logger=None: fake)
+    source = SourceRef("frames.standard", 0, 3, 1)
+    sink.send_result(source, b"k", b"v")
+    assert sink.poll(0) == DeliveryReports()  # the corrupt report: produced again, nothing refused
+    assert sink.poll(0) == DeliveryReports(acknowledged=[source])
+
+
+@dataclass
+class FullQueueProducer(FakeProducer):
+    """librdkafka with a local queue of `capacity` messages; poll serves no report while `stalled`."""
+
+    capacity: int = 2
+    stalled: bool = True
+    poll_timeouts: list[float] = field(default_factory=list)
+    produced: list[bytes] = field(default_factory=list)
+
+    def produce(self, topic: str, value: bytes, key: bytes | None, headers: object,
+                on_delivery: Callable[[KafkaError | None, object], None]) -> None:
+        if len(self._unreported) >= self.capacity:
+            raise BufferError("Local: Queue full")
+        self.produced.append(value)
+        super().produce(topic, value, key, headers, on_delivery)
+
+    def poll(self, timeout: float) -> int:
+        self.poll_timeouts.append(timeout)
+        return 0 if self.stalled else super().poll(timeout)
+
+
+def test_a_full_local_queue_keeps_the_output_for_a_later_poll_instead_of_waiting_in_the_loop() -> None:
+    fake = FullQueueProducer()
+    sink = ResultSink(Settings(), producer_factory=lambda conf, logger=None: fake)
+    sources = [SourceRef("frames.standard", 0, offset, 1) for offset in range(5)]
+    for source in sources:
+        sink.send_result(source, b"k", str(source.offset).encode())
+    assert fake.produced == [b"0", b"1"] and sink.backlog == 3
+    assert all(t == 0 for t in fake.poll_timeouts)  # reports served, never waited for
+    assert sink.poll(0) == DeliveryReports() and sink.backlog == 3  # still full: kept, in order
+    fake.stalled = False
+    acknowledged = []
+    for _ in range(4):
+        acknowledged += sink.poll(0).acknowledged
+    assert fake.produced == [b"0", b"1", b"2", b"3", b"4"] and sink.backlog == 0
+    assert acknowledged == sources  # every output once, in order
+
+
+def test_a_flush_produces_what_waited_for_room_first() -> None:
+    fake = FullQueueProducer(capacity=1, stalled=False)
+    sink = ResultSink(Settings(), producer_factory=lambda conf, logger=None: fake)
+    for offset in range(3):
+        sink.send_result(SourceRef("frames.standard", 0, offset, 1), b"k", b"v")
+    assert sink.backlog == 2
+    assert sink.flush(5.0) == 0 and fake.produced == [b"v"] * 3

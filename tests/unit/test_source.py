@@ -44,6 +44,7 @@ class Answer:
     partition: int
     offset: int
     error: KafkaError | None = None
+    metadata: str | None = None
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from worker.partitions.donemeta import done_count, encode
 from worker.tools.lag import (
     LagReport,
     Owner,
@@ -93,3 +94,14 @@ def test_group_states_print_as_kafka_names_them() -> None:
         name = "PREPARING_REBALANCE"
 
     assert state_name(State()) == "PreparingRebalance" and state_name("STABLE") == "Stable"
+
+
+def test_a_commit_whose_metadata_lists_done_offsets_shows_them() -> None:
+    text = encode(10, [(10, 11), (15, 16)], 20, 4000)  # read 10..19, not done: 10 and 15
+    g = group_lag("g", "Empty", {}, {(STD, 0): 10}, {(STD, 0): (0, 30)}, PRIORITIES,
+                  done_beyond={(STD, 0): done_count(text, 10)})
+    [p] = g.partitions
+    assert p.done_beyond == 8
+    r = LagReport((g,), NOW_MS)
+    assert r.to_json()["groups"][0]["partitions"][0]["done_beyond"] == 8
+    assert "done+" in r.render()

@@ -154,13 +154,33 @@ class DeliverySettings:
         "also waits for the last asynchronous commit's outcome before sending the next"))
     max_uncommitted_frames: int = setting(0,
         ge=0, range="0 or >= the largest class max_batch_size", unit="frames", doc=(
-        "the most offsets read since the last commit the broker confirmed; reading pauses there until a commit lands, "
-        "so while commits fail (a coordinator away) what a lost session or crash answers again stays bounded. 0: "
+        "the most frames read and not yet answered (batching, running, or their output produced and not yet "
+        "acknowledged: what holds memory), together with the answered frames below a commit point the broker has not "
+        "confirmed yet; reading pauses there until outputs are acknowledged or a commit lands, so while commits fail "
+        "(a coordinator away) what a lost session or crash answers again stays bounded. Answered frames held behind "
+        "an earlier one (its output partition down, say) do not count here: `max_done_offsets_held` bounds them. 0: "
         "`batching.max_pending_frames` + (the in-flight limit, `max_inflight_batches` as resolved for the runners, + "
         "1, realtime's reserved slot) x the largest class `max_batch_size`. With a long `commit_interval_ms` the "
         "worker commits early once half of it is used. Offsets a frame held for its writer schema pins (it, and the "
         "frames of its partition answered past it) are bounded per partition instead: that partition pauses at this "
-        "many (`schema_registry`)"))
+        "many (`schema_registry`). Until issue 67 this counted the answered frames held behind an earlier one too, "
+        "so one stalled output partition paused every input within a minute"))
+    max_done_offsets_held: int = setting(0, ge=0, unit="offsets", hint="0 = 20 x max_uncommitted_frames", doc=(
+        "the most offsets answered but not yet committable, over all partitions: done beyond their partition's commit "
+        "point, which an earlier frame still holds (its output partition down, or it is still running). They cost no "
+        "memory in at-least-once (a partition keeps only its offsets not yet done; in exactly-once each holds its "
+        "output until the transaction that commits it). At-least-once commits them in the commit's metadata "
+        "(`commit_metadata_max_bytes`), so a restart or a rebalance redoes only the frames not yet answered; where "
+        "the metadata does not fit, they are redone. Reading pauses at this many until the held commit points move. "
+        "0: 20 x `max_uncommitted_frames` as resolved"))
+    commit_metadata_max_bytes: int = setting(4000, ge=0, le=1_048_576, unit="bytes",
+                                             hint="0 = no metadata; at most the broker's offset.metadata.max.bytes",
+                                             doc=(
+        "at-least-once: the most bytes of a partition's commit metadata listing the offsets done beyond its commit "
+        "point (worker/partitions/donemeta.py); the broker refuses a commit whose metadata is longer than its "
+        "`offset.metadata.max.bytes` (default 4096). A partition whose list does not fit is committed without it "
+        "(its done offsets are redone after a hand-over), counted by "
+        "`streamfer_commit_metadata_overflows_total`. 0: never (every hand-over redoes what is past the commit point)"))
     transaction_call_timeout_ms: int = setting(10_000, ge=1_000, le=300_000, unit="ms", doc=(
         "exactly-once: how long sending a transaction's offsets and committing it may take; past it (plus 5 s for a "
         "call blocked inside librdkafka) the producer is replaced, which fences the old one and aborts its "

@@ -20,6 +20,10 @@ from worker.config.sections import (
     TracingSettings,
 )
 
+# The default bound of answered offsets held behind a commit point, per frame of the memory bound: a done offset costs
+# no memory, so far more of them may wait for a stalled output partition than frames may be in flight.
+DONE_OFFSETS_PER_UNCOMMITTED = 20
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -54,6 +58,11 @@ class Settings:
         return self.delivery.max_uncommitted_frames or (
             self.batching.max_pending_frames
             + (self.delivery.max_inflight_batches + 1) * self.batching.largest_batch_size)
+
+    @property
+    def max_done_offsets_held(self) -> int:
+        """`delivery.max_done_offsets_held`, or by default 20 x the resolved `max_uncommitted_frames`."""
+        return self.delivery.max_done_offsets_held or DONE_OFFSETS_PER_UNCOMMITTED * self.max_uncommitted_frames
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Settings)}

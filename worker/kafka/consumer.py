@@ -46,6 +46,7 @@ from worker.kafka.redelivery import RedeliveryGuard
 from worker.kafka.schemagate import SchemaGate
 from worker.kafka.schemalookups import HeldFrames
 from worker.partitions.assignment import Assignments
+from worker.partitions.donemeta import OffsetRuns, done_after, read_already_done
 from worker.partitions.lifetime import PartitionState
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class CommittedOffsets:
 
     offsets: dict[TP, int] = field(default_factory=dict)
     unknown: dict[TP, str] = field(default_factory=dict)
+    metadata: dict[TP, str] = field(default_factory=dict)  # each commit's metadata, where it has some
 
 
 # Consumer fetch timing (see consumer_config): a resumed partition's frames arrive within ~0.1 s, not 0.5-1 s;
@@ -167,6 +169,8 @@ class FrameSource:
         # uncommitted: the next owner reads them again.
         self._partition_state: tuple[PartitionState, ...] = (self._schemas, self._pauses, self._redelivery,
                                                              self._positions)
+        # Per partition sought to a commit whose metadata lists offsets done beyond it: those offsets, skipped as read.
+        self._already_done: dict[TP, OffsetRuns] = {}
 
     # -- subscription and rebalances ---------------------------------------------------------------
     def subscribe(self, on_assign: RebalanceHandler, on_revoke: RevokeHandler, on_lost: RebalanceHandler) -> None:
@@ -209,6 +213,8 @@ class FrameSource:
         self.assignments.release(tps)
         for state in self._partition_state:
             state.drop_partitions(tps)
+        for tp in tps:
+            self._already_done.pop(tp, None)
 
     @property
     def held_for_schemas(self) -> HeldFrames | None:
@@ -250,6 +256,7 @@ class FrameSource:
         # Read once per poll (rebalance callbacks run inside consume(), not in this loop): a frame per message.
         epoch_of, waiting, fresh = self.assignments.epoch, self._positions.waiting, self._redelivery.fresh
         topics, limits, writer_schemas = self._topics, self._limits, self._schemas.held
+        already_done = self._already_done
         for msg in messages:
             err = msg.error()
             if err is not None:
@@ -268,6 +275,9 @@ class FrameSource:
             source = SourceRef(tp[0], tp[1], msg.offset() or 0, epoch)
             if not fresh(tp, source.offset):  # delivered again by librdkafka (worker.kafka.redelivery)
                 polled.redelivered += 1
+                continue
+            if already_done and read_already_done(already_done, tp, source.offset):
+                polled.already_done.append(source)
                 continue
             if writer_schemas is not None and writer_schemas.admit(tp, (source, msg), msg.value()):
                 polled.held.append(source)
@@ -331,11 +341,12 @@ class FrameSource:
         return len(self._pauses)
 
     # -- commits -------------------------------------------------------------------------------------
-    def commit(self, points: dict[TP, int], asynchronous: bool = False) -> None:
-        """Commit offsets of partitions still assigned (a revoked one belongs to someone else).
-
-        Every commit's outcome comes back in `Polled.commits` (an asynchronous one's in a later poll)."""
-        offsets = [TopicPartition(t, p, o) for (t, p), o in points.items() if (t, p) in self.assignments]
+    def commit(self, points: dict[TP, int], asynchronous: bool = False, metadata: dict[TP, str] | None = None) -> None:
+        """Commit offsets of partitions still assigned (a revoked one belongs to someone else), with `metadata` where
+        given (worker.partitions.donemeta). Every commit's outcome comes back in `Polled.commits`."""
+        md = metadata or {}
+        offsets = [TopicPartition(t, p, o, md[(t, p)]) if md.get((t, p)) else TopicPartition(t, p, o)
+                   for (t, p), o in points.items() if (t, p) in self.assignments]
         if not offsets:
             return
         if asynchronous:
@@ -363,6 +374,8 @@ class FrameSource:
                 out.unknown[tp] = r.error.str()
             elif r.offset >= 0:
                 out.offsets[tp] = r.offset
+                if r.metadata:
+                    out.metadata[tp] = r.metadata
             elif r.offset == OFFSET_INVALID:
                 out.offsets[tp] = OFFSET_BEGINNING
             else:
@@ -444,6 +457,7 @@ class FrameSource:
             refused = self._seek(tp, answer.offsets[tp])
             if refused is None:
                 self._positions.sought(tp)
+                done_after(self._already_done, tp, answer.offsets[tp], answer.metadata.get(tp))
                 sought = True
             else:  # librdkafka starts a partition once it has its own answer; seek then
                 self._positions.unstarted(tp, refused)

@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -36,6 +37,7 @@ from worker.frames import (
 )
 from worker.kafka.client import ClientFactory, new_client
 from worker.kafka.errors import BrokerAccessError, Identity, classify_producer_error
+from worker.kafka.outputstalls import OutputStalls
 from worker.kafka.roles import LIBRDKAFKA_MIN_MESSAGE_MAX_BYTES, output_producer_properties
 from worker.kafka.topics import topic_message_limits
 from worker.threadnames import name_os_thread
@@ -51,6 +53,8 @@ STUCK_GRACE_S = 5.0
 DELIVERY_POLL_S = 0.02
 # How long a transactional call that failed on a refused message waits for that message's delivery report.
 REFUSAL_REPORT_WAIT_S = 1.0
+# How often librdkafka reports each output partition's queue (OutputStalls): the resolution of a stall's age.
+OUTPUT_STATS_INTERVAL_MS = 2000
 # How long a new transactional producer keeps retrying init_transactions (the broker may still be coming back).
 INIT_TRANSACTIONS_TIMEOUT_S = 120.0
 # Waits between init_transactions attempts: doubling from the first to the last.
@@ -71,12 +75,13 @@ INIT_RETRY_ERRORS = frozenset({
 
 
 # Errors about one message, not the producer: that message can never be produced as it is (it is dead-lettered
-# by reference instead), and the next ones can.
+# by reference instead), and the next ones can. Not INVALID_MSG (CORRUPT_MESSAGE, a CRC mismatch): the bytes were
+# damaged on their way, which producing them again fixes (Kafka's clients retry it); counting it here turned a
+# good frame into a reference dead letter (issue 67). It is retried as any transient delivery failure.
 PER_MESSAGE_ERRORS = frozenset({
     KafkaError.MSG_SIZE_TOO_LARGE,
     KafkaError.INVALID_RECORD,
     KafkaError.RECORD_LIST_TOO_LARGE,
-    KafkaError.INVALID_MSG,
     KafkaError.INVALID_MSG_SIZE,
 })
 
@@ -175,6 +180,12 @@ class ResultSink:
         conf = producer_config(settings, transactional_id, max_message_bytes)
         self._results_topic = settings.topics.results
         self._dlq_topic = settings.topics.dead_letter
+        # Output partitions that stopped acknowledging (issue 67), from librdkafka's per-partition queue counts and
+        # the partitions delivery reports acknowledged (gathered per poll).
+        self.output_stalls = OutputStalls((self._results_topic, self._dlq_topic), time.monotonic)
+        self._acked_partitions: set[tuple[str, int]] = set()
+        conf["stats_cb"] = self.output_stalls.stats
+        conf["statistics.interval.ms"] = OUTPUT_STATS_INTERVAL_MS
         self._worker_id = settings.observability.worker_id
         # Delivery reports served and not yet returned by poll (see DeliveryReports).
         self._acknowledged: list[SourceRef] = []
@@ -195,6 +206,9 @@ class ResultSink:
         # pointless, and librdkafka's abort then leaves the producer unusable (a sequence gap): it is replaced.
         self.transaction_refused = False
         self._calls: queue.SimpleQueue[Any] | None = None  # the transactional call thread's queue
+        # At-least-once: outputs librdkafka's full local queue could not take yet, in order, produced again by the
+        # next polls (the loop never waits for room: issue 67); the loop pauses its input while any wait.
+        self._backlog: deque[tuple[SourceRef, str, Callable[[], None]]] = deque()
         if self.transactional:
             self._init_transactions()
 
@@ -223,9 +237,11 @@ class ResultSink:
 
     def _produce(self, topic: str, source: SourceRef, key: bytes | None, value: bytes,
                  headers: list[tuple[str, str | bytes | None]] | None) -> None:
-        def delivered(err: KafkaError | None, _msg: Any) -> None:
+        def delivered(err: KafkaError | None, msg: Any) -> None:
             if err is None:
                 self._acknowledged.append(source)
+                if msg is not None:
+                    self._acked_partitions.add((topic, msg.partition()))
                 return
             refused = classify_producer_error(err, topic, self.identity)
             if refused is not None:  # no retry helps: stop the worker (exit 2) instead of producing again
@@ -248,12 +264,24 @@ class ResultSink:
             log.warning("delivery of %s to %s failed (%s); producing again", source, topic, err.str())
             self._produce(topic, source, key, value, headers)
 
+        def produce() -> None:
+            self._producer.produce(topic, value=value, key=key, headers=headers, on_delivery=delivered)
+
+        if self._backlog:  # behind the outputs already waiting for room, in order
+            self._backlog.append((source, topic, produce))
+            return
         while True:
             try:
-                self._producer.produce(topic, value=value, key=key, headers=headers, on_delivery=delivered)
+                produce()
                 return
             except BufferError:
-                # Local queue full: serve delivery reports to make room (backpressure, not loss).
+                # Local queue full (the broker acknowledges slower than the loop answers, or a partition is down):
+                # serve delivery reports to make room. At-least-once keeps the output for a later poll rather than
+                # wait in the loop; a transaction must hold it before its commit, which waits for the queue anyway.
+                if not self.transactional:
+                    self._producer.poll(0)
+                    self._backlog.append((source, topic, produce))
+                    return
                 self._producer.poll(0.05)
             except KafkaException as exc:
                 err = exc.args[0]
@@ -267,9 +295,38 @@ class ResultSink:
                 raise SinkError(f"producing to {topic} failed: {err.str()}", err) from exc
 
     def poll(self, timeout_s: float = 0.0) -> DeliveryReports:
-        """Serve librdkafka's delivery reports; returns every report served since the last poll."""
+        """Serve librdkafka's delivery reports, then produce what waited for room; returns every report served since
+        the last poll."""
         self._producer.poll(timeout_s)
+        self._produce_backlog()
+        if self._acked_partitions:
+            self.output_stalls.acknowledged(self._acked_partitions)
+            self._acked_partitions = set()
         return self.reports()
+
+    @property
+    def backlog(self) -> int:
+        """Outputs waiting for room in librdkafka's local queue (at-least-once)."""
+        return len(self._backlog)
+
+    def _produce_backlog(self) -> None:
+        """Produce the outputs that waited for room, in order, until the queue is full again."""
+        backlog = self._backlog
+        while backlog:
+            source, topic, produce = backlog[0]
+            try:
+                produce()
+            except BufferError:
+                return
+            except KafkaException as exc:  # as in _produce: a message refused for good is replaced by the caller
+                err = exc.args[0]
+                refused = classify_producer_error(err, topic, self.identity)
+                if refused is not None:
+                    raise refused from None
+                if err.code() not in PER_MESSAGE_ERRORS:
+                    raise SinkError(f"producing to {topic} failed: {err.str()}", err) from exc
+                self._refused.append(Refusal(source, f"{topic} refused it: {err.str()}"))
+            backlog.popleft()
 
     def reports(self) -> DeliveryReports:
         """The reports served since the last poll, without serving more (a stuck producer's, before it goes)."""
@@ -278,9 +335,13 @@ class ResultSink:
         return DeliveryReports(acknowledged, refused, self.access_error or self.fatal_error)
 
     def flush(self, timeout_s: float) -> int:
-        """Wait for outstanding deliveries; returns how many are still outstanding. Their reports are returned by
-        the next poll."""
-        return self._producer.flush(timeout_s)
+        """Wait for outstanding deliveries, those waiting for room in the queue first; returns how many are still
+        outstanding. Their reports are returned by the next poll."""
+        deadline = time.monotonic() + timeout_s
+        while self._backlog and time.monotonic() < deadline:
+            self._producer.poll(DELIVERY_POLL_S)
+            self._produce_backlog()
+        return self._producer.flush(max(0.0, deadline - time.monotonic())) + len(self._backlog)
 
     # -- transactions (exactly-once) ------------------------------------------------------------------
     def _init_transactions(self) -> None:

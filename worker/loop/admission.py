@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from worker.batching import MicroBatcher
 from worker.config import Settings, usable_cores
-from worker.frames import DUPLICATE_FRAME, TP, BatchOutcome, Frame, Output, Polled, Priority
+from worker.frames import DUPLICATE_FRAME, TP, BatchOutcome, Frame, Output, Polled, Priority, SourceRef
 from worker.loop.answers import Answers
 from worker.loop.flow import FlowControl
 from worker.metrics import Children, Metrics
@@ -56,8 +56,11 @@ class Admission:
             read = sorted(read + [d.source for d in polled.dead_letters] + polled.held)
         if polled.released:  # held by an earlier poll, tracked then
             read = [ref for ref in read if ref not in polled.released]
-        for ref in read:
-            self._tracker.track(ref.topic_partition, ref.offset)
+        if polled.already_done:
+            self._track_already_done(read, polled)
+        else:
+            for ref in read:
+                self._tracker.track(ref.topic_partition, ref.offset)
         taken = Admitted()
         if polled.frames:
             self._metrics.count_by_tenant(self._consumed, polled.frames)
@@ -101,6 +104,16 @@ class Admission:
         self._record(polled)
         return taken
 
+    def _track_already_done(self, read: list[SourceRef], polled: Polled) -> None:
+        """Track a poll's offsets in order, those a previous owner finished (issue 67) as done at once."""
+        done = set(polled.already_done)
+        for ref in sorted(read + polled.already_done):
+            if ref in done:
+                self._tracker.track_done(ref.topic_partition, ref.offset)
+            else:
+                self._tracker.track(ref.topic_partition, ref.offset)
+        self._metrics.frames_already_done.inc(len(done))
+
     def _record(self, polled: Polled) -> None:
         """The poll's counters, and the gauges of what is read and not yet done."""
         if polled.redelivered:
@@ -109,6 +122,7 @@ class Admission:
             self._metrics.committed_offset_waits.inc(polled.committed_offset_waits)
         self._metrics.inflight_frames.set(self._tracker.in_flight())
         self._metrics.uncommitted_frames.set(self._tracker.uncommitted())
+        self._metrics.done_offsets_held.set(self._tracker.done_beyond())
         self._metrics.inflight_bytes.set(self._batcher.pending_bytes)
 
     def _past_deadline(self, frame: Frame, now: float) -> bool:

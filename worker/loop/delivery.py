@@ -33,6 +33,7 @@ from worker.kafka.producer import DeliveryReports, MessageRejected, Refusal, Res
 from worker.loop.ports import Source
 from worker.metrics import Children, Metrics
 from worker.partitions.assignment import Assignments
+from worker.partitions.donemeta import CommitMetadata
 from worker.partitions.offsets import OffsetTracker
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,19 @@ class Delivery:
     def serve_reports(self) -> None:
         """Serve the sink's delivery reports that arrived since the last call and take them (`acknowledge`)."""
         self.acknowledge(self.sink.poll(0))
+
+    def output_backlog(self) -> int:
+        """Outputs waiting in the sink's own queue for room in librdkafka's (flow pauses input meanwhile)."""
+        return self.sink.backlog
+
+    def output_problem(self) -> str | None:
+        """Results or dead-letter partitions not acknowledging for a while, named (the current sink's: a stuck
+        transactional one is replaced), or None."""
+        return self.sink.output_stalls.problem()
+
+    def unacknowledged_outputs(self) -> dict[tuple[str, int], float]:
+        """Per output partition with outputs waiting, the seconds since its last acknowledgement."""
+        return self.sink.output_stalls.unacknowledged_s()
 
     def commits_reported(self, outcomes: list[CommitOutcome]) -> None:
         """Outcomes of the consumer's offset commits (Polled.commits); only at-least-once commits through it."""
@@ -210,6 +224,8 @@ class AtLeastOnceDelivery(Delivery):
         self._outcome_awaited_since: float | None = None
         self._last_failure_log = float("-inf")
         self._failures_unlogged = 0
+        # The offsets done beyond each held commit point, in the commit's metadata (issue 67).
+        self._metadata = CommitMetadata(clock, settings.delivery.commit_metadata_max_bytes)
 
     def emit(self, outputs: list[Output]) -> None:
         for out in outputs:
@@ -266,16 +282,17 @@ class AtLeastOnceDelivery(Delivery):
         # Before the interval ends when half the uncommitted cap is used, so the cap pauses reading only while
         # commits fail, never because the interval is long.
         if not final and now - self._last_commit < self.settings.delivery.commit_interval_ms / 1000.0 \
-                and self.tracker.uncommitted() < self.settings.max_uncommitted_frames // 2:
+                and self.tracker.held() < self.settings.max_uncommitted_frames // 2:
             return CommitResult.NOTHING
         # A partition given up since is someone else's to commit.
         points = {tp: point for tp, point in self.tracker.commit_points().items() if tp in self.assignments}
+        metadata = self._metadata_for(points, final)
         if not points:
             return CommitResult.NOTHING
         # librdkafka reports every commit, synchronous ones too, in order: they come back through commits_reported.
         self._commits_in_flight.append(time.monotonic())
         try:
-            self.committer.commit(points, asynchronous=not final)
+            self.committer.commit(points, asynchronous=not final, metadata=metadata)
         except KafkaException as exc:  # retried next turn
             self._commits_in_flight.pop()
             log.warning("offset commit failed (will retry): %s", exc)
@@ -286,6 +303,14 @@ class AtLeastOnceDelivery(Delivery):
         self._last_commit = now
         self.commits += 1
         return CommitResult.COMMITTED
+
+    def _metadata_for(self, points: dict[TP, int], final: bool) -> dict[TP, str]:
+        """Each held partition's metadata where due (adding to `points` those due a refresh); overflows counted."""
+        before = self._metadata.overflows
+        metadata = self._metadata.for_commit(points, self.tracker, self.assignments.__contains__, final)
+        if self._metadata.overflows > before:
+            self.metrics.commit_metadata_overflows.inc(self._metadata.overflows - before)
+        return metadata
 
     def _awaiting_outcome(self, now: float) -> bool:
         """Whether the last asynchronous commit's outcome is still to come (then the next one waits for it)."""
@@ -330,6 +355,8 @@ class AtLeastOnceDelivery(Delivery):
         for source in [s for s in self._awaiting_ack if s.topic_partition in gone]:
             del self._awaiting_ack[source]
             self._acks_left.pop(source, None)
+        for tp in tps:
+            self._metadata.forget(tp)
         super().drop_partitions(tps)
 
 

@@ -47,6 +47,8 @@ class FlowControl:
         # offsets no commit passes until the registry answers, bounded by their partitions' pauses; they do not count
         # against the uncommitted cap, which would stop every partition.
         self.pinned_frames = 0
+        # Outputs waiting for room in the producer's local queue (worker.kafka.producer): input pauses meanwhile.
+        self.output_backlog = 0
         self._priority_paused = Children(metrics.priority_paused)
         self._priority_pauses = Children(metrics.priority_pauses)
         self._unservable = Children(metrics.backlog_unservable)
@@ -58,8 +60,7 @@ class FlowControl:
     def room(self) -> int:
         """Frames the loop may read now: the batcher's room (no class still reading past its share), and what is
         left under the uncommitted cap."""
-        uncommitted_room = self._settings.max_uncommitted_frames - (self._tracker.uncommitted() - self.pinned_frames)
-        room = min(self._batcher.poll_room(self.paused), uncommitted_room)
+        room = min(self._batcher.poll_room(self.paused), self._held_room(), self._done_room())
         decision = self._decision
         # While a class reads its floor share, polls stay small so it does not pass its share by much (not while
         # backpressure keeps it paused anyway: small polls would only slow the others down).
@@ -72,12 +73,12 @@ class FlowControl:
 
     def apply(self) -> None:
         """Pause what the batcher has no room for and what waits for a more urgent backlog; pause everything while
-        the uncommitted cap is reached (commits are failing: what more the worker read, a lost session would
-        answer again)."""
+        the uncommitted cap is reached (frames not yet answered, or commits failing: what more the worker read, a
+        lost session would answer again) or the bound of answered offsets held behind a commit point."""
         self._refresh_lag()
         if self.by_priority is not None:
             self._read_by_priority(self.by_priority)
-        if self._tracker.uncommitted() - self.pinned_frames >= self._settings.max_uncommitted_frames:
+        if self._held_room() <= 0 or self._done_room() <= 0 or self.output_backlog:
             self.paused = set(Priority)
         else:
             self.paused = self._batcher.classes_to_pause() | self._decision.paused
@@ -85,6 +86,16 @@ class FlowControl:
                                           self._source.awaiting_committed_offset)
         self._source.pause_classes(self.paused, self._fair.held)
         self._metrics.paused_partitions.set(self._source.paused_partitions)
+
+    def _held_room(self) -> int:
+        """Room under `delivery.max_uncommitted_frames`: frames not yet answered and answered ones below an
+        unconfirmed commit point (worker.partitions.offsets); frames pinned by a schema hold are bounded per partition
+        instead."""
+        return self._settings.max_uncommitted_frames - max(0, self._tracker.held() - self.pinned_frames)
+
+    def _done_room(self) -> int:
+        """Room under `delivery.max_done_offsets_held`: answered offsets held behind an earlier one (issue 67)."""
+        return self._settings.max_done_offsets_held - self._tracker.done_beyond()
 
     def record_read(self, read: Counter[Priority], late: Counter[Priority], oldest_s: Mapping[Priority, float],
                     drained: bool, by_partition: Mapping[TP, int]) -> None:

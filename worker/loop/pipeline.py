@@ -250,6 +250,7 @@ class Pipeline:
     def _acknowledge(self) -> None:
         """The sink's delivery reports, served since the last turn, handed to delivery."""
         self.delivery.serve_reports()
+        self.flow.output_backlog = self.delivery.output_backlog()
 
     def _commit(self, final: bool = False) -> None:
         if final:  # all that is done: every output produced acknowledged, and its report handed over
@@ -368,5 +369,6 @@ def build_pipeline(settings: Settings, executor: Executor, metrics: Metrics, hea
                               stuck_grace_s=clients.stuck_grace_s)
 
         delivery = AtLeastOnceDelivery(settings, sink, source, tracker, source.assignments, metrics, clock)
+    health.outputs = delivery  # and its output partitions that stopped acknowledging
     return Pipeline(settings, source, delivery, executor, metrics, health, clock,
                     result_framing=registry.result_framing if registry else b"", tracing=tracing)

@@ -2,6 +2,13 @@
 
 Batches of different shapes and priorities finish out of order, so a partition's commit point is the
 lowest offset that is read but not yet done: committing past it would lose that frame on a crash.
+
+What is read since the last confirmed commit splits in three, each with its own bound (issue 67): offsets not yet
+done (a frame batching, running, or its output awaiting acknowledgement: it holds memory), done offsets below the
+commit point whose commit is not confirmed yet (what failing commits would make a lost session redo), and done
+offsets *beyond* the commit point, held back by an earlier one still in flight (an output partition down, say). The
+last cost no memory here: a partition keeps only its offsets not yet done; the done ones are the rest of the range
+read (`done_runs` lists them as runs for the commit's metadata, worker.partitions.donemeta).
 Pure policy: no Kafka import.
 """
 
@@ -34,6 +41,11 @@ class _PartitionState:
     def uncommitted(self) -> int:
         return self.highest_seen + 1 - self.reread_from if self.reread_from >= 0 else 0
 
+    @property
+    def span(self) -> int:
+        """Offsets from the commit point to the highest read: those not yet done and the done ones held behind them."""
+        return self.highest_seen + 1 - self.outstanding[0] if self.outstanding else 0
+
 
 class OffsetTracker:
     """Tracks read and done offsets per partition; `commit_points` gives the offsets to commit."""
@@ -43,6 +55,7 @@ class OffsetTracker:
         # Totals over all partitions, kept as they change: the loop reads both several times a turn.
         self._in_flight = 0
         self._uncommitted = 0
+        self._span = 0  # sum of the partitions' spans: done_beyond() = this - in_flight()
 
     def track(self, tp: TP, offset: int) -> None:
         """Record that `offset` was read and is now in flight.
@@ -56,7 +69,7 @@ class OffsetTracker:
         if offset <= st.highest_seen:
             raise OffsetTrackingError(f"offset {offset} of {tp} read again (highest read {st.highest_seen}) "
                                       f"without a rewind")
-        before = st.uncommitted
+        before, span_before = st.uncommitted, st.span
         st.outstanding_set.add(offset)
         heapq.heappush(st.outstanding, offset)
         st.highest_seen = max(st.highest_seen, offset)
@@ -64,6 +77,23 @@ class OffsetTracker:
             st.reread_from = offset
         self._in_flight += 1
         self._uncommitted += st.uncommitted - before
+        self._span += st.span - span_before
+
+    def track_done(self, tp: TP, offset: int) -> None:
+        """Record that `offset` was read and needs no work: a previous owner finished it beyond its commit point and
+        said so in the commit's metadata (worker.partitions.donemeta). Counted as read, never in flight."""
+        st = self._parts.get(tp)
+        if st is None:
+            st = self._parts[tp] = _PartitionState()
+        if offset <= st.highest_seen:
+            raise OffsetTrackingError(f"offset {offset} of {tp} read again (highest read {st.highest_seen}) "
+                                      f"without a rewind")
+        before, span_before = st.uncommitted, st.span
+        st.highest_seen = offset
+        if st.reread_from < 0:
+            st.reread_from = offset
+        self._uncommitted += st.uncommitted - before
+        self._span += st.span - span_before
 
     def mark_done(self, tp: TP, offset: int) -> None:
         """Record that `offset` needs no more work (result acknowledged, dead-lettered or expired)."""
@@ -73,8 +103,11 @@ class OffsetTracker:
         st.outstanding_set.remove(offset)
         self._in_flight -= 1
         # Lazy deletion: pop finished offsets off the top of the heap only.
-        while st.outstanding and st.outstanding[0] not in st.outstanding_set:
-            heapq.heappop(st.outstanding)
+        if st.outstanding[0] == offset:
+            span_before = st.span
+            while st.outstanding and st.outstanding[0] not in st.outstanding_set:
+                heapq.heappop(st.outstanding)
+            self._span += st.span - span_before
 
     def in_flight(self, tp: TP | None = None) -> int:
         if tp is not None:
@@ -108,8 +141,48 @@ class OffsetTracker:
 
     def uncommitted(self) -> int:
         """Offsets read since the last commit the broker confirmed, over all partitions: what a lost session or a
-        crash would answer again (done or not)."""
+        crash would answer again (done or not) without the commit's metadata."""
         return self._uncommitted
+
+    def done_beyond(self, tp: TP | None = None) -> int:
+        """Offsets done (or never delivered: transaction markers, compacted records) beyond the commit point, held
+        there by an earlier offset still in flight; over all partitions, or of `tp`."""
+        if tp is not None:
+            st = self._parts.get(tp)
+            return st.span - len(st.outstanding_set) if st else 0
+        return self._span - self._in_flight
+
+    def held(self) -> int:
+        """What the memory bound counts: offsets not done yet, and done ones below the commit point not confirmed
+        committed (failing commits; a lost session would redo them). Equals uncommitted() - done_beyond()."""
+        return self._uncommitted - (self._span - self._in_flight)
+
+    def done_beyond_by_partition(self) -> dict[TP, int]:
+        """Partitions with offsets done beyond their commit point, and how many: read per commit, not per frame."""
+        out = {}
+        for tp, st in self._parts.items():
+            n = st.span - len(st.outstanding_set)
+            if n:
+                out[tp] = n
+        return out
+
+    def commit_point(self, tp: TP) -> int | None:
+        st = self._parts.get(tp)
+        return self._watermark(st) if st is not None else None
+
+    def done_runs(self, tp: TP) -> tuple[int, list[tuple[int, int]], int]:
+        """(commit point, the [start, end) runs of offsets not yet done from it, end of what was read) of a partition
+        with offsets in flight; everything in [commit point, end) outside the runs is done. Sorts the offsets in
+        flight: called per commit, never per frame."""
+        st = self._parts[tp]
+        pending = sorted(st.outstanding_set)
+        runs: list[tuple[int, int]] = []
+        for o in pending:
+            if runs and runs[-1][1] == o:
+                runs[-1] = (runs[-1][0], o + 1)
+            else:
+                runs.append((o, o + 1))
+        return (pending[0] if pending else st.highest_seen + 1), runs, st.highest_seen + 1
 
     def commit_failed(self, tp: TP) -> None:
         """An asynchronous commit of `tp` failed: offer its commit point again next time."""
@@ -124,6 +197,7 @@ class OffsetTracker:
             return 0
         self._in_flight -= len(st.outstanding_set)
         self._uncommitted -= st.uncommitted
+        self._span -= st.span
         return len(st.outstanding_set)
 
     @staticmethod

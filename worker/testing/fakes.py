@@ -73,6 +73,7 @@ class FakeConsumer:
     conf: dict[str, Any]
     log: dict[TP, list[bytes]] = field(default_factory=dict)
     group_committed: dict[TP, int] = field(default_factory=dict)
+    commit_metadata: dict[TP, str] = field(default_factory=dict)  # each committed offset's metadata (empty: none)
     position_of: dict[TP, int] = field(default_factory=dict)
     paused: set[TP] = field(default_factory=set)
     callbacks: dict[str, Callable[..., None]] = field(default_factory=dict)
@@ -153,6 +154,7 @@ class FakeConsumer:
             raise KafkaException(self.commit_error)
         self.commit_history.append(points)
         self.group_committed.update(points)
+        self.commit_metadata.update({(o.topic, o.partition): o.metadata or "" for o in offsets})
         if asynchronous:
             self._commit_reports.append((None, offsets))
             return None
@@ -171,7 +173,8 @@ class FakeConsumer:
                 cb(err, offsets)
 
     def committed(self, partitions: list[TopicPartition], timeout: float) -> list[TopicPartition]:
-        return [TopicPartition(p.topic, p.partition, self.group_committed.get((p.topic, p.partition), OFFSET_INVALID))
+        return [TopicPartition(p.topic, p.partition, self.group_committed.get((p.topic, p.partition), OFFSET_INVALID),
+                               self.commit_metadata.get((p.topic, p.partition), ""))
                 for p in partitions]
 
     def seek(self, tp: TopicPartition) -> None:
@@ -201,6 +204,10 @@ class Produced:
     value: bytes
     headers: dict[str, str]
 
+    def partition(self) -> int:
+        """The output partition (the kit's output topics have one)."""
+        return 0
+
 
 @dataclass
 class FakeProducer:
@@ -216,6 +223,10 @@ class FakeProducer:
     pending_reports: list[tuple[Callable[..., None], Produced]] = field(default_factory=list)
     # Broker-side refusals: a delivery report error for messages matching the predicate.
     refuse: Callable[[Produced], KafkaError | None] = lambda produced: None
+    # Outputs whose partition is down (its leader away): their delivery reports wait while this says so.
+    unacknowledged: Callable[[Produced], bool] = lambda produced: False
+    # librdkafka's local queue: produce raises BufferError while this many messages await their reports.
+    queue_capacity: int | None = None
     commit_errors: list[KafkaError] = field(default_factory=list)
     # Raised by send_offsets_to_transaction in turn (ILLEGAL_GENERATION after a rebalance round, say).
     send_offsets_errors: list[KafkaError] = field(default_factory=list)
@@ -234,6 +245,8 @@ class FakeProducer:
                 headers: list[tuple[str, bytes]] | None = None, on_delivery: Callable[..., None] | None = None) -> None:
         if len(value) > self.max_message_bytes:
             raise KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE))
+        if self.queue_capacity is not None and len(self.pending_reports) >= self.queue_capacity:
+            raise BufferError("Local: Queue full")
         produced = Produced(topic, key, value, {k: v.decode() for k, v in (headers or [])})
         assert on_delivery is not None
         self.pending_reports.append((on_delivery, produced))
@@ -242,6 +255,10 @@ class FakeProducer:
 
     def poll(self, timeout: float = 0.0) -> int:
         reports, self.pending_reports = self.pending_reports, []
+        waiting = [r for r in reports if self.unacknowledged(r[1])]
+        if waiting:
+            self.pending_reports = waiting
+            reports = [r for r in reports if not self.unacknowledged(r[1])]
         for callback, produced in reports:
             err = self.refuse(produced)
             if err is None and not self.transactional:
@@ -253,7 +270,7 @@ class FakeProducer:
 
     def flush(self, timeout: float = 0.0) -> int:
         self.poll(0)
-        return 0
+        return len(self.pending_reports)
 
     def __len__(self) -> int:
         return len(self.pending_reports)

@@ -66,17 +66,22 @@ class TestTopics:
 
 
 def make_topics(bootstrap: str, unique: str, partitions: int = 3, replication: int = 1,
-                inputs_of: TestTopics | None = None) -> TestTopics:
+                inputs_of: TestTopics | None = None, results_replication: int | None = None,
+                results_partitions: int | None = None) -> TestTopics:
     """Create the five topics of one test (`t<unique>.realtime`, ...) and name its group `g<unique>`.
 
     `inputs_of`: keep those input topics (and what was published to them), new results and dead-letter topics
-    and a new group: another consumer of the same frames, from the beginning (a benchmark's next round)."""
+    and a new group: another consumer of the same frames, from the beginning (a benchmark's next round).
+    `results_replication`, `results_partitions`: the results topic's own (a cheap results topic, issue 67)."""
     from worker.kafka.topics import ensure_topics
 
     t = TestTopics(realtime=f"t{unique}.realtime", standard=f"t{unique}.standard", bulk=f"t{unique}.bulk",
                    results=f"t{unique}.results", dead_letter=f"t{unique}.dlq", group=f"g{unique}")
     if inputs_of is not None:
         t = dataclasses.replace(t, realtime=inputs_of.realtime, standard=inputs_of.standard, bulk=inputs_of.bulk)
+    if results_replication is not None or results_partitions is not None:
+        ensure_topics(bootstrap, [t.results], results_partitions or partitions,
+                      replication if results_replication is None else results_replication)
     ensure_topics(bootstrap, [*([] if inputs_of else t.inputs), t.results, t.dead_letter], partitions, replication)
     return t
 

@@ -24,6 +24,7 @@ from worker.config import Settings
 from worker.errors import OperatorError
 from worker.frames import TP, Priority
 from worker.kafka.roles import admin_client, frame_peeker
+from worker.partitions.donemeta import done_count
 
 # Exit code when a --fail-above threshold is exceeded (0: within; 2: an operator error, as for every command).
 EXIT_ABOVE_THRESHOLD = 3
@@ -68,6 +69,9 @@ class PartitionLag:
     end: int  # the high watermark
     owner: Owner | None
     pending: Pending = field(default_factory=Pending)
+    # Offsets beyond the committed one that the commit's metadata lists as done (worker.partitions.donemeta): a
+    # partition held by a stalled output; its next owner skips them.
+    done_beyond: int = 0
 
     @property
     def lag(self) -> int:
@@ -162,13 +166,13 @@ class LagReport:
             if not g.partitions:
                 lines.append("  no partitions (no input topic exists, and nothing is committed)")
                 continue
-            lines.append(f"  {'class':<9} {'topic':<24} {'part':>4} {'committed':>10} {'end':>10} {'lag':>8}  "
-                         f"{'owner':<24} oldest pending")
+            lines.append(f"  {'class':<9} {'topic':<24} {'part':>4} {'committed':>10} {'end':>10} {'lag':>8} "
+                         f"{'done+':>6}  {'owner':<24} oldest pending")
             for p in g.partitions:
                 committed = "-" if p.committed is None else str(p.committed)
                 owner = p.owner.label if p.owner else "-"
                 lines.append(f"  {p.priority:<9} {p.topic:<24} {p.partition:>4} {committed:>10} {p.end:>10} "
-                             f"{p.lag:>8}  {owner:<24} {_pending_text(p, self.now_ms)}")
+                             f"{p.lag:>8} {p.done_beyond:>6}  {owner:<24} {_pending_text(p, self.now_ms)}")
         parts = []
         for cls, t in self.totals().items():
             age = f" (oldest {t.oldest_age_s:.1f}s)" if t.oldest_age_s is not None else ""
@@ -198,7 +202,7 @@ def _pending_text(p: PartitionLag, now_ms: int) -> str:
 
 def _row_json(p: PartitionLag, now_ms: int) -> dict[str, Any]:
     return {"topic": p.topic, "partition": p.partition, "class": p.priority, "committed": p.committed,
-            "start": p.start, "end": p.end, "lag": p.lag,
+            "start": p.start, "end": p.end, "lag": p.lag, "done_beyond": p.done_beyond,
             "owner": {"member_id": p.owner.member_id, "client_id": p.owner.client_id, "host": p.owner.host}
             if p.owner else None,
             "oldest_pending_capture": _iso(p.pending.capture_ts_ms) if p.pending.capture_ts_ms is not None else None,
@@ -208,9 +212,10 @@ def _row_json(p: PartitionLag, now_ms: int) -> dict[str, Any]:
 # -- building the report (pure) ------------------------------------------------------------------------------
 def group_lag(group: str, state: str, members: Mapping[Owner, Iterable[TP]], committed: Mapping[TP, int | None],
               watermarks: Mapping[TP, tuple[int, int]], priorities: Mapping[str, str],
-              classes: set[str] | None = None, pending: Mapping[TP, Pending] | None = None) -> GroupLag:
+              classes: set[str] | None = None, pending: Mapping[TP, Pending] | None = None,
+              done_beyond: Mapping[TP, int] | None = None) -> GroupLag:
     """One group's rows: every partition with known watermarks, in topic and partition order; `classes` keeps
-    only those priority classes."""
+    only those priority classes; `done_beyond`: what each commit's metadata lists as done beyond it."""
     owner_of = {tp: owner for owner, tps in members.items() for tp in tps}
     rows = []
     for tp in sorted(watermarks, key=lambda tp: (_class_order(priorities.get(tp[0], OTHER_CLASS)), tp)):
@@ -219,7 +224,7 @@ def group_lag(group: str, state: str, members: Mapping[Owner, Iterable[TP]], com
             continue
         low, high = watermarks[tp]
         rows.append(PartitionLag(group, tp[0], tp[1], priority, committed.get(tp), low, high, owner_of.get(tp),
-                                 (pending or {}).get(tp, Pending())))
+                                 (pending or {}).get(tp, Pending()), (done_beyond or {}).get(tp, 0)))
     return GroupLag(group, state, tuple(sorted(members, key=lambda m: (m.client_id, m.member_id))), tuple(rows))
 
 
@@ -244,31 +249,33 @@ def read_lag(settings: Settings, groups: list[str], classes: set[str] | None = N
             members = {Owner(m.member_id, m.client_id, m.host):
                        [(tp.topic, tp.partition) for tp in (m.assignment.topic_partitions if m.assignment else [])]
                        for m in description.members}
-            committed = _committed(admin, group)
+            committed, done = _committed(admin, group)
             topics = {t for t in priorities if t in md.topics} | {t for t, _ in committed} | \
                 {t for tps in members.values() for t, _ in tps}
             tps = [(t, p) for t in sorted(topics) if t in md.topics for p in md.topics[t].partitions]
-            found.append((group, state_name(description.state), members, committed, tps))
+            found.append((group, state_name(description.state), members, committed, done, tps))
         all_tps = sorted({tp for *_, tps in found for tp in tps})
         watermarks = _watermarks(admin, all_tps)
     except KafkaException as exc:
         raise LagReadError(f"reading consumer groups {groups} from {settings.kafka.bootstrap_servers}: "
                            f"{exc.args[0].str()}", setting="kafka.bootstrap_servers") from None
     reports = []
-    for group, state, members, committed, tps in found:
+    for group, state, members, committed, done, tps in found:
         marks = {tp: watermarks[tp] for tp in tps}
-        lag = group_lag(group, state, members, committed, marks, priorities, classes)
+        lag = group_lag(group, state, members, committed, marks, priorities, classes, done_beyond=done)
         pending = _pending(settings, lag.partitions, age_timeout_s) if read_age else \
             {(p.topic, p.partition): Pending(note="not asked (--no-age)") for p in lag.partitions if p.lag}
-        reports.append(group_lag(group, state, members, committed, marks, priorities, classes, pending))
+        reports.append(group_lag(group, state, members, committed, marks, priorities, classes, pending, done))
     return LagReport(tuple(reports), int(now() * 1000))
 
 
-def _committed(admin: AdminClient, group: str) -> dict[TP, int | None]:
+def _committed(admin: AdminClient, group: str) -> tuple[dict[TP, int | None], dict[TP, int]]:
+    """The group's committed offsets, and per partition the offsets its commit's metadata lists as done beyond."""
     result = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group)],
                                                request_timeout=ADMIN_TIMEOUT_S)[group].result()
-    return {(tp.topic, tp.partition): (tp.offset if tp.offset >= 0 else None)
-            for tp in result.topic_partitions or []}
+    tps = result.topic_partitions or []
+    return ({(tp.topic, tp.partition): (tp.offset if tp.offset >= 0 else None) for tp in tps},
+            {(tp.topic, tp.partition): done_count(tp.metadata, tp.offset) for tp in tps if tp.metadata})
 
 
 def _watermarks(admin: AdminClient, tps: list[TP]) -> dict[TP, tuple[int, int]]:
