@@ -44,7 +44,7 @@ from executor_load import executor_round, executor_sweep, frame_cycle
 from stats import Spread
 
 from worker.frames import Frame, Priority, SourceRef
-from worker.runtime import InferenceExecutor
+from worker.runtime.start import build_executor
 from worker.testing import RunningWorker
 
 FIXED_BATCH, FIXED_TIMEOUT_S = 32, 0.1
@@ -242,8 +242,8 @@ def two_models(ctx: Context) -> dict[str, Any]:
     one = ctx.settings()
     both = load_settings(env={}, overrides={"models": {ctx.model: ctx.model_overrides(), "nudenet": SECOND_MODEL},
                                             "runtime": {"torch_threads": ctx.torch_threads}})
-    executors = {"one": InferenceExecutor.from_settings(one.model, one.runtime),
-                 "set": InferenceExecutor.from_settings(both.model, both.runtime, models=both.models)}
+    executors = {"one": build_executor(one.model, one.runtime),
+                 "set": build_executor(both.model, both.runtime, models=both.models)}
     names = {"one": f"{ctx.model} alone", "set": f"{ctx.model} + nudenet (model set)"}
     try:
         for executor in executors.values():
@@ -289,7 +289,7 @@ def throughput(ctx: Context) -> dict[str, Any]:
     rounds, tag = ctx.round_count(3, 2), f"[gain {ctx.model}/{ctx.workload_name}]"
     print(f"\n{tag} the runtime's own best: batch-size sweep {list(LIMIT_SWEEP)}", flush=True)
     settings = ctx.settings()
-    executor = InferenceExecutor.from_settings(settings.model, settings.runtime)
+    executor = build_executor(settings.model, settings.runtime)
     try:
         executor.warm_up()
         cycle = frame_cycle(ctx.workload)

@@ -29,7 +29,7 @@ from common import Context
 from executor_load import as_frame
 
 from worker.frames import Priority
-from worker.runtime import InferenceExecutor
+from worker.runtime.start import build_executor
 from worker.testing import FrameProducer, synthetic_frames
 
 LEVELS = (0.1, 0.25, 0.5, 0.7, 0.85, 1.0, 1.2)
@@ -82,7 +82,7 @@ def standard_batch_ms(ctx: Context) -> float:
     w, h = max(load.shapes, key=lambda s: s[0] * s[1])
     frame = as_frame(synthetic_frames(1, [(w, h)], load.encoding, Priority.STANDARD, "budget")[0])
     batch = [frame] * settings.batching.max_batch_size
-    with InferenceExecutor.from_settings(settings.model, settings.runtime) as executor:
+    with build_executor(settings.model, settings.runtime) as executor:
         executor.warm_up()
         executor.submit(batch, frame.shape).result()  # untimed: first-call costs
         times = []

@@ -81,7 +81,7 @@ def one_round(case: str, threads: str, batch: int, seconds: float, data: bytes) 
 
     from worker.config import ModelSettings, RuntimeSettings
     from worker.frames import Encoding, Frame, Priority, SourceRef
-    from worker.runtime import InferenceExecutor
+    from worker.runtime.start import build_executor
 
     torch.set_num_threads(1)
     c = CASES[case]
@@ -92,7 +92,7 @@ def one_round(case: str, threads: str, batch: int, seconds: float, data: bytes) 
     runtime = RuntimeSettings(device="cpu", warmup_batches=1, torch_threads=1,
                               **({} if threads == "default" else {"preprocess_threads": int(threads)}))
     shape = (c.height, c.width, 3)
-    with InferenceExecutor.from_settings(model, runtime) as ex:
+    with build_executor(model, runtime) as ex:
         ex.warm_up([shape])
         for _ in range(3):
             ex.submit(frames, shape).result()

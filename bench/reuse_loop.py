@@ -52,7 +52,7 @@ def one_round(jpegs: list[list[bytes]]) -> dict[str, Any]:
     from worker.frames import Encoding, Priority
     from worker.loop.pipeline import build_pipeline
     from worker.metrics import Health, Metrics
-    from worker.runtime import InferenceExecutor
+    from worker.runtime.start import build_executor
     from worker.testing import InMemoryKafka
 
     s = load_settings(env={"WORKER_BATCHING_STANDARD_REUSE_MAX_AGE_MS": "1000",
@@ -69,7 +69,7 @@ def one_round(jpegs: list[list[bytes]]) -> dict[str, Any]:
             priority=Priority.STANDARD, width=SIZE[0], height=SIZE[1], channels=3, encoding=Encoding.JPEG,
             data=data)) for i, data in enumerate(stream)))
         total += len(stream)
-    with InferenceExecutor.from_settings(s.model, s.runtime) as executor:
+    with build_executor(s.model, s.runtime) as executor:
         executor.warm_up([(224, 224, 3)])
         pipeline = build_pipeline(s, executor, Metrics(), Health(), clients=kafka.clients)
         box: dict[str, float] = {}

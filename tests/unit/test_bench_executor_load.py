@@ -19,6 +19,7 @@ import executor_load
 from workloads import WORKLOADS
 
 from worker.frames import Encoding, Priority
+from worker.runtime.start import build_executor
 
 
 class FakeExecutor:
@@ -87,11 +88,10 @@ def test_a_sweep_measures_the_model_alone_beside_each_size_and_the_gain_summary_
     from workloads import model_settings
 
     from worker.config import load_settings
-    from worker.runtime import InferenceExecutor
 
     settings = load_settings(env={}, overrides={"model": model_settings("toy", WORKLOADS["jpeg224"]),
                                                 "runtime": {"torch_threads": 1, "warmup_batches": 1}})
-    with InferenceExecutor.from_settings(settings.model, settings.runtime) as executor:
+    with build_executor(settings.model, settings.runtime) as executor:
         executor.warm_up()
         sweep, best = executor_load.executor_sweep(executor, executor_load.frame_cycle(WORKLOADS["jpeg224"]),
                                                    (1, 4), 0.05, model_only=True)

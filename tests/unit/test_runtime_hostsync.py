@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).parent))  # makes "model_factories:<fn>" i
 import model_factories
 
 from worker.config import ModelSettings, RuntimeSettings
-from worker.runtime import InferenceExecutor, ModelContractError, load_model
-from worker.runtime import executor as executor_module
+from worker.runtime import ModelContractError, load_model
+from worker.runtime import start as build_module
 from worker.runtime.deviceplan import DevicePlan
 from worker.runtime.hostsync import (
     HostSync,
@@ -29,6 +29,7 @@ from worker.runtime.hostsync import (
     scan_graphs,
     start_up_sync_debug,
 )
+from worker.runtime.start import build_executor
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.jit.* is deprecated:FutureWarning")
 
@@ -67,24 +68,24 @@ def test_on_a_cpu_the_same_check_logs_a_warning_and_the_model_runs(caplog):
 
 def test_the_executor_runs_the_check_at_start_warning_on_a_cpu(caplog):
     with caplog.at_level(logging.WARNING, logger="worker.runtime.hostsync"):
-        InferenceExecutor.from_settings(ModelSettings(source=ITEM_MODEL), RuntimeSettings(device="cpu")).close()
+        build_executor(ModelSettings(source=ITEM_MODEL), RuntimeSettings(device="cpu")).close()
     assert any(f"{FACTORIES}:{ITEM_LINE}" in r.getMessage() for r in caplog.records)
 
 
 def test_the_executor_refuses_the_model_before_any_runner_when_graphs_are_to_be_used(monkeypatch):
     """The plan a GPU with runtime.cuda_graphs = true resolves to, on this CPU: the check refuses the model before
     any runner (and any capture) exists."""
-    real_resolve = executor_module.resolve_plan
+    real_resolve = build_module.resolve_plan
 
     def graphs_planned(runtime: RuntimeSettings):
         plan = real_resolve(runtime)
         return DevicePlan(plan.devices, plan.precision, cuda_graphs=True, buckets=(1, 2))
 
     runners = []
-    monkeypatch.setattr(executor_module, "resolve_plan", graphs_planned)
-    monkeypatch.setattr(executor_module, "make_engine_runner", lambda *a, **k: runners.append(a))
+    monkeypatch.setattr(build_module, "resolve_plan", graphs_planned)
+    monkeypatch.setattr(build_module, "make_engine_runner", lambda *a, **k: runners.append(a))
     with pytest.raises(ModelContractError, match=rf"Tensor.item at {FACTORIES}:{ITEM_LINE}"):
-        InferenceExecutor.from_settings(ModelSettings(source=ITEM_MODEL), RuntimeSettings(device="cpu"))
+        build_executor(ModelSettings(source=ITEM_MODEL), RuntimeSettings(device="cpu"))
     assert runners == []
 
 
@@ -220,12 +221,12 @@ def test_once_a_runner_serves_the_check_never_sets_the_process_wide_mode(sync_de
 def test_the_executor_checks_before_its_runners_exist_and_they_serve_after(monkeypatch):
     """The order the rule relies on: from_settings runs the check before it builds any runner."""
     order: list[str] = []
-    real_check = executor_module.check_host_syncs
-    real_make = executor_module.make_engine_runner
-    monkeypatch.setattr(executor_module, "check_host_syncs",
+    real_check = build_module.check_host_syncs
+    real_make = build_module.make_engine_runner
+    monkeypatch.setattr(build_module, "check_host_syncs",
                         lambda *a, **k: (order.append("check"), real_check(*a, **k))[1])
-    monkeypatch.setattr(executor_module, "make_engine_runner",
+    monkeypatch.setattr(build_module, "make_engine_runner",
                         lambda *a, **k: (order.append("runner"), real_make(*a, **k))[1])
-    with InferenceExecutor.from_settings(ModelSettings(), RuntimeSettings(device="cpu", warmup_batches=1)):
+    with build_executor(ModelSettings(), RuntimeSettings(device="cpu", warmup_batches=1)):
         pass
     assert order == ["check", "runner"]

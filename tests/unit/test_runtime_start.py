@@ -69,5 +69,5 @@ def test_before_warm_up_sees_the_loaded_executor_not_yet_ready_and_its_error_clo
 def test_the_worker_check_model_and_the_gpu_benchmarks_build_executors_only_through_start_runtime(path: str) -> None:
     source = (ROOT / path).read_text()
     assert "start_runtime(" in source
-    other = re.findall(r"InferenceExecutor(?:\.from_settings)?\(|\.calibrate\(", source)
+    other = re.findall(r"InferenceExecutor\(|build_executor\(|\.calibrate\(", source)
     assert other == [], f"{path} starts the runtime another way: {other}"

@@ -16,7 +16,7 @@ from model_factories import jpeg_frame
 
 from worker.config import ModelSettings, RuntimeSettings
 from worker.metrics import Health, Metrics, MetricsServer
-from worker.runtime import InferenceExecutor
+from worker.runtime.start import build_executor
 from worker.threadnames import OS_NAME_MAX_BYTES, name_os_thread, os_thread_name
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OS thread names are read from /proc")
@@ -68,7 +68,7 @@ def test_a_thread_that_names_itself_shows_its_python_name_in_proc() -> None:
 def test_the_executors_inference_preprocessing_and_decode_threads_are_named_in_proc() -> None:
     runtime = dataclasses.replace(RuntimeSettings(device="cpu", warmup_batches=1, graph_batch_sizes=(1, 4)),
                                   preprocess_threads=2)
-    with InferenceExecutor.from_settings(ModelSettings(), runtime) as ex:
+    with build_executor(ModelSettings(), runtime) as ex:
         frames = [jpeg_frame(i) for i in range(4)]  # 4 frames on 2 decode threads: both decode a chunk
         outcome = ex.submit(frames, frames[0].shape).result(timeout=30)
         assert len(outcome.verdicts) == 4

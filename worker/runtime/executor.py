@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import functools
 import logging
 import threading
@@ -28,23 +27,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from worker.config import BatchingSettings, ModelSettings, RuntimeSettings, preprocess_thread_count
-from worker.devices.graphplan import BatchCaps
 from worker.devices.memory import DeviceMemories, split_batch
 from worker.frames import MODEL_ERROR, BatchOutcome, Encoding, Frame, FrameFailure, Priority, SourceRef
 from worker.runtime.deviceplan import (
     DeviceMemory,
-    check_device_decode_at_start,
-    describe,
-    device_decode_serves,
-    device_memories,
-    graph_memory,
-    loaded_precision,
-    resolve_plan,
 )
-from worker.runtime.engine import load_engine_model, make_engine_runner, runner_layout
 from worker.runtime.hostbatch import HostBatch, HostBuffers, stage_to_device
-from worker.runtime.hostsync import HostSync, check_host_syncs
+from worker.runtime.hostsync import HostSync
 from worker.runtime.models import LoadedModel, ModelContract
 from worker.runtime.modelset import ModelSet
 from worker.runtime.preprocess import Preprocessor
@@ -98,7 +87,7 @@ class InferenceExecutor:
         (instances of one device share the same object); empty on CPU, where nothing bounds a batch by memory.
         `decode_on_device`: the device data path (runtime.decode), its device steps `device_steps` (default: the
         real decode and resize; bench/host_cost.py stands them in). `loaded` (one per model) and `host_syncs`: what
-        start-up loaded and found (`from_settings` passes them; `worker check-model` reports them)."""
+        start-up loaded and found (`start.build_executor` passes them; `worker check-model` reports them)."""
         self.model_set = models if isinstance(models, ModelSet) else ModelSet.of(models)
         per_slot = [tuple(r) if isinstance(r, Sequence) else (r,) for r in runners]
         if not per_slot:
@@ -152,55 +141,6 @@ class InferenceExecutor:
             DeviceMemories([m.policy for m in self._device_memory]) if self._device_memory else None)
         # Every runner on the CPU: the batcher ranks batch sizes by the CPU a frame costs (BatchOutcome.cpu_ms).
         self.batch_cost_by_cpu = all(r[0].device.type == "cpu" for r in per_slot)
-
-    @classmethod
-    def from_settings(cls, model: ModelSettings, runtime: RuntimeSettings, batching: BatchingSettings | None = None,
-                      models: Sequence[ModelSettings] = ()) -> InferenceExecutor:
-        """Resolve devices, load and validate each model on each, and build a runner per (device instance, model):
-        the one place runners are made. `models`: a model set (settings.models, `model` its first); without one,
-        `model` alone. `batching` tells the CUDA-graph runners which batch sizes can reach them (none: memory alone
-        bounds them)."""
-        settings = tuple(models) or (model,)
-        model_set = ModelSet.from_settings(settings)
-        plan = resolve_plan(runtime)
-        if plan.decode_on_device:
-            plan = dataclasses.replace(plan, decode_on_device=device_decode_serves(model_set.contracts, runtime))
-        if plan.decode_on_device:
-            check_device_decode_at_start(runtime, plan.devices)
-        layout = runner_layout(settings, runtime, plan.devices[0])
-        if runtime.torch_threads > 0:
-            torch.set_num_threads(runtime.torch_threads)
-        memory = device_memories(plan, runtime, layout.instances)
-        caps = BatchCaps.from_settings(batching) if batching is not None else BatchCaps()
-        slots: list[tuple[ModelRunner, ...]] = []
-        first: list[LoadedModel] = []
-        host_syncs: list[HostSync] = []
-        for device in plan.devices:
-            for _ in range(layout.instances):
-                runners = []
-                for m in settings:
-                    # Each runner gets its own copy of its model, loaded and validated on its device.
-                    # issue 61: the engine per (device, model): onnxruntime for ONNX on a CPU, else torch.
-                    loaded = load_engine_model(m, runtime, device, layout.session_threads)
-                    if not slots:  # every copy of a model is the same: checked and reported once
-                        # Before any capture: refused when graphs are to be used, a warning otherwise.
-                        host_syncs.extend(check_host_syncs(loaded, refuse=plan.cuda_graphs))
-                        first.append(loaded)
-                    policy, budget = graph_memory(memory.get(device), layout.instances)
-                    # Every model's runners share the device's graph budget (worker.runtime.modelset).
-                    budget = None if budget is None else budget // len(settings)
-                    runners.append(make_engine_runner(loaded.module, loaded.contract, device, plan.precision,
-                                                      plan.cuda_graphs, plan.buckets, runtime.warmup_batches, caps,
-                                                      policy, budget))
-                slots.append(tuple(runners))
-        return cls(slots, model_set, preprocess_thread_count(runtime), runtime.warmup_batches,
-                   warmup_batch_size=max(runtime.graph_batch_sizes),
-                   device_description=describe(loaded_precision(plan, [m.precision for m in first]),
-                                               "+".join(m.kind for m in first),
-                                               "+".join(sorted({m.engine for m in first})), layout.instances,
-                                               layout.session_threads),
-                   memory=[memory[r[0].device] for r in slots] if memory else (),
-                   decode_on_device=plan.decode_on_device, loaded=first, host_syncs=host_syncs)
 
     @property
     def ready(self) -> bool:
