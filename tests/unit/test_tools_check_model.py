@@ -28,7 +28,7 @@ from worker.config import RuntimeSettings, load_settings
 from worker.frames import BatchOutcome, Encoding
 from worker.photos import PHOTOS, photo
 from worker.runtime import ModelContract, ModelContractError, start_runtime
-from worker.runtime import executor as executor_module
+from worker.runtime import start as build_module
 from worker.runtime.deviceplan import DevicePlan
 from worker.tools.check_model import (
     CPU_TIMED_BATCH_MAX,
@@ -172,7 +172,7 @@ def test_an_unexpected_error_at_start_up_exits_70_with_one_line_naming_the_step(
     def broken_warm_up(self: object, shapes: object) -> None:
         raise IndexError("boolean index did not match indexed array along axis 1\nsecond line")
 
-    monkeypatch.setattr(executor_module.InferenceExecutor, "warm_up", broken_warm_up)
+    monkeypatch.setattr(build_module.InferenceExecutor, "warm_up", broken_warm_up)
     Image.fromarray(np.full((48, 64, 3), 90, dtype=np.uint8)).save(tmp_path / "grey.png")
     code, out = check(capsys, "--model", "builtin", "--images", str(tmp_path))
     assert code == 70
@@ -231,13 +231,13 @@ def test_where_cuda_graphs_are_used_the_worker_refuses_it_and_the_check_exits_2_
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """The plan a GPU with runtime.cuda_graphs = true resolves to, on this CPU: the executor refuses the model
     before any runner exists, and check-model reports the worker's refusal."""
-    real_resolve = executor_module.resolve_plan
+    real_resolve = build_module.resolve_plan
 
     def graphs_planned(runtime: RuntimeSettings) -> DevicePlan:
         plan = real_resolve(runtime)
         return DevicePlan(plan.devices, plan.precision, cuda_graphs=True, buckets=(1, 2))
 
-    monkeypatch.setattr(executor_module, "resolve_plan", graphs_planned)
+    monkeypatch.setattr(build_module, "resolve_plan", graphs_planned)
     code, out = check(capsys, "--model", ITEM_MODEL)
     assert code == 2
     assert f"Tensor.item at {FACTORIES}:{ITEM_LINE}" in out
