@@ -95,7 +95,7 @@ def test_the_worker_joins_its_group_only_once_the_model_is_warm(monkeypatch: pyt
     # (issue 69: the follower of the control topic applies rollouts too; no model set is read before the start.)
     monkeypatch.setattr(app, "start_control_with_rollout",
                         lambda *args, **kwargs: types.SimpleNamespace(stop=lambda: None))
-    monkeypatch.setattr("worker.rollout.wiring.read_desired", lambda settings: None)
+    monkeypatch.setattr("worker.app.read_desired", lambda settings: None)
     monkeypatch.setattr(app, "build_pipeline",
                         lambda *args, **kwargs: build_pipeline(*args, **{**kwargs, "clients": clients}))
     settings = load_settings(env={}, overrides={
