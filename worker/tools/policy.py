@@ -6,10 +6,7 @@ next batch. `show` prints the group's desired revision and what each worker repo
 
 from __future__ import annotations
 
-import getpass
 import json
-import socket
-import time
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -17,7 +14,7 @@ from typing import Any
 from worker.config import ConfigError, PolicySettings, Settings, model_label_thresholds, policy_problems
 from worker.config.load import _build
 from worker.control.records import POLICY, ControlRecord, policy_key, revision_version
-from worker.kafka.control import ControlReader, ControlWriter
+from worker.tools.controltopic import now_ms, operator, read_control, write_control
 
 
 def read_policy_file(path: str | Path, settings: Settings | None = None) -> PolicySettings:
@@ -67,34 +64,18 @@ def line_of(text: str, problem: str) -> int:
 def set_policy(settings: Settings, path: str, written_by: str | None = None) -> dict[str, Any]:
     """Check the file, then write it as the group's next revision; returns what was written."""
     policy = read_policy_file(path, settings)
-    reader = ControlReader(settings)
-    try:
-        if not reader.read_to_end() and not reader.assigned:
-            raise ConfigError([f"topics.control: the control topic {settings.topics.control} does not exist "
-                               "(create it with `worker topics`)"])
-    finally:
-        reader.close()
+    reader = read_control(settings)
     revision = reader.state.revision + 1
     group = settings.kafka.group_id
-    record = ControlRecord(POLICY, group, revision, int(time.time() * 1000),
-                           written_by or f"{getpass.getuser()}@{socket.gethostname()}", policy=policy)
-    writer = ControlWriter(settings)
-    try:
-        writer.write(policy_key(group), record)
-    finally:
-        writer.close()
+    record = ControlRecord(POLICY, group, revision, now_ms(), operator(written_by), policy=policy)
+    write_control(settings, policy_key(group), record)
     return {"group_id": group, "revision": revision, "policy_version": revision_version(revision),
             "topic": settings.topics.control, "written_by": record.written_by}
 
 
 def show_policy(settings: Settings) -> dict[str, Any]:
     """The group's desired policy (revision, version, who wrote it when) and each worker's report."""
-    reader = ControlReader(settings)
-    try:
-        reader.read_to_end()
-    finally:
-        reader.close()
-    state = reader.state
+    state = read_control(settings, required=False).state
     desired = state.policy
     return {
         "group_id": settings.kafka.group_id,

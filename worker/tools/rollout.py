@@ -7,30 +7,16 @@ candidate the primary; `abort` withdraws it. Each writes the group's next revisi
 
 from __future__ import annotations
 
-import getpass
-import socket
-import time
 import tomllib
 from pathlib import Path
 from typing import Any
 
 from worker.config import ConfigError, Settings
 from worker.control.records import MODELS, ControlRecord, DesiredModels, ModelRef, models_key
-from worker.kafka.control import ControlReader, ControlWriter
+from worker.kafka.control import ControlReader
 from worker.kafka.rollout import status_settings
 from worker.rollout.plan import CANARY, SHADOW, contract_of, file_ref, model_settings, source_refusal
-
-
-def _read(settings: Settings) -> ControlReader:
-    reader = ControlReader(settings)
-    try:
-        reader.read_to_end()
-    finally:
-        reader.close()
-    if not reader.assigned:
-        raise ConfigError([f"topics.control: the control topic {settings.topics.control} does not exist (create it "
-                           "with `worker topics`)"])
-    return reader
+from worker.tools.controltopic import now_ms, operator, read_control, write_control
 
 
 def _current(reader: ControlReader) -> tuple[int, DesiredModels]:
@@ -40,13 +26,8 @@ def _current(reader: ControlReader) -> tuple[int, DesiredModels]:
 
 def _write(settings: Settings, revision: int, models: DesiredModels, written_by: str | None) -> dict[str, Any]:
     group = settings.kafka.group_id
-    record = ControlRecord(MODELS, group, revision, int(time.time() * 1000),
-                           written_by or f"{getpass.getuser()}@{socket.gethostname()}", models=models)
-    writer = ControlWriter(settings)
-    try:
-        writer.write(models_key(group), record)
-    finally:
-        writer.close()
+    record = ControlRecord(MODELS, group, revision, now_ms(), operator(written_by), models=models)
+    write_control(settings, models_key(group), record)
     return {"group_id": group, "revision": revision, "topic": settings.topics.control, "written_by": record.written_by,
             "written_at_ms": record.written_at_ms, **describe(models)}
 
@@ -95,7 +76,7 @@ def start(settings: Settings, source: str, name: str = "", version: str = "", sh
                    contract_of(table))
     model = model_settings(ref, settings)  # ConfigError names each problem as the worker would
     ref = ModelRef(ref.source, model.name, model.version, ref.contract)
-    reader = _read(settings)
+    reader = read_control(settings)
     revision, current = _current(reader)
     primary = current.primary
     if ref == (primary or file_ref(settings)):
@@ -104,7 +85,7 @@ def start(settings: Settings, source: str, name: str = "", version: str = "", sh
 
 
 def promote(settings: Settings, written_by: str | None = None) -> dict[str, Any]:
-    reader = _read(settings)
+    reader = read_control(settings)
     revision, current = _current(reader)
     if current.candidate is None:
         raise ConfigError(["rollout promote: no candidate to promote (start one with `worker rollout start`)"])
@@ -112,7 +93,7 @@ def promote(settings: Settings, written_by: str | None = None) -> dict[str, Any]
 
 
 def abort(settings: Settings, written_by: str | None = None) -> dict[str, Any]:
-    reader = _read(settings)
+    reader = read_control(settings)
     revision, current = _current(reader)
     if current.candidate is None:
         raise ConfigError(["rollout abort: no candidate is rolling out"])
@@ -120,11 +101,11 @@ def abort(settings: Settings, written_by: str | None = None) -> dict[str, Any]:
 
 
 def status(settings: Settings) -> dict[str, Any]:
-    reader = _read(settings)
+    reader = read_control(settings)
     revision, current = _current(reader)
     record = reader.state.models
     if settings.topics.worker_status:  # the workers' reports are there
-        reader = _read(status_settings(settings))
+        reader = read_control(status_settings(settings))
     return {
         "group_id": settings.kafka.group_id, "revision": revision, **describe(current),
         "written_by": None if record is None else record.written_by,
