@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -338,3 +340,11 @@ def test_every_frame_ends_scored_reused_or_released_once_and_a_reuse_is_of_an_ea
     while inflight:
         finish(inflight[0], True)
     assert frames_of == {0: [], 1: []} and reuse.held == 0
+
+
+def test_reuse_and_its_thumbnails_import_neither_kafka_nor_torch() -> None:
+    """The thumbnail decoder (worker.runtime.decode) needs no torch: importing it must not load the runtime's."""
+    code = ("import sys, worker.reuse.policy, worker.reuse.thumbnail; "
+            "print(sorted(m for m in ('confluent_kafka', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from worker.frames import Encoding, Frame
+from worker.runtime.decode import FrameDecodeError, decode_pixels
 
 THUMB_SIDE = 32
 # A raw frame is read every RAW_STEP-th pixel before averaging: the thumbnail averages blocks anyway.
@@ -30,12 +31,7 @@ Thumbnail = np.ndarray  # (h, w) float32, 0..255
 
 
 def thumbnail(frame: Frame) -> Thumbnail | None:
-    """The frame's thumbnail, or None when its pixels do not decode (the runtime dead-letters it, with the reason).
-
-    The decoder is imported here, not at the top: worker.runtime's package loads torch, which the loop's modules
-    leave to the runtime (a worker with reuse on has it loaded already)."""
-    from worker.runtime.decode import FrameDecodeError, decode_pixels
-
+    """The frame's thumbnail, or None when its pixels do not decode (the runtime dead-letters it, with the reason)."""
     try:
         return _area_average(_gray(frame, decode_pixels))
     except FrameDecodeError:
