@@ -30,18 +30,29 @@ def _settings(args: argparse.Namespace, **extra: dict[str, Any]) -> Settings:
 
 # -- run ---------------------------------------------------------------------------------------------------
 def cmd_run(args: argparse.Namespace) -> int:
+    # A supervisor's SIGTERM can come while the settings load and the worker's modules import (seconds on a busy
+    # host): noted here, and the StopFlag below takes it over (start, drain, exit 0), never the default death.
+    early: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: early.append(signum))
     settings = _settings(args, observability={"metrics_port": args.metrics_port})
     from worker.app import StopFlag, run_worker, setup_logging
     from worker.identity import worker_identity
 
     if args.processes > 1:
         setup_logging(settings)
+        if early:  # stopped before any child started
+            log.info("signal %d during start-up: exiting before starting the processes", early[0])
+            return 0
         return _run_processes(args, settings)
     # The worker id first (its slot is held until the process exits): every log line names it.
     with worker_identity(settings) as settings:
         setup_logging(settings)
         # Before the slow imports and warm-up: a SIGTERM during start-up then means "start, drain, exit 0".
         stop = StopFlag().install()
+        if early:
+            log.info("signal %d during start-up: draining then exiting", early[0])
+            stop.set()
         summary = run_worker(settings, exit_when_idle_s=args.exit_when_idle, stop=stop)
     print(json.dumps({"consumed": summary.consumed, "results": summary.results, "expired": summary.expired,
                       "dead_lettered": summary.dead_lettered, "batches": summary.batches,
