@@ -195,6 +195,9 @@ class Metrics:
         self.done_offsets_held = Gauge("streamfer_done_offsets_held",
                                        "Offsets answered beyond their partition's commit point, held there by an "
                                        "earlier one not yet answered.", registry=r)
+        self.unacknowledged_outputs = Gauge("streamfer_unacknowledged_outputs",
+                                            "Frames whose output was produced and awaits the broker's "
+                                            "acknowledgement (at-least-once).", registry=r)
         self.commit_metadata_overflows = Counter("streamfer_commit_metadata_overflows_total",
                                                  "Commits of a partition whose done-offsets list did not fit the "
                                                  "commit metadata (its done offsets are redone after a hand-over).",

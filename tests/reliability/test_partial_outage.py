@@ -34,8 +34,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 RATE_FPS = 40.0
 MAX_UNCOMMITTED = 1000
 # The old cap (every offset read since the last confirmed commit, once every input partition holds a stalled frame)
-# filled in MAX_UNCOMMITTED / RATE_FPS = 25 s here; the new one holds the stalled streams' outputs for 35 s unless
-# more than 8 of the 12 streams stall.
+# filled in MAX_UNCOMMITTED / RATE_FPS = 25 s here. The stalled streams' outputs awaiting acknowledgement now count
+# against delivery.max_unacknowledged_outputs (20 x MAX_UNCOMMITTED by default), not against the memory bound.
 OUTAGE_S = 35.0
 FLOW_S = 80.0
 STANDARD_BUDGET_S = 1.0  # batching.standard.latency_budget_ms

@@ -15,9 +15,9 @@ import pytest
 from confluent_kafka import KafkaError
 
 import worker.loop.delivery as delivery_module
-from worker.codec.schemas import decode_result
+from worker.codec.schemas import FrameRecord, decode_result, encode_frame
 from worker.config import BatchingSettings, DeliverySettings, ObservabilitySettings, Settings
-from worker.frames import OUTPUT_REJECTED, BatchOutcome, Priority, Verdict
+from worker.frames import OUTPUT_REJECTED, BatchOutcome, Encoding, Priority, Verdict
 from worker.kafka.producer import SinkError
 from worker.kafka.wiring import KafkaClients
 from worker.loop.pipeline import Pipeline, build_pipeline
@@ -48,13 +48,14 @@ class World:
                  batching: BatchingSettings | None = None, max_inflight: int = 4, executor: Any = None,
                  max_uncommitted_frames: int = 0, commit_interval_ms: float = 0.0,
                  metrics: Metrics | None = None, max_done_offsets_held: int = 0,
-                 commit_metadata_max_bytes: int = 4000) -> None:
+                 commit_metadata_max_bytes: int = 4000, max_unacknowledged_outputs: int = 0) -> None:
         self.settings = Settings(batching=batching or BatchingSettings(rare_shape_min_count=1, max_batch_size=4),
                                  delivery=DeliverySettings(mode=mode, max_inflight_batches=max_inflight,
                                                            transaction_call_timeout_ms=1_000,
                                                            max_uncommitted_frames=max_uncommitted_frames,
                                                            commit_interval_ms=commit_interval_ms,
                                                            max_done_offsets_held=max_done_offsets_held,
+                                                           max_unacknowledged_outputs=max_unacknowledged_outputs,
                                                            commit_metadata_max_bytes=commit_metadata_max_bytes),
                                  observability=ObservabilitySettings(worker_id="w0", metrics_enabled=False))
         self.consumer: FakeConsumer | None = None
@@ -272,17 +273,101 @@ def test_a_stalled_output_partition_holds_the_commit_point_but_not_the_answered_
     assert w.pipeline.tracker.done_beyond() == 0
 
 
-def test_frames_waiting_for_an_acknowledgement_still_stop_reading_at_the_uncommitted_cap() -> None:
-    """The memory bound holds during the outage: at 8 unacknowledged frames nothing more is read."""
-    w = World("at_least_once", max_uncommitted_frames=8)
+def test_frames_waiting_for_an_acknowledgement_stop_reading_at_their_own_bound_not_the_memory_bound() -> None:
+    """Issue 67: a frame whose output awaits its acknowledgement holds no pixels: past 8 of them (the memory bound)
+    reading goes on, and pauses at `max_unacknowledged_outputs` (20), then resumes once they are acknowledged."""
+    w = World("at_least_once", max_uncommitted_frames=8, max_unacknowledged_outputs=20)
     interleaved(w, P0, 100, every=2)
     w.step()
     stalled_stream(w, "stalled")
     w.assign([P0])
     w.step(40)
-    assert w.pipeline.tracker.in_flight() == 8
+    unacknowledged = w.pipeline.delivery.unacknowledged
+    # Frames read under the memory bound may still join them: at most one memory bound past the bound.
+    assert 20 <= unacknowledged < 20 + 8
+    assert w.pipeline.tracker.in_flight() == unacknowledged  # nothing else held: all answered
+    assert w.metrics.unacknowledged_outputs._value.get() == unacknowledged
     assert P0 in w.kafka.paused
-    assert len(offsets(w.results(), P0)) < 50
+    assert len(offsets(w.results(), P0)) == unacknowledged  # the healthy half answered, past the memory bound
+    w.producer.unacknowledged = lambda m: False
+    w.step(40)
+    assert offsets(w.results(), P0) == list(range(100)) and w.committed(P0) == 100
+    assert w.pipeline.delivery.unacknowledged == 0 and w.metrics.unacknowledged_outputs._value.get() == 0
+
+
+def timely_frames(w: World, tp: tuple[str, int], streams: list[str], start: int) -> None:
+    """One frame of each stream on `tp`, captured now (the fake clock): none expires however long the test runs."""
+    now_ms = int(w.clock.now * 1000)
+    w.kafka.append(tp, *(encode_frame(FrameRecord(
+        stream_id=s, frame_index=start, capture_ts_ms=now_ms, tenant="t", priority=Priority.REALTIME, width=2,
+        height=2, channels=3, encoding=Encoding.RAW_RGB8, data=bytes(12))) for s in streams))
+
+
+def answered_streams(w: World) -> Counter[str]:
+    results = w.settings.topics.results
+    return Counter(decode_result(m.value)["stream_id"] for p in w.producers for m in p.visible if m.topic == results)
+
+
+def test_healthy_streams_keep_being_answered_while_an_output_partition_never_acknowledges_for_ten_minutes() -> None:
+    """Issue 67, the partial outage: one stream's results partition acknowledges nothing for 600 simulated seconds
+    while frames arrive on two input partitions (each carries the stalled stream). Every second the healthy streams'
+    frames of that second are answered; what holds pixels stays within the memory bound (8) throughout. Before, the
+    unacknowledged outputs counted against that bound and every input paused after 8 stalled frames."""
+    w = World("at_least_once", max_uncommitted_frames=8, max_unacknowledged_outputs=5_000,
+              max_done_offsets_held=20_000)
+    stalled_stream(w, "stalled")
+    w.assign([P0, P1])
+    streams = ["stalled", "ok-a", "ok-b", "ok-c"]
+    for second in range(600):
+        for tp in (P0, P1):
+            timely_frames(w, tp, streams, second)
+        before = answered_streams(w)
+        w.step(5)  # one simulated second
+        answered = answered_streams(w) - before
+        assert answered == Counter({"ok-a": 2, "ok-b": 2, "ok-c": 2}), second
+        delivery = w.pipeline.delivery
+        assert w.pipeline.tracker.held() - delivery.unacknowledged <= 8
+        assert delivery.unacknowledged == 2 * (second + 1)
+        assert not w.kafka.paused
+    assert w.metrics.unacknowledged_outputs._value.get() == 1200
+    assert (w.committed(P0) or 0) == 0 and (w.committed(P1) or 0) == 0  # the first stalled frames hold both
+    w.producer.unacknowledged = lambda m: False
+    w.step(10)
+    assert answered_streams(w) == Counter({s: 1200 for s in streams})  # nothing lost or duplicated
+    assert w.committed(P0) == w.committed(P1) == 2400
+    assert w.pipeline.delivery.unacknowledged == 0
+
+
+def test_an_output_librdkafka_times_out_is_produced_again_and_counted_once() -> None:
+    """An output to a partition down past `message.timeout.ms` is failed by librdkafka (_MSG_TIMED_OUT) and produced
+    again by the sink: it stays one unacknowledged frame (no leak in the count) and is answered once."""
+    w = World("at_least_once")
+    w.frames(P0, 10)
+    w.step()
+    timeouts: Counter[int] = Counter()
+
+    def timed_out(m: Produced) -> KafkaError | None:
+        offset = decode_result(m.value)["source_offset"] if m.topic == w.settings.topics.results else -1
+        if offset % 2 == 0 and timeouts[offset] < 3:
+            timeouts[offset] += 1
+            return KafkaError(KafkaError._MSG_TIMED_OUT)
+        return None
+
+    w.producer.refuse = timed_out
+    w.producer.unacknowledged = lambda m: True
+    w.assign([P0])
+    w.step(10)
+    assert w.pipeline.delivery.unacknowledged == 10 and not w.results()
+    w.producer.unacknowledged = lambda m: False
+    for _ in range(3):
+        w.step()
+        # Each turn the even offsets time out once more and are produced again; the count never grows.
+        assert w.pipeline.delivery.unacknowledged == 5 and w.pipeline.tracker.in_flight() == 5
+    w.step(5)
+    assert timeouts == Counter({o: 3 for o in range(0, 10, 2)})
+    assert Counter(offsets(w.results(), P0)) == Counter(range(10))  # once each
+    assert w.pipeline.delivery.unacknowledged == 0 and w.pipeline.tracker.in_flight() == 0
+    assert w.committed(P0) == 10
 
 
 def test_answered_frames_held_behind_a_stalled_one_stop_reading_at_their_own_bound() -> None:

@@ -154,17 +154,28 @@ class DeliverySettings:
         "also waits for the last asynchronous commit's outcome before sending the next"))
     max_uncommitted_frames: int = setting(0,
         ge=0, range="0 or >= the largest class max_batch_size", unit="frames", doc=(
-        "the most frames read and not yet answered (batching, running, or their output produced and not yet "
-        "acknowledged: what holds memory), together with the answered frames below a commit point the broker has not "
-        "confirmed yet; reading pauses there until outputs are acknowledged or a commit lands, so while commits fail "
-        "(a coordinator away) what a lost session or crash answers again stays bounded. Answered frames held behind "
-        "an earlier one (its output partition down, say) do not count here: `max_done_offsets_held` bounds them. 0: "
+        "the most frames read and not yet answered (batching or running: what holds pixels), together with the "
+        "answered frames below a commit point the broker has not confirmed yet; reading pauses there until batches "
+        "finish or a commit lands, so while commits fail (a coordinator away) what a lost session or crash answers "
+        "again stays bounded. Frames whose output was handed to the producer and awaits its acknowledgement do not "
+        "count here: `max_unacknowledged_outputs` bounds them; nor do answered frames held behind an earlier one (its "
+        "output partition down, say): `max_done_offsets_held` bounds them. What a crash or a lost session redoes is "
+        "at most the sum of the three (the last only where the commit's metadata overflowed). 0: "
         "`batching.max_pending_frames` + (the in-flight limit, `max_inflight_batches` as resolved for the runners, + "
         "1, realtime's reserved slot) x the largest class `max_batch_size`. With a long `commit_interval_ms` the "
         "worker commits early once half of it is used. Offsets a frame held for its writer schema pins (it, and the "
         "frames of its partition answered past it) are bounded per partition instead: that partition pauses at this "
-        "many (`schema_registry`). Until issue 67 this counted the answered frames held behind an earlier one too, "
-        "so one stalled output partition paused every input within a minute"))
+        "many (`schema_registry`). Until issue 67 this counted the answered frames held behind an earlier one and the "
+        "unacknowledged outputs too, so one stalled output partition paused every input within a minute or two"))
+    max_unacknowledged_outputs: int = setting(0, ge=0, unit="frames", hint="0 = 20 x max_uncommitted_frames", doc=(
+        "at-least-once: the most frames whose output (result, route copies or dead letter) was handed to the "
+        "producer and is not yet acknowledged, over all output partitions: an output partition down holds its "
+        "outputs here, and librdkafka fails one after `message.timeout.ms` (300 s) and the worker produces it again, "
+        "still counted once. Such a frame holds no pixels, only its encoded output: the bytes sit in librdkafka's "
+        "local queue, bounded by `queue.buffering.max.kbytes` and `queue.buffering.max.messages` "
+        "(`kafka.producer_overrides`), and input pauses while outputs wait for room there. Reading pauses at this "
+        "many until acknowledgements come; a crash redoes them. Exactly-once acknowledges its outputs within each "
+        "transaction's commit, so none wait between turns. 0: 20 x `max_uncommitted_frames` as resolved"))
     max_done_offsets_held: int = setting(0, ge=0, unit="offsets", hint="0 = 20 x max_uncommitted_frames", doc=(
         "the most offsets answered but not yet committable, over all partitions: done beyond their partition's commit "
         "point, which an earlier frame still holds (its output partition down, or it is still running). They cost no "

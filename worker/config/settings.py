@@ -23,6 +23,10 @@ from worker.config.sections import (
 # The default bound of answered offsets held behind a commit point, per frame of the memory bound: a done offset costs
 # no memory, so far more of them may wait for a stalled output partition than frames may be in flight.
 DONE_OFFSETS_PER_UNCOMMITTED = 20
+# The default bound of frames whose output awaits its acknowledgement, per frame of the memory bound: such a frame holds
+# only its encoded output (in librdkafka's queue, bounded by its own settings), so an output partition down for minutes
+# does not pause the healthy streams' input (issue 67).
+UNACKNOWLEDGED_PER_UNCOMMITTED = 20
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,12 @@ class Settings:
     def max_done_offsets_held(self) -> int:
         """`delivery.max_done_offsets_held`, or by default 20 x the resolved `max_uncommitted_frames`."""
         return self.delivery.max_done_offsets_held or DONE_OFFSETS_PER_UNCOMMITTED * self.max_uncommitted_frames
+
+    @property
+    def max_unacknowledged_outputs(self) -> int:
+        """`delivery.max_unacknowledged_outputs`, or by default 20 x the resolved `max_uncommitted_frames`."""
+        return (self.delivery.max_unacknowledged_outputs
+                or UNACKNOWLEDGED_PER_UNCOMMITTED * self.max_uncommitted_frames)
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Settings)}

@@ -114,6 +114,12 @@ class Delivery:
         """Outputs waiting in the sink's own queue for room in librdkafka's (flow pauses input meanwhile)."""
         return self.sink.backlog
 
+    @property
+    def unacknowledged(self) -> int:
+        """Frames whose output was handed to the sink and is not yet acknowledged (`delivery.max_unacknowledged_outputs`
+        bounds them; exactly-once: none between turns, its transaction's commit waits for every acknowledgement)."""
+        return 0
+
     def output_problem(self) -> str | None:
         """Results or dead-letter partitions not acknowledging for a while, named (the current sink's: a stuck
         transactional one is replaced), or None."""
@@ -267,6 +273,12 @@ class AtLeastOnceDelivery(Delivery):
     def busy(self) -> bool:
         return bool(self._awaiting_ack)
 
+    @property
+    def unacknowledged(self) -> int:
+        # One per source offset however often its output is produced again (librdkafka failed it after
+        # message.timeout.ms) and however many messages it takes (route copies).
+        return len(self._awaiting_ack)
+
     def finish(self) -> None:
         remaining = self.sink.flush(FINAL_FLUSH_TIMEOUT_S)
         if remaining:
@@ -280,9 +292,10 @@ class AtLeastOnceDelivery(Delivery):
         if not final and self._awaiting_outcome(now):
             return CommitResult.NOTHING
         # Before the interval ends when half the uncommitted cap is used, so the cap pauses reading only while
-        # commits fail, never because the interval is long.
+        # commits fail, never because the interval is long (outputs awaiting acknowledgement have their own bound:
+        # a commit cannot pass them anyway).
         if not final and now - self._last_commit < self.settings.delivery.commit_interval_ms / 1000.0 \
-                and self.tracker.held() < self.settings.max_uncommitted_frames // 2:
+                and self.tracker.held() - len(self._awaiting_ack) < self.settings.max_uncommitted_frames // 2:
             return CommitResult.NOTHING
         # A partition given up since is someone else's to commit.
         points = {tp: point for tp, point in self.tracker.commit_points().items() if tp in self.assignments}

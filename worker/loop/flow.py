@@ -49,6 +49,9 @@ class FlowControl:
         self.pinned_frames = 0
         # Outputs waiting for room in the producer's local queue (worker.kafka.producer): input pauses meanwhile.
         self.output_backlog = 0
+        # Frames whose output was handed to the sink and awaits its acknowledgement (worker.loop.delivery): bounded by
+        # `delivery.max_unacknowledged_outputs`, not by the memory bound (issue 67: they hold no pixels).
+        self.unacknowledged = 0
         self._priority_paused = Children(metrics.priority_paused)
         self._priority_pauses = Children(metrics.priority_pauses)
         self._unservable = Children(metrics.backlog_unservable)
@@ -60,7 +63,8 @@ class FlowControl:
     def room(self) -> int:
         """Frames the loop may read now: the batcher's room (no class still reading past its share), and what is
         left under the uncommitted cap."""
-        room = min(self._batcher.poll_room(self.paused), self._held_room(), self._done_room())
+        room = min(self._batcher.poll_room(self.paused), self._held_room(), self._done_room(),
+                   self._unacknowledged_room())
         decision = self._decision
         # While a class reads its floor share, polls stay small so it does not pass its share by much (not while
         # backpressure keeps it paused anyway: small polls would only slow the others down).
@@ -74,11 +78,14 @@ class FlowControl:
     def apply(self) -> None:
         """Pause what the batcher has no room for and what waits for a more urgent backlog; pause everything while
         the uncommitted cap is reached (frames not yet answered, or commits failing: what more the worker read, a
-        lost session would answer again) or the bound of answered offsets held behind a commit point."""
+        lost session would answer again), the bound of answered offsets held behind a commit point, or the bound of
+        outputs awaiting acknowledgement, or while outputs wait for room in the producer's queue."""
         self._refresh_lag()
         if self.by_priority is not None:
             self._read_by_priority(self.by_priority)
-        if self._held_room() <= 0 or self._done_room() <= 0 or self.output_backlog:
+        self._metrics.unacknowledged_outputs.set(self.unacknowledged)
+        if self._held_room() <= 0 or self._done_room() <= 0 or self._unacknowledged_room() <= 0 \
+                or self.output_backlog:
             self.paused = set(Priority)
         else:
             self.paused = self._batcher.classes_to_pause() | self._decision.paused
@@ -89,9 +96,14 @@ class FlowControl:
 
     def _held_room(self) -> int:
         """Room under `delivery.max_uncommitted_frames`: frames not yet answered and answered ones below an
-        unconfirmed commit point (worker.partitions.offsets); frames pinned by a schema hold are bounded per partition
-        instead."""
-        return self._settings.max_uncommitted_frames - max(0, self._tracker.held() - self.pinned_frames)
+        unconfirmed commit point (worker.partitions.offsets), less those whose output awaits its acknowledgement
+        (`_unacknowledged_room`); frames pinned by a schema hold are bounded per partition instead."""
+        return self._settings.max_uncommitted_frames - max(
+            0, self._tracker.held() - self.pinned_frames - self.unacknowledged)
+
+    def _unacknowledged_room(self) -> int:
+        """Room under `delivery.max_unacknowledged_outputs`: frames whose output awaits its acknowledgement."""
+        return self._settings.max_unacknowledged_outputs - self.unacknowledged
 
     def _done_room(self) -> int:
         """Room under `delivery.max_done_offsets_held`: answered offsets held behind an earlier one (issue 67)."""

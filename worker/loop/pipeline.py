@@ -251,6 +251,7 @@ class Pipeline:
         """The sink's delivery reports, served since the last turn, handed to delivery."""
         self.delivery.serve_reports()
         self.flow.output_backlog = self.delivery.output_backlog()
+        self.flow.unacknowledged = self.delivery.unacknowledged
 
     def _commit(self, final: bool = False) -> None:
         if final:  # all that is done: every output produced acknowledged, and its report handed over
