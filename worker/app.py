@@ -123,7 +123,7 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
     # Before any broker call: librdkafka refusing a property is a configuration error, reported at once.
     check_client_configs(settings)
     # Before the model loads: a wrong password or a missing ACL stops start-up in seconds, with exit code 2.
-    probe_access(settings)
+    cluster_answered = probe_access(settings)
     tracing = setup_tracing(settings, metrics)
     # Imported here: torch loads with the runtime, not with the CLI.
     from worker.runtime.start import start_runtime
@@ -159,6 +159,7 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
 
             def serve_while_warming(executor: InferenceExecutor) -> None:
                 """Once the model loaded: its description on /metrics, and /profile can reach it."""
+                metrics.model_labels(executor.labels)
                 metrics.model_info.info({"name": executor.model_name, "version": executor.model_version,
                                          "device": executor.device_description,
                                          "labels": ",".join(executor.labels)})
@@ -168,7 +169,7 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
             # calibrated as in every other start of the runtime (worker.runtime.start).
             # issue 69: the group's desired model (control topic) when one is named, so a worker that joins during
             # a rollout serves the same revision; the loop holds a swap over it (worker.rollout).
-            choice = choose_start(settings)
+            choice = choose_start(settings, read_control=cluster_answered)
             runtime = start_runtime(choice.settings, before_warm_up=serve_while_warming)
             swap, rollout, shadow = build_rollout(settings, choice, runtime.executor, metrics)
             loaded.result().executor = swap  # /profile profiles the serving model, whichever it is
@@ -271,8 +272,15 @@ class StartChoice:
     refused: str = ""
 
 
-def choose_start(settings: Settings) -> StartChoice:
-    """The group's desired primary when the control topic names one this worker may load, else the file's model."""
+def choose_start(settings: Settings, read_control: bool = True) -> StartChoice:
+    """The group's desired primary when the control topic names one this worker may load, else the file's model.
+    Without `read_control` (the start-up probe reached no broker) the file's model starts at once, as before
+    rollouts: a bad one stops start-up in seconds, and the control topic's follower brings the worker to the
+    group's primary once the cluster answers."""
+    if not read_control:
+        log.warning("control topic not read before start-up (no broker answered the probe): the settings file's "
+                    "model loads; the group's model set applies once the control topic is read")
+        return StartChoice(settings, file_ref(settings))
     try:
         desired = read_desired(settings)
     except ControlUnavailable as exc:

@@ -155,6 +155,14 @@ class Metrics:
                                                  "Candidate score minus serving model score per shadow-scored frame, "
                                                  "by label.", ["label"], buckets=SCORE_DIFFERENCE_BUCKETS,
                                                  registry=r)
+        # Every outcome's series from the start, as dashboards and alerts expect (worker.control.records,
+        # worker.rollout.manager and the shadow's scoring name these outcomes).
+        for outcome in ("applied", "refused"):
+            self.policy_applied.labels(outcome)
+        for outcome in ("ready", "promoted", "aborted", "failed"):
+            self.rollout_changes.labels(outcome)
+        for outcome in ("scored", "skipped"):
+            self.shadow_frames.labels(outcome)
         self.frames_scored = Counter("streamfer_frames_scored_total", "Frames the model ran on, by class.",
                                      ["priority"], registry=r)
         self.frames_reused = Counter("streamfer_frames_reused_total",
@@ -288,6 +296,13 @@ class Metrics:
         self.input_pixels = Histogram("streamfer_input_pixels",
                                       "Pixels (height x width) of each frame run, by the batch's padded shape.",
                                       ["shape"], buckets=PIXEL_BUCKETS, registry=r)
+
+    def model_labels(self, labels: Sequence[str]) -> None:
+        """The serving model's labels: their shadow series exist from the start (0 until a shadow scores)."""
+        for label in labels:
+            for agreement in ("agree", "disagree"):
+                self.shadow_agreement.labels(label, agreement)
+            self.shadow_score_difference.labels(label)
 
     def count_by_tenant(self, counter: Children[Counter], frames: Sequence[Frame]) -> None:
         """One increment per (topic, tenant label) of `frames` on a (topic, tenant) counter; tenants are labelled

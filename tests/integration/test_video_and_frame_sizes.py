@@ -92,7 +92,8 @@ def test_worker_topics_creates_frame_topics_that_take_a_1080p_jpeg(kafka_bootstr
     defaults = make_topics(kafka_bootstrap, unique + "d")  # created without a limit: Kafka's default, ~1 MB
     env = {"WORKER_TOPICS_REALTIME": f"t{unique}.realtime", "WORKER_TOPICS_STANDARD": f"t{unique}.standard",
            "WORKER_TOPICS_BULK": f"t{unique}.bulk", "WORKER_TOPICS_RESULTS": f"t{unique}.results",
-           "WORKER_TOPICS_DEAD_LETTER": f"t{unique}.dlq"}
+           "WORKER_TOPICS_DEAD_LETTER": f"t{unique}.dlq", "WORKER_TOPICS_CONTROL": f"t{unique}.control",
+           "WORKER_TOPICS_SHADOW_RESULTS": f"t{unique}.results.shadow"}
     out = _cli(kafka_bootstrap, env, "topics", "--partitions", "1")
     assert out.returncode == 0, out.stderr
     assert set(json.loads(out.stdout)["created"]) == set(env.values())

@@ -89,15 +89,16 @@ def _reach(admin: Any, settings: Settings, deadline: float) -> bool:
             return False
 
 
-def probe_access(settings: Settings, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+def probe_access(settings: Settings, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
     """Check, with the worker's own credentials, that the cluster lets it in and that it may read its input
     topics and group and write its output topics. Raises BrokerAccessError on a refusal; an unreachable
-    cluster only logs (the worker's clients keep retrying, and /healthz reports it)."""
+    cluster only logs (the worker's clients keep retrying, and /healthz reports it). Returns whether the cluster
+    answered."""
     identity = Identity.of(settings)
     admin = _probe_admin(settings)
     deadline = time.monotonic() + timeout_s
     if not _reach(admin, settings, deadline):
-        return
+        return False
     # 2. The topics and the group, with the operations the worker needs on each.
     t = settings.topics
     wanted = {name: AclOperation.READ for name in (t.realtime, t.standard, t.bulk)}
@@ -147,4 +148,5 @@ def probe_access(settings: Settings, timeout_s: float = PROBE_TIMEOUT_S) -> None
             acl = f"ACL: READ on group {settings.kafka.group_id} for principal {identity.principal}"
             raise BrokerAccessError(f"Kafka would deny the worker its consumer group; grant {acl}",
                                     AUTHORIZATION, acl)
+    return True
 
