@@ -166,8 +166,8 @@ def main() -> None:
     write_json("model_rollout", {"phase_s": args.phase_s, "rounds": rounds})
     (RESULTS / "model_rollout.md").write_text(
         "# A model rollout's cost (issue 69)\n\n`KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:46695 python bench/model_rollout.py"
-        f" --phase-s {args.phase_s:g} --rounds {args.rounds}` on the shared 2-core development VM (other agents' "
-        "tests ran meanwhile: the figures are noisy).\n\n```" + text + "\n```\n")
+        f" --phase-s {args.phase_s:g} --rounds {args.rounds}` on {os.cpu_count()} cores: the figures are only as quiet "
+        "as the machine.\n\n```" + text + "\n```\n")
 
 
 if __name__ == "__main__":
