@@ -63,25 +63,14 @@ class OffsetTracker:
         Kafka delivers a partition's offsets in increasing order until a seek, and every seek (a rewind, a
         new assignment) starts from a forgotten partition: an offset at or below the highest one read is a
         re-delivery the pipeline failed to drop."""
-        st = self._parts.get(tp)
-        if st is None:
-            st = self._parts[tp] = _PartitionState()
-        if offset <= st.highest_seen:
-            raise OffsetTrackingError(f"offset {offset} of {tp} read again (highest read {st.highest_seen}) "
-                                      f"without a rewind")
-        before, span_before = st.uncommitted, st.span
-        st.outstanding_set.add(offset)
-        heapq.heappush(st.outstanding, offset)
-        st.highest_seen = max(st.highest_seen, offset)
-        if st.reread_from < 0:
-            st.reread_from = offset
-        self._in_flight += 1
-        self._uncommitted += st.uncommitted - before
-        self._span += st.span - span_before
+        self._read(tp, offset, in_flight=True)
 
     def track_done(self, tp: TP, offset: int) -> None:
         """Record that `offset` was read and needs no work: a previous owner finished it beyond its commit point and
         said so in the commit's metadata (worker.partitions.donemeta). Counted as read, never in flight."""
+        self._read(tp, offset, in_flight=False)
+
+    def _read(self, tp: TP, offset: int, in_flight: bool) -> None:
         st = self._parts.get(tp)
         if st is None:
             st = self._parts[tp] = _PartitionState()
@@ -89,7 +78,11 @@ class OffsetTracker:
             raise OffsetTrackingError(f"offset {offset} of {tp} read again (highest read {st.highest_seen}) "
                                       f"without a rewind")
         before, span_before = st.uncommitted, st.span
-        st.highest_seen = offset
+        if in_flight:
+            st.outstanding_set.add(offset)
+            heapq.heappush(st.outstanding, offset)
+            self._in_flight += 1
+        st.highest_seen = offset  # above every offset read (checked)
         if st.reread_from < 0:
             st.reread_from = offset
         self._uncommitted += st.uncommitted - before
