@@ -181,7 +181,7 @@ def _run_worker(settings: Settings, exit_when_idle_s: float | None, stop: StopFl
                      executor.device_description, time.monotonic() - started)
             # Built once the runtime is warm: its consumer joins the group when the loop runs.
             pipeline = build_pipeline(settings, swap, metrics, health, registry=registry, tracing=tracing)
-            rollout.on_promoted = pipeline.answers.use_model
+            rollout.on_promoted = pipeline.model_promoted
             # The control topic read to its end before the loop serves: the group's policy (issue 66) applies from
             # the first batch, then changes between batches as the follower thread reads them.
             running.callback(start_control_with_rollout(settings, pipeline.answers.judge, metrics, health,

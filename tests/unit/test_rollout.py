@@ -3,6 +3,7 @@ promote), shadow and canary scoring, and a worker's rollout state machine with a
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import threading
 import weakref
@@ -254,3 +255,87 @@ def test_a_late_worker_loads_a_primary_it_does_not_serve_and_promotes_it():
     assert loads.loaded == [NEW] and swap.promoting
     swap.submit([frame("a")], (2, 2, 3))
     assert swap.serving.ref == NEW and rollout.state == SERVING
+
+
+def reuse_pipeline(swap: SwappableExecutor, *first: bytes) -> tuple[Any, InMemoryKafka, FakeClock, Any]:
+    """The real Pipeline over the testing kit with verdict reuse on for realtime frames (200 ms), `first` sent to
+    its realtime partition before the consumer (assigned at its first poll)."""
+    from tests.unit.test_pipeline_reuse import reuse_batching
+
+    settings = Settings(observability=ObservabilitySettings(worker_id="w0"), batching=reuse_batching(max_age_ms=200))
+    kafka, clock = InMemoryKafka(), FakeClock()
+    kafka.send((settings.topics.realtime, 0), *first)
+    pipeline = build_pipeline(settings, swap, Metrics(), Health(), clock, clients=kafka.clients)
+    swap.on_swap = lambda held: pipeline.model_promoted(held.model)
+    return pipeline, kafka, clock, (settings.topics.realtime, 0)
+
+
+def test_after_a_promote_no_frame_is_answered_with_the_old_models_verdict():
+    from tests.unit.test_pipeline_reuse import CAPTURE_TS_MS, picture
+
+    old, new = fake("1"), fake("2")
+    swap = SwappableExecutor(old, OLD, closer=run_now)
+    # cam 1-2 reuse cam 0's verdict
+    pipeline, kafka, clock, tp = reuse_pipeline(swap, *(picture("cam", i, 80) for i in range(3)),
+                                                picture("other", 0, 80))
+    stage = [0]
+
+    def step() -> bool:
+        clock.advance(0.1)
+        done = len(kafka.results())
+        if stage[0] == 0 and done == 4:
+            swap.promote(new, NEW)  # takes effect at the next batch: other's frame 1, past reuse's 200 ms
+            kafka.send(tp, picture("other", 1, 80, capture_ms=CAPTURE_TS_MS + 300))
+            stage[0] = 1
+        elif stage[0] == 1 and done == 5:
+            # Within 200 ms of cam 0, the same picture: reusing cam 0's verdict would answer with the old model's.
+            kafka.send(tp, picture("cam", 3, 80, capture_ms=CAPTURE_TS_MS + 150))
+            stage[0] = 2
+        return done == 6
+
+    pipeline.run(should_stop=step)
+    got = {(r["stream_id"], r["frame_index"]): r for r in kafka.results()}
+    assert [(r["stream_id"], r["frame_index"], r["reused_from_frame"], r["model_version"]) for r in
+            sorted(got.values(), key=lambda r: (r["model_version"], r["stream_id"], r["frame_index"]))] == [
+        ("cam", 0, None, "1"), ("cam", 1, 0, "1"), ("cam", 2, 0, "1"), ("other", 0, None, "1"),
+        ("cam", 3, None, "2"), ("other", 1, None, "2")]
+
+
+def test_a_reused_result_names_the_model_that_scored_its_reference():
+    """A canary stream's frames are scored by the candidate: its reused frames name the candidate too."""
+    from tests.unit.test_pipeline_reuse import picture
+
+    old, new = fake("1"), fake("2")
+    swap = SwappableExecutor(old, OLD, closer=run_now)
+    swap.set_candidate(new, NEW, CANARY, 0.5)
+    canary = next(f"cam-{i}" for i in range(100) if in_share(f"cam-{i}", 0.5))
+    pipeline, kafka, clock, _ = reuse_pipeline(swap, *(picture(canary, i, 80) for i in range(4)))
+
+    def step() -> bool:
+        clock.advance(0.1)
+        return len(kafka.results()) == 4
+
+    pipeline.run(should_stop=step)
+    got = {r["frame_index"]: r for r in kafka.results()}
+    assert [got[i]["reused_from_frame"] for i in range(4)] == [None, 0, 0, 0]
+    assert [got[i]["model_version"] for i in range(4)] == ["2"] * 4 and not old.batches
+
+
+def test_a_promote_forgets_known_verdicts_but_keeps_references_in_flight():
+    import numpy as np
+
+    from worker.reuse.policy import Decision, FrameReuse
+
+    def at(stream: str, index: int, offset: int) -> Frame:
+        return dataclasses.replace(frame(stream, index), source=SourceRef("in", 0, offset))
+
+    reuse = FrameReuse({Priority.STANDARD: 1_000}, change_threshold=0.1)
+    thumb = np.zeros((4, 4), np.float32)
+    known, in_flight = at("known", 0, 0), at("flying", 0, 1)
+    assert reuse.offer(known, thumb) is Decision.SCORE and reuse.offer(in_flight, thumb) is Decision.SCORE
+    reuse.scored(known, Verdict({"n": 0.5}, ()), ("fake", "1"))
+    assert reuse.offer(at("flying", 1, 2), thumb) is Decision.HELD
+    reuse.forget_verdicts()
+    assert reuse.offer(at("known", 1, 3), thumb) is Decision.SCORE  # scored by the model now serving
+    held = reuse.scored(in_flight, Verdict({"n": 0.2}, ()), ("fake", "2"))
+    assert [(r.frame.frame_index, r.model) for r in held] == [(1, ("fake", "2"))]

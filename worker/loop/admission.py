@@ -4,6 +4,7 @@ reading them only, and the rest go to the batcher."""
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -139,6 +140,11 @@ class Admission:
             released = set(tps)
             self._batcher.discard(lambda f: f.source.topic_partition in released)
 
+    def model_promoted(self) -> None:
+        """A promote: verdict reuse forgets the old model's verdicts (worker.reuse.policy)."""
+        if self.reuse is not None:
+            self.reuse.forget_verdicts()
+
     def close(self) -> None:
         self._thumbnails.close()
 
@@ -168,7 +174,9 @@ class Admission:
         failed offered again (scored, or held for a new reference)."""
         if self.reuse is None:
             return []
-        reused = [r for frame, verdict in outcome.verdicts for r in self.reuse.scored(frame, verdict)]
+        models = outcome.scored_by or itertools.repeat(None)
+        reused = [r for (frame, verdict), model in zip(outcome.verdicts, models)
+                  for r in self.reuse.scored(frame, verdict, model)]
         self._offer_again([failure.frame for failure in outcome.failures], reused)
         return self._answers.reused(reused, now) if reused else []
 

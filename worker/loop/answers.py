@@ -100,15 +100,17 @@ class Answers:
 
     def reused(self, reused: Sequence[Reused], now: float) -> list[Output]:
         """OK results for frames answered with their stream's reference verdict (worker.reuse.policy): batch size and
-        inference time 0, `reused_from_frame` the reference's frame_index."""
+        inference time 0, `reused_from_frame` the reference's frame_index, named by the model that scored it."""
         outputs: list[Output] = []
-        for (reference, _), group in itertools.groupby(reused, key=lambda r: (r.reference, r.frame.priority)):
+        for (reference, _, model), group in itertools.groupby(reused, key=lambda r: (r.reference, r.frame.priority,
+                                                                                       r.model)):
             frames = list(group)
             self._reused.labels(frames[0].frame.priority.label).inc(len(frames))
             observe_many(self._end_to_end.labels(frames[0].frame.priority.label),
                          [max(0.0, now - r.frame.capture_ts_ms / 1000.0) for r in frames])
             outputs += self._results([(r.frame, r.verdict, (now - r.frame.received_at) * 1000.0) for r in frames],
-                                     Status.OK, 0, 0.0, now, reused_from=reference)
+                                     Status.OK, 0, 0.0, now, reused_from=reference,
+                                     writer=self.writer_for(model) if model else None)
         return outputs
 
     @staticmethod
@@ -126,7 +128,7 @@ class Answers:
         return writer
 
     def use_model(self, model: tuple[str, str]) -> None:
-        """Expired and reused frames' results name `model` from now on (a promote, on the loop's thread)."""
+        """Expired frames' results name `model` from now on (a promote, on the loop's thread)."""
         self._writer = self.writer_for(model)
 
     def _results(self, results: Sequence[tuple[Frame, Verdict | None, float]], status: Status, batch_size: int,

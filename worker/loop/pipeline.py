@@ -130,6 +130,12 @@ class Pipeline:
         self._last_activity: float | None = None
         self._last_lag_update = float("-inf")
 
+    def model_promoted(self, model: tuple[str, str]) -> None:
+        """A rollout's promote took effect at this batch (on the loop's thread): later results name `model`, and
+        verdict reuse forgets the old model's verdicts."""
+        self.answers.use_model(model)
+        self.admission.model_promoted()
+
     @property
     def summary(self) -> RunSummary:
         c = self._counts

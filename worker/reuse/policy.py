@@ -9,7 +9,8 @@ reference's by less than the threshold (worker.reuse.thumbnail.change), the refe
 reference. A frame whose reference is still in flight is held here until the reference's verdict arrives
 (`scored`); a reference that ends without one (`ended`: dead letter, EXPIRED) hands its held frames back to be
 offered again, so none is lost. The streams kept are bounded (least recently seen dropped first) and a released
-partition's state goes with it.
+partition's state goes with it. A reused result names the model that scored its reference (a canary stream's is the
+candidate); a promote forgets the known verdicts, so each stream's next frame is scored by the new model.
 """
 
 from __future__ import annotations
@@ -31,13 +32,19 @@ class Decision(enum.Enum):
     HELD = "held"  # same picture as a reference still in flight: answered when that reference's verdict comes
 
 
+# (name, version) of the model that scored a reference, as results name it; None: the serving model.
+ModelName = tuple[str, str] | None
+
+
 @dataclass(frozen=True)
 class Reused:
-    """A frame answered with its reference's verdict; `reference` is the reference's frame_index."""
+    """A frame answered with its reference's verdict; `reference` is the reference's frame_index, `model` the model
+    that scored it."""
 
     frame: Frame
     verdict: Verdict
     reference: int
+    model: ModelName = None
 
 
 @dataclass
@@ -48,6 +55,7 @@ class _Reference:
     shape: tuple[int, int, int]
     thumbnail: Thumbnail
     verdict: Verdict | None = None
+    model: ModelName = None
     waiting: list[tuple[Frame, Thumbnail]] = field(default_factory=list)
 
 
@@ -92,7 +100,7 @@ class FrameReuse:
         if ref is not None and self._same_picture(ref, frame, thumbnail):
             self._streams.move_to_end(key)
             if ref.verdict is not None:
-                return Reused(frame, ref.verdict, ref.frame_index)
+                return Reused(frame, ref.verdict, ref.frame_index, ref.model)
             ref.waiting.append((frame, thumbnail))
             return Decision.HELD
         new = _Reference(frame.source, frame.frame_index, frame.capture_ts_ms, frame.shape, thumbnail)
@@ -108,16 +116,24 @@ class FrameReuse:
         return (ref.shape == frame.shape and 0 <= age_ms <= self._max_age_ms.get(frame.priority, 0)
                 and change(ref.thumbnail, thumbnail) < self._threshold)
 
-    def scored(self, frame: Frame, verdict: Verdict) -> list[Reused]:
-        """A frame's verdict came back: if it is a reference, the frames held for it are answered with it."""
+    def scored(self, frame: Frame, verdict: Verdict, model: ModelName = None) -> list[Reused]:
+        """A frame's verdict came back, scored by `model`: if it is a reference, the frames held for it are answered
+        with it."""
         if not self._inflight:
             return []
         ref = self._inflight.pop(frame.source, None)
         if ref is None:
             return []
-        ref.verdict = verdict
+        ref.verdict, ref.model = verdict, model
         held, ref.waiting = ref.waiting, []
-        return [Reused(f, verdict, ref.frame_index) for f, _ in held]
+        return [Reused(f, verdict, ref.frame_index, model) for f, _ in held]
+
+    def forget_verdicts(self) -> None:
+        """Another model serves from now on (a promote): no frame is answered with a verdict already known, so each
+        stream's next frame is scored by it. References still in flight stay: they answer the frames held for them,
+        and later ones, named by the model that scores them."""
+        for key in [k for k, ref in self._streams.items() if ref.verdict is not None]:
+            del self._streams[key]
 
     def ended(self, frame: Frame) -> list[tuple[Frame, Thumbnail]]:
         """A frame ended without a verdict (dead letter, EXPIRED): if it is a reference, it is one no longer, and
