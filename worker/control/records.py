@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,34 +143,35 @@ def decode(value: bytes) -> ControlRecord:
     written_at = raw["written_at"]
     if hasattr(written_at, "timestamp"):
         written_at = int(round(written_at.timestamp() * 1000))
-    policy = raw.get("policy")
-    status = raw.get("status")
-    models, rollout = raw.get("models"), raw.get("rollout")
-    return ControlRecord(
-        kind=raw["kind"], group_id=raw["group_id"], revision=raw["revision"], written_at_ms=int(written_at),
-        written_by=raw["written_by"],
-        policy=None if policy is None else PolicySettings(
-            flag=dict(policy["flag"]), review=dict(policy["review"]),
-            tenants={t: {"flag": dict(v["flag"]), "review": dict(v["review"])} for t, v in policy["tenants"].items()},
-            expired=policy["expired"]),
-        status=None if status is None else WorkerStatus(status["worker_id"], status["policy_version"], status["state"],
-                                                        status["reason"]),
-        models=None if models is None else DesiredModels.from_avro(models),
-        rollout=None if rollout is None else RolloutReport(**rollout))
+    parts = {name: None if raw.get(name) is None else from_avro(raw[name]) for name, (_, from_avro) in _PARTS.items()}
+    return ControlRecord(kind=raw["kind"], group_id=raw["group_id"], revision=raw["revision"],
+                         written_at_ms=int(written_at), written_by=raw["written_by"], **parts)
 
 
 def _as_dict(record: ControlRecord) -> dict[str, Any]:
-    p, s = record.policy, record.status
-    return {
-        "kind": record.kind, "group_id": record.group_id, "revision": record.revision,
-        "written_at": record.written_at_ms, "written_by": record.written_by,
-        "policy": None if p is None else {
-            "flag": dict(p.flag), "review": dict(p.review),
+    parts = {name: None if getattr(record, name) is None else as_avro(getattr(record, name))
+             for name, (as_avro, _) in _PARTS.items()}
+    return {"kind": record.kind, "group_id": record.group_id, "revision": record.revision,
+            "written_at": record.written_at_ms, "written_by": record.written_by, **parts}
+
+
+def _policy_as_avro(p: PolicySettings) -> dict[str, Any]:
+    return {"flag": dict(p.flag), "review": dict(p.review),
             "tenants": {t: {"flag": dict(v.get("flag", {})), "review": dict(v.get("review", {}))}
                         for t, v in p.tenants.items()},
-            "expired": p.expired},
-        "status": None if s is None else {"worker_id": s.worker_id, "policy_version": s.policy_version,
-                                          "state": s.state, "reason": s.reason},
-        "models": None if record.models is None else record.models.as_avro(),
-        "rollout": None if record.rollout is None else dataclasses.asdict(record.rollout),
-    }
+            "expired": p.expired}
+
+
+def _policy_from_avro(raw: dict[str, Any]) -> PolicySettings:
+    return PolicySettings(flag=dict(raw["flag"]), review=dict(raw["review"]), expired=raw["expired"],
+                          tenants={t: {"flag": dict(v["flag"]), "review": dict(v["review"])}
+                                   for t, v in raw["tenants"].items()})
+
+
+# A record's optional parts, each with its Avro form both ways (the schema's field names).
+_PARTS: dict[str, tuple[Callable[[Any], dict[str, Any]], Callable[[dict[str, Any]], Any]]] = {
+    "policy": (_policy_as_avro, _policy_from_avro),
+    "status": (dataclasses.asdict, lambda raw: WorkerStatus(**raw)),
+    "models": (DesiredModels.as_avro, DesiredModels.from_avro),
+    "rollout": (dataclasses.asdict, lambda raw: RolloutReport(**raw)),
+}
