@@ -8,7 +8,8 @@ against another (`--base`), each round a fresh process per tree, interleaved: fo
 - `fit`: resize and crop to the model's input (`fit_to_input`, channels included);
 - `place`: the copy of the fitted pixels into the frame's batch row;
 - `prepare`: the whole host side, `Preprocessor.prepare` of a batch of 32 on 1 thread, per frame;
-- `normalise`: the torch `Normaliser` on that batch (1 torch thread), per frame;
+- `normalise`: the torch `Normaliser` on that batch (1 torch thread), per frame, as an onnxruntime session takes it
+  (contiguous float32 memory: the runner's Normaliser writes that where the tree can, else the copy into it);
 
 and the libraries alone beside them (`lib_*`): simplejpeg's (libjpeg-turbo's) decode at the size the worker decodes;
 `lib_colour`, what colour costs in it: that decode to RGB minus the same decode to grey (libjpeg then skips the
@@ -86,7 +87,10 @@ def one_round(size: str, model: str, data: bytes) -> dict[str, float]:
     fitted = fit_to_input(to_channels(decoded, contract.channels), contract, (h, w), row)
     pre = Preprocessor(contract)
     batch = pre.prepare(frames, (h, w, 3))
-    norm = Normaliser(contract)
+    try:  # as an onnxruntime runner builds it (this tree), or the Normaliser before `contiguous`
+        norm = Normaliser(contract, contiguous=True)
+    except TypeError:
+        norm = Normaliser(contract)
 
     def prepare() -> None:
         pre.prepare(frames, (h, w, 3)).release()
@@ -97,7 +101,7 @@ def one_round(size: str, model: str, data: bytes) -> dict[str, float]:
         "fit": _per_frame(lambda: fit_to_input(to_channels(decoded, contract.channels), contract, (h, w), row), 1),
         "place": _per_frame(lambda: _place(fitted, row), 1),
         "prepare": _per_frame(prepare, BATCH),
-        "normalise": _per_frame(lambda: norm(batch.pixels, batch.regions), BATCH),
+        "normalise": _per_frame(lambda: np.ascontiguousarray(norm(batch.pixels, batch.regions).numpy()), BATCH),
         "lib_decode": _per_frame(lambda: simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=dh,
                                                                 min_width=dw), 1),
     }

@@ -328,3 +328,29 @@ def test_factory_options_it_does_not_take_name_the_setting():
 def test_bad_contract_settings_are_named_by_the_config(env, field):
     with pytest.raises(ConfigError, match=field.replace("[", r"\[").replace("]", r"\]")):
         load_settings(env=env)
+
+
+@settings(max_examples=300, deadline=None)
+@given(src=st.tuples(st.integers(1, 600), st.integers(1, 600)), target=st.sampled_from([256, 128, 255, 320, 224]),
+       crop=st.integers(1, 224), channels=st.sampled_from([1, 3]), seed=st.integers(0, 2**16))
+def test_a_centre_crop_of_a_pillow_resize_is_the_same_bits_whether_or_not_only_the_crop_is_computed(
+        src, target, crop, channels, seed):
+    """`resize_centre_crop` computes only the kept pixels where Pillow gives them the same bits (open_nsfw: 256x256,
+    then 224x224 kept); the bits are those of a full resize then a crop, either way."""
+    from worker.runtime.resample import resize_centre_crop
+
+    crop = min(crop, target)
+    img = np.random.default_rng(seed).integers(0, 256, (*src, channels), dtype=np.uint8)
+    full = np.asarray(Image.fromarray(img if channels == 3 else img[:, :, 0]).resize((target, target),
+                                                                                      Image.Resampling.BILINEAR))
+    top = left = (target - crop) // 2
+    want = full[top:top + crop, left:left + crop].reshape(crop, crop, channels)
+    np.testing.assert_array_equal(resize_centre_crop(img, (target, target), (crop, crop), "pillow"), want)
+
+
+def test_open_nsfws_crop_is_computed_alone_for_every_frame_size_a_camera_sends():
+    from worker.runtime.resample import _box_is_exact
+
+    for hw in ((224, 224), (240, 320), (360, 640), (480, 640), (720, 1280), (1080, 1920), (2160, 3840)):
+        assert _box_is_exact((*hw, 3), (256, 256), (224, 224)), hw
+    assert not _box_is_exact((1920, 1080, 3), (256, 256), (224, 224))  # Pillow's passes run in another order

@@ -227,19 +227,23 @@ def test_uint8_batch_normalised_by_torch_equals_the_float32_host_path(variant):
     np.testing.assert_allclose(ours, _float_reference(contract, frames, (24, 24, 3)), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("contiguous", [False, True], ids=["channels_last", "contiguous"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_normalised_batch_is_bit_equal_to_the_float32_host_path_on_cpu_with_positive_zero_padding(variant):
+def test_normalised_batch_is_bit_equal_to_the_float32_host_path_on_cpu_with_positive_zero_padding(variant, contiguous):
     """On a CPU the same float32 operations in the same order give the same bits; padding is +0.0, never -0.0
-    (the region mask multiplies negative values by 0). An NCHW model gets its shape in channels_last memory."""
+    (the region mask multiplies negative values by 0). An NCHW model gets its shape in channels_last memory, or in
+    contiguous memory where its runtime takes only that (onnxruntime)."""
     contract = ModelContract.from_settings(ModelSettings(**VARIANTS[variant]))
     frames = [raw_frame(0, 24, 20), raw_frame(1, 9, 24), jpeg_frame(2, 24, 24), raw_frame(3, 5, 7)]
     batch = Preprocessor(contract).prepare(frames, (24, 24, 3))
-    out = Normaliser(contract)(batch.pixels, batch.regions)
+    normaliser = Normaliser(contract, contiguous=contiguous)
+    normaliser(torch.full_like(batch.pixels, 255), None)  # the kept buffer holds another batch first
+    out = normaliser(batch.pixels, batch.regions)
     reference = _float_reference(contract, frames, (24, 24, 3))
     assert out.numpy().tobytes() == np.ascontiguousarray(reference).tobytes()
     assert not torch.signbit(out[out == 0]).any()
     if contract.input_layout == "NCHW" and contract.channels > 1:
-        assert out.is_contiguous(memory_format=torch.channels_last)
+        assert out.is_contiguous(memory_format=torch.contiguous_format if contiguous else torch.channels_last)
 
 
 def test_padding_is_zero_whatever_a_reused_buffer_held_before():

@@ -48,8 +48,9 @@ class ModelSettings:
         "bottom/right)"))
     input_layout: Literal["NCHW", "NHWC"] = setting("NCHW", doc=(
         "`NCHW` or `NHWC`: the tensor layout the model takes. An `NCHW` model gets that shape in channels_last memory "
-        "(`torch.channels_last`, what convolutions prefer; normalising costs half as much on CPU); a model that needs "
-        "contiguous NCHW memory (`x.view(...)` on its input) fails at load: use `x.reshape` or `x.contiguous()`"))
+        "(`torch.channels_last`, what convolutions prefer; normalising costs half as much on CPU; an onnxruntime "
+        "session, which takes contiguous memory only, gets contiguous NCHW planes written as such); a torch model that "
+        "needs contiguous NCHW memory (`x.view(...)` on its input) fails at load: use `x.reshape` or `x.contiguous()`"))
     channel_order: Literal["RGB", "BGR"] = setting("RGB", doc=(
         "`RGB` or `BGR` (3-channel models); a model with one `mean` value gets greyscale (luma)"))
     pixel_range: Literal["0-1", "0-255"] = setting("0-1", doc=(

@@ -42,6 +42,7 @@ from worker.runtime.models import (
     preset_model_file,
     validate_output,
 )
+from worker.runtime.normalise import Normaliser
 from worker.runtime.runners import EagerRunner, ModelRunner, make_torch_runner
 
 log = logging.getLogger(__name__)
@@ -206,8 +207,8 @@ class OnnxRuntimeModel:
         self.output_name = self.session.get_outputs()[0].name
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # A contiguous float32 array is handed to the session as it is (no copy); a permuted one (an NCHW model
-        # fed the Normaliser's NHWC memory) is made contiguous once.
+        # A contiguous float32 array (the runner's Normaliser writes one) is handed to the session as it is; any other
+        # is made contiguous once.
         array = np.ascontiguousarray(x.numpy(force=False), dtype=np.float32)
         out = self.session.run([self.output_name], {self.input_name: array})[0]
         return torch.from_numpy(out)
@@ -221,6 +222,8 @@ class OnnxRuntimeRunner(EagerRunner):
 
     def __init__(self, model: OnnxRuntimeModel, contract: ModelContract, precision: str = "fp32") -> None:
         super().__init__(model, contract, torch.device("cpu"), "fp32")
+        # The session takes contiguous memory: NCHW planes written as such, not a channels_last view copied again.
+        self.normaliser = Normaliser(contract, self.device, contiguous=True)
         self.model = model
         self.precision = precision
 

@@ -12,13 +12,7 @@ from PIL import Image
 from worker.frames import Frame
 from worker.runtime.decode import FrameDecodeError
 from worker.runtime.models import ModelContract
-from worker.runtime.resample import as_image, resize
-
-
-def _centre_crop(pixels: np.ndarray, size_hw: tuple[int, int]) -> np.ndarray:
-    h, w = pixels.shape[:2]
-    top, left = (h - size_hw[0]) // 2, (w - size_hw[1]) // 2
-    return pixels[top:top + size_hw[0], left:left + size_hw[1]]
+from worker.runtime.resample import as_image, resize, resize_centre_crop
 
 
 def to_channels(pixels: np.ndarray, channels: int) -> np.ndarray:
@@ -99,11 +93,11 @@ def fit_to_input(pixels: np.ndarray, contract: ModelContract, frame_hw: tuple[in
         # Padded before the resize, as the reference does (NudeNet: cv2.copyMakeBorder, then cv2.resize), so the
         # border row blends image and black as there.
         return resize(pad_to_aspect(pixels, size), size, contract.resampler, out), (0, 0)
+    if contract.resize in ("shorter_side_crop", "stretch_crop"):
+        return resize_centre_crop(pixels, target, size, contract.resampler), (0, 0)
     resized = resize(pixels, target, contract.resampler, out if contract.resize == "stretch" else None)
     if contract.resize == "letterbox":
         return resized, ((size[0] - target[0]) // 2, (size[1] - target[1]) // 2)
-    if contract.resize in ("shorter_side_crop", "stretch_crop"):
-        return _centre_crop(resized, size), (0, 0)
     return resized, (0, 0)
 
 

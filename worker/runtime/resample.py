@@ -4,6 +4,7 @@ which size a frame goes to is `fitting`'s."""
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any
 
@@ -42,6 +43,58 @@ def resize(pixels: np.ndarray, size_hw: tuple[int, int], resampler: str = "torch
         return out
     out = np.asarray(as_image(pixels).resize((size_hw[1], size_hw[0]), Image.Resampling.BILINEAR), dtype=np.uint8)
     return out if out.ndim == 3 else out[:, :, None]
+
+
+def resize_centre_crop(pixels: np.ndarray, size_hw: tuple[int, int], crop_hw: tuple[int, int],
+                       resampler: str) -> np.ndarray:
+    """The centre `crop_hw` of `pixels` resized to `size_hw`. With Pillow, where computing only the kept pixels
+    (`resize(box=...)`) gives the same bits as resizing it all and cropping (`_box_is_exact`: open_nsfw's 256x256
+    then 224x224 from the usual camera sizes), only those are computed: no pixels resized to be cropped off, no copy
+    of the crop (bench/host_parts.py: open_nsfw's fit at 224x224 and 720p)."""
+    (th, tw), (ch, cw) = size_hw, crop_hw
+    top, left = (th - ch) // 2, (tw - cw) // 2
+    if resampler == "pillow" and pixels.shape[:2] != size_hw and _box_is_exact(pixels.shape, size_hw, crop_hw):
+        return _pillow_box(pixels, size_hw, crop_hw)
+    resized = resize(pixels, size_hw, resampler)
+    return resized[top:top + ch, left:left + cw]
+
+
+def _pillow_box(pixels: np.ndarray, size_hw: tuple[int, int], crop_hw: tuple[int, int]) -> np.ndarray:
+    """Pillow's bilinear resize of the source box that lands on the centre `crop_hw` of `size_hw`."""
+    (h, w), (th, tw), (ch, cw) = pixels.shape[:2], size_hw, crop_hw
+    top, left = (th - ch) // 2, (tw - cw) // 2
+    sx, sy = w / tw, h / th
+    box = (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy)
+    out = np.asarray(as_image(pixels).resize((cw, ch), Image.Resampling.BILINEAR, box=box), dtype=np.uint8)
+    return out if out.ndim == 3 else out[:, :, None]
+
+
+def _box_is_exact(shape: tuple[int, ...], size_hw: tuple[int, int], crop_hw: tuple[int, int]) -> bool:
+    """Whether Pillow computes the kept pixels to the same bits from the box as in a full resize. Its resampling
+    (libImaging/Resample.c) is two fixed-point passes whose coefficients follow from each output pixel's filter
+    centre: the same centres on both axes and the same order of the passes (Pillow runs the vertical one first
+    when the height shrinks more than twice as much as the width) give the same bits. Exact for open_nsfw's
+    256x256 then 224x224 from the usual camera sizes; not in general (a scale that is not a binary fraction)."""
+    (h, w), (th, tw), (ch, cw) = shape[:2], size_hw, crop_hw
+    return (_same_centres(w, tw, (tw - cw) // 2, cw) and _same_centres(h, th, (th - ch) // 2, ch)
+            and _horizontal_first((h, w), size_hw) == _horizontal_first((h, w), crop_hw))
+
+
+def _horizontal_first(in_hw: tuple[int, int], out_hw: tuple[int, int]) -> bool:
+    """Pillow's choice of which pass runs first (ImagingResampleInner)."""
+    shrink_y, shrink_x = in_hw[0] - out_hw[0], in_hw[1] - out_hw[1]
+    return not (shrink_y > 0 and shrink_y > shrink_x * 2)
+
+
+@functools.lru_cache(maxsize=1024)
+def _same_centres(size: int, target: int, start: int, kept: int) -> bool:
+    """Whether each of the `kept` outputs from `start` gets the same filter centre, to the bit, when `size` is
+    resized to `target` and when the box that lands on them is resized to `kept` (Pillow's precompute_coeffs:
+    centre = in0 + (x + 0.5) * (in1 - in0) / out, the box's ends C floats, the rest doubles)."""
+    scale = size / target
+    in0, in1 = np.float32(start * scale), np.float32((start + kept) * scale)
+    box_scale = float(np.float32(in1 - in0)) / kept
+    return all(float(in0) + (x + 0.5) * box_scale == (start + x + 0.5) * scale for x in range(kept))
 
 
 _CV2_THREADS = 0  # cv2.setNumThreads(0): its functions run in the calling thread, no pool of its own
