@@ -1,7 +1,7 @@
 """The control topic's I/O (topics.control; the pure records and state are worker/control/): Kafka Connect's
 config-topic pattern. A follower reads the topic with a consumer of its own that assigns the one partition (it joins
 no group, commits nothing): at start-up to its end before the worker serves, then on a thread of its own, so the
-loop never waits for it. A writer produces records (idempotent, acks=all) and waits for them.
+loop never waits for it. A writer produces one record at a time (acks=all) and waits for its acknowledgement.
 
 A control topic that does not exist yet is not an error: the settings file's policy decides, and the follower
 looks for the topic again every few seconds (`worker topics` creates it)."""
@@ -43,8 +43,11 @@ def control_reader(settings: Settings) -> Consumer:
 
 
 def control_writer(settings: Settings) -> Producer:
-    conf: dict[str, Any] = {**client_properties(settings.kafka), "enable.idempotence": True, "acks": "all",
-                            "log_level": TOOL_LOG_LEVEL}
+    # Not idempotent: a record is acknowledged before the next is produced, so none can overtake another, and a
+    # retried record is the same revision again. An idempotent producer waited ~500 ms for its producer id before
+    # its first record: every `worker rollout` and `worker policy` command, and every promote, paid it.
+    conf: dict[str, Any] = {**client_properties(settings.kafka), "enable.idempotence": False, "acks": "all",
+                            "max.in.flight.requests.per.connection": 1, "log_level": TOOL_LOG_LEVEL}
     return new_client(Producer, conf, "control writer")
 
 
@@ -108,8 +111,13 @@ class ControlReader:
             if not self._assign(timeout_s):
                 return False
             return self.read_to_end()
+        # Back as soon as a record arrives (then what else is there): consume(500, timeout) alone waits its whole
+        # timeout unless 500 records come, which every change would wait out.
+        first = self._consumer.poll(timeout_s)
+        if first is None:
+            return False
         changed = False
-        for msg in self._consumer.consume(500, timeout_s):
+        for msg in [first, *self._consumer.consume(500, 0)]:
             if msg.error() is None:
                 changed = self.state.take(msg.key(), msg.value()) or changed
         return changed

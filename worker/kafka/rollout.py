@@ -37,19 +37,9 @@ class RolloutReader(ControlReader):
         return super().read_to_end(timeout_s) or self.state.models_changes != seen
 
     def poll(self, timeout_s: float) -> bool:
-        """As ControlReader.poll, but back as soon as a record arrives: `consume(500, timeout)` waits its whole
-        timeout unless 500 records come, which a promote would wait out (the first record, then what is there)."""
+        """As ControlReader.poll; True also when the desired model set changed."""
         seen = self.state.models_changes
-        if not self.assigned:
-            return super().poll(timeout_s) or self.state.models_changes != seen
-        first = self._consumer.poll(timeout_s)
-        if first is None:
-            return False
-        changed = False
-        for msg in [first, *self._consumer.consume(500, 0)]:
-            if msg.error() is None:
-                changed = self.state.take(msg.key(), msg.value()) or changed
-        return changed or self.state.models_changes != seen
+        return super().poll(timeout_s) or self.state.models_changes != seen
 
 
 class RolloutFollower(ControlFollower):
