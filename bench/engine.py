@@ -57,6 +57,8 @@ ALONE_BATCH = 8
 ALONE_SECONDS = 4.0
 LOW_LOADS = (50.0, 200.0)
 COST_MODEL_RE = re.compile(r"'n1_ms': ([0-9.]+)")
+# e2e: frames a worker drains; its frames/s window is its steady middle (10 s and more at ~120 frames/s here).
+E2E_BACKLOG = 1500
 SMALL_THREADS_RE = re.compile(r"cpu intra-op threads for batches of <= \d+ frames: (\d+)")
 
 
@@ -115,7 +117,7 @@ def e2e(ctx: Context, rounds: int, presets: list[str], base: Path | None = None,
     presets_ctx = dataclasses.replace(ctx, workload_name="jpeg224", model="opennsfw")
     for preset in presets:
         path, shape = preset_input(preset)
-        inputs, load = common.backlog(presets_ctx, f"eng-{preset}", int(ctx.scale(600, 240)))
+        inputs, load = common.backlog(presets_ctx, f"eng-{preset}", int(ctx.scale(E2E_BACKLOG, 240)))
 
         def measure(variant: str, preset: str = preset, path: Path = path, shape: tuple[int, ...] = shape,
                     inputs: common.Topics = inputs) -> dict[str, Any]:

@@ -8,7 +8,7 @@ Budget (standard class) = batching.standard.max_wait_ms + the executor's median 
 transit (producer linger, fetch) is not in it, so the knee is conservative. The worker gets the same budget as its
 batching.standard.latency_budget_ms.
 
-    python bench/latency_sweep.py [--quick]
+    python bench/latency_sweep.py [--quick] [--model toy|opennsfw]   # writes latency_sweep[_MODEL].json
     python bench/latency_sweep.py --capacity 1300 --levels 0.25,0.5   # fixed rates: compare settings or trees
 """
 
@@ -183,7 +183,7 @@ def run(ctx: Context) -> dict[str, Any]:
               "broker_warm_up": ctx.shared.get("broker_warm_up"), "levels": runs, "knee": knee_text,
               "knee_share": knee["share_of_capacity"] if knee else None,
               "last_within_budget_share": last_ok["share_of_capacity"] if last_ok else None, "tables": [text]}
-    common.write_json("latency_sweep", result)
+    common.write_json("latency_sweep" if ctx.model == "toy" else f"latency_sweep_{ctx.model}", result)
     return result
 
 
