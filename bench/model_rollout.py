@@ -12,7 +12,8 @@ Per window, from the results (realtime class): end-to-end p50/p99 and frames/s a
 - steady: before the rollout;
 - loading: from `rollout start` to the worker reporting `shadow` (the candidate loads and warms on the same cores);
 - shadow: 10% shadow scoring, until the promote;
-- swap: the 5 s after `promote`;
+- swap: the 5 s after the promote record was written (the CLI's own start-up before it, on the worker's cores
+  here, is left out; each window's three slowest realtime frames are in the JSON);
 - after: the rest.
 Also the time from the promote record's `written_at` to the first result of the new version (its capture time plus
 its end-to-end time), and from the start record's to the worker's `shadow` report being seen.
@@ -20,8 +21,8 @@ its end-to-end time), and from the start record's to the worker's `shadow` repor
     KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:46695 python bench/model_rollout.py [--phase-s 20] [--rounds 1]
         [--model builtin|opennsfw] [--backlog N]
 
-Prints a table and writes bench/results/model_rollout[_MODEL][_backlog].json and .md. The figures are only as
-quiet as the machine.
+Prints a table and writes bench/results/model_rollout_MODEL[_backlog].json and .md (untracked: the curated page of
+every run is model_rollout.md). The figures are only as quiet as the machine.
 """
 
 from __future__ import annotations
@@ -138,7 +139,6 @@ def one_round(bootstrap: str, phase_s: float, work: Path, model: str, backlog: i
         time.sleep(phase_s)
         marks["promote_sent"] = time.time()
         marks["promote_written"] = cli(bootstrap, topics, env, "promote")["written_at_ms"] / 1000.0
-        marks["swap"] = time.time()
         time.sleep(phase_s)
         marks["end"] = time.time()
         stop.set()
@@ -152,8 +152,11 @@ def one_round(bootstrap: str, phase_s: float, work: Path, model: str, backlog: i
     realtime = [r for r in got if r["source_topic"] == topics.realtime]
     first_new = min((produced_at_ms(r) for r in got if r["model_version"] == "2"), default=float("nan"))
     windows = {"steady": (marks["steady"] + 3, marks["loading"]), "loading": (marks["loading"], marks["shadow"]),
-               "shadow": (marks["shadow"], marks["promote_sent"]), "swap": (marks["promote_sent"], marks["swap"] + 5),
-               "after": (marks["swap"] + 5, marks["end"])}
+               "shadow": (marks["shadow"], marks["promote_sent"]),
+               # From the promote record's writing: the CLI process before it (~0.5 CPU-s of start-up on the same two
+               # cores as the worker, here) is the operator's command, not the swap.
+               "swap": (marks["promote_written"], marks["promote_written"] + 5),
+               "after": (marks["promote_written"] + 5, marks["end"])}
     out: dict[str, Any] = {"frames": len(got), "sent": sent[0], "answered_once": len(
         {(r["stream_id"], r["frame_index"]) for r in got}) == len(got) == sent[0],
         "expired": sum(r["status"] == "EXPIRED" for r in got),
@@ -165,8 +168,13 @@ def one_round(bootstrap: str, phase_s: float, work: Path, model: str, backlog: i
     for name, (a, b) in windows.items():
         inside = [r for r in realtime if a * 1000 <= produced_at_ms(r) < b * 1000]
         answered = sum(a * 1000 <= produced_at_ms(r) < b * 1000 for r in got)
+        slowest = sorted(inside, key=lambda r: -r["end_to_end_ms"])[:3]
         out["windows"][name] = {**latency_summary(inside), "frames_per_s": len(inside) / max(b - a, 1e-9),
-                                "all_frames_per_s": answered / max(b - a, 1e-9), "span_s": b - a}
+                                "all_frames_per_s": answered / max(b - a, 1e-9), "span_s": b - a,
+                                "slowest": [{k: r[k] for k in ("end_to_end_ms", "queued_ms", "inference_ms",
+                                                               "batch_size", "model_version")} | {
+                                    "after_promote_ms": produced_at_ms(r) - marks["promote_written"] * 1000.0}
+                                    for r in slowest]}
     return out
 
 
@@ -197,8 +205,8 @@ def main() -> None:
                                 f"{r['answered_once']}, expired {r['expired']}"
                                 + (f", backlog left at the end {r['backlog_left_at_end']}" if args.backlog else "")
                                 for i, r in enumerate(rounds)))
-    name = "model_rollout" + ("" if args.model == "builtin" else f"_{args.model}")
-    name += "_backlog" if args.backlog else ""
+    # model_rollout.md itself is the curated page of every run (bench/results/README.md).
+    name = f"model_rollout_{args.model}" + ("_backlog" if args.backlog else "")
     write_json(name, {"phase_s": args.phase_s, "model": args.model, "backlog": args.backlog, "rounds": rounds})
     (RESULTS / f"{name}.md").write_text(
         f"# A model rollout's cost (issue 69): {args.model}\n\n`KAFKA_BOOTSTRAP_SERVERS=<broker> python "
