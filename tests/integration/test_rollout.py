@@ -60,7 +60,9 @@ class Flow:
         try:
             topic = self.topics.for_priority(priority)
             producer = FrameProducer(self.bootstrap, self.topics)._client()
-            frames = synthetic_frames(10**6, [(64, 48)], Encoding.JPEG, priority, f"ro{uuid.uuid4().hex[:6]}",
+            # The same stream ids every run (the topics are the test's own): which streams a share picks is a hash
+            # of the id, so random ids made the picked fraction of 50 streams vary from run to run (5 of 50, once).
+            frames = synthetic_frames(10**6, [(64, 48)], Encoding.JPEG, priority, "rollout",
                                       streams_per_shape=streams)
             counted = (self._count(f) for f in itertools.takewhile(lambda _f: not self.stop.is_set(), frames))
             send_frames(producer, counted, lambda _r: topic, rate_fps=rate)
@@ -203,7 +205,7 @@ def test_shadow_then_promote_then_a_corrupt_file(setup):
     streams = {r["stream_id"] for r in got}
     in_streams = {s for s in streams if in_share(s, SHARE)}
     assert {r["stream_id"] for r in shadowed} <= in_streams
-    assert 0.1 < len(in_streams) / len(streams) < 0.35
+    assert 0.1 < len(in_streams) / len(streams) < 0.35  # 14 of these 50 ids
     v1_in_share = sum(1 for r in got if r["model_version"] == "1" and r["stream_id"] in in_streams)
     scored = metric(text, "streamfer_shadow_frames_total", 'outcome="scored"')
     skipped = metric(text, "streamfer_shadow_frames_total", 'outcome="skipped"')
