@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from worker.config import ConfigError, Settings
 from worker.control.records import ControlRecord, ModelRef
 from worker.errors import StreamferError
+from worker.frames import ModelId
 from worker.identity import worker_identity
 from worker.kafka.access import probe_access
 from worker.kafka.control import ControlUnavailable
@@ -35,7 +36,7 @@ from worker.loop.pipeline import RunSummary, build_pipeline
 from worker.metrics import Health, Metrics, MetricsServer
 from worker.rollout.manager import Rollout
 from worker.rollout.plan import contract_mismatch, file_ref, memory_refusal, rollout_settings, source_refusal
-from worker.rollout.swap import ModelId, SwappableExecutor
+from worker.rollout.swap import SwappableExecutor
 from worker.tracing import setup_tracing
 
 if TYPE_CHECKING:

@@ -274,6 +274,10 @@ class FrameFailure:
     error_type: str
 
 
+# A model as results name it: (model_name, model_version).
+ModelId = tuple[str, str]
+
+
 @dataclass(frozen=True)
 class BatchOutcome:
     """What the runtime hands back for one submitted batch: every frame is in exactly one of the two lists."""
@@ -291,4 +295,4 @@ class BatchOutcome:
     cpu_ms: float | None = None
     # (model name, version) that scored each verdict, in order, where models can change while serving (issue 69:
     # worker.rollout.swap); empty: the worker's one model.
-    scored_by: tuple[tuple[str, str], ...] = ()
+    scored_by: tuple[ModelId, ...] = ()

@@ -19,12 +19,11 @@ from worker.config import Settings
 from worker.control.apply import PolicyApplier
 from worker.control.records import WORKER_STATUS, ControlRecord, worker_key
 from worker.errors import OperatorError
-from worker.frames import BatchOutcome, Frame
+from worker.frames import BatchOutcome, Frame, ModelId
 from worker.kafka.client import client_properties, new_client
 from worker.kafka.control import ControlFollower, ControlReader, ControlWriter
 from worker.kafka.roles import TOOL_LOG_LEVEL
 from worker.rollout.manager import Rollout, compare_shadow
-from worker.rollout.swap import ModelId
 
 log = logging.getLogger(__name__)
 

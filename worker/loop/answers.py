@@ -14,7 +14,7 @@ from typing import Any
 from worker.batching import Batch
 from worker.codec.schemas import ResultContext, reencode_frame, result_writer
 from worker.config import Settings, model_label_thresholds
-from worker.frames import BatchOutcome, DeadLetter, Frame, Output, Status, Verdict
+from worker.frames import BatchOutcome, DeadLetter, Frame, ModelId, Output, Status, Verdict
 from worker.metrics import Children, Metrics, exemplar, observe_many
 from worker.policy.judge import Judge
 from worker.reuse.policy import Reused
@@ -119,7 +119,7 @@ class Answers:
                         key=frame.stream_id.encode(), headers=frame.headers)
         return Output.of_dead_letter(dl, frame.tenant)
 
-    def writer_for(self, model: tuple[str, str]) -> Any:
+    def writer_for(self, model: ModelId) -> Any:
         """The result writer naming `model` (name, version)."""
         writer = self._writers.get(model)
         if writer is None:
@@ -127,7 +127,7 @@ class Answers:
                                                                               model_version=model[1]))
         return writer
 
-    def use_model(self, model: tuple[str, str]) -> None:
+    def use_model(self, model: ModelId) -> None:
         """Expired frames' results name `model` from now on (a promote, on the loop's thread)."""
         self._writer = self.writer_for(model)
 

@@ -21,7 +21,7 @@ from worker.batching.costmodel import CostModel
 from worker.codec.schemas import ResultContext
 from worker.config import Settings, resolve_inflight_batches
 from worker.errors import StreamferError
-from worker.frames import TP, BatchOutcome, CommitOutcome, Output, Priority
+from worker.frames import TP, BatchOutcome, CommitOutcome, ModelId, Output, Priority
 from worker.kafka.consumer import FrameSource
 from worker.kafka.producer import ResultSink
 from worker.kafka.registry import RegistryLink
@@ -130,7 +130,7 @@ class Pipeline:
         self._last_activity: float | None = None
         self._last_lag_update = float("-inf")
 
-    def model_promoted(self, model: tuple[str, str]) -> None:
+    def model_promoted(self, model: ModelId) -> None:
         """A rollout's promote took effect at this batch (on the loop's thread): later results name `model`, and
         verdict reuse forgets the old model's verdicts."""
         self.answers.use_model(model)

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from worker.frames import TP, Frame, Priority, SourceRef, Verdict
+from worker.frames import TP, Frame, ModelId, Priority, SourceRef, Verdict
 from worker.reuse.thumbnail import Thumbnail, change
 
 # Streams whose reference is kept, per worker: a thumbnail is at most 32x32 bytes, so 10k streams are ~10 MiB.
@@ -32,10 +32,6 @@ class Decision(enum.Enum):
     HELD = "held"  # same picture as a reference still in flight: answered when that reference's verdict comes
 
 
-# (name, version) of the model that scored a reference, as results name it; None: the serving model.
-ModelName = tuple[str, str] | None
-
-
 @dataclass(frozen=True)
 class Reused:
     """A frame answered with its reference's verdict; `reference` is the reference's frame_index, `model` the model
@@ -44,7 +40,7 @@ class Reused:
     frame: Frame
     verdict: Verdict
     reference: int
-    model: ModelName = None
+    model: ModelId | None = None  # None: the serving model
 
 
 @dataclass
@@ -55,7 +51,7 @@ class _Reference:
     shape: tuple[int, int, int]
     thumbnail: Thumbnail
     verdict: Verdict | None = None
-    model: ModelName = None
+    model: ModelId | None = None
     waiting: list[tuple[Frame, Thumbnail]] = field(default_factory=list)
 
 
@@ -116,7 +112,7 @@ class FrameReuse:
         return (ref.shape == frame.shape and 0 <= age_ms <= self._max_age_ms.get(frame.priority, 0)
                 and change(ref.thumbnail, thumbnail) < self._threshold)
 
-    def scored(self, frame: Frame, verdict: Verdict, model: ModelName = None) -> list[Reused]:
+    def scored(self, frame: Frame, verdict: Verdict, model: ModelId | None = None) -> list[Reused]:
         """A frame's verdict came back, scored by `model`: if it is a reference, the frames held for it are answered
         with it."""
         if not self._inflight:

@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from worker.control.records import ControlRecord, DesiredModels, ModelRef, RolloutReport
-from worker.frames import BatchOutcome, Frame
+from worker.frames import BatchOutcome, Frame, ModelId
 from worker.rollout.plan import FAILED, LOADING, SERVING, WARMING, source_refusal
-from worker.rollout.swap import Held, ModelId, SwappableExecutor
+from worker.rollout.swap import Held, SwappableExecutor
 
 log = logging.getLogger(__name__)
 

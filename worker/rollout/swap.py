@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from worker.control.records import ModelRef
-from worker.frames import BatchOutcome, Frame, Priority
+from worker.frames import BatchOutcome, Frame, ModelId, Priority
 from worker.rollout.plan import CANARY, SHADOW, in_share
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,6 @@ log = logging.getLogger(__name__)
 # and one at a time: shadow work is the lowest class of all, skipped (counted) when the worker is behind.
 SHADOW_MAX_PRIMARY_INFLIGHT_PER_RUNNER = 1
 PRIMARY = "primary"
-ModelId = tuple[str, str]  # (name, version), as results carry them
 ShadowHandler = Callable[[Sequence[Frame], BatchOutcome, BatchOutcome, ModelId], None]
 
 

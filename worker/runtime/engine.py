@@ -8,10 +8,10 @@ ConfigError naming it.
 
 The onnxruntime runner is an `EagerRunner` whose forward is the session: the same uint8 NHWC batch in, the same
 `Normaliser` (torch CPU ops, into a buffer reused from batch to batch), the same activation and `RunResult`, so
-contract, preprocessing and verdicts are the torch path's. The normalised batch goes to the session without a copy
-where the model's layout is the Normaliser's memory (NHWC: open_nsfw); an NCHW model (NudeNet) gets one contiguous
-copy. One session per runner, every graph optimisation; `runner_layout` sets how many runners a device has and each
-session's intra-op threads.
+contract, preprocessing and verdicts are the torch path's. The normalised batch goes to the session without a copy:
+the Normaliser writes the contiguous memory a session takes (NHWC: open_nsfw; NCHW planes: NudeNet). One session
+per runner, every graph optimisation; `runner_layout` sets how many runners a device has and each session's
+intra-op threads.
 
 The executor's factories: `load_engine_model` (over `load_model`, plus the runtime settings) and
 `make_engine_runner`, the one factory of runners (an OnnxRuntimeRunner, else `runners.make_torch_runner`'s).
@@ -42,7 +42,6 @@ from worker.runtime.models import (
     preset_model_file,
     validate_output,
 )
-from worker.runtime.normalise import Normaliser
 from worker.runtime.runners import EagerRunner, ModelRunner, make_torch_runner
 
 log = logging.getLogger(__name__)
@@ -219,11 +218,10 @@ class OnnxRuntimeRunner(EagerRunner):
     session's model file's (fp32, or int8 quantised), not an autocast."""
 
     tunes_threads = False  # the session's threads are its own (runner_layout)
+    contiguous_input = True  # NCHW planes written as such, not a channels_last view the session copies again
 
     def __init__(self, model: OnnxRuntimeModel, contract: ModelContract, precision: str = "fp32") -> None:
         super().__init__(model, contract, torch.device("cpu"), "fp32")
-        # The session takes contiguous memory: NCHW planes written as such, not a channels_last view copied again.
-        self.normaliser = Normaliser(contract, self.device, contiguous=True)
         self.model = model
         self.precision = precision
 

@@ -51,18 +51,21 @@ def resize_centre_crop(pixels: np.ndarray, size_hw: tuple[int, int], crop_hw: tu
     (`resize(box=...)`) gives the same bits as resizing it all and cropping (`_box_is_exact`: open_nsfw's 256x256
     then 224x224 from the usual camera sizes), only those are computed: no pixels resized to be cropped off, no copy
     of the crop (bench/host_parts.py: open_nsfw's fit at 224x224 and 720p)."""
-    (th, tw), (ch, cw) = size_hw, crop_hw
-    top, left = (th - ch) // 2, (tw - cw) // 2
     if resampler == "pillow" and pixels.shape[:2] != size_hw and _box_is_exact(pixels.shape, size_hw, crop_hw):
         return _pillow_box(pixels, size_hw, crop_hw)
-    resized = resize(pixels, size_hw, resampler)
-    return resized[top:top + ch, left:left + cw]
+    top, left = _centre(size_hw, crop_hw)
+    return resize(pixels, size_hw, resampler)[top:top + crop_hw[0], left:left + crop_hw[1]]
+
+
+def _centre(size_hw: tuple[int, int], crop_hw: tuple[int, int]) -> tuple[int, int]:
+    """The (top, left) of the centre `crop_hw` of `size_hw`."""
+    return (size_hw[0] - crop_hw[0]) // 2, (size_hw[1] - crop_hw[1]) // 2
 
 
 def _pillow_box(pixels: np.ndarray, size_hw: tuple[int, int], crop_hw: tuple[int, int]) -> np.ndarray:
     """Pillow's bilinear resize of the source box that lands on the centre `crop_hw` of `size_hw`."""
     (h, w), (th, tw), (ch, cw) = pixels.shape[:2], size_hw, crop_hw
-    top, left = (th - ch) // 2, (tw - cw) // 2
+    top, left = _centre(size_hw, crop_hw)
     sx, sy = w / tw, h / th
     box = (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy)
     out = np.asarray(as_image(pixels).resize((cw, ch), Image.Resampling.BILINEAR, box=box), dtype=np.uint8)
@@ -76,7 +79,8 @@ def _box_is_exact(shape: tuple[int, ...], size_hw: tuple[int, int], crop_hw: tup
     when the height shrinks more than twice as much as the width) give the same bits. Exact for open_nsfw's
     256x256 then 224x224 from the usual camera sizes; not in general (a scale that is not a binary fraction)."""
     (h, w), (th, tw), (ch, cw) = shape[:2], size_hw, crop_hw
-    return (_same_centres(w, tw, (tw - cw) // 2, cw) and _same_centres(h, th, (th - ch) // 2, ch)
+    top, left = _centre(size_hw, crop_hw)
+    return (_same_centres(w, tw, left, cw) and _same_centres(h, th, top, ch)
             and _horizontal_first((h, w), size_hw) == _horizontal_first((h, w), crop_hw))
 
 

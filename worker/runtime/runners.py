@@ -129,6 +129,7 @@ class EagerRunner:
 
     uses_graphs = False
     tunes_threads = True  # whether torch's intra-op threads run the model (an onnxruntime session has its own)
+    contiguous_input = False  # whether the model takes contiguous NCHW memory only (an onnxruntime session)
 
     def __init__(self, module: Callable[[torch.Tensor], torch.Tensor], contract: ModelContract,
                  device: torch.device, precision: str = "fp32", streams: StreamRegistry = STREAMS):
@@ -143,7 +144,7 @@ class EagerRunner:
         # Host->device copies of upcoming batches go on this stream, overlapping the current batch's compute.
         self.copy_stream = streams.take(self.device, "a runner's copies", self) if on_cuda else None
         self.capture_count = 0
-        self.normaliser = Normaliser(contract, self.device)
+        self.normaliser = Normaliser(contract, self.device, contiguous=self.contiguous_input)
         self._to_host = ScoresToHost(self.stream)
         self.small_batch_threads: int | None = None  # set by warm_up on a CPU (SMALL_BATCH)
 
